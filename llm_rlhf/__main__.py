@@ -1,0 +1,5 @@
+import sys
+
+from llm_rlhf.cli import main
+
+sys.exit(main())

@@ -1,0 +1,66 @@
+"""`llm-rlhf <command> [--config recipe.yaml] [--key value ...]`: one subcommand per stage.
+
+Every stage module exposes `Config` (a flat dataclass) and `run(cfg)`. Bad input (config, data,
+paths) ends with one line `error: ...` on stderr and exit code 2, before any output is written.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from llm_rlhf.errors import UserError
+
+COMMANDS = {
+    "sft": ("llm_rlhf.sft", "Supervised fine-tuning: next-token loss on the completion tokens only (EOS included)."),
+    "rm": ("llm_rlhf.reward", "Reward model: a scalar head on the causal LM trained with the Bradley-Terry loss."),
+    "score": ("llm_rlhf.score", "Score a JSONL of prompt/response pairs with a saved reward model."),
+    "ppo": ("llm_rlhf.ppo", "PPO with a value head, a frozen reference and an adaptive KL controller."),
+    "eval": ("llm_rlhf.evaluate", "Compare a policy with a baseline on held-out prompts (RM, gold judge, KL)."),
+    "pipeline": ("llm_rlhf.pipeline", "SFT -> RM -> PPO -> evaluation, each stage reading the previous output."),
+    "report": ("llm_rlhf.report", "Rebuild report.html of a pipeline run from its logs: llm-rlhf report DIR."),
+}
+
+
+def usage() -> str:
+    available = {name: (mod, text) for name, (mod, text) in COMMANDS.items() if importlib.util.find_spec(mod)}
+    lines = ["usage: llm-rlhf <command> [--config recipe.yaml] [--key value ...]", "", "commands:"]
+    lines += [f"  {name:<9} {text}" for name, (_, text) in available.items()]
+    lines += ["", "`llm-rlhf <command> --help` lists every config key of that command with its default."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS or importlib.util.find_spec(COMMANDS[name][0]) is None:
+        print(f"error: unknown command '{name}'\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    try:
+        if hasattr(module, "cli"):  # commands with their own argument form (e.g. `report DIR`)
+            return module.cli(rest) or 0
+        from llm_rlhf.config import format_help, parse_config
+
+        if any(a in ("-h", "--help") for a in rest):
+            print(f"llm-rlhf {name}: {COMMANDS[name][1]}\n")
+            print((module.__doc__ or "").strip() + "\n")
+            print("config keys (defaults < --config YAML < --key value flags):")
+            print(format_help(module.Config))
+            return 0
+        cfg = parse_config(module.Config, rest)
+        module.run(cfg)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: the last checkpoint is kept; rerun with --resume true to continue", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Loading models and tokenizers, the value head, and `freeze()`.
+
+Weights load through safetensors only (`use_safetensors=True`); `trust_remote_code` stays off unless
+the user's config turns it on.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from llm_rlhf.errors import UserError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise UserError(f"dtype '{name}' is not one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False, padding_side: str = "right"):
+    """AutoTokenizer with a pad token. Tokenizers without one (GPT-2) reuse EOS as pad: every mask in
+    this package comes from attention masks and lengths, never from `input_ids == pad_token_id`, so the
+    real EOS of a response is never mistaken for padding."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot load tokenizer '{name_or_path}': {str(e).splitlines()[0]}") from None
+    if tokenizer.eos_token is None:
+        raise UserError(f"tokenizer '{name_or_path}' has no EOS token; responses could never stop")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = padding_side
+    return tokenizer
+
+
+def load_causal_lm(name_or_path: str, *, dtype: str = "float32", trust_remote_code: bool = False):
+    """AutoModelForCausalLM from a hub name or a local HF folder, safetensors only."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            name_or_path, dtype=torch_dtype(dtype), use_safetensors=True, trust_remote_code=trust_remote_code
+        )
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot load model '{name_or_path}': {str(e).splitlines()[0]}") from None
+
+
+def freeze(model: nn.Module) -> nn.Module:
+    """Eval mode (dropout off) and no gradients: used for the reference policy and the reward model."""
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def trainable_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}

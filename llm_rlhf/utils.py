@@ -1,0 +1,85 @@
+"""Small shared helpers: seeding, atomic writes, JSON logs."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def seed_everything(seed: int, process_index: int = 0) -> int:
+    """Seed python, numpy and torch (CPU and CUDA). Each process gets `seed + process_index`."""
+    import numpy as np
+    import torch
+
+    s = seed + process_index
+    random.seed(s)
+    np.random.seed(s % 2**32)
+    torch.manual_seed(s)
+    return s
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write to a temporary file in the same folder, fsync, then rename over `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: str | Path, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=float) + "\n")
+
+
+def append_jsonl(path: str | Path, obj: dict[str, Any]) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(obj, default=float) + "\n")
+
+
+def read_json(path: str | Path) -> Any:
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def temp_dir_beside(path: str | Path) -> Path:
+    """A fresh hidden folder next to `path` (same filesystem, so a rename is atomic)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
+
+
+def replace_dir(tmp: Path, final: str | Path) -> None:
+    """Move a completely written folder into place; an older folder of that name is removed first."""
+    final = Path(final)
+    if final.exists():
+        old = final.with_name(f".{final.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+
+
+def publish_files(src_dir: str | Path, dest_dir: str | Path) -> None:
+    """Move every file of a finished temporary folder into `dest_dir` (each move atomic), then drop it."""
+    src_dir, dest_dir = Path(src_dir), Path(dest_dir)
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    for item in sorted(src_dir.iterdir()):
+        target = dest_dir / item.name
+        if item.is_dir():
+            replace_dir(item, target)
+        else:
+            os.replace(item, target)
+    shutil.rmtree(src_dir, ignore_errors=True)
