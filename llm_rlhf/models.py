@@ -60,3 +60,49 @@ def freeze(model: nn.Module) -> nn.Module:
 
 def trainable_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that count only real tokens, so left padding does not shift absolute positions.
+
+    attention_mask: (B, L) 0/1 -> (B, L) long; e.g. [0 0 1 1 1] -> [0 0 0 1 2].
+    """
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, L)
+
+
+class ValueHead(nn.Module):
+    """V_psi(s_t): a linear map from the trunk's last hidden state to one scalar per position."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.summary = nn.Linear(hidden_size, 1)
+        nn.init.normal_(self.summary.weight, std=1.0 / (hidden_size + 1) ** 0.5)
+        nn.init.zeros_(self.summary.bias)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.summary(hidden_states).squeeze(-1)  # (B, L, H) -> (B, L)
+
+
+class PolicyWithValue(nn.Module):
+    """The policy pi_theta (a causal LM, possibly a peft model) and its value head on the same trunk.
+
+    One forward gives the logits and the values, so the rollout's old log-probs and values come from a
+    single pass, and so does every training micro-batch.
+    """
+
+    def __init__(self, lm: nn.Module, value_head: ValueHead):
+        super().__init__()
+        self.lm = lm
+        self.value_head = value_head
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids, attention_mask: (B, L) -> logits (B, L, V), values (B, L)."""
+        out = self.lm(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            output_hidden_states=True,
+            use_cache=False,
+        )
+        hidden = out.hidden_states[-1]  # (B, L, H) after the final layer norm
+        return out.logits, self.value_head(hidden.to(self.value_head.summary.weight.dtype))
