@@ -29,36 +29,63 @@ import torch
 from llm_rlhf import ppo_math
 from llm_rlhf.config import format_config, help_field, require, save_config
 from llm_rlhf.errors import UserError
-from llm_rlhf.utils import append_jsonl, atomic_write_json, publish_files, replace_dir, seed_everything, temp_dir_beside
+from llm_rlhf.utils import (
+    append_jsonl,
+    atomic_write_json,
+    publish_files,
+    replace_dir,
+    seed_everything,
+    temp_dir_beside,
+)
 
 
 @dataclass
 class Config:
     # --- models and data
-    model_name_or_path: str = help_field("runs/reviews/sft", "The SFT model (HF folder or hub name): initial policy and frozen reference.")
-    reward_model_path: str = help_field("runs/reviews/rm", "The trained reward model folder (`llm-rlhf rm` output).")
-    prompt_file: str = help_field("data/reviews/ppo_prompts.jsonl", "Prompts to sample responses for (JSONL/CSV/Parquet or a hub dataset).")
+    model_name_or_path: str = help_field(
+        "runs/reviews/sft", "The SFT model (HF folder or hub name): initial policy and frozen reference."
+    )
+    reward_model_path: str = help_field(
+        "runs/reviews/rm", "The trained reward model folder (`llm-rlhf rm` output)."
+    )
+    prompt_file: str = help_field(
+        "data/reviews/ppo_prompts.jsonl",
+        "Prompts to sample responses for (JSONL/CSV/Parquet or a hub dataset).",
+    )
     output_dir: str = help_field("runs/reviews/ppo", "Where the policy, value head, logs and checkpoints go.")
-    trust_remote_code: bool = help_field(False, "Allow model code from the hub (off unless you trust the source).")
+    trust_remote_code: bool = help_field(
+        False, "Allow model code from the hub (off unless you trust the source)."
+    )
     dtype: str = help_field("float32", "Weights dtype: float32 | bfloat16 | float16.")
     bf16: bool = help_field(False, "bf16 autocast for forward passes (CPU and GPU).")
-    gradient_checkpointing: bool = help_field(False, "Recompute activations in the backward pass to save memory.")
-    value_model: str = help_field("policy", "Critic: 'policy' (value head on the policy trunk) or 'reward' (separate critic initialised from the reward model).")
+    gradient_checkpointing: bool = help_field(
+        False, "Recompute activations in the backward pass to save memory."
+    )
+    value_model: str = help_field(
+        "policy",
+        "Critic: 'policy' (value head on the policy trunk) or 'reward' (separate critic initialised from the reward model).",
+    )
     seed: int = help_field(0, "Random seed (each process adds its index).")
     # --- budget and batch sizes (per process)
     steps: int = help_field(40, "Number of PPO steps (rollout batches).")
     rollout_batch_size: int = help_field(64, "Prompts per rollout batch, per process.")
     mini_batch_size: int = help_field(16, "Episodes per optimiser step, per process.")
-    gradient_accumulation_steps: int = help_field(1, "Micro-batches per minibatch (micro = mini_batch_size / this).")
+    gradient_accumulation_steps: int = help_field(
+        1, "Micro-batches per minibatch (micro = mini_batch_size / this)."
+    )
     ppo_epochs: int = help_field(4, "K: passes over each rollout batch.")
     # --- optimiser
     learning_rate: float = help_field(1e-5, "AdamW learning rate (policy and value head).")
     weight_decay: float = help_field(0.0, "AdamW weight decay.")
     adam_eps: float = help_field(1e-5, "AdamW epsilon.")
-    lr_scheduler_type: str = help_field("constant", "'constant' or 'linear' decay to 0 over all optimiser steps.")
+    lr_scheduler_type: str = help_field(
+        "constant", "'constant' or 'linear' decay to 0 over all optimiser steps."
+    )
     max_grad_norm: float = help_field(1.0, "Gradient clipping norm.")
     # --- generation
-    max_prompt_length: int = help_field(32, "Prompts longer than this (tokens) are rejected with an error naming the row.")
+    max_prompt_length: int = help_field(
+        32, "Prompts longer than this (tokens) are rejected with an error naming the row."
+    )
     max_new_tokens: int = help_field(32, "Maximum response length in tokens.")
     temperature: float = help_field(1.0, "Sampling temperature (log-probs use the same temperature).")
     top_k: int = help_field(0, "Top-k sampling (0 = off).")
@@ -69,7 +96,9 @@ class Config:
     init_kl_coef: float = help_field(0.1, "Initial beta.")
     kl_target: float = help_field(6.0, "Adaptive controller: target per-sequence KL (nats).")
     kl_horizon: int = help_field(10000, "Adaptive controller: horizon in episodes.")
-    eos_penalty: float | None = help_field(None, "EOS trick: score for responses that never emitted EOS (null = off).")
+    eos_penalty: float | None = help_field(
+        None, "EOS trick: score for responses that never emitted EOS (null = off)."
+    )
     score_clip: float | None = help_field(None, "Clip RM scores to [-x, x] (null = off).")
     whiten_rewards: bool = help_field(False, "Whiten the per-token rewards over the batch before GAE.")
     # --- PPO
@@ -79,15 +108,25 @@ class Config:
     cliprange_value: float = help_field(0.2, "Value clip epsilon.")
     vf_coef: float = help_field(0.1, "c1: value loss coefficient.")
     ent_coef: float = help_field(0.0, "c2: entropy bonus coefficient.")
-    target_approxkl: float | None = help_field(None, "Stop the epochs early when approx-KL of a minibatch exceeds this (null = off).")
-    ratio_guard: float = help_field(10.0, "Skip a minibatch whose mean ratio exceeds this (a diverged update).")
+    target_approxkl: float | None = help_field(
+        None, "Stop the epochs early when approx-KL of a minibatch exceeds this (null = off)."
+    )
+    ratio_guard: float = help_field(
+        10.0, "Skip a minibatch whose mean ratio exceeds this (a diverged update)."
+    )
     # --- LoRA
-    use_lora: bool = help_field(False, "Train a LoRA adapter; the reference is the same network with the adapter disabled.")
+    use_lora: bool = help_field(
+        False, "Train a LoRA adapter; the reference is the same network with the adapter disabled."
+    )
     lora_r: int = help_field(16, "LoRA rank.")
     lora_alpha: int = help_field(32, "LoRA alpha.")
     lora_dropout: float = help_field(0.0, "LoRA dropout (0 keeps ratio == 1 at the first step).")
-    lora_target_modules: list[str] | None = help_field(None, "Modules to adapt (null = peft's default for the architecture).")
-    merge_lora: bool = help_field(True, "With LoRA: save the merged policy as a plain HF folder (the adapter is kept in adapter/).")
+    lora_target_modules: list[str] | None = help_field(
+        None, "Modules to adapt (null = peft's default for the architecture)."
+    )
+    merge_lora: bool = help_field(
+        True, "With LoRA: save the merged policy as a plain HF folder (the adapter is kept in adapter/)."
+    )
     # --- logging and checkpoints
     log_samples_every: int = help_field(10, "Log a few sampled responses every N steps.")
     num_log_samples: int = help_field(3, "How many samples to log.")
@@ -97,17 +136,34 @@ class Config:
 
     def __post_init__(self):
         require(self.steps > 0, "steps", "must be > 0")
-        require(self.mini_batch_size > 0 and self.rollout_batch_size % self.mini_batch_size == 0, "mini_batch_size",
-                f"must divide rollout_batch_size ({self.rollout_batch_size})")
-        require(self.gradient_accumulation_steps > 0 and self.mini_batch_size % self.gradient_accumulation_steps == 0,
-                "gradient_accumulation_steps", f"must divide mini_batch_size ({self.mini_batch_size})")
+        require(
+            self.mini_batch_size > 0 and self.rollout_batch_size % self.mini_batch_size == 0,
+            "mini_batch_size",
+            f"must divide rollout_batch_size ({self.rollout_batch_size})",
+        )
+        require(
+            self.gradient_accumulation_steps > 0
+            and self.mini_batch_size % self.gradient_accumulation_steps == 0,
+            "gradient_accumulation_steps",
+            f"must divide mini_batch_size ({self.mini_batch_size})",
+        )
         require(self.kl_estimator in ("k1", "k3", "abs", "mse"), "kl_estimator", "must be k1, k3, abs or mse")
         require(self.kl_controller in ("adaptive", "fixed"), "kl_controller", "must be 'adaptive' or 'fixed'")
         require(self.value_model in ("policy", "reward"), "value_model", "must be 'policy' or 'reward'")
-        require(self.lr_scheduler_type in ("constant", "linear"), "lr_scheduler_type", "must be 'constant' or 'linear'")
-        require(self.report_to in ("none", "tensorboard", "wandb"), "report_to", "must be none, tensorboard or wandb")
+        require(
+            self.lr_scheduler_type in ("constant", "linear"),
+            "lr_scheduler_type",
+            "must be 'constant' or 'linear'",
+        )
+        require(
+            self.report_to in ("none", "tensorboard", "wandb"),
+            "report_to",
+            "must be none, tensorboard or wandb",
+        )
         require(self.temperature > 0, "temperature", "must be > 0")
-        require(self.kl_target > 0 and self.kl_horizon > 0, "kl_target", "kl_target and kl_horizon must be > 0")
+        require(
+            self.kl_target > 0 and self.kl_horizon > 0, "kl_target", "kl_target and kl_horizon must be > 0"
+        )
         require(0 < self.cliprange and 0 < self.cliprange_value, "cliprange", "clip ranges must be > 0")
         require(self.max_new_tokens > 0, "max_new_tokens", "must be > 0")
 
@@ -127,8 +183,15 @@ class BatchSizes:
     total_episodes: int
 
 
-def batch_sizes(*, rollout_batch_size: int, mini_batch_size: int, gradient_accumulation_steps: int,
-                ppo_epochs: int, steps: int, num_processes: int) -> BatchSizes:
+def batch_sizes(
+    *,
+    rollout_batch_size: int,
+    mini_batch_size: int,
+    gradient_accumulation_steps: int,
+    ppo_epochs: int,
+    steps: int,
+    num_processes: int,
+) -> BatchSizes:
     num_mini_batches = rollout_batch_size // mini_batch_size
     return BatchSizes(
         num_processes=num_processes,
@@ -183,8 +246,12 @@ class Rollout:
         return self.response_mask.sum(-1) < self.response_mask.shape[1]  # (B,) stopped before the limit
 
     def select(self, index: torch.Tensor) -> Rollout:
-        return Rollout(**{f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[index])
-                          for f in dataclasses.fields(self)})
+        return Rollout(
+            **{
+                f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[index])
+                for f in dataclasses.fields(self)
+            }
+        )
 
 
 def response_mask_from_tokens(response: torch.Tensor, eos_token_id: int) -> torch.Tensor:
@@ -204,7 +271,9 @@ def response_logprobs_and_values(model, rollout: Rollout, temperature: float):
     """
     P = rollout.query.shape[1]
     out = model(rollout.sequence, rollout.attention_mask.long())
-    logits, values = out if isinstance(out, tuple) else (out, None)  # policy: (logits, values); reference: logits
+    logits, values = (
+        out if isinstance(out, tuple) else (out, None)
+    )  # policy: (logits, values); reference: logits
     logits = logits[:, P - 1 : -1]  # (B, R, V): position t predicts response token t
     logprobs = ppo_math.logprobs_from_logits(logits=logits, labels=rollout.response, temperature=temperature)
     entropy = ppo_math.entropy_from_logits(logits=logits, temperature=temperature)
@@ -224,8 +293,12 @@ class Reference(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         from llm_rlhf.models import position_ids_from_mask
 
-        return self.lm(input_ids=input_ids, attention_mask=attention_mask,
-                       position_ids=position_ids_from_mask(attention_mask), use_cache=False).logits  # (B, L, V)
+        return self.lm(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+        ).logits  # (B, L, V)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,26 +309,42 @@ class Reference(torch.nn.Module):
 class PPOTrainer:
     """Holds the models, the optimiser and the KL controller; `ppo_step` is one iteration."""
 
-    def __init__(self, cfg: Config, *, accelerator, policy, ref_model, reward_model, critic, tokenizer, prompts):
+    def __init__(
+        self, cfg: Config, *, accelerator, policy, ref_model, reward_model, critic, tokenizer, prompts
+    ):
         self.cfg, self.accelerator, self.tokenizer = cfg, accelerator, tokenizer
         self.ref_model, self.reward_model = ref_model, reward_model
-        self.sizes = batch_sizes(rollout_batch_size=cfg.rollout_batch_size, mini_batch_size=cfg.mini_batch_size,
-                                 gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-                                 ppo_epochs=cfg.ppo_epochs, steps=cfg.steps, num_processes=accelerator.num_processes)
+        self.sizes = batch_sizes(
+            rollout_batch_size=cfg.rollout_batch_size,
+            mini_batch_size=cfg.mini_batch_size,
+            gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+            ppo_epochs=cfg.ppo_epochs,
+            steps=cfg.steps,
+            num_processes=accelerator.num_processes,
+        )
         params = [p for p in policy.parameters() if p.requires_grad]
         if critic is not None:
             params += [p for p in critic.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+        optimizer = torch.optim.AdamW(
+            params, lr=cfg.learning_rate, eps=cfg.adam_eps, weight_decay=cfg.weight_decay
+        )
         total = cfg.steps * self.sizes.optimizer_steps_per_ppo_step
-        decay = (lambda i: max(0.0, 1.0 - i / total)) if cfg.lr_scheduler_type == "linear" else (lambda i: 1.0)
+        decay = (
+            (lambda i: max(0.0, 1.0 - i / total)) if cfg.lr_scheduler_type == "linear" else (lambda i: 1.0)
+        )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, decay)
         if critic is not None:
-            self.policy, self.critic, self.optimizer, self.scheduler = accelerator.prepare(policy, critic, optimizer, scheduler)
+            self.policy, self.critic, self.optimizer, self.scheduler = accelerator.prepare(
+                policy, critic, optimizer, scheduler
+            )
         else:
             self.policy, self.optimizer, self.scheduler = accelerator.prepare(policy, optimizer, scheduler)
             self.critic = None
-        self.kl_ctl = (ppo_math.AdaptiveKLController(cfg.init_kl_coef, cfg.kl_target, cfg.kl_horizon)
-                       if cfg.kl_controller == "adaptive" else ppo_math.FixedKLController(cfg.init_kl_coef))
+        self.kl_ctl = (
+            ppo_math.AdaptiveKLController(cfg.init_kl_coef, cfg.kl_target, cfg.kl_horizon)
+            if cfg.kl_controller == "adaptive"
+            else ppo_math.FixedKLController(cfg.init_kl_coef)
+        )
         self.prompts = prompts  # list of token-id lists
         self.rm_shares_vocab = shares_vocab(tokenizer, reward_model.tokenizer)
         self.step = 0
@@ -273,15 +362,31 @@ class PPOTrainer:
         rollout.scores = self.score(rollout)  # r_phi(x, y), normalised
         t2 = time.perf_counter()
 
-        kl = ppo_math.kl_penalty(logprobs=rollout.logprobs, ref_logprobs=rollout.ref_logprobs, estimator=cfg.kl_estimator)
-        scores = rollout.scores if cfg.score_clip is None else ppo_math.clip_scores(scores=rollout.scores, score_clip=cfg.score_clip)
+        kl = ppo_math.kl_penalty(
+            logprobs=rollout.logprobs, ref_logprobs=rollout.ref_logprobs, estimator=cfg.kl_estimator
+        )
+        scores = (
+            rollout.scores
+            if cfg.score_clip is None
+            else ppo_math.clip_scores(scores=rollout.scores, score_clip=cfg.score_clip)
+        )
         rewards, non_score_reward = ppo_math.shaped_rewards(
-            scores=scores, kl=kl, kl_coef=self.kl_ctl.value, response_mask=rollout.response_mask,
-            eos_penalty=cfg.eos_penalty, ended_with_eos=rollout.ended_with_eos if cfg.eos_penalty is not None else None)
+            scores=scores,
+            kl=kl,
+            kl_coef=self.kl_ctl.value,
+            response_mask=rollout.response_mask,
+            eos_penalty=cfg.eos_penalty,
+            ended_with_eos=rollout.ended_with_eos if cfg.eos_penalty is not None else None,
+        )
         if cfg.whiten_rewards:
             rewards = self.whiten(rewards, rollout.response_mask, shift_mean=False)
-        advantages, returns = ppo_math.compute_gae(rewards=rewards, values=rollout.values,
-                                                   response_mask=rollout.response_mask, gamma=cfg.gamma, lam=cfg.lam)
+        advantages, returns = ppo_math.compute_gae(
+            rewards=rewards,
+            values=rollout.values,
+            response_mask=rollout.response_mask,
+            gamma=cfg.gamma,
+            lam=cfg.lam,
+        )
         advantages = self.whiten(advantages, rollout.response_mask)
 
         train_stats = self.train_on_rollout(rollout, advantages, returns)  # K epochs of minibatch updates
@@ -292,8 +397,16 @@ class PPOTrainer:
         kl_coef = self.kl_ctl.value
         self.kl_ctl.update(mean_kl, self.sizes.episodes_per_step)  # n in episodes
         self.step += 1
-        return self.metrics(rollout, kl_seq, kl_coef, non_score_reward, rewards, returns, train_stats,
-                            times={"generate": t1 - t0, "score": t2 - t1, "train": t3 - t2})
+        return self.metrics(
+            rollout,
+            kl_seq,
+            kl_coef,
+            non_score_reward,
+            rewards,
+            returns,
+            train_stats,
+            times={"generate": t1 - t0, "score": t2 - t1, "train": t3 - t2},
+        )
 
     # --- phases -------------------------------------------------------------------------------
 
@@ -320,22 +433,37 @@ class PPOTrainer:
         query = torch.full((len(queries), P), tok.pad_token_id, dtype=torch.long)
         query_mask = torch.zeros((len(queries), P), dtype=torch.long)
         for i, q in enumerate(queries):  # left padding: the response starts at column P in every row
-            query[i, P - len(q):] = torch.tensor(q)
-            query_mask[i, P - len(q):] = 1
+            query[i, P - len(q) :] = torch.tensor(q)
+            query_mask[i, P - len(q) :] = 1
         query, query_mask = query.to(self.device), query_mask.to(self.device)
         policy = self.unwrapped_policy
         with self.autocast(), self.gathered_for_generation(policy):
             sequences = policy.lm.generate(
-                input_ids=query, attention_mask=query_mask, do_sample=True, temperature=cfg.temperature,
-                top_k=cfg.top_k or None, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, min_new_tokens=1,
-                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, use_cache=True,
-                synced_gpus=self.needs_synced_gpus)
+                input_ids=query,
+                attention_mask=query_mask,
+                do_sample=True,
+                temperature=cfg.temperature,
+                top_k=cfg.top_k or None,
+                top_p=cfg.top_p,
+                max_new_tokens=cfg.max_new_tokens,
+                min_new_tokens=1,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+                use_cache=True,
+                synced_gpus=self.needs_synced_gpus,
+            )
         response = sequences[:, P:]  # (B, R)
         if response.shape[1] < cfg.max_new_tokens:  # generate stops early when every row has ended
-            pad = response.new_full((response.shape[0], cfg.max_new_tokens - response.shape[1]), tok.pad_token_id)
+            pad = response.new_full(
+                (response.shape[0], cfg.max_new_tokens - response.shape[1]), tok.pad_token_id
+            )
             response = torch.cat([response, pad], dim=1)  # (B, max_new_tokens): same R on every rank
-        rollout = Rollout(query=query, query_mask=query_mask, response=response,
-                          response_mask=response_mask_from_tokens(response, tok.eos_token_id))
+        rollout = Rollout(
+            query=query,
+            query_mask=query_mask,
+            response=response,
+            response_mask=response_mask_from_tokens(response, tok.eos_token_id),
+        )
         rollout.response = torch.where(rollout.response_mask, response, tok.pad_token_id)
         rollout.logprobs, values, rollout.entropy = self.forward_policy(rollout)
         rollout.values = values
@@ -344,9 +472,13 @@ class PPOTrainer:
     def forward_policy(self, rollout: Rollout):
         """log pi_theta(y_t|s_t), V(s_t), entropy for the response tokens: (B, R) each."""
         with self.autocast():
-            logprobs, values, entropy = response_logprobs_and_values(self.policy, rollout, self.cfg.temperature)
+            logprobs, values, entropy = response_logprobs_and_values(
+                self.policy, rollout, self.cfg.temperature
+            )
             if self.critic is not None:
-                values = self.critic(rollout.sequence, rollout.attention_mask.long())[:, rollout.query.shape[1] - 1 : -1]
+                values = self.critic(rollout.sequence, rollout.attention_mask.long())[
+                    :, rollout.query.shape[1] - 1 : -1
+                ]
         return logprobs.float(), values.float(), entropy.float()
 
     @torch.no_grad()
@@ -362,22 +494,38 @@ class PPOTrainer:
         with self.autocast():
             if self.rm_shares_vocab:  # the usual case: the RM was trained from the SFT model
                 return self.reward_model.score(rollout.sequence, rollout.attention_mask.long()).float()
-            texts = [self.tokenizer.decode(seq[mask], skip_special_tokens=True)
-                     for seq, mask in zip(rollout.sequence, rollout.attention_mask)]
+            texts = [
+                self.tokenizer.decode(seq[mask], skip_special_tokens=True)
+                for seq, mask in zip(rollout.sequence, rollout.attention_mask)
+            ]
             enc = self.reward_model.tokenizer(texts, return_tensors="pt", padding=True).to(self.device)
             return self.reward_model.score(enc["input_ids"], enc["attention_mask"]).float()
 
-    def train_on_rollout(self, rollout: Rollout, advantages: torch.Tensor, returns: torch.Tensor) -> dict[str, float]:
+    def train_on_rollout(
+        self, rollout: Rollout, advantages: torch.Tensor, returns: torch.Tensor
+    ) -> dict[str, float]:
         """K epochs over shuffled minibatches; each minibatch is `gradient_accumulation_steps` micro-batches."""
         cfg, sizes = self.cfg, self.sizes
-        stats: dict[str, list[float]] = {k: [] for k in ("policy/approxkl", "policy/clipfrac", "loss/policy", "loss/value",
-                                                         "val/clipfrac", "policy/entropy", "policy/ratio")}
+        stats: dict[str, list[float]] = {
+            k: []
+            for k in (
+                "policy/approxkl",
+                "policy/clipfrac",
+                "loss/policy",
+                "loss/value",
+                "val/clipfrac",
+                "policy/entropy",
+                "policy/ratio",
+            )
+        }
         skipped, stopped_early = 0, False
         for _epoch in range(cfg.ppo_epochs):
             order = torch.randperm(sizes.rollout_per_process, device=self.device)
             for mb_start in range(0, sizes.rollout_per_process, sizes.mini_batch_per_process):
                 mb = order[mb_start : mb_start + sizes.mini_batch_per_process]
-                mb_tokens = self.global_sum(rollout.response_mask[mb].sum().float())  # tokens in the global minibatch
+                mb_tokens = self.global_sum(
+                    rollout.response_mask[mb].sum().float()
+                )  # tokens in the global minibatch
                 self.optimizer.zero_grad(set_to_none=True)
                 mb_approxkl, mb_ratio = [], []
                 for mc_start in range(0, len(mb), sizes.micro_batch_per_process):
@@ -385,10 +533,20 @@ class PPOTrainer:
                     part = rollout.select(mc)
                     logprobs, values, entropy = self.forward_policy_with_grad(part)
                     mask = part.response_mask
-                    pg_loss, pg = ppo_math.policy_loss(logprobs=logprobs, old_logprobs=part.logprobs,
-                                                       advantages=advantages[mc], response_mask=mask, cliprange=cfg.cliprange)
-                    vf_loss, vf = ppo_math.value_loss(values=values, old_values=part.values, returns=returns[mc],
-                                                      response_mask=mask, cliprange_value=cfg.cliprange_value)
+                    pg_loss, pg = ppo_math.policy_loss(
+                        logprobs=logprobs,
+                        old_logprobs=part.logprobs,
+                        advantages=advantages[mc],
+                        response_mask=mask,
+                        cliprange=cfg.cliprange,
+                    )
+                    vf_loss, vf = ppo_math.value_loss(
+                        values=values,
+                        old_values=part.values,
+                        returns=returns[mc],
+                        response_mask=mask,
+                        cliprange_value=cfg.cliprange_value,
+                    )
                     ent = ppo_math.masked_mean(entropy, mask)
                     loss = pg_loss + cfg.vf_coef * vf_loss - cfg.ent_coef * ent
                     # Token-weighted: the accumulated (and, under DDP, rank-averaged) gradient equals the
@@ -397,8 +555,14 @@ class PPOTrainer:
                     self.accelerator.backward(loss * weight)
                     mb_approxkl.append(pg.approxkl.item())
                     mb_ratio.append(ppo_math.masked_mean(pg.ratio, mask).item())
-                    for k, v in (("policy/approxkl", pg.approxkl), ("policy/clipfrac", pg.clipfrac), ("loss/policy", pg_loss),
-                                 ("loss/value", vf_loss), ("val/clipfrac", vf.clipfrac), ("policy/entropy", ent)):
+                    for k, v in (
+                        ("policy/approxkl", pg.approxkl),
+                        ("policy/clipfrac", pg.clipfrac),
+                        ("loss/policy", pg_loss),
+                        ("loss/value", vf_loss),
+                        ("val/clipfrac", vf.clipfrac),
+                        ("policy/entropy", ent),
+                    ):
                         stats[k].append(v.item())
                 stats["policy/ratio"].append(float(np.mean(mb_ratio)))
                 if float(np.mean(mb_ratio)) > cfg.ratio_guard:  # a diverged minibatch: drop its update
@@ -423,12 +587,16 @@ class PPOTrainer:
         with self.autocast():
             logprobs, values, entropy = response_logprobs_and_values(self.policy, part, self.cfg.temperature)
             if self.critic is not None:
-                values = self.critic(part.sequence, part.attention_mask.long())[:, part.query.shape[1] - 1 : -1]
+                values = self.critic(part.sequence, part.attention_mask.long())[
+                    :, part.query.shape[1] - 1 : -1
+                ]
         return logprobs.float(), values.float(), entropy.float()
 
     # --- metrics ------------------------------------------------------------------------------
 
-    def metrics(self, rollout, kl_seq, kl_coef, non_score_reward, rewards, returns, train_stats, times) -> dict[str, float]:
+    def metrics(
+        self, rollout, kl_seq, kl_coef, non_score_reward, rewards, returns, train_stats, times
+    ) -> dict[str, float]:
         mask = rollout.response_mask
         lengths = mask.sum(-1).float()  # (B,)
         non_score = ppo_math.masked_sum(non_score_reward, mask, dim=-1)  # (B,)
@@ -444,7 +612,9 @@ class PPOTrainer:
             "objective/non_score_reward": self.global_mean(non_score.mean()),
             "objective/rlhf_reward": self.global_mean((rollout.scores + non_score).mean()),
             "objective/entropy": self.global_mean(ppo_math.masked_sum(rollout.entropy, mask, dim=-1).mean()),
-            "val/explained_variance": float(ppo_math.explained_variance(values=rollout.values, returns=returns, mask=mask)),
+            "val/explained_variance": float(
+                ppo_math.explained_variance(values=rollout.values, returns=returns, mask=mask)
+            ),
             "val/mean": self.global_mean(ppo_math.masked_mean(rollout.values, mask)),
             "response_length": self.global_mean(lengths.mean()),
             "eos_rate": self.global_mean(rollout.ended_with_eos.float().mean()),
@@ -501,16 +671,20 @@ class PPOTrainer:
     def needs_synced_gpus(self) -> bool:
         from accelerate.utils import DistributedType
 
-        return self.accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP) \
+        return (
+            self.accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP)
             and self.accelerator.num_processes > 1
+        )
 
     @contextmanager
     def gathered_for_generation(self, policy):
         """ZeRO-3 / FSDP shard parameters: gather them for the many small forwards of generation."""
         from accelerate.utils import DistributedType
 
-        if self.accelerator.distributed_type == DistributedType.DEEPSPEED and \
-                self.accelerator.state.deepspeed_plugin.zero_stage == 3:
+        if (
+            self.accelerator.distributed_type == DistributedType.DEEPSPEED
+            and self.accelerator.state.deepspeed_plugin.zero_stage == 3
+        ):
             import deepspeed
 
             with deepspeed.zero.GatheredParameters(list(policy.lm.parameters())):
@@ -542,20 +716,36 @@ class PPOTrainer:
         """Atomically write everything needed to continue exactly: weights, optimiser, scheduler, RNG,
         data position (the step) and the KL controller."""
         self.accelerator.wait_for_everyone()
-        rng_all = self.accelerator.gather_for_metrics([rng_state()], use_gather_object=True) \
-            if self.accelerator.num_processes > 1 else [rng_state()]
+        rng_all = (
+            self.accelerator.gather_for_metrics([rng_state()], use_gather_object=True)
+            if self.accelerator.num_processes > 1
+            else [rng_state()]
+        )
         if self.accelerator.is_main_process:
             from safetensors.torch import save_file
 
             tmp = temp_dir_beside(folder)
-            trainable = {n: p.detach().contiguous().cpu() for n, p in self.unwrapped_policy.named_parameters() if p.requires_grad}
+            trainable = {
+                n: p.detach().contiguous().cpu()
+                for n, p in self.unwrapped_policy.named_parameters()
+                if p.requires_grad
+            }
             save_file(trainable, tmp / "policy_trainable.safetensors")
             if self.critic is not None:
-                critic = {n: p.detach().contiguous().cpu() for n, p in self.accelerator.unwrap_model(self.critic).named_parameters()
-                          if p.requires_grad}
+                critic = {
+                    n: p.detach().contiguous().cpu()
+                    for n, p in self.accelerator.unwrap_model(self.critic).named_parameters()
+                    if p.requires_grad
+                }
                 save_file(critic, tmp / "critic_trainable.safetensors")
-            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}, tmp / "optimizer.pt")
-            torch.save({"step": self.step, "kl_ctl": self.kl_ctl.state_dict(), "rng": rng_all}, tmp / "trainer_state.pt")
+            torch.save(
+                {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+                tmp / "optimizer.pt",
+            )
+            torch.save(
+                {"step": self.step, "kl_ctl": self.kl_ctl.state_dict(), "rng": rng_all},
+                tmp / "trainer_state.pt",
+            )
             (tmp / "step.json").write_text(json.dumps({"step": self.step}))
             replace_dir(tmp, folder)
         self.accelerator.wait_for_everyone()
@@ -566,9 +756,13 @@ class PPOTrainer:
         trainable = load_file(folder / "policy_trainable.safetensors")
         missing = self.unwrapped_policy.load_state_dict(trainable, strict=False)
         if missing.unexpected_keys:
-            raise UserError(f"checkpoint {folder} does not match the model: unexpected {missing.unexpected_keys[:3]}")
+            raise UserError(
+                f"checkpoint {folder} does not match the model: unexpected {missing.unexpected_keys[:3]}"
+            )
         if self.critic is not None:
-            self.accelerator.unwrap_model(self.critic).load_state_dict(load_file(folder / "critic_trainable.safetensors"), strict=False)
+            self.accelerator.unwrap_model(self.critic).load_state_dict(
+                load_file(folder / "critic_trainable.safetensors"), strict=False
+            )
         opt = torch.load(folder / "optimizer.pt", weights_only=True, map_location="cpu")
         self.optimizer.load_state_dict(opt["optimizer"])
         self.scheduler.load_state_dict(opt["scheduler"])
@@ -630,21 +824,38 @@ def build_models(cfg: Config):
     if cfg.use_lora:
         from peft import LoraConfig, get_peft_model
 
-        lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                          target_modules=cfg.lora_target_modules, task_type="CAUSAL_LM")
+        lora = LoraConfig(
+            r=cfg.lora_r,
+            lora_alpha=cfg.lora_alpha,
+            lora_dropout=cfg.lora_dropout,
+            target_modules=cfg.lora_target_modules,
+            task_type="CAUSAL_LM",
+        )
         lm = get_peft_model(lm, lora)
         ref_model = Reference(lm)  # the same network; reference_context() disables the adapter
     else:
-        ref_lm = freeze(load_causal_lm(cfg.model_name_or_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code))
-        assert ref_lm is not lm and all(a.data_ptr() != b.data_ptr() for a, b in zip(ref_lm.parameters(), lm.parameters()))
+        ref_lm = freeze(
+            load_causal_lm(cfg.model_name_or_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
+        )
+        assert ref_lm is not lm and all(
+            a.data_ptr() != b.data_ptr() for a, b in zip(ref_lm.parameters(), lm.parameters())
+        )
         ref_model = Reference(ref_lm)
     lm.eval()  # dropout off for the policy too: ratio == 1 exactly at the first minibatch
-    hidden = lm.config.get_text_config().hidden_size if hasattr(lm.config, "get_text_config") else lm.config.hidden_size
+    hidden = (
+        lm.config.get_text_config().hidden_size
+        if hasattr(lm.config, "get_text_config")
+        else lm.config.hidden_size
+    )
     policy = PolicyWithValue(lm, ValueHead(hidden).to(next(lm.parameters()).dtype))
-    reward_model = freeze(load_reward_model(cfg.reward_model_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code))
+    reward_model = freeze(
+        load_reward_model(cfg.reward_model_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
+    )
     critic = None
     if cfg.value_model == "reward":
-        critic = load_reward_model(cfg.reward_model_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code).as_critic()
+        critic = load_reward_model(
+            cfg.reward_model_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code
+        ).as_critic()
     return policy, ref_model, reward_model, critic
 
 
@@ -654,8 +865,16 @@ def build_trainer(cfg: Config, accelerator, tokenizer, prompts: list[list[int]])
     reward_model.to(accelerator.device)
     if not cfg.use_lora:
         ref_model.to(accelerator.device)
-    return PPOTrainer(cfg, accelerator=accelerator, policy=policy, ref_model=ref_model, reward_model=reward_model,
-                      critic=critic, tokenizer=tokenizer, prompts=prompts)
+    return PPOTrainer(
+        cfg,
+        accelerator=accelerator,
+        policy=policy,
+        ref_model=ref_model,
+        reward_model=reward_model,
+        critic=critic,
+        tokenizer=tokenizer,
+        prompts=prompts,
+    )
 
 
 def last_checkpoint(output_dir: Path) -> Path | None:
@@ -671,15 +890,21 @@ def run(cfg: Config) -> dict[str, float]:
 
     accelerator = Accelerator()
     out = Path(cfg.output_dir)
-    tokenizer = load_tokenizer(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code, padding_side="left")
+    tokenizer = load_tokenizer(
+        cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code, padding_side="left"
+    )
     prompts = load_prompts(cfg, tokenizer)  # validates the data before anything is written
     if not Path(cfg.reward_model_path).exists():
-        raise UserError(f"reward_model_path '{cfg.reward_model_path}' does not exist (train it with `llm-rlhf rm`)")
+        raise UserError(
+            f"reward_model_path '{cfg.reward_model_path}' does not exist (train it with `llm-rlhf rm`)"
+        )
     resume_from = last_checkpoint(out) if cfg.resume else None
     if cfg.resume and resume_from is None and accelerator.is_main_process:
         print(f"resume: no checkpoint in {out / 'checkpoints'}; starting from scratch")
     if not cfg.resume and (out / "metrics.jsonl").exists():
-        raise UserError(f"output_dir '{out}' already holds a PPO run; pass --resume true or choose another output_dir")
+        raise UserError(
+            f"output_dir '{out}' already holds a PPO run; pass --resume true or choose another output_dir"
+        )
 
     trainer = build_trainer(cfg, accelerator, tokenizer, prompts)
     if accelerator.is_main_process:
@@ -694,8 +919,11 @@ def run(cfg: Config) -> dict[str, float]:
             truncate_log(out / "metrics.jsonl", trainer.step)
 
     writer = make_writer(cfg, out) if accelerator.is_main_process else None
-    history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] \
-        if resume_from is not None and (out / "metrics.jsonl").exists() else []
+    history = (
+        [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        if resume_from is not None and (out / "metrics.jsonl").exists()
+        else []
+    )
     bar = tqdm(total=cfg.steps, initial=trainer.step, desc="ppo", disable=not accelerator.is_main_process)
     while trainer.step < cfg.steps:
         metrics = trainer.ppo_step()
@@ -704,8 +932,11 @@ def run(cfg: Config) -> dict[str, float]:
             append_jsonl(out / "metrics.jsonl", metrics)
             if writer is not None:
                 writer(metrics)
-            bar.set_postfix(score=f"{metrics['objective/scores']:.2f}", kl=f"{metrics['objective/kl']:.2f}",
-                            beta=f"{metrics['objective/kl_coef']:.3f}")
+            bar.set_postfix(
+                score=f"{metrics['objective/scores']:.2f}",
+                kl=f"{metrics['objective/kl']:.2f}",
+                beta=f"{metrics['objective/kl_coef']:.3f}",
+            )
             bar.update(1)
             if cfg.log_samples_every and (trainer.step % cfg.log_samples_every == 0 or trainer.step == 1):
                 log_samples(trainer, out)
@@ -728,14 +959,16 @@ def truncate_log(path: Path, step: int) -> None:
 def summarize(history: list[dict], cfg: Config) -> dict[str, float]:
     last = dict(history[-1])
     first = history[0]
-    last.update({
-        "scores_first": first["objective/scores"],
-        "scores_std_first": first["objective/scores_std"],
-        "scores_last": last["objective/scores"],
-        "kl_last": last["objective/kl"],
-        "kl_target": cfg.kl_target,
-        "time_per_step_s": float(np.mean([h["time/step"] for h in history])),
-    })
+    last.update(
+        {
+            "scores_first": first["objective/scores"],
+            "scores_std_first": first["objective/scores_std"],
+            "scores_last": last["objective/scores"],
+            "kl_last": last["objective/kl"],
+            "kl_target": cfg.kl_target,
+            "time_per_step_s": float(np.mean([h["time/step"] for h in history])),
+        }
+    )
     return last
 
 
@@ -750,7 +983,10 @@ def log_samples(trainer: PPOTrainer, out: Path) -> None:
     for i in range(len(queries)):
         q = tok.decode(rollout.query[i][rollout.query_mask[i].bool()])
         r = tok.decode(rollout.response[i][rollout.response_mask[i]], skip_special_tokens=True)
-        append_jsonl(out / "samples.jsonl", {"step": trainer.step, "query": q, "response": r, "score": float(scores[i])})
+        append_jsonl(
+            out / "samples.jsonl",
+            {"step": trainer.step, "query": q, "response": r, "score": float(scores[i])},
+        )
         tqdm_write(f"[step {trainer.step}] {q!r} -> {r!r} (score {float(scores[i]):+.2f})")
 
 
@@ -765,7 +1001,11 @@ def make_writer(cfg: Config, out: Path):
         from torch.utils.tensorboard import SummaryWriter
 
         tb = SummaryWriter(str(out / "tensorboard"))
-        return lambda m: [tb.add_scalar(k, v, m["step"]) for k, v in m.items() if isinstance(v, (int, float)) and k != "step"]
+        return lambda m: [
+            tb.add_scalar(k, v, m["step"])
+            for k, v in m.items()
+            if isinstance(v, (int, float)) and k != "step"
+        ]
     if cfg.report_to == "wandb":
         import wandb
 
@@ -793,8 +1033,26 @@ def save_final(trainer: PPOTrainer, cfg: Config, out: Path, final: dict) -> None
     if not cfg.use_lora or cfg.merge_lora:
         lm.save_pretrained(tmp, safe_serialization=True)
     trainer.tokenizer.save_pretrained(tmp)
-    save_file({k: v.contiguous() for k, v in policy.value_head.state_dict().items()}, tmp / "value_head.safetensors")
+    save_file(
+        {k: v.contiguous() for k, v in policy.value_head.state_dict().items()}, tmp / "value_head.safetensors"
+    )
     publish_files(tmp, out)
-    atomic_write_json(out / "metrics.json", {k: v for k, v in final.items() if not (isinstance(v, float) and math.isnan(v))})
-    print(json.dumps({k: final[k] for k in ("scores_first", "scores_last", "scores_std_first", "kl_last", "kl_target",
-                                            "time_per_step_s")}, indent=2))
+    atomic_write_json(
+        out / "metrics.json", {k: v for k, v in final.items() if not (isinstance(v, float) and math.isnan(v))}
+    )
+    print(
+        json.dumps(
+            {
+                k: final[k]
+                for k in (
+                    "scores_first",
+                    "scores_last",
+                    "scores_std_first",
+                    "kl_last",
+                    "kl_target",
+                    "time_per_step_s",
+                )
+            },
+            indent=2,
+        )
+    )

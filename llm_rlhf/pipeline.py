@@ -1,0 +1,150 @@
+"""The whole pipeline in one command: SFT -> RM -> PPO -> evaluation (and the report).
+
+    llm-rlhf pipeline --config recipes/reviews/pipeline.yaml [--output_dir DIR] [--ppo "{steps: 10}"]
+
+Each stage's config is its recipe file (`sft_config`, `rm_config`, ...) plus this config's per-stage
+overrides; the chaining keys are set here so each stage reads the previous stage's output folder:
+
+    DIR/sft  <- base model                      DIR/rm   <- DIR/sft
+    DIR/ppo  <- DIR/sft (policy, reference), DIR/rm
+    DIR/eval <- DIR/ppo vs DIR/sft, scored by DIR/rm and the gold judge
+
+A stage whose folder holds `metrics.json` is finished and skipped; a stage folder without it was
+interrupted and is resumed. `DIR/pipeline.json` records each stage's wall time and headline metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llm_rlhf.config import format_config, help_field, load_yaml_config, require, save_config
+from llm_rlhf.errors import ConfigError
+from llm_rlhf.utils import atomic_write_json
+
+STAGES = ("sft", "rm", "ppo", "eval")
+MODULES = {"sft": "llm_rlhf.sft", "rm": "llm_rlhf.reward", "ppo": "llm_rlhf.ppo", "eval": "llm_rlhf.evaluate"}
+
+
+@dataclass
+class Config:
+    output_dir: str = help_field(
+        "runs/reviews", "Run folder: one sub-folder per stage, pipeline.json and the report."
+    )
+    stages: list[str] = help_field(list(STAGES), "Stages to run, in order (a subset of sft, rm, ppo, eval).")
+    sft_config: str = help_field("recipes/reviews/sft.yaml", "Recipe of the SFT stage.")
+    rm_config: str = help_field("recipes/reviews/rm.yaml", "Recipe of the reward-model stage.")
+    ppo_config: str = help_field("recipes/reviews/ppo.yaml", "Recipe of the PPO stage.")
+    eval_config: str | None = help_field(None, "Recipe of the evaluation stage (null: its defaults).")
+    sft: dict = help_field({}, "Overrides of SFT config keys, e.g. {num_train_epochs: 2}.")
+    rm: dict = help_field({}, "Overrides of reward-model config keys.")
+    ppo: dict = help_field({}, "Overrides of PPO config keys, e.g. {steps: 20}.")
+    eval: dict = help_field({}, "Overrides of evaluation config keys.")
+    report: bool = help_field(True, "Write DIR/report.html at the end.")
+
+    def __post_init__(self):
+        unknown = [s for s in self.stages if s not in STAGES]
+        require(not unknown, "stages", f"unknown stage(s) {unknown}; choose from {list(STAGES)}")
+
+
+def chained_paths(out: Path) -> dict[str, dict[str, str]]:
+    """The keys that connect the stages: each reads the previous stage's output folder."""
+    return {
+        "sft": {"output_dir": str(out / "sft")},
+        "rm": {"model_name_or_path": str(out / "sft"), "output_dir": str(out / "rm")},
+        "ppo": {
+            "model_name_or_path": str(out / "sft"),
+            "reward_model_path": str(out / "rm"),
+            "output_dir": str(out / "ppo"),
+        },
+        "eval": {
+            "policy_path": str(out / "ppo"),
+            "baseline_path": str(out / "sft"),
+            "reward_model_path": str(out / "rm"),
+            "output_dir": str(out / "eval"),
+        },
+    }
+
+
+def stage_config(cfg: Config, stage: str) -> Any:
+    """recipe file < chaining keys < this config's overrides for `stage`; validated by the stage's Config."""
+    import typing
+
+    from llm_rlhf.config import _coerce  # the same type checks as the command line
+
+    module = importlib.import_module(MODULES[stage])
+    stage_cls = module.Config
+    valid = [f.name for f in dataclasses.fields(stage_cls)]
+    recipe = getattr(cfg, f"{stage}_config")
+    values: dict[str, Any] = load_yaml_config(recipe, valid) if recipe else {}
+    values.update(chained_paths(Path(cfg.output_dir))[stage])
+    overrides = getattr(cfg, stage)
+    for key in overrides:
+        if key not in valid:
+            import difflib
+
+            close = difflib.get_close_matches(key, valid, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(f"pipeline key '{stage}': unknown {stage} key '{key}'{hint}")
+    values.update(overrides)
+    hints = typing.get_type_hints(stage_cls)
+    values = {k: _coerce(k, v, hints[k], f"pipeline stage '{stage}'") for k, v in values.items()}
+    return stage_cls(**values)
+
+
+def run(cfg: Config) -> dict[str, Any]:
+    out = Path(cfg.output_dir)
+    configs = {
+        stage: stage_config(cfg, stage) for stage in cfg.stages
+    }  # every config checked before any work
+    print(format_config(cfg))
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out, "pipeline_config.yaml")
+    record_path = out / "pipeline.json"
+    record = json.loads(record_path.read_text()) if record_path.exists() else {}
+    for stage in cfg.stages:
+        stage_cfg, stage_dir = configs[stage], Path(configs[stage].output_dir)
+        if (stage_dir / "metrics.json").exists():
+            print(f"== {stage}: finished earlier ({stage_dir}); skipped")
+            continue
+        if stage_dir.exists() and hasattr(stage_cfg, "resume"):
+            stage_cfg = dataclasses.replace(stage_cfg, resume=True)
+            print(f"== {stage}: interrupted earlier; resuming in {stage_dir}")
+        else:
+            print(f"== {stage}: running in {stage_dir}")
+        start = time.perf_counter()
+        importlib.import_module(MODULES[stage]).run(stage_cfg)
+        metrics = json.loads((stage_dir / "metrics.json").read_text())
+        record[stage] = {"wall_time_s": round(time.perf_counter() - start, 1), "metrics": metrics}
+        atomic_write_json(record_path, record)
+    print(summary(record))
+    if cfg.report and importlib.util.find_spec("llm_rlhf.report"):
+        from llm_rlhf.report import write_report
+
+        print(f"report: {write_report(out)}")
+    return record
+
+
+HEADLINES = {
+    "sft": ("eval_loss", "eval_perplexity", "eos_rate"),
+    "rm": ("eval_accuracy", "eval_margin", "baseline_accuracy"),
+    "ppo": ("scores_first", "scores_last", "kl_last", "kl_target", "objective/kl_coef"),
+    "eval": ("gold_win_rate", "rm_win_rate", "kl_to_ref", "gold_score_mean", "rm_score_mean"),
+}
+
+
+def summary(record: dict[str, Any]) -> str:
+    lines = ["", "stage  wall time  metrics"]
+    for stage, entry in record.items():
+        shown = ", ".join(
+            f"{k}={entry['metrics'][k]:.4g}"
+            for k in HEADLINES.get(stage, ())
+            if isinstance(entry["metrics"].get(k), (int, float))
+        )
+        lines.append(f"{stage:<6} {entry['wall_time_s']:>7.1f} s  {shown}")
+    return "\n".join(lines)

@@ -1,0 +1,455 @@
+"""The RLHF/PPO equations, one small pure function each, to be read against the papers.
+
+Every function takes keyword-only tensors named after the glossary and returns tensors; the caller
+turns them into metrics. Shapes: B sequences, T positions, V vocabulary.
+
+    query, response   token ids of the prompt and of the sampled continuation
+    logprobs          (B, T) log pi_theta(y_t | s_t) of the sampled tokens (old or current policy)
+    ref_logprobs      (B, T) log pi_ref(y_t | s_t) under the frozen reference (the SFT model)
+    values            (B, T) V_psi(s_t) from the value head
+    scores            (B,)   one reward-model scalar per sequence
+    rewards           (B, T) per-token reward after KL shaping
+    advantages        (B, T) GAE advantages;  returns (B, T) = advantages + values
+    response_mask     (B, T) bool, True on response tokens that count (not query, not padding)
+    kl_coef           beta, weight of the KL penalty
+    cliprange         epsilon of the clipped policy objective
+    cliprange_value   epsilon_v of the clipped value objective
+    vf_coef           c1, weight of the value loss in the total loss (used by the caller)
+    gamma, lam        discount and GAE lambda
+
+Masks are booleans and every masked reduction goes through `masked_sum` / `masked_mean`; values at
+masked-out positions never reach a result (outputs hold 0 there).
+
+Only torch is imported, so this module can be reviewed and tested on its own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+# ---------------------------------------------------------------------------------------------
+# Log-probabilities and entropy from logits
+# ---------------------------------------------------------------------------------------------
+
+
+def logprobs_from_logits(
+    *, logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """Log-probability of each chosen token: log softmax(logits / temperature)[labels].
+
+    The temperature must be the one used for sampling, otherwise the ratio pi_theta / pi_old and the
+    KL to the reference are measured for a different distribution than the one that produced the
+    tokens (Huang et al. 2023, "The N implementation details of RLHF with PPO": scale the logits by the
+    sampling temperature).
+
+    logits: (B, T, V) float; labels: (B, T) long, where position t of `logits` predicts `labels[:, t]`
+    (the caller does the shift). Returns (B, T).
+    """
+    if temperature != 1.0:
+        logits = logits / temperature  # (B, T, V); skipped at 1.0 to avoid a copy of the logits
+    logp = torch.log_softmax(logits, dim=-1)  # (B, T, V)
+    return logp.gather(dim=-1, index=labels.unsqueeze(-1)).squeeze(-1)  # (B, T)
+
+
+def entropy_from_logits(*, logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of the categorical distribution softmax(z), z = logits / temperature.
+
+        H = -sum_v p_v log p_v = logsumexp(z) - sum_v p_v z_v
+
+    logits: (B, T, V). Returns (B, T).
+    """
+    if temperature != 1.0:
+        logits = logits / temperature  # (B, T, V)
+    probs = torch.softmax(logits, dim=-1)  # (B, T, V)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)  # (B, T)
+
+
+# ---------------------------------------------------------------------------------------------
+# Masked reductions
+# ---------------------------------------------------------------------------------------------
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """sum of x over the positions where mask is True (over `dim`, or over everything).
+
+    x: any shape; mask: bool, same shape. Masked-out entries are dropped with `torch.where`, so NaN
+    or inf there cannot leak into the sum.
+    """
+    return torch.where(mask, x, 0).sum(dim=dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """mean of x over the positions where mask is True: masked_sum(x) / count(mask).
+
+    An empty selection (a row with no True when `dim` is given) has mean 0, not NaN: count is
+    clamped to 1, so an all-padding minibatch contributes a zero loss instead of poisoning the step.
+    """
+    count = mask.sum(dim=dim).clamp(min=1)
+    return masked_sum(x, mask, dim=dim) / count
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of the entries of x selected by mask (all of them together), a scalar.
+
+        var = sum_mask (x - mean)^2 / (n - 1)     (n instead of n - 1 if not unbiased)
+
+    Matches `torch.var(x[mask], unbiased=unbiased)`. Raises ValueError for fewer than two selected
+    entries (one if not unbiased), where the variance is undefined.
+    """
+    count = int(mask.sum())
+    if count < (2 if unbiased else 1):
+        raise ValueError(f"masked_var needs at least {2 if unbiased else 1} selected entries, got {count}")
+    centered = x - masked_mean(x, mask)
+    return masked_sum(centered**2, mask) / (count - 1 if unbiased else count)
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """Whiten the selected entries of x to mean 0 and (unbiased) std 1, as done for the advantages.
+
+        x' = (x - mean) / sqrt(var + 1e-8)          (+ mean again if not shift_mean)
+
+    Mean and variance are over all selected entries of the batch (lm-human-preferences `whiten`).
+    Returns the shape of x with 0 at masked-out positions.
+    """
+    mean = masked_mean(x, mask)
+    whitened = (x - mean) * torch.rsqrt(masked_var(x, mask) + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(mask, whitened, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# KL penalty and reward shaping
+# ---------------------------------------------------------------------------------------------
+
+
+def kl_penalty(*, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
+    """Per-token estimate of KL(pi_theta || pi_ref) from tokens sampled by pi_theta.
+
+    With log p = logprobs, log q = ref_logprobs and r = q / p (Schulman 2020, "Approximating KL
+    divergence", http://joschu.net/blog/kl-approx.html):
+
+        "k1"   log p - log q                      unbiased, can be negative per token (SPEC default)
+        "k3"   (r - 1) - log r                    unbiased, always >= 0, lower variance
+        "abs"  |log p - log q|
+        "mse"  1/2 (log p - log q)^2              the "k2" estimator
+
+    logprobs, ref_logprobs: (B, T). Returns (B, T); the caller masks it.
+    """
+    log_ratio = logprobs - ref_logprobs  # (B, T) log p - log q
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k3":
+        return torch.expm1(-log_ratio) + log_ratio  # r - 1 - log r with log r = -log_ratio
+    if estimator == "abs":
+        return log_ratio.abs()
+    if estimator == "mse":
+        return 0.5 * log_ratio**2
+    raise ValueError(f"unknown KL estimator {estimator!r}; expected one of 'k1', 'k3', 'abs', 'mse'")
+
+
+def sequence_kl(*, kl: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """KL of each whole response: sum_t KL_t over its response tokens. kl, response_mask: (B, T) -> (B,).
+
+    The batch mean of this is the `objective/kl` metric and the KL the adaptive controller tracks.
+    """
+    return masked_sum(kl, response_mask, dim=-1)
+
+
+def clip_scores(*, scores: torch.Tensor, score_clip: float) -> torch.Tensor:
+    """Clip reward-model scores to [-score_clip, score_clip], a guard against RM outliers. (B,) -> (B,)."""
+    return scores.clamp(min=-score_clip, max=score_clip)
+
+
+def shaped_rewards(
+    *,
+    scores: torch.Tensor,
+    kl: torch.Tensor,
+    kl_coef: float | torch.Tensor,
+    response_mask: torch.Tensor,
+    eos_penalty: float | None = None,
+    ended_with_eos: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token augmented reward (Ziegler et al. 2019, eq. 2; Stiennon et al. 2020, eq. 2).
+
+        non_score_reward_t = -kl_coef * KL_t                        on response tokens, 0 elsewhere
+        rewards_t          = non_score_reward_t + [t == last response token] * score
+
+    Layout of one row (query left-padded, response right-padded); the score lands on the last True
+    of response_mask, wherever the padding puts it:
+
+        position        0     1     2     3     4     5     6     7
+        token          pad    q     q     q     r     r     r    pad
+        response_mask   F     F     F     F     T     T     T     F
+        rewards         0     0     0     0   -bKL  -bKL  -bKL+score  0
+
+    The same holds for response-only tensors (T = response length), where the row is `r r r pad`.
+    A row whose response_mask is all False gets no score and all-zero rewards.
+
+    EOS trick (Ziegler et al. 2019; Huang et al. 2023, "The N implementation details of RLHF with
+    PPO"; `penalty_reward_value` in lm-human-preferences): when `eos_penalty` is given, the score of every sequence that
+    did not end with EOS (`ended_with_eos` False) is replaced by the fixed `eos_penalty` (e.g. -1.0),
+    so truncated rambling is never rewarded. Clip raw scores first with `clip_scores` if wanted.
+
+    scores: (B,); kl: (B, T) per-token KL (see `kl_penalty`); response_mask: (B, T) bool;
+    ended_with_eos: (B,) bool. Returns (rewards, non_score_reward), both (B, T).
+    """
+    if (eos_penalty is None) != (ended_with_eos is None):
+        raise ValueError("eos_penalty and ended_with_eos must be given together")
+    if eos_penalty is not None:
+        scores = torch.where(ended_with_eos, scores, eos_penalty)  # (B,)
+
+    non_score_reward = torch.where(response_mask, -kl_coef * kl, 0)  # (B, T)
+    T = response_mask.shape[-1]
+    last = T - 1 - response_mask.int().flip(-1).argmax(dim=-1)  # (B,) index of the last True
+    positions = torch.arange(T, device=response_mask.device)  # (T,)
+    is_last = (positions == last.unsqueeze(-1)) & response_mask.any(dim=-1, keepdim=True)  # (B, T)
+    rewards = non_score_reward + torch.where(is_last, scores.unsqueeze(-1), 0)  # (B, T)
+    return rewards, non_score_reward
+
+
+# ---------------------------------------------------------------------------------------------
+# Generalised advantage estimation
+# ---------------------------------------------------------------------------------------------
+
+
+def compute_gae(
+    *,
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016, "High-Dimensional Continuous Control
+    Using Generalized Advantage Estimation", eq. 16), working backwards over each response:
+
+        delta_t = r_t + gamma * V_{t+1} - V_t          (V after the last response token := 0)
+        A_t     = delta_t + gamma * lam * A_{t+1}
+        R_t     = A_t + V_t                             (the value-function target, "returns")
+
+    Only positions where response_mask is True take part, as if the others were not there: padding
+    after the response cannot leak into the recursion. The vectorised loop below (T steps over all B
+    rows at once) equals this naive double loop, which `tests/test_ppo_math.py` checks:
+
+        for b in range(B):
+            next_value = next_advantage = 0.0
+            for t in reversed([t for t in range(T) if response_mask[b, t]]):
+                delta = rewards[b, t] + gamma * next_value - values[b, t]
+                next_advantage = advantages[b, t] = delta + gamma * lam * next_advantage
+                next_value = values[b, t]
+                returns[b, t] = advantages[b, t] + values[b, t]
+
+    To bootstrap a truncated (not terminated) episode, add gamma * V(s_T) to its last reward.
+
+    rewards, values: (B, T) float; response_mask: (B, T) bool.
+    Returns (advantages, returns), both (B, T), 0 at masked-out positions.
+    """
+    B, T = rewards.shape
+    next_value = values.new_zeros(B)  # (B,) V_{t+1}, 0 after the last response token
+    next_advantage = values.new_zeros(B)  # (B,) A_{t+1}
+    advantages_reversed = []
+    for t in reversed(range(T)):
+        m = response_mask[:, t]  # (B,)
+        delta = rewards[:, t] + gamma * next_value - values[:, t]  # (B,)
+        advantage = delta + gamma * lam * next_advantage  # (B,)
+        advantages_reversed.append(torch.where(m, advantage, 0))
+        # A masked-out position is skipped: the carry passes through it unchanged.
+        next_value = torch.where(m, values[:, t], next_value)
+        next_advantage = torch.where(m, advantage, next_advantage)
+    advantages = torch.stack(advantages_reversed[::-1], dim=1)  # (B, T)
+    returns = torch.where(response_mask, advantages + values, 0)  # (B, T)
+    return advantages, returns
+
+
+# ---------------------------------------------------------------------------------------------
+# PPO losses
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PolicyLossStats:
+    """Detached diagnostics of `policy_loss`.
+
+    ratio:    (B, T) rho_t = exp(logprobs - old_logprobs); a caller-side guard can skip a minibatch
+              when it explodes.
+    clipped:  (B, T) bool, True where the clipped term is the binding one (gradient 0 there).
+    clipfrac: scalar, masked mean of `clipped` (`policy/clipfrac`).
+    approxkl: scalar, 1/2 * masked mean of (logprobs - old_logprobs)^2 (`policy/approxkl`, as in
+              lm-human-preferences and TRL).
+    """
+
+    ratio: torch.Tensor
+    clipped: torch.Tensor
+    clipfrac: torch.Tensor
+    approxkl: torch.Tensor
+
+
+def policy_loss(
+    *,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange: float,
+) -> tuple[torch.Tensor, PolicyLossStats]:
+    """PPO clipped surrogate loss (Schulman et al. 2017, "Proximal Policy Optimization Algorithms", eq. 7):
+
+        rho_t = exp(log pi_theta(y_t|s_t) - log pi_old(y_t|s_t))
+        L     = -masked_mean( min(rho_t * A_t, clip(rho_t, 1 - eps, 1 + eps) * A_t) )
+
+    written as max of the negated terms. Where the clipped term is the smaller objective the token
+    contributes a constant, so its gradient is exactly 0.
+
+    logprobs (with grad), old_logprobs, advantages: (B, T); response_mask: (B, T) bool.
+    Returns (loss scalar, PolicyLossStats).
+    """
+    log_ratio = logprobs - old_logprobs  # (B, T)
+    ratio = torch.exp(log_ratio)  # (B, T)
+    unclipped = -advantages * ratio  # (B, T)
+    clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)  # (B, T)
+    loss = masked_mean(torch.maximum(unclipped, clipped), response_mask)
+    with torch.no_grad():
+        is_clipped = clipped > unclipped  # (B, T)
+        stats = PolicyLossStats(
+            ratio=ratio.detach(),
+            clipped=is_clipped & response_mask,
+            clipfrac=masked_mean(is_clipped.to(ratio.dtype), response_mask),
+            approxkl=0.5 * masked_mean(log_ratio**2, response_mask),
+        )
+    return loss, stats
+
+
+@dataclass(frozen=True)
+class ValueLossStats:
+    """Detached diagnostics of `value_loss`.
+
+    clipped:  (B, T) bool, True where the clipped squared error is the larger one.
+    clipfrac: scalar, masked mean of `clipped` (`val/clipfrac`).
+    """
+
+    clipped: torch.Tensor
+    clipfrac: torch.Tensor
+
+
+def value_loss(
+    *,
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange_value: float,
+) -> tuple[torch.Tensor, ValueLossStats]:
+    """Clipped value loss (OpenAI baselines ppo2; Huang et al. 2022, "The 37 implementation details of
+    PPO", detail 9; lm-human-preferences `train_policy.py`):
+
+        V_clip = V_old + clip(V - V_old, -eps_v, +eps_v)
+        L_V    = 1/2 * masked_mean( max((V - R)^2, (V_clip - R)^2) )
+
+    values (with grad), old_values (from the rollout), returns: (B, T); response_mask: (B, T) bool.
+    Returns (loss scalar, ValueLossStats).
+    """
+    values_clipped = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
+    unclipped = (values - returns) ** 2  # (B, T)
+    clipped = (values_clipped - returns) ** 2  # (B, T)
+    loss = 0.5 * masked_mean(torch.maximum(unclipped, clipped), response_mask)
+    with torch.no_grad():
+        is_clipped = clipped > unclipped  # (B, T)
+        stats = ValueLossStats(
+            clipped=is_clipped & response_mask,
+            clipfrac=masked_mean(is_clipped.to(values.dtype), response_mask),
+        )
+    return loss, stats
+
+
+def explained_variance(*, values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """1 - Var[R - V] / Var[R] over the masked entries (`val/explained_variance`), a scalar.
+
+    1 is a perfect critic, 0 no better than a constant, negative worse. NaN when Var[R] = 0.
+    values, returns: (B, T); mask: (B, T) bool.
+    """
+    var_returns = masked_var(returns, mask, unbiased=False)
+    var_residual = masked_var(returns - values, mask, unbiased=False)
+    return torch.where(var_returns == 0, math.nan, 1.0 - var_residual / var_returns)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reward model
+# ---------------------------------------------------------------------------------------------
+
+
+def bradley_terry_loss(
+    *,
+    chosen_scores: torch.Tensor,
+    rejected_scores: torch.Tensor,
+    margin: torch.Tensor | float | None = None,
+) -> torch.Tensor:
+    """Pairwise reward-model loss (Bradley & Terry 1952; Stiennon et al. 2020, eq. 1; Ouyang et al.
+    2022, eq. 1), with the optional margin of Touvron et al. 2023 (Llama 2, eq. 2):
+
+        L = -mean( log sigmoid(r(x, y_w) - r(x, y_l) - margin) )
+
+    `logsigmoid` keeps large score gaps finite. chosen_scores, rejected_scores, margin: (B,).
+    Returns a scalar.
+    """
+    diff = chosen_scores - rejected_scores  # (B,)
+    if margin is not None:
+        diff = diff - margin
+    return -torch.nn.functional.logsigmoid(diff).mean()
+
+
+def ranking_to_pairs(ranked: list) -> list[tuple]:
+    """Expand a ranking, best first, into its K(K-1)/2 (chosen, rejected) pairs (Ouyang et al. 2022,
+    sec. 3.5). ["B", "A", "D", "C"] -> [(B, A), (B, D), (B, C), (A, D), (A, C), (D, C)].
+    Works on items or indices alike.
+    """
+    return [(ranked[i], ranked[j]) for i in range(len(ranked)) for j in range(i + 1, len(ranked))]
+
+
+# ---------------------------------------------------------------------------------------------
+# KL coefficient controllers
+# ---------------------------------------------------------------------------------------------
+
+
+class AdaptiveKLController:
+    """Adaptive KL coefficient (Ziegler et al. 2019, "Fine-Tuning Language Models from Human
+    Preferences", sec. 2.2; lm-human-preferences `train_policy.py`):
+
+        e    = clip(KL_observed / KL_target - 1, -0.2, 0.2)
+        beta = beta * (1 + e * n_steps / horizon)
+    """
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: int):
+        self.value = init_kl_coef
+        self.target = target
+        self.horizon = horizon  # in episodes
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """current_kl: observed KL per sequence of the last rollout batch; n_steps: its episodes."""
+        proportional_error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + proportional_error * n_steps / self.horizon
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = float(state["value"])
+
+
+class FixedKLController:
+    """A constant KL coefficient with the interface of `AdaptiveKLController`."""
+
+    def __init__(self, kl_coef: float):
+        self.value = kl_coef
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Does nothing: beta stays fixed."""
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = float(state["value"])
