@@ -46,26 +46,46 @@ class Config:
     ppo: dict = help_field({}, "Overrides of PPO config keys, e.g. {steps: 20}.")
     eval: dict = help_field({}, "Overrides of evaluation config keys.")
     report: bool = help_field(True, "Write DIR/report.html at the end.")
+    shared_dir: str | None = help_field(
+        None, "Internal to sweeps: the folder whose sft/ and rm/ this run links to."
+    )
+    seeds: list[int] | None = help_field(
+        None, "Run the whole pipeline once per seed, in DIR/seed-<s> (every stage gets the seed)."
+    )
+    sweep: list[dict] | None = help_field(
+        None,
+        "PPO variants sharing one SFT and RM: a list of {name: ..., <ppo key>: value, ...}; each runs PPO and "
+        "evaluation in DIR/<name>. E.g. no KL penalty vs fixed beta vs adaptive KL.",
+    )
 
     def __post_init__(self):
         unknown = [s for s in self.stages if s not in STAGES]
         require(not unknown, "stages", f"unknown stage(s) {unknown}; choose from {list(STAGES)}")
+        require(not (self.seeds and self.sweep), "sweep", "give either seeds or sweep, not both")
+        for i, variant in enumerate(self.sweep or []):
+            require(
+                isinstance(variant, dict) and isinstance(variant.get("name"), str),
+                "sweep",
+                f"entry {i + 1} needs a 'name' (it names the run folder)",
+            )
 
 
-def chained_paths(out: Path) -> dict[str, dict[str, str]]:
-    """The keys that connect the stages: each reads the previous stage's output folder."""
+def chained_paths(out: Path, shared: Path | None = None) -> dict[str, dict[str, str]]:
+    """The keys that connect the stages: each reads the previous stage's output folder (a sweep variant
+    reads the SFT and RM of the shared folder)."""
+    base = shared or out
     return {
         "sft": {"output_dir": str(out / "sft")},
-        "rm": {"model_name_or_path": str(out / "sft"), "output_dir": str(out / "rm")},
+        "rm": {"model_name_or_path": str(base / "sft"), "output_dir": str(out / "rm")},
         "ppo": {
-            "model_name_or_path": str(out / "sft"),
-            "reward_model_path": str(out / "rm"),
+            "model_name_or_path": str(base / "sft"),
+            "reward_model_path": str(base / "rm"),
             "output_dir": str(out / "ppo"),
         },
         "eval": {
             "policy_path": str(out / "ppo"),
-            "baseline_path": str(out / "sft"),
-            "reward_model_path": str(out / "rm"),
+            "baseline_path": str(base / "sft"),
+            "reward_model_path": str(base / "rm"),
             "output_dir": str(out / "eval"),
         },
     }
@@ -82,7 +102,9 @@ def stage_config(cfg: Config, stage: str) -> Any:
     valid = [f.name for f in dataclasses.fields(stage_cls)]
     recipe = getattr(cfg, f"{stage}_config")
     values: dict[str, Any] = load_yaml_config(recipe, valid) if recipe else {}
-    values.update(chained_paths(Path(cfg.output_dir))[stage])
+    values.update(
+        chained_paths(Path(cfg.output_dir), Path(cfg.shared_dir) if cfg.shared_dir else None)[stage]
+    )
     overrides = getattr(cfg, stage)
     for key in overrides:
         if key not in valid:
@@ -98,15 +120,76 @@ def stage_config(cfg: Config, stage: str) -> Any:
 
 
 def run(cfg: Config) -> dict[str, Any]:
+    """One pipeline run, or one per seed, or a sweep of PPO variants; then the report over all of them."""
     out = Path(cfg.output_dir)
-    configs = {
-        stage: stage_config(cfg, stage) for stage in cfg.stages
-    }  # every config checked before any work
+    if cfg.seeds:
+        runs = [seed_run(cfg, seed) for seed in cfg.seeds]
+    elif cfg.sweep:
+        runs = sweep_runs(cfg)
+    else:
+        runs = [cfg]
+    for run_cfg in runs:  # every stage config of every run is checked before any work starts
+        for stage in run_cfg.stages:
+            stage_config(run_cfg, stage)
+    records = {}
+    for run_cfg in runs:
+        records[run_cfg.output_dir] = run_one(run_cfg)
+    if cfg.report and importlib.util.find_spec("llm_rlhf.report"):
+        from llm_rlhf.report import write_report
+
+        print(f"report: {write_report(out)}")
+    return records[cfg.output_dir] if len(runs) == 1 else records
+
+
+def seed_run(cfg: Config, seed: int) -> Config:
+    """The same pipeline in DIR/seed-<seed>, every stage seeded with `seed`."""
+    overrides = {stage: {**getattr(cfg, stage), "seed": seed} for stage in STAGES}
+    return dataclasses.replace(
+        cfg, output_dir=str(Path(cfg.output_dir) / f"seed-{seed}"), seeds=None, report=False, **overrides
+    )
+
+
+def sweep_runs(cfg: Config) -> list[Config]:
+    """SFT and RM once in DIR; each PPO variant (and its evaluation) in DIR/<name>, whose sft/ and rm/
+    are links to the shared ones (so every variant folder is a complete run for the report)."""
+    out = Path(cfg.output_dir)
+    shared = dataclasses.replace(
+        cfg, stages=[s for s in cfg.stages if s in ("sft", "rm")], sweep=None, report=False
+    )
+    runs = [shared]
+    for variant in cfg.sweep:
+        ppo = {**cfg.ppo, **{k: v for k, v in variant.items() if k != "name"}}
+        folder = out / variant["name"]
+        runs.append(
+            dataclasses.replace(
+                cfg,
+                output_dir=str(folder),
+                stages=[s for s in cfg.stages if s in ("ppo", "eval")],
+                sweep=None,
+                report=False,
+                ppo=ppo,
+                shared_dir=str(out),
+            )
+        )
+    return runs
+
+
+def run_one(cfg: Config) -> dict[str, Any]:
+    out = Path(cfg.output_dir)
+    configs = {stage: stage_config(cfg, stage) for stage in cfg.stages}
     print(format_config(cfg))
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out, "pipeline_config.yaml")
     record_path = out / "pipeline.json"
     record = json.loads(record_path.read_text()) if record_path.exists() else {}
+    if cfg.shared_dir:  # a sweep variant: link the shared SFT and RM stages into this run folder
+        shared_record = json.loads((Path(cfg.shared_dir) / "pipeline.json").read_text())
+        for stage in ("sft", "rm"):
+            link = out / stage
+            if not link.exists():
+                link.symlink_to(Path("..") / stage, target_is_directory=True)
+            if stage in shared_record:
+                record[stage] = shared_record[stage]
     for stage in cfg.stages:
         stage_cfg, stage_dir = configs[stage], Path(configs[stage].output_dir)
         if (stage_dir / "metrics.json").exists():
@@ -123,10 +206,6 @@ def run(cfg: Config) -> dict[str, Any]:
         record[stage] = {"wall_time_s": round(time.perf_counter() - start, 1), "metrics": metrics}
         atomic_write_json(record_path, record)
     print(summary(record))
-    if cfg.report and importlib.util.find_spec("llm_rlhf.report"):
-        from llm_rlhf.report import write_report
-
-        print(f"report: {write_report(out)}")
     return record
 
 

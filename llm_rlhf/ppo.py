@@ -241,9 +241,9 @@ class Rollout:
     def attention_mask(self) -> torch.Tensor:
         return torch.cat([self.query_mask.bool(), self.response_mask], dim=1)  # (B, P + R)
 
-    @property
-    def ended_with_eos(self) -> torch.Tensor:
-        return self.response_mask.sum(-1) < self.response_mask.shape[1]  # (B,) stopped before the limit
+    def ended_with_eos(self, eos_token_id: int) -> torch.Tensor:
+        """(B,) True where the response contains EOS (its last unmasked token); False if truncated."""
+        return ((self.response == eos_token_id) & self.response_mask).any(-1)
 
     def select(self, index: torch.Tensor) -> Rollout:
         return Rollout(
@@ -376,7 +376,7 @@ class PPOTrainer:
             kl_coef=self.kl_ctl.value,
             response_mask=rollout.response_mask,
             eos_penalty=cfg.eos_penalty,
-            ended_with_eos=rollout.ended_with_eos if cfg.eos_penalty is not None else None,
+            ended_with_eos=rollout.ended_with_eos(self.tokenizer.eos_token_id) if cfg.eos_penalty is not None else None,
         )
         if cfg.whiten_rewards:
             rewards = self.whiten(rewards, rollout.response_mask, shift_mean=False)
@@ -494,12 +494,8 @@ class PPOTrainer:
         with self.autocast():
             if self.rm_shares_vocab:  # the usual case: the RM was trained from the SFT model
                 return self.reward_model.score(rollout.sequence, rollout.attention_mask.long()).float()
-            texts = [
-                self.tokenizer.decode(seq[mask], skip_special_tokens=True)
-                for seq, mask in zip(rollout.sequence, rollout.attention_mask)
-            ]
-            enc = self.reward_model.tokenizer(texts, return_tensors="pt", padding=True).to(self.device)
-            return self.reward_model.score(enc["input_ids"], enc["attention_mask"]).float()
+            # Another tokenizer: decode and re-encode the way the RM was trained.
+            return self.reward_model.score_tokens(rollout.sequence, rollout.attention_mask.long(), self.tokenizer).float()
 
     def train_on_rollout(
         self, rollout: Rollout, advantages: torch.Tensor, returns: torch.Tensor
@@ -617,7 +613,7 @@ class PPOTrainer:
             ),
             "val/mean": self.global_mean(ppo_math.masked_mean(rollout.values, mask)),
             "response_length": self.global_mean(lengths.mean()),
-            "eos_rate": self.global_mean(rollout.ended_with_eos.float().mean()),
+            "eos_rate": self.global_mean(rollout.ended_with_eos(self.tokenizer.eos_token_id).float().mean()),
             "time/generate": times["generate"],
             "time/score": times["score"],
             "time/train": times["train"],
@@ -810,7 +806,7 @@ def load_prompts(cfg: Config, tokenizer) -> list[list[int]]:
     from llm_rlhf.data import load_prompt_dataset
 
     ds = load_prompt_dataset(cfg.prompt_file, tokenizer, max_prompt_length=cfg.max_prompt_length)
-    return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in ds["prompt"]]
+    return [tokenizer(p)["input_ids"] for p in ds["prompt"]]  # with BOS where the tokenizer adds one
 
 
 def build_models(cfg: Config):

@@ -1,0 +1,611 @@
+"""`llm-rlhf eval`: compare a policy with a baseline (default: the SFT model) on held-out prompts.
+
+Paired samples: the prompts are cut into the same batches for both models and the generator is seeded
+with `seed + batch_index` before each batch's `generate` (inside `torch.random.fork_rng`, so the global
+RNG is left alone), so sample j of prompt i of the policy is paired with sample j of prompt i of the
+baseline, and two runs with the same seed give the same metrics. When the policy and the baseline are
+the same model the samples are identical and both win rates are exactly 0.5.
+
+metrics.json (written last; `_baseline` keys hold the same figures for the baseline's samples):
+    gold_score_mean   mean gold-judge score of prompt + response (reviews: predicted mean human rating)
+    rm_score_mean     mean reward-model score (normalised with the RM's stored mean/std, as PPO sees it)
+    gold_win_rate     fraction of pairs where the policy's sample scores higher than the baseline's
+    rm_win_rate       (ties count one half), by the gold judge and by the reward model
+    kl_to_ref         mean over the policy's samples of sum_t log pi(y_t|s_t) - log pi_ref(y_t|s_t) over the
+                      response tokens, at temperature 1: the k1 (Monte-Carlo) estimate of the sequence-level
+                      KL(pi || pi_ref) when the samples come from pi at temperature 1. Samples drawn at another
+                      temperature tau come from pi_tau: `kl_to_ref_at_temperature` is the same sum with both
+                      log-probs at tau, the estimate of KL(pi_tau || pi_ref_tau), which is what PPO penalises.
+    response_length_mean   response tokens, the EOS included;  eos_rate: fraction of responses that stop
+    distinct_1, distinct_2  unique / total token n-grams over all responses (EOS excluded; Li et al. 2016)
+    *_stderr          standard error of the mean over the samples
+A null value means "not measured" (gold_judge none, reward_model_path none, or a baseline whose tokenizer
+differs from the reference's for kl_to_ref_baseline).
+
+samples.jsonl: one line per (prompt, sample): prompt, sample, then policy_<key> and baseline_<key> for
+response, gold_score, rm_score, kl_to_ref, length, eos; the first few are printed as a table. Also
+config.yaml (the resolved config). Nothing is written before every input (config, judge, prompts,
+models) has been loaded and checked.
+
+Your own gold judge: `--gold_judge mypackage.judges:score` (a function) or `mypackage.judges:Judge` (a
+class built with no arguments), any callable (prompts: list[str], responses: list[str]) -> list[float]
+with higher = better; see `llm_rlhf.gold`.
+
+For PPO (or any training loop) `evaluate_policy(...)` runs the same sampling and scoring for one
+already-loaded policy and returns the summary figures.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llm_rlhf import ppo_math
+from llm_rlhf.config import format_config, help_field, require, save_config
+from llm_rlhf.errors import UserError
+from llm_rlhf.gold import GoldJudge, call_judge, load_judge
+from llm_rlhf.utils import atomic_write_json, atomic_write_text
+
+
+@dataclass
+class Config:
+    # --- models
+    policy_path: str = help_field("runs/reviews/ppo", "The policy to evaluate (HF folder or hub name).")
+    baseline_path: str = help_field(
+        "runs/reviews/sft", "The model it is compared with (win rates): by default the SFT model."
+    )
+    reference_path: str | None = help_field(
+        None,
+        "The reference pi_ref of kl_to_ref (null = baseline_path); it must share the policy's tokenizer.",
+    )
+    reward_model_path: str = help_field(
+        "runs/reviews/rm", "Reward model folder (`llm-rlhf rm` output) for rm_* metrics; 'none' to skip."
+    )
+    gold_judge: str = help_field(
+        "data/reviews/gold_judge.json",
+        "Gold judge: a judge JSON, 'module:function' or 'module:Class' (a callable (prompts, responses) -> list[float], higher = better), or 'none'.",
+    )
+    trust_remote_code: bool = help_field(
+        False, "Allow model code from the hub (off unless you trust the source)."
+    )
+    dtype: str = help_field("float32", "Weights dtype: float32 | bfloat16 | float16.")
+    # --- prompts
+    prompt_file: str = help_field(
+        "data/reviews/eval_prompts.jsonl",
+        "Held-out prompts (JSONL/CSV/Parquet or a hub dataset; a prompt, messages or text column).",
+    )
+    num_prompts: int | None = help_field(256, "Use the first N prompts of the file (null = all of them).")
+    max_prompt_length: int = help_field(
+        32, "Prompts longer than this (tokens) are rejected with an error naming the row."
+    )
+    samples_per_prompt: int = help_field(1, "Paired samples per prompt and model.")
+    # --- sampling (defaults: the PPO recipe's)
+    max_new_tokens: int = help_field(32, "Maximum response length in tokens.")
+    temperature: float = help_field(1.0, "Sampling temperature.")
+    top_k: int = help_field(0, "Top-k sampling (0 = off).")
+    top_p: float = help_field(1.0, "Nucleus sampling (1.0 = off).")
+    batch_size: int = help_field(
+        32, "Prompts per generate call (the same batches for both models: part of the pairing)."
+    )
+    seed: int = help_field(0, "Batch b is sampled after torch.manual_seed(seed + b), for both models.")
+    # --- output
+    output_dir: str = help_field("runs/reviews/eval", "Where metrics.json, samples.jsonl and config.yaml go.")
+    print_samples: int = help_field(8, "How many prompt/response pairs to print as a table.")
+
+    def __post_init__(self):
+        require(
+            self.num_prompts is None or self.num_prompts > 0, "num_prompts", "must be > 0 (or null for all)"
+        )
+        require(self.samples_per_prompt > 0, "samples_per_prompt", "must be > 0")
+        require(self.max_new_tokens > 0, "max_new_tokens", "must be > 0")
+        require(self.max_prompt_length > 0, "max_prompt_length", "must be > 0")
+        require(
+            self.temperature > 0,
+            "temperature",
+            "must be > 0 (sampling; greedy decoding has no pairing to do)",
+        )
+        require(self.top_k >= 0, "top_k", "must be >= 0 (0 = off)")
+        require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        require(self.batch_size > 0, "batch_size", "must be > 0")
+        require(self.print_samples >= 0, "print_samples", "must be >= 0")
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics: small pure functions
+# ---------------------------------------------------------------------------------------------
+
+
+def win_rate(scores: list[float], baseline_scores: list[float]) -> float:
+    """Fraction of pairs where scores[i] > baseline_scores[i]; a tie counts one half."""
+    if len(scores) != len(baseline_scores) or not scores:
+        raise ValueError(
+            f"need two equally long, non-empty lists (got {len(scores)} and {len(baseline_scores)})"
+        )
+    return sum(win_points(scores, baseline_scores)) / len(scores)
+
+
+def win_points(scores: list[float], baseline_scores: list[float]) -> list[float]:
+    """Per pair: 1 for a win, 0.5 for a tie, 0 for a loss."""
+    return [1.0 if a > b else 0.5 if a == b else 0.0 for a, b in zip(scores, baseline_scores)]
+
+
+def distinct_n(sequences: list[list], n: int) -> float:
+    """Unique n-grams / total n-grams, pooled over all sequences (0.0 when there is no n-gram)."""
+    grams = [tuple(seq[i : i + n]) for seq in sequences for i in range(len(seq) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
+def mean_and_stderr(values: list[float]) -> tuple[float, float]:
+    """Mean and standard error of the mean (sample std / sqrt(n); 0 for one value)."""
+    n = len(values)
+    mean = sum(values) / n
+    var = sum((v - mean) ** 2 for v in values) / (n - 1) if n > 1 else 0.0
+    return mean, math.sqrt(var / n)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling and scoring one batch
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Batch:
+    """Sampled responses for a batch of prompts. Layout of a row (query left-padded, response right-padded):
+
+        sequence       pad pad q q q | r r r EOS pad pad
+        attention      0   0   1 1 1 | 1 1 1 1   0   0
+        response_mask                | T T T T   F   F     (tokens after the first EOS are padding)
+
+    query, query_mask: (B, P) long; response: (B, R) long; response_mask: (B, R) bool.
+    """
+
+    query: torch.Tensor
+    query_mask: torch.Tensor
+    response: torch.Tensor
+    response_mask: torch.Tensor
+
+    @property
+    def sequence(self) -> torch.Tensor:
+        return torch.cat([self.query, self.response], dim=1)  # (B, P + R)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return torch.cat([self.query_mask, self.response_mask.long()], dim=1)  # (B, P + R)
+
+
+def response_mask_from_tokens(response: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """True up to and including the first EOS, False after it. (B, R) -> (B, R) bool (the same rule as PPO)."""
+    is_eos = (response == eos_token_id).long()  # (B, R)
+    return (is_eos.cumsum(-1) - is_eos) == 0  # no EOS strictly before t
+
+
+def _rng_devices(device: torch.device) -> list:
+    return [device] if device.type == "cuda" else []
+
+
+@torch.no_grad()
+def sample_batch(
+    model,
+    tokenizer,
+    prompts: list[str],
+    *,
+    seed: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+) -> Batch:
+    """Left-padded batched `generate` (HF derives the positions from the attention mask), seeded with
+    `seed` without touching the global RNG; stops at EOS, at least one new token (as in PPO)."""
+    device = next(model.parameters()).device
+    queries = [
+        tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts
+    ]  # as PPO tokenizes prompts
+    if any(len(q) == 0 for q in queries):
+        raise UserError("a prompt tokenizes to no tokens; every prompt needs at least one")
+    P = max(len(q) for q in queries)
+    query = torch.full((len(queries), P), tokenizer.pad_token_id, dtype=torch.long)  # (B, P)
+    query_mask = torch.zeros((len(queries), P), dtype=torch.long)  # (B, P)
+    for i, q in enumerate(queries):  # left padding: every response starts at column P
+        query[i, P - len(q) :] = torch.tensor(q)
+        query_mask[i, P - len(q) :] = 1
+    query, query_mask = query.to(device), query_mask.to(device)
+    with torch.random.fork_rng(devices=_rng_devices(device)):
+        torch.manual_seed(seed)
+        sequences = model.generate(
+            input_ids=query,
+            attention_mask=query_mask,
+            do_sample=True,
+            temperature=temperature,
+            top_k=top_k or None,
+            top_p=top_p,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=1,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            use_cache=True,
+        )
+    response = sequences[:, P:]  # (B, R)
+    response_mask = response_mask_from_tokens(response, tokenizer.eos_token_id)  # (B, R)
+    response = torch.where(
+        response_mask, response, tokenizer.pad_token_id
+    )  # (B, R) padding after the first EOS
+    return Batch(query=query, query_mask=query_mask, response=response, response_mask=response_mask)
+
+
+def response_logits(model, batch: Batch) -> torch.Tensor:
+    """One forward over query + response, positions from the attention mask (as in PPO). Returns (B, R, V)."""
+    from llm_rlhf.models import position_ids_from_mask
+
+    mask = batch.attention_mask  # (B, P + R)
+    logits = model(
+        input_ids=batch.sequence,
+        attention_mask=mask,
+        position_ids=position_ids_from_mask(mask),
+        use_cache=False,
+    ).logits  # (B, P + R, V)
+    P = batch.query.shape[1]
+    return logits[:, P - 1 : -1].float()  # (B, R, V): position t predicts response token t
+
+
+@torch.no_grad()
+def sequence_kl_to_ref(
+    model, ref_model, batch: Batch, temperatures: tuple[float, ...], ref_context=None
+) -> list[torch.Tensor]:
+    """k1 sequence KL of each sample, sum_t log pi(y_t|s_t) - log pi_ref(y_t|s_t) over its response tokens,
+    with both log-probs at each temperature in `temperatures`. Returns one (B,) tensor per temperature."""
+    logits = response_logits(model, batch)  # (B, R, V)
+    with ref_context() if ref_context is not None else nullcontext():
+        ref_logits = response_logits(ref_model, batch)  # (B, R, V)
+    out = []
+    for tau in temperatures:
+        logprobs = ppo_math.logprobs_from_logits(
+            logits=logits, labels=batch.response, temperature=tau
+        )  # (B, R)
+        ref_logprobs = ppo_math.logprobs_from_logits(
+            logits=ref_logits, labels=batch.response, temperature=tau
+        )
+        kl = ppo_math.kl_penalty(logprobs=logprobs, ref_logprobs=ref_logprobs, estimator="k1")  # (B, R)
+        out.append(ppo_math.sequence_kl(kl=kl, response_mask=batch.response_mask))  # (B,)
+    return out
+
+
+def shares_vocab(tokenizer, other_tokenizer) -> bool:
+    """True when every token id of `tokenizer` means the same token to `other_tokenizer` (extra tokens of
+    the other, e.g. the pad token an RM adds, are fine)."""
+    other = other_tokenizer.get_vocab()
+    return all(other.get(token) == i for token, i in tokenizer.get_vocab().items())
+
+
+@torch.no_grad()
+def reward_scores(reward_model, tokenizer, batch: Batch) -> torch.Tensor:
+    """Normalised RM scores of prompt + response, exactly the sequence PPO scores: (B,). Token ids go to the
+    RM directly when it shares the sampling tokenizer, otherwise the RM re-encodes the text."""
+    mask = batch.attention_mask  # (B, P + R)
+    if shares_vocab(tokenizer, reward_model.tokenizer):
+        return reward_model.score(batch.sequence, mask).float()
+    return reward_model.score_tokens(batch.sequence, mask, tokenizer).float()
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling and scoring a list of prompts
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def sample_and_score(
+    model,
+    tokenizer,
+    prompts: list[str],
+    *,
+    ref_model=None,
+    ref_context=None,
+    reward_model=None,
+    judge=None,
+    seed: int = 0,
+    batch_size: int = 32,
+    max_new_tokens: int = 32,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    progress: str | None = None,
+) -> list[dict[str, Any]]:
+    """One record per prompt: prompt, response (text), response_ids (EOS excluded), length (tokens, EOS
+    included), eos, kl_to_ref and kl_to_ref_at_temperature (None without `ref_model`), rm_score (None
+    without `reward_model`), gold_score (None without `judge`). Batch b is sampled with seed + b."""
+    from tqdm.auto import tqdm
+
+    if not prompts:
+        raise ValueError("no prompts to sample")
+    temperatures = (1.0, temperature)
+    records: list[dict[str, Any]] = []
+    starts = range(0, len(prompts), batch_size)
+    for b, start in enumerate(tqdm(starts, desc=progress, disable=progress is None, leave=False)):
+        chunk = prompts[start : start + batch_size]
+        batch = sample_batch(
+            model,
+            tokenizer,
+            chunk,
+            seed=seed + b,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+        )
+        kls = (
+            sequence_kl_to_ref(model, ref_model, batch, temperatures, ref_context)
+            if ref_model is not None
+            else None
+        )
+        rm = reward_scores(reward_model, tokenizer, batch) if reward_model is not None else None
+        eos = (batch.response == tokenizer.eos_token_id) & batch.response_mask  # (B, R) the first EOS, if any
+        for i, prompt in enumerate(chunk):
+            ids = batch.response[i][batch.response_mask[i] & ~eos[i]].tolist()  # the response without its EOS
+            records.append(
+                {
+                    "prompt": prompt,
+                    "response": tokenizer.decode(ids, skip_special_tokens=True),
+                    "response_ids": ids,
+                    "length": int(batch.response_mask[i].sum()),
+                    "eos": bool(eos[i].any()),
+                    "kl_to_ref": float(kls[0][i]) if kls is not None else None,
+                    "kl_to_ref_at_temperature": float(kls[1][i]) if kls is not None else None,
+                    "rm_score": float(rm[i]) if rm is not None else None,
+                    "gold_score": None,
+                }
+            )
+    if judge is not None:
+        gold = call_judge(judge, [r["prompt"] for r in records], [r["response"] for r in records])
+        for record, score in zip(records, gold):
+            record["gold_score"] = score
+    return records
+
+
+def summarize(records: list[dict[str, Any]], suffix: str = "") -> dict[str, float | None]:
+    """Means (and standard errors) over the samples of one model; keys end with `suffix`."""
+    out: dict[str, float | None] = {}
+    for key, name in (
+        ("gold_score", "gold_score_mean"),
+        ("rm_score", "rm_score_mean"),
+        ("kl_to_ref", "kl_to_ref"),
+        ("kl_to_ref_at_temperature", "kl_to_ref_at_temperature"),
+    ):
+        values = [r[key] for r in records]
+        mean, stderr = mean_and_stderr(values) if None not in values else (None, None)
+        out[name + suffix] = mean
+        out[name.removesuffix("_mean") + "_stderr" + suffix] = stderr
+    out["response_length_mean" + suffix] = mean_and_stderr([r["length"] for r in records])[0]
+    out["eos_rate" + suffix] = mean_and_stderr([float(r["eos"]) for r in records])[0]
+    out["distinct_1" + suffix] = distinct_n([r["response_ids"] for r in records], 1)
+    out["distinct_2" + suffix] = distinct_n([r["response_ids"] for r in records], 2)
+    return out
+
+
+def evaluate_policy(
+    *,
+    policy,
+    tokenizer,
+    prompts: list[str],
+    ref_model=None,
+    ref_context=None,
+    reward_model=None,
+    judge=None,
+    seed: int = 0,
+    batch_size: int = 32,
+    max_new_tokens: int = 32,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> dict[str, float | None]:
+    """Sample one response per prompt from `policy` and score it: for evaluation during training.
+
+    policy, ref_model: causal LMs (e.g. PPO's `policy.lm` unwrapped from DDP, and the reference's `lm`; with
+    LoRA pass the policy's `lm` again and `ref_context=lambda: lm.disable_adapter()`); reward_model: a
+    `llm_rlhf.reward.RewardModel`; judge: any (prompts, responses) -> list[float]. Each may be None to skip
+    its metric. Deterministic for a given seed, and the global RNG is left untouched. The policy is put in
+    eval mode for the call and restored. Returns `summarize`'s keys: gold_score_mean, rm_score_mean,
+    kl_to_ref, kl_to_ref_at_temperature, response_length_mean, eos_rate, distinct_1, distinct_2 (+ stderrs).
+    """
+    was_training = policy.training
+    policy.eval()
+    try:
+        records = sample_and_score(
+            policy,
+            tokenizer,
+            list(prompts),
+            ref_model=ref_model,
+            ref_context=ref_context,
+            reward_model=reward_model,
+            judge=judge,
+            seed=seed,
+            batch_size=batch_size,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+        )
+    finally:
+        policy.train(was_training)
+    return summarize(records)
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+# ---------------------------------------------------------------------------------------------
+
+
+def load_prompts(cfg: Config, tokenizer) -> list[str]:
+    from llm_rlhf.data import load_prompt_dataset
+
+    prompts = list(
+        load_prompt_dataset(cfg.prompt_file, tokenizer, max_prompt_length=cfg.max_prompt_length)["prompt"]
+    )
+    if cfg.num_prompts is not None:
+        if cfg.num_prompts > len(prompts):
+            raise UserError(
+                f"num_prompts={cfg.num_prompts} but '{cfg.prompt_file}' holds {len(prompts)} prompts"
+            )
+        prompts = prompts[: cfg.num_prompts]
+    return prompts
+
+
+SAMPLE_KEYS = ("response", "gold_score", "rm_score", "kl_to_ref", "length", "eos")
+
+
+def sample_row(prompt: str, sample: int, policy: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any]:
+    """One line of samples.jsonl, flat (one column per key in a table): prompt, sample, then
+    policy_<key> and baseline_<key> side by side for response, gold_score, rm_score, kl_to_ref, length, eos."""
+    row: dict[str, Any] = {"prompt": prompt, "sample": sample}
+    for key in SAMPLE_KEYS:
+        row[f"policy_{key}"], row[f"baseline_{key}"] = policy[key], baseline[key]
+    return row
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """Prompt, then the policy's and the baseline's response with their gold and RM scores."""
+
+    def num(x):
+        return "  n/a" if x is None else f"{x:+.2f}"
+
+    lines = []
+    for row in rows:
+        lines.append(f"prompt: {row['prompt']!r}")
+        for who in ("policy", "baseline"):
+            gold, rm, response = (row[f"{who}_{k}"] for k in ("gold_score", "rm_score", "response"))
+            lines.append(f"  {who:<8} gold {num(gold)}  rm {num(rm)}  {response!r}")
+    return "\n".join(lines)
+
+
+def run(cfg: Config) -> dict[str, Any]:
+    """Load and check every input, sample both models with paired seeds, score, write the outputs."""
+    from llm_rlhf.models import freeze, load_causal_lm, load_tokenizer
+
+    started = time.time()
+    print(format_config(cfg))
+    judge = load_judge(cfg.gold_judge)
+    reference_path = cfg.reference_path or cfg.baseline_path
+    paths = list(
+        dict.fromkeys([cfg.policy_path, cfg.baseline_path, reference_path])
+    )  # one copy of each model
+    tokenizers = {p: load_tokenizer(p, trust_remote_code=cfg.trust_remote_code) for p in paths}
+    tokenizer, baseline_tokenizer = tokenizers[cfg.policy_path], tokenizers[cfg.baseline_path]
+    ref_vocab = tokenizers[reference_path].get_vocab()
+    if tokenizer.get_vocab() != ref_vocab:
+        raise UserError(
+            f"reference_path '{reference_path}': its tokenizer differs from the policy's; kl_to_ref needs the "
+            "same token ids (set reference_path to the model the policy was trained from)"
+        )
+    prompts = load_prompts(cfg, tokenizer)
+    rows = [(i, j) for i in range(len(prompts)) for j in range(cfg.samples_per_prompt)]  # (prompt, sample)
+    row_prompts = [prompts[i] for i, _ in rows]
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    models = {
+        p: freeze(load_causal_lm(p, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)).to(device)
+        for p in paths
+    }
+    reward_model = None
+    if cfg.reward_model_path.lower() != "none":
+        from llm_rlhf.reward import load_reward_model
+
+        reward_model = load_reward_model(
+            cfg.reward_model_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code, device=device
+        )
+        freeze(reward_model)
+
+    common = dict(
+        reward_model=reward_model,
+        judge=judge,
+        seed=cfg.seed,
+        batch_size=cfg.batch_size,
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        top_k=cfg.top_k,
+        top_p=cfg.top_p,
+    )
+    ref_model = models[reference_path]
+    policy = sample_and_score(
+        models[cfg.policy_path], tokenizer, row_prompts, ref_model=ref_model, progress="policy", **common
+    )
+    baseline_ref = ref_model if baseline_tokenizer.get_vocab() == ref_vocab else None  # KL needs the same ids
+    baseline = sample_and_score(
+        models[cfg.baseline_path],
+        baseline_tokenizer,
+        row_prompts,
+        ref_model=baseline_ref,
+        progress="baseline",
+        **common,
+    )
+
+    metrics: dict[str, Any] = {}
+    for key in ("gold_score", "rm_score"):
+        a, b = [r[key] for r in policy], [r[key] for r in baseline]
+        measured = None not in a and None not in b
+        name = key.removesuffix("_score")
+        metrics[f"{name}_win_rate"] = win_rate(a, b) if measured else None
+        metrics[f"{name}_win_rate_stderr"] = mean_and_stderr(win_points(a, b))[1] if measured else None
+    metrics.update(summarize(policy))
+    metrics.update(summarize(baseline, suffix="_baseline"))
+    heldout = judge.info.get("heldout", {}) if isinstance(judge, GoldJudge) else {}
+    metrics.update(
+        {
+            "num_prompts": len(prompts),
+            "samples_per_prompt": cfg.samples_per_prompt,
+            "num_pairs": len(rows),
+            "policy_path": cfg.policy_path,
+            "baseline_path": cfg.baseline_path,
+            "reference_path": reference_path,
+            "reward_model_path": cfg.reward_model_path,
+            "gold_judge": cfg.gold_judge,
+            "gold_judge_heldout_accuracy": heldout.get("accuracy"),
+            "temperature": cfg.temperature,
+            "seed": cfg.seed,
+            "time_s": time.time() - started,
+        }
+    )
+
+    samples = [sample_row(prompts[i], j, p, b) for (i, j), p, b in zip(rows, policy, baseline)]
+    if cfg.print_samples:
+        print(format_table(samples[: cfg.print_samples]))
+    print(format_metrics(metrics))
+
+    out = Path(cfg.output_dir)
+    atomic_write_text(
+        out / "samples.jsonl", "".join(json.dumps(s, ensure_ascii=False) + "\n" for s in samples)
+    )
+    save_config(cfg, out)
+    atomic_write_json(out / "metrics.json", metrics)  # last: its presence marks the evaluation done
+    return metrics
+
+
+def format_metrics(metrics: dict[str, Any]) -> str:
+    """policy vs baseline, one line per figure."""
+
+    def num(x):
+        return "n/a" if x is None else f"{x:.4f}"
+
+    lines = [f"{'':<24}{'policy':>10}{'baseline':>10}"]
+    for key in (
+        "gold_score_mean",
+        "rm_score_mean",
+        "kl_to_ref",
+        "kl_to_ref_at_temperature",
+        "response_length_mean",
+        "eos_rate",
+        "distinct_1",
+        "distinct_2",
+    ):
+        lines.append(f"{key:<24}{num(metrics[key]):>10}{num(metrics[key + '_baseline']):>10}")
+    for key in ("gold_win_rate", "rm_win_rate"):
+        stderr = metrics[key + "_stderr"]
+        lines.append(
+            f"{key:<24}{num(metrics[key]):>10}" + (f"  (+/- {stderr:.4f})" if stderr is not None else "")
+        )
+    return "\n".join(lines)

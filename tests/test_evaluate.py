@@ -1,0 +1,217 @@
+"""`llm-rlhf eval`: the metric helpers against hand-computed values, and runs on tiny models: a policy
+compared with itself (KL exactly 0, win rates exactly 0.5), determinism, and `evaluate_policy`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import SENTENCES, build_model, write_jsonl
+
+from llm_rlhf import evaluate
+from llm_rlhf.errors import UserError
+from llm_rlhf.models import freeze, load_causal_lm, load_tokenizer
+
+REPO = Path(__file__).resolve().parent.parent
+SHIPPED_JUDGE = str(REPO / "data" / "reviews" / "gold_judge.json")
+
+
+# --- pure helpers ---------------------------------------------------------------------------------
+
+
+def test_win_rate_counts_ties_half():
+    assert evaluate.win_rate([3.0, 1.0, 2.0, 2.0], [1.0, 1.0, 5.0, 0.0]) == 0.625  # win, tie, loss, win
+    assert evaluate.win_rate([1.0, 2.0], [1.0, 2.0]) == 0.5
+    assert evaluate.win_points([0.0, 1.0, 2.0], [1.0, 1.0, 1.0]) == [0.0, 0.5, 1.0]
+    with pytest.raises(ValueError):
+        evaluate.win_rate([1.0], [1.0, 2.0])
+
+
+def test_distinct_n_hand_example():
+    sequences = [[1, 2, 1, 2], [1, 3]]
+    assert evaluate.distinct_n(sequences, 1) == 3 / 6  # {1, 2, 3} of 6 tokens
+    assert evaluate.distinct_n(sequences, 2) == 3 / 4  # (1,2) (2,1) (1,2) (1,3): 3 unique of 4
+    assert evaluate.distinct_n([[7]], 2) == 0.0
+
+
+def test_response_mask_stops_after_first_eos():
+    response = torch.tensor([[5, 6, 0, 7, 0], [5, 6, 7, 8, 9], [0, 0, 0, 0, 0]])
+    expected = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.bool)
+    assert torch.equal(evaluate.response_mask_from_tokens(response, eos_token_id=0), expected)
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(UserError, match="temperature"):
+        evaluate.Config(temperature=0.0)
+    with pytest.raises(UserError, match="samples_per_prompt"):
+        evaluate.Config(samples_per_prompt=0)
+
+
+# --- runs on tiny models ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def other_model_dir(tmp_path_factory) -> Path:
+    """A second tiny GPT-2 (different weights, same tokenizer): a 'policy' that differs from the reference."""
+    return build_model(tmp_path_factory.mktemp("tiny_gpt2_other"), "gpt2", seed=1)
+
+
+@pytest.fixture(scope="module")
+def tiny_rm_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """A reward model trained for a few steps from the tiny GPT-2 by `llm-rlhf rm` itself."""
+    from llm_rlhf import reward
+
+    tmp = tmp_path_factory.mktemp("rm")
+    rows = []
+    for good, bad in zip(SENTENCES[0::2], SENTENCES[1::2]):
+        gw, bw = good.split(" "), bad.split(" ")
+        rows.append(
+            {"prompt": " ".join(gw[:2]), "chosen": " " + " ".join(gw[2:]), "rejected": " " + " ".join(bw[2:])}
+        )
+    train = write_jsonl(tmp / "prefs.jsonl", rows * 4)
+    cfg = reward.Config(
+        model_name_or_path=str(tiny_model_dir), train_file=str(train), eval_file=str(train), test_file=str(train),
+        output_dir=str(tmp / "rm"), max_steps=2, per_device_train_batch_size=4, logging_steps=1, eval_steps=100,
+        save_steps=100, max_length=48,
+    )  # fmt: skip
+    reward.run(cfg)
+    return tmp / "rm"
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory) -> Path:
+    rows = [{"prompt": " ".join(s.split(" ")[:k])} for s in SENTENCES for k in (2, 3)]  # 20 prompts
+    return write_jsonl(tmp_path_factory.mktemp("prompts") / "prompts.jsonl", rows)
+
+
+def make_cfg(policy, baseline, prompt_file, out, **kw) -> evaluate.Config:
+    base = dict(
+        policy_path=str(policy), baseline_path=str(baseline), reward_model_path="none", gold_judge=SHIPPED_JUDGE,
+        prompt_file=str(prompt_file), num_prompts=12, max_new_tokens=6, batch_size=5, output_dir=str(out),
+        print_samples=2,
+    )  # fmt: skip
+    base.update(kw)
+    return evaluate.Config(**base)
+
+
+def test_policy_against_itself(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
+    """Same model, paired seeds: identical samples, so KL is exactly 0 and both win rates exactly 0.5."""
+    out = tmp_path / "eval"
+    metrics = evaluate.run(
+        make_cfg(
+            tiny_model_dir,
+            tiny_model_dir,
+            prompt_file,
+            out,
+            reward_model_path=str(tiny_rm_dir),
+            samples_per_prompt=2,
+        )
+    )
+    assert metrics["kl_to_ref"] == 0.0 and metrics["kl_to_ref_at_temperature"] == 0.0
+    assert metrics["gold_win_rate"] == 0.5 and metrics["rm_win_rate"] == 0.5
+    for key in ("gold_score_mean", "rm_score_mean", "response_length_mean", "eos_rate", "distinct_1"):
+        assert metrics[key] == metrics[key + "_baseline"]
+    assert 1 <= metrics["response_length_mean"] <= 6
+    assert metrics["num_pairs"] == 24 and metrics["gold_judge_heldout_accuracy"] >= 0.75
+
+    written = json.loads((out / "metrics.json").read_text())
+    assert written == pytest.approx(metrics)
+    for key in ("gold_win_rate", "rm_win_rate", "kl_to_ref", "gold_score_mean", "rm_score_mean"):
+        assert written[key] is not None
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 24 and [s["sample"] for s in samples[:4]] == [0, 1, 0, 1]
+    for key in evaluate.SAMPLE_KEYS:
+        assert all(s[f"policy_{key}"] == s[f"baseline_{key}"] for s in samples), key
+    assert samples[0]["policy_response"] != samples[1]["policy_response"]  # two different samples
+    assert (out / "config.yaml").is_file()
+
+
+def test_different_policy_is_deterministic(tiny_model_dir, other_model_dir, prompt_file, tmp_path):
+    """A policy that differs from the reference: KL > 0 on its samples, the baseline (= reference) has KL
+    exactly 0, the KL at the sampling temperature is reported apart, and two runs agree exactly."""
+    kw = dict(temperature=0.7, gold_judge="none", num_prompts=6, batch_size=3)
+    first = evaluate.run(make_cfg(other_model_dir, tiny_model_dir, prompt_file, tmp_path / "a", **kw))
+    second = evaluate.run(make_cfg(other_model_dir, tiny_model_dir, prompt_file, tmp_path / "b", **kw))
+    first.pop("time_s"), second.pop("time_s")
+    assert first == second
+    assert (tmp_path / "a" / "samples.jsonl").read_text() == (tmp_path / "b" / "samples.jsonl").read_text()
+    assert first["kl_to_ref"] > 0 and first["kl_to_ref_baseline"] == 0.0
+    assert first["kl_to_ref_at_temperature"] != first["kl_to_ref"]
+    assert (
+        first["gold_win_rate"] is None and first["gold_score_mean"] is None and first["rm_win_rate"] is None
+    )
+
+    reseeded = evaluate.run(
+        make_cfg(other_model_dir, tiny_model_dir, prompt_file, tmp_path / "c", seed=1, **kw)
+    )
+    assert (tmp_path / "c" / "samples.jsonl").read_text() != (tmp_path / "a" / "samples.jsonl").read_text()
+    assert reseeded["kl_to_ref"] != first["kl_to_ref"]
+
+
+def test_evaluate_policy_matches_the_command(
+    tiny_model_dir, other_model_dir, tiny_rm_dir, prompt_file, tmp_path
+):
+    """The in-training entry point gives the command's policy figures and leaves the global RNG alone."""
+    from llm_rlhf.gold import GoldJudge
+    from llm_rlhf.reward import load_reward_model
+
+    metrics = evaluate.run(
+        make_cfg(
+            other_model_dir,
+            tiny_model_dir,
+            prompt_file,
+            tmp_path / "eval",
+            reward_model_path=str(tiny_rm_dir),
+        )
+    )
+    tokenizer = load_tokenizer(str(other_model_dir))
+    policy = load_causal_lm(str(other_model_dir))
+    policy.train()
+    prompts = evaluate.load_prompts(
+        make_cfg(other_model_dir, tiny_model_dir, prompt_file, tmp_path), tokenizer
+    )
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    result = evaluate.evaluate_policy(
+        policy=policy, tokenizer=tokenizer, prompts=prompts, ref_model=freeze(load_causal_lm(str(tiny_model_dir))),
+        reward_model=freeze(load_reward_model(str(tiny_rm_dir))), judge=GoldJudge.load(SHIPPED_JUDGE),
+        batch_size=5, max_new_tokens=6,
+    )  # fmt: skip
+    assert torch.equal(torch.get_rng_state(), state)
+    assert policy.training  # restored
+    for key in (
+        "gold_score_mean",
+        "rm_score_mean",
+        "kl_to_ref",
+        "response_length_mean",
+        "eos_rate",
+        "distinct_2",
+    ):
+        assert result[key] == pytest.approx(metrics[key], abs=1e-6), key
+
+
+def test_bad_inputs_fail_before_anything_is_written(tiny_model_dir, prompt_file, tmp_path):
+    out = tmp_path / "eval"
+    with pytest.raises(UserError, match="num_prompts=99"):
+        evaluate.run(make_cfg(tiny_model_dir, tiny_model_dir, prompt_file, out, num_prompts=99))
+    with pytest.raises(UserError, match="gold_judge"):
+        evaluate.run(make_cfg(tiny_model_dir, tiny_model_dir, prompt_file, out, gold_judge="nope"))
+    with pytest.raises(UserError, match="reward model"):
+        evaluate.run(
+            make_cfg(tiny_model_dir, tiny_model_dir, prompt_file, out, reward_model_path=str(tmp_path / "x"))
+        )
+    assert not out.exists()
+
+
+def test_cli_eval(tiny_model_dir, prompt_file, tmp_path):
+    from llm_rlhf.cli import main
+
+    out = tmp_path / "eval"
+    argv = ["eval", "--policy_path", str(tiny_model_dir), "--baseline_path", str(tiny_model_dir),
+            "--reward_model_path", "none", "--gold_judge", SHIPPED_JUDGE, "--prompt_file", str(prompt_file),
+            "--num_prompts", "4", "--max_new_tokens", "4", "--print_samples", "0", "--output_dir", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["gold_win_rate"] == 0.5 and metrics["kl_to_ref"] == 0.0 and metrics["rm_win_rate"] is None
