@@ -127,6 +127,18 @@ class Config:
     merge_lora: bool = help_field(
         True, "With LoRA: save the merged policy as a plain HF folder (the adapter is kept in adapter/)."
     )
+    # --- held-out evaluation during training (the over-optimisation curve)
+    eval_prompt_file: str | None = help_field(
+        "data/reviews/eval_prompts.jsonl", "Held-out prompts evaluated every eval_every steps (null = off)."
+    )
+    eval_every: int = help_field(
+        10, "Evaluate on held-out prompts every N steps, and before the first (0 = off)."
+    )
+    eval_num_prompts: int = help_field(64, "How many held-out prompts each evaluation samples.")
+    gold_judge: str = help_field(
+        "data/reviews/gold_judge.json",
+        "Gold judge for held-out evaluation: a judge JSON, module:callable, or none.",
+    )
     # --- logging and checkpoints
     log_samples_every: int = help_field(10, "Log a few sampled responses every N steps.")
     num_log_samples: int = help_field(3, "How many samples to log.")
@@ -376,7 +388,9 @@ class PPOTrainer:
             kl_coef=self.kl_ctl.value,
             response_mask=rollout.response_mask,
             eos_penalty=cfg.eos_penalty,
-            ended_with_eos=rollout.ended_with_eos(self.tokenizer.eos_token_id) if cfg.eos_penalty is not None else None,
+            ended_with_eos=rollout.ended_with_eos(self.tokenizer.eos_token_id)
+            if cfg.eos_penalty is not None
+            else None,
         )
         if cfg.whiten_rewards:
             rewards = self.whiten(rewards, rollout.response_mask, shift_mean=False)
@@ -469,16 +483,20 @@ class PPOTrainer:
         rollout.values = values
         return rollout
 
-    def forward_policy(self, rollout: Rollout):
-        """log pi_theta(y_t|s_t), V(s_t), entropy for the response tokens: (B, R) each."""
+    def forward_policy(self, rollout: Rollout, *, train: bool = False):
+        """log pi_theta(y_t|s_t), V(s_t), entropy for the response tokens: (B, R) each.
+
+        train=True goes through the DDP wrapper (gradients synchronised in backward); otherwise the
+        unwrapped module runs the same computation with no collectives, so any one process may call it.
+        """
+        unwrap = self.accelerator.unwrap_model
+        policy = self.policy if train else unwrap(self.policy)
         with self.autocast():
-            logprobs, values, entropy = response_logprobs_and_values(
-                self.policy, rollout, self.cfg.temperature
-            )
+            logprobs, values, entropy = response_logprobs_and_values(policy, rollout, self.cfg.temperature)
             if self.critic is not None:
-                values = self.critic(rollout.sequence, rollout.attention_mask.long())[
-                    :, rollout.query.shape[1] - 1 : -1
-                ]
+                critic = self.critic if train else unwrap(self.critic)
+                P = rollout.query.shape[1]
+                values = critic(rollout.sequence, rollout.attention_mask.long())[:, P - 1 : -1]  # (B, R)
         return logprobs.float(), values.float(), entropy.float()
 
     @torch.no_grad()
@@ -495,7 +513,9 @@ class PPOTrainer:
             if self.rm_shares_vocab:  # the usual case: the RM was trained from the SFT model
                 return self.reward_model.score(rollout.sequence, rollout.attention_mask.long()).float()
             # Another tokenizer: decode and re-encode the way the RM was trained.
-            return self.reward_model.score_tokens(rollout.sequence, rollout.attention_mask.long(), self.tokenizer).float()
+            return self.reward_model.score_tokens(
+                rollout.sequence, rollout.attention_mask.long(), self.tokenizer
+            ).float()
 
     def train_on_rollout(
         self, rollout: Rollout, advantages: torch.Tensor, returns: torch.Tensor
@@ -527,7 +547,7 @@ class PPOTrainer:
                 for mc_start in range(0, len(mb), sizes.micro_batch_per_process):
                     mc = mb[mc_start : mc_start + sizes.micro_batch_per_process]
                     part = rollout.select(mc)
-                    logprobs, values, entropy = self.forward_policy_with_grad(part)
+                    logprobs, values, entropy = self.forward_policy(part, train=True)
                     mask = part.response_mask
                     pg_loss, pg = ppo_math.policy_loss(
                         logprobs=logprobs,
@@ -579,14 +599,39 @@ class PPOTrainer:
         out["lr"] = self.scheduler.get_last_lr()[0]
         return out
 
-    def forward_policy_with_grad(self, part: Rollout):
+    # --- held-out evaluation ------------------------------------------------------------------
+
+    def evaluate(self, prompts: list[str], judge) -> dict[str, float]:
+        """RM score, gold score and KL to the reference on held-out prompts (fixed seed: every
+        evaluation of the run samples with the same random numbers)."""
+        from llm_rlhf.evaluate import evaluate_policy
+
+        lm = self.unwrapped_policy.lm
+        ref = lm if self.cfg.use_lora else self.ref_model.lm
         with self.autocast():
-            logprobs, values, entropy = response_logprobs_and_values(self.policy, part, self.cfg.temperature)
-            if self.critic is not None:
-                values = self.critic(part.sequence, part.attention_mask.long())[
-                    :, part.query.shape[1] - 1 : -1
-                ]
-        return logprobs.float(), values.float(), entropy.float()
+            result = evaluate_policy(
+                policy=lm,
+                tokenizer=self.tokenizer,
+                prompts=prompts,
+                ref_model=ref,
+                ref_context=(lambda: lm.disable_adapter()) if self.cfg.use_lora else None,
+                reward_model=self.reward_model,
+                judge=judge,
+                seed=self.cfg.seed,
+                batch_size=self.cfg.rollout_batch_size,
+                max_new_tokens=self.cfg.max_new_tokens,
+                temperature=self.cfg.temperature,
+                top_k=self.cfg.top_k,
+                top_p=self.cfg.top_p,
+            )
+        return {
+            "step": self.step,
+            "kl": result["kl_to_ref"],
+            "rm_score": result["rm_score_mean"],
+            "gold_score": result["gold_score_mean"],
+            "eos_rate": result["eos_rate"],
+            "response_length": result["response_length_mean"],
+        }
 
     # --- metrics ------------------------------------------------------------------------------
 
@@ -890,6 +935,7 @@ def run(cfg: Config) -> dict[str, float]:
         cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code, padding_side="left"
     )
     prompts = load_prompts(cfg, tokenizer)  # validates the data before anything is written
+    eval_prompts, judge = load_eval_inputs(cfg)
     if not Path(cfg.reward_model_path).exists():
         raise UserError(
             f"reward_model_path '{cfg.reward_model_path}' does not exist (train it with `llm-rlhf rm`)"
@@ -913,6 +959,7 @@ def run(cfg: Config) -> dict[str, float]:
         if accelerator.is_main_process:
             print(f"resumed from {resume_from} at step {trainer.step}")
             truncate_log(out / "metrics.jsonl", trainer.step)
+            truncate_log(out / "eval_log.jsonl", trainer.step)
 
     writer = make_writer(cfg, out) if accelerator.is_main_process else None
     history = (
@@ -920,6 +967,19 @@ def run(cfg: Config) -> dict[str, float]:
         if resume_from is not None and (out / "metrics.jsonl").exists()
         else []
     )
+
+    def maybe_evaluate():
+        if accelerator.is_main_process and eval_prompts and trainer.step % cfg.eval_every == 0:
+            record = trainer.evaluate(eval_prompts, judge)
+            append_jsonl(out / "eval_log.jsonl", record)
+            tqdm_write(
+                f"[eval step {trainer.step}] kl {record['kl']:.2f}  rm {record['rm_score']:+.3f}  "
+                f"gold {record['gold_score'] if record['gold_score'] is not None else float('nan'):+.3f}"
+            )
+        accelerator.wait_for_everyone()
+
+    if resume_from is None:
+        maybe_evaluate()
     bar = tqdm(total=cfg.steps, initial=trainer.step, desc="ppo", disable=not accelerator.is_main_process)
     while trainer.step < cfg.steps:
         metrics = trainer.ppo_step()
@@ -936,6 +996,7 @@ def run(cfg: Config) -> dict[str, float]:
             bar.update(1)
             if cfg.log_samples_every and (trainer.step % cfg.log_samples_every == 0 or trainer.step == 1):
                 log_samples(trainer, out)
+        maybe_evaluate()
         if cfg.save_steps and trainer.step % cfg.save_steps == 0 and trainer.step < cfg.steps:
             trainer.save_checkpoint(out / "checkpoints" / f"step-{trainer.step}")
     bar.close()
@@ -943,6 +1004,21 @@ def run(cfg: Config) -> dict[str, float]:
     final = summarize(history, cfg)
     save_final(trainer, cfg, out, final)
     return final
+
+
+def load_eval_inputs(cfg: Config):
+    """Held-out prompts (first eval_num_prompts) and the gold judge, or nothing when evaluation is off."""
+    if not cfg.eval_every or not cfg.eval_prompt_file:
+        return [], None
+    from llm_rlhf.data import load_prompt_dataset
+    from llm_rlhf.gold import load_judge
+    from llm_rlhf.models import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
+    prompts = load_prompt_dataset(cfg.eval_prompt_file, tokenizer, max_prompt_length=cfg.max_prompt_length)[
+        "prompt"
+    ]
+    return list(prompts[: cfg.eval_num_prompts]), load_judge(cfg.gold_judge)
 
 
 def truncate_log(path: Path, step: int) -> None:

@@ -91,7 +91,7 @@ def test_first_step_kl_zero_and_ratio_one(tiny_model_dir, tiny_rm_dir, prompt_fi
     ref = trainer.reference_logprobs(rollout)
     kl = (rollout.logprobs - ref)[rollout.response_mask]
     assert torch.equal(kl, torch.zeros_like(kl))  # exactly 0: same weights, same code path
-    logprobs, _, _ = trainer.forward_policy_with_grad(rollout)
+    logprobs, _, _ = trainer.forward_policy(rollout, train=True)
     ratio = torch.exp(logprobs - rollout.logprobs)[rollout.response_mask]
     assert torch.equal(ratio, torch.ones_like(ratio))
 

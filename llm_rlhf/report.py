@@ -1,0 +1,960 @@
+"""`llm-rlhf report DIR`: one self-contained report.html per pipeline run, rebuilt from its logs.
+
+    llm-rlhf report runs/reviews          # one run: DIR/report.html and DIR/report/*.png
+    llm-rlhf report runs/kl_sweep         # sub-folders that are runs: compared side by side
+
+A run folder is recognised by `pipeline.json`. The HTML embeds every plot as a base64 PNG and has
+no external CSS or JS, so it opens offline in any browser; the same PNGs are written to
+DIR/report/. What the report reads (any of it may be missing: that section says so and is skipped):
+
+    DIR/pipeline.json, DIR/pipeline_config.yaml, DIR/<stage>/config.yaml, DIR/<stage>/metrics.json
+    DIR/sft/train_log.json   (or log.jsonl)   HF Trainer log history: SFT train / eval loss
+    DIR/rm/train_log.json    (or log.jsonl)   RM loss, accuracy and margin
+    DIR/ppo/metrics.jsonl    one line per PPO step;   DIR/ppo/samples.jsonl   logged responses
+    DIR/ppo/eval_log.jsonl   held-out kl, rm_score, gold_score during PPO (the over-optimisation curve)
+    DIR/eval/metrics.json, DIR/eval/samples.jsonl    final policy vs baseline (SFT)
+
+When DIR holds several runs, DIR/report.html overlays their PPO curves (legend = folder name),
+tabulates their headline metrics and the config keys in which they differ, and draws gold and
+proxy reward against KL for each, so one sees what the KL penalty buys; each run gets its own
+report.html as well. matplotlib is imported only here (an optional dependency of the core).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llm_rlhf.utils import atomic_write_text
+
+STAGES = ("sft", "rm", "ppo", "eval")
+SAMPLE_ROWS = 20  # rows of each sample table
+
+# PPO small multiples: (title, left y label, left keys, (right key, right y label) or None).
+PPO_PANELS = (
+    (
+        "RM score and RLHF reward",
+        "reward (normalised RM units)",
+        ("objective/scores", "objective/rlhf_reward", "objective/non_score_reward"),
+        None,
+    ),
+    ("KL to reference, β (right)", "KL (nats / response)", ("objective/kl",), ("objective/kl_coef", "β")),
+    ("Entropy", "nats / response", ("objective/entropy",), ("policy/entropy", "nats / token")),
+    ("Clip fraction", "fraction of tokens clipped", ("policy/clipfrac", "val/clipfrac"), None),
+    ("Approx. KL, old → new policy", "nats / token", ("policy/approxkl",), None),
+    ("Policy loss", "loss", ("loss/policy",), None),
+    ("Value loss", "loss (squared error)", ("loss/value",), None),
+    ("Explained variance of returns", "1 − Var(R − V) / Var(R)", ("val/explained_variance",), None),
+    ("Response length, EOS rate (right)", "tokens", ("response_length",), ("eos_rate", "EOS rate")),
+    ("Time per phase (stacked)", "seconds / step", ("time/generate", "time/score", "time/train"), None),
+    ("Throughput", "tokens / s", ("tokens_per_s",), None),
+    ("Probability ratio π_θ / π_θ_old", "mean ratio", ("policy/ratio",), None),
+)
+
+# Side-by-side PPO panels: one key each, one line per run.
+COMPARE_PANELS = (
+    ("objective/scores", "RM score", "normalised RM units"),
+    ("objective/kl", "KL to reference (dashed: target)", "nats / response"),
+    ("objective/kl_coef", "KL coefficient β", "β"),
+    ("objective/rlhf_reward", "RLHF reward (score − β·KL)", "reward"),
+    ("objective/entropy", "Entropy", "nats / response"),
+    ("policy/clipfrac", "Policy clip fraction", "fraction of tokens"),
+    ("policy/approxkl", "Approx. KL, old → new policy", "nats / token"),
+    ("loss/value", "Value loss", "loss"),
+    ("val/explained_variance", "Explained variance", "1 − Var(R − V) / Var(R)"),
+    ("response_length", "Response length", "tokens"),
+    ("eos_rate", "EOS rate", "fraction"),
+    ("time/step", "Time per step", "seconds"),
+)
+
+# Headline columns of the side-by-side table: (stage whose final metrics hold it, key).
+COMPARE_COLUMNS = (
+    ("eval", "gold_win_rate"),
+    ("eval", "rm_win_rate"),
+    ("eval", "kl_to_ref"),
+    ("eval", "gold_score_mean"),
+    ("eval", "rm_score_mean"),
+    ("ppo", "objective/scores"),
+    ("ppo", "objective/kl"),
+    ("ppo", "objective/kl_coef"),
+)
+
+SMOOTH_ABOVE = 30  # more points than this: raw line faint, a centred moving average on top
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reading a run folder
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """Everything the report reads from one run folder. A file that is absent or unreadable is None
+    here and named in `missing` (relative to the run folder)."""
+
+    path: Path
+    name: str
+    missing: list[str] = field(default_factory=list)
+    pipeline: dict | None = None
+    stages_planned: list[str] | None = None  # `stages` of pipeline_config.yaml
+    metrics: dict[str, dict | None] = field(default_factory=dict)  # stage -> final metrics
+    sft_log: list[dict] | None = None
+    rm_log: list[dict] | None = None
+    ppo_history: list[dict] | None = None
+    ppo_samples: list[dict] | None = None
+    eval_log: list[dict] | None = None
+    eval_samples: list[dict] | None = None
+    configs: dict[str, str] = field(default_factory=dict)  # relative path -> YAML text
+
+    def _read(self, rel: str, parse, note: bool = True) -> Any:
+        path = self.path / rel
+        if not path.is_file():
+            if note:
+                self.missing.append(rel)
+            return None
+        try:
+            return parse(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError, UnicodeDecodeError) as e:
+            self.missing.append(f"{rel} (unreadable: {type(e).__name__})")
+            return None
+
+    def json(self, rel: str, note: bool = True) -> Any:
+        return self._read(rel, json.loads, note)
+
+    def jsonl(self, rel: str, note: bool = True) -> list[dict] | None:
+        return self._read(rel, parse_jsonl, note)
+
+    def text(self, rel: str, note: bool = True) -> str | None:
+        return self._read(rel, str, note)
+
+
+def parse_jsonl(text: str) -> list[dict]:
+    """JSON objects one per line; a line that does not parse (the half-written last line of an
+    interrupted run) is skipped."""
+    rows = []
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def load_run(path: str | Path, name: str | None = None) -> Run:
+    path = Path(path)
+    run = Run(path=path, name=name or path.resolve().name)
+    run.pipeline = _dict(run.json("pipeline.json"))
+    pipeline_config = run.text("pipeline_config.yaml")
+    if pipeline_config is not None:
+        run.configs["pipeline_config.yaml"] = pipeline_config
+        run.stages_planned = _planned_stages(pipeline_config)
+    for stage in STAGES:
+        text = run.text(f"{stage}/config.yaml", note=False)
+        if text is not None:
+            run.configs[f"{stage}/config.yaml"] = text
+        stage_metrics = _dict(run.json(f"{stage}/metrics.json", note=False))
+        if stage_metrics is None:  # pipeline.json keeps a copy of each finished stage's metrics
+            stage_metrics = _dict((_dict((run.pipeline or {}).get(stage)) or {}).get("metrics"))
+        if stage_metrics is None and not any(m.startswith(f"{stage}/metrics.json") for m in run.missing):
+            run.missing.append(f"{stage}/metrics.json")
+        run.metrics[stage] = stage_metrics
+    run.sft_log = trainer_log(run, "sft")
+    run.rm_log = trainer_log(run, "rm")
+    run.ppo_history = run.jsonl("ppo/metrics.jsonl")
+    run.ppo_samples = run.jsonl("ppo/samples.jsonl")
+    run.eval_log = run.jsonl("ppo/eval_log.jsonl")
+    run.eval_samples = run.jsonl("eval/samples.jsonl")
+    return run
+
+
+def _dict(value: Any) -> dict | None:
+    return value if isinstance(value, dict) else None
+
+
+def trainer_log(run: Run, stage: str) -> list[dict] | None:
+    """The HF Trainer's `state.log_history`: train_log.json (a JSON list), else the log.jsonl the
+    stages append to while training."""
+    rows = run.json(f"{stage}/train_log.json", note=False)
+    if isinstance(rows, list):
+        return [r for r in rows if isinstance(r, dict)]
+    rows = run.jsonl(f"{stage}/log.jsonl", note=False)
+    if rows is None:
+        run.missing.append(f"{stage}/train_log.json")
+    return rows
+
+
+def _planned_stages(config_text: str) -> list[str] | None:
+    import yaml
+
+    try:
+        stages = (yaml.safe_load(config_text) or {}).get("stages")
+    except (yaml.YAMLError, AttributeError):
+        return None
+    return list(stages) if isinstance(stages, list) else None
+
+
+def find_runs(folder: str | Path) -> list[Path]:
+    """[folder] if it is a run; else its sub-folders that are runs (any depth below, sorted)."""
+    folder = Path(folder)
+    if (folder / "pipeline.json").is_file():
+        return [folder]
+    return sorted(p.parent for p in folder.rglob("pipeline.json") if p.parent != folder)
+
+
+def looks_like_run(folder: Path) -> bool:
+    """A run that has not finished its first stage has no pipeline.json yet, only stage folders."""
+    return any((folder / name).exists() for name in ("pipeline.json", "pipeline_config.yaml", *STAGES))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Numbers
+# ---------------------------------------------------------------------------------------------------
+
+
+def _num(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def series(rows: list[dict] | None, key: str, x: str = "step"):
+    """(x, y) arrays of the rows that hold numbers under both keys, in x order."""
+    import numpy as np
+
+    points = sorted(
+        (_num(r.get(x)), _num(r.get(key)))
+        for r in rows or ()
+        if _num(r.get(x)) is not None and _num(r.get(key)) is not None
+    )
+    return np.array([p[0] for p in points], dtype=float), np.array([p[1] for p in points], dtype=float)
+
+
+def smooth(y, window: int):
+    """Centred moving average over the finite values in [i - window//2, i + window//2] (shorter at
+    the ends). Centred, so a trend is not shifted the way an exponential average lags it.
+
+        out[i] = mean(y[j] for j in range(i - h, i + h + 1) if 0 <= j < len(y) and isfinite(y[j]))
+    """
+    import numpy as np
+
+    y = np.asarray(y, dtype=float)
+    h = window // 2
+    finite = np.isfinite(y)
+    csum = np.concatenate([[0.0], np.cumsum(np.where(finite, y, 0.0))])  # csum[k] = sum of y[:k]
+    ccount = np.concatenate([[0], np.cumsum(finite)])
+    lo = np.clip(np.arange(len(y)) - h, 0, len(y))
+    hi = np.clip(np.arange(len(y)) + h + 1, 0, len(y))
+    count = ccount[hi] - ccount[lo]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(count > 0, (csum[hi] - csum[lo]) / count, np.nan)
+
+
+def final_value(run: Run, stage: str, key: str) -> float | None:
+    """A stage's final metric; for PPO keys, the last logged step when metrics.json lacks it."""
+    value = _num((run.metrics.get(stage) or {}).get(key))
+    if value is None and stage == "ppo" and run.ppo_history:
+        value = _num(run.ppo_history[-1].get(key))
+    return value
+
+
+def fmt(value: Any) -> str:
+    """A table cell: 4 significant digits for floats, escaped text otherwise."""
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else f"{value:.4g}"
+    if isinstance(value, (dict, list)):
+        value = json.dumps(value)
+    return html.escape(str(value))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Plots (matplotlib's object API on the Agg canvas: no pyplot state, no display needed)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _style():
+    import matplotlib
+
+    return matplotlib.rc_context(
+        {
+            "font.size": 9,
+            "axes.titlesize": 10,
+            "axes.titleweight": "bold",
+            "axes.grid": True,
+            "grid.alpha": 0.3,
+            "axes.spines.top": False,
+            "legend.fontsize": 8,
+            "legend.frameon": False,
+            "lines.linewidth": 1.5,
+            "axes.formatter.useoffset": False,  # constant series would read "1e-14+1e-2"
+        }
+    )
+
+
+def _figure(nrows: int, ncols: int, width: float, height: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(nrows, ncols, squeeze=False)
+
+
+def png_bytes(fig) -> bytes:
+    for ax in fig.axes:
+        _widen_flat_ylim(ax)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    return buf.getvalue()
+
+
+def _widen_flat_ylim(ax) -> None:
+    """A constant series (β of a fixed controller, EOS rate 1.0) gets a readable ±5% y range instead
+    of ticks spanning its floating-point noise."""
+    low, high = ax.dataLim.intervaly
+    if ax.lines and ax.get_autoscaley_on() and 0 <= high - low <= 1e-9 * max(1.0, abs(high)):
+        pad = 0.05 * abs(high) or 0.05
+        ax.set_ylim(low - pad, high + pad)
+
+
+def _color(i: int):
+    import matplotlib
+
+    return matplotlib.colormaps["tab10"](i % 10)
+
+
+def _line(ax, x, y, label: str | None = None, color=None, **kwargs):
+    """Raw line; with many points, the raw line faint and a moving average over ~5% of them on top."""
+    if len(x) > SMOOTH_ABOVE:
+        (raw,) = ax.plot(x, y, color=color, alpha=0.25, linewidth=1)
+        return ax.plot(x, smooth(y, len(x) // 20 * 2 + 1), color=raw.get_color(), label=label, **kwargs)[0]
+    return ax.plot(
+        x, y, color=color, label=label, marker="o" if len(x) < 12 else None, markersize=3, **kwargs
+    )[0]
+
+
+def _no_data(ax, text: str = "no data") -> None:
+    ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", color="gray")
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def _twin(ax, color):
+    right = ax.twinx()
+    right.spines["right"].set_visible(True)
+    right.grid(False)
+    right.tick_params(axis="y", colors=color)
+    return right
+
+
+def _legend(ax, *more_axes) -> None:
+    handles, labels = [], []
+    for a in (ax, *more_axes):
+        h, lab = a.get_legend_handles_labels()
+        handles, labels = handles + h, labels + lab
+    if handles:
+        ax.legend(handles, labels, loc="best")
+
+
+def plot_sft(log: list[dict]):
+    fig, axes = _figure(1, 1, 6.5, 3.6)
+    ax = axes[0, 0]
+    for key, label in (("loss", "train"), ("eval_loss", "eval")):
+        x, y = series(log, key)
+        if len(x):
+            _line(ax, x, y, label=label)
+    ax.set(
+        title="SFT loss (completion tokens)", xlabel="optimizer step", ylabel="cross-entropy (nats / token)"
+    )
+    _legend(ax)
+    return fig
+
+
+def plot_rm(log: list[dict] | None, metrics: dict | None):
+    """Loss, pairwise accuracy (chance 0.5, bag-of-words baseline dashed) and margin r(chosen) − r(rejected)."""
+    metrics = metrics or {}
+    fig, axes = _figure(1, 3, 12, 3.6)
+    last_step = max((_num(r.get("step")) or 0 for r in log or ()), default=0) or _num(
+        metrics.get("global_step")
+    )
+    panels = (
+        ("Bradley–Terry loss", "loss (nats / pair)", "loss", "eval_loss"),
+        ("Pairwise accuracy", "fraction of pairs ranked right", "accuracy", "eval_accuracy"),
+        ("Reward margin", "r(chosen) − r(rejected)", "margin", "eval_margin"),
+    )
+    for ax, (title, ylabel, train_key, eval_key) in zip(axes[0], panels):
+        drawn = False
+        for key, label in ((train_key, "train"), (eval_key, "eval")):
+            x, y = series(log, key)
+            if len(x):
+                _line(ax, x, y, label=label)
+                drawn = True
+        final = _num(metrics.get(eval_key))
+        if final is not None and not len(series(log, eval_key)[0]):
+            ax.plot(
+                [last_step or 0], [final], "*", markersize=12, color="C1", label=f"final eval {final:.3g}"
+            )
+            drawn = True
+        if train_key == "accuracy" and drawn:
+            ax.axhline(0.5, color="gray", linestyle=":", linewidth=1, label="chance")
+            baseline = _num(metrics.get("baseline_accuracy"))
+            if baseline is not None:
+                ax.axhline(
+                    baseline, color="k", linestyle="--", linewidth=1, label=f"bag-of-words {baseline:.3g}"
+                )
+        if not drawn:
+            _no_data(ax)
+        ax.set(title=title, xlabel="optimizer step", ylabel=ylabel)
+        _legend(ax)
+    return fig
+
+
+def plot_ppo(history: list[dict], kl_target: float | None):
+    fig, axes = _figure(3, 4, 16, 9.5)
+    for ax, (title, ylabel, keys, right) in zip(axes.flat, PPO_PANELS):
+        ax.set(title=title, xlabel="PPO step", ylabel=ylabel)
+        if keys[0].startswith("time/"):
+            drawn = _time_panel(ax, history)
+        else:
+            drawn = False
+            for i, key in enumerate(keys):
+                x, y = series(history, key)
+                if not len(x):
+                    continue
+                line = _line(ax, x, y, label=key, color=f"C{i}")
+                drawn = True
+                if key == "objective/scores":
+                    _, std = series(history, "objective/scores_std")
+                    if len(std) == len(y):
+                        ax.fill_between(
+                            x, y - std, y + std, color=line.get_color(), alpha=0.15, label="± std"
+                        )
+            if keys[0] == "objective/kl" and kl_target is not None and drawn:
+                ax.axhline(kl_target, color="C0", linestyle="--", linewidth=1, label=f"target {kl_target:g}")
+            if keys[0] == "policy/ratio" and drawn:
+                ax.axhline(1.0, color="gray", linestyle=":", linewidth=1)
+        axes_used = [ax]
+        if right is not None:
+            x, y = series(history, right[0])
+            if len(x):
+                twin = _twin(ax, "C3")
+                _line(twin, x, y, label=right[0], color="C3")
+                twin.set_ylabel(right[1], color="C3")
+                axes_used.append(twin)
+                drawn = True
+        if not drawn:
+            _no_data(ax)
+        _legend(*axes_used)
+    fig.suptitle("PPO training (one point per rollout batch)", fontweight="bold")
+    return fig
+
+
+def _time_panel(ax, history: list[dict]) -> bool:
+    """Generate / score / train stacked, the whole step on top (the rest is bookkeeping)."""
+    import numpy as np
+
+    x, total = series(history, "time/step")
+    phases = [
+        (k.split("/")[1], [_num(r.get(k)) for r in history])
+        for k in ("time/generate", "time/score", "time/train")
+    ]
+    phases = [(name, v) for name, v in phases if all(t is not None for t in v)]
+    steps = [_num(r.get("step")) for r in history]
+    if phases and all(s is not None for s in steps):
+        order = np.argsort(steps)
+        xs = np.array(steps)[order]
+        ax.stackplot(xs, *[np.array(v)[order] for _, v in phases], labels=[n for n, _ in phases], alpha=0.7)
+    if len(x):
+        ax.plot(x, total, color="k", linewidth=1, label="whole step")
+    return bool(phases) or bool(len(x))
+
+
+def _eval_points(eval_log: list[dict]):
+    """(step, kl, rm_score, gold_score) arrays of the held-out evaluations, in step order."""
+    import numpy as np
+
+    rows = sorted(
+        (r for r in eval_log if all(_num(r.get(k)) is not None for k in ("kl", "rm_score", "gold_score"))),
+        key=lambda r: _num(r.get("step")) or 0,
+    )
+    return tuple(
+        np.array([_num(r.get(k)) or 0.0 for r in rows]) for k in ("step", "kl", "rm_score", "gold_score")
+    )
+
+
+def _overopt_axes(ax, eval_log: list[dict], title: str, legend: bool = True) -> bool:
+    """Proxy (RM) score left, gold score right, both against KL; points joined in step order."""
+    step, kl, rm, gold = _eval_points(eval_log)
+    ax.set(title=title, xlabel="KL to reference (nats / response)")
+    if not len(kl):
+        _no_data(ax)
+        return False
+    ax.plot(kl, rm, "o-", color="C0", markersize=4, label="proxy: RM score")
+    ax.set_ylabel("RM score (normalised)", color="C0")
+    ax.tick_params(axis="y", colors="C0")
+    twin = _twin(ax, "C1")
+    twin.plot(kl, gold, "s-", color="C1", markersize=4, label="gold judge score")
+    twin.set_ylabel("gold score", color="C1")
+    for i in {0, len(kl) - 1}:
+        ax.annotate(
+            f"step {step[i]:g}", (kl[i], rm[i]), textcoords="offset points", xytext=(4, 4), fontsize=7
+        )
+    if legend:
+        ax.figure.legend(handles=[*ax.lines, *twin.lines], loc="outside lower center", ncols=2)
+    return True
+
+
+def plot_overoptimisation(eval_log: list[dict]):
+    fig, axes = _figure(1, 1, 6.5, 4)
+    _overopt_axes(axes[0, 0], eval_log, "Gold vs proxy reward as the policy moves away (held-out prompts)")
+    return fig
+
+
+def plot_compare_ppo(runs: list[Run]):
+    fig, axes = _figure(3, 4, 16, 10)
+    for ax, (key, title, ylabel) in zip(axes.flat, COMPARE_PANELS):
+        ax.set(title=title, xlabel="PPO step", ylabel=ylabel)
+        drawn = False
+        for i, run in enumerate(runs):
+            x, y = series(run.ppo_history, key)
+            if not len(x):
+                continue
+            _line(ax, x, y, label=run.name, color=_color(i))
+            drawn = True
+            target = final_value(run, "ppo", "kl_target")
+            if key == "objective/kl" and target is not None:
+                ax.axhline(target, color=_color(i), linestyle="--", linewidth=1)
+        if not drawn:
+            _no_data(ax)
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], color=_color(i), label=r.name) for i, r in enumerate(runs)]
+    fig.legend(handles=handles, loc="outside upper center", ncols=min(len(runs), 6))
+    return fig
+
+
+def plot_compare_overoptimisation(runs: list[Run]):
+    """Row 1: every run's proxy and gold score against KL, overlaid. Row 2+: each run on its own."""
+    ncols = min(len(runs), 3)
+    nrows = 1 + math.ceil(len(runs) / ncols)
+    fig, axes = _figure(nrows, max(ncols, 2), 5.2 * max(ncols, 2), 3.8 * nrows)
+    proxy_ax, gold_ax = axes[0, 0], axes[0, 1]
+    for i, run in enumerate(runs):
+        _, kl, rm, gold = _eval_points(run.eval_log or [])
+        if len(kl):
+            proxy_ax.plot(kl, rm, "o-", color=_color(i), markersize=3, label=run.name)
+            gold_ax.plot(kl, gold, "o-", color=_color(i), markersize=3, label=run.name)
+    for ax, what in ((proxy_ax, "Proxy: RM score"), (gold_ax, "Gold judge score")):
+        ax.set(title=f"{what} against KL, all runs", xlabel="KL to reference (nats / response)", ylabel=what)
+        if ax.lines:
+            ax.legend()
+        else:
+            _no_data(ax)
+    for ax in axes[0, 2:]:
+        ax.set_visible(False)
+    flat = list(axes[1:].flat)
+    for ax, run in zip(flat, runs):
+        _overopt_axes(ax, run.eval_log or [], run.name, legend=False)  # the coloured axis labels say which
+    for ax in flat[len(runs) :]:
+        ax.set_visible(False)
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------------
+# HTML
+# ---------------------------------------------------------------------------------------------------
+
+CSS = """
+body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; margin: 2em auto;
+       max-width: 1400px; padding: 0 1em; color: #222; line-height: 1.4; }
+h1 { margin-bottom: 0.2em; } h2 { border-bottom: 2px solid #ddd; padding-bottom: 0.2em; margin-top: 2em; }
+.meta { color: #666; margin-top: 0; }
+.cards { display: flex; flex-wrap: wrap; gap: 0.8em; margin: 1em 0; }
+.card { border: 1px solid #ddd; border-radius: 6px; padding: 0.6em 1em; min-width: 11em; background: #fafafa; }
+.card .label { font-size: 0.8em; color: #666; text-transform: uppercase; letter-spacing: 0.03em; }
+.card .value { font-size: 1.35em; font-weight: 600; }
+.card .sub { font-size: 0.8em; color: #666; }
+table { border-collapse: collapse; margin: 0.8em 0; font-size: 0.9em; }
+th, td { border: 1px solid #ddd; padding: 0.3em 0.6em; text-align: left; vertical-align: top; }
+th { background: #f0f0f0; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
+table.samples td { max-width: 32em; white-space: pre-wrap; word-break: break-word; }
+img { max-width: 100%; height: auto; border: 1px solid #eee; }
+figure { margin: 1em 0; } figcaption { color: #666; font-size: 0.85em; }
+.missing { color: #a15c00; background: #fff6e5; border-left: 4px solid #f0a020; padding: 0.4em 0.8em; }
+details { margin: 0.4em 0; } summary { cursor: pointer; font-weight: 600; }
+pre { background: #f6f8fa; padding: 0.8em; overflow-x: auto; font-size: 0.85em; }
+nav a { margin-right: 1em; }
+"""
+
+
+class Page:
+    """A report page being built: HTML parts plus the PNGs it embeds (also written to `png_dir`)."""
+
+    def __init__(self, png_dir: Path):
+        self.parts: list[str] = []
+        self.png_dir = png_dir
+        self.pngs: list[Path] = []
+
+    def add(self, *parts: str) -> None:
+        self.parts.extend(parts)
+
+    def figure(self, fig, name: str, alt: str, caption: str = "") -> None:
+        data = png_bytes(fig)
+        self.png_dir.mkdir(parents=True, exist_ok=True)
+        path = self.png_dir / f"{name}.png"
+        path.write_bytes(data)
+        self.pngs.append(path)
+        encoded = base64.b64encode(data).decode("ascii")
+        cap = f"<figcaption>{html.escape(caption)}</figcaption>" if caption else ""
+        self.add(
+            f'<figure><img alt="{html.escape(alt)}" src="data:image/png;base64,{encoded}">{cap}</figure>'
+        )
+
+    def missing(self, text: str) -> None:
+        self.add(f'<p class="missing">{html.escape(text)}</p>')
+
+    def html(self, title: str) -> str:
+        head = (
+            '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
+            '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
+            f"<title>{html.escape(title)}</title>\n<style>{CSS}</style>\n</head>\n<body>\n"
+        )
+        return head + "\n".join(self.parts) + "\n</body>\n</html>\n"
+
+
+def table(header: list[str], rows: list[list[Any]], css_class: str = "") -> str:
+    """Cells are formatted with `fmt` unless already a `Raw` HTML string; numbers right-aligned."""
+
+    def cell(v: Any) -> str:
+        if isinstance(v, Raw):
+            return f"<td>{v}</td>"
+        return f'<td class="num">{fmt(v)}</td>' if _num(v) is not None else f"<td>{fmt(v)}</td>"
+
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(cell(v) for v in row) + "</tr>\n" for row in rows)
+    cls = f' class="{css_class}"' if css_class else ""
+    return f"<table{cls}>\n<tr>{head}</tr>\n{body}</table>"
+
+
+class Raw(str):
+    """HTML that a table cell shows as is."""
+
+
+def metrics_table(metrics: dict) -> str:
+    return table(["metric", "value"], [[k, v] for k, v in metrics.items()])
+
+
+def samples_table(rows: list[dict], limit: int = SAMPLE_ROWS) -> str:
+    """Every key of the first `limit` rows becomes a column (in order of first appearance)."""
+    rows = rows[:limit]
+    columns: list[str] = []
+    for row in rows:
+        columns += [k for k in row if k not in columns]
+    return table(columns, [[row.get(c) for c in columns] for row in rows], css_class="samples")
+
+
+def _card(label: str, value: str, sub: str = "") -> str:
+    sub_html = f'<div class="sub">{html.escape(sub)}</div>' if sub else ""
+    return (
+        f'<div class="card"><div class="label">{html.escape(label)}</div>'
+        f'<div class="value">{html.escape(value)}</div>{sub_html}</div>'
+    )
+
+
+def _first(*values: float | None) -> float | None:
+    return next((v for v in values if v is not None), None)
+
+
+def _g(value: float | None, spec: str = ".3g") -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def headline_cards(run: Run) -> str:
+    sft_eos = final_value(run, "sft", "eos_rate")
+    rm_acc, rm_base = final_value(run, "rm", "eval_accuracy"), final_value(run, "rm", "baseline_accuracy")
+    first = final_value(run, "ppo", "scores_first")
+    if first is None and run.ppo_history:
+        first = _num(run.ppo_history[0].get("objective/scores"))
+    last = _first(final_value(run, "ppo", "scores_last"), final_value(run, "ppo", "objective/scores"))
+    kl = _first(final_value(run, "ppo", "kl_last"), final_value(run, "ppo", "objective/kl"))
+    target = final_value(run, "ppo", "kl_target")
+    beta = final_value(run, "ppo", "objective/kl_coef")
+    gold, rm_win = final_value(run, "eval", "gold_win_rate"), final_value(run, "eval", "rm_win_rate")
+    wall = sum(
+        _num((e or {}).get("wall_time_s")) or 0.0
+        for e in (run.pipeline or {}).values()
+        if isinstance(e, dict)
+    )
+    cards = [
+        _card("SFT EOS rate", _g(sft_eos, ".1%"), "responses that stop"),
+        _card("RM accuracy", _g(rm_acc, ".1%"),
+              f"bag-of-words baseline {_g(rm_base, '.1%')}, chance 50%" if rm_base is not None else "chance 50%"),
+        _card("PPO RM score", f"{_g(first)} → {_g(last)}", "first → last step"),
+        _card("PPO KL", _g(kl), f"target {_g(target)}, β = {_g(beta)}"),
+        _card("Gold win rate", _g(gold, ".1%"),
+              f"vs SFT; RM win rate {_g(rm_win, '.1%')}" if rm_win is not None else "vs SFT"),
+    ]  # fmt: skip
+    if wall:
+        cards.append(_card("Wall time", f"{wall / 60:.1f} min", "all stages"))
+    return '<div class="cards">' + "".join(cards) + "</div>"
+
+
+def _skipped(run: Run, stage: str, files: list[str]) -> str:
+    """Why a section has no data: the stage was not part of the run, or which files are missing."""
+    if run.stages_planned is not None and stage not in run.stages_planned:
+        return (
+            f"The {stage} stage is not part of this run (pipeline_config.yaml stages: {run.stages_planned})."
+        )
+    return "Missing: " + ", ".join(f"{run.name}/{f}" for f in files) + " — section skipped."
+
+
+def _wall_time(run: Run, stage: str) -> str:
+    entry = (run.pipeline or {}).get(stage)
+    seconds = _num(entry.get("wall_time_s")) if isinstance(entry, dict) else None
+    return "" if seconds is None else f'<p class="meta">wall time {seconds:.1f} s</p>'
+
+
+def section_sft(page: Page, run: Run) -> None:
+    page.add('<h2 id="sft">1. Supervised fine-tuning</h2>', _wall_time(run, "sft"))
+    if run.sft_log and len(series(run.sft_log, "loss")[0]) + len(series(run.sft_log, "eval_loss")[0]):
+        page.figure(
+            plot_sft(run.sft_log), "sft_loss", "SFT loss", "Next-token loss on the completion tokens only."
+        )
+    else:
+        page.missing(_skipped(run, "sft", ["sft/train_log.json (no loss curve)"]))
+    if run.metrics.get("sft"):
+        page.add(metrics_table(run.metrics["sft"]))
+
+
+def section_rm(page: Page, run: Run) -> None:
+    page.add('<h2 id="rm">2. Reward model</h2>', _wall_time(run, "rm"))
+    if run.rm_log or run.metrics.get("rm"):
+        page.figure(
+            plot_rm(run.rm_log, run.metrics.get("rm")),
+            "rm",
+            "Reward model loss, accuracy and margin",
+            "Held-out pairwise accuracy against chance (0.5) and a bag-of-words logistic regression.",
+        )
+        if not run.rm_log:
+            page.missing("Missing: rm/train_log.json — only the final evaluation is plotted.")
+    else:
+        page.missing(_skipped(run, "rm", ["rm/train_log.json", "rm/metrics.json"]))
+    if run.metrics.get("rm"):
+        page.add(metrics_table(run.metrics["rm"]))
+
+
+def section_ppo(page: Page, run: Run) -> None:
+    page.add('<h2 id="ppo">3. PPO</h2>', _wall_time(run, "ppo"))
+    if run.ppo_history:
+        caption = "β on the right axis of the KL panel, the KL target dashed."
+        if len(run.ppo_history) > SMOOTH_ABOVE:
+            caption += " Faint: raw values; solid: centred moving average over 5% of the steps."
+        page.figure(
+            plot_ppo(run.ppo_history, final_value(run, "ppo", "kl_target")), "ppo", "PPO curves", caption
+        )
+    else:
+        page.missing(_skipped(run, "ppo", ["ppo/metrics.jsonl (no PPO curves)"]))
+    page.add("<h3>Over-optimisation: gold and proxy reward against KL</h3>")
+    if run.eval_log and len(_eval_points(run.eval_log)[0]):
+        page.figure(
+            plot_overoptimisation(run.eval_log),
+            "overoptimisation",
+            "Gold and proxy reward against KL",
+            "Periodic held-out evaluation during PPO. The RM (proxy) keeps rising with KL; when the gold "
+            "score stops following it, the policy is exploiting the reward model.",
+        )
+    else:
+        page.missing(_skipped(run, "ppo", ["ppo/eval_log.jsonl (no over-optimisation curve)"]))
+    if run.ppo_samples:
+        steps = sorted({s.get("step") for s in run.ppo_samples if _num(s.get("step")) is not None})
+        for step in dict.fromkeys(steps[:1] + steps[-1:]):  # the first and the last logged step
+            page.add(f"<h3>PPO samples at step {fmt(step)}</h3>")
+            page.add(samples_table([s for s in run.ppo_samples if s.get("step") == step], limit=10))
+    if run.metrics.get("ppo"):
+        page.add(
+            "<details><summary>Final PPO metrics</summary>", metrics_table(run.metrics["ppo"]), "</details>"
+        )
+
+
+def section_eval(page: Page, run: Run) -> None:
+    page.add('<h2 id="eval">4. Evaluation: policy vs SFT baseline</h2>', _wall_time(run, "eval"))
+    if run.metrics.get("eval"):
+        page.add(metrics_table(run.metrics["eval"]))
+    else:
+        page.missing(_skipped(run, "eval", ["eval/metrics.json"]))
+    page.add("<h3>Before / after samples</h3>")
+    if run.eval_samples:
+        page.add(f'<p class="meta">First {min(SAMPLE_ROWS, len(run.eval_samples))} of {len(run.eval_samples)} '
+                 "held-out prompts: the SFT baseline's and the PPO policy's responses with their scores.</p>")  # fmt: skip
+        page.add(samples_table(run.eval_samples))
+    else:
+        page.missing(_skipped(run, "eval", ["eval/samples.jsonl"]))
+
+
+def section_configs(page: Page, run: Run) -> None:
+    page.add('<h2 id="configs">Resolved configs</h2>')
+    if not run.configs:
+        page.missing("Missing: pipeline_config.yaml and every <stage>/config.yaml.")
+    for rel, text in run.configs.items():
+        page.add(f"<details><summary>{html.escape(rel)}</summary><pre>{html.escape(text)}</pre></details>")
+
+
+def _header(page: Page, title: str, folder: Path) -> None:
+    stamp = time.strftime("%Y-%m-%d %H:%M")
+    page.add(
+        f"<h1>{html.escape(title)}</h1>",
+        f'<p class="meta">{html.escape(str(folder.resolve()))} · built {stamp} by '
+        f"<code>llm-rlhf report {html.escape(str(folder))}</code></p>",
+    )
+
+
+def build_run_page(run: Run, png_dir: Path) -> Page:
+    page = Page(png_dir)
+    _header(page, f"RLHF run: {run.name}", run.path)
+    page.add(headline_cards(run))
+    page.add(
+        '<nav><a href="#sft">SFT</a><a href="#rm">Reward model</a><a href="#ppo">PPO</a>'
+        '<a href="#eval">Evaluation</a><a href="#configs">Configs</a></nav>'
+    )
+    if run.missing:
+        page.missing("Not found in this run folder: " + ", ".join(run.missing))
+    for section in (section_sft, section_rm, section_ppo, section_eval, section_configs):
+        section(page, run)
+    return page
+
+
+def config_differences(runs: list[Run]) -> list[tuple[str, list[Any]]]:
+    """Config keys whose values differ between runs (the run's own folder name masked out of paths)."""
+    import yaml
+
+    flat: list[dict[str, Any]] = []
+    for run in runs:
+        values: dict[str, Any] = {}
+        for rel, text in run.configs.items():
+            try:
+                data = yaml.safe_load(text) or {}
+            except yaml.YAMLError:
+                continue
+            prefix = rel.split("/")[0] if "/" in rel else "pipeline"
+            for key, value in data.items() if isinstance(data, dict) else ():
+                if prefix == "pipeline" and isinstance(value, dict):
+                    continue  # its per-stage overrides show up in the stages' own configs
+                if isinstance(value, str):
+                    value = value.replace(str(run.path), "<run>").replace(run.name, "<run>")
+                values[f"{prefix}.{key}"] = value
+        flat.append(values)
+    keys = [k for k in dict.fromkeys(k for values in flat for k in values)]
+    rows = [(k, [values.get(k) for values in flat]) for k in keys]
+    return [
+        (k, vals) for k, vals in rows if len({json.dumps(v, sort_keys=True, default=str) for v in vals}) > 1
+    ]
+
+
+def build_compare_page(runs: list[Run], folder: Path, png_dir: Path) -> Page:
+    page = Page(png_dir)
+    _header(page, f"RLHF runs side by side: {folder.resolve().name}", folder)
+    page.add("<h2>Headline metrics</h2>")
+    header = ["run", *[f"{key} ({stage})" if stage == "ppo" else key for stage, key in COMPARE_COLUMNS]]
+    rows = []
+    for run in runs:
+        link = Raw(
+            f'<a href="{html.escape(run.path.relative_to(folder).as_posix())}/report.html">{html.escape(run.name)}</a>'
+        )
+        rows.append([link, *[final_value(run, stage, key) for stage, key in COMPARE_COLUMNS]])
+    page.add(table(header, rows))
+    page.add(
+        '<p class="meta">Win rates and scores from the final evaluation on held-out prompts (vs the SFT '
+        "baseline); the ppo columns are the last PPO step's rollout statistics.</p>"
+    )
+    diffs = config_differences(runs)
+    if diffs:
+        page.add("<h2>Where the configs differ</h2>")
+        page.add(table(["config key", *[r.name for r in runs]], [[k, *v] for k, v in diffs]))
+    page.add("<h2>PPO curves</h2>")
+    if any(r.ppo_history for r in runs):
+        page.figure(plot_compare_ppo(runs), "compare_ppo", "PPO curves of every run",
+                    "One colour per run; dashed lines in the KL panel are each run's KL target.")  # fmt: skip
+    else:
+        page.missing("No run has ppo/metrics.jsonl.")
+    page.add("<h2>What the KL penalty buys: gold and proxy reward against KL</h2>")
+    if any(r.eval_log and len(_eval_points(r.eval_log)[0]) for r in runs):
+        page.figure(
+            plot_compare_overoptimisation(runs),
+            "compare_overoptimisation",
+            "Gold and proxy reward against KL per run",
+            "Top: all runs overlaid. Below: each run, proxy (RM) score on the left axis, gold score on the right.",
+        )
+    else:
+        page.missing("No run has ppo/eval_log.jsonl.")
+    notes = [f"{r.name}: {', '.join(r.missing)}" for r in runs if r.missing]
+    if notes:
+        page.add(
+            "<h2>Missing files</h2>", "<ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in notes) + "</ul>"
+        )
+    return page
+
+
+# ---------------------------------------------------------------------------------------------------
+# Entry points
+# ---------------------------------------------------------------------------------------------------
+
+
+def write_report(run_dir: str | Path) -> Path:
+    """Write run_dir/report.html (self-contained) and run_dir/report/*.png; return the HTML path.
+
+    run_dir is one pipeline run, or a folder whose sub-folders are runs: then each run gets its own
+    report and run_dir/report.html compares them."""
+    folder = Path(run_dir)
+    runs = find_runs(folder)
+    with _style():
+        if len(runs) > 1 or (runs and runs[0] != folder):
+            loaded = []
+            for path in runs:
+                run = load_run(path, name=path.relative_to(folder).as_posix())
+                _write(build_run_page(run, path / "report"), path / "report.html", f"RLHF run {run.name}")
+                loaded.append(run)
+            page = build_compare_page(loaded, folder, folder / "report")
+            title = f"RLHF runs: {folder.resolve().name}"
+        else:
+            run = load_run(folder)
+            page, title = build_run_page(run, folder / "report"), f"RLHF run {run.name}"
+    return _write(page, folder / "report.html", title)
+
+
+def _write(page: Page, path: Path, title: str) -> Path:
+    atomic_write_text(path, page.html(title))
+    return path
+
+
+def cli(argv: list[str]) -> int:
+    """`llm-rlhf report DIR`: rebuild DIR/report.html from the logs in DIR."""
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return 0
+    if len(argv) != 1:
+        print(
+            "error: usage: llm-rlhf report DIR (a pipeline run folder, or a folder of runs)", file=sys.stderr
+        )
+        return 2
+    folder = Path(argv[0])
+    if not folder.is_dir():
+        print(f"error: report folder '{folder}' does not exist", file=sys.stderr)
+        return 2
+    if not find_runs(folder) and not looks_like_run(folder):
+        print(
+            f"error: '{folder}' holds no pipeline run (no pipeline.json in it or below it)", file=sys.stderr
+        )
+        return 2
+    print(f"report: {write_report(folder)}")
+    return 0
