@@ -12,13 +12,28 @@ import sys
 from llm_rlhf.errors import UserError
 
 COMMANDS = {
-    "sft": ("llm_rlhf.sft", "Supervised fine-tuning: next-token loss on the completion tokens only (EOS included)."),
-    "rm": ("llm_rlhf.reward", "Reward model: a scalar head on the causal LM trained with the Bradley-Terry loss."),
+    "sft": (
+        "llm_rlhf.sft",
+        "Supervised fine-tuning: next-token loss on the completion tokens only (EOS included).",
+    ),
+    "rm": (
+        "llm_rlhf.reward",
+        "Reward model: a scalar head on the causal LM trained with the Bradley-Terry loss.",
+    ),
     "score": ("llm_rlhf.score", "Score a JSONL of prompt/response pairs with a saved reward model."),
     "ppo": ("llm_rlhf.ppo", "PPO with a value head, a frozen reference and an adaptive KL controller."),
-    "eval": ("llm_rlhf.evaluate", "Compare a policy with a baseline on held-out prompts (RM, gold judge, KL)."),
-    "pipeline": ("llm_rlhf.pipeline", "SFT -> RM -> PPO -> evaluation, each stage reading the previous output."),
-    "report": ("llm_rlhf.report", "Rebuild report.html of a pipeline run from its logs: llm-rlhf report DIR."),
+    "eval": (
+        "llm_rlhf.evaluate",
+        "Compare a policy with a baseline on held-out prompts (RM, gold judge, KL).",
+    ),
+    "pipeline": (
+        "llm_rlhf.pipeline",
+        "SFT -> RM -> PPO -> evaluation, each stage reading the previous output.",
+    ),
+    "report": (
+        "llm_rlhf.report",
+        "Rebuild report.html of a pipeline run from its logs: llm-rlhf report DIR.",
+    ),
 }
 
 
@@ -39,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS or importlib.util.find_spec(COMMANDS[name][0]) is None:
         print(f"error: unknown command '{name}'\n\n{usage()}", file=sys.stderr)
         return 2
+    from llm_rlhf.utils import use_cpu_ddp_without_gpus
+
+    use_cpu_ddp_without_gpus()
     module = importlib.import_module(COMMANDS[name][0])
     try:
         if hasattr(module, "cli"):  # commands with their own argument form (e.g. `report DIR`)
@@ -57,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted: the last checkpoint is kept; rerun with --resume true to continue", file=sys.stderr)
+        print(
+            "interrupted: the last checkpoint is kept; rerun with --resume true to continue", file=sys.stderr
+        )
         return 130
     return 0
 

@@ -180,6 +180,17 @@ class Config:
         require(self.max_new_tokens > 0, "max_new_tokens", "must be > 0")
 
 
+TRAIN_STATS = (
+    "loss/policy",
+    "loss/value",
+    "policy/entropy",
+    "policy/approxkl",
+    "policy/clipfrac",
+    "val/clipfrac",
+    "policy/ratio",
+)  # token means over each global minibatch, averaged over the minibatches
+
+
 @dataclass(frozen=True)
 class BatchSizes:
     """The batch-size arithmetic of one PPO step, in one place (printed at start, tested)."""
@@ -520,35 +531,25 @@ class PPOTrainer:
     def train_on_rollout(
         self, rollout: Rollout, advantages: torch.Tensor, returns: torch.Tensor
     ) -> dict[str, float]:
-        """K epochs over shuffled minibatches; each minibatch is `gradient_accumulation_steps` micro-batches."""
+        """K epochs over shuffled minibatches; each minibatch is `gradient_accumulation_steps` micro-batches.
+
+        Every loss is a token mean over the global minibatch: a micro-batch's masked mean is weighted by
+        its share of the minibatch's tokens (times the number of processes, since DDP averages gradients),
+        so accumulation and data parallelism change only the float rounding. The ratio guard and the
+        approx-KL early stop decide on global statistics, so every process takes the same branch.
+        """
         cfg, sizes = self.cfg, self.sizes
-        stats: dict[str, list[float]] = {
-            k: []
-            for k in (
-                "policy/approxkl",
-                "policy/clipfrac",
-                "loss/policy",
-                "loss/value",
-                "val/clipfrac",
-                "policy/entropy",
-                "policy/ratio",
-            )
-        }
-        skipped, stopped_early = 0, False
+        history, skipped, stopped_early = [], 0, False
         for _epoch in range(cfg.ppo_epochs):
             order = torch.randperm(sizes.rollout_per_process, device=self.device)
-            for mb_start in range(0, sizes.rollout_per_process, sizes.mini_batch_per_process):
-                mb = order[mb_start : mb_start + sizes.mini_batch_per_process]
-                mb_tokens = self.global_sum(
-                    rollout.response_mask[mb].sum().float()
-                )  # tokens in the global minibatch
+            for mb in order.split(sizes.mini_batch_per_process):
+                mb_tokens = self.global_sum(rollout.response_mask[mb].sum())  # tokens in the global minibatch
                 self.optimizer.zero_grad(set_to_none=True)
-                mb_approxkl, mb_ratio = [], []
-                for mc_start in range(0, len(mb), sizes.micro_batch_per_process):
-                    mc = mb[mc_start : mc_start + sizes.micro_batch_per_process]
+                totals = torch.zeros(len(TRAIN_STATS), device=self.device)
+                for mc in mb.split(sizes.micro_batch_per_process):
                     part = rollout.select(mc)
-                    logprobs, values, entropy = self.forward_policy(part, train=True)
                     mask = part.response_mask
+                    logprobs, values, entropy = self.forward_policy(part, train=True)
                     pg_loss, pg = ppo_math.policy_loss(
                         logprobs=logprobs,
                         old_logprobs=part.logprobs,
@@ -563,40 +564,42 @@ class PPOTrainer:
                         response_mask=mask,
                         cliprange_value=cfg.cliprange_value,
                     )
-                    ent = ppo_math.masked_mean(entropy, mask)
-                    loss = pg_loss + cfg.vf_coef * vf_loss - cfg.ent_coef * ent
-                    # Token-weighted: the accumulated (and, under DDP, rank-averaged) gradient equals the
-                    # gradient of the loss over the whole global minibatch.
+                    entropy = ppo_math.masked_mean(entropy, mask)
+                    loss = pg_loss + cfg.vf_coef * vf_loss - cfg.ent_coef * entropy
                     weight = mask.sum() * self.accelerator.num_processes / mb_tokens.clamp(min=1)
                     self.accelerator.backward(loss * weight)
-                    mb_approxkl.append(pg.approxkl.item())
-                    mb_ratio.append(ppo_math.masked_mean(pg.ratio, mask).item())
-                    for k, v in (
-                        ("policy/approxkl", pg.approxkl),
-                        ("policy/clipfrac", pg.clipfrac),
-                        ("loss/policy", pg_loss),
-                        ("loss/value", vf_loss),
-                        ("val/clipfrac", vf.clipfrac),
-                        ("policy/entropy", ent),
-                    ):
-                        stats[k].append(v.item())
-                stats["policy/ratio"].append(float(np.mean(mb_ratio)))
-                if float(np.mean(mb_ratio)) > cfg.ratio_guard:  # a diverged minibatch: drop its update
+                    parts = (
+                        pg_loss,
+                        vf_loss,
+                        entropy,
+                        pg.approxkl,
+                        pg.clipfrac,
+                        vf.clipfrac,
+                        ppo_math.masked_mean(pg.ratio, mask),
+                    )
+                    totals += torch.stack([v.detach().float() for v in parts]) * weight
+                stats = dict(zip(TRAIN_STATS, self.accelerator.reduce(totals, reduction="mean").tolist()))
+                history.append(stats)
+                if stats["policy/ratio"] > cfg.ratio_guard:  # a diverged minibatch: drop its update
                     self.optimizer.zero_grad(set_to_none=True)
                     skipped += 1
                     continue
                 self.accelerator.clip_grad_norm_(self.trainable_parameters(), cfg.max_grad_norm)
                 self.optimizer.step()
                 self.scheduler.step()
-                if cfg.target_approxkl is not None and float(np.mean(mb_approxkl)) > cfg.target_approxkl:
+                if cfg.target_approxkl is not None and stats["policy/approxkl"] > cfg.target_approxkl:
                     stopped_early = True
                     break
             if stopped_early:
                 break
-        out = {k: self.global_mean(torch.tensor(v).mean()) if v else float("nan") for k, v in stats.items()}
-        out["policy/skipped_minibatches"] = float(skipped)
-        out["policy/early_stopped"] = float(stopped_early)
-        out["lr"] = self.scheduler.get_last_lr()[0]
+        out = {k: float(np.mean([h[k] for h in history])) for k in TRAIN_STATS}
+        out.update(
+            {
+                "policy/skipped_minibatches": float(skipped),
+                "policy/early_stopped": float(stopped_early),
+                "lr": self.scheduler.get_last_lr()[0],
+            }
+        )
         return out
 
     # --- held-out evaluation ------------------------------------------------------------------

@@ -86,3 +86,13 @@ def publish_files(src_dir: str | Path, dest_dir: str | Path) -> None:
         else:
             os.replace(item, target)
     shutil.rmtree(src_dir, ignore_errors=True)
+
+
+def use_cpu_ddp_without_gpus() -> None:
+    """Under `accelerate launch` with several processes on a machine without GPUs, ask accelerate for
+    CPU data parallelism (gloo). Without this it picks DDP only when it sees CUDA devices and leaves
+    every process alone with world size 1: N independent runs writing to the same folder."""
+    import torch
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
+        os.environ.setdefault("ACCELERATE_USE_CPU", "true")

@@ -65,14 +65,27 @@ def build_model(folder: Path, kind: str = "gpt2", seed: int = 0) -> Path:
     eos = tokenizer.eos_token_id
     if kind == "gpt2":
         config = GPT2Config(
-            vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=2, n_head=2, bos_token_id=eos, eos_token_id=eos
+            vocab_size=len(tokenizer),
+            n_positions=64,
+            n_embd=32,
+            n_layer=2,
+            n_head=2,
+            bos_token_id=eos,
+            eos_token_id=eos,
         )
         model = GPT2LMHeadModel(config)
     elif kind == "llama":
         config = LlamaConfig(
-            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, bos_token_id=eos,
-            eos_token_id=eos, tie_word_embeddings=False,
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=64,
+            bos_token_id=eos,
+            eos_token_id=eos,
+            tie_word_embeddings=False,
         )
         model = LlamaForCausalLM(config)
     else:
@@ -101,7 +114,9 @@ def sft_files(tmp_path) -> tuple[Path, Path]:
     for s in SENTENCES:
         words = s.split(" ")
         rows.append({"prompt": " ".join(words[:3]), "completion": " " + " ".join(words[3:])})
-    return write_jsonl(tmp_path / "sft_train.jsonl", rows * 4), write_jsonl(tmp_path / "sft_val.jsonl", rows[:4])
+    return write_jsonl(tmp_path / "sft_train.jsonl", rows * 4), write_jsonl(
+        tmp_path / "sft_val.jsonl", rows[:4]
+    )
 
 
 @pytest.fixture()
@@ -110,5 +125,45 @@ def pref_files(tmp_path) -> tuple[Path, Path]:
     rows = []
     for good, bad in zip(SENTENCES[0::2], SENTENCES[1::2]):
         gw, bw = good.split(" "), bad.split(" ")
-        rows.append({"prompt": " ".join(gw[:2]), "chosen": " " + " ".join(gw[2:]), "rejected": " " + " ".join(bw[2:])})
-    return write_jsonl(tmp_path / "prefs_train.jsonl", rows * 8), write_jsonl(tmp_path / "prefs_val.jsonl", rows)
+        rows.append(
+            {"prompt": " ".join(gw[:2]), "chosen": " " + " ".join(gw[2:]), "rejected": " " + " ".join(bw[2:])}
+        )
+    return write_jsonl(tmp_path / "prefs_train.jsonl", rows * 8), write_jsonl(
+        tmp_path / "prefs_val.jsonl", rows
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_rm_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """A reward model trained for a few steps from the tiny GPT-2 by `llm-rlhf rm` itself."""
+    from llm_rlhf import reward
+
+    tmp = tmp_path_factory.mktemp("rm")
+    rows = []
+    for good, bad in zip(SENTENCES[0::2], SENTENCES[1::2]):
+        gw, bw = good.split(" "), bad.split(" ")
+        rows.append(
+            {"prompt": " ".join(gw[:2]), "chosen": " " + " ".join(gw[2:]), "rejected": " " + " ".join(bw[2:])}
+        )
+    train = write_jsonl(tmp / "prefs.jsonl", rows * 4)
+    cfg = reward.Config(
+        model_name_or_path=str(tiny_model_dir),
+        train_file=str(train),
+        eval_file=str(train),
+        test_file=str(train),
+        output_dir=str(tmp / "rm"),
+        max_steps=4,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        eval_steps=100,
+        save_steps=100,
+        max_length=48,
+    )
+    reward.run(cfg)
+    return tmp / "rm"
+
+
+@pytest.fixture(scope="session")
+def prompt_file(tmp_path_factory) -> Path:
+    rows = [{"prompt": " ".join(s.split(" ")[:k])} for s in SENTENCES for k in (2, 3)]
+    return write_jsonl(tmp_path_factory.mktemp("prompts") / "prompts.jsonl", rows)

@@ -9,40 +9,28 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SENTENCES, write_jsonl
 
 from llm_rlhf import ppo
 from llm_rlhf.models import load_tokenizer
 
 
-@pytest.fixture(scope="module")
-def tiny_rm_dir(tiny_model_dir, tmp_path_factory) -> Path:
-    """A reward model trained for a few steps from the tiny GPT-2 by `llm-rlhf rm` itself."""
-    from llm_rlhf import reward
-
-    tmp = tmp_path_factory.mktemp("rm")
-    rows = []
-    for good, bad in zip(SENTENCES[0::2], SENTENCES[1::2]):
-        gw, bw = good.split(" "), bad.split(" ")
-        rows.append({"prompt": " ".join(gw[:2]), "chosen": " " + " ".join(gw[2:]), "rejected": " " + " ".join(bw[2:])})
-    train = write_jsonl(tmp / "prefs.jsonl", rows * 4)
-    cfg = reward.Config(model_name_or_path=str(tiny_model_dir), train_file=str(train), eval_file=str(train),
-                        test_file=str(train), output_dir=str(tmp / "rm"), max_steps=4, per_device_train_batch_size=4,
-                        logging_steps=1, eval_steps=100, save_steps=100, max_length=48)
-    reward.run(cfg)
-    return tmp / "rm"
-
-
-@pytest.fixture(scope="module")
-def prompt_file(tmp_path_factory) -> Path:
-    rows = [{"prompt": " ".join(s.split(" ")[:k])} for s in SENTENCES for k in (2, 3)]
-    return write_jsonl(tmp_path_factory.mktemp("prompts") / "prompts.jsonl", rows)
-
-
 def make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, out, **kw) -> ppo.Config:
-    base = dict(model_name_or_path=str(tiny_model_dir), reward_model_path=str(tiny_rm_dir), prompt_file=str(prompt_file),
-                output_dir=str(out), steps=2, rollout_batch_size=8, mini_batch_size=4, ppo_epochs=2, max_new_tokens=8,
-                learning_rate=1e-3, save_steps=0, log_samples_every=0, kl_target=1.0, kl_horizon=100)
+    base = dict(
+        model_name_or_path=str(tiny_model_dir),
+        reward_model_path=str(tiny_rm_dir),
+        prompt_file=str(prompt_file),
+        output_dir=str(out),
+        steps=2,
+        rollout_batch_size=8,
+        mini_batch_size=4,
+        ppo_epochs=2,
+        max_new_tokens=8,
+        learning_rate=1e-3,
+        save_steps=0,
+        log_samples_every=0,
+        kl_target=1.0,
+        kl_horizon=100,
+    )
     base.update(kw)
     return ppo.Config(**base)
 
@@ -66,8 +54,14 @@ def test_response_mask_stops_after_first_eos():
 
 
 def test_batch_size_arithmetic():
-    s = ppo.batch_sizes(rollout_batch_size=64, mini_batch_size=16, gradient_accumulation_steps=4, ppo_epochs=4,
-                        steps=10, num_processes=2)
+    s = ppo.batch_sizes(
+        rollout_batch_size=64,
+        mini_batch_size=16,
+        gradient_accumulation_steps=4,
+        ppo_epochs=4,
+        steps=10,
+        num_processes=2,
+    )
     assert (s.micro_batch_per_process, s.num_mini_batches, s.optimizer_steps_per_ppo_step) == (4, 4, 16)
     assert (s.episodes_per_step, s.total_episodes) == (128, 1280)
 
@@ -109,7 +103,9 @@ def test_reference_bit_identical_after_steps(tiny_model_dir, tiny_rm_dir, prompt
         assert torch.equal(v, rm_before[k]), k
 
 
-def test_logprobs_and_values_independent_of_padding_and_batch(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
+def test_logprobs_and_values_independent_of_padding_and_batch(
+    tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path
+):
     trainer = make_trainer(make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path))
     tok = trainer.tokenizer
     q_short, q_long = tok("The film")["input_ids"], tok("It's a wonderful movie that")["input_ids"]
@@ -123,14 +119,16 @@ def test_logprobs_and_values_independent_of_padding_and_batch(tiny_model_dir, ti
         response = torch.full((len(pairs), R), tok.pad_token_id)
         rmask = torch.zeros((len(pairs), R), dtype=torch.bool)
         for i, (q, r) in enumerate(pairs):
-            query[i, P - len(q):], qmask[i, P - len(q):] = torch.tensor(q), 1
+            query[i, P - len(q) :], qmask[i, P - len(q) :] = torch.tensor(q), 1
             response[i, : len(r)], rmask[i, : len(r)] = torch.tensor(r), True
         return ppo.Rollout(query=query, query_mask=qmask, response=response, response_mask=rmask)
 
     with torch.no_grad():
         alone = trainer.forward_policy(rollout_of([(q_short, r_short)]))
         batched = trainer.forward_policy(rollout_of([(q_long, r_long), (q_short, r_short)]))
-        padded = trainer.forward_policy(rollout_of([(q_short, r_short)], extra_query_pad=5, extra_response_pad=4))
+        padded = trainer.forward_policy(
+            rollout_of([(q_short, r_short)], extra_query_pad=5, extra_response_pad=4)
+        )
     n = len(r_short)
     for a, b, c in zip(alone, batched, padded):
         torch.testing.assert_close(a[0, :n], b[1, :n], atol=1e-5, rtol=1e-5)
@@ -141,15 +139,30 @@ def test_gradient_accumulation_equivalence(tiny_model_dir, tiny_rm_dir, prompt_f
     """One update on a minibatch of 8 == 8 accumulated micro-batches of 1."""
     results = []
     for ga in (1, 8):
-        cfg = make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / str(ga), rollout_batch_size=8,
-                       mini_batch_size=8, gradient_accumulation_steps=ga, ppo_epochs=1, learning_rate=1e-2)
+        cfg = make_cfg(
+            tiny_model_dir,
+            tiny_rm_dir,
+            prompt_file,
+            tmp_path / str(ga),
+            rollout_batch_size=8,
+            mini_batch_size=8,
+            gradient_accumulation_steps=ga,
+            ppo_epochs=1,
+            learning_rate=1e-2,
+        )
         trainer = make_trainer(cfg)
         torch.manual_seed(123)
         rollout = trainer.generate(trainer.next_queries())
         rollout.ref_logprobs = trainer.reference_logprobs(rollout)
         rollout.scores = trainer.score(rollout)
-        adv = torch.randn(rollout.logprobs.shape, generator=torch.Generator().manual_seed(0)) * rollout.response_mask
-        returns = torch.randn(rollout.logprobs.shape, generator=torch.Generator().manual_seed(1)) * rollout.response_mask
+        adv = (
+            torch.randn(rollout.logprobs.shape, generator=torch.Generator().manual_seed(0))
+            * rollout.response_mask
+        )
+        returns = (
+            torch.randn(rollout.logprobs.shape, generator=torch.Generator().manual_seed(1))
+            * rollout.response_mask
+        )
         trainer.train_on_rollout(rollout, adv, returns)
         results.append({k: v.detach().clone() for k, v in trainer.unwrapped_policy.named_parameters()})
     for k in results[0]:
@@ -160,14 +173,31 @@ def test_gradient_accumulation_equivalence(tiny_model_dir, tiny_rm_dir, prompt_f
 def test_every_trainable_parameter_changes(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, use_lora):
     cfg = make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, use_lora=use_lora, steps=2)
     trainer = make_trainer(cfg)
-    before = {n: p.detach().clone() for n, p in trainer.unwrapped_policy.named_parameters() if p.requires_grad}
+    before = {
+        n: p.detach().clone() for n, p in trainer.unwrapped_policy.named_parameters() if p.requires_grad
+    }
     assert before
     for _ in range(cfg.steps):
         metrics = trainer.ppo_step()
-    unchanged = [n for n, p in trainer.unwrapped_policy.named_parameters() if p.requires_grad and torch.equal(p, before[n])]
+    unchanged = [
+        n
+        for n, p in trainer.unwrapped_policy.named_parameters()
+        if p.requires_grad and torch.equal(p, before[n])
+    ]
     assert not unchanged
-    for key in ("objective/scores", "objective/kl", "objective/kl_coef", "policy/approxkl", "policy/clipfrac",
-                "loss/policy", "loss/value", "val/clipfrac", "val/explained_variance", "eos_rate", "tokens_per_s"):
+    for key in (
+        "objective/scores",
+        "objective/kl",
+        "objective/kl_coef",
+        "policy/approxkl",
+        "policy/clipfrac",
+        "loss/policy",
+        "loss/value",
+        "val/clipfrac",
+        "val/explained_variance",
+        "eos_rate",
+        "tokens_per_s",
+    ):
         assert key in metrics
 
 
@@ -189,8 +219,16 @@ def test_run_writes_hf_folder_and_metrics(tiny_model_dir, tiny_rm_dir, prompt_fi
     out = tmp_path / "run"
     final = ppo.run(make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, out, steps=3))
     metrics = json.loads((out / "metrics.json").read_text())
-    for key in ("objective/scores", "objective/kl", "objective/kl_coef", "scores_first", "scores_last",
-                "scores_std_first", "kl_last", "kl_target"):
+    for key in (
+        "objective/scores",
+        "objective/kl",
+        "objective/kl_coef",
+        "scores_first",
+        "scores_last",
+        "scores_std_first",
+        "kl_last",
+        "kl_target",
+    ):
         assert key in metrics
     assert metrics["scores_last"] == final["scores_last"]
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
@@ -199,7 +237,9 @@ def test_run_writes_hf_folder_and_metrics(tiny_model_dir, tiny_rm_dir, prompt_fi
     assert (out / "value_head.safetensors").exists() and (out / "config.yaml").exists()
 
 
-def test_kill_and_resume_matches_uninterrupted(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch):
+def test_kill_and_resume_matches_uninterrupted(
+    tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch
+):
     kw = dict(steps=4, save_steps=2, lr_scheduler_type="linear")
     ppo.run(make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "a", **kw))
 

@@ -1,0 +1,100 @@
+"""Run under `accelerate launch` with 1 or 2 processes: one PPO step on a fixed global rollout.
+
+    python ppo_ranks.py MODEL_DIR RM_DIR PROMPT_FILE OUT_JSON MODE
+
+The global batch (8 episodes) is the same whatever the number of processes; each rank takes its
+contiguous slice. MODE "same": ordinary responses; MODE "degenerate": rank 0's responses are all
+empty (EOS at once) and the last rank's all truncated (no EOS), to check that no rank hangs.
+Writes the gradient of the first update (flattened) and the step's metrics to OUT_JSON (main process).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+from accelerate import Accelerator
+
+from llm_rlhf import ppo
+from llm_rlhf.models import load_tokenizer
+from llm_rlhf.utils import use_cpu_ddp_without_gpus
+
+GLOBAL_BATCH, R = 8, 6
+
+
+def main() -> None:
+    model_dir, rm_dir, prompt_file, out_json, mode = sys.argv[1:6]
+    use_cpu_ddp_without_gpus()
+    accelerator = Accelerator()
+    world, rank = accelerator.num_processes, accelerator.process_index
+    local = GLOBAL_BATCH // world
+    cfg = ppo.Config(
+        model_name_or_path=model_dir,
+        reward_model_path=rm_dir,
+        prompt_file=prompt_file,
+        output_dir="unused",
+        steps=2,
+        rollout_batch_size=local,
+        mini_batch_size=local,
+        ppo_epochs=1,
+        max_new_tokens=R,
+        learning_rate=1e-2,
+        eval_every=0,
+        log_samples_every=0,
+        save_steps=0,
+        kl_target=1.0,
+        kl_horizon=100,
+    )
+    tokenizer = load_tokenizer(model_dir, padding_side="left")
+    prompts = ppo.load_prompts(cfg, tokenizer)
+    trainer = ppo.build_trainer(cfg, accelerator, tokenizer, prompts)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+
+    def fixed_rollout(_queries):
+        queries = prompts[:GLOBAL_BATCH]
+        g = torch.Generator().manual_seed(7)
+        responses = torch.randint(5, 200, (GLOBAL_BATCH, R), generator=g)
+        for i in range(GLOBAL_BATCH):  # EOS at varied positions; row 0 never stops
+            if i % 3:
+                responses[i, 1 + i % (R - 1)] = eos
+        rows = list(range(rank * local, (rank + 1) * local))
+        if mode == "degenerate":
+            if rank == 0:
+                responses[rows, 0] = eos  # every response on rank 0 is empty but for its EOS
+            if rank == world - 1:
+                responses[rows] = torch.randint(5, 200, (local, R), generator=g)  # all truncated
+        mine = [queries[i] for i in rows]
+        P = max(len(q) for q in mine)
+        query = torch.full((local, P), pad)
+        query_mask = torch.zeros((local, P), dtype=torch.long)
+        for j, q in enumerate(mine):
+            query[j, P - len(q) :], query_mask[j, P - len(q) :] = torch.tensor(q), 1
+        response = responses[rows]
+        mask = ppo.response_mask_from_tokens(response, eos)
+        rollout = ppo.Rollout(
+            query=query, query_mask=query_mask, response=torch.where(mask, response, pad), response_mask=mask
+        )
+        with torch.no_grad():
+            rollout.logprobs, rollout.values, rollout.entropy = trainer.forward_policy(rollout)
+        return rollout
+
+    trainer.generate = fixed_rollout
+    trainable = [p for p in trainer.unwrapped_policy.parameters() if p.requires_grad]
+    first_grads, optimizer_step = [], trainer.optimizer.step
+
+    def step_and_record(*args, **kwargs):  # the gradient of the first update, after DDP's all-reduce
+        if not first_grads:
+            first_grads.append(torch.cat([p.grad.flatten() for p in trainable]))
+        return optimizer_step(*args, **kwargs)
+
+    trainer.optimizer.step = step_and_record
+    metrics = [trainer.ppo_step() for _ in range(2 if mode == "degenerate" else 1)]
+    if accelerator.is_main_process:
+        with open(out_json, "w") as f:
+            json.dump({"world": world, "grads": first_grads[0].tolist(), "metrics": metrics}, f)
+    accelerator.wait_for_everyone()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Data-parallel runs on this CPU: `accelerate launch` with 2 processes (DDP, gloo backend)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+
+def launch(
+    args: list[str], num_processes: int, cwd: Path = ROOT, timeout: int = 900
+) -> subprocess.CompletedProcess:
+    """`accelerate launch` as a user runs it: the DDP config file, or a single CPU process."""
+    if num_processes > 1:
+        head = [
+            "--config_file",
+            str(ROOT / "accelerate_configs" / "multi_gpu.yaml"),
+            "--num_processes",
+            str(num_processes),
+        ]
+    else:
+        head = ["--cpu", "--num_processes", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *head, *args]
+    result = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    return result
+
+
+def run_script(tiny_model_dir, tiny_rm_dir, prompt_file, out: Path, mode: str, num_processes: int) -> dict:
+    script = ROOT / "tests" / "scripts" / "ppo_ranks.py"
+    launch(
+        [str(script), str(tiny_model_dir), str(tiny_rm_dir), str(prompt_file), str(out), mode], num_processes
+    )
+    return json.loads(out.read_text())
+
+
+def test_first_update_two_ranks_equals_one(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
+    import torch
+
+    one = run_script(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "one.json", "same", 1)
+    two = run_script(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "two.json", "same", 2)
+    assert (one["world"], two["world"]) == (1, 2)
+    torch.testing.assert_close(torch.tensor(two["grads"]), torch.tensor(one["grads"]), atol=1e-6, rtol=1e-4)
+    m1, m2 = one["metrics"][0], two["metrics"][0]
+    for key in (
+        "loss/policy",
+        "loss/value",
+        "policy/entropy",
+        "objective/kl",
+        "objective/scores",
+        "objective/non_score_reward",
+        "response_length",
+    ):
+        assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
+
+
+def test_rank_with_empty_or_truncated_responses_does_not_hang(
+    tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path
+):
+    result = run_script(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "deg.json", "degenerate", 2)
+    assert len(result["metrics"]) == 2
+    assert 0 < result["metrics"][0]["eos_rate"] < 1  # one rank all EOS at once, the other never
+
+
+def ppo_cli_args(tiny_model_dir, tiny_rm_dir, prompt_file, out: Path, steps: int) -> list[str]:
+    return [
+        "-m",
+        "llm_rlhf",
+        "ppo",
+        "--model_name_or_path",
+        str(tiny_model_dir),
+        "--reward_model_path",
+        str(tiny_rm_dir),
+        "--prompt_file",
+        str(prompt_file),
+        "--output_dir",
+        str(out),
+        "--steps",
+        str(steps),
+        "--rollout_batch_size",
+        "4",
+        "--mini_batch_size",
+        "2",
+        "--ppo_epochs",
+        "1",
+        "--max_new_tokens",
+        "6",
+        "--save_steps",
+        "1",
+        "--eval_every",
+        "0",
+        "--log_samples_every",
+        "0",
+        "--learning_rate",
+        "1e-3",
+    ]
+
+
+def test_resume_with_two_ranks(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
+    """2 ranks: run 3 steps straight; elsewhere run 2 steps, then resume to 3 from the step-1 checkpoint."""
+    launch(ppo_cli_args(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "a", 3), 2)
+    launch(ppo_cli_args(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "b", 2), 2)
+    assert (tmp_path / "b" / "checkpoints" / "step-1").is_dir()
+    launch(
+        ppo_cli_args(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "b", 3) + ["--resume", "true"], 2
+    )
+
+    def lines(d):
+        return [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+
+    a, b = lines("a"), lines("b")
+    assert [m["step"] for m in b] == [1, 2, 3]
+    for ma, mb in zip(a, b):
+        for k, v in ma.items():
+            if not k.startswith(("time/", "tokens_per_s")):
+                assert mb[k] == pytest.approx(v, rel=1e-5, abs=1e-6, nan_ok=True), (ma["step"], k)
