@@ -1,0 +1,599 @@
+"""Benchmark of one PPO step (`llm_rlhf.ppo.PPOTrainer.ppo_step`) on a model of a given shape.
+
+    python benchmarks/ppo_step.py --model small                        # the reviews task's shape
+    python benchmarks/ppo_step.py --model gpt2 --lora --bf16           # GPT-2 124M shape, LoRA, bf16 autocast
+    python benchmarks/ppo_step.py --model gpt2 --matrix --json out.json  # {full, LoRA} x {fp32, bf16}, one process each
+
+Models are built from a config with random weights (never downloaded) and saved as HF folders in a
+temporary directory: the policy (`GPT2LMHeadModel` + a byte-level BPE tokenizer whose vocabulary has
+exactly the model's `vocab_size`) and a reward model saved by `llm_rlhf.reward.save_reward_model`.
+The trainer is built by `llm_rlhf.ppo.build_trainer`, as `llm-rlhf ppo` does.
+
+Per phase (generate = `policy.lm.generate` only; old log-probs and values = the policy forward after it;
+reference; reward model; update = `train_on_rollout`): seconds, tokens per second, share of the step.
+The phases are timed by wrapping the trainer's methods here; ppo.py is not changed for it.
+
+Training-phase FLOPs (model FLOPs, gradient-checkpointing recompute not counted):
+
+    full fine-tuning:  6 * (N_trunk * B*L + N_head * B*R) + 6 * n_layer * d * B * L*L   per PPO epoch
+    LoRA:              the same with 4 (forward + input gradient) for the frozen weights and 6 for the adapters
+
+N_trunk = weights of the transformer blocks' matmuls (embeddings are look-ups), N_head = vocab * d (the
+LM head, useful only at the R response positions), B = rollout batch, L = prompt + response length,
+the last term is attention's QK^T and AV (2 * 2 * n_layer * L * d per token forward, causal mask not
+halved, times 3 for forward + backward). MFU = training FLOPs / update seconds / matmul peak, where
+the peak is a square matmul (`--peak-size`, 2048) timed in this process, in fp32, or in bf16 with --bf16.
+
+Peak memory: max RSS of this process (CPU) or max allocated (CUDA). Each --matrix entry runs in its own
+process so the peaks do not mix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+# The reviews task's base model (data/make_base_model.py defaults) and GPT-2 124M (GPT2Config() defaults).
+SHAPES = {
+    "small": dict(n_layer=4, n_head=4, n_embd=256, n_positions=128, vocab_size=4096),
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768, n_positions=1024, vocab_size=50257),
+}
+PHASES = ("generate", "old_logprobs_values", "reference", "reward_model", "update")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=sorted(SHAPES), default="small", help="model shape (random weights)")
+    p.add_argument("--model-dir", help="use this HF causal-LM folder as the policy instead (e.g. data/reviews/base_model)")
+    p.add_argument("--n-layer", type=int, help="override the shape")
+    p.add_argument("--n-head", type=int)
+    p.add_argument("--n-embd", type=int)
+    p.add_argument("--vocab-size", type=int)
+    p.add_argument("--rollout", type=int, default=32, help="rollout_batch_size (prompts per step)")
+    p.add_argument("--mini-batch", type=int, default=16, help="mini_batch_size")
+    p.add_argument("--grad-accum", type=int, default=1, help="gradient_accumulation_steps")
+    p.add_argument("--ppo-epochs", type=int, default=1)
+    p.add_argument("--prompt-len", type=int, default=16, help="tokens per prompt (all prompts this long)")
+    p.add_argument("--new-tokens", type=int, default=32, help="max_new_tokens")
+    p.add_argument("--lora", action="store_true", help="use_lora (r=16, peft default target modules)")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast")
+    p.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing")
+    p.add_argument("--steps", type=int, default=3, help="timed PPO steps (after --warmup)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed PPO steps first")
+    p.add_argument("--gen-reps", type=int, default=3, help="rounds of bare vs rollout generation, side by side")
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    p.add_argument("--peak-size", type=int, default=2048, help="n of the n x n matmul that defines the peak")
+    p.add_argument("--profile", help="write a torch.profiler table of one extra step to this file")
+    p.add_argument("--matrix", action="store_true", help="run {full, LoRA} x {fp32, bf16}, each in its own process")
+    p.add_argument("--json", help="write the results as JSON here")
+    p.add_argument("--workdir", help="where to build the model folders (default: a temporary folder)")
+    p.add_argument("--policy-dir", help=argparse.SUPPRESS)  # set by --matrix for its children
+    p.add_argument("--rm-dir", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building the folders
+# ---------------------------------------------------------------------------------------------
+
+
+def model_config(args):
+    from transformers import AutoConfig, GPT2Config
+
+    if args.model_dir:
+        return AutoConfig.from_pretrained(args.model_dir)
+    shape = dict(SHAPES[args.model])
+    for key in ("n_layer", "n_head", "n_embd", "vocab_size"):
+        if getattr(args, key) is not None:
+            shape[key] = getattr(args, key)
+    return GPT2Config(**shape, bos_token_id=0, eos_token_id=0)
+
+
+def build_tokenizer(vocab_size: int):
+    """Byte-level BPE (GPT-2 style, `<|endoftext|>` = id 0 = bos/eos, no pad) trained on the reviews
+    corpus; when the corpus yields fewer merges than vocab_size, never-seen filler tokens make up the
+    rest, so the tokenizer has exactly the model's vocabulary (the LM head's full width is real)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = REPO / "data" / "reviews" / "pretrain.jsonl"
+    if corpus.exists():
+        texts = [json.loads(line)["text"] for line in corpus.read_text(encoding="utf-8").splitlines()]
+    else:
+        texts = ["The film is a delight from start to finish.", "A tedious, boring waste of time."] * 50
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    missing = vocab_size - tok.get_vocab_size()
+    if missing > 0:
+        tok.add_tokens([f"<|filler{i}|>" for i in range(missing)])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>", unk_token="<|endoftext|>"
+    )
+    assert len(fast) == vocab_size, (len(fast), vocab_size)
+    return fast
+
+
+def build_folders(args, workdir: Path) -> tuple[Path, Path]:
+    """policy folder (causal LM + tokenizer) and reward-model folder (as `llm-rlhf rm` saves it)."""
+    from transformers import AutoTokenizer, GPT2ForSequenceClassification, GPT2LMHeadModel
+
+    from llm_rlhf.models import load_tokenizer
+    from llm_rlhf.reward import RewardModel, add_pad_token, save_reward_model
+
+    config = model_config(args)
+    policy_dir, rm_dir = workdir / "policy", workdir / "rm"
+    if args.model_dir:
+        policy_dir = Path(args.model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    else:
+        tokenizer = build_tokenizer(config.vocab_size)
+        torch.manual_seed(0)
+        lm = GPT2LMHeadModel(config)
+        lm.generation_config.pad_token_id = tokenizer.eos_token_id
+        lm.save_pretrained(policy_dir, safe_serialization=True)
+        tokenizer.save_pretrained(policy_dir)
+        del lm
+    torch.manual_seed(1)
+    rm_config = config.__class__.from_dict({**config.to_dict(), "num_labels": 1})
+    model = GPT2ForSequenceClassification(rm_config)
+    rm_tokenizer = load_tokenizer(str(policy_dir))
+    add_pad_token(model, rm_tokenizer)
+    save_reward_model(
+        RewardModel(model, rm_tokenizer, {"mean": 0.0, "std": 1.0, "reference_set": "benchmark: random weights"}),
+        rm_dir,
+        merge_lora=False,
+    )
+    return policy_dir, rm_dir
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring
+# ---------------------------------------------------------------------------------------------
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def matmul_peak(n: int, dtype: torch.dtype, device: torch.device, seconds: float = 1.5) -> float:
+    """FLOP/s of an n x n @ n x n matmul (2 n^3 FLOPs), best of repeated timings."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    torch.mm(a, b)  # warm-up
+    best, start = float("inf"), time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        sync(device)
+        t = time.perf_counter()
+        torch.mm(a, b)
+        sync(device)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+class PhaseTimer:
+    """Exclusive seconds per phase: a phase nested in another (forward_policy inside generate) is
+    subtracted from its parent, so the phases add up to at most the step time."""
+
+    def __init__(self, device):
+        self.device, self.seconds, self.stack = device, {}, []
+
+    def wrap(self, fn, phase_of):
+        def timed(*a, **kw):
+            phase = phase_of(*a, **kw)
+            if phase is None:
+                return fn(*a, **kw)
+            sync(self.device)
+            self.stack.append(0.0)
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                sync(self.device)
+                elapsed = time.perf_counter() - t
+                children = self.stack.pop()
+                self.seconds[phase] = self.seconds.get(phase, 0.0) + elapsed - children
+                if self.stack:
+                    self.stack[-1] += elapsed
+
+        return timed
+
+
+def instrument(trainer, timer: PhaseTimer) -> None:
+    in_update = {"on": False}
+    lm = trainer.unwrapped_policy.lm
+    lm.generate = timer.wrap(lm.generate, lambda *a, **kw: "generate")
+    trainer.generate = timer.wrap(trainer.generate, lambda *a, **kw: "rollout_other")
+    trainer.forward_policy = timer.wrap(
+        trainer.forward_policy,
+        lambda *a, train=False, **kw: None if in_update["on"] else "old_logprobs_values",
+    )
+    trainer.reference_logprobs = timer.wrap(trainer.reference_logprobs, lambda *a, **kw: "reference")
+    trainer.score = timer.wrap(trainer.score, lambda *a, **kw: "reward_model")
+    train_on_rollout = timer.wrap(trainer.train_on_rollout, lambda *a, **kw: "update")
+
+    def update(*a, **kw):
+        in_update["on"] = True
+        try:
+            return train_on_rollout(*a, **kw)
+        finally:
+            in_update["on"] = False
+
+    trainer.train_on_rollout = update
+
+
+def param_counts(lm) -> dict[str, int]:
+    """Weights by role: trunk matmuls, LM head, embeddings (look-ups), LoRA adapters; frozen or not."""
+    counts = {"trunk": 0, "trunk_frozen": 0, "lora": 0, "embeddings": 0, "head": 0}
+    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+    head = base.get_output_embeddings().weight
+    counts["head"] = head.numel()
+    emb_ptrs = {m.weight.data_ptr() for m in base.modules() if isinstance(m, torch.nn.Embedding)}
+    for name, p in lm.named_parameters():
+        if "lora_" in name:
+            counts["lora"] += p.numel()
+        elif p.data_ptr() in emb_ptrs or p.data_ptr() == head.data_ptr():
+            counts["embeddings"] += p.numel() if p.data_ptr() != head.data_ptr() else 0
+        elif p.dim() >= 2:  # matmul weights (biases and norms are O(d) per token: not counted)
+            counts["trunk"] += p.numel()
+            counts["trunk_frozen"] += 0 if p.requires_grad else p.numel()
+    return counts
+
+
+def training_flops(counts, *, B, L, R, n_layer, d, epochs, lora) -> float:
+    """The docstring's formula: model FLOPs of `epochs` passes of forward + backward over B sequences."""
+    per_weight = lambda frozen: 4 if frozen else 6  # noqa: E731  frozen: no weight gradient
+    trunk = (
+        per_weight(True) * counts["trunk_frozen"] + 6 * (counts["trunk"] - counts["trunk_frozen"])
+    ) * B * L
+    head = per_weight(lora) * counts["head"] * B * R
+    adapters = 6 * counts["lora"] * B * L
+    attention = 6 * n_layer * d * B * L * L
+    return float(epochs * (trunk + head + adapters + attention))
+
+
+def forward_flops(counts, *, B, L, R, n_layer, d) -> float:
+    """2 FLOPs per weight per token, LM head on the R response positions, plus attention."""
+    return float(2 * (counts["trunk"] + counts["lora"]) * B * L + 2 * counts["head"] * B * R + 2 * n_layer * d * B * L * L)
+
+
+def peak_memory_mb(device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+class RssSampler:
+    """Max RSS while the PPO steps run (excludes the transient peak of loading the models)."""
+
+    def __init__(self, interval=0.02):
+        import psutil
+
+        self.proc, self.interval, self.peak, self._stop = psutil.Process(), interval, 0, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            time.sleep(self.interval)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self.thread.join()
+
+
+def compare_generation(trainer, args, device, reps: int) -> dict:
+    """Rollout generation (the trainer's `generate` minus its policy forward) vs a bare `model.generate`
+    with the same model, batch, lengths and autocast, alternating so both see the same machine load."""
+    lm = trainer.unwrapped_policy.lm
+    tok = trainer.tokenizer
+    queries = trainer.next_queries()
+    query = torch.tensor(queries, device=device)  # all prompts have --prompt-len tokens
+    mask = torch.ones_like(query)
+    bare_s, bare_tokens, roll_s, roll_tokens = 0.0, 0, 0.0, 0
+    forward_policy = trainer.forward_policy
+    for rep in range(reps):
+        torch.manual_seed(rep)
+        sync(device)
+        t = time.perf_counter()
+        with torch.no_grad(), trainer.autocast():
+            out = lm.generate(
+                input_ids=query,
+                attention_mask=mask,
+                do_sample=True,
+                max_new_tokens=args.new_tokens,
+                pad_token_id=tok.pad_token_id,
+            )
+        sync(device)
+        bare_s += time.perf_counter() - t
+        bare_tokens += query.shape[0] * (out.shape[1] - query.shape[1])
+
+        steps = {}
+        inner = lm.generate
+
+        def counting_generate(*a, **kw):
+            seq = inner(*a, **kw)
+            steps["n"] = seq.shape[1] - kw["input_ids"].shape[1]
+            return seq
+
+        lm.generate = counting_generate
+        trainer.forward_policy = lambda *a, **kw: (None, None, None)  # generation only
+        torch.manual_seed(rep)
+        sync(device)
+        t = time.perf_counter()
+        try:
+            trainer.generate(queries)
+        finally:
+            lm.generate, trainer.forward_policy = inner, forward_policy
+        sync(device)
+        roll_s += time.perf_counter() - t
+        roll_tokens += query.shape[0] * steps["n"]
+    return {
+        "bare_generate_tokens_per_s": bare_tokens / bare_s,
+        "rollout_generate_tokens_per_s": roll_tokens / roll_s,
+        "rollout_vs_bare": (roll_tokens / roll_s) / (bare_tokens / bare_s),
+    }
+
+
+def run_one(args) -> dict:
+    from accelerate import Accelerator
+
+    from llm_rlhf import ppo
+    from llm_rlhf.models import load_tokenizer
+
+    torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tmp = tempfile.TemporaryDirectory(prefix="ppo_bench_") if not args.workdir else None
+    workdir = Path(args.workdir or tmp.name)
+    if args.policy_dir:
+        policy_dir, rm_dir = Path(args.policy_dir), Path(args.rm_dir)
+    else:
+        policy_dir, rm_dir = build_folders(args, workdir)
+
+    peak_fp32 = matmul_peak(args.peak_size, torch.float32, device)
+    peak_bf16 = matmul_peak(args.peak_size, torch.bfloat16, device)
+
+    total_steps = args.warmup + args.steps + (1 if args.profile else 0) + 1
+    cfg = ppo.Config(
+        model_name_or_path=str(policy_dir),
+        reward_model_path=str(rm_dir),
+        prompt_file="unused",  # prompts are given as token ids below
+        output_dir=str(workdir / "out"),
+        steps=total_steps,
+        rollout_batch_size=args.rollout,
+        mini_batch_size=args.mini_batch,
+        gradient_accumulation_steps=args.grad_accum,
+        ppo_epochs=args.ppo_epochs,
+        max_prompt_length=args.prompt_len,
+        max_new_tokens=args.new_tokens,
+        use_lora=args.lora,
+        bf16=args.bf16,
+        gradient_checkpointing=args.grad_ckpt,
+        eval_every=0,
+        save_steps=0,
+        log_samples_every=0,
+    )
+    tokenizer = load_tokenizer(str(policy_dir), padding_side="left")
+    g = torch.Generator().manual_seed(0)
+    vocab = len(tokenizer)
+    prompts = [
+        (torch.randint(1, vocab, (args.prompt_len,), generator=g)).tolist()  # id 0 is EOS
+        for _ in range(args.rollout * total_steps)
+    ]
+    trainer = ppo.build_trainer(cfg, Accelerator(cpu=device.type == "cpu"), tokenizer, prompts)
+    load_peak_mb = peak_memory_mb(device)
+    lm = trainer.unwrapped_policy.lm
+    counts = param_counts(lm)
+    config = (lm.get_base_model() if hasattr(lm, "get_base_model") else lm).config
+    n_layer, d = config.n_layer, config.n_embd
+    B, P, R = args.rollout, args.prompt_len, args.new_tokens
+    L = P + R
+
+    for _ in range(args.warmup):
+        trainer.ppo_step()
+    gen = compare_generation(trainer, args, device, args.gen_reps)
+
+    timer = PhaseTimer(device)
+    instrument(trainer, timer)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    step_seconds = []
+    with RssSampler() as rss:
+        for _ in range(args.steps):
+            sync(device)
+            t = time.perf_counter()
+            metrics = trainer.ppo_step()
+            sync(device)
+            step_seconds.append(time.perf_counter() - t)
+    n = args.steps
+    step_s = sum(step_seconds) / n
+    phase_s = {k: v / n for k, v in timer.seconds.items()}
+    phase_s.pop("rollout_other", None)  # padding the queries, the response mask: counted in "other"
+    phase_s["other"] = step_s - sum(phase_s.values())  # + shaped rewards, GAE, whitening, metrics
+    tokens = {
+        "generate": B * R,
+        "old_logprobs_values": B * L,
+        "reference": B * L,
+        "reward_model": B * L,
+        "update": B * L * args.ppo_epochs,
+    }
+    phases = {}
+    for k, s in phase_s.items():
+        phases[k] = {
+            "seconds": s,
+            "tokens_per_s": tokens[k] / s if k in tokens and s > 0 else None,
+            "share": s / step_s,
+        }
+    train_flops = training_flops(counts, B=B, L=L, R=R, n_layer=n_layer, d=d, epochs=args.ppo_epochs, lora=args.lora)
+    peak = peak_bf16 if args.bf16 else peak_fp32
+    fwd = forward_flops(counts, B=B, L=L, R=R, n_layer=n_layer, d=d)
+    result = {
+        "config": {
+            "model": args.model_dir or args.model,
+            "n_layer": n_layer,
+            "n_embd": d,
+            "vocab_size": config.vocab_size,
+            "params": counts,
+            "rollout": B,
+            "mini_batch": args.mini_batch,
+            "grad_accum": args.grad_accum,
+            "ppo_epochs": args.ppo_epochs,
+            "prompt_len": P,
+            "new_tokens": R,
+            "lora": args.lora,
+            "bf16": args.bf16,
+            "grad_ckpt": args.grad_ckpt,
+            "threads": args.threads,
+            "steps": n,
+            "device": str(device),
+        },
+        "step_seconds": step_s,
+        "step_seconds_all": step_seconds,
+        "phases": phases,
+        "matmul_peak_gflops": {"fp32": peak_fp32 / 1e9, "bf16": peak_bf16 / 1e9},
+        "train_flops_per_step": train_flops,
+        "train_gflops_per_s": train_flops / phase_s["update"] / 1e9,
+        "mfu": train_flops / phase_s["update"] / peak,
+        "forward_mfu": {  # the no-grad forwards, for comparison (same peak)
+            k: fwd / phase_s[k] / peak for k in ("old_logprobs_values", "reference", "reward_model")
+        },
+        "generation": gen,
+        "peak_memory_mb": peak_memory_mb(device),
+        "peak_memory_mb_after_load": load_peak_mb,
+        "peak_rss_mb_during_steps": rss.peak / 2**20 if device.type == "cpu" else None,
+        "response_length": metrics["response_length"],
+        "load_avg_1min": os.getloadavg()[0],
+    }
+    if args.profile:
+        result["profile_file"] = profile_step(trainer, args.profile)
+    if tmp is not None:
+        tmp.cleanup()
+    return result
+
+
+def profile_step(trainer, path: str) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities, record_shapes=True) as prof:
+        trainer.ppo_step()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60)
+    table_shapes = prof.key_averages(group_by_input_shape=True).table(
+        sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=50, max_shapes_column_width=60
+    )
+    Path(path).write_text(table + "\n\nby input shape:\n" + table_shapes)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+# ---------------------------------------------------------------------------------------------
+
+
+def label(r: dict) -> str:
+    c = r["config"]
+    return f"{c['model']} {'LoRA' if c['lora'] else 'full'} {'bf16' if c['bf16'] else 'fp32'}" + (
+        " ckpt" if c["grad_ckpt"] else ""
+    )
+
+
+def format_table(results: list[dict]) -> str:
+    lines = []
+    for r in results:
+        c = r["config"]
+        lines.append(
+            f"## {label(r)}: rollout {c['rollout']}, prompt {c['prompt_len']} + {c['new_tokens']} new tokens, "
+            f"minibatch {c['mini_batch']}, {c['ppo_epochs']} PPO epoch(s), {c['steps']} timed steps, "
+            f"{c['threads']} threads, load {r['load_avg_1min']:.1f}"
+        )
+        lines.append(f"| phase | seconds | tokens/s | share |")
+        lines.append("|---|---:|---:|---:|")
+        for k, v in r["phases"].items():
+            tps = f"{v['tokens_per_s']:,.0f}" if v["tokens_per_s"] else ""
+            lines.append(f"| {k} | {v['seconds']:.3f} | {tps} | {100 * v['share']:.1f}% |")
+        lines.append(f"| **step** | {r['step_seconds']:.3f} | | 100% |")
+        g = r["generation"]
+        peak = r["matmul_peak_gflops"]["bf16" if c["bf16"] else "fp32"]
+        lines.append(
+            f"\ntraining: {r['train_gflops_per_s']:.1f} GFLOP/s = MFU {100 * r['mfu']:.1f}% of the "
+            f"{peak:.0f} GFLOP/s {'bf16' if c['bf16'] else 'fp32'} matmul peak; forwards: "
+            + ", ".join(f"{k} {100 * v:.0f}%" for k, v in r["forward_mfu"].items())
+        )
+        lines.append(
+            f"generation: rollout {g['rollout_generate_tokens_per_s']:,.0f} tok/s vs bare generate "
+            f"{g['bare_generate_tokens_per_s']:,.0f} tok/s = {g['rollout_vs_bare']:.2f}x"
+        )
+        lines.append(
+            f"peak memory: {r['peak_memory_mb']:,.0f} MB (after loading {r['peak_memory_mb_after_load']:,.0f} MB"
+            + (f", max RSS during the steps {r['peak_rss_mb_during_steps']:,.0f} MB" if r["peak_rss_mb_during_steps"] else "")
+            + ")\n"
+        )
+    return "\n".join(lines)
+
+
+def run_matrix(args) -> list[dict]:
+    tmp = tempfile.TemporaryDirectory(prefix="ppo_bench_")
+    workdir = Path(args.workdir or tmp.name)
+    policy_dir, rm_dir = build_folders(args, workdir)
+    results = []
+    passthrough = [a for a in sys.argv[1:] if a not in ("--matrix", "--lora", "--bf16")]
+    if "--json" in passthrough:
+        i = passthrough.index("--json")
+        del passthrough[i : i + 2]
+    for lora in (False, True):
+        for bf16 in (False, True):
+            out = workdir / f"result_{lora}_{bf16}.json"
+            cmd = [sys.executable, __file__, *passthrough, "--policy-dir", str(policy_dir), "--rm-dir", str(rm_dir),
+                   "--workdir", str(workdir / f"run_{lora}_{bf16}"), "--json", str(out)]
+            cmd += ["--lora"] if lora else []
+            cmd += ["--bf16"] if bf16 else []
+            subprocess.run(cmd, check=True)
+            results.append(json.loads(out.read_text()))
+    tmp.cleanup()
+    return results
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    results = run_matrix(args) if args.matrix else [run_one(args)]
+    if args.matrix:
+        print("\n# all configurations\n")
+    print(format_table(results))
+    if args.matrix:
+        full = {r["config"]["bf16"]: r for r in results if not r["config"]["lora"]}
+        for r in results:
+            if r["config"]["lora"]:
+                ratio = r["peak_memory_mb"] / full[r["config"]["bf16"]]["peak_memory_mb"]
+                print(f"LoRA / full peak memory ({'bf16' if r['config']['bf16'] else 'fp32'}): {ratio:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results if args.matrix else results[0], indent=2))
+
+
+if __name__ == "__main__":
+    main()
