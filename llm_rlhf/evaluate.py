@@ -483,8 +483,25 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def run(cfg: Config) -> dict[str, Any]:
-    """Load and check every input, sample both models with paired seeds, score, write the outputs."""
+def run(cfg: Config) -> dict[str, Any] | None:
+    """Load and check every input, sample both models with paired seeds, score, write the outputs.
+
+    Under `accelerate launch` with several processes the main process evaluates and the others wait
+    (the evaluation is small next to training, and one writer keeps the outputs whole)."""
+    from accelerate import PartialState
+
+    state = PartialState()
+    if not state.is_main_process:
+        state.wait_for_everyone()
+        return None
+    try:
+        return _run(cfg)
+    finally:
+        if state.num_processes > 1:
+            state.wait_for_everyone()
+
+
+def _run(cfg: Config) -> dict[str, Any]:
     from llm_rlhf.models import freeze, load_causal_lm, load_tokenizer
 
     started = time.time()

@@ -121,6 +121,8 @@ def stage_config(cfg: Config, stage: str) -> Any:
 
 def run(cfg: Config) -> dict[str, Any]:
     """One pipeline run, or one per seed, or a sweep of PPO variants; then the report over all of them."""
+    from accelerate import PartialState
+
     out = Path(cfg.output_dir)
     if cfg.seeds:
         runs = [seed_run(cfg, seed) for seed in cfg.seeds]
@@ -134,7 +136,7 @@ def run(cfg: Config) -> dict[str, Any]:
     records = {}
     for run_cfg in runs:
         records[run_cfg.output_dir] = run_one(run_cfg)
-    if cfg.report and importlib.util.find_spec("llm_rlhf.report"):
+    if cfg.report and importlib.util.find_spec("llm_rlhf.report") and PartialState().is_main_process:
         from llm_rlhf.report import write_report
 
         print(f"report: {write_report(out)}")
@@ -175,14 +177,23 @@ def sweep_runs(cfg: Config) -> list[Config]:
 
 
 def run_one(cfg: Config) -> dict[str, Any]:
+    """The stages of one run, in order. Under `accelerate launch` every process runs every stage (each
+    stage is data-parallel on its own); only the main process writes the pipeline's own files."""
+    from accelerate import PartialState
+
+    state = PartialState()
     out = Path(cfg.output_dir)
     configs = {stage: stage_config(cfg, stage) for stage in cfg.stages}
-    print(format_config(cfg))
-    out.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out, "pipeline_config.yaml")
+    if state.is_main_process:
+        print(format_config(cfg))
+        out.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, out, "pipeline_config.yaml")
+    state.wait_for_everyone()
     record_path = out / "pipeline.json"
     record = json.loads(record_path.read_text()) if record_path.exists() else {}
-    if cfg.shared_dir:  # a sweep variant: link the shared SFT and RM stages into this run folder
+    if (
+        cfg.shared_dir and state.is_main_process
+    ):  # a sweep variant: link the shared SFT and RM stages into this run folder
         shared_record = json.loads((Path(cfg.shared_dir) / "pipeline.json").read_text())
         for stage in ("sft", "rm"):
             link = out / stage
@@ -193,19 +204,21 @@ def run_one(cfg: Config) -> dict[str, Any]:
     for stage in cfg.stages:
         stage_cfg, stage_dir = configs[stage], Path(configs[stage].output_dir)
         if (stage_dir / "metrics.json").exists():
-            print(f"== {stage}: finished earlier ({stage_dir}); skipped")
+            state.print(f"== {stage}: finished earlier ({stage_dir}); skipped")
             continue
         if stage_dir.exists() and hasattr(stage_cfg, "resume"):
             stage_cfg = dataclasses.replace(stage_cfg, resume=True)
-            print(f"== {stage}: interrupted earlier; resuming in {stage_dir}")
+            state.print(f"== {stage}: interrupted earlier; resuming in {stage_dir}")
         else:
-            print(f"== {stage}: running in {stage_dir}")
+            state.print(f"== {stage}: running in {stage_dir}")
         start = time.perf_counter()
         importlib.import_module(MODULES[stage]).run(stage_cfg)
+        state.wait_for_everyone()
         metrics = json.loads((stage_dir / "metrics.json").read_text())
         record[stage] = {"wall_time_s": round(time.perf_counter() - start, 1), "metrics": metrics}
-        atomic_write_json(record_path, record)
-    print(summary(record))
+        if state.is_main_process:
+            atomic_write_json(record_path, record)
+    state.print(summary(record))
     return record
 
 

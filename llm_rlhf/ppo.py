@@ -475,7 +475,6 @@ class PPOTrainer:
                 eos_token_id=tok.eos_token_id,
                 pad_token_id=tok.pad_token_id,
                 use_cache=True,
-                synced_gpus=self.needs_synced_gpus,
             )
         response = sequences[:, P:]  # (B, R)
         if response.shape[1] < cfg.max_new_tokens:  # generate stops early when every row has ended
@@ -711,18 +710,10 @@ class PPOTrainer:
     def autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.cfg.bf16 else nullcontext()
 
-    @property
-    def needs_synced_gpus(self) -> bool:
-        from accelerate.utils import DistributedType
-
-        return (
-            self.accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP)
-            and self.accelerator.num_processes > 1
-        )
-
     @contextmanager
     def gathered_for_generation(self, policy):
-        """ZeRO-3 / FSDP shard parameters: gather them for the many small forwards of generation."""
+        """ZeRO-3 / FSDP shard parameters: gather them once for the many small forwards of generation
+        (each rank then generates on its own, so ranks that finish early wait for nobody)."""
         from accelerate.utils import DistributedType
 
         if (
