@@ -24,6 +24,7 @@ import json
 import math
 import platform
 import random
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -191,6 +192,9 @@ def main() -> None:
     print(f"tokenizer: {len(tokenizer)} tokens, eos id {eos}, pad {tokenizer.pad_token}", flush=True)
 
     train_seqs = encode(tokenizer, texts, args.n_positions)
+    n_cut = sum(
+        len(s) + 1 > args.n_positions for s in tokenizer(texts, add_special_tokens=False)["input_ids"]
+    )
     val_seqs = encode(tokenizer, val_texts, args.n_positions)
     train_probe = encode(tokenizer, train_movie[: len(val_texts)], args.n_positions)  # same size as val
     n_tokens = sum(len(s) for s in train_seqs)
@@ -297,6 +301,8 @@ def main() -> None:
         train_minutes=train_minutes,
         total_minutes=total_minutes,
         epochs=seen_tokens / n_tokens,
+        n_cut=n_cut,
+        command=shlex.join(["python", "data/make_base_model.py", *sys.argv[1:]]),
     )
     size_mb = sum(f.stat().st_size for f in args.out.iterdir() if f.is_file()) / 2**20
     print(f"saved {args.out} ({size_mb:.1f} MB) in {total_minutes:.1f} min", flush=True)
@@ -340,8 +346,8 @@ tokenizer). `generation_config.json`: bos = eos = {config.eos_token_id}, no pad.
 ## Training
 - Data: `pretrain.jsonl`, {m["n_sentences"]:,} sentences / {m["n_tokens"]:,} tokens (train-split movie
   review sentences + all Amazon, NYT-editorial and tweet sentences of Hutto & Gilbert 2014, MIT).
-  Each sentence is followed by `<|endoftext|>` and starts at position 0 (sentences longer than
-  {config.n_positions} tokens are cut; there are almost none). Length-grouped batches of {args.batch_size}
+  Each sentence is followed by `<|endoftext|>` and starts at position 0 ({m["n_cut"]} sentences longer than
+  {config.n_positions} tokens are cut). Length-grouped batches of {args.batch_size}
   sentences, right-padded, padding masked out of attention and labels.
 - Next-token cross-entropy; AdamW (betas 0.9/0.95, weight decay {args.weight_decay} on matrices), peak lr
   {args.lr}, {args.warmup} warmup steps then cosine to {args.lr * args.min_lr_ratio:g}; gradient norm clipped
@@ -355,7 +361,7 @@ tokenizer). `generation_config.json`: bos = eos = {config.eos_token_id}, no pad.
 {rows}
 
 Final, nats per token, `<|endoftext|>` included:
-- train loss (last 100 steps, dropout on): {m["final_train"]:.3f}
+- train loss (mean of the last 100 training steps): {m["final_train"]:.3f}
 - train movie sentences (first {m["n_val"]:,} of `sft_train.jsonl`, eval mode): {m["probe_loss"]:.3f}
 - held-out val movie sentences, reloaded float16 -> float32: **{m["val_loss"]:.3f}** (perplexity {math.exp(m["val_loss"]):.1f})
 - sampling (temperature 1, top-k 50, at most 40 new tokens) from the first {m["n_eos_prompts"]} prompts of
@@ -368,11 +374,11 @@ Samples (temperature 1, top-k 50, seed {args.seed}, bold = prompt):
 ## Rebuild
 ```bash
 python data/make_reviews.py --out data/reviews          # if the jsonl files are missing
-python data/make_base_model.py --data data/reviews --out data/reviews/base_model --steps {args.steps} --seed {args.seed}
+{m["command"]}
 ```
 Built in {m["total_minutes"]:.1f} min ({m["train_minutes"]:.1f} min of training) on a 2-core CPU
-(torch {torch.__version__}, {args.threads} threads, Python {platform.python_version()}), while other jobs shared
-the machine. The run is seeded; the same machine and library versions give the same weights.
+(torch {torch.__version__}, {args.threads} torch thread(s), Python {platform.python_version()}) while other jobs
+shared the machine, so the time is noisy. The run is seeded; the same machine and library versions give the same weights.
 
 ## License and data
 Weights and tokenizer are derived from the VADER ICWSM-2014 sentences (MIT, C.J. Hutto; Hutto & Gilbert

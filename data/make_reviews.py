@@ -24,7 +24,6 @@ Pure python + stdlib on purpose, so a fresh clone rebuilds it without the toolki
 from __future__ import annotations
 
 import argparse
-import ast
 import hashlib
 import html
 import json
@@ -83,7 +82,7 @@ def load_movie(source: Path) -> list[Sentence]:
     """
     ratings = {}
     for row in read_tsv(source / "movieReviewSnippets_anonDataRatings.txt"):
-        ratings[row[0]] = tuple(int(r) for r in ast.literal_eval(row[3]))
+        ratings[row[0]] = tuple(int(r) for r in json.loads(row[3]))  # "[3, 2, -1, ...]"
     sentences, seen = [], set()
     for row in read_tsv(source / "movieReviewSnippets_GroundTruth.txt"):
         sid, mean, raw = row[0], float(row[1]), "\t".join(row[2:])
@@ -175,10 +174,11 @@ def preference_pairs(sentences: list[Sentence]) -> list[dict]:
     pairs = []
     for k, group in opening_groups(sentences):
         prompt = group_prompt(group, k)
+        rest = {s.id: cut(s.text, k)[1] for s in group}
         candidates = []
         for i, a in enumerate(group):
             for b in group[i + 1 :]:
-                if abs(a.rating - b.rating) >= PAIR_MIN_MARGIN and cut(a.text, k)[1] != cut(b.text, k)[1]:
+                if abs(a.rating - b.rating) >= PAIR_MIN_MARGIN and rest[a.id] != rest[b.id]:
                     candidates.append((sha1_key("pair", a.id, b.id), a, b))
         candidates.sort(key=lambda c: c[0])
         degree: dict[str, int] = defaultdict(int)
@@ -193,8 +193,8 @@ def preference_pairs(sentences: list[Sentence]) -> list[dict]:
                     pairs.append(
                         {
                             "prompt": prompt,
-                            "chosen": cut(hi.text, k)[1],
-                            "rejected": cut(lo.text, k)[1],
+                            "chosen": rest[hi.id],
+                            "rejected": rest[lo.id],
                             "margin": round(hi.rating - lo.rating, 4),
                         }
                     )
