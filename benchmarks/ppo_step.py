@@ -39,7 +39,6 @@ import sys
 import tempfile
 import threading
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -58,7 +57,10 @@ PHASES = ("generate", "old_logprobs_values", "reference", "reward_model", "updat
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=sorted(SHAPES), default="small", help="model shape (random weights)")
-    p.add_argument("--model-dir", help="use this HF causal-LM folder as the policy instead (e.g. data/reviews/base_model)")
+    p.add_argument(
+        "--model-dir",
+        help="use this HF causal-LM folder as the policy instead (e.g. data/reviews/base_model)",
+    )
     p.add_argument("--n-layer", type=int, help="override the shape")
     p.add_argument("--n-head", type=int)
     p.add_argument("--n-embd", type=int)
@@ -74,11 +76,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing")
     p.add_argument("--steps", type=int, default=3, help="timed PPO steps (after --warmup)")
     p.add_argument("--warmup", type=int, default=1, help="untimed PPO steps first")
-    p.add_argument("--gen-reps", type=int, default=3, help="rounds of bare vs rollout generation, side by side")
+    p.add_argument(
+        "--gen-reps", type=int, default=3, help="rounds of bare vs rollout generation, side by side"
+    )
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     p.add_argument("--peak-size", type=int, default=2048, help="n of the n x n matmul that defines the peak")
     p.add_argument("--profile", help="write a torch.profiler table of one extra step to this file")
-    p.add_argument("--matrix", action="store_true", help="run {full, LoRA} x {fp32, bf16}, each in its own process")
+    p.add_argument(
+        "--matrix", action="store_true", help="run {full, LoRA} x {fp32, bf16}, each in its own process"
+    )
     p.add_argument("--json", help="write the results as JSON here")
     p.add_argument("--workdir", help="where to build the model folders (default: a temporary folder)")
     p.add_argument("--policy-dir", help=argparse.SUPPRESS)  # set by --matrix for its children
@@ -144,6 +150,10 @@ def build_folders(args, workdir: Path) -> tuple[Path, Path]:
 
     config = model_config(args)
     policy_dir, rm_dir = workdir / "policy", workdir / "rm"
+    if (rm_dir / "config.json").exists() and not args.model_dir:  # built before in this --workdir
+        saved = json.loads((policy_dir / "config.json").read_text())
+        if all(saved.get(k) == getattr(config, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size")):
+            return policy_dir, rm_dir
     if args.model_dir:
         policy_dir = Path(args.model_dir)
         tokenizer = AutoTokenizer.from_pretrained(policy_dir)
@@ -161,7 +171,9 @@ def build_folders(args, workdir: Path) -> tuple[Path, Path]:
     rm_tokenizer = load_tokenizer(str(policy_dir))
     add_pad_token(model, rm_tokenizer)
     save_reward_model(
-        RewardModel(model, rm_tokenizer, {"mean": 0.0, "std": 1.0, "reference_set": "benchmark: random weights"}),
+        RewardModel(
+            model, rm_tokenizer, {"mean": 0.0, "std": 1.0, "reference_set": "benchmark: random weights"}
+        ),
         rm_dir,
         merge_lora=False,
     )
@@ -209,7 +221,8 @@ class PhaseTimer:
             self.stack.append(0.0)
             t = time.perf_counter()
             try:
-                return fn(*a, **kw)
+                with torch.profiler.record_function(f"phase/{phase}"):  # names the phase in --profile
+                    return fn(*a, **kw)
             finally:
                 sync(self.device)
                 elapsed = time.perf_counter() - t
@@ -266,8 +279,8 @@ def training_flops(counts, *, B, L, R, n_layer, d, epochs, lora) -> float:
     """The docstring's formula: model FLOPs of `epochs` passes of forward + backward over B sequences."""
     per_weight = lambda frozen: 4 if frozen else 6  # noqa: E731  frozen: no weight gradient
     trunk = (
-        per_weight(True) * counts["trunk_frozen"] + 6 * (counts["trunk"] - counts["trunk_frozen"])
-    ) * B * L
+        (per_weight(True) * counts["trunk_frozen"] + 6 * (counts["trunk"] - counts["trunk_frozen"])) * B * L
+    )
     head = per_weight(lora) * counts["head"] * B * R
     adapters = 6 * counts["lora"] * B * L
     attention = 6 * n_layer * d * B * L * L
@@ -276,7 +289,11 @@ def training_flops(counts, *, B, L, R, n_layer, d, epochs, lora) -> float:
 
 def forward_flops(counts, *, B, L, R, n_layer, d) -> float:
     """2 FLOPs per weight per token, LM head on the R response positions, plus attention."""
-    return float(2 * (counts["trunk"] + counts["lora"]) * B * L + 2 * counts["head"] * B * R + 2 * n_layer * d * B * L * L)
+    return float(
+        2 * (counts["trunk"] + counts["lora"]) * B * L
+        + 2 * counts["head"] * B * R
+        + 2 * n_layer * d * B * L * L
+    )
 
 
 def peak_memory_mb(device) -> float:
@@ -337,7 +354,7 @@ def compare_generation(trainer, args, device, reps: int) -> dict:
         steps = {}
         inner = lm.generate
 
-        def counting_generate(*a, **kw):
+        def counting_generate(*a, inner=inner, steps=steps, **kw):
             seq = inner(*a, **kw)
             steps["n"] = seq.shape[1] - kw["input_ids"].shape[1]
             return seq
@@ -424,6 +441,7 @@ def run_one(args) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     step_seconds = []
+    usage0 = resource.getrusage(resource.RUSAGE_SELF)
     with RssSampler() as rss:
         for _ in range(args.steps):
             sync(device)
@@ -431,6 +449,15 @@ def run_one(args) -> dict:
             metrics = trainer.ppo_step()
             sync(device)
             step_seconds.append(time.perf_counter() - t)
+    usage1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = {
+        "user_s": usage1.ru_utime - usage0.ru_utime,
+        "sys_s": usage1.ru_stime - usage0.ru_stime,
+    }
+    # < 1: this process did not get its threads' worth of CPU (other jobs on the machine).
+    cpu["utilization"] = (cpu["user_s"] + cpu["sys_s"]) / (sum(step_seconds) * args.threads)
+    peak_fp32_end = matmul_peak(args.peak_size, torch.float32, device)
+    peak_bf16_end = matmul_peak(args.peak_size, torch.bfloat16, device)
     n = args.steps
     step_s = sum(step_seconds) / n
     phase_s = {k: v / n for k, v in timer.seconds.items()}
@@ -450,7 +477,10 @@ def run_one(args) -> dict:
             "tokens_per_s": tokens[k] / s if k in tokens and s > 0 else None,
             "share": s / step_s,
         }
-    train_flops = training_flops(counts, B=B, L=L, R=R, n_layer=n_layer, d=d, epochs=args.ppo_epochs, lora=args.lora)
+    train_flops = training_flops(
+        counts, B=B, L=L, R=R, n_layer=n_layer, d=d, epochs=args.ppo_epochs, lora=args.lora
+    )
+    peak_fp32, peak_bf16 = max(peak_fp32, peak_fp32_end), max(peak_bf16, peak_bf16_end)
     peak = peak_bf16 if args.bf16 else peak_fp32
     fwd = forward_flops(counts, B=B, L=L, R=R, n_layer=n_layer, d=d)
     result = {
@@ -477,6 +507,8 @@ def run_one(args) -> dict:
         "step_seconds_all": step_seconds,
         "phases": phases,
         "matmul_peak_gflops": {"fp32": peak_fp32 / 1e9, "bf16": peak_bf16 / 1e9},
+        "matmul_peak_gflops_end": {"fp32": peak_fp32_end / 1e9, "bf16": peak_bf16_end / 1e9},
+        "cpu_time_during_steps": cpu,
         "train_flops_per_step": train_flops,
         "train_gflops_per_s": train_flops / phase_s["update"] / 1e9,
         "mfu": train_flops / phase_s["update"] / peak,
@@ -507,8 +539,32 @@ def profile_step(trainer, path: str) -> str:
     table_shapes = prof.key_averages(group_by_input_shape=True).table(
         sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=50, max_shapes_column_width=60
     )
-    Path(path).write_text(table + "\n\nby input shape:\n" + table_shapes)
+    Path(path).write_text(table + "\n\nby input shape:\n" + table_shapes + "\n\n" + ops_by_phase(prof))
     return path
+
+
+def ops_by_phase(prof, top: int = 12) -> str:
+    """Self CPU time of each op inside each benchmark phase (the phase is the nearest enclosing
+    `phase/...` record_function), the top ops per phase, largest first."""
+    totals: dict[str, dict[str, float]] = {}
+    for event in prof.events():
+        parent, phase = event.cpu_parent, None
+        while parent is not None:
+            if parent.name.startswith("phase/"):
+                phase = parent.name[len("phase/") :]
+                break
+            parent = parent.cpu_parent
+        if phase is None or event.name.startswith("phase/"):
+            continue
+        ops = totals.setdefault(phase, {})
+        ops[event.name] = ops.get(event.name, 0.0) + event.self_cpu_time_total / 1e6
+    lines = []
+    for phase, ops in totals.items():
+        total = sum(ops.values())
+        lines.append(f"phase {phase}: {total:.3f} s self CPU time in ops")
+        for name, sec in sorted(ops.items(), key=lambda kv: -kv[1])[:top]:
+            lines.append(f"    {name:55s} {sec:8.3f} s  {100 * sec / total:5.1f}%")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -530,9 +586,10 @@ def format_table(results: list[dict]) -> str:
         lines.append(
             f"## {label(r)}: rollout {c['rollout']}, prompt {c['prompt_len']} + {c['new_tokens']} new tokens, "
             f"minibatch {c['mini_batch']}, {c['ppo_epochs']} PPO epoch(s), {c['steps']} timed steps, "
-            f"{c['threads']} threads, load {r['load_avg_1min']:.1f}"
+            f"{c['threads']} threads, load {r['load_avg_1min']:.1f}, CPU utilisation "
+            f"{r['cpu_time_during_steps']['utilization']:.2f} (sys {r['cpu_time_during_steps']['sys_s']:.1f} s)"
         )
-        lines.append(f"| phase | seconds | tokens/s | share |")
+        lines.append("| phase | seconds | tokens/s | share |")
         lines.append("|---|---:|---:|---:|")
         for k, v in r["phases"].items():
             tps = f"{v['tokens_per_s']:,.0f}" if v["tokens_per_s"] else ""
@@ -551,7 +608,11 @@ def format_table(results: list[dict]) -> str:
         )
         lines.append(
             f"peak memory: {r['peak_memory_mb']:,.0f} MB (after loading {r['peak_memory_mb_after_load']:,.0f} MB"
-            + (f", max RSS during the steps {r['peak_rss_mb_during_steps']:,.0f} MB" if r["peak_rss_mb_during_steps"] else "")
+            + (
+                f", max RSS during the steps {r['peak_rss_mb_during_steps']:,.0f} MB"
+                if r["peak_rss_mb_during_steps"]
+                else ""
+            )
             + ")\n"
         )
     return "\n".join(lines)
@@ -569,8 +630,19 @@ def run_matrix(args) -> list[dict]:
     for lora in (False, True):
         for bf16 in (False, True):
             out = workdir / f"result_{lora}_{bf16}.json"
-            cmd = [sys.executable, __file__, *passthrough, "--policy-dir", str(policy_dir), "--rm-dir", str(rm_dir),
-                   "--workdir", str(workdir / f"run_{lora}_{bf16}"), "--json", str(out)]
+            cmd = [
+                sys.executable,
+                __file__,
+                *passthrough,
+                "--policy-dir",
+                str(policy_dir),
+                "--rm-dir",
+                str(rm_dir),
+                "--workdir",
+                str(workdir / f"run_{lora}_{bf16}"),
+                "--json",
+                str(out),
+            ]
             cmd += ["--lora"] if lora else []
             cmd += ["--bf16"] if bf16 else []
             subprocess.run(cmd, check=True)

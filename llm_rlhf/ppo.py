@@ -287,19 +287,29 @@ def response_mask_from_tokens(response: torch.Tensor, eos_token_id: int) -> torc
     return eos_before == 0
 
 
-def response_logprobs_and_values(model, rollout: Rollout, temperature: float):
+def response_logprobs_and_values(model, rollout: Rollout, temperature: float, *, entropy: str = "grad"):
     """One forward over query + response; outputs aligned with the response tokens.
 
+    The LM head runs only at the R positions whose logits are used (`logits_to_keep`), not at the query.
+    entropy: "grad" (differentiable), "stats" (a metric only: no autograd graph over the (B, R, V)
+    softmax) or "none" (not computed, None).
     Returns logprobs (B, R), values (B, R), entropy (B, R); values is None for a plain LM (reference).
     """
-    P = rollout.query.shape[1]
-    out = model(rollout.sequence, rollout.attention_mask.long())
+    P, R = rollout.query.shape[1], rollout.response.shape[1]
+    # Positions P-1 .. P+R-2. A tensor, not `R + 1`: indexing gives a contiguous (B, R, H) copy, so the
+    # LM head is one matmul (a strided slice sends frozen weights, LoRA's and the reference's, to bmm: 2x).
+    keep = torch.arange(P - 1, P + R - 1, device=rollout.query.device)  # (R,)
+    out = model(rollout.sequence, rollout.attention_mask.long(), logits_to_keep=keep)
     logits, values = (
         out if isinstance(out, tuple) else (out, None)
     )  # policy: (logits, values); reference: logits
-    logits = logits[:, P - 1 : -1]  # (B, R, V): position t predicts response token t
+    # logits: (B, R, V): row t predicts response token t
     logprobs = ppo_math.logprobs_from_logits(logits=logits, labels=rollout.response, temperature=temperature)
-    entropy = ppo_math.entropy_from_logits(logits=logits, temperature=temperature)
+    if entropy != "none":
+        with torch.no_grad() if entropy == "stats" else nullcontext():
+            entropy = ppo_math.entropy_from_logits(logits=logits, temperature=temperature)
+    else:
+        entropy = None
     if values is not None:
         values = values[:, P - 1 : -1]  # (B, R): V(s_t), the state before response token t
     return logprobs, values, entropy
@@ -313,7 +323,9 @@ class Reference(torch.nn.Module):
         super().__init__()
         self.lm = lm
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int | torch.Tensor = 0
+    ) -> torch.Tensor:
         from llm_rlhf.models import position_ids_from_mask
 
         return self.lm(
@@ -321,7 +333,8 @@ class Reference(torch.nn.Module):
             attention_mask=attention_mask,
             position_ids=position_ids_from_mask(attention_mask),
             use_cache=False,
-        ).logits  # (B, L, V)
+            logits_to_keep=logits_to_keep,
+        ).logits  # (B, L, V), or (B, K, V) at the K positions in logits_to_keep
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,7 +362,13 @@ class PPOTrainer:
         if critic is not None:
             params += [p for p in critic.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(
-            params, lr=cfg.learning_rate, eps=cfg.adam_eps, weight_decay=cfg.weight_decay
+            params,
+            lr=cfg.learning_rate,
+            eps=cfg.adam_eps,
+            weight_decay=cfg.weight_decay,
+            # One kernel per step instead of ~8 elementwise passes per tensor: on CPU the default
+            # for-loop AdamW took ~10% of a GPT-2 124M update (benchmarks/README.md).
+            fused=accelerator.device.type in ("cpu", "cuda"),
         )
         total = cfg.steps * self.sizes.optimizer_steps_per_ppo_step
         decay = (
@@ -501,8 +520,12 @@ class PPOTrainer:
         """
         unwrap = self.accelerator.unwrap_model
         policy = self.policy if train else unwrap(self.policy)
-        with self.autocast():
-            logprobs, values, entropy = response_logprobs_and_values(policy, rollout, self.cfg.temperature)
+        # The entropy needs an autograd graph only when the loss uses it (ent_coef != 0).
+        entropy_mode = "grad" if train and self.cfg.ent_coef != 0 else "stats"
+        with self.autocast(), self.checkpointing(train):
+            logprobs, values, entropy = response_logprobs_and_values(
+                policy, rollout, self.cfg.temperature, entropy=entropy_mode
+            )
             if self.critic is not None:
                 critic = self.critic if train else unwrap(self.critic)
                 P = rollout.query.shape[1]
@@ -513,7 +536,9 @@ class PPOTrainer:
     def reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
         """log pi_ref(y_t|s_t): (B, R). With LoRA: the policy's own network with the adapter disabled."""
         with self.autocast(), self.reference_context():
-            logprobs, _, _ = response_logprobs_and_values(self.ref_model, rollout, self.cfg.temperature)
+            logprobs, _, _ = response_logprobs_and_values(
+                self.ref_model, rollout, self.cfg.temperature, entropy="none"
+            )
         return logprobs.float()
 
     @torch.no_grad()
@@ -711,6 +736,26 @@ class PPOTrainer:
         return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.cfg.bf16 else nullcontext()
 
     @contextmanager
+    def checkpointing(self, train: bool):
+        """Gradient checkpointing for a training forward. transformers checkpoints a layer only while that
+        layer is in training mode, and the policy stays in eval mode (dropout off), so the option did
+        nothing: flag the checkpointed layers alone as training (their submodules, dropout included,
+        stay in eval mode), and only for the training forward (generation keeps its KV cache)."""
+        if not (train and self.cfg.gradient_checkpointing):
+            yield
+            return
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        layers = [m for m in self.unwrapped_policy.modules() if isinstance(m, GradientCheckpointingLayer)]
+        for layer in layers:
+            layer.training = True
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer.training = False
+
+    @contextmanager
     def gathered_for_generation(self, policy):
         """ZeRO-3 / FSDP shard parameters: gather them once for the many small forwards of generation
         (each rank then generates on its own, so ranks that finish early wait for nobody)."""
@@ -850,10 +895,12 @@ def load_prompts(cfg: Config, tokenizer) -> list[list[int]]:
 
 def build_models(cfg: Config):
     """policy (+ value head), reference, reward model and optional separate critic."""
-    from llm_rlhf.models import PolicyWithValue, ValueHead, freeze, load_causal_lm
+    from llm_rlhf.models import PolicyWithValue, ValueHead, freeze, load_causal_lm, use_fused_gelu
     from llm_rlhf.reward import load_reward_model
 
-    lm = load_causal_lm(cfg.model_name_or_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
+    lm = use_fused_gelu(
+        load_causal_lm(cfg.model_name_or_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
+    )
     if cfg.gradient_checkpointing:
         lm.gradient_checkpointing_enable()
     if cfg.use_lora:
@@ -870,7 +917,11 @@ def build_models(cfg: Config):
         ref_model = Reference(lm)  # the same network; reference_context() disables the adapter
     else:
         ref_lm = freeze(
-            load_causal_lm(cfg.model_name_or_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
+            use_fused_gelu(
+                load_causal_lm(
+                    cfg.model_name_or_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code
+                )
+            )
         )
         assert ref_lm is not lm and all(
             a.data_ptr() != b.data_ptr() for a, b in zip(ref_lm.parameters(), lm.parameters())
@@ -884,12 +935,14 @@ def build_models(cfg: Config):
     )
     policy = PolicyWithValue(lm, ValueHead(hidden).to(next(lm.parameters()).dtype))
     reward_model = freeze(
-        load_reward_model(cfg.reward_model_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
+        use_fused_gelu(
+            load_reward_model(cfg.reward_model_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
+        )
     )
     critic = None
     if cfg.value_model == "reward":
-        critic = load_reward_model(
-            cfg.reward_model_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code
+        critic = use_fused_gelu(
+            load_reward_model(cfg.reward_model_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
         ).as_critic()
     return policy, ref_model, reward_model, critic
 

@@ -36,6 +36,7 @@ from llm_rlhf.utils import (
 SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
               "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay")  # fmt: skip
 REPORT_TO = ("none", "tensorboard", "wandb")
+SAMPLE_BATCH_SIZE = 32  # generation batch for the eos_rate samples (larger batches were slower on CPU)
 
 
 @dataclasses.dataclass
@@ -81,6 +82,9 @@ class Config:
     bf16: bool = help_field(False, "bfloat16 autocast (mixed precision) during training.")
     gradient_checkpointing: bool = help_field(
         False, "Recompute activations in the backward pass to save memory."
+    )
+    group_by_length: bool = help_field(
+        True, "Batch sequences of similar length together (less padding, faster); batches stay shuffled."
     )
     # --- LoRA ---
     use_lora: bool = help_field(False, "Train a LoRA adapter (peft) instead of all weights.")
@@ -246,10 +250,11 @@ def training_args(cfg: Config):
         num_train_epochs=cfg.num_train_epochs,
         max_steps=cfg.max_steps,
         per_device_train_batch_size=cfg.per_device_train_batch_size,
-        per_device_eval_batch_size=cfg.per_device_eval_batch_size,
+        per_device_eval_batch_size=SAMPLE_BATCH_SIZE,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         warmup_steps=cfg.warmup_ratio,  # transformers 5: a float in [0, 1) is a ratio of the total steps
         lr_scheduler_type=cfg.lr_scheduler_type,
+        train_sampling_strategy="group_by_length" if cfg.group_by_length else "random",
         weight_decay=cfg.weight_decay,
         max_grad_norm=cfg.max_grad_norm,
         seed=cfg.seed,
@@ -388,7 +393,7 @@ def run(cfg: Config) -> dict[str, float | None]:
         print(f"resuming from {checkpoint}", flush=True)
 
     train_output = trainer.train(resume_from_checkpoint=checkpoint)
-    eval_metrics = trainer.evaluate()
+    eval_metrics = _final_eval(trainer)
     trainer.accelerator.wait_for_everyone()
 
     metrics: dict[str, float | None] = {}
@@ -424,6 +429,13 @@ def run(cfg: Config) -> dict[str, float | None]:
     return metrics
 
 
+def _final_eval(trainer) -> dict[str, float]:
+    """The evaluation Trainer ran at the last step (eval_steps divides it, or the run ended), else a new one."""
+    last = trainer.state.log_history
+    done = [e for e in last if "eval_loss" in e and e.get("step") == trainer.state.global_step]
+    return done[-1] if done else trainer.evaluate()
+
+
 def _sample_eval_prompts(cfg: Config, model, tokenizer, eval_dataset) -> list[dict]:
     if cfg.num_samples == 0:
         return []
@@ -432,7 +444,7 @@ def _sample_eval_prompts(cfg: Config, model, tokenizer, eval_dataset) -> list[di
     seed_everything(cfg.seed)
     return sample_responses(
         model, tokenizer, prompts[: cfg.num_samples], max_new_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, batch_size=cfg.per_device_eval_batch_size,
+        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, batch_size=SAMPLE_BATCH_SIZE,
     )  # fmt: skip
 
 
