@@ -69,7 +69,7 @@ def read_pairs(path: str) -> list[dict]:
                 else f"expected a string, got {row['prompt']!r:.40}"
             )
             raise DataError(got, file=path, row=number, field="prompt")
-        check_text(row.get("response"), file=path, row=number, field="response", present="response" in row)
+        check_text(row.get("response"), file=path, row=number, field="response")
     return rows
 
 
