@@ -104,10 +104,11 @@ def run(cfg: Config) -> dict[str, float]:
         "score_min": float(scores.min()),
         "score_max": float(scores.max()),
     }
-    order = torch.argsort(scores, descending=True).tolist()
-    shown = (
-        order[: cfg.show] + [i for i in order[-cfg.show :] if i not in order[: cfg.show]] if cfg.show else []
-    )
+    first = {}  # one row per distinct (prompt, response): rows often repeat a response
+    for i in torch.argsort(scores, descending=True).tolist():
+        first.setdefault((prompts[i], responses[i]), i)
+    order = list(first.values())  # highest score first
+    shown = order[: cfg.show] + order[max(cfg.show, len(order) - cfg.show) :] if cfg.show else []
     for i in shown:
         print(f"{float(scores[i]):+7.3f}  {prompts[i]!r} -> {responses[i]!r}")
     print(json.dumps(summary), flush=True)
