@@ -287,11 +287,12 @@ def training_flops(counts, *, B, L, R, n_layer, d, epochs, lora) -> float:
     return float(epochs * (trunk + head + adapters + attention))
 
 
-def forward_flops(counts, *, B, L, R, n_layer, d) -> float:
-    """2 FLOPs per weight per token, LM head on the R response positions, plus attention."""
+def forward_flops(counts, *, B, L, R, n_layer, d, lm_head: bool = True) -> float:
+    """2 FLOPs per weight per token, LM head on the R response positions (none for the reward model:
+    its score head is one dot product), plus attention."""
     return float(
         2 * (counts["trunk"] + counts["lora"]) * B * L
-        + 2 * counts["head"] * B * R
+        + (2 * counts["head"] * B * R if lm_head else 0)
         + 2 * n_layer * d * B * L * L
     )
 
@@ -360,7 +361,7 @@ def compare_generation(trainer, args, device, reps: int) -> dict:
             return seq
 
         lm.generate = counting_generate
-        trainer.forward_policy = lambda *a, **kw: (None, None, None)  # generation only
+        trainer.forward_policy = lambda part, **kw: (torch.zeros(part.response.shape),) * 3  # generation only
         torch.manual_seed(rep)
         sync(device)
         t = time.perf_counter()
@@ -482,7 +483,10 @@ def run_one(args) -> dict:
     )
     peak_fp32, peak_bf16 = max(peak_fp32, peak_fp32_end), max(peak_bf16, peak_bf16_end)
     peak = peak_bf16 if args.bf16 else peak_fp32
-    fwd = forward_flops(counts, B=B, L=L, R=R, n_layer=n_layer, d=d)
+    fwd = {
+        k: forward_flops(counts, B=B, L=L, R=R, n_layer=n_layer, d=d, lm_head=k != "reward_model")
+        for k in ("old_logprobs_values", "reference", "reward_model")
+    }
     result = {
         "config": {
             "model": args.model_dir or args.model,
@@ -513,7 +517,7 @@ def run_one(args) -> dict:
         "train_gflops_per_s": train_flops / phase_s["update"] / 1e9,
         "mfu": train_flops / phase_s["update"] / peak,
         "forward_mfu": {  # the no-grad forwards, for comparison (same peak)
-            k: fwd / phase_s[k] / peak for k in ("old_logprobs_values", "reference", "reward_model")
+            k: flops / phase_s[k] / peak for k, flops in fwd.items()
         },
         "generation": gen,
         "peak_memory_mb": peak_memory_mb(device),

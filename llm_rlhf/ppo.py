@@ -305,9 +305,13 @@ def response_logprobs_and_values(model, rollout: Rollout, temperature: float, *,
     )  # policy: (logits, values); reference: logits
     # logits: (B, R, V): row t predicts response token t
     logprobs = ppo_math.logprobs_from_logits(logits=logits, labels=rollout.response, temperature=temperature)
-    if entropy != "none":
-        with torch.no_grad() if entropy == "stats" else nullcontext():
-            entropy = ppo_math.entropy_from_logits(logits=logits, temperature=temperature)
+    if entropy == "grad":
+        entropy = ppo_math.entropy_from_logits(logits=logits, temperature=temperature)
+    elif entropy == "stats":  # a metric: no graph, and chunks of 4 rows keep its (B, R, V) temporaries small
+        with torch.no_grad():
+            entropy = torch.cat(
+                [ppo_math.entropy_from_logits(logits=z, temperature=temperature) for z in logits.split(4)]
+            )  # (B, R)
     else:
         entropy = None
     if values is not None:
@@ -508,9 +512,19 @@ class PPOTrainer:
             response_mask=response_mask_from_tokens(response, tok.eos_token_id),
         )
         rollout.response = torch.where(rollout.response_mask, response, tok.pad_token_id)
-        rollout.logprobs, values, rollout.entropy = self.forward_policy(rollout)
+        rollout.logprobs, values, rollout.entropy = self.in_chunks(self.forward_policy, rollout)
         rollout.values = values
         return rollout
+
+    def in_chunks(self, forward, rollout: Rollout):
+        """`forward` over chunks of micro-batch rows, outputs concatenated along the batch: a no-grad pass
+        over the whole rollout never holds its (B, R, V) logits and their softmax temporaries at once
+        (the peak memory of a LoRA step), and runs on the batch shape that training runs on."""
+        n = self.sizes.micro_batch_per_process
+        parts = [forward(rollout.select(slice(i, i + n))) for i in range(0, rollout.query.shape[0], n)]
+        if isinstance(parts[0], torch.Tensor):
+            return torch.cat(parts)  # (B, R)
+        return tuple(torch.cat(xs) for xs in zip(*parts))  # each (B, R)
 
     def forward_policy(self, rollout: Rollout, *, train: bool = False):
         """log pi_theta(y_t|s_t), V(s_t), entropy for the response tokens: (B, R) each.
@@ -536,8 +550,11 @@ class PPOTrainer:
     def reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
         """log pi_ref(y_t|s_t): (B, R). With LoRA: the policy's own network with the adapter disabled."""
         with self.autocast(), self.reference_context():
-            logprobs, _, _ = response_logprobs_and_values(
-                self.ref_model, rollout, self.cfg.temperature, entropy="none"
+            logprobs = self.in_chunks(
+                lambda part: response_logprobs_and_values(
+                    self.ref_model, part, self.cfg.temperature, entropy="none"
+                )[0],
+                rollout,
             )
         return logprobs.float()
 
