@@ -180,12 +180,6 @@ class Batch:
         return torch.cat([self.query_mask, self.response_mask.long()], dim=1)  # (B, P + R)
 
 
-def response_mask_from_tokens(response: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """True up to and including the first EOS, False after it. (B, R) -> (B, R) bool (the same rule as PPO)."""
-    is_eos = (response == eos_token_id).long()  # (B, R)
-    return (is_eos.cumsum(-1) - is_eos) == 0  # no EOS strictly before t
-
-
 def _rng_devices(device: torch.device) -> list:
     return [device] if device.type == "cuda" else []
 
@@ -233,7 +227,9 @@ def sample_batch(
             use_cache=True,
         )
     response = sequences[:, P:]  # (B, R)
-    response_mask = response_mask_from_tokens(response, tokenizer.eos_token_id)  # (B, R)
+    response_mask = ppo_math.response_mask_from_tokens(
+        response=response, eos_token_id=tokenizer.eos_token_id
+    )  # (B, R) the same rule as PPO
     response = torch.where(
         response_mask, response, tokenizer.pad_token_id
     )  # (B, R) padding after the first EOS
@@ -277,17 +273,12 @@ def sequence_kl_to_ref(
     return out
 
 
-def shares_vocab(tokenizer, other_tokenizer) -> bool:
-    """True when every token id of `tokenizer` means the same token to `other_tokenizer` (extra tokens of
-    the other, e.g. the pad token an RM adds, are fine)."""
-    other = other_tokenizer.get_vocab()
-    return all(other.get(token) == i for token, i in tokenizer.get_vocab().items())
-
-
 @torch.no_grad()
 def reward_scores(reward_model, tokenizer, batch: Batch) -> torch.Tensor:
     """Normalised RM scores of prompt + response, exactly the sequence PPO scores: (B,). Token ids go to the
     RM directly when it shares the sampling tokenizer, otherwise the RM re-encodes the text."""
+    from llm_rlhf.models import shares_vocab
+
     mask = batch.attention_mask  # (B, P + R)
     if shares_vocab(tokenizer, reward_model.tokenizer):
         return reward_model.score(batch.sequence, mask).float()

@@ -38,6 +38,14 @@ def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False, paddin
     return tokenizer
 
 
+def shares_vocab(tokenizer, other_tokenizer) -> bool:
+    """True when every token id of `tokenizer` means the same token to `other_tokenizer` (extra tokens of
+    the other, e.g. the pad token an RM adds, are fine): then a policy's sequences go to the RM as ids,
+    not as re-tokenised text."""
+    other = other_tokenizer.get_vocab()
+    return all(other.get(token) == i for token, i in tokenizer.get_vocab().items())
+
+
 def load_causal_lm(name_or_path: str, *, dtype: str = "float32", trust_remote_code: bool = False):
     """AutoModelForCausalLM from a hub name or a local HF folder, safetensors only."""
     from transformers import AutoModelForCausalLM

@@ -277,16 +277,6 @@ class Rollout:
         )
 
 
-def response_mask_from_tokens(response: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """True up to and including the first EOS; everything after it is padding.
-
-    response: (B, R) -> (B, R) bool. A row without EOS (truncated at max_new_tokens) is all True.
-    """
-    is_eos = response == eos_token_id  # (B, R)
-    eos_before = is_eos.int().cumsum(-1) - is_eos.int()  # (B, R) EOS tokens strictly before t
-    return eos_before == 0
-
-
 def response_logprobs_and_values(model, rollout: Rollout, temperature: float, *, entropy: str = "grad"):
     """One forward over query + response; outputs aligned with the response tokens.
 
@@ -352,6 +342,8 @@ class PPOTrainer:
     def __init__(
         self, cfg: Config, *, accelerator, policy, ref_model, reward_model, critic, tokenizer, prompts
     ):
+        from llm_rlhf.models import shares_vocab
+
         self.cfg, self.accelerator, self.tokenizer = cfg, accelerator, tokenizer
         self.ref_model, self.reward_model = ref_model, reward_model
         self.sizes = batch_sizes(
@@ -509,7 +501,9 @@ class PPOTrainer:
             query=query,
             query_mask=query_mask,
             response=response,
-            response_mask=response_mask_from_tokens(response, tok.eos_token_id),
+            response_mask=ppo_math.response_mask_from_tokens(
+                response=response, eos_token_id=tok.eos_token_id
+            ),
         )
         rollout.response = torch.where(rollout.response_mask, response, tok.pad_token_id)
         rollout.logprobs, values, rollout.entropy = self.in_chunks(self.forward_policy, rollout)
@@ -867,13 +861,6 @@ class PPOTrainer:
         self.step = state["step"]
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         set_rng_state(state["rng"][self.accelerator.process_index])
-
-
-def shares_vocab(policy_tokenizer, rm_tokenizer) -> bool:
-    """True when every policy token id means the same token to the RM (extra RM tokens, e.g. a pad
-    token the RM added, are fine): then sequences go to the RM as ids, not re-tokenised text."""
-    rm_vocab = rm_tokenizer.get_vocab()
-    return all(rm_vocab.get(token) == i for token, i in policy_tokenizer.get_vocab().items())
 
 
 def rng_state() -> dict:

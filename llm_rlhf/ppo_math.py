@@ -122,6 +122,29 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) 
 
 
 # ---------------------------------------------------------------------------------------------
+# The response mask
+# ---------------------------------------------------------------------------------------------
+
+
+def response_mask_from_tokens(*, response: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """True up to and including the first EOS; everything after it is padding. The EOS counts: it is
+    a sampled action, and the score lands on it (the last True, see `shaped_rewards`).
+
+        position        0     1     2     3     4
+        response        r     r    EOS   pad   pad      (pad may be EOS itself, as for GPT-2)
+        response_mask   T     T     T     F     F
+
+    A row without EOS (truncated at max_new_tokens) is all True. The loop it replaces:
+    `[[eos_token_id not in response[b, :t] for t in range(R)] for b in range(B)]`.
+
+    response: (B, R) token ids -> (B, R) bool.
+    """
+    is_eos = (response == eos_token_id).int()  # (B, R)
+    eos_before = is_eos.cumsum(-1) - is_eos  # (B, R) EOS tokens strictly before t
+    return eos_before == 0
+
+
+# ---------------------------------------------------------------------------------------------
 # KL penalty and reward shaping
 # ---------------------------------------------------------------------------------------------
 

@@ -50,6 +50,7 @@ from torch import nn
 
 from llm_rlhf.config import format_config, help_field, require, save_config
 from llm_rlhf.errors import ConfigError, DataError, UserError
+from llm_rlhf.models import position_ids_from_mask
 from llm_rlhf.utils import (
     append_jsonl,
     atomic_write_json,
@@ -201,11 +202,6 @@ class Config:
 # ---------------------------------------------------------------------------------------------------
 # Where the score is read: small pure functions, pinned by tests
 # ---------------------------------------------------------------------------------------------------
-
-
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Absolute positions that ignore padding: cumsum(mask) - 1, clamped at 0. (B, T) -> (B, T)."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SENTENCES, build_model, write_jsonl
+from conftest import build_model
 
 from llm_rlhf import evaluate
 from llm_rlhf.errors import UserError
@@ -36,12 +36,6 @@ def test_distinct_n_hand_example():
     assert evaluate.distinct_n([[7]], 2) == 0.0
 
 
-def test_response_mask_stops_after_first_eos():
-    response = torch.tensor([[5, 6, 0, 7, 0], [5, 6, 7, 8, 9], [0, 0, 0, 0, 0]])
-    expected = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.bool)
-    assert torch.equal(evaluate.response_mask_from_tokens(response, eos_token_id=0), expected)
-
-
 def test_config_rejects_bad_values():
     with pytest.raises(UserError, match="temperature"):
         evaluate.Config(temperature=0.0)
@@ -56,34 +50,6 @@ def test_config_rejects_bad_values():
 def other_model_dir(tmp_path_factory) -> Path:
     """A second tiny GPT-2 (different weights, same tokenizer): a 'policy' that differs from the reference."""
     return build_model(tmp_path_factory.mktemp("tiny_gpt2_other"), "gpt2", seed=1)
-
-
-@pytest.fixture(scope="module")
-def tiny_rm_dir(tiny_model_dir, tmp_path_factory) -> Path:
-    """A reward model trained for a few steps from the tiny GPT-2 by `llm-rlhf rm` itself."""
-    from llm_rlhf import reward
-
-    tmp = tmp_path_factory.mktemp("rm")
-    rows = []
-    for good, bad in zip(SENTENCES[0::2], SENTENCES[1::2]):
-        gw, bw = good.split(" "), bad.split(" ")
-        rows.append(
-            {"prompt": " ".join(gw[:2]), "chosen": " " + " ".join(gw[2:]), "rejected": " " + " ".join(bw[2:])}
-        )
-    train = write_jsonl(tmp / "prefs.jsonl", rows * 4)
-    cfg = reward.Config(
-        model_name_or_path=str(tiny_model_dir), train_file=str(train), eval_file=str(train), test_file=str(train),
-        output_dir=str(tmp / "rm"), max_steps=2, per_device_train_batch_size=4, logging_steps=1, eval_steps=100,
-        save_steps=100, max_length=48,
-    )  # fmt: skip
-    reward.run(cfg)
-    return tmp / "rm"
-
-
-@pytest.fixture(scope="module")
-def prompt_file(tmp_path_factory) -> Path:
-    rows = [{"prompt": " ".join(s.split(" ")[:k])} for s in SENTENCES for k in (2, 3)]  # 20 prompts
-    return write_jsonl(tmp_path_factory.mktemp("prompts") / "prompts.jsonl", rows)
 
 
 def make_cfg(policy, baseline, prompt_file, out, **kw) -> evaluate.Config:

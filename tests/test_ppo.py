@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -44,13 +43,6 @@ def make_trainer(cfg: ppo.Config) -> ppo.PPOTrainer:
 
 
 # --- pure helpers ------------------------------------------------------------------------------
-
-
-def test_response_mask_stops_after_first_eos():
-    eos = 0
-    response = torch.tensor([[5, 6, 0, 7, 0], [5, 6, 7, 8, 9], [0, 3, 3, 3, 3]])
-    expected = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.bool)
-    assert torch.equal(ppo.response_mask_from_tokens(response, eos), expected)
 
 
 def test_batch_size_arithmetic():

@@ -23,6 +23,7 @@ from llm_rlhf.ppo_math import (
     masked_whiten,
     policy_loss,
     ranking_to_pairs,
+    response_mask_from_tokens,
     sequence_kl,
     shaped_rewards,
     value_loss,
@@ -332,6 +333,28 @@ def test_masked_whiten():
     torch.testing.assert_close(kept_mean[mask].mean(), x[mask].mean(), rtol=0, atol=1e-12)
     torch.testing.assert_close(kept_mean[mask].std(), t64(1.0), rtol=0, atol=1e-8)
     assert not kept_mean[~mask].any()
+
+
+# ----------------------------------------------------------------------------------------------
+# The response mask
+# ----------------------------------------------------------------------------------------------
+
+
+def test_response_mask_stops_after_first_eos():
+    eos = 0
+    response = torch.tensor([[5, 6, 0, 7, 0], [5, 6, 7, 8, 9], [0, 3, 3, 3, 3], [0, 0, 0, 0, 0]])
+    expected = torch.tensor(
+        [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 0, 0, 0, 0]], dtype=torch.bool
+    )  # EOS kept, then padding; no EOS (truncated): all True; pad == EOS: only the first counts
+    assert torch.equal(response_mask_from_tokens(response=response, eos_token_id=eos), expected)
+
+
+def test_response_mask_matches_the_loop():
+    generator = torch.Generator().manual_seed(0)
+    response = torch.randint(0, 4, (16, 7), generator=generator)  # token 0 = EOS, often several per row
+    B, R = response.shape
+    loop = torch.tensor([[0 not in response[b, :t] for t in range(R)] for b in range(B)])
+    assert torch.equal(response_mask_from_tokens(response=response, eos_token_id=0), loop)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from llm_rlhf import ppo_math
 from llm_rlhf.baseline import fit_bow_baseline, pairwise_accuracy
 from llm_rlhf.config import parse_config
 from llm_rlhf.errors import ConfigError, DataError, UserError
+from llm_rlhf.models import position_ids_from_mask
 from llm_rlhf.reward import (
     Config,
     RewardModel,
@@ -25,7 +26,6 @@ from llm_rlhf.reward import (
     last_token_index,
     load_inputs,
     load_reward_model,
-    position_ids_from_mask,
     reference_texts,
     run,
     save_reward_model,

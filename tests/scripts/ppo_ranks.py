@@ -16,7 +16,7 @@ import sys
 import torch
 from accelerate import Accelerator
 
-from llm_rlhf import ppo
+from llm_rlhf import ppo, ppo_math
 from llm_rlhf.models import load_tokenizer
 from llm_rlhf.utils import use_cpu_ddp_without_gpus
 
@@ -71,7 +71,7 @@ def main() -> None:
         for j, q in enumerate(mine):
             query[j, P - len(q) :], query_mask[j, P - len(q) :] = torch.tensor(q), 1
         response = responses[rows]
-        mask = ppo.response_mask_from_tokens(response, eos)
+        mask = ppo_math.response_mask_from_tokens(response=response, eos_token_id=eos)
         rollout = ppo.Rollout(
             query=query, query_mask=query_mask, response=torch.where(mask, response, pad), response_mask=mask
         )
