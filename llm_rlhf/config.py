@@ -25,7 +25,9 @@ C = TypeVar("C")
 def help_field(default: Any, help: str, **kwargs: Any) -> Any:
     """A dataclass field with its help text written once, where it is declared."""
     if isinstance(default, (list, dict)):
-        return dataclasses.field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kwargs)
+        return dataclasses.field(
+            default_factory=lambda: type(default)(default), metadata={"help": help}, **kwargs
+        )
     return dataclasses.field(default=default, metadata={"help": help}, **kwargs)
 
 
@@ -173,8 +175,11 @@ def format_help(cls: type) -> str:
     hints = typing.get_type_hints(cls)
     lines = []
     for f in dataclasses.fields(cls):
-        default = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else "required")
+        default = (
+            f.default
+            if f.default is not dataclasses.MISSING
+            else (f.default_factory() if f.default_factory is not dataclasses.MISSING else "required")
+        )
         lines.append(f"  --{f.name} ({_type_names(_base_types(hints[f.name]))}, default {default!r})")
         lines.append(f"      {f.metadata.get('help', '')}")
     return "\n".join(lines)

@@ -5,10 +5,11 @@ strings:
 
 | loader                    | columns out                 | schemas accepted (detected from the columns)          |
 |---------------------------|-----------------------------|-------------------------------------------------------|
-| `load_sft_dataset`        | prompt, completion          | prompt/completion; chat `messages`; `text`            |
-| `load_preference_dataset` | prompt, chosen, rejected    | prompt/chosen/rejected; chosen/rejected full texts    |
-|                           |                             | (HH-style); prompt + `ranked` (best first)            |
-| `load_prompt_dataset`     | prompt                      | anything with `prompt`; chat `messages`; `text`       |
+| `load_sft_dataset`        | prompt, completion          | prompt/completion; chat `messages`; `text`; HH rows   |
+| `load_preference_dataset` | prompt, chosen, rejected    | prompt/chosen/rejected; HH rows; prompt + `ranked`    |
+|                           |                             | (best first)                                          |
+| `load_prompt_dataset`     | prompt                      | anything with `prompt`; chat `messages`; `text`;      |
+|                           |                             | HH rows                                               |
 
 Conventions:
 - `text` rows become `prompt = ""`, `completion = text`: with TRL's completion-only loss that is the
@@ -16,8 +17,15 @@ Conventions:
 - Chat `messages` are rendered with `tokenizer.apply_chat_template`: the prompt is every turn before
   the last assistant turn (with the generation prompt), the completion is the rest of the rendered
   conversation up to and including that assistant turn.
+- HH rows (Anthropic/hh-rlhf): `chosen` and `rejected` full dialogues "\\n\\nHuman: ...\\n\\nAssistant: ...",
+  possibly multi-turn, sharing everything up to the last "\\n\\nAssistant:". They are detected by their
+  columns (chosen/rejected without a prompt column), or required with `data_format="hh"`. Pairs are split by
+  `split_shared_prompt`; SFT and prompt loaders use the `chosen` dialogue only, split the same way: the
+  prompt is the text up to and including its last "\\n\\nAssistant:", the completion the rest.
 - Completions carry no EOS: the SFT stage appends it (so the model learns to stop).
 - Columns other than the ones above are dropped.
+- A prompt too long for the length limit is an error naming its row; with `skip_long=True` such rows are
+  left out instead, and their number is printed (for hub datasets with long dialogues, like HH).
 
 Bad input raises `DataError` naming the file, the row and the field. Rows are numbered from 1: for
 JSONL (and CSV) the row number is the line number in the file, for JSON arrays, Parquet and hub
@@ -37,6 +45,7 @@ from llm_rlhf.errors import DataError
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 HH_ASSISTANT = "\n\nAssistant:"  # Anthropic/hh-rlhf: the prompt ends at the last assistant tag
+DATA_FORMATS = ("auto", "hh")  # auto: the schema is detected from the columns; hh: HH rows required
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -234,20 +243,67 @@ def _field(rows: _Rows, i: int, field: str) -> str:
 
 
 def _check_prompt_lengths(
-    rows: _Rows, prompts: list[str], numbers: list[int], tokenizer, *, limit: int, why: str
-):
-    """Every prompt must tokenize to at most `limit` tokens (the same tokenization TRL uses: defaults)."""
+    rows: _Rows,
+    prompts: list[str],
+    numbers: list[int],
+    tokenizer,
+    *,
+    limit: int,
+    why: str,
+    skip: bool,
+    what: str,
+) -> list[int]:
+    """Indices of the prompts that tokenize to at most `limit` tokens (the same tokenization TRL uses:
+    defaults). A longer prompt is an error naming its row; with `skip` it is left out, and the number left
+    out is printed with `what` they are (an error if none is left)."""
     if limit < 1:
         raise DataError(f"no prompt fits: {why}", file=rows.file)
     lengths = [len(ids) for ids in tokenizer(prompts)["input_ids"]] if prompts else []
-    for length, number in zip(lengths, numbers):
-        if length > limit:
+    keep = []
+    for i, (length, number) in enumerate(zip(lengths, numbers)):
+        if length <= limit:
+            keep.append(i)
+        elif not skip:
             raise DataError(
                 f"{length} tokens is too long: {why}; shorten the prompt or raise the limit",
                 file=rows.file,
                 row=number,
                 field="prompt",
             )
+    if skip and len(keep) < len(prompts):
+        if not keep:
+            raise DataError(f"every prompt is too long: {why}", file=rows.file)
+        print(
+            f"{rows.file}: skipped {len(prompts) - len(keep)} of {len(prompts)} {what}: {why}",
+            flush=True,
+        )
+    return keep
+
+
+def _is_hh(columns: list[str], data_format: str) -> bool:
+    """HH rows: asked for (`data_format="hh"`), or detected as chosen/rejected without a prompt column."""
+    if data_format not in DATA_FORMATS:
+        raise ValueError(f"data_format must be one of {DATA_FORMATS}, got {data_format!r}")
+    return data_format == "hh" or ("chosen" in columns and "rejected" in columns and "prompt" not in columns)
+
+
+def _hh_dialogue(rows: _Rows, i: int) -> tuple[str, str]:
+    """The `chosen` dialogue of HH row i as (prompt, response), split at its last "\\n\\nAssistant:" by
+    `split_shared_prompt` (a dialogue shares everything with itself): the prompt the RM's pairs get."""
+    chosen = _field(rows, i, "chosen")
+    if HH_ASSISTANT not in chosen:
+        raise DataError(
+            "no '\\n\\nAssistant:' tag to split the dialogue at (HH rows end with an assistant turn)",
+            file=rows.file,
+            row=rows.numbers[i],
+            field="chosen",
+        )
+    prompt, response, _ = split_shared_prompt(chosen, chosen)
+    return prompt, response
+
+
+def _select(columns: dict[str, list], keep: list[int]) -> dict[str, list]:
+    return {name: [values[i] for i in keep] for name, values in columns.items()}
 
 
 def _require_chat_template(tokenizer, rows: _Rows) -> None:
@@ -311,16 +367,37 @@ def _to_dataset(columns: dict[str, list[str]]):
 
 
 def load_sft_dataset(
-    source: str | os.PathLike, tokenizer, *, max_length: int, split: str = "train", name: str | None = None
+    source: str | os.PathLike,
+    tokenizer,
+    *,
+    max_length: int,
+    split: str = "train",
+    name: str | None = None,
+    data_format: str = "auto",
+    skip_long: bool = False,
 ):
     """Demonstrations as `prompt`, `completion` strings (see the module docstring for the schemas).
 
-    Every prompt must leave room for at least one response token and the EOS within `max_length`.
+    Every prompt must leave room for at least one response token and the EOS within `max_length`
+    (`skip_long`: rows whose prompt does not are left out and counted). HH rows give the `chosen`
+    dialogue: prompt up to and including the last "\\n\\nAssistant:", completion the rest.
     """
     rows = _read(source, split, name)
     columns = rows.columns()
     prompts, completions = [], []
-    if "messages" in columns:
+    if _is_hh(columns, data_format):
+        for i in range(len(rows.records)):
+            prompt, completion = _hh_dialogue(rows, i)
+            if not completion.strip():
+                raise DataError(
+                    "nothing after the last '\\n\\nAssistant:' to learn from",
+                    file=rows.file,
+                    row=rows.numbers[i],
+                    field="chosen",
+                )
+            prompts.append(prompt)
+            completions.append(completion)
+    elif "messages" in columns:
         _require_chat_template(tokenizer, rows)
         for i in range(len(rows.records)):
             row = rows.numbers[i]
@@ -355,10 +432,11 @@ def load_sft_dataset(
         prompts = [""] * len(completions)
     else:
         raise DataError(
-            f"no SFT schema found: expected columns prompt/completion, messages or text; found {', '.join(columns)}",
+            "no SFT schema found: expected columns prompt/completion, messages, text or chosen/rejected; "
+            f"found {', '.join(columns)}",
             file=rows.file,
         )
-    _check_prompt_lengths(
+    keep = _check_prompt_lengths(
         rows,
         prompts,
         rows.numbers,
@@ -366,8 +444,10 @@ def load_sft_dataset(
         limit=max_length - 2,
         why=f"max_length={max_length} leaves room for at most {max_length - 2} prompt tokens "
         "(plus one response token and the EOS)",
+        skip=skip_long,
+        what="examples whose prompt is too long",
     )
-    return _to_dataset({"prompt": prompts, "completion": completions})
+    return _to_dataset(_select({"prompt": prompts, "completion": completions}, keep))
 
 
 def split_shared_prompt(chosen: str, rejected: str) -> tuple[str, str, str]:
@@ -376,6 +456,7 @@ def split_shared_prompt(chosen: str, rejected: str) -> tuple[str, str, str]:
     The prompt is their longest shared prefix, cut back to the last `"\\n\\nAssistant:"` in it (so for
     Anthropic/hh-rlhf the prompt ends with "Assistant:"), or else to the last whitespace in it (so no word
     is split; the responses start with that whitespace). Returns an empty prompt when nothing is shared.
+    With `chosen == rejected` it splits one dialogue at its last assistant tag (SFT and prompts of HH rows).
     """
     shared = os.path.commonprefix([chosen, rejected])
     cut = shared.rfind(HH_ASSISTANT)
@@ -388,14 +469,22 @@ def split_shared_prompt(chosen: str, rejected: str) -> tuple[str, str, str]:
 
 
 def load_preference_dataset(
-    source: str | os.PathLike, tokenizer, *, max_length: int, split: str = "train", name: str | None = None
+    source: str | os.PathLike,
+    tokenizer,
+    *,
+    max_length: int,
+    split: str = "train",
+    name: str | None = None,
+    data_format: str = "auto",
+    skip_long: bool = False,
 ):
     """Preference pairs as `prompt`, `chosen`, `rejected` strings.
 
     Schemas: prompt/chosen/rejected; chosen/rejected full texts (HH-style, split by
     `split_shared_prompt`); prompt + `ranked` (a list of >= 2 responses, best first), expanded into
     all K(K-1)/2 pairs (ranked[i] preferred to ranked[j] for i < j). Every prompt must leave room for
-    at least one response token and the EOS within `max_length`.
+    at least one response token and the EOS within `max_length` (`skip_long`: pairs whose prompt does
+    not are left out and counted).
     """
     rows = _read(source, split, name)
     columns = rows.columns()
@@ -415,7 +504,8 @@ def load_preference_dataset(
         out["rejected"].append(rejected)
         numbers.append(row)
 
-    if "ranked" in columns:
+    hh = _is_hh(columns, data_format)
+    if "ranked" in columns and not hh:
         for i, record in enumerate(rows.records):
             row = rows.numbers[i]
             prompt = _field(rows, i, "prompt")
@@ -433,11 +523,11 @@ def load_preference_dataset(
             for a in range(len(ranked)):
                 for b in range(a + 1, len(ranked)):
                     add(prompt, ranked[a], ranked[b], row, fields=(f"ranked[{a}]", f"ranked[{b}]"))
-    elif "prompt" in columns:
+    elif "prompt" in columns and not hh:
         for i in range(len(rows.records)):
             prompt, chosen, rejected = (_field(rows, i, f) for f in ("prompt", "chosen", "rejected"))
             add(prompt, chosen, rejected, rows.numbers[i])
-    elif "chosen" in columns and "rejected" in columns:
+    elif hh:
         for i in range(len(rows.records)):
             row = rows.numbers[i]
             chosen, rejected = _field(rows, i, "chosen"), _field(rows, i, "rejected")
@@ -472,7 +562,7 @@ def load_preference_dataset(
             f"prompt/ranked; found {', '.join(columns)}",
             file=rows.file,
         )
-    _check_prompt_lengths(
+    keep = _check_prompt_lengths(
         rows,
         out["prompt"],
         numbers,
@@ -480,8 +570,10 @@ def load_preference_dataset(
         limit=max_length - 2,
         why=f"max_length={max_length} leaves room for at most {max_length - 2} prompt tokens "
         "(plus one response token and the EOS)",
+        skip=skip_long,
+        what="pairs whose prompt is too long",
     )
-    return _to_dataset(out)
+    return _to_dataset(_select(out, keep))
 
 
 def load_prompt_dataset(
@@ -491,14 +583,19 @@ def load_prompt_dataset(
     max_prompt_length: int,
     split: str = "train",
     name: str | None = None,
+    data_format: str = "auto",
+    skip_long: bool = False,
 ):
     """Prompts as one `prompt` column: from a `prompt` field, chat `messages` (every turn before the last
-    assistant turn, rendered with the generation prompt), or `text`. Prompts longer than
-    `max_prompt_length` tokens are an error (they are never silently cut)."""
+    assistant turn, rendered with the generation prompt), `text`, or HH rows (the `chosen` dialogue up to
+    and including its last "\\n\\nAssistant:"). Prompts longer than `max_prompt_length` tokens are an
+    error (they are never silently cut), or with `skip_long` left out and counted."""
     rows = _read(source, split, name)
     columns = rows.columns()
     prompts = []
-    if "prompt" in columns:
+    if _is_hh(columns, data_format):
+        prompts = [_hh_dialogue(rows, i)[0] for i in range(len(rows.records))]
+    elif "prompt" in columns:
         prompts = [_field(rows, i, "prompt") for i in range(len(rows.records))]
     elif "messages" in columns:
         _require_chat_template(tokenizer, rows)
@@ -519,15 +616,18 @@ def load_prompt_dataset(
         prompts = [_field(rows, i, "text") for i in range(len(rows.records))]
     else:
         raise DataError(
-            f"no prompt schema found: expected a column prompt, messages or text; found {', '.join(columns)}",
+            "no prompt schema found: expected a column prompt, messages or text, or columns chosen/rejected; "
+            f"found {', '.join(columns)}",
             file=rows.file,
         )
-    _check_prompt_lengths(
+    keep = _check_prompt_lengths(
         rows,
         prompts,
         rows.numbers,
         tokenizer,
         limit=max_prompt_length,
         why=f"the limit is max_prompt_length={max_prompt_length}",
+        skip=skip_long,
+        what="prompts that are too long",
     )
-    return _to_dataset({"prompt": prompts})
+    return _to_dataset(_select({"prompt": prompts}, keep))

@@ -14,7 +14,9 @@ class ConfigError(UserError):
 class DataError(UserError):
     """A bad data file or row; the message names the file, the row (1-based) and the field."""
 
-    def __init__(self, message: str, *, file: str | None = None, row: int | None = None, field: str | None = None):
+    def __init__(
+        self, message: str, *, file: str | None = None, row: int | None = None, field: str | None = None
+    ):
         where = []
         if file is not None:
             where.append(str(file))

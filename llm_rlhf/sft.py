@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from llm_rlhf.config import format_config, help_field, require, save_config
+from llm_rlhf.data import DATA_FORMATS
 from llm_rlhf.errors import ConfigError, UserError
 from llm_rlhf.utils import (
     append_jsonl,
@@ -55,6 +56,17 @@ class Config:
     )
     train_split: str = help_field("train", "Split of train_file when it is a hub dataset.")
     eval_split: str = help_field("test", "Split of eval_file when it is a hub dataset.")
+    data_format: str = help_field(
+        "auto",
+        "Schema of train_file and eval_file: 'auto' (detected from the columns) or 'hh' (Anthropic/hh-rlhf "
+        "chosen/rejected dialogues, also detected by 'auto': trains on `chosen`, the prompt up to and "
+        "including its last '\\n\\nAssistant:', the completion the rest).",
+    )
+    skip_long: bool = help_field(
+        False,
+        "Leave out (and count) examples whose prompt leaves no room for a response within max_length; "
+        "false = stop with an error naming the row.",
+    )
     output_dir: str = help_field(
         "runs/reviews/sft", "Where the model, checkpoints/, samples.jsonl and metrics.json go."
     )
@@ -119,6 +131,7 @@ class Config:
 
     def __post_init__(self):
         require(self.max_length >= 4, "max_length", "must be at least 4 tokens")
+        require(self.data_format in DATA_FORMATS, "data_format", f"must be one of {', '.join(DATA_FORMATS)}")
         require(self.learning_rate > 0, "learning_rate", "must be > 0")
         require(
             self.max_steps > 0 or self.num_train_epochs > 0,
@@ -197,8 +210,9 @@ def load_inputs(cfg: Config):
         )
     _check_model_path(cfg.model_name_or_path)
     tokenizer = load_tokenizer(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
-    train = load_sft_dataset(cfg.train_file, tokenizer, max_length=cfg.max_length, split=cfg.train_split)
-    val = load_sft_dataset(cfg.eval_file, tokenizer, max_length=cfg.max_length, split=cfg.eval_split)
+    rules = {"max_length": cfg.max_length, "data_format": cfg.data_format, "skip_long": cfg.skip_long}
+    train = load_sft_dataset(cfg.train_file, tokenizer, split=cfg.train_split, **rules)
+    val = load_sft_dataset(cfg.eval_file, tokenizer, split=cfg.eval_split, **rules)
     model = load_causal_lm(cfg.model_name_or_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
     return tokenizer, model, train, val
 

@@ -56,7 +56,7 @@ def build_tokenizer(folder: Path):
     return fast
 
 
-def build_model(folder: Path, kind: str = "gpt2", seed: int = 0) -> Path:
+def build_model(folder: Path, kind: str = "gpt2", seed: int = 0, n_positions: int = 64) -> Path:
     """A tiny randomly initialised causal LM plus the tokenizer, saved as an HF folder (safetensors)."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
@@ -66,7 +66,7 @@ def build_model(folder: Path, kind: str = "gpt2", seed: int = 0) -> Path:
     if kind == "gpt2":
         config = GPT2Config(
             vocab_size=len(tokenizer),
-            n_positions=64,
+            n_positions=n_positions,
             n_embd=32,
             n_layer=2,
             n_head=2,
@@ -82,7 +82,7 @@ def build_model(folder: Path, kind: str = "gpt2", seed: int = 0) -> Path:
             num_hidden_layers=2,
             num_attention_heads=2,
             num_key_value_heads=1,
-            max_position_embeddings=64,
+            max_position_embeddings=n_positions,
             bos_token_id=eos,
             eos_token_id=eos,
             tie_word_embeddings=False,

@@ -40,7 +40,9 @@ def test_config_parses_with_accelerate(name):
 def fake_trainer(distributed_type, zero_stage=None):
     state = SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=zero_stage))
     policy = SimpleNamespace(lm=torch.nn.Linear(2, 2))
-    return SimpleNamespace(accelerator=SimpleNamespace(distributed_type=distributed_type, state=state), policy=policy)
+    return SimpleNamespace(
+        accelerator=SimpleNamespace(distributed_type=distributed_type, state=state), policy=policy
+    )
 
 
 def test_zero3_generation_gathers_the_policy_parameters(monkeypatch):

@@ -175,6 +175,133 @@ def test_the_reviews_files_load(tokenizer):
 
 
 # ---------------------------------------------------------------------------------------------------
+# HH rows (Anthropic/hh-rlhf): chosen/rejected dialogues for SFT, RM and PPO prompts
+# ---------------------------------------------------------------------------------------------------
+
+HH_FILE = Path(__file__).resolve().parent / "fixtures" / "hh_rlhf.jsonl"
+HH_TURN_1 = "\n\nHuman: Hi there.\n\nAssistant: Hello! How can I help?"
+HH_PROMPT_2 = HH_TURN_1 + "\n\nHuman: Can you recommend a book about space?\n\nAssistant:"
+
+
+def test_hh_rows_for_sft_are_the_chosen_dialogue_split_at_the_last_assistant_tag(tokenizer):
+    rows = rows_of(load_sft_dataset(HH_FILE, tokenizer, max_length=256))
+    assert len(rows) == 18
+    assert rows[:2] == [
+        {
+            "prompt": "\n\nHuman: What is a good movie to watch tonight?\n\nAssistant:",
+            "completion": " I'd suggest a warm comedy, something light and funny.",
+        },
+        {"prompt": HH_PROMPT_2, "completion": " Cosmos by Carl Sagan is a wonderful, readable start."},
+    ]
+
+
+def test_hh_rows_give_the_same_prompt_to_sft_rm_and_ppo(tokenizer):
+    sft_rows = load_sft_dataset(HH_FILE, tokenizer, max_length=256)
+    pairs = load_preference_dataset(HH_FILE, tokenizer, max_length=256)
+    prompts = load_prompt_dataset(HH_FILE, tokenizer, max_prompt_length=256)
+    assert sft_rows["prompt"] == pairs["prompt"] == prompts["prompt"]
+    assert pairs[1] == {"prompt": HH_PROMPT_2, "chosen": sft_rows[1]["completion"], "rejected": " No."}
+    assert [r["prompt"] + r["completion"] for r in rows_of(sft_rows)] == [
+        json.loads(line)["chosen"] for line in HH_FILE.read_text().splitlines()
+    ]
+
+
+def test_hh_format_is_detected_or_required(tmp_path, tokenizer):
+    assert load_sft_dataset(HH_FILE, tokenizer, max_length=256, data_format="hh")["prompt"][1] == HH_PROMPT_2
+    path = write_jsonl(tmp_path / "d.jsonl", [GOOD])
+    with pytest.raises(DataError) as e:
+        load_sft_dataset(path, tokenizer, max_length=32, data_format="hh")
+    assert str(e.value) == f"{path}, row 1, field 'chosen': missing (or null)"
+
+
+def test_skip_long_leaves_out_long_prompts_and_prints_the_count(tokenizer, capsys):
+    # prompt lengths (tokens): the nine 1-turn dialogues 36-44, the nine 2-turn ones 77-88
+    sft_rows = load_sft_dataset(HH_FILE, tokenizer, max_length=64, skip_long=True)
+    assert capsys.readouterr().out == (
+        f"{HH_FILE}: skipped 9 of 18 examples whose prompt is too long: max_length=64 leaves room for at most "
+        "62 prompt tokens (plus one response token and the EOS)\n"
+    )
+    pairs = load_preference_dataset(HH_FILE, tokenizer, max_length=64, skip_long=True)
+    assert capsys.readouterr().out.startswith(f"{HH_FILE}: skipped 9 of 18 pairs whose prompt is too long: ")
+    prompts = load_prompt_dataset(HH_FILE, tokenizer, max_prompt_length=62, skip_long=True)
+    assert capsys.readouterr().out == (
+        f"{HH_FILE}: skipped 9 of 18 prompts that are too long: the limit is max_prompt_length=62\n"
+    )
+    assert sft_rows["prompt"] == pairs["prompt"] == prompts["prompt"]
+    assert len(prompts) == 9 and HH_PROMPT_2 not in prompts["prompt"]
+    assert len(load_prompt_dataset(HH_FILE, tokenizer, max_prompt_length=88, skip_long=True)) == 18
+    assert capsys.readouterr().out == "", "nothing left out, nothing printed"
+
+
+def test_skip_long_off_is_an_error_naming_the_row(tokenizer):
+    with pytest.raises(DataError) as e:
+        load_prompt_dataset(HH_FILE, tokenizer, max_prompt_length=62)
+    assert str(e.value) == (
+        f"{HH_FILE}, row 2, field 'prompt': 88 tokens is too long: the limit is max_prompt_length=62; "
+        "shorten the prompt or raise the limit"
+    )
+
+
+def test_skip_long_with_every_prompt_too_long(tokenizer):
+    with pytest.raises(DataError) as e:
+        load_prompt_dataset(HH_FILE, tokenizer, max_prompt_length=8, skip_long=True)
+    assert str(e.value) == f"{HH_FILE}: every prompt is too long: the limit is max_prompt_length=8"
+
+
+BAD_HH = {
+    "no assistant tag": (
+        {"chosen": "\n\nHuman: Hi\n\nHuman: Any good film?", "rejected": "\n\nHuman: Hi"},
+        "{f}, row 2, field 'chosen': no '\\n\\nAssistant:' tag to split the dialogue at (HH rows end with an "
+        "assistant turn)",
+    ),
+    "nothing after the tag": (
+        {"chosen": "\n\nHuman: Hi\n\nAssistant: ", "rejected": "\n\nHuman: Hi\n\nAssistant: Go."},
+        "{f}, row 2, field 'chosen': nothing after the last '\\n\\nAssistant:' to learn from",
+    ),
+    "chosen not a string": (
+        {"chosen": ["\n\nHuman: Hi"], "rejected": "\n\nHuman: Hi\n\nAssistant: Go."},
+        "{f}, row 2, field 'chosen': expected a string, got list (['\\n\\nHuman: Hi'])",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_HH))
+def test_bad_hh_row_for_sft(case, tmp_path, tokenizer):
+    row, message = BAD_HH[case]
+    good = json.loads(HH_FILE.read_text().splitlines()[0])
+    path = write_jsonl(tmp_path / "hh.jsonl", [good, row])
+    with pytest.raises(DataError) as e:
+        load_sft_dataset(path, tokenizer, max_length=256, data_format="hh")
+    assert str(e.value) == message.format(f=path)
+
+
+def test_bad_hh_row_for_prompts(tmp_path, tokenizer):
+    row, message = BAD_HH["no assistant tag"]
+    good = json.loads(HH_FILE.read_text().splitlines()[0])
+    path = write_jsonl(tmp_path / "hh.jsonl", [good, row])
+    with pytest.raises(DataError) as e:
+        load_prompt_dataset(path, tokenizer, max_prompt_length=256)
+    assert str(e.value) == message.format(f=path)
+    ended = write_jsonl(tmp_path / "ended.jsonl", [good, BAD_HH["nothing after the tag"][0]])
+    assert load_prompt_dataset(ended, tokenizer, max_prompt_length=256)["prompt"][1] == (
+        "\n\nHuman: Hi\n\nAssistant:"
+    ), "a prompt needs no response after it"
+
+
+def test_sft_config_keys_for_hh(tmp_path):
+    from llm_rlhf import sft
+    from llm_rlhf.config import parse_config
+    from llm_rlhf.errors import ConfigError
+
+    cfg = parse_config(sft.Config, ["--data_format", "hh", "--skip_long"])
+    assert (cfg.data_format, cfg.skip_long) == ("hh", True)
+    assert (sft.Config().data_format, sft.Config().skip_long) == ("auto", False)
+    with pytest.raises(ConfigError) as e:
+        parse_config(sft.Config, ["--data_format", "anthropic"])
+    assert str(e.value) == "config key 'data_format': must be one of auto, hh"
+
+
+# ---------------------------------------------------------------------------------------------------
 # Bad input: one message naming file, row and field
 # ---------------------------------------------------------------------------------------------------
 
@@ -223,7 +350,8 @@ BAD_SFT = {
     "missing file": (lambda d: d / "nope.jsonl", "{f}: no such file"),
     "unknown schema": (
         lambda d: write_jsonl(d / "f.jsonl", [{"question": "a", "answer": "b"}]),
-        "{f}: no SFT schema found: expected columns prompt/completion, messages or text; found question, answer",
+        "{f}: no SFT schema found: expected columns prompt/completion, messages, text or chosen/rejected; found "
+        "question, answer",
     ),
     "prompt too long": (
         lambda d: write_jsonl(

@@ -1,0 +1,206 @@
+"""Every recipe under recipes/ is executed: each YAML parses through its stage's Config (an unknown key
+fails), the stage files of a recipe chain into each other, the README commands name files that exist, and
+each recipe's stages run a couple of steps with a tiny local model and small data files substituted on the
+command line (the way a user points a recipe at their own model)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import build_model
+
+from llm_rlhf import cli, evaluate, pipeline, ppo, reward, sft
+from llm_rlhf.config import parse_config
+from llm_rlhf.utils import read_json
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ROOT / "recipes"
+HH_FIXTURE = Path(__file__).resolve().parent / "fixtures" / "hh_rlhf.jsonl"
+GOLD_JUDGE = ROOT / "data" / "reviews" / "gold_judge.json"
+CONFIGS = {"sft": sft.Config, "rm": reward.Config, "ppo": ppo.Config, "eval": evaluate.Config,
+           "pipeline": pipeline.Config}  # fmt: skip
+NAMES = sorted(p.name for p in RECIPES.iterdir() if p.is_dir())
+YAMLS = sorted(RECIPES.glob("*/*.yaml"))
+
+
+def test_the_recipes_are_the_documented_four():
+    assert NAMES == ["gpt2-hh", "gpt2-reviews", "reviews", "reviews-lora"]
+    for name in NAMES:
+        files = {p.name for p in (RECIPES / name).iterdir()}
+        assert {"sft.yaml", "rm.yaml", "ppo.yaml", "eval.yaml", "pipeline.yaml", "README.md"} <= files, name
+
+
+@pytest.mark.parametrize("path", YAMLS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_recipe_parses(path, monkeypatch):
+    monkeypatch.chdir(ROOT)  # recipes name their files relative to the repo root
+    cfg = parse_config(CONFIGS[path.stem], ["--config", str(path)])
+    if path.stem == "pipeline":
+        for stage in cfg.stages:  # each stage's recipe file through its Config, with the chaining keys
+            pipeline.stage_config(cfg, stage)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_stage_files_of_a_recipe_chain(name):
+    """Run one stage at a time (no pipeline) and each still reads the previous stage's output folder."""
+    folder = RECIPES / name
+    cfg = {
+        stage: parse_config(CONFIGS[stage], ["--config", str(folder / f"{stage}.yaml")]) for stage in CONFIGS
+    }
+    run = Path("runs") / name
+    assert cfg["pipeline"].output_dir == str(run)
+    assert [getattr(cfg["pipeline"], f"{s}_config") for s in ("sft", "rm", "ppo", "eval")] == [
+        f"recipes/{name}/{s}.yaml" for s in ("sft", "rm", "ppo", "eval")
+    ]
+    assert [cfg[s].output_dir for s in ("sft", "rm", "ppo", "eval")] == [
+        str(run / s) for s in ("sft", "rm", "ppo", "eval")
+    ]
+    assert cfg["rm"].model_name_or_path == cfg["ppo"].model_name_or_path == str(run / "sft")
+    assert cfg["ppo"].reward_model_path == cfg["eval"].reward_model_path == str(run / "rm")
+    assert (cfg["eval"].policy_path, cfg["eval"].baseline_path) == (str(run / "ppo"), str(run / "sft"))
+    assert cfg["sft"].merge_lora, "RM and PPO read a plain HF folder; PPO's reference is the SFT model"
+
+
+def test_readme_commands_name_files_that_exist():
+    readmes = [ROOT / "README.md", *(RECIPES / name / "README.md" for name in NAMES)]
+    text = "\n".join(readme.read_text() for readme in readmes)
+    named = re.findall(r"--config (recipes/\S+?\.yaml)", text)
+    named += re.findall(r"--config_file (\S+?\.yaml)", text)  # accelerate configs
+    assert len(named) >= 4 * 5
+    assert [path for path in named if not (ROOT / path).is_file()] == []
+
+
+# ---------------------------------------------------------------------------------------------------
+# Running the stages on a tiny model
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hh_model_dir(tmp_path_factory) -> Path:
+    """The tiny GPT-2 with room for the HH fixture's dialogues (up to ~120 tokens of the tiny tokenizer)."""
+    return build_model(tmp_path_factory.mktemp("tiny_gpt2_128"), "gpt2", n_positions=128)
+
+
+def flags(values: dict) -> list[str]:
+    return [item for key, value in values.items() for item in (f"--{key}", str(value))]
+
+
+def run_stage(stage: str, recipe: str, values: dict) -> None:
+    assert cli.main([stage, "--config", str(RECIPES / recipe / f"{stage}.yaml"), *flags(values)]) == 0
+
+
+def tiny_overrides(model: Path, data: dict[str, Path], out: Path, *, max_length: int) -> dict[str, dict]:
+    """Per stage: the keys that swap in the tiny model, the small files and a budget of two steps.
+    Every other key (learning rates, LoRA, KL control, data_format, skip_long, ...) is the recipe's."""
+    return {
+        "sft": {"model_name_or_path": model, "train_file": data["sft"], "eval_file": data["sft"],
+                "output_dir": out / "sft", "max_length": max_length, "max_steps": 2,
+                "per_device_train_batch_size": 4, "warmup_ratio": 0, "logging_steps": 1, "eval_steps": 0,
+                "save_steps": 2, "num_samples": 2, "max_new_tokens": 4},
+        "rm": {"model_name_or_path": out / "sft", "train_file": data["prefs"], "eval_file": data["prefs"],
+               "test_file": data["prefs"], "output_dir": out / "rm", "max_length": max_length, "max_steps": 2,
+               "per_device_train_batch_size": 4, "warmup_ratio": 0, "logging_steps": 1, "eval_steps": 0,
+               "save_steps": 2, "normalization_samples": 8, "score_batch_size": 8},
+        "ppo": {"model_name_or_path": out / "sft", "reward_model_path": out / "rm", "prompt_file": data["prompts"],
+                "eval_prompt_file": data["prompts"], "gold_judge": GOLD_JUDGE, "eval_num_prompts": 2,
+                "output_dir": out / "ppo", "steps": 2, "rollout_batch_size": 4, "mini_batch_size": 2,
+                "gradient_accumulation_steps": 1, "ppo_epochs": 1, "max_new_tokens": 4, "save_steps": 0,
+                "log_samples_every": 0},
+        "eval": {"policy_path": out / "ppo", "baseline_path": out / "sft", "reward_model_path": out / "rm",
+                 "gold_judge": GOLD_JUDGE, "prompt_file": data["prompts"], "output_dir": out / "eval",
+                 "num_prompts": 4, "max_new_tokens": 4, "batch_size": 4},
+    }  # fmt: skip
+
+
+def assert_stage_outputs(out: Path) -> None:
+    """The SFT, RM and PPO folders hold what the next stage (and plain transformers) loads."""
+    from transformers import AutoModelForCausalLM
+
+    from llm_rlhf.reward import load_reward_model, score_pairs
+
+    sft_metrics, rm_metrics = read_json(out / "sft" / "metrics.json"), read_json(out / "rm" / "metrics.json")
+    assert sft_metrics["global_step"] == 2 and rm_metrics["global_step"] == 2
+    assert {"eval_loss", "eval_perplexity", "eos_rate"} <= sft_metrics.keys()
+    assert {"eval_accuracy", "eval_margin", "score_mean", "score_std"} <= rm_metrics.keys()
+    AutoModelForCausalLM.from_pretrained(out / "sft")
+    scores = score_pairs(load_reward_model(out / "rm"), ["The film", "The film"], [" is great.", " is bad."])
+    assert scores.shape == (2,) and torch.isfinite(scores).all()
+    ppo_lines = [json.loads(line) for line in (out / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in ppo_lines] == [1, 2]
+    assert ppo_lines[0]["objective/kl"] == 0.0, "policy == reference (the SFT model) before the first update"
+    ppo_metrics = read_json(out / "ppo" / "metrics.json")
+    assert {"objective/scores", "objective/kl", "objective/kl_coef", "kl_last"} <= ppo_metrics.keys()
+    policy = AutoModelForCausalLM.from_pretrained(out / "ppo")
+    assert policy.config.vocab_size > 0 and (out / "ppo" / "value_head.safetensors").is_file()
+
+
+@pytest.mark.parametrize("recipe", ["reviews", "gpt2-reviews"])
+def test_reviews_recipes_run_sft_rm_ppo(recipe, tmp_path, tiny_model_dir, sft_files, pref_files, prompt_file):
+    data = {"sft": sft_files[0], "prefs": pref_files[0], "prompts": prompt_file}
+    overrides = tiny_overrides(tiny_model_dir, data, tmp_path, max_length=48)
+    for stage in ("sft", "rm", "ppo"):
+        run_stage(stage, recipe, overrides[stage])
+    assert_stage_outputs(tmp_path)
+    assert read_json(tmp_path / "ppo" / "metrics.json")["step"] == 2
+
+
+def test_gpt2_hh_recipe_runs_on_hh_rows(tmp_path, hh_model_dir, capsys):
+    """SFT on the chosen dialogues (the recipe's skip_long leaves out the long ones), the RM on the pairs,
+    PPO on the dialogue prompts: all from the same HH rows."""
+    data = {"sft": HH_FIXTURE, "prefs": HH_FIXTURE, "prompts": HH_FIXTURE}
+    overrides = tiny_overrides(hh_model_dir, data, tmp_path, max_length=128)
+    overrides["sft"]["max_length"] = 64  # the 2-turn dialogues' prompts (77-88 tokens) do not fit
+    overrides["ppo"].update(max_prompt_length=96, log_samples_every=1)
+    del overrides["ppo"]["eval_prompt_file"]  # the recipe's: none (no gold judge for dialogues)
+    run_stage("sft", "gpt2-hh", overrides["sft"])
+    skipped = f"{HH_FIXTURE}: skipped 9 of 18 examples whose prompt is too long: max_length=64 leaves room"
+    assert capsys.readouterr().out.count(skipped) == 2  # train_file and eval_file
+    samples = [json.loads(line) for line in (tmp_path / "sft" / "samples.jsonl").read_text().splitlines()]
+    assert all(
+        s["prompt"].startswith("\n\nHuman:") and s["prompt"].endswith("\n\nAssistant:") for s in samples
+    )
+    for stage in ("rm", "ppo"):
+        run_stage(stage, "gpt2-hh", overrides[stage])
+    assert_stage_outputs(tmp_path)
+    assert read_json(tmp_path / "rm" / "metrics.json")["train_pairs"] == 18
+    queries = [
+        json.loads(line)["query"] for line in (tmp_path / "ppo" / "samples.jsonl").read_text().splitlines()
+    ]
+    assert queries and all(q.endswith("\n\nAssistant:") for q in queries)
+
+
+def test_reviews_lora_pipeline(tmp_path, tiny_model_dir, sft_files, pref_files, prompt_file, monkeypatch):
+    """The pipeline command on the LoRA recipe: the SFT adapter is merged into a plain folder, the RM is an
+    adapter on that merged model, PPO's adapter sits on it too (so its reference is the SFT model)."""
+    from safetensors.torch import load_file
+
+    data = {"sft": sft_files[0], "prefs": pref_files[0], "prompts": prompt_file}
+    chained = pipeline.chained_paths(tmp_path)  # the folders the pipeline passes from stage to stage
+    argv = ["pipeline", "--config", str(RECIPES / "reviews-lora" / "pipeline.yaml"), "--output_dir",
+            str(tmp_path), "--report", "false"]  # fmt: skip
+    for stage, values in tiny_overrides(tiny_model_dir, data, tmp_path, max_length=48).items():
+        own = {key: value for key, value in values.items() if key not in chained[stage]}
+        argv.append(f"--{stage}={json.dumps(own, default=str)}")  # e.g. --sft={"max_steps": 2, ...}
+    monkeypatch.chdir(ROOT)  # pipeline.yaml names the stage recipes relative to the repo root
+    assert cli.main(argv) == 0
+
+    assert read_json(tmp_path / "pipeline.json").keys() == {"sft", "rm", "ppo", "eval"}
+    assert_stage_outputs(tmp_path)
+    sft_dir, rm_dir, ppo_dir = tmp_path / "sft", tmp_path / "rm", tmp_path / "ppo"
+    # SFT: LoRA trained and merged into a plain folder (no adapter files): the adapted layers moved, the
+    # embeddings (no adapter) did not
+    assert not (sft_dir / "adapter_config.json").exists()
+    base, merged = load_file(tiny_model_dir / "model.safetensors"), load_file(sft_dir / "model.safetensors")
+    changed = {name for name in base if not torch.equal(base[name], merged[name])}
+    assert "transformer.h.0.attn.c_attn.weight" in changed and "transformer.wte.weight" not in changed
+    # RM and PPO: adapters whose base is the merged SFT folder
+    for adapter in (rm_dir, ppo_dir / "adapter"):
+        config = read_json(adapter / "adapter_config.json")
+        assert Path(config["base_model_name_or_path"]).resolve() == sft_dir.resolve(), adapter
+        assert (adapter / "adapter_model.safetensors").is_file()
+    assert (ppo_dir / "model.safetensors").is_file(), "the merged PPO policy, a plain HF folder"
+    eval_metrics = read_json(tmp_path / "eval" / "metrics.json")
+    assert {"rm_win_rate", "gold_win_rate", "kl_to_ref"} <= eval_metrics.keys()
