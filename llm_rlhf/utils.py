@@ -91,8 +91,14 @@ def publish_files(src_dir: str | Path, dest_dir: str | Path) -> None:
 def use_cpu_ddp_without_gpus() -> None:
     """Under `accelerate launch` with several processes on a machine without GPUs, ask accelerate for
     CPU data parallelism (gloo). Without this it picks DDP only when it sees CUDA devices and leaves
-    every process alone with world size 1: N independent runs writing to the same folder."""
+    every process alone with world size 1: N independent runs writing to the same folder.
+
+    The process state is set up here, once: a bare `PartialState()` (which does not read
+    ACCELERATE_USE_CPU) made before the first `Accelerator` would otherwise see world size 1."""
     import torch
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
+        from accelerate import PartialState
+
         os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+        PartialState(cpu=os.environ["ACCELERATE_USE_CPU"].lower() in ("1", "true", "yes"))

@@ -1,0 +1,143 @@
+"""`llm-rlhf pipeline`: SFT -> RM -> PPO -> eval chained through their folders; a re-run skips finished
+stages and resumes the interrupted one; seeds; and the whole pipeline under `accelerate launch` with 2
+processes (DDP on this CPU, gloo)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from test_recipes import tiny_overrides
+
+from llm_rlhf import pipeline, ppo
+from llm_rlhf.config import parse_config
+from llm_rlhf.utils import read_json
+
+ROOT = Path(__file__).resolve().parents[1]
+CHAINED = {  # keys the pipeline sets itself (each stage reads the previous stage's folder)
+    "sft": ("output_dir",),
+    "rm": ("model_name_or_path", "output_dir"),
+    "ppo": ("model_name_or_path", "reward_model_path", "output_dir"),
+    "eval": ("policy_path", "baseline_path", "reward_model_path", "output_dir"),
+}
+
+
+def pipeline_argv(out: Path, model: Path, sft_files, pref_files, prompt_file, **extra) -> list[str]:
+    """The reviews pipeline recipe with a tiny model and small files swapped in on the command line."""
+    data = {"sft": sft_files[0], "prefs": pref_files[0], "prompts": prompt_file}
+    overrides = tiny_overrides(model, data, out, max_length=48)
+    overrides["ppo"].update(steps=4, save_steps=2, eval_every=2)
+    for stage, keys in CHAINED.items():
+        for key in keys:
+            del overrides[stage][key]
+    argv = ["--config", str(ROOT / "recipes" / "reviews" / "pipeline.yaml"), "--output_dir", str(out)]
+    for stage, values in overrides.items():
+        plain = {k: str(v) if isinstance(v, Path) else v for k, v in values.items()}
+        argv.append(f"--{stage}={yaml.safe_dump(plain, default_flow_style=True, width=10_000).strip()}")
+    for key, value in extra.items():
+        argv += [f"--{key}", value]
+    return argv
+
+
+def run_pipeline(argv: list[str]) -> dict:
+    return pipeline.run(parse_config(pipeline.Config, argv))
+
+
+def ppo_steps(folder: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (folder / "ppo" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_pipeline_runs_skips_finished_and_resumes_interrupted(
+    tmp_path, tiny_model_dir, sft_files, pref_files, prompt_file, monkeypatch, capsys
+):
+    monkeypatch.chdir(ROOT)  # the recipe names its stage files relative to the repo root
+    out = tmp_path / "run"
+    argv = pipeline_argv(out, tiny_model_dir, sft_files, pref_files, prompt_file)
+
+    # 1. killed during PPO step 3 (after the step-2 checkpoint): SFT and RM are finished, PPO is not
+    real_step = ppo.PPOTrainer.ppo_step
+
+    def dies_at_step_3(self):
+        if self.step == 2:
+            raise KeyboardInterrupt("killed")
+        return real_step(self)
+
+    monkeypatch.setattr(ppo.PPOTrainer, "ppo_step", dies_at_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        run_pipeline(argv)
+    assert read_json(out / "pipeline.json").keys() == {"sft", "rm"}
+    assert not (out / "ppo" / "metrics.json").exists() and (out / "ppo" / "checkpoints").is_dir()
+    assert ppo_steps(out) == [1, 2]
+    sft_mtime = (out / "sft" / "model.safetensors").stat().st_mtime_ns
+    capsys.readouterr()
+
+    # 2. the same command again: SFT and RM skipped, PPO resumed from its checkpoint, then eval and report
+    monkeypatch.setattr(ppo.PPOTrainer, "ppo_step", real_step)
+    run_pipeline(argv)
+    printed = capsys.readouterr().out
+    assert "== sft: finished earlier" in printed and "== rm: finished earlier" in printed
+    assert "== ppo: interrupted earlier; resuming" in printed and "resumed from" in printed
+    assert "== eval: running" in printed
+    assert ppo_steps(out) == [1, 2, 3, 4], "steps 1-2 kept from the first run, 3-4 from the resumed one"
+    assert (out / "sft" / "model.safetensors").stat().st_mtime_ns == sft_mtime, "SFT was not re-run"
+    record = read_json(out / "pipeline.json")
+    assert record.keys() == {"sft", "rm", "ppo", "eval"}
+    for stage in record:
+        assert record[stage]["wall_time_s"] > 0
+        assert record[stage]["metrics"] == read_json(out / stage / "metrics.json")
+    assert {"gold_win_rate", "rm_win_rate", "kl_to_ref"} <= record["eval"]["metrics"].keys()
+    assert (out / "report.html").is_file() and (out / "pipeline_config.yaml").is_file()
+
+    # 3. once more: nothing left to do
+    run_pipeline(argv)
+    printed = capsys.readouterr().out
+    assert all(f"== {s}: finished earlier" in printed for s in ("sft", "rm", "ppo", "eval"))
+    assert read_json(out / "pipeline.json") == record
+
+
+def test_pipeline_seeds_give_one_run_per_seed(
+    tmp_path, tiny_model_dir, sft_files, pref_files, prompt_file, monkeypatch
+):
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "seeds"
+    argv = pipeline_argv(out, tiny_model_dir, sft_files, pref_files, prompt_file, seeds="[1, 2]")
+    argv += ["--stages", "[sft, rm, ppo]"]
+    run_pipeline(argv)
+    runs = [out / "seed-1", out / "seed-2"]
+    for seed, run in zip((1, 2), runs):
+        for stage in ("sft", "rm", "ppo"):
+            assert yaml.safe_load((run / stage / "config.yaml").read_text())["seed"] == seed
+    first = [json.loads(line) for line in (runs[0] / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    second = [json.loads(line) for line in (runs[1] / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    assert first[0]["objective/scores"] != second[0]["objective/scores"], "different seeds, different samples"
+    assert (out / "report.html").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_pipeline_under_accelerate_launch_with_two_processes(
+    tmp_path, tiny_model_dir, sft_files, pref_files, prompt_file
+):
+    """The README's multi-GPU command on this CPU: every stage data-parallel over 2 processes, one set of
+    outputs, the pipeline's own prints and files from the main process only."""
+    out = tmp_path / "ddp"
+    argv = pipeline_argv(out, tiny_model_dir, sft_files, pref_files, prompt_file, report="false")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "accelerate_configs" / "multi_gpu.yaml"), "--num_processes", "2",
+           "-m", "llm_rlhf", "pipeline", *argv]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert proc.stdout.count("== sft: running") == 1 and proc.stdout.count("== eval: running") == 1
+    record = read_json(out / "pipeline.json")
+    assert record.keys() == {"sft", "rm", "ppo", "eval"}
+    assert proc.stdout.count("batch sizes:") == 1 and "'num_processes': 2" in proc.stdout
+    ppo_metrics = read_json(out / "ppo" / "metrics.json")
+    assert ppo_steps(out) == [1, 2, 3, 4]
+    assert ppo_metrics["episodes"] == 4 * 4 * 2, "4 steps x rollout 4 per process x 2 processes"
+    assert 0.0 <= record["eval"]["metrics"]["gold_win_rate"] <= 1.0
