@@ -263,3 +263,73 @@ def test_kill_and_resume_matches_uninterrupted(
 def test_config_dataclass_is_flat():
     for f in dataclasses.fields(ppo.Config):
         assert "help" in f.metadata and f.metadata["help"], f.name
+
+
+def one_update(cfg: ppo.PPOTrainer, hook=None) -> dict[str, torch.Tensor]:
+    """The parameters after one update on a fixed rollout with fixed advantages and returns."""
+    trainer = make_trainer(cfg)
+    torch.manual_seed(123)
+    rollout = trainer.generate(trainer.next_queries())
+    adv = (
+        torch.randn(rollout.logprobs.shape, generator=torch.Generator().manual_seed(0))
+        * rollout.response_mask
+    )
+    returns = (
+        torch.randn(rollout.logprobs.shape, generator=torch.Generator().manual_seed(1))
+        * rollout.response_mask
+    )
+    if hook is not None:
+        hook(trainer)
+    trainer.train_on_rollout(rollout, adv, returns)
+    return {k: v.detach().clone() for k, v in trainer.unwrapped_policy.named_parameters()}
+
+
+def test_gradient_checkpointing_recomputes_and_gives_the_same_update(
+    tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path
+):
+    """With checkpointing each transformer block's insides run twice per training micro-batch (once more
+    when the backward pass recomputes them) and the update is the same as without it."""
+    calls = {}
+
+    def count_block_forwards(trainer):
+        block = trainer.unwrapped_policy.lm.transformer.h[0].attn  # inside the checkpointed block forward
+        calls["n"] = 0
+        block.register_forward_pre_hook(lambda *_: calls.__setitem__("n", calls["n"] + 1))
+
+    results = {}
+    for ckpt in (False, True):
+        cfg = make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / str(ckpt), rollout_batch_size=8,
+                       mini_batch_size=4, ppo_epochs=1, gradient_checkpointing=ckpt)  # fmt: skip
+        results[ckpt] = one_update(cfg, count_block_forwards)
+        results[f"calls_{ckpt}"] = calls["n"]
+    assert results["calls_False"] == 2, "two minibatches of 4, one forward each"
+    assert results["calls_True"] == 4, "each forward recomputed in the backward pass"
+    for k in results[False]:
+        torch.testing.assert_close(results[True][k], results[False][k], atol=1e-6, rtol=1e-5, msg=k)
+
+
+def test_bf16_autocast_trains_in_bf16_and_stays_close_to_fp32(
+    tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path
+):
+    """--bf16 runs the training forward under bf16 autocast on CPU (the LM head's output is bf16); the
+    weights stay fp32 and the update moves them about as far as the fp32 update does."""
+    dtypes = []
+
+    def record_head_dtype(trainer):
+        trainer.unwrapped_policy.lm.lm_head.register_forward_hook(lambda m, i, out: dtypes.append(out.dtype))
+
+    start = {k: v.detach().clone() for k, v in make_trainer(
+        make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "init")).unwrapped_policy.named_parameters()}  # fmt: skip
+    updates = {}
+    for bf16 in (False, True):
+        cfg = make_cfg(
+            tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / str(bf16), ppo_epochs=1, bf16=bf16
+        )
+        dtypes.clear()
+        after = one_update(cfg, record_head_dtype)
+        assert dtypes and set(dtypes) == {torch.bfloat16 if bf16 else torch.float32}
+        assert all(p.dtype == torch.float32 for p in after.values())
+        updates[bf16] = torch.cat([(after[k] - start[k]).flatten() for k in start])
+    assert updates[True].abs().sum() > 0
+    cosine = torch.nn.functional.cosine_similarity(updates[True], updates[False], dim=0)
+    assert cosine > 0.9, f"bf16 and fp32 updates point different ways (cosine {cosine:.3f})"
