@@ -49,6 +49,7 @@ import torch
 
 from llm_rlhf import ppo_math
 from llm_rlhf.config import format_config, help_field, require, save_config
+from llm_rlhf.data import DATA_FORMATS
 from llm_rlhf.errors import UserError
 from llm_rlhf.gold import GoldJudge, call_judge, load_judge
 from llm_rlhf.utils import atomic_write_json, atomic_write_text
@@ -83,7 +84,17 @@ class Config:
     )
     num_prompts: int | None = help_field(256, "Use the first N prompts of the file (null = all of them).")
     max_prompt_length: int = help_field(
-        32, "Prompts longer than this (tokens) are rejected with an error naming the row."
+        32, "Prompts longer than this (tokens) are rejected with an error naming the row (see skip_long)."
+    )
+    data_format: str = help_field(
+        "auto",
+        "Schema of prompt_file: 'auto' (detected from the columns) or 'hh' (Anthropic/hh-rlhf dialogues, "
+        "also detected by 'auto': the prompt is `chosen` up to and including its last '\\n\\nAssistant:').",
+    )
+    skip_long: bool = help_field(
+        False,
+        "Leave out (and count) prompts longer than max_prompt_length; false = stop with an error naming "
+        "the row.",
     )
     samples_per_prompt: int = help_field(1, "Paired samples per prompt and model.")
     # --- sampling (defaults: the PPO recipe's)
@@ -100,6 +111,7 @@ class Config:
     print_samples: int = help_field(8, "How many prompt/response pairs to print as a table.")
 
     def __post_init__(self):
+        require(self.data_format in DATA_FORMATS, "data_format", f"must be one of {', '.join(DATA_FORMATS)}")
         require(
             self.num_prompts is None or self.num_prompts > 0, "num_prompts", "must be > 0 (or null for all)"
         )
@@ -434,10 +446,9 @@ def evaluate_policy(
 
 def load_prompts(cfg: Config, tokenizer) -> list[str]:
     from llm_rlhf.data import load_prompt_dataset
+    from llm_rlhf.ppo import prompt_rules
 
-    prompts = list(
-        load_prompt_dataset(cfg.prompt_file, tokenizer, max_prompt_length=cfg.max_prompt_length)["prompt"]
-    )
+    prompts = list(load_prompt_dataset(cfg.prompt_file, tokenizer, **prompt_rules(cfg))["prompt"])
     if cfg.num_prompts is not None:
         if cfg.num_prompts > len(prompts):
             raise UserError(

@@ -46,10 +46,27 @@ def shares_vocab(tokenizer, other_tokenizer) -> bool:
     return all(other.get(token) == i for token, i in tokenizer.get_vocab().items())
 
 
+def check_not_adapter_only(name_or_path: str) -> None:
+    """A local folder with a LoRA adapter and no full weights (an SFT run with merge_lora false) cannot be
+    the base of the next stage: transformers loads such a folder as its base model with the adapter
+    attached, and the RM then fails deep inside training. Say so in one line. The adapter is not merged on
+    the fly: the RM, PPO (whose reference is this model) and evaluation should all read one saved model."""
+    from pathlib import Path
+
+    folder = Path(name_or_path).expanduser()
+    has_weights = any(folder.glob("model*.safetensors")) or (folder / "model.safetensors.index.json").exists()
+    if (folder / "adapter_config.json").is_file() and not has_weights:
+        raise UserError(
+            f"'{name_or_path}' holds a LoRA adapter only (adapter_config.json, no model weights); the next "
+            "stage needs the merged model: run the SFT stage with --merge_lora true"
+        )
+
+
 def load_causal_lm(name_or_path: str, *, dtype: str = "float32", trust_remote_code: bool = False):
     """AutoModelForCausalLM from a hub name or a local HF folder, safetensors only."""
     from transformers import AutoModelForCausalLM
 
+    check_not_adapter_only(name_or_path)
     try:
         return AutoModelForCausalLM.from_pretrained(
             name_or_path, dtype=torch_dtype(dtype), use_safetensors=True, trust_remote_code=trust_remote_code
@@ -61,7 +78,7 @@ def load_causal_lm(name_or_path: str, *, dtype: str = "float32", trust_remote_co
 def use_fused_gelu(model: nn.Module) -> nn.Module:
     """Swap GPT-2's `gelu_new` (eight elementwise kernels written in Python, their intermediates kept for
     backward) for the same tanh approximation in one kernel, transformers' `gelu_pytorch_tanh`: equal up
-    to float rounding (|diff| < 1e-6), ~10% of a GPT-2 124M PPO update on CPU (benchmarks/README.md).
+    to float rounding (|diff| < 1e-6), and faster in a GPT-2 PPO update on CPU (`benchmarks/ppo_step.py --profile`).
     In memory only: the config, and so every saved folder, still says `gelu_new`."""
     from transformers.activations import GELUTanh, NewGELUActivation
 

@@ -28,6 +28,7 @@ import torch
 
 from llm_rlhf import ppo_math
 from llm_rlhf.config import format_config, help_field, require, save_config
+from llm_rlhf.data import DATA_FORMATS
 from llm_rlhf.errors import UserError
 from llm_rlhf.utils import (
     append_jsonl,
@@ -84,7 +85,18 @@ class Config:
     max_grad_norm: float = help_field(1.0, "Gradient clipping norm.")
     # --- generation
     max_prompt_length: int = help_field(
-        32, "Prompts longer than this (tokens) are rejected with an error naming the row."
+        32, "Prompts longer than this (tokens) are rejected with an error naming the row (see skip_long)."
+    )
+    data_format: str = help_field(
+        "auto",
+        "Schema of prompt_file and eval_prompt_file: 'auto' (detected from the columns) or 'hh' "
+        "(Anthropic/hh-rlhf dialogues, also detected by 'auto': the prompt is `chosen` up to and including "
+        "its last '\\n\\nAssistant:').",
+    )
+    skip_long: bool = help_field(
+        False,
+        "Leave out (and count) prompts longer than max_prompt_length; false = stop with an error naming "
+        "the row.",
     )
     max_new_tokens: int = help_field(32, "Maximum response length in tokens.")
     temperature: float = help_field(1.0, "Sampling temperature (log-probs use the same temperature).")
@@ -147,6 +159,7 @@ class Config:
     report_to: str = help_field("none", "Also log to: none | tensorboard | wandb.")
 
     def __post_init__(self):
+        require(self.data_format in DATA_FORMATS, "data_format", f"must be one of {', '.join(DATA_FORMATS)}")
         require(self.steps > 0, "steps", "must be > 0")
         require(
             self.mini_batch_size > 0 and self.rollout_batch_size % self.mini_batch_size == 0,
@@ -890,10 +903,19 @@ def set_rng_state(state: dict) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def prompt_rules(cfg) -> dict:
+    """How the prompt files of a PPO or evaluation config are read (length limit, schema, long prompts)."""
+    return {
+        "max_prompt_length": cfg.max_prompt_length,
+        "data_format": cfg.data_format,
+        "skip_long": cfg.skip_long,
+    }
+
+
 def load_prompts(cfg: Config, tokenizer) -> list[list[int]]:
     from llm_rlhf.data import load_prompt_dataset
 
-    ds = load_prompt_dataset(cfg.prompt_file, tokenizer, max_prompt_length=cfg.max_prompt_length)
+    ds = load_prompt_dataset(cfg.prompt_file, tokenizer, **prompt_rules(cfg))
     return [tokenizer(p)["input_ids"] for p in ds["prompt"]]  # with BOS where the tokenizer adds one
 
 
@@ -978,10 +1000,11 @@ def run(cfg: Config) -> dict[str, float]:
     from accelerate import Accelerator
     from tqdm.auto import tqdm
 
-    from llm_rlhf.models import load_tokenizer
+    from llm_rlhf.models import check_not_adapter_only, load_tokenizer
 
     accelerator = Accelerator()
     out = Path(cfg.output_dir)
+    check_not_adapter_only(cfg.model_name_or_path)
     tokenizer = load_tokenizer(
         cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code, padding_side="left"
     )
@@ -1066,9 +1089,7 @@ def load_eval_inputs(cfg: Config):
     from llm_rlhf.models import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
-    prompts = load_prompt_dataset(cfg.eval_prompt_file, tokenizer, max_prompt_length=cfg.max_prompt_length)[
-        "prompt"
-    ]
+    prompts = load_prompt_dataset(cfg.eval_prompt_file, tokenizer, **prompt_rules(cfg))["prompt"]
     return list(prompts[: cfg.eval_num_prompts]), load_judge(cfg.gold_judge)
 
 

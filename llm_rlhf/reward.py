@@ -49,8 +49,9 @@ import torch
 from torch import nn
 
 from llm_rlhf.config import format_config, help_field, require, save_config
+from llm_rlhf.data import DATA_FORMATS
 from llm_rlhf.errors import ConfigError, DataError, UserError
-from llm_rlhf.models import position_ids_from_mask
+from llm_rlhf.models import check_not_adapter_only, position_ids_from_mask
 from llm_rlhf.utils import (
     append_jsonl,
     atomic_write_json,
@@ -93,6 +94,17 @@ class Config:
     )
     max_length: int = help_field(
         128, "Tokens per sequence (prompt + response + EOS); longer pairs are left out of training."
+    )
+    data_format: str = help_field(
+        "auto",
+        "Schema of train_file, eval_file and test_file: 'auto' (detected from the columns) or 'hh' "
+        "(Anthropic/hh-rlhf chosen/rejected dialogues, also detected by 'auto': the shared text up to "
+        "the last '\\n\\nAssistant:' is the prompt).",
+    )
+    skip_long: bool = help_field(
+        False,
+        "Leave out (and count) pairs whose prompt leaves no room for a response within max_length; "
+        "false = stop with an error naming the row.",
     )
     trust_remote_code: bool = help_field(
         False, "Allow model/tokenizer code from the hub (off: only trusted architectures)."
@@ -168,6 +180,7 @@ class Config:
     report_to: str = help_field("none", "Also send metrics to: none, tensorboard or wandb.")
 
     def __post_init__(self):
+        require(self.data_format in DATA_FORMATS, "data_format", f"must be one of {', '.join(DATA_FORMATS)}")
         require(self.max_length >= 4, "max_length", "must be at least 4 tokens")
         require(self.learning_rate > 0, "learning_rate", "must be > 0")
         require(
@@ -493,6 +506,7 @@ def _check_model_path(name_or_path: str) -> None:
     if looks_local and not os.path.isdir(os.path.expanduser(name_or_path)):
         hint = " (train it with `llm-rlhf sft`)" if name_or_path.rstrip("/").endswith("sft") else ""
         raise UserError(f"model_name_or_path '{name_or_path}': no such folder{hint}")
+    check_not_adapter_only(name_or_path)
 
 
 def _check_report_to(report_to: str) -> None:
@@ -585,13 +599,10 @@ def load_inputs(cfg: Config) -> Inputs:
     _check_model_path(cfg.model_name_or_path)
     tokenizer = load_tokenizer(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
     load = load_preference_dataset
-    train = load(cfg.train_file, tokenizer, max_length=cfg.max_length, split=cfg.train_split)
-    val = load(cfg.eval_file, tokenizer, max_length=cfg.max_length, split=cfg.eval_split)
-    test = (
-        load(cfg.test_file, tokenizer, max_length=cfg.max_length, split=cfg.eval_split)
-        if cfg.test_file
-        else None
-    )
+    rules = {"max_length": cfg.max_length, "data_format": cfg.data_format, "skip_long": cfg.skip_long}
+    train = load(cfg.train_file, tokenizer, split=cfg.train_split, **rules)
+    val = load(cfg.eval_file, tokenizer, split=cfg.eval_split, **rules)
+    test = load(cfg.test_file, tokenizer, split=cfg.eval_split, **rules) if cfg.test_file else None
     margins = _margins(cfg, len(train)) if cfg.margin > 0 else None
     # Local folders by absolute path: a LoRA adapter records its base model's path in adapter_config.json.
     name = cfg.model_name_or_path

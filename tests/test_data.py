@@ -288,17 +288,49 @@ def test_bad_hh_row_for_prompts(tmp_path, tokenizer):
     ), "a prompt needs no response after it"
 
 
-def test_sft_config_keys_for_hh(tmp_path):
-    from llm_rlhf import sft
+@pytest.mark.parametrize("stage", ["sft", "reward", "ppo", "evaluate"])
+def test_stage_config_keys_for_hh(stage):
+    import importlib
+
     from llm_rlhf.config import parse_config
     from llm_rlhf.errors import ConfigError
 
-    cfg = parse_config(sft.Config, ["--data_format", "hh", "--skip_long"])
+    config = importlib.import_module(f"llm_rlhf.{stage}").Config
+    cfg = parse_config(config, ["--data_format", "hh", "--skip_long"])
     assert (cfg.data_format, cfg.skip_long) == ("hh", True)
-    assert (sft.Config().data_format, sft.Config().skip_long) == ("auto", False)
+    assert (config().data_format, config().skip_long) == ("auto", False)
     with pytest.raises(ConfigError) as e:
-        parse_config(sft.Config, ["--data_format", "anthropic"])
+        parse_config(config, ["--data_format", "anthropic"])
     assert str(e.value) == "config key 'data_format': must be one of auto, hh"
+
+
+def test_ppo_and_eval_read_their_prompt_files_with_the_stage_keys(tiny_model_dir, tokenizer, capsys):
+    """PPO's prompt_file and eval_prompt_file and evaluation's prompt_file: data_format and skip_long reach
+    the loader (skipped rows counted, the rest used); without skip_long the error names the row. The RM's
+    three pair files are run by the gpt2-hh recipe test."""
+    from llm_rlhf import evaluate, ppo
+    from llm_rlhf.config import parse_config
+
+    keys = ["--max_prompt_length", "62", "--data_format", "hh"]
+    ppo_cfg = parse_config(ppo.Config, [*keys, "--model_name_or_path", str(tiny_model_dir), "--prompt_file",
+                                        str(HH_FILE), "--eval_prompt_file", str(HH_FILE), "--gold_judge", "none",
+                                        "--eval_num_prompts", "100"])  # fmt: skip
+    eval_cfg = parse_config(evaluate.Config, [*keys, "--prompt_file", str(HH_FILE), "--num_prompts", "9"])
+    loaders = {
+        "ppo prompt_file": lambda cfg: ppo.load_prompts(cfg, tokenizer),
+        "ppo eval_prompt_file": lambda cfg: ppo.load_eval_inputs(cfg)[0],
+        "eval prompt_file": lambda cfg: evaluate.load_prompts(cfg, tokenizer),
+    }
+    skipped = f"{HH_FILE}: skipped 9 of 18 prompts that are too long: the limit is max_prompt_length=62\n"
+    for what, load in loaders.items():
+        cfg = eval_cfg if what.startswith("eval") else ppo_cfg
+        cfg.skip_long = True
+        assert len(load(cfg)) == 9, what
+        assert capsys.readouterr().out == skipped, what
+        cfg.skip_long = False
+        with pytest.raises(DataError) as e:
+            load(cfg)
+        assert str(e.value).startswith(f"{HH_FILE}, row 2, field 'prompt': 88 tokens is too long: "), what
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -148,12 +148,15 @@ def test_reviews_recipes_run_sft_rm_ppo(recipe, tmp_path, tiny_model_dir, sft_fi
 
 
 def test_gpt2_hh_recipe_runs_on_hh_rows(tmp_path, hh_model_dir, capsys):
-    """SFT on the chosen dialogues (the recipe's skip_long leaves out the long ones), the RM on the pairs,
-    PPO on the dialogue prompts: all from the same HH rows."""
+    """SFT on the chosen dialogues, the RM on the pairs, PPO and eval on the dialogue prompts, all from the
+    same HH rows; in every stage the recipe's skip_long leaves out (and counts) the dialogues that are too
+    long for the tiny model's limits."""
     data = {"sft": HH_FIXTURE, "prefs": HH_FIXTURE, "prompts": HH_FIXTURE}
     overrides = tiny_overrides(hh_model_dir, data, tmp_path, max_length=128)
     overrides["sft"]["max_length"] = 64  # the 2-turn dialogues' prompts (77-88 tokens) do not fit
-    overrides["ppo"].update(max_prompt_length=96, log_samples_every=1)
+    overrides["rm"]["max_length"] = 72  # 1-turn prompts (36-44 tokens) fit, 3 of their pairs whole
+    overrides["ppo"].update(max_prompt_length=64, log_samples_every=1)
+    overrides["eval"]["max_prompt_length"] = 64
     del overrides["ppo"]["eval_prompt_file"]  # the recipe's: none (no gold judge for dialogues)
     run_stage("sft", "gpt2-hh", overrides["sft"])
     skipped = f"{HH_FIXTURE}: skipped 9 of 18 examples whose prompt is too long: max_length=64 leaves room"
@@ -162,14 +165,24 @@ def test_gpt2_hh_recipe_runs_on_hh_rows(tmp_path, hh_model_dir, capsys):
     assert all(
         s["prompt"].startswith("\n\nHuman:") and s["prompt"].endswith("\n\nAssistant:") for s in samples
     )
-    for stage in ("rm", "ppo"):
+    run_stage("rm", "gpt2-hh", overrides["rm"])
+    skipped = f"{HH_FIXTURE}: skipped 9 of 18 pairs whose prompt is too long: max_length=72 leaves room"
+    assert capsys.readouterr().out.count(skipped) == 3  # train_file, eval_file and test_file
+    rm_metrics = read_json(tmp_path / "rm" / "metrics.json")
+    assert (rm_metrics["train_pairs"], rm_metrics["train_pairs_too_long"]) == (3, 6)
+    assert rm_metrics["eval_pairs"] == rm_metrics["test_pairs"] == 9, "evaluated on every pair left"
+    for stage in ("ppo", "eval"):
         run_stage(stage, "gpt2-hh", overrides[stage])
+        skipped = (
+            f"{HH_FIXTURE}: skipped 9 of 18 prompts that are too long: the limit is max_prompt_length=64"
+        )
+        assert capsys.readouterr().out.count(skipped) == 1, stage
     assert_stage_outputs(tmp_path)
-    assert read_json(tmp_path / "rm" / "metrics.json")["train_pairs"] == 18
     queries = [
         json.loads(line)["query"] for line in (tmp_path / "ppo" / "samples.jsonl").read_text().splitlines()
     ]
-    assert queries and all(q.endswith("\n\nAssistant:") for q in queries)
+    assert queries and all(q.endswith("\n\nAssistant:") and q.count("\n\nHuman:") == 1 for q in queries)
+    assert read_json(tmp_path / "eval" / "metrics.json")["num_prompts"] == 4  # of the 9 left
 
 
 def test_reviews_lora_pipeline(tmp_path, tiny_model_dir, sft_files, pref_files, prompt_file, monkeypatch):

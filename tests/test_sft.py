@@ -162,6 +162,42 @@ def test_lora_merge_generates_like_the_adapter(tmp_path, tiny_model_dir, sft_fil
         assert torch.equal(merged.generate(**prompt, **settings), adapter.generate(**prompt, **settings))
 
 
+def test_an_unmerged_adapter_is_refused_by_the_next_stages_in_one_line(
+    tmp_path, tiny_model_dir, pref_files, prompt_file, capsys
+):
+    """merge_lora false saves an adapter folder without full weights. RM and PPO pointed at it stop with
+    one line naming the folder and the fix, before anything is written (the RM used to fail deep inside
+    training); evaluation's models load through the same load_causal_lm."""
+    from peft import get_peft_model
+
+    from llm_rlhf.errors import UserError
+
+    adapter = tmp_path / "sft"
+    model = load_causal_lm(str(tiny_model_dir))
+    peft_model = get_peft_model(model, sft.lora_config(sft.Config(lora_r=4), model))
+    sft._save_final_model(peft_model, load_tokenizer(str(tiny_model_dir)), adapter, merge=False)
+    assert (adapter / "adapter_config.json").is_file() and not (adapter / "model.safetensors").exists()
+    message = (
+        f"'{adapter}' holds a LoRA adapter only (adapter_config.json, no model weights); the next stage needs "
+        "the merged model: run the SFT stage with --merge_lora true"
+    )
+    with pytest.raises(UserError) as e:
+        load_causal_lm(str(adapter))
+    assert str(e.value) == message
+    commands = {
+        "rm": ["--train_file", pref_files[0], "--eval_file", pref_files[1], "--test_file", "null"],
+        "ppo": ["--reward_model_path", tmp_path / "rm", "--prompt_file", prompt_file, "--eval_prompt_file", "null"],
+    }  # fmt: skip
+    for stage, argv in commands.items():
+        out = tmp_path / f"{stage}_out"
+        code = cli.main(
+            [stage, "--model_name_or_path", str(adapter), "--output_dir", str(out), *map(str, argv)]
+        )
+        assert code == 2, stage
+        assert f"error: {message}" in capsys.readouterr().err.splitlines(), stage
+        assert not out.exists(), stage
+
+
 @pytest.mark.slow
 def test_resume_reaches_the_same_weights(tmp_path, tiny_model_dir, sft_files):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
