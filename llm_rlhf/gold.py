@@ -7,17 +7,40 @@ A judge is any callable
 so users can plug in their own (another reward model, a classifier, an API they own). `llm-rlhf eval`
 takes it as `--gold_judge SPEC`, resolved by `load_judge`:
 
-    path/to/judge.json   a `GoldJudge` saved as JSON (default: data/reviews/gold_judge.json)
+    path/to/judge.json   a judge saved as JSON: the fluency-aware `FluentGoldJudge` (default:
+                         data/reviews/gold.json) or the sentiment-only `GoldJudge` (data/reviews/gold_judge.json)
     module:function      a function with the signature above, imported from an importable module
     module:Class         a class, instantiated with no arguments; its instances are such callables
     none                 no gold judge (gold metrics are reported as null)
 
-`GoldJudge`, the default for the "reviews" task, predicts the mean human rating (-4 .. +4) of the text
+`GoldJudge`, the sentiment part of the reviews task's gold, predicts the mean human rating (-4 .. +4) of the text
 `prompt + response`: TF-IDF of word 1-2 grams (scikit-learn's `TfidfVectorizer` conventions, reproduced
 here) and a linear ridge regression, fitted by `data/make_gold_judge.py` on the human ratings of
 `data/reviews/gold_train.jsonl` only; its held-out accuracy on `gold_test.jsonl` is stored in the JSON.
 The file holds the vocabulary, idf and coefficients (no pickle: loading it runs no code) and this
 scorer is plain python, so the judge does not depend on the toolkit's models in any way.
+
+`FluentGoldJudge` (data/reviews/gold.json), the reviews task's gold: more positive *and* still fluent
+English, as a person would judge. A bag-of-words sentiment judge alone rewards word salad ("quietly quietly hilarious, quiet and quiet"). A
+person prefers a fluent positive sentence to positive word salad, so the gold adds fluency, measured by an
+independent pretrained LM that no stage of the pipeline trained (SmolLM2-135M for the reviews task):
+
+    fluency_nll(x, y) = -1/(T+1) * [ sum_{t=1..T} log p_LM(y_t | x, y_<t) + log p_LM(end | x, y) ]
+    fluency_perplexity = exp(fluency_nll)
+
+over the T response tokens and an end marker (`end_text`, e.g. a newline: a sentence cut off mid-way, or
+an empty response, is not fluent text either). The gold score, in the sentiment judge's units (the
+predicted mean human rating, -4 .. +4):
+
+    gold = sentiment - fluency_weight * (fluency_nll - reference_nll)
+
+reference_nll is the median fluency_nll of real human continuations, so a response as fluent as what
+people typically write scores its sentiment, and each nat per token of extra surprise costs
+`fluency_weight` rating points (fewer nats earn as much). Linear, not a hinge at reference_nll: a
+repeated word ("a great great great great film") is *predictable* after its first repeat, so repeated
+text stays near human fluency and only the linear form lets the gold prefer the real sentence (measured
+by `data/make_gold.py`, which stores the constants, the comparison of both forms and the validity
+figures on held-out sentences in the judge's JSON, format `FLUENT_FORMAT`).
 """
 
 from __future__ import annotations
@@ -25,13 +48,17 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import os
 import re
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
+
 from llm_rlhf.errors import UserError
+from llm_rlhf.models import load_causal_lm, load_tokenizer
 
 FORMAT = "llm_rlhf.gold_judge/tfidf-ridge-v1"
 
@@ -144,6 +171,14 @@ def load_judge(spec: str) -> Judge | None:
     if spec.lower() in ("none", "null", ""):
         return None
     if spec.lower().endswith(".json") or Path(spec).is_file():
+        path = Path(spec)
+        if path.is_file():
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise UserError(f"gold judge '{path}': not valid JSON ({e})") from None
+            if isinstance(data, dict) and data.get("format") == FLUENT_FORMAT:
+                return FluentGoldJudge.load(path, data)
         return GoldJudge.load(spec)
     module_name, colon, attr = spec.partition(":")
     if not colon or not module_name or not attr:
@@ -184,3 +219,181 @@ def call_judge(
     if not all(math.isfinite(s) for s in scores):
         raise UserError(f"gold judge {judge!r}: returned a score that is NaN or infinite")
     return scores
+
+
+def judge_details(
+    judge: Callable[..., Any], prompts: list[str], responses: list[str]
+) -> dict[str, list[float]]:
+    """{"gold_score": one float per pair} plus the judge's parts when it reports them (a `details` method,
+    like `FluentGoldJudge`'s: sentiment, fluency_nll, fluency_perplexity), each checked like `call_judge`.
+    `llm-rlhf eval` and `llm-rlhf judge` both score through this."""
+    details = getattr(judge, "details", None)
+    if details is None:
+        return {"gold_score": call_judge(judge, prompts, responses)}
+    parts = details(list(prompts), list(responses))
+    out = {}
+    for key, values in parts.items():
+        try:
+            out[key] = [float(v) for v in values]
+        except (TypeError, ValueError) as e:
+            raise UserError(f"gold judge {judge!r}: '{key}': expected a list of numbers ({e})") from None
+        if len(out[key]) != len(prompts) or not all(math.isfinite(v) for v in out[key]):
+            raise UserError(f"gold judge {judge!r}: '{key}' is not one finite number per response")
+    if "gold_score" not in out:
+        raise UserError(f"gold judge {judge!r}: details() returned no 'gold_score'")
+    return out
+
+
+FLUENT_FORMAT = "llm_rlhf.gold_judge/sentiment-fluency-v1"
+BUILD_HINT = {"smollm2-135m-instruct": "python data/make_smollm2.py"}  # local folders a script builds
+
+
+class FluencyLM:
+    """Per-response mean negative log-likelihood under a frozen causal LM (float32, eval mode, no grad).
+
+    prompt and response are tokenised separately (the prompt as the tokenizer does by default, so with
+    its BOS if it adds one; the response and end marker without special tokens) and concatenated, so the
+    response tokens are the same whatever the prompt. Rows are left-padded, positions count real tokens
+    only, and the LM head runs on the last K positions only (K = the longest response + end)."""
+
+    def __init__(
+        self, model, tokenizer, *, end_text: str = "\n", batch_size: int = 32, max_length: int = 512
+    ):
+        self.model = model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.end_ids = tokenizer(end_text, add_special_tokens=False).input_ids if end_text else []
+        self.batch_size = batch_size
+        self.max_length = max_length
+
+    @classmethod
+    def load(cls, name_or_path: str, **kwargs) -> FluencyLM:
+        folder = Path(name_or_path)
+        if not folder.is_dir() and (name_or_path.startswith((".", "/", "~")) or folder.parent.is_dir()):
+            hint = BUILD_HINT.get(folder.name)
+            build = f"; build it with `{hint}`" if hint else ""
+            raise UserError(f"fluency model '{name_or_path}': no such folder{build}")
+        tokenizer = load_tokenizer(name_or_path)
+        model = load_causal_lm(name_or_path, dtype="float32")
+        return cls(model, tokenizer, **kwargs)
+
+    def encode(self, prompt: str, response: str) -> tuple[list[int], list[int]]:
+        """(prompt ids, response ids + end ids), the prompt cut from the left to fit max_length."""
+        target = self.tokenizer(response, add_special_tokens=False).input_ids + self.end_ids
+        context = self.tokenizer(prompt).input_ids if prompt else []
+        if not context:  # nothing to condition the first token on: start from BOS (or the end marker)
+            bos = self.tokenizer.bos_token_id
+            context = [bos] if bos is not None else self.end_ids[:1]
+        target = target[: self.max_length - 1]
+        context = context[-(self.max_length - len(target)) :]
+        return context, target
+
+    @torch.no_grad()
+    def nll(self, prompts: list[str], responses: list[str]) -> list[float]:
+        """fluency_nll of each (prompt, response); one float per pair, in input order."""
+        if len(prompts) != len(responses):
+            raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+        pairs = [self.encode(p, r) for p, r in zip(prompts, responses)]
+        order = sorted(range(len(pairs)), key=lambda i: len(pairs[i][0]) + len(pairs[i][1]))
+        out = [0.0] * len(pairs)
+        device = next(self.model.parameters()).device
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        for start in range(0, len(order), self.batch_size):
+            rows = order[start : start + self.batch_size]
+            seqs = [pairs[i][0] + pairs[i][1] for i in rows]
+            width = max(len(s) for s in seqs)
+            keep = max(len(pairs[i][1]) for i in rows) + 1  # logits for the last `keep` positions
+            ids = torch.full((len(rows), width), pad, dtype=torch.long)  # (B, W) left-padded
+            mask = torch.zeros((len(rows), width), dtype=torch.bool)
+            target_mask = torch.zeros((len(rows), width), dtype=torch.bool)  # True at response + end tokens
+            for b, (i, seq) in enumerate(zip(rows, seqs)):
+                ids[b, width - len(seq) :] = torch.tensor(seq)
+                mask[b, width - len(seq) :] = True
+                target_mask[b, width - len(pairs[i][1]) :] = True
+            ids, mask, target_mask = ids.to(device), mask.to(device), target_mask.to(device)
+            positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # real tokens count from 0
+            logits = self.model(
+                input_ids=ids, attention_mask=mask.long(), position_ids=positions, logits_to_keep=keep
+            ).logits.float()  # (B, keep, V): positions W-keep .. W-1
+            logprobs = torch.log_softmax(logits[:, :-1], dim=-1)  # position t predicts token t+1
+            targets = ids[:, width - keep + 1 :]  # (B, keep-1)
+            token_logp = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, keep-1)
+            tmask = target_mask[:, width - keep + 1 :]
+            per_row = (token_logp * tmask).sum(-1) / tmask.sum(-1).clamp(min=1)  # (B,)
+            for b, i in enumerate(rows):
+                out[i] = -float(per_row[b])
+        return out
+
+
+def gold_from_parts(
+    *, sentiment: float, fluency_nll: float, fluency_weight: float, reference_nll: float
+) -> float:
+    """gold = sentiment - fluency_weight * (fluency_nll - reference_nll)   (module docstring)."""
+    return sentiment - fluency_weight * (fluency_nll - reference_nll)
+
+
+class FluentGoldJudge:
+    """The gold for the reviews task: a sentiment judge's score less a penalty for disfluency (module doc).
+
+    `details` returns every part per row (gold_score, sentiment, fluency_nll, fluency_perplexity), so the
+    evaluation can report sentiment-only and fluency figures beside the gold from one call."""
+
+    def __init__(self, *, sentiment, fluency: FluencyLM, fluency_weight: float, reference_nll: float,
+                 info: dict[str, Any] | None = None):  # fmt: skip
+        self.sentiment = sentiment
+        self.fluency = fluency
+        self.fluency_weight = float(fluency_weight)
+        self.reference_nll = float(reference_nll)
+        self.info = info or {}
+
+    def details(self, prompts: list[str], responses: list[str]) -> dict[str, list[float]]:
+        sentiment = [float(s) for s in self.sentiment(list(prompts), list(responses))]
+        nll = self.fluency.nll(list(prompts), list(responses))
+        gold = [
+            gold_from_parts(
+                sentiment=s,
+                fluency_nll=n,
+                fluency_weight=self.fluency_weight,
+                reference_nll=self.reference_nll,
+            )
+            for s, n in zip(sentiment, nll)
+        ]
+        return {
+            "gold_score": gold,
+            "sentiment": sentiment,
+            "fluency_nll": nll,
+            "fluency_perplexity": [math.exp(n) for n in nll],
+        }
+
+    def __call__(self, prompts: list[str], responses: list[str]) -> list[float]:
+        return self.details(prompts, responses)["gold_score"]
+
+    @classmethod
+    def load(cls, path: str | Path, data: dict[str, Any] | None = None) -> FluentGoldJudge:
+        """Read a judge JSON of format `FLUENT_FORMAT`; its file paths are relative to the JSON's folder."""
+        path = Path(path)
+        if data is None:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        try:
+            sentiment_path = path.parent / data["sentiment_judge"]
+            model = data["fluency_model"]
+            local = path.parent / model
+            fluency = FluencyLM.load(
+                os.path.normpath(local) if local.is_dir() or not _looks_like_hub_name(model) else model,
+                end_text=data.get("end_text", "\n"),
+                batch_size=int(data.get("batch_size", 32)),
+            )
+            return cls(
+                sentiment=GoldJudge.load(sentiment_path),
+                fluency=fluency,
+                fluency_weight=float(data["fluency_weight"]),
+                reference_nll=float(data["reference_nll"]),
+                info={k: v for k, v in data.items() if k != "format"},
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise UserError(f"gold judge '{path}': malformed ({type(e).__name__}: {e})") from None
+
+
+def _looks_like_hub_name(name: str) -> bool:
+    return name.count("/") == 1 and not name.startswith((".", "/", "~"))

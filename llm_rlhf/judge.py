@@ -1,0 +1,80 @@
+"""Score prompt/response rows with the gold evaluation, to see what it rewards (the `judge` command).
+
+    llm-rlhf judge --input_file samples.jsonl --output_file judged.jsonl [--gold_judge data/reviews/gold.json]
+
+Each input row (JSONL/JSON/CSV/Parquet) needs a string `prompt` and a string `response` (either may be
+empty: a policy can stop at once); other fields are kept. Each output row adds `gold_score` and, when the
+judge reports them (the fluency-aware gold does), `sentiment`, `fluency_nll` and `fluency_perplexity`.
+The scores come from `judge_details`, the call `llm-rlhf eval` makes, so both give the same numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+
+from llm_rlhf.config import help_field, require
+from llm_rlhf.data import load_rows
+from llm_rlhf.errors import DataError, UserError
+from llm_rlhf.gold import judge_details, load_judge
+from llm_rlhf.utils import atomic_write_text
+
+
+@dataclasses.dataclass
+class Config:
+    input_file: str = dataclasses.field(
+        metadata={"help": "JSONL/JSON/CSV/Parquet rows with `prompt` and `response` (other fields are kept)."}
+    )
+    output_file: str = dataclasses.field(metadata={"help": "Where the judged rows go (JSONL)."})
+    gold_judge: str = help_field(
+        "data/reviews/gold.json",
+        "The gold judge: a judge JSON (fluency-aware or sentiment-only), 'module:function' or 'module:Class'.",
+    )
+    show: int = help_field(3, "Print this many of the highest and of the lowest judged rows (0 = none).")
+
+    def __post_init__(self):
+        require(self.show >= 0, "show", "must be >= 0")
+        require(
+            self.gold_judge.strip().lower() not in ("", "none", "null"), "gold_judge", "must name a judge"
+        )
+
+
+def read_rows(path: str) -> list[dict]:
+    """Rows with string `prompt` and `response` (empty allowed), checked row by row before any scoring."""
+    rows = load_rows(path).to_list()
+    for number, row in enumerate(rows, start=1):
+        for field in ("prompt", "response"):
+            value = row.get(field)
+            if not isinstance(value, str):
+                got = "missing (or null)" if value is None else f"expected a string, got {value!r:.40}"
+                raise DataError(got, file=path, row=number, field=field)
+    return rows
+
+
+def run(cfg: Config) -> dict[str, float]:
+    """Check the input, load the judge, judge every row, write output_file, print a summary."""
+    rows = read_rows(cfg.input_file)
+    output = Path(cfg.output_file)
+    if output.is_dir():
+        raise UserError(f"output_file '{output}' is a folder")
+    judge = load_judge(cfg.gold_judge)
+    prompts, responses = [r["prompt"] for r in rows], [r["response"] for r in rows]
+    parts = judge_details(judge, prompts, responses)
+    judged = [{**row, **{k: v[i] for k, v in parts.items()}} for i, row in enumerate(rows)]
+    atomic_write_text(output, "".join(json.dumps(r) + "\n" for r in judged))
+
+    summary = {"rows": len(rows)}
+    for key, values in parts.items():
+        summary[f"{key}_mean"] = statistics.fmean(values)
+    if "fluency_nll" in parts:
+        summary["fluency_perplexity_median"] = statistics.median(parts["fluency_perplexity"])
+    order = sorted(range(len(rows)), key=lambda i: parts["gold_score"][i], reverse=True)
+    shown = order[: cfg.show] + order[max(cfg.show, len(order) - cfg.show) :] if cfg.show else []
+    for i in shown:
+        extra = "".join(f"  {k} {parts[k][i]:.3g}" for k in ("sentiment", "fluency_perplexity") if k in parts)
+        print(f"{parts['gold_score'][i]:+7.3f}{extra}  {prompts[i]!r} -> {responses[i]!r}")
+    print(json.dumps(summary), flush=True)
+    print(f"wrote {len(rows)} judged rows to {output}", flush=True)
+    return summary

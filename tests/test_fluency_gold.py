@@ -1,0 +1,158 @@
+"""The fluency-aware gold: FluencyLM against a naive per-row computation, the gold formula, loading from
+JSON (relative paths, the missing-model error), `judge_details`, and the `llm-rlhf judge` command."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from llm_rlhf.errors import UserError
+from llm_rlhf.gold import (
+    FLUENT_FORMAT,
+    FluencyLM,
+    FluentGoldJudge,
+    GoldJudge,
+    gold_from_parts,
+    judge_details,
+    load_judge,
+)
+from tests.conftest import write_jsonl
+
+PROMPTS = ["The film is", "A", "", "This movie was so"]
+RESPONSES = [" a quiet and funny story.", " good movie", " The acting is bad.", ""]
+
+
+def naive_nll(model, tokenizer, prompt: str, response: str, end_text: str) -> float:
+    """One row, no padding, full logits: -mean log p(response tokens + end | prompt)."""
+    target = tokenizer(response, add_special_tokens=False).input_ids
+    target += tokenizer(end_text, add_special_tokens=False).input_ids
+    context = tokenizer(prompt).input_ids if prompt else [tokenizer.bos_token_id]
+    ids = torch.tensor([context + target])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(ids).logits[0].float(), -1)  # (T, V)
+    picked = [
+        logprobs[len(context) - 1 + j, t] for j, t in enumerate(target)
+    ]  # position t-1 predicts token t
+    return -float(sum(picked) / len(picked))
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_fluency_nll_matches_naive_rows(kind, tiny_model_dir, tiny_llama_dir):
+    folder = tiny_model_dir if kind == "gpt2" else tiny_llama_dir
+    lm = FluencyLM.load(str(folder), end_text="\n", batch_size=3)
+    got = lm.nll(PROMPTS, RESPONSES)
+    expected = [naive_nll(lm.model, lm.tokenizer, p, r, "\n") for p, r in zip(PROMPTS, RESPONSES)]
+    assert got == pytest.approx(expected, abs=1e-4)
+    # batch make-up and order do not matter
+    one_by_one = [lm.nll([p], [r])[0] for p, r in zip(PROMPTS, RESPONSES)]
+    assert one_by_one == pytest.approx(got, abs=1e-4)
+    assert lm.nll(PROMPTS[::-1], RESPONSES[::-1]) == pytest.approx(got[::-1], abs=1e-4)
+    # the end marker counts: without it the empty response has nothing to score (nll 0)
+    lm_no_end = FluencyLM.load(str(folder), end_text="", batch_size=3)
+    assert lm_no_end.nll(PROMPTS[3:], RESPONSES[3:]) == [0.0]
+    assert got[3] > 0
+
+
+def fluent_judge_file(tmp_path: Path, model_dir: Path, weight=2.0, reference_nll=5.0) -> Path:
+    judges = tmp_path / "judges"
+    judges.mkdir()
+    (judges / "sentiment.json").write_text(
+        json.dumps(GoldJudge(terms={"good": (1.0, 2.0), "bad": (2.0, -3.0)}, intercept=0.5).to_dict())
+    )
+    path = judges / "gold.json"
+    path.write_text(
+        json.dumps(
+            {
+                "format": FLUENT_FORMAT,
+                "sentiment_judge": "sentiment.json",  # relative to the JSON's folder
+                "fluency_model": str(Path("..") / model_dir.name),
+                "end_text": "\n",
+                "fluency_weight": weight,
+                "reference_nll": reference_nll,
+            }
+        )
+    )
+    return path
+
+
+def test_fluent_gold_formula_and_parts(tmp_path, tiny_model_dir):
+    model_dir = tmp_path / "lm"
+    model_dir.symlink_to(tiny_model_dir, target_is_directory=True)
+    judge = load_judge(str(fluent_judge_file(tmp_path, model_dir)))
+    assert isinstance(judge, FluentGoldJudge)
+    parts = judge_details(judge, PROMPTS, RESPONSES)
+    assert set(parts) == {"gold_score", "sentiment", "fluency_nll", "fluency_perplexity"}
+    sentiment = GoldJudge.load(tmp_path / "judges" / "sentiment.json")(PROMPTS, RESPONSES)
+    assert parts["sentiment"] == pytest.approx(sentiment)
+    for i in range(len(PROMPTS)):
+        assert parts["gold_score"][i] == pytest.approx(sentiment[i] - 2.0 * (parts["fluency_nll"][i] - 5.0))
+        assert parts["fluency_perplexity"][i] == pytest.approx(math.exp(parts["fluency_nll"][i]))
+    assert judge(PROMPTS, RESPONSES) == parts["gold_score"]
+    # the formula: more fluent (lower nll) or more positive is better; at reference_nll it is the sentiment
+    assert gold_from_parts(sentiment=1.0, fluency_nll=5.0, fluency_weight=2.0, reference_nll=5.0) == 1.0
+    assert gold_from_parts(sentiment=1.0, fluency_nll=6.0, fluency_weight=2.0, reference_nll=5.0) == -1.0
+    assert gold_from_parts(sentiment=1.0, fluency_nll=4.5, fluency_weight=2.0, reference_nll=5.0) == 2.0
+
+
+def test_missing_fluency_model_names_the_build_command(tmp_path, tiny_model_dir):
+    path = fluent_judge_file(tmp_path, tmp_path / "smollm2-135m-instruct")
+    with pytest.raises(UserError) as e:
+        load_judge(str(path))
+    message = str(e.value)
+    assert "no such folder" in message and "python data/make_smollm2.py" in message
+    assert "\n" not in message
+
+
+def test_judge_details_checks_what_a_judge_returns():
+    def plain(prompts, responses):
+        return [float(len(r)) for r in responses]
+
+    assert judge_details(plain, ["a", "b"], ["xy", "z"]) == {"gold_score": [2.0, 1.0]}
+
+    class Bad:
+        def details(self, prompts, responses):
+            return {"gold_score": [1.0] * len(prompts), "sentiment": [float("nan")] * len(prompts)}
+
+    with pytest.raises(UserError, match="'sentiment' is not one finite number per response"):
+        judge_details(Bad(), ["a"], ["b"])
+
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "llm_rlhf", *args], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_judge_command(tmp_path, tiny_model_dir):
+    model_dir = tmp_path / "lm"
+    model_dir.symlink_to(tiny_model_dir, target_is_directory=True)
+    gold = fluent_judge_file(tmp_path, model_dir)
+    rows = [{"prompt": p, "response": r, "id": i} for i, (p, r) in enumerate(zip(PROMPTS, RESPONSES))]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    repo = Path(__file__).resolve().parent.parent
+    done = run_cli(
+        "judge", "--input_file", str(src), "--output_file", str(out), "--gold_judge", str(gold), cwd=repo
+    )
+    assert done.returncode == 0, done.stderr
+    judged = [json.loads(line) for line in out.read_text().splitlines()]
+    expected = judge_details(load_judge(str(gold)), PROMPTS, RESPONSES)  # the same call eval makes
+    assert [r["id"] for r in judged] == [0, 1, 2, 3]  # input fields kept, in order
+    for key in ("gold_score", "sentiment", "fluency_perplexity"):
+        assert [r[key] for r in judged] == pytest.approx(expected[key], abs=1e-5)
+
+    bad = write_jsonl(tmp_path / "bad.jsonl", [rows[0], {"prompt": "A", "response": None}])
+    out2 = tmp_path / "out2.jsonl"
+    done = run_cli(
+        "judge", "--input_file", str(bad), "--output_file", str(out2), "--gold_judge", str(gold), cwd=repo
+    )
+    assert done.returncode == 2
+    assert f"error: {bad}, row 2, field 'response': missing (or null)" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not out2.exists()
