@@ -12,6 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from scipy.sparse import vstack
+from sklearn.feature_extraction.text import TfidfVectorizer
+from sklearn.linear_model import LogisticRegression
 
 
 def pairwise_accuracy(chosen_scores, rejected_scores) -> float:
@@ -45,10 +48,6 @@ def fit_bow_baseline(
 ) -> BowBaseline:
     """Fit on the training pairs (full texts: prompt + response). With eval pairs, the regularisation
     strength C is picked by their pairwise accuracy (the RM gets the same eval set for monitoring)."""
-    from scipy.sparse import vstack
-    from sklearn.feature_extraction.text import TfidfVectorizer
-    from sklearn.linear_model import LogisticRegression
-
     vectorizer = TfidfVectorizer(ngram_range=(1, 2), min_df=2, sublinear_tf=True, lowercase=True)
     vectorizer.fit(list(chosen) + list(rejected))
     diff = vectorizer.transform(chosen) - vectorizer.transform(rejected)  # (N, F) phi(y_w) - phi(y_l)

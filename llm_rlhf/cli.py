@@ -1,6 +1,7 @@
 """`llm-rlhf <command> [--config recipe.yaml] [--key value ...]`: one subcommand per stage.
 
-Every stage module exposes `Config` (a flat dataclass) and `run(cfg)`. Bad input (config, data,
+Every stage module exposes `Config` (a flat dataclass) and `run(cfg)`, and is imported only when its
+command runs (the stages import torch, transformers and TRL). Bad input (config, data,
 paths) ends with one line `error: ...` on stderr and exit code 2, before any output is written.
 """
 
@@ -9,7 +10,9 @@ from __future__ import annotations
 import importlib
 import sys
 
+from llm_rlhf.config import format_help, parse_config
 from llm_rlhf.errors import UserError
+from llm_rlhf.utils import use_cpu_ddp_without_gpus
 
 COMMANDS = {
     "sft": (
@@ -21,10 +24,14 @@ COMMANDS = {
         "Reward model: a scalar head on the causal LM trained with the Bradley-Terry loss.",
     ),
     "score": ("llm_rlhf.score", "Score a JSONL of prompt/response pairs with a saved reward model."),
-    "ppo": ("llm_rlhf.ppo", "PPO with a value head, a frozen reference and an adaptive KL controller."),
+    "ppo": ("llm_rlhf.ppo_run", "PPO with a value head, a frozen reference and an adaptive KL controller."),
     "eval": (
         "llm_rlhf.evaluate",
         "Compare a policy with a baseline on held-out prompts (RM, gold judge, KL).",
+    ),
+    "judge": (
+        "llm_rlhf.judge",
+        "Score prompt/response rows with the gold evaluation (sentiment and fluency).",
     ),
     "pipeline": (
         "llm_rlhf.pipeline",
@@ -54,18 +61,15 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS or importlib.util.find_spec(COMMANDS[name][0]) is None:
         print(f"error: unknown command '{name}'\n\n{usage()}", file=sys.stderr)
         return 2
-    from llm_rlhf.utils import use_cpu_ddp_without_gpus
-
     use_cpu_ddp_without_gpus()
     module = importlib.import_module(COMMANDS[name][0])
     try:
         if hasattr(module, "cli"):  # commands with their own argument form (e.g. `report DIR`)
             return module.cli(rest) or 0
-        from llm_rlhf.config import format_help, parse_config
-
         if any(a in ("-h", "--help") for a in rest):
             print(f"llm-rlhf {name}: {COMMANDS[name][1]}\n")
-            print((module.__doc__ or "").strip() + "\n")
+            doc = sys.modules[module.Config.__module__].__doc__  # where the keys are declared (ppo: ppo.py)
+            print((doc or "").strip() + "\n")
             print("config keys (defaults < --config YAML < --key value flags):")
             print(format_help(module.Config))
             return 0

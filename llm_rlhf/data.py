@@ -41,11 +41,25 @@ import os
 from pathlib import Path
 from typing import Any
 
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+from datasets import Dataset
+
 from llm_rlhf.errors import DataError
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 HH_ASSISTANT = "\n\nAssistant:"  # Anthropic/hh-rlhf: the prompt ends at the last assistant tag
 DATA_FORMATS = ("auto", "hh")  # auto: the schema is detected from the columns; hh: HH rows required
+
+
+def prompt_rules(cfg) -> dict:
+    """How the prompt files of a PPO or evaluation config are read (length limit, schema, long prompts)."""
+    return {
+        "max_prompt_length": cfg.max_prompt_length,
+        "data_format": cfg.data_format,
+        "skip_long": cfg.skip_long,
+    }
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -144,9 +158,6 @@ def _read_csv(path: Path, text: str) -> _Rows:
 
 
 def _read_parquet(path: Path) -> _Rows:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     try:
         records = pq.read_table(path).to_pylist()
     except (pa.ArrowException, OSError) as e:
@@ -155,8 +166,6 @@ def _read_parquet(path: Path) -> _Rows:
 
 
 def _read_hub(source: str, split: str, name: str | None) -> _Rows:
-    import datasets
-
     try:
         dataset = datasets.load_dataset(source, name, split=split)
     except Exception as e:  # network, unknown name, unknown split: all one line for the user
@@ -200,8 +209,6 @@ def load_rows(source: str | os.PathLike, *, split: str = "train", name: str | No
     `source` is a hub dataset name when it is not an existing path and does not look like a file;
     `split` and `name` (the dataset config) apply to hub datasets only.
     """
-    from datasets import Dataset
-
     rows = _read(source, split, name)
     columns = rows.columns()
     for column in columns:  # Arrow needs one type per column: report the first row that breaks it
@@ -356,8 +363,6 @@ def _render(
 
 
 def _to_dataset(columns: dict[str, list[str]]):
-    from datasets import Dataset
-
     return Dataset.from_dict(columns)
 
 

@@ -46,12 +46,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate import PartialState
+from tqdm.auto import tqdm
 
 from llm_rlhf import ppo_math
 from llm_rlhf.config import format_config, help_field, require, save_config
-from llm_rlhf.data import DATA_FORMATS
+from llm_rlhf.data import DATA_FORMATS, load_prompt_dataset, prompt_rules
 from llm_rlhf.errors import UserError
 from llm_rlhf.gold import GoldJudge, call_judge, load_judge
+from llm_rlhf.models import freeze, load_causal_lm, load_tokenizer, shares_vocab
+from llm_rlhf.reward_model import load_reward_model
+from llm_rlhf.rollout import Samples, left_pad, response_logits, sample
 from llm_rlhf.utils import atomic_write_json, atomic_write_text
 
 
@@ -167,31 +172,6 @@ def mean_and_stderr(values: list[float]) -> tuple[float, float]:
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Batch:
-    """Sampled responses for a batch of prompts. Layout of a row (query left-padded, response right-padded):
-
-        sequence       pad pad q q q | r r r EOS pad pad
-        attention      0   0   1 1 1 | 1 1 1 1   0   0
-        response_mask                | T T T T   F   F     (tokens after the first EOS are padding)
-
-    query, query_mask: (B, P) long; response: (B, R) long; response_mask: (B, R) bool.
-    """
-
-    query: torch.Tensor
-    query_mask: torch.Tensor
-    response: torch.Tensor
-    response_mask: torch.Tensor
-
-    @property
-    def sequence(self) -> torch.Tensor:
-        return torch.cat([self.query, self.response], dim=1)  # (B, P + R)
-
-    @property
-    def attention_mask(self) -> torch.Tensor:
-        return torch.cat([self.query_mask, self.response_mask.long()], dim=1)  # (B, P + R)
-
-
 def _rng_devices(device: torch.device) -> list:
     return [device] if device.type == "cuda" else []
 
@@ -207,7 +187,7 @@ def sample_batch(
     temperature: float,
     top_k: int,
     top_p: float,
-) -> Batch:
+) -> Samples:
     """Left-padded batched `generate` (HF derives the positions from the attention mask), seeded with
     `seed` without touching the global RNG; stops at EOS, at least one new token (as in PPO)."""
     device = next(model.parameters()).device
@@ -216,56 +196,24 @@ def sample_batch(
     ]  # as PPO tokenizes prompts
     if any(len(q) == 0 for q in queries):
         raise UserError("a prompt tokenizes to no tokens; every prompt needs at least one")
-    P = max(len(q) for q in queries)
-    query = torch.full((len(queries), P), tokenizer.pad_token_id, dtype=torch.long)  # (B, P)
-    query_mask = torch.zeros((len(queries), P), dtype=torch.long)  # (B, P)
-    for i, q in enumerate(queries):  # left padding: every response starts at column P
-        query[i, P - len(q) :] = torch.tensor(q)
-        query_mask[i, P - len(q) :] = 1
-    query, query_mask = query.to(device), query_mask.to(device)
+    query, query_mask = left_pad(queries, tokenizer.pad_token_id, device)  # (B, P) each
     with torch.random.fork_rng(devices=_rng_devices(device)):
         torch.manual_seed(seed)
-        sequences = model.generate(
-            input_ids=query,
-            attention_mask=query_mask,
-            do_sample=True,
-            temperature=temperature,
-            top_k=top_k or None,
-            top_p=top_p,
+        return sample(
+            model,
+            tokenizer,
+            query,
+            query_mask,
             max_new_tokens=max_new_tokens,
-            min_new_tokens=1,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            use_cache=True,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
         )
-    response = sequences[:, P:]  # (B, R)
-    response_mask = ppo_math.response_mask_from_tokens(
-        response=response, eos_token_id=tokenizer.eos_token_id
-    )  # (B, R) the same rule as PPO
-    response = torch.where(
-        response_mask, response, tokenizer.pad_token_id
-    )  # (B, R) padding after the first EOS
-    return Batch(query=query, query_mask=query_mask, response=response, response_mask=response_mask)
-
-
-def response_logits(model, batch: Batch) -> torch.Tensor:
-    """One forward over query + response, positions from the attention mask (as in PPO). Returns (B, R, V)."""
-    from llm_rlhf.models import position_ids_from_mask
-
-    mask = batch.attention_mask  # (B, P + R)
-    logits = model(
-        input_ids=batch.sequence,
-        attention_mask=mask,
-        position_ids=position_ids_from_mask(mask),
-        use_cache=False,
-    ).logits  # (B, P + R, V)
-    P = batch.query.shape[1]
-    return logits[:, P - 1 : -1].float()  # (B, R, V): position t predicts response token t
 
 
 @torch.no_grad()
 def sequence_kl_to_ref(
-    model, ref_model, batch: Batch, temperatures: tuple[float, ...], ref_context=None
+    model, ref_model, batch: Samples, temperatures: tuple[float, ...], ref_context=None
 ) -> list[torch.Tensor]:
     """k1 sequence KL of each sample, sum_t log pi(y_t|s_t) - log pi_ref(y_t|s_t) over its response tokens,
     with both log-probs at each temperature in `temperatures`. Returns one (B,) tensor per temperature."""
@@ -286,11 +234,9 @@ def sequence_kl_to_ref(
 
 
 @torch.no_grad()
-def reward_scores(reward_model, tokenizer, batch: Batch) -> torch.Tensor:
+def reward_scores(reward_model, tokenizer, batch: Samples) -> torch.Tensor:
     """Normalised RM scores of prompt + response, exactly the sequence PPO scores: (B,). Token ids go to the
     RM directly when it shares the sampling tokenizer, otherwise the RM re-encodes the text."""
-    from llm_rlhf.models import shares_vocab
-
     mask = batch.attention_mask  # (B, P + R)
     if shares_vocab(tokenizer, reward_model.tokenizer):
         return reward_model.score(batch.sequence, mask).float()
@@ -323,8 +269,6 @@ def sample_and_score(
     """One record per prompt: prompt, response (text), response_ids (EOS excluded), length (tokens, EOS
     included), eos, kl_to_ref and kl_to_ref_at_temperature (None without `ref_model`), rm_score (None
     without `reward_model`), gold_score (None without `judge`). Batch b is sampled with seed + b."""
-    from tqdm.auto import tqdm
-
     if not prompts:
         raise ValueError("no prompts to sample")
     temperatures = (1.0, temperature)
@@ -411,7 +355,7 @@ def evaluate_policy(
 
     policy, ref_model: causal LMs (e.g. PPO's `policy.lm` unwrapped from DDP, and the reference's `lm`; with
     LoRA pass the policy's `lm` again and `ref_context=lambda: lm.disable_adapter()`); reward_model: a
-    `llm_rlhf.reward.RewardModel`; judge: any (prompts, responses) -> list[float]. Each may be None to skip
+    `llm_rlhf.reward_model.RewardModel`; judge: any (prompts, responses) -> list[float]. Each may be None to skip
     its metric. Deterministic for a given seed, and the global RNG is left untouched. The policy is put in
     eval mode for the call and restored. Returns `summarize`'s keys: gold_score_mean, rm_score_mean,
     kl_to_ref, kl_to_ref_at_temperature, response_length_mean, eos_rate, distinct_1, distinct_2 (+ stderrs).
@@ -445,9 +389,6 @@ def evaluate_policy(
 
 
 def load_prompts(cfg: Config, tokenizer) -> list[str]:
-    from llm_rlhf.data import load_prompt_dataset
-    from llm_rlhf.ppo import prompt_rules
-
     prompts = list(load_prompt_dataset(cfg.prompt_file, tokenizer, **prompt_rules(cfg))["prompt"])
     if cfg.num_prompts is not None:
         if cfg.num_prompts > len(prompts):
@@ -490,8 +431,6 @@ def run(cfg: Config) -> dict[str, Any] | None:
 
     Under `accelerate launch` with several processes the main process evaluates and the others wait
     (the evaluation is small next to training, and one writer keeps the outputs whole)."""
-    from accelerate import PartialState
-
     state = PartialState()
     if not state.is_main_process:
         state.wait_for_everyone()
@@ -504,8 +443,6 @@ def run(cfg: Config) -> dict[str, Any] | None:
 
 
 def _run(cfg: Config) -> dict[str, Any]:
-    from llm_rlhf.models import freeze, load_causal_lm, load_tokenizer
-
     started = time.time()
     print(format_config(cfg))
     judge = load_judge(cfg.gold_judge)
@@ -532,8 +469,6 @@ def _run(cfg: Config) -> dict[str, Any]:
     }
     reward_model = None
     if cfg.reward_model_path.lower() != "none":
-        from llm_rlhf.reward import load_reward_model
-
         reward_model = load_reward_model(
             cfg.reward_model_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code, device=device
         )

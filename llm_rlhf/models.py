@@ -1,4 +1,4 @@
-"""Loading models and tokenizers, the value head, and `freeze()`.
+"""Loading models and tokenizers, the value head, the reference forward, and `freeze()`.
 
 Weights load through safetensors only (`use_safetensors=True`); `trust_remote_code` stays off unless
 the user's config turns it on.
@@ -6,8 +6,12 @@ the user's config turns it on.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.activations import GELUTanh, NewGELUActivation
 
 from llm_rlhf.errors import UserError
 
@@ -24,8 +28,6 @@ def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False, paddin
     """AutoTokenizer with a pad token. Tokenizers without one (GPT-2) reuse EOS as pad: every mask in
     this package comes from attention masks and lengths, never from `input_ids == pad_token_id`, so the
     real EOS of a response is never mistaken for padding."""
-    from transformers import AutoTokenizer
-
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
@@ -51,8 +53,6 @@ def check_not_adapter_only(name_or_path: str) -> None:
     the base of the next stage: transformers loads such a folder as its base model with the adapter
     attached, and the RM then fails deep inside training. Say so in one line. The adapter is not merged on
     the fly: the RM, PPO (whose reference is this model) and evaluation should all read one saved model."""
-    from pathlib import Path
-
     folder = Path(name_or_path).expanduser()
     has_weights = any(folder.glob("model*.safetensors")) or (folder / "model.safetensors.index.json").exists()
     if (folder / "adapter_config.json").is_file() and not has_weights:
@@ -64,8 +64,6 @@ def check_not_adapter_only(name_or_path: str) -> None:
 
 def load_causal_lm(name_or_path: str, *, dtype: str = "float32", trust_remote_code: bool = False):
     """AutoModelForCausalLM from a hub name or a local HF folder, safetensors only."""
-    from transformers import AutoModelForCausalLM
-
     check_not_adapter_only(name_or_path)
     try:
         return AutoModelForCausalLM.from_pretrained(
@@ -80,8 +78,6 @@ def use_fused_gelu(model: nn.Module) -> nn.Module:
     backward) for the same tanh approximation in one kernel, transformers' `gelu_pytorch_tanh`: equal up
     to float rounding (|diff| < 1e-6), and faster in a GPT-2 PPO update on CPU (`benchmarks/ppo_step.py --profile`).
     In memory only: the config, and so every saved folder, still says `gelu_new`."""
-    from transformers.activations import GELUTanh, NewGELUActivation
-
     for module in list(model.modules()):
         for name, child in module.named_children():
             if type(child) is NewGELUActivation:
@@ -150,3 +146,23 @@ class PolicyWithValue(nn.Module):
         )
         hidden = out.hidden_states[-1]  # (B, L, H) after the final layer norm
         return out.logits, self.value_head(hidden.to(self.value_head.summary.weight.dtype))
+
+
+class Reference(nn.Module):
+    """pi_ref: a plain causal-LM forward with positions from the attention mask, the same code path as
+    the policy's forward (so KL_t = 0 and rho = 1 exactly while the weights are equal)."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int | torch.Tensor = 0
+    ) -> torch.Tensor:
+        return self.lm(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+            logits_to_keep=logits_to_keep,
+        ).logits  # (B, L, V), or (B, K, V) at the K positions in logits_to_keep

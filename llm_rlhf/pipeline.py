@@ -16,19 +16,24 @@ interrupted and is resumed. `DIR/pipeline.json` records each stage's wall time a
 from __future__ import annotations
 
 import dataclasses
-import importlib
+import difflib
 import json
 import time
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llm_rlhf.config import format_config, help_field, load_yaml_config, require, save_config
+from accelerate import PartialState
+
+from llm_rlhf import evaluate, ppo_run, reward, sft
+from llm_rlhf.config import _coerce, format_config, help_field, load_yaml_config, require, save_config
 from llm_rlhf.errors import ConfigError
+from llm_rlhf.report import write_report
 from llm_rlhf.utils import atomic_write_json
 
 STAGES = ("sft", "rm", "ppo", "eval")
-MODULES = {"sft": "llm_rlhf.sft", "rm": "llm_rlhf.reward", "ppo": "llm_rlhf.ppo", "eval": "llm_rlhf.evaluate"}
+MODULES = {"sft": sft, "rm": reward, "ppo": ppo_run, "eval": evaluate}  # each has Config and run(cfg)
 
 
 @dataclass
@@ -93,12 +98,7 @@ def chained_paths(out: Path, shared: Path | None = None) -> dict[str, dict[str, 
 
 def stage_config(cfg: Config, stage: str) -> Any:
     """recipe file < chaining keys < this config's overrides for `stage`; validated by the stage's Config."""
-    import typing
-
-    from llm_rlhf.config import _coerce  # the same type checks as the command line
-
-    module = importlib.import_module(MODULES[stage])
-    stage_cls = module.Config
+    stage_cls = MODULES[stage].Config
     valid = [f.name for f in dataclasses.fields(stage_cls)]
     recipe = getattr(cfg, f"{stage}_config")
     values: dict[str, Any] = load_yaml_config(recipe, valid) if recipe else {}
@@ -108,21 +108,17 @@ def stage_config(cfg: Config, stage: str) -> Any:
     overrides = getattr(cfg, stage)
     for key in overrides:
         if key not in valid:
-            import difflib
-
             close = difflib.get_close_matches(key, valid, n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""
             raise ConfigError(f"pipeline key '{stage}': unknown {stage} key '{key}'{hint}")
     values.update(overrides)
-    hints = typing.get_type_hints(stage_cls)
+    hints = typing.get_type_hints(stage_cls)  # the same type checks as the command line
     values = {k: _coerce(k, v, hints[k], f"pipeline stage '{stage}'") for k, v in values.items()}
     return stage_cls(**values)
 
 
 def run(cfg: Config) -> dict[str, Any]:
     """One pipeline run, or one per seed, or a sweep of PPO variants; then the report over all of them."""
-    from accelerate import PartialState
-
     out = Path(cfg.output_dir)
     if cfg.seeds:
         runs = [seed_run(cfg, seed) for seed in cfg.seeds]
@@ -136,9 +132,7 @@ def run(cfg: Config) -> dict[str, Any]:
     records = {}
     for run_cfg in runs:
         records[run_cfg.output_dir] = run_one(run_cfg)
-    if cfg.report and importlib.util.find_spec("llm_rlhf.report") and PartialState().is_main_process:
-        from llm_rlhf.report import write_report
-
+    if cfg.report and PartialState().is_main_process:
         print(f"report: {write_report(out)}")
     return records[cfg.output_dir] if len(runs) == 1 else records
 
@@ -179,8 +173,6 @@ def sweep_runs(cfg: Config) -> list[Config]:
 def run_one(cfg: Config) -> dict[str, Any]:
     """The stages of one run, in order. Under `accelerate launch` every process runs every stage (each
     stage is data-parallel on its own); only the main process writes the pipeline's own files."""
-    from accelerate import PartialState
-
     state = PartialState()
     out = Path(cfg.output_dir)
     configs = {stage: stage_config(cfg, stage) for stage in cfg.stages}
@@ -212,7 +204,7 @@ def run_one(cfg: Config) -> dict[str, Any]:
         else:
             state.print(f"== {stage}: running in {stage_dir}")
         start = time.perf_counter()
-        importlib.import_module(MODULES[stage]).run(stage_cfg)
+        MODULES[stage].run(stage_cfg)
         state.wait_for_everyone()
         metrics = json.loads((stage_dir / "metrics.json").read_text())
         record[stage] = {"wall_time_s": round(time.perf_counter() - start, 1), "metrics": metrics}

@@ -7,37 +7,29 @@ One PPO step (`ppo_step`) reads like the algorithm box of Ziegler et al. (2019) 
     -> GAE -> K epochs of clipped policy/value updates on shuffled minibatches
     -> KL controller update -> metrics
 
-The math lives in `llm_rlhf.ppo_math` (torch only); this module moves tensors between models.
-Run it with `llm-rlhf ppo --config recipes/reviews/ppo.yaml [--key value ...]`, also under
-`accelerate launch` with several processes.
+The math lives in `llm_rlhf.ppo_math` (torch only), sampling and the forwards over a rollout in
+`llm_rlhf.rollout`; this module holds the config and the trainer, which moves tensors between models.
+The command around it (building the models, the run loop, checkpoints, logs, the final save) is
+`llm_rlhf.ppo_run`. Run it with `llm-rlhf ppo --config recipes/reviews/ppo.yaml [--key value ...]`, also
+under `accelerate launch` with several processes.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import math
-import random
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
+from accelerate.utils import DistributedType
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from llm_rlhf import ppo_math
-from llm_rlhf.config import format_config, help_field, require, save_config
+from llm_rlhf.config import help_field, require
 from llm_rlhf.data import DATA_FORMATS
-from llm_rlhf.errors import UserError
-from llm_rlhf.utils import (
-    append_jsonl,
-    atomic_write_json,
-    publish_files,
-    replace_dir,
-    seed_everything,
-    temp_dir_beside,
-)
+from llm_rlhf.models import shares_vocab
+from llm_rlhf.rollout import Rollout, Samples, left_pad, response_logprobs_and_values, sample
 
 
 @dataclass
@@ -243,108 +235,6 @@ def batch_sizes(
 
 
 # ---------------------------------------------------------------------------------------------
-# Rollout
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Rollout:
-    """One rollout batch. Layout of a row (query left-padded, response right-padded):
-
-        sequence       pad pad q q q | r r r EOS pad pad
-        attention      0   0   1 1 1 | 1 1 1 1   0   0
-        response_mask                | T T T T   F   F     (tokens after the first EOS are padding)
-
-    query: (B, P); response: (B, R); response_mask: (B, R) bool; logprobs, ref_logprobs, values,
-    entropy: (B, R), aligned with the response tokens; scores: (B,).
-    """
-
-    query: torch.Tensor
-    query_mask: torch.Tensor
-    response: torch.Tensor
-    response_mask: torch.Tensor
-    logprobs: torch.Tensor | None = None
-    values: torch.Tensor | None = None
-    entropy: torch.Tensor | None = None
-    ref_logprobs: torch.Tensor | None = None
-    scores: torch.Tensor | None = None
-
-    @property
-    def sequence(self) -> torch.Tensor:
-        return torch.cat([self.query, self.response], dim=1)  # (B, P + R)
-
-    @property
-    def attention_mask(self) -> torch.Tensor:
-        return torch.cat([self.query_mask.bool(), self.response_mask], dim=1)  # (B, P + R)
-
-    def ended_with_eos(self, eos_token_id: int) -> torch.Tensor:
-        """(B,) True where the response contains EOS (its last unmasked token); False if truncated."""
-        return ((self.response == eos_token_id) & self.response_mask).any(-1)
-
-    def select(self, index: torch.Tensor) -> Rollout:
-        return Rollout(
-            **{
-                f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[index])
-                for f in dataclasses.fields(self)
-            }
-        )
-
-
-def response_logprobs_and_values(model, rollout: Rollout, temperature: float, *, entropy: str = "grad"):
-    """One forward over query + response; outputs aligned with the response tokens.
-
-    The LM head runs only at the R positions whose logits are used (`logits_to_keep`), not at the query.
-    entropy: "grad" (differentiable), "stats" (a metric only: no autograd graph over the (B, R, V)
-    softmax) or "none" (not computed, None).
-    Returns logprobs (B, R), values (B, R), entropy (B, R); values is None for a plain LM (reference).
-    """
-    P, R = rollout.query.shape[1], rollout.response.shape[1]
-    # Positions P-1 .. P+R-2. A tensor, not `R + 1`: indexing gives a contiguous (B, R, H) copy, so the
-    # LM head is one matmul (a strided slice sends frozen weights, LoRA's and the reference's, to bmm: 2x).
-    keep = torch.arange(P - 1, P + R - 1, device=rollout.query.device)  # (R,)
-    out = model(rollout.sequence, rollout.attention_mask.long(), logits_to_keep=keep)
-    logits, values = (
-        out if isinstance(out, tuple) else (out, None)
-    )  # policy: (logits, values); reference: logits
-    # logits: (B, R, V): row t predicts response token t
-    logprobs = ppo_math.logprobs_from_logits(logits=logits, labels=rollout.response, temperature=temperature)
-    if entropy == "grad":
-        entropy = ppo_math.entropy_from_logits(logits=logits, temperature=temperature)
-    elif entropy == "stats":  # a metric: no graph, and chunks of 4 rows keep its (B, R, V) temporaries small
-        with torch.no_grad():
-            entropy = torch.cat(
-                [ppo_math.entropy_from_logits(logits=z, temperature=temperature) for z in logits.split(4)]
-            )  # (B, R)
-    else:
-        entropy = None
-    if values is not None:
-        values = values[:, P - 1 : -1]  # (B, R): V(s_t), the state before response token t
-    return logprobs, values, entropy
-
-
-class Reference(torch.nn.Module):
-    """pi_ref: a plain causal-LM forward with positions from the attention mask, the same code path as
-    the policy's forward (so KL_t = 0 and rho = 1 exactly while the weights are equal)."""
-
-    def __init__(self, lm: torch.nn.Module):
-        super().__init__()
-        self.lm = lm
-
-    def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int | torch.Tensor = 0
-    ) -> torch.Tensor:
-        from llm_rlhf.models import position_ids_from_mask
-
-        return self.lm(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids_from_mask(attention_mask),
-            use_cache=False,
-            logits_to_keep=logits_to_keep,
-        ).logits  # (B, L, V), or (B, K, V) at the K positions in logits_to_keep
-
-
-# ---------------------------------------------------------------------------------------------
 # The trainer
 # ---------------------------------------------------------------------------------------------
 
@@ -355,8 +245,6 @@ class PPOTrainer:
     def __init__(
         self, cfg: Config, *, accelerator, policy, ref_model, reward_model, critic, tokenizer, prompts
     ):
-        from llm_rlhf.models import shares_vocab
-
         self.cfg, self.accelerator, self.tokenizer = cfg, accelerator, tokenizer
         self.ref_model, self.reward_model = ref_model, reward_model
         self.sizes = batch_sizes(
@@ -405,13 +293,8 @@ class PPOTrainer:
 
     def ppo_step(self) -> dict[str, float]:
         """One PPO iteration (Ziegler et al. 2019, Algorithm 1; Stiennon et al. 2020, Appendix B)."""
-        cfg, t0 = self.cfg, time.perf_counter()
-        queries = self.next_queries()
-        rollout = self.generate(queries)  # y ~ pi_theta(.|x), old logprobs and values
-        t1 = time.perf_counter()
-        rollout.ref_logprobs = self.reference_logprobs(rollout)  # log pi_ref(y_t|s_t)
-        rollout.scores = self.score(rollout)  # r_phi(x, y), normalised
-        t2 = time.perf_counter()
+        cfg, times = self.cfg, {}
+        rollout = self.rollout(self.next_queries(), times)  # y ~ pi_theta(.|x), old logprobs, ref, scores
 
         kl = ppo_math.kl_penalty(
             logprobs=rollout.logprobs, ref_logprobs=rollout.ref_logprobs, estimator=cfg.kl_estimator
@@ -442,8 +325,9 @@ class PPOTrainer:
         )
         advantages = self.whiten(advantages, rollout.response_mask)
 
+        t = time.perf_counter()
         train_stats = self.train_on_rollout(rollout, advantages, returns)  # K epochs of minibatch updates
-        t3 = time.perf_counter()
+        times["train"] = time.perf_counter() - t
 
         kl_seq = ppo_math.sequence_kl(kl=kl, response_mask=rollout.response_mask)  # (B,)
         mean_kl = self.global_mean(kl_seq)
@@ -452,16 +336,36 @@ class PPOTrainer:
         self.step += 1
         return self.metrics(
             rollout,
-            kl_seq,
-            kl_coef,
-            non_score_reward,
-            rewards,
-            returns,
-            train_stats,
-            times={"generate": t1 - t0, "score": t2 - t1, "train": t3 - t2},
+            kl_seq=kl_seq,
+            kl_coef=kl_coef,
+            non_score_reward=non_score_reward,
+            returns=returns,
+            train_stats=train_stats,
+            times=times,
         )
 
     # --- phases -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def rollout(self, queries: list[list[int]], times: dict[str, float] | None = None) -> Rollout:
+        """The complete rollout of `queries`: samples, then the policy's old log-probs, values and entropy
+        (one forward), the reference's log-probs and the RM's scores. `times`, if given, receives the
+        seconds of "generate" (sampling and the policy forward) and "score" (reference and RM)."""
+        t0 = time.perf_counter()
+        samples = self.generate(queries)  # y ~ pi_theta(.|x)
+        logprobs, values, entropy = self.in_chunks(self.forward_policy, samples)
+        t1 = time.perf_counter()
+        rollout = Rollout.of(
+            samples,
+            logprobs=logprobs,
+            values=values,
+            entropy=entropy,
+            ref_logprobs=self.reference_logprobs(samples),  # log pi_ref(y_t|s_t)
+            scores=self.score(samples),  # r_phi(x, y), normalised
+        )
+        if times is not None:
+            times.update(generate=t1 - t0, score=time.perf_counter() - t1)
+        return rollout
 
     def next_queries(self) -> list[list[int]]:
         """This process's prompts for the current step: a seeded permutation per pass over the data.
@@ -479,61 +383,35 @@ class PPOTrainer:
         return out
 
     @torch.no_grad()
-    def generate(self, queries: list[list[int]]) -> Rollout:
-        """Sample responses with the KV cache; then one forward for old log-probs, values and entropy."""
+    def generate(self, queries: list[list[int]]) -> Samples:
+        """Sample responses with the KV cache from the global RNG; R = max_new_tokens on every process."""
         cfg, tok = self.cfg, self.tokenizer
-        P = max(len(q) for q in queries)
-        query = torch.full((len(queries), P), tok.pad_token_id, dtype=torch.long)
-        query_mask = torch.zeros((len(queries), P), dtype=torch.long)
-        for i, q in enumerate(queries):  # left padding: the response starts at column P in every row
-            query[i, P - len(q) :] = torch.tensor(q)
-            query_mask[i, P - len(q) :] = 1
-        query, query_mask = query.to(self.device), query_mask.to(self.device)
+        query, query_mask = left_pad(queries, tok.pad_token_id, self.device)  # (B, P) each
         policy = self.unwrapped_policy
         with self.autocast(), self.gathered_for_generation(policy):
-            sequences = policy.lm.generate(
-                input_ids=query,
-                attention_mask=query_mask,
-                do_sample=True,
-                temperature=cfg.temperature,
-                top_k=cfg.top_k or None,
-                top_p=cfg.top_p,
+            return sample(
+                policy.lm,
+                tok,
+                query,
+                query_mask,
                 max_new_tokens=cfg.max_new_tokens,
-                min_new_tokens=1,
-                eos_token_id=tok.eos_token_id,
-                pad_token_id=tok.pad_token_id,
-                use_cache=True,
+                temperature=cfg.temperature,
+                top_k=cfg.top_k,
+                top_p=cfg.top_p,
+                pad_to_max_new_tokens=True,
             )
-        response = sequences[:, P:]  # (B, R)
-        if response.shape[1] < cfg.max_new_tokens:  # generate stops early when every row has ended
-            pad = response.new_full(
-                (response.shape[0], cfg.max_new_tokens - response.shape[1]), tok.pad_token_id
-            )
-            response = torch.cat([response, pad], dim=1)  # (B, max_new_tokens): same R on every rank
-        rollout = Rollout(
-            query=query,
-            query_mask=query_mask,
-            response=response,
-            response_mask=ppo_math.response_mask_from_tokens(
-                response=response, eos_token_id=tok.eos_token_id
-            ),
-        )
-        rollout.response = torch.where(rollout.response_mask, response, tok.pad_token_id)
-        rollout.logprobs, values, rollout.entropy = self.in_chunks(self.forward_policy, rollout)
-        rollout.values = values
-        return rollout
 
-    def in_chunks(self, forward, rollout: Rollout):
+    def in_chunks(self, forward, samples: Samples):
         """`forward` over chunks of micro-batch rows, outputs concatenated along the batch: a no-grad pass
         over the whole rollout never holds its (B, R, V) logits and their softmax temporaries at once
         (the peak memory of a LoRA step), and runs on the batch shape that training runs on."""
         n = self.sizes.micro_batch_per_process
-        parts = [forward(rollout.select(slice(i, i + n))) for i in range(0, rollout.query.shape[0], n)]
+        parts = [forward(samples.select(slice(i, i + n))) for i in range(0, samples.query.shape[0], n)]
         if isinstance(parts[0], torch.Tensor):
             return torch.cat(parts)  # (B, R)
         return tuple(torch.cat(xs) for xs in zip(*parts))  # each (B, R)
 
-    def forward_policy(self, rollout: Rollout, *, train: bool = False):
+    def forward_policy(self, samples: Samples, *, train: bool = False):
         """log pi_theta(y_t|s_t), V(s_t), entropy for the response tokens: (B, R) each.
 
         train=True goes through the DDP wrapper (gradients synchronised in backward); otherwise the
@@ -545,35 +423,35 @@ class PPOTrainer:
         entropy_mode = "grad" if train and self.cfg.ent_coef != 0 else "stats"
         with self.autocast(), self.checkpointing(train):
             logprobs, values, entropy = response_logprobs_and_values(
-                policy, rollout, self.cfg.temperature, entropy=entropy_mode
+                policy, samples, self.cfg.temperature, entropy=entropy_mode
             )
             if self.critic is not None:
                 critic = self.critic if train else unwrap(self.critic)
-                P = rollout.query.shape[1]
-                values = critic(rollout.sequence, rollout.attention_mask.long())[:, P - 1 : -1]  # (B, R)
+                P = samples.query.shape[1]
+                values = critic(samples.sequence, samples.attention_mask)[:, P - 1 : -1]  # (B, R)
         return logprobs.float(), values.float(), entropy.float()
 
     @torch.no_grad()
-    def reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
+    def reference_logprobs(self, samples: Samples) -> torch.Tensor:
         """log pi_ref(y_t|s_t): (B, R). With LoRA: the policy's own network with the adapter disabled."""
         with self.autocast(), self.reference_context():
             logprobs = self.in_chunks(
                 lambda part: response_logprobs_and_values(
                     self.ref_model, part, self.cfg.temperature, entropy="none"
                 )[0],
-                rollout,
+                samples,
             )
         return logprobs.float()
 
     @torch.no_grad()
-    def score(self, rollout: Rollout) -> torch.Tensor:
+    def score(self, samples: Samples) -> torch.Tensor:
         """r_phi(x, y), normalised with the RM's stored mean/std: (B,)."""
         with self.autocast():
             if self.rm_shares_vocab:  # the usual case: the RM was trained from the SFT model
-                return self.reward_model.score(rollout.sequence, rollout.attention_mask.long()).float()
+                return self.reward_model.score(samples.sequence, samples.attention_mask).float()
             # Another tokenizer: decode and re-encode the way the RM was trained.
             return self.reward_model.score_tokens(
-                rollout.sequence, rollout.attention_mask.long(), self.tokenizer
+                samples.sequence, samples.attention_mask, self.tokenizer
             ).float()
 
     def train_on_rollout(
@@ -652,43 +530,10 @@ class PPOTrainer:
 
     # --- held-out evaluation ------------------------------------------------------------------
 
-    def evaluate(self, prompts: list[str], judge) -> dict[str, float]:
-        """RM score, gold score and KL to the reference on held-out prompts (fixed seed: every
-        evaluation of the run samples with the same random numbers)."""
-        from llm_rlhf.evaluate import evaluate_policy
-
-        lm = self.unwrapped_policy.lm
-        ref = lm if self.cfg.use_lora else self.ref_model.lm
-        with self.autocast():
-            result = evaluate_policy(
-                policy=lm,
-                tokenizer=self.tokenizer,
-                prompts=prompts,
-                ref_model=ref,
-                ref_context=(lambda: lm.disable_adapter()) if self.cfg.use_lora else None,
-                reward_model=self.reward_model,
-                judge=judge,
-                seed=self.cfg.seed,
-                batch_size=self.cfg.rollout_batch_size,
-                max_new_tokens=self.cfg.max_new_tokens,
-                temperature=self.cfg.temperature,
-                top_k=self.cfg.top_k,
-                top_p=self.cfg.top_p,
-            )
-        return {
-            "step": self.step,
-            "kl": result["kl_to_ref"],
-            "rm_score": result["rm_score_mean"],
-            "gold_score": result["gold_score_mean"],
-            "eos_rate": result["eos_rate"],
-            "response_length": result["response_length_mean"],
-        }
-
-    # --- metrics ------------------------------------------------------------------------------
-
     def metrics(
-        self, rollout, kl_seq, kl_coef, non_score_reward, rewards, returns, train_stats, times
+        self, rollout: Rollout, *, kl_seq, kl_coef, non_score_reward, returns, train_stats, times
     ) -> dict[str, float]:
+        """The step's log line: objective/*, val/*, lengths, EOS rate and times, global over processes."""
         mask = rollout.response_mask
         lengths = mask.sum(-1).float()  # (B,)
         non_score = ppo_math.masked_sum(non_score_reward, mask, dim=-1)  # (B,)
@@ -734,15 +579,8 @@ class PPOTrainer:
 
     def whiten(self, x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
         """masked_whiten with statistics over every process's batch (the same as whitening the global batch)."""
-        if self.accelerator.num_processes == 1:
-            return ppo_math.masked_whiten(x, mask, shift_mean=shift_mean)
-        n = self.global_sum(mask.sum())
-        mean = self.global_sum(ppo_math.masked_sum(x, mask)) / n
-        var = self.global_sum(ppo_math.masked_sum((x - mean) ** 2, mask)) / (n - 1)
-        whitened = (x - mean) * torch.rsqrt(var + 1e-8)
-        if not shift_mean:
-            whitened = whitened + mean
-        return torch.where(mask, whitened, 0)
+        reduce_sum = self.global_sum if self.accelerator.num_processes > 1 else None
+        return ppo_math.masked_whiten(x, mask, shift_mean=shift_mean, reduce_sum=reduce_sum)
 
     # --- model plumbing -----------------------------------------------------------------------
 
@@ -768,8 +606,6 @@ class PPOTrainer:
         if not (train and self.cfg.gradient_checkpointing):
             yield
             return
-        from transformers.modeling_layers import GradientCheckpointingLayer
-
         layers = [m for m in self.unwrapped_policy.modules() if isinstance(m, GradientCheckpointingLayer)]
         for layer in layers:
             layer.training = True
@@ -783,17 +619,16 @@ class PPOTrainer:
     def gathered_for_generation(self, policy):
         """ZeRO-3 / FSDP shard parameters: gather them once for the many small forwards of generation
         (each rank then generates on its own, so ranks that finish early wait for nobody)."""
-        from accelerate.utils import DistributedType
-
         if (
             self.accelerator.distributed_type == DistributedType.DEEPSPEED
             and self.accelerator.state.deepspeed_plugin.zero_stage == 3
         ):
-            import deepspeed
+            import deepspeed  # optional dependency (the deepspeed extra), needed only under ZeRO-3
 
             with deepspeed.zero.GatheredParameters(list(policy.lm.parameters())):
                 yield
         elif self.accelerator.distributed_type == DistributedType.FSDP:
+            # here, not at the top: torch.distributed is missing from some torch builds (macOS, Windows)
             from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
             with FSDP.summon_full_params(self.policy, writeback=False, recurse=True):
@@ -806,397 +641,3 @@ class PPOTrainer:
         if self.cfg.use_lora:
             return self.unwrapped_policy.lm.disable_adapter()
         return nullcontext()
-
-    # --- checkpoints --------------------------------------------------------------------------
-
-    def state(self) -> dict:
-        return {
-            "step": self.step,
-            "kl_ctl": self.kl_ctl.state_dict(),
-            "rng": rng_state(),
-        }
-
-    def save_checkpoint(self, folder: Path) -> None:
-        """Atomically write everything needed to continue exactly: weights, optimiser, scheduler, RNG,
-        data position (the step) and the KL controller."""
-        self.accelerator.wait_for_everyone()
-        rng_all = (
-            self.accelerator.gather_for_metrics([rng_state()], use_gather_object=True)
-            if self.accelerator.num_processes > 1
-            else [rng_state()]
-        )
-        if self.accelerator.is_main_process:
-            from safetensors.torch import save_file
-
-            tmp = temp_dir_beside(folder)
-            trainable = {
-                n: p.detach().contiguous().cpu()
-                for n, p in self.unwrapped_policy.named_parameters()
-                if p.requires_grad
-            }
-            save_file(trainable, tmp / "policy_trainable.safetensors")
-            if self.critic is not None:
-                critic = {
-                    n: p.detach().contiguous().cpu()
-                    for n, p in self.accelerator.unwrap_model(self.critic).named_parameters()
-                    if p.requires_grad
-                }
-                save_file(critic, tmp / "critic_trainable.safetensors")
-            torch.save(
-                {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
-                tmp / "optimizer.pt",
-            )
-            torch.save(
-                {"step": self.step, "kl_ctl": self.kl_ctl.state_dict(), "rng": rng_all},
-                tmp / "trainer_state.pt",
-            )
-            (tmp / "step.json").write_text(json.dumps({"step": self.step}))
-            replace_dir(tmp, folder)
-        self.accelerator.wait_for_everyone()
-
-    def load_checkpoint(self, folder: Path) -> None:
-        from safetensors.torch import load_file
-
-        trainable = load_file(folder / "policy_trainable.safetensors")
-        missing = self.unwrapped_policy.load_state_dict(trainable, strict=False)
-        if missing.unexpected_keys:
-            raise UserError(
-                f"checkpoint {folder} does not match the model: unexpected {missing.unexpected_keys[:3]}"
-            )
-        if self.critic is not None:
-            self.accelerator.unwrap_model(self.critic).load_state_dict(
-                load_file(folder / "critic_trainable.safetensors"), strict=False
-            )
-        opt = torch.load(folder / "optimizer.pt", weights_only=True, map_location="cpu")
-        self.optimizer.load_state_dict(opt["optimizer"])
-        self.scheduler.load_state_dict(opt["scheduler"])
-        state = torch.load(folder / "trainer_state.pt", weights_only=True, map_location="cpu")
-        self.step = state["step"]
-        self.kl_ctl.load_state_dict(state["kl_ctl"])
-        set_rng_state(state["rng"][self.accelerator.process_index])
-
-
-def rng_state() -> dict:
-    """Python, numpy and torch RNG states as plain tensors/tuples (loadable with weights_only=True)."""
-    np_state = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    name, keys, *rest = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-# ---------------------------------------------------------------------------------------------
-# Building the models and running the stage
-# ---------------------------------------------------------------------------------------------
-
-
-def prompt_rules(cfg) -> dict:
-    """How the prompt files of a PPO or evaluation config are read (length limit, schema, long prompts)."""
-    return {
-        "max_prompt_length": cfg.max_prompt_length,
-        "data_format": cfg.data_format,
-        "skip_long": cfg.skip_long,
-    }
-
-
-def load_prompts(cfg: Config, tokenizer) -> list[list[int]]:
-    from llm_rlhf.data import load_prompt_dataset
-
-    ds = load_prompt_dataset(cfg.prompt_file, tokenizer, **prompt_rules(cfg))
-    return [tokenizer(p)["input_ids"] for p in ds["prompt"]]  # with BOS where the tokenizer adds one
-
-
-def build_models(cfg: Config):
-    """policy (+ value head), reference, reward model and optional separate critic."""
-    from llm_rlhf.models import PolicyWithValue, ValueHead, freeze, load_causal_lm, use_fused_gelu
-    from llm_rlhf.reward import load_reward_model
-
-    lm = use_fused_gelu(
-        load_causal_lm(cfg.model_name_or_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
-    )
-    if cfg.gradient_checkpointing:
-        lm.gradient_checkpointing_enable()
-    if cfg.use_lora:
-        from peft import LoraConfig, get_peft_model
-
-        lora = LoraConfig(
-            r=cfg.lora_r,
-            lora_alpha=cfg.lora_alpha,
-            lora_dropout=cfg.lora_dropout,
-            target_modules=cfg.lora_target_modules,
-            task_type="CAUSAL_LM",
-        )
-        lm = get_peft_model(lm, lora)
-        ref_model = Reference(lm)  # the same network; reference_context() disables the adapter
-    else:
-        ref_lm = freeze(
-            use_fused_gelu(
-                load_causal_lm(
-                    cfg.model_name_or_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code
-                )
-            )
-        )
-        assert ref_lm is not lm and all(
-            a.data_ptr() != b.data_ptr() for a, b in zip(ref_lm.parameters(), lm.parameters())
-        )
-        ref_model = Reference(ref_lm)
-    lm.eval()  # dropout off for the policy too: ratio == 1 exactly at the first minibatch
-    hidden = (
-        lm.config.get_text_config().hidden_size
-        if hasattr(lm.config, "get_text_config")
-        else lm.config.hidden_size
-    )
-    policy = PolicyWithValue(lm, ValueHead(hidden).to(next(lm.parameters()).dtype))
-    reward_model = freeze(
-        use_fused_gelu(
-            load_reward_model(cfg.reward_model_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
-        )
-    )
-    critic = None
-    if cfg.value_model == "reward":
-        critic = use_fused_gelu(
-            load_reward_model(cfg.reward_model_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
-        ).as_critic()
-    return policy, ref_model, reward_model, critic
-
-
-def build_trainer(cfg: Config, accelerator, tokenizer, prompts: list[list[int]]) -> PPOTrainer:
-    seed_everything(cfg.seed, accelerator.process_index)
-    policy, ref_model, reward_model, critic = build_models(cfg)
-    reward_model.to(accelerator.device)
-    if not cfg.use_lora:
-        ref_model.to(accelerator.device)
-    return PPOTrainer(
-        cfg,
-        accelerator=accelerator,
-        policy=policy,
-        ref_model=ref_model,
-        reward_model=reward_model,
-        critic=critic,
-        tokenizer=tokenizer,
-        prompts=prompts,
-    )
-
-
-def last_checkpoint(output_dir: Path) -> Path | None:
-    ckpts = sorted((output_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
-    return ckpts[-1] if ckpts else None
-
-
-def run(cfg: Config) -> dict[str, float]:
-    from accelerate import Accelerator
-    from tqdm.auto import tqdm
-
-    from llm_rlhf.models import check_not_adapter_only, load_tokenizer
-
-    accelerator = Accelerator()
-    out = Path(cfg.output_dir)
-    check_not_adapter_only(cfg.model_name_or_path)
-    tokenizer = load_tokenizer(
-        cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code, padding_side="left"
-    )
-    prompts = load_prompts(cfg, tokenizer)  # validates the data before anything is written
-    eval_prompts, judge = load_eval_inputs(cfg)
-    if not Path(cfg.reward_model_path).exists():
-        raise UserError(
-            f"reward_model_path '{cfg.reward_model_path}' does not exist (train it with `llm-rlhf rm`)"
-        )
-    resume_from = last_checkpoint(out) if cfg.resume else None
-    if cfg.resume and resume_from is None and accelerator.is_main_process:
-        print(f"resume: no checkpoint in {out / 'checkpoints'}; starting from scratch")
-    if not cfg.resume and (out / "metrics.jsonl").exists():
-        raise UserError(
-            f"output_dir '{out}' already holds a PPO run; pass --resume true or choose another output_dir"
-        )
-
-    trainer = build_trainer(cfg, accelerator, tokenizer, prompts)
-    if accelerator.is_main_process:
-        print(format_config(cfg))
-        print("batch sizes:", dataclasses.asdict(trainer.sizes))
-        out.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, out)
-    if resume_from is not None:
-        trainer.load_checkpoint(resume_from)
-        if accelerator.is_main_process:
-            print(f"resumed from {resume_from} at step {trainer.step}")
-            truncate_log(out / "metrics.jsonl", trainer.step)
-            truncate_log(out / "eval_log.jsonl", trainer.step)
-
-    writer = make_writer(cfg, out) if accelerator.is_main_process else None
-    history = (
-        [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        if resume_from is not None and (out / "metrics.jsonl").exists()
-        else []
-    )
-
-    def maybe_evaluate():
-        if accelerator.is_main_process and eval_prompts and trainer.step % cfg.eval_every == 0:
-            record = trainer.evaluate(eval_prompts, judge)
-            append_jsonl(out / "eval_log.jsonl", record)
-            tqdm_write(
-                f"[eval step {trainer.step}] kl {record['kl']:.2f}  rm {record['rm_score']:+.3f}  "
-                f"gold {record['gold_score'] if record['gold_score'] is not None else float('nan'):+.3f}"
-            )
-        accelerator.wait_for_everyone()
-
-    if resume_from is None:
-        maybe_evaluate()
-    bar = tqdm(total=cfg.steps, initial=trainer.step, desc="ppo", disable=not accelerator.is_main_process)
-    while trainer.step < cfg.steps:
-        metrics = trainer.ppo_step()
-        history.append(metrics)
-        if accelerator.is_main_process:
-            append_jsonl(out / "metrics.jsonl", metrics)
-            if writer is not None:
-                writer(metrics)
-            bar.set_postfix(
-                score=f"{metrics['objective/scores']:.2f}",
-                kl=f"{metrics['objective/kl']:.2f}",
-                beta=f"{metrics['objective/kl_coef']:.3f}",
-            )
-            bar.update(1)
-            if cfg.log_samples_every and (trainer.step % cfg.log_samples_every == 0 or trainer.step == 1):
-                log_samples(trainer, out)
-        maybe_evaluate()
-        if cfg.save_steps and trainer.step % cfg.save_steps == 0 and trainer.step < cfg.steps:
-            trainer.save_checkpoint(out / "checkpoints" / f"step-{trainer.step}")
-    bar.close()
-
-    final = summarize(history, cfg)
-    save_final(trainer, cfg, out, final)
-    return final
-
-
-def load_eval_inputs(cfg: Config):
-    """Held-out prompts (first eval_num_prompts) and the gold judge, or nothing when evaluation is off."""
-    if not cfg.eval_every or not cfg.eval_prompt_file:
-        return [], None
-    from llm_rlhf.data import load_prompt_dataset
-    from llm_rlhf.gold import load_judge
-    from llm_rlhf.models import load_tokenizer
-
-    tokenizer = load_tokenizer(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
-    prompts = load_prompt_dataset(cfg.eval_prompt_file, tokenizer, **prompt_rules(cfg))["prompt"]
-    return list(prompts[: cfg.eval_num_prompts]), load_judge(cfg.gold_judge)
-
-
-def truncate_log(path: Path, step: int) -> None:
-    """Drop log lines written after the checkpoint we resume from (they will be written again)."""
-    if path.exists():
-        lines = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
-        path.write_text("".join(ln + "\n" for ln in lines))
-
-
-def summarize(history: list[dict], cfg: Config) -> dict[str, float]:
-    last = dict(history[-1])
-    first = history[0]
-    last.update(
-        {
-            "scores_first": first["objective/scores"],
-            "scores_std_first": first["objective/scores_std"],
-            "scores_last": last["objective/scores"],
-            "kl_last": last["objective/kl"],
-            "kl_target": cfg.kl_target,
-            "time_per_step_s": float(np.mean([h["time/step"] for h in history])),
-        }
-    )
-    return last
-
-
-def log_samples(trainer: PPOTrainer, out: Path) -> None:
-    """Decode a few responses of a fresh rollout-free sample (greedy-free: the last rollout is not kept)."""
-    tok, cfg = trainer.tokenizer, trainer.cfg
-    queries = trainer.prompts[: cfg.num_log_samples]
-    state = torch.get_rng_state()
-    rollout = trainer.generate(queries)
-    scores = trainer.score(rollout)
-    torch.set_rng_state(state)  # logging must not change the training run's random stream
-    for i in range(len(queries)):
-        q = tok.decode(rollout.query[i][rollout.query_mask[i].bool()])
-        r = tok.decode(rollout.response[i][rollout.response_mask[i]], skip_special_tokens=True)
-        append_jsonl(
-            out / "samples.jsonl",
-            {"step": trainer.step, "query": q, "response": r, "score": float(scores[i])},
-        )
-        tqdm_write(f"[step {trainer.step}] {q!r} -> {r!r} (score {float(scores[i]):+.2f})")
-
-
-def tqdm_write(text: str) -> None:
-    from tqdm.auto import tqdm
-
-    tqdm.write(text)
-
-
-def make_writer(cfg: Config, out: Path):
-    if cfg.report_to == "tensorboard":
-        from torch.utils.tensorboard import SummaryWriter
-
-        tb = SummaryWriter(str(out / "tensorboard"))
-        return lambda m: [
-            tb.add_scalar(k, v, m["step"])
-            for k, v in m.items()
-            if isinstance(v, (int, float)) and k != "step"
-        ]
-    if cfg.report_to == "wandb":
-        import wandb
-
-        wandb.init(project="llm_rlhf", config=dataclasses.asdict(cfg), dir=str(out))
-        return lambda m: wandb.log(m, step=m["step"])
-    return None
-
-
-def save_final(trainer: PPOTrainer, cfg: Config, out: Path, final: dict) -> None:
-    """The policy as a plain HF causal-LM folder, the value head beside it, then metrics.json (last)."""
-    accelerator = trainer.accelerator
-    accelerator.wait_for_everyone()
-    if not accelerator.is_main_process:
-        return
-    from safetensors.torch import save_file
-
-    policy = trainer.unwrapped_policy
-    tmp = temp_dir_beside(out / "final")
-    lm = policy.lm
-    if cfg.use_lora:
-        lm.save_pretrained(tmp / "adapter")
-        trainer.tokenizer.save_pretrained(tmp / "adapter")
-        if cfg.merge_lora:
-            lm = lm.merge_and_unload()
-    if not cfg.use_lora or cfg.merge_lora:
-        lm.save_pretrained(tmp, safe_serialization=True)
-    trainer.tokenizer.save_pretrained(tmp)
-    save_file(
-        {k: v.contiguous() for k, v in policy.value_head.state_dict().items()}, tmp / "value_head.safetensors"
-    )
-    publish_files(tmp, out)
-    atomic_write_json(
-        out / "metrics.json", {k: v for k, v in final.items() if not (isinstance(v, float) and math.isnan(v))}
-    )
-    print(
-        json.dumps(
-            {
-                k: final[k]
-                for k in (
-                    "scores_first",
-                    "scores_last",
-                    "scores_std_first",
-                    "kl_last",
-                    "kl_target",
-                    "time_per_step_s",
-                )
-            },
-            indent=2,
-        )
-    )

@@ -26,6 +26,7 @@ Only torch is imported, so this module can be reviewed and tested on its own.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -106,16 +107,31 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     return masked_sum(centered**2, mask) / (count - 1 if unbiased else count)
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+def masked_whiten(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    shift_mean: bool = True,
+    *,
+    reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Whiten the selected entries of x to mean 0 and (unbiased) std 1, as done for the advantages.
 
+        n = sum(mask);  mean = sum_mask x / n;  var = sum_mask (x - mean)^2 / (n - 1)
         x' = (x - mean) / sqrt(var + 1e-8)          (+ mean again if not shift_mean)
 
     Mean and variance are over all selected entries of the batch (lm-human-preferences `whiten`).
-    Returns the shape of x with 0 at masked-out positions.
+    With several processes each holding part of the batch, `reduce_sum` sums a tensor over all of them
+    (e.g. `accelerator.reduce(t, "sum")`): the three sums above become global, which is whitening the
+    global batch; None = this process's batch is the whole batch. Raises ValueError for n < 2.
+    x, mask: (B, T). Returns (B, T) with 0 at masked-out positions.
     """
-    mean = masked_mean(x, mask)
-    whitened = (x - mean) * torch.rsqrt(masked_var(x, mask) + 1e-8)
+    total = reduce_sum if reduce_sum is not None else (lambda t: t)
+    n = total(mask.sum())  # ()
+    if int(n) < 2:
+        raise ValueError(f"masked_whiten needs at least 2 selected entries, got {int(n)}")
+    mean = total(masked_sum(x, mask)) / n  # ()
+    var = total(masked_sum((x - mean) ** 2, mask)) / (n - 1)  # ()
+    whitened = (x - mean) * torch.rsqrt(var + 1e-8)
     if not shift_mean:
         whitened = whitened + mean
     return torch.where(mask, whitened, 0)

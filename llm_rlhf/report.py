@@ -33,6 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import yaml
+
 from llm_rlhf.utils import atomic_write_text
 
 STAGES = ("sft", "rm", "ppo", "eval")
@@ -194,8 +197,6 @@ def trainer_log(run: Run, stage: str) -> list[dict] | None:
 
 
 def _planned_stages(config_text: str) -> list[str] | None:
-    import yaml
-
     try:
         stages = (yaml.safe_load(config_text) or {}).get("stages")
     except (yaml.YAMLError, AttributeError):
@@ -229,8 +230,6 @@ def _num(value: Any) -> float | None:
 
 def series(rows: list[dict] | None, key: str, x: str = "step"):
     """(x, y) arrays of the rows that hold numbers under both keys, in x order."""
-    import numpy as np
-
     points = sorted(
         (_num(r.get(x)), _num(r.get(key)))
         for r in rows or ()
@@ -245,8 +244,6 @@ def smooth(y, window: int):
 
         out[i] = mean(y[j] for j in range(i - h, i + h + 1) if 0 <= j < len(y) and isfinite(y[j]))
     """
-    import numpy as np
-
     y = np.asarray(y, dtype=float)
     h = window // 2
     finite = np.isfinite(y)
@@ -284,7 +281,7 @@ def fmt(value: Any) -> str:
 
 
 def _style():
-    import matplotlib
+    import matplotlib  # optional for the core, heavy: imported only when a figure is drawn
 
     return matplotlib.rc_context(
         {
@@ -303,7 +300,7 @@ def _style():
 
 
 def _figure(nrows: int, ncols: int, width: float, height: float):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # optional, heavy: only when drawing
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(width, height), layout="constrained")
@@ -329,7 +326,7 @@ def _widen_flat_ylim(ax) -> None:
 
 
 def _color(i: int):
-    import matplotlib
+    import matplotlib  # optional, heavy: only when drawing
 
     return matplotlib.colormaps["tab10"](i % 10)
 
@@ -462,8 +459,6 @@ def plot_ppo(history: list[dict], kl_target: float | None):
 
 def _time_panel(ax, history: list[dict]) -> bool:
     """Generate / score / train stacked, the whole step on top (the rest is bookkeeping)."""
-    import numpy as np
-
     x, total = series(history, "time/step")
     phases = [
         (k.split("/")[1], [_num(r.get(k)) for r in history])
@@ -482,8 +477,6 @@ def _time_panel(ax, history: list[dict]) -> bool:
 
 def _eval_points(eval_log: list[dict]):
     """(step, kl, rm_score, gold_score) arrays of the held-out evaluations, in step order."""
-    import numpy as np
-
     rows = sorted(
         (r for r in eval_log if all(_num(r.get(k)) is not None for k in ("kl", "rm_score", "gold_score"))),
         key=lambda r: _num(r.get("step")) or 0,
@@ -537,7 +530,7 @@ def plot_compare_ppo(runs: list[Run]):
                 ax.axhline(target, color=_color(i), linestyle="--", linewidth=1)
         if not drawn:
             _no_data(ax)
-    from matplotlib.lines import Line2D
+    from matplotlib.lines import Line2D  # optional, heavy: only when drawing
 
     handles = [Line2D([], [], color=_color(i), label=r.name) for i, r in enumerate(runs)]
     fig.legend(handles=handles, loc="outside upper center", ncols=min(len(runs), 6))
@@ -836,8 +829,6 @@ def build_run_page(run: Run, png_dir: Path) -> Page:
 
 def config_differences(runs: list[Run]) -> list[tuple[str, list[Any]]]:
     """Config keys whose values differ between runs (the run's own folder name masked out of paths)."""
-    import yaml
-
     flat: list[dict[str, Any]] = []
     for run in runs:
         values: dict[str, Any] = {}

@@ -14,8 +14,12 @@ import dataclasses
 import json
 from pathlib import Path
 
+import torch
+
 from llm_rlhf.config import help_field, require
+from llm_rlhf.data import check_text, load_rows
 from llm_rlhf.errors import DataError, UserError
+from llm_rlhf.reward_model import load_reward_model, score_pairs
 from llm_rlhf.utils import atomic_write_text
 
 
@@ -47,8 +51,6 @@ def score_texts(model, prompts: list[str], responses: list[str], batch_size: int
                 max_length: int | None = None, progress: bool = False) -> list[float]:  # fmt: skip
     """Normalised RM scores of (prompt, response) pairs, batched; one float per pair, in input order.
     `model` is a `RewardModel` (from `load_reward_model`)."""
-    from llm_rlhf.reward import score_pairs
-
     scores = score_pairs(
         model, list(prompts), list(responses), batch_size=batch_size, normalize=True, max_length=max_length,
         progress=progress,
@@ -58,8 +60,6 @@ def score_texts(model, prompts: list[str], responses: list[str], batch_size: int
 
 def read_pairs(path: str) -> list[dict]:
     """Rows with a string `prompt` (may be empty) and a non-empty string `response`, checked row by row."""
-    from llm_rlhf.data import check_text, load_rows
-
     rows = load_rows(path).to_list()
     for number, row in enumerate(rows, start=1):
         if not isinstance(row.get("prompt"), str):
@@ -75,10 +75,6 @@ def read_pairs(path: str) -> list[dict]:
 
 def run(cfg: Config) -> dict[str, float]:
     """Check the input, load the RM, score every row, write output_file, print a summary."""
-    import torch
-
-    from llm_rlhf.reward import load_reward_model, score_pairs
-
     rows = read_pairs(cfg.input_file)
     output = Path(cfg.output_file)
     if output.exists() and output.is_dir():

@@ -15,18 +15,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import random
 import time
 from pathlib import Path
 
 import torch
+from peft import LoraConfig, PeftModel
+from transformers.pytorch_utils import Conv1D
+from trl import SFTConfig, SFTTrainer
 
 from llm_rlhf.config import format_config, help_field, require, save_config
-from llm_rlhf.data import DATA_FORMATS
-from llm_rlhf.errors import ConfigError, UserError
+from llm_rlhf.data import load_sft_dataset
+from llm_rlhf.models import load_causal_lm, load_tokenizer
+from llm_rlhf.rollout import left_pad
+from llm_rlhf.trainer_stage import TrainerStageConfig, last_checkpoint, log_callback
 from llm_rlhf.utils import (
-    append_jsonl,
     atomic_write_json,
     atomic_write_text,
     publish_files,
@@ -34,18 +37,15 @@ from llm_rlhf.utils import (
     temp_dir_beside,
 )
 
-SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
-              "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay")  # fmt: skip
-REPORT_TO = ("none", "tensorboard", "wandb")
 SAMPLE_BATCH_SIZE = 32  # generation batch for the eos_rate samples (larger batches were slower on CPU)
 
 
 @dataclasses.dataclass
-class Config:
+class Config(TrainerStageConfig):
+    """The SFT stage's keys: the shared ones of `TrainerStageConfig` (optimiser, LoRA, logging and
+    checkpoints), SFT's data and the end-of-stage sampling."""
+
     # --- model and data ---
-    model_name_or_path: str = help_field(
-        "data/reviews/base_model", "Base causal LM: a hub name or a local HF folder."
-    )
     train_file: str = help_field(
         "data/reviews/sft_train.jsonl",
         "Demonstrations: .jsonl/.json/.csv/.parquet or a hub dataset (prompt/completion, messages or text).",
@@ -54,18 +54,11 @@ class Config:
         "data/reviews/sft_val.jsonl",
         "Held-out demonstrations for eval loss/perplexity; their prompts are sampled at the end.",
     )
-    train_split: str = help_field("train", "Split of train_file when it is a hub dataset.")
-    eval_split: str = help_field("test", "Split of eval_file when it is a hub dataset.")
     data_format: str = help_field(
         "auto",
         "Schema of train_file and eval_file: 'auto' (detected from the columns) or 'hh' (Anthropic/hh-rlhf "
         "chosen/rejected dialogues, also detected by 'auto': trains on `chosen`, the prompt up to and "
         "including its last '\\n\\nAssistant:', the completion the rest).",
-    )
-    skip_long: bool = help_field(
-        False,
-        "Leave out (and count) examples whose prompt leaves no room for a response within max_length; "
-        "false = stop with an error naming the row.",
     )
     output_dir: str = help_field(
         "runs/reviews/sft", "Where the model, checkpoints/, samples.jsonl and metrics.json go."
@@ -73,53 +66,6 @@ class Config:
     max_length: int = help_field(
         96, "Tokens per training sequence (prompt + completion + EOS); longer ones are cut at the end."
     )
-    trust_remote_code: bool = help_field(
-        False, "Allow model/tokenizer code from the hub (off: only trusted architectures)."
-    )
-    # --- optimisation ---
-    learning_rate: float = help_field(5e-4, "Peak AdamW learning rate.")
-    num_train_epochs: float = help_field(1.0, "Passes over train_file (ignored when max_steps > 0).")
-    max_steps: int = help_field(-1, "Optimizer steps to run; -1 = use num_train_epochs.")
-    per_device_train_batch_size: int = help_field(32, "Sequences per device per micro-batch.")
-    per_device_eval_batch_size: int = help_field(64, "Sequences per device per evaluation batch.")
-    gradient_accumulation_steps: int = help_field(1, "Micro-batches per optimizer step.")
-    warmup_ratio: float = help_field(0.05, "Fraction of the steps with a linear warm-up from 0, in [0, 1).")
-    lr_scheduler_type: str = help_field(
-        "cosine", f"Learning-rate schedule after warm-up: one of {', '.join(SCHEDULERS)}."
-    )
-    weight_decay: float = help_field(0.0, "AdamW weight decay.")
-    max_grad_norm: float = help_field(1.0, "Gradient clipping (global L2 norm).")
-    seed: int = help_field(42, "Seed for python, numpy, torch, data order and LoRA init.")
-    dtype: str = help_field("float32", "Weights dtype: float32, bfloat16 or float16.")
-    bf16: bool = help_field(False, "bfloat16 autocast (mixed precision) during training.")
-    gradient_checkpointing: bool = help_field(
-        False, "Recompute activations in the backward pass to save memory."
-    )
-    group_by_length: bool = help_field(
-        True, "Batch sequences of similar length together (less padding, faster); batches stay shuffled."
-    )
-    # --- LoRA ---
-    use_lora: bool = help_field(False, "Train a LoRA adapter (peft) instead of all weights.")
-    lora_r: int = help_field(16, "LoRA rank.")
-    lora_alpha: int = help_field(32, "LoRA scaling numerator (scale = lora_alpha / lora_r).")
-    lora_dropout: float = help_field(0.05, "Dropout on the LoRA branch.")
-    lora_target_modules: list[str] = help_field(
-        ["all-linear"],
-        "Modules that get adapters ('all-linear' = every linear/Conv1D layer but the LM head).",
-    )
-    merge_lora: bool = help_field(
-        True,
-        "Merge the adapter into the weights and save a plain HF folder (what the RM/PPO stages expect); false = save the adapter folder.",
-    )
-    # --- logging and checkpoints ---
-    logging_steps: int = help_field(
-        10, "Log the training loss every N optimizer steps (console, log.jsonl, report_to)."
-    )
-    eval_steps: int = help_field(100, "Evaluate on eval_file every N steps; 0 = only at the end.")
-    save_steps: int = help_field(100, "Write a checkpoint to output_dir/checkpoints every N steps.")
-    save_total_limit: int = help_field(2, "Checkpoints to keep (the oldest are deleted).")
-    resume: bool = help_field(False, "Continue from the last checkpoint in output_dir/checkpoints.")
-    report_to: str = help_field("none", "Also send metrics to: none, tensorboard or wandb.")
     # --- end-of-stage sampling (the eos_rate measurement) ---
     num_samples: int = help_field(
         64, "Responses sampled from eval prompts at the end (eos_rate, samples.jsonl); 0 = none."
@@ -130,85 +76,18 @@ class Config:
     top_p: float = help_field(1.0, "Sampling: nucleus probability mass; 1.0 = off.")
 
     def __post_init__(self):
-        require(self.max_length >= 4, "max_length", "must be at least 4 tokens")
-        require(self.data_format in DATA_FORMATS, "data_format", f"must be one of {', '.join(DATA_FORMATS)}")
-        require(self.learning_rate > 0, "learning_rate", "must be > 0")
-        require(
-            self.max_steps > 0 or self.num_train_epochs > 0,
-            "num_train_epochs",
-            "must be > 0 (or set max_steps)",
-        )
-        for key in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                    "logging_steps", "save_steps", "save_total_limit", "max_new_tokens"):  # fmt: skip
-            require(getattr(self, key) >= 1, key, "must be >= 1")
-        require(0 <= self.warmup_ratio < 1, "warmup_ratio", "must be in [0, 1)")
-        require(
-            self.lr_scheduler_type in SCHEDULERS,
-            "lr_scheduler_type",
-            f"must be one of {', '.join(SCHEDULERS)}",
-        )
-        require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
-        require(self.max_grad_norm > 0, "max_grad_norm", "must be > 0")
-        require(
-            self.dtype in ("float32", "bfloat16", "float16"), "dtype", "must be float32, bfloat16 or float16"
-        )
-        require(self.eval_steps >= 0, "eval_steps", "must be >= 0")
-        require(self.report_to in REPORT_TO, "report_to", f"must be one of {', '.join(REPORT_TO)}")
-        require(self.lora_r >= 1, "lora_r", "must be >= 1")
-        require(0 <= self.lora_dropout < 1, "lora_dropout", "must be in [0, 1)")
-        require(len(self.lora_target_modules) > 0, "lora_target_modules", "needs at least one module name")
+        super().__post_init__()
+        require(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
         require(self.num_samples >= 0, "num_samples", "must be >= 0")
         require(self.temperature >= 0, "temperature", "must be >= 0 (0 = greedy)")
         require(self.top_k >= 0, "top_k", "must be >= 0 (0 = off)")
         require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
 
 
-# ---------------------------------------------------------------------------------------------------
-# Inputs: everything is validated before anything is written
-# ---------------------------------------------------------------------------------------------------
-
-
-def _check_model_path(name_or_path: str) -> None:
-    """A path-like name that is not a folder is a typo, not a hub id: say so without a network round trip."""
-    looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
-    if looks_local and not os.path.isdir(os.path.expanduser(name_or_path)):
-        raise UserError(f"model_name_or_path '{name_or_path}': no such folder")
-
-
-def _check_report_to(report_to: str) -> None:
-    import importlib.util
-
-    needs = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",)}.get(report_to, ())
-    if needs and not any(importlib.util.find_spec(m) for m in needs):
-        raise ConfigError(
-            f"config key 'report_to': '{report_to}' is not installed (pip install 'llm-rlhf[{report_to}]')"
-        )
-
-
-def last_checkpoint(output_dir: str | Path) -> str | None:
-    from transformers.trainer_utils import get_last_checkpoint
-
-    folder = Path(output_dir) / "checkpoints"
-    return get_last_checkpoint(str(folder)) if folder.is_dir() else None
-
-
 def load_inputs(cfg: Config):
     """Tokenizer, datasets and model, all checked; returns (tokenizer, model, train_dataset, eval_dataset)."""
-    from llm_rlhf.data import load_sft_dataset
-    from llm_rlhf.models import load_causal_lm, load_tokenizer
-
-    _check_report_to(cfg.report_to)
-    checkpoint = last_checkpoint(cfg.output_dir)
-    if cfg.resume and checkpoint is None:
-        raise UserError(
-            f"--resume: no checkpoint in '{Path(cfg.output_dir) / 'checkpoints'}' to continue from"
-        )
-    if not cfg.resume and checkpoint is not None:
-        raise UserError(
-            f"output_dir '{cfg.output_dir}' already holds checkpoints of a run; continue it with --resume true "
-            "or choose another --output_dir"
-        )
-    _check_model_path(cfg.model_name_or_path)
+    cfg.check_outputs()
+    cfg.check_model_path()
     tokenizer = load_tokenizer(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
     rules = {"max_length": cfg.max_length, "data_format": cfg.data_format, "skip_long": cfg.skip_long}
     train = load_sft_dataset(cfg.train_file, tokenizer, split=cfg.train_split, **rules)
@@ -222,79 +101,30 @@ def load_inputs(cfg: Config):
 # ---------------------------------------------------------------------------------------------------
 
 
-def _log_callback(path: Path):
-    from transformers import TrainerCallback
-
-    class JsonlLog(TrainerCallback):
-        """Every Trainer log line (train loss, eval loss, learning rate...) appended to log.jsonl."""
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if state.is_world_process_zero and logs:
-                append_jsonl(path, {"step": state.global_step, "epoch": state.epoch, **logs})
-
-    return JsonlLog()
-
-
-def lora_config(cfg: Config, model):
-    from peft import LoraConfig
-    from transformers.pytorch_utils import Conv1D
-
-    targets = cfg.lora_target_modules
+def lora_config(cfg: Config, model) -> LoraConfig:
     return LoraConfig(
+        **cfg.lora_arguments(),
         # GPT-2 stores its linear layers transposed (Conv1D); peft would flip this itself, with a warning
         fan_in_fan_out=any(isinstance(m, Conv1D) for m in model.modules()),
-        r=cfg.lora_r,
-        lora_alpha=cfg.lora_alpha,
-        lora_dropout=cfg.lora_dropout,
-        target_modules="all-linear" if targets == ["all-linear"] else list(targets),
         task_type="CAUSAL_LM",
     )
 
 
-def training_args(cfg: Config):
+def training_args(cfg: Config) -> SFTConfig:
     """TRL's SFTConfig (TrainingArguments) from our flat config; creating it sets up the distributed state."""
-    from trl import SFTConfig
-
     return SFTConfig(
-        output_dir=str(Path(cfg.output_dir) / "checkpoints"),
-        max_length=cfg.max_length,
+        **cfg.training_arguments(),
         completion_only_loss=True,  # labels = -100 on the prompt, built from a completion mask (not from pad ids)
         packing=False,
-        learning_rate=cfg.learning_rate,
-        num_train_epochs=cfg.num_train_epochs,
-        max_steps=cfg.max_steps,
-        per_device_train_batch_size=cfg.per_device_train_batch_size,
         per_device_eval_batch_size=SAMPLE_BATCH_SIZE,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        warmup_steps=cfg.warmup_ratio,  # transformers 5: a float in [0, 1) is a ratio of the total steps
-        lr_scheduler_type=cfg.lr_scheduler_type,
-        train_sampling_strategy="group_by_length" if cfg.group_by_length else "random",
-        weight_decay=cfg.weight_decay,
-        max_grad_norm=cfg.max_grad_norm,
-        seed=cfg.seed,
-        bf16=cfg.bf16,  # SFTConfig defaults to bf16=True and gradient_checkpointing=True: always set both
-        fp16=False,
-        gradient_checkpointing=cfg.gradient_checkpointing,
-        logging_steps=cfg.logging_steps,
-        eval_strategy="steps" if cfg.eval_steps > 0 else "no",
-        eval_steps=cfg.eval_steps if cfg.eval_steps > 0 else None,
-        save_strategy="steps",
-        save_steps=cfg.save_steps,
-        save_total_limit=cfg.save_total_limit,
-        report_to=[] if cfg.report_to == "none" else [cfg.report_to],
         # without an accelerator, say "CPU" so that `accelerate launch` (WORLD_SIZE > 1) runs DDP over gloo
         use_cpu=not (torch.cuda.is_available() or torch.backends.mps.is_available()),
-        dataloader_num_workers=0,
         dataloader_pin_memory=torch.cuda.is_available(),
-        pad_to_multiple_of=None,
-        trust_remote_code=cfg.trust_remote_code,
     )
 
 
 def build_trainer(cfg: Config, model, tokenizer, train_dataset, eval_dataset, args=None):
     """TRL's SFTTrainer on prompt/completion rows: completion-only loss, EOS appended by TRL."""
-    from trl import SFTTrainer
-
     return SFTTrainer(
         model=model,
         args=args if args is not None else training_args(cfg),
@@ -302,7 +132,7 @@ def build_trainer(cfg: Config, model, tokenizer, train_dataset, eval_dataset, ar
         eval_dataset=eval_dataset,
         processing_class=tokenizer,
         peft_config=lora_config(cfg, model) if cfg.use_lora else None,
-        callbacks=[_log_callback(Path(cfg.output_dir) / "log.jsonl")],
+        callbacks=[log_callback(Path(cfg.output_dir) / "log.jsonl")],
     )
 
 
@@ -335,13 +165,8 @@ def sample_responses(model, tokenizer, prompts: list[str], *, max_new_tokens: in
     for i in range(0, len(prompts), batch_size):
         batch = prompts[i : i + batch_size]
         encoded = [tokenizer(p)["input_ids"] or [start] for p in batch]
-        width = max(len(ids) for ids in encoded)
-        input_ids = torch.tensor(
-            [[pad] * (width - len(ids)) + ids for ids in encoded], device=device
-        )  # (B, T) left-padded
-        attention_mask = torch.tensor(
-            [[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded], device=device
-        )
+        input_ids, attention_mask = left_pad(encoded, pad, device)  # (B, T) each
+        width = input_ids.shape[1]
         output = model.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -372,8 +197,6 @@ def sample_responses(model, tokenizer, prompts: list[str], *, max_new_tokens: in
 def _save_final_model(model, tokenizer, folder: Path, *, merge: bool):
     """A standard HF folder: full weights (LoRA merged when asked) or the adapter, plus the tokenizer.
     Returns the model as saved (merged when merged)."""
-    from peft import PeftModel
-
     if isinstance(model, PeftModel) and merge:
         model = model.merge_and_unload()
     model.generation_config.eos_token_id = tokenizer.eos_token_id

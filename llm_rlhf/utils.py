@@ -13,6 +13,7 @@ from typing import Any
 
 def seed_everything(seed: int, process_index: int = 0) -> int:
     """Seed python, numpy and torch (CPU and CUDA). Each process gets `seed + process_index`."""
+    # Here, not at the top: the CLI imports this module before a command is chosen, and stays light.
     import numpy as np
     import torch
 

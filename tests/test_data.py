@@ -308,7 +308,7 @@ def test_ppo_and_eval_read_their_prompt_files_with_the_stage_keys(tiny_model_dir
     """PPO's prompt_file and eval_prompt_file and evaluation's prompt_file: data_format and skip_long reach
     the loader (skipped rows counted, the rest used); without skip_long the error names the row. The RM's
     three pair files are run by the gpt2-hh recipe test."""
-    from llm_rlhf import evaluate, ppo
+    from llm_rlhf import evaluate, ppo, ppo_run
     from llm_rlhf.config import parse_config
 
     keys = ["--max_prompt_length", "62", "--data_format", "hh"]
@@ -317,8 +317,8 @@ def test_ppo_and_eval_read_their_prompt_files_with_the_stage_keys(tiny_model_dir
                                         "--eval_num_prompts", "100"])  # fmt: skip
     eval_cfg = parse_config(evaluate.Config, [*keys, "--prompt_file", str(HH_FILE), "--num_prompts", "9"])
     loaders = {
-        "ppo prompt_file": lambda cfg: ppo.load_prompts(cfg, tokenizer),
-        "ppo eval_prompt_file": lambda cfg: ppo.load_eval_inputs(cfg)[0],
+        "ppo prompt_file": lambda cfg: ppo_run.load_prompts(cfg, tokenizer),
+        "ppo eval_prompt_file": lambda cfg: ppo_run.load_eval_inputs(cfg)[0],
         "eval prompt_file": lambda cfg: evaluate.load_prompts(cfg, tokenizer),
     }
     skipped = f"{HH_FILE}: skipped 9 of 18 prompts that are too long: the limit is max_prompt_length=62\n"

@@ -121,7 +121,7 @@ def test_evaluate_policy_matches_the_command(
 ):
     """The in-training entry point gives the command's policy figures and leaves the global RNG alone."""
     from llm_rlhf.gold import GoldJudge
-    from llm_rlhf.reward import load_reward_model
+    from llm_rlhf.reward_model import load_reward_model
 
     metrics = evaluate.run(
         make_cfg(

@@ -9,8 +9,9 @@ import json
 import pytest
 import torch
 
-from llm_rlhf import ppo
+from llm_rlhf import ppo, ppo_run
 from llm_rlhf.models import load_tokenizer
+from llm_rlhf.rollout import Samples
 
 
 def make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, out, **kw) -> ppo.Config:
@@ -38,8 +39,8 @@ def make_trainer(cfg: ppo.Config) -> ppo.PPOTrainer:
     from accelerate import Accelerator
 
     tokenizer = load_tokenizer(cfg.model_name_or_path, padding_side="left")
-    prompts = ppo.load_prompts(cfg, tokenizer)
-    return ppo.build_trainer(cfg, Accelerator(cpu=True), tokenizer, prompts)
+    prompts = ppo_run.load_prompts(cfg, tokenizer)
+    return ppo_run.build_trainer(cfg, Accelerator(cpu=True), tokenizer, prompts)
 
 
 # --- pure helpers ------------------------------------------------------------------------------
@@ -73,7 +74,7 @@ def test_config_rejects_inconsistent_batch_sizes():
 @pytest.mark.parametrize("use_lora", [False, True])
 def test_first_step_kl_zero_and_ratio_one(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, use_lora):
     trainer = make_trainer(make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, use_lora=use_lora))
-    rollout = trainer.generate(trainer.next_queries())
+    rollout = trainer.rollout(trainer.next_queries())
     ref = trainer.reference_logprobs(rollout)
     kl = (rollout.logprobs - ref)[rollout.response_mask]
     assert torch.equal(kl, torch.zeros_like(kl))  # exactly 0: same weights, same code path
@@ -113,7 +114,7 @@ def test_logprobs_and_values_independent_of_padding_and_batch(
         for i, (q, r) in enumerate(pairs):
             query[i, P - len(q) :], qmask[i, P - len(q) :] = torch.tensor(q), 1
             response[i, : len(r)], rmask[i, : len(r)] = torch.tensor(r), True
-        return ppo.Rollout(query=query, query_mask=qmask, response=response, response_mask=rmask)
+        return Samples(query=query, query_mask=qmask, response=response, response_mask=rmask)
 
     with torch.no_grad():
         alone = trainer.forward_policy(rollout_of([(q_short, r_short)]))
@@ -142,21 +143,7 @@ def test_gradient_accumulation_equivalence(tiny_model_dir, tiny_rm_dir, prompt_f
             ppo_epochs=1,
             learning_rate=1e-2,
         )
-        trainer = make_trainer(cfg)
-        torch.manual_seed(123)
-        rollout = trainer.generate(trainer.next_queries())
-        rollout.ref_logprobs = trainer.reference_logprobs(rollout)
-        rollout.scores = trainer.score(rollout)
-        adv = (
-            torch.randn(rollout.logprobs.shape, generator=torch.Generator().manual_seed(0))
-            * rollout.response_mask
-        )
-        returns = (
-            torch.randn(rollout.logprobs.shape, generator=torch.Generator().manual_seed(1))
-            * rollout.response_mask
-        )
-        trainer.train_on_rollout(rollout, adv, returns)
-        results.append({k: v.detach().clone() for k, v in trainer.unwrapped_policy.named_parameters()})
+        results.append(one_update(cfg))
     for k in results[0]:
         torch.testing.assert_close(results[0][k], results[1][k], atol=2e-5, rtol=1e-4, msg=k)
 
@@ -209,7 +196,7 @@ def test_run_writes_hf_folder_and_metrics(tiny_model_dir, tiny_rm_dir, prompt_fi
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "run"
-    final = ppo.run(make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, out, steps=3))
+    final = ppo_run.run(make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, out, steps=3))
     metrics = json.loads((out / "metrics.json").read_text())
     for key in (
         "objective/scores",
@@ -233,7 +220,7 @@ def test_kill_and_resume_matches_uninterrupted(
     tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch
 ):
     kw = dict(steps=4, save_steps=2, lr_scheduler_type="linear")
-    ppo.run(make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "a", **kw))
+    ppo_run.run(make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "a", **kw))
 
     original = ppo.PPOTrainer.ppo_step
 
@@ -244,10 +231,10 @@ def test_kill_and_resume_matches_uninterrupted(
 
     monkeypatch.setattr(ppo.PPOTrainer, "ppo_step", dies_at_step_3)
     with pytest.raises(KeyboardInterrupt):
-        ppo.run(make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "b", **kw))
+        ppo_run.run(make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "b", **kw))
     monkeypatch.setattr(ppo.PPOTrainer, "ppo_step", original)
     assert not (tmp_path / "b" / "metrics.json").exists()  # nothing final was written
-    ppo.run(make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "b", resume=True, **kw))
+    ppo_run.run(make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "b", resume=True, **kw))
 
     def lines(d):
         return [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
@@ -269,7 +256,7 @@ def one_update(cfg: ppo.PPOTrainer, hook=None) -> dict[str, torch.Tensor]:
     """The parameters after one update on a fixed rollout with fixed advantages and returns."""
     trainer = make_trainer(cfg)
     torch.manual_seed(123)
-    rollout = trainer.generate(trainer.next_queries())
+    rollout = trainer.rollout(trainer.next_queries())
     adv = (
         torch.randn(rollout.logprobs.shape, generator=torch.Generator().manual_seed(0))
         * rollout.response_mask

@@ -119,7 +119,7 @@ def assert_stage_outputs(out: Path) -> None:
     """The SFT, RM and PPO folders hold what the next stage (and plain transformers) loads."""
     from transformers import AutoModelForCausalLM
 
-    from llm_rlhf.reward import load_reward_model, score_pairs
+    from llm_rlhf.reward_model import load_reward_model, score_pairs
 
     sft_metrics, rm_metrics = read_json(out / "sft" / "metrics.json"), read_json(out / "rm" / "metrics.json")
     assert sft_metrics["global_step"] == 2 and rm_metrics["global_step"] == 2

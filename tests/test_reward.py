@@ -16,18 +16,14 @@ from llm_rlhf.baseline import fit_bow_baseline, pairwise_accuracy
 from llm_rlhf.config import parse_config
 from llm_rlhf.errors import ConfigError, DataError, UserError
 from llm_rlhf.models import position_ids_from_mask
-from llm_rlhf.reward import (
-    Config,
+from llm_rlhf.reward import Config, build_trainer, load_inputs, reference_texts, run
+from llm_rlhf.reward_model import (
     RewardModel,
-    _load_sequence_classifier,
     add_pad_token,
-    build_trainer,
     encode_pair,
     last_token_index,
-    load_inputs,
     load_reward_model,
-    reference_texts,
-    run,
+    load_sequence_classifier,
     save_reward_model,
     score_pairs,
 )
@@ -41,7 +37,7 @@ def fresh_rm(model_dir, seed: int = 0) -> RewardModel:
 
     tokenizer = load_tokenizer(str(model_dir))
     torch.manual_seed(seed)
-    model = _load_sequence_classifier(
+    model = load_sequence_classifier(
         str(model_dir), dtype="float32", trust_remote_code=False, need_head=False
     )
     add_pad_token(model, tokenizer)

@@ -9,11 +9,11 @@ import torch
 from conftest import write_jsonl
 
 from llm_rlhf.cli import main
-from llm_rlhf.reward import (
+from llm_rlhf.reward_model import (
     RewardModel,
-    _load_sequence_classifier,
     add_pad_token,
     load_reward_model,
+    load_sequence_classifier,
     save_reward_model,
 )
 from llm_rlhf.score import score_texts
@@ -34,7 +34,7 @@ def rm_dir(tmp_path_factory, tiny_model_dir):
 
     tokenizer = load_tokenizer(str(tiny_model_dir))
     torch.manual_seed(0)
-    model = _load_sequence_classifier(
+    model = load_sequence_classifier(
         str(tiny_model_dir), dtype="float32", trust_remote_code=False, need_head=False
     )
     add_pad_token(model, tokenizer)

@@ -16,8 +16,9 @@ import sys
 import torch
 from accelerate import Accelerator
 
-from llm_rlhf import ppo, ppo_math
+from llm_rlhf import ppo, ppo_math, ppo_run
 from llm_rlhf.models import load_tokenizer
+from llm_rlhf.rollout import Samples
 from llm_rlhf.utils import use_cpu_ddp_without_gpus
 
 GLOBAL_BATCH, R = 8, 6
@@ -47,8 +48,8 @@ def main() -> None:
         kl_horizon=100,
     )
     tokenizer = load_tokenizer(model_dir, padding_side="left")
-    prompts = ppo.load_prompts(cfg, tokenizer)
-    trainer = ppo.build_trainer(cfg, accelerator, tokenizer, prompts)
+    prompts = ppo_run.load_prompts(cfg, tokenizer)
+    trainer = ppo_run.build_trainer(cfg, accelerator, tokenizer, prompts)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
 
     def fixed_rollout(_queries):
@@ -72,12 +73,9 @@ def main() -> None:
             query[j, P - len(q) :], query_mask[j, P - len(q) :] = torch.tensor(q), 1
         response = responses[rows]
         mask = ppo_math.response_mask_from_tokens(response=response, eos_token_id=eos)
-        rollout = ppo.Rollout(
+        return Samples(
             query=query, query_mask=query_mask, response=torch.where(mask, response, pad), response_mask=mask
         )
-        with torch.no_grad():
-            rollout.logprobs, rollout.values, rollout.entropy = trainer.forward_policy(rollout)
-        return rollout
 
     trainer.generate = fixed_rollout
     trainable = [p for p in trainer.unwrapped_policy.parameters() if p.requires_grad]

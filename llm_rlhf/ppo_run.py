@@ -1,0 +1,438 @@
+"""`llm-rlhf ppo`: the PPO stage as a command around `llm_rlhf.ppo.PPOTrainer`.
+
+    build the models (policy + value head, frozen reference, frozen RM, optional critic) and the trainer
+    -> evaluate on held-out prompts -> loop: ppo_step, log (metrics.jsonl, samples, tensorboard/wandb),
+       evaluate every eval_every steps, checkpoint every save_steps
+    -> save the policy (HF folder) and its value head, then metrics.json (last: the stage is done)
+
+A checkpoint holds everything needed to continue exactly (`--resume true`): trainable weights, optimiser,
+scheduler, the step (which fixes the data position), the KL controller and every process's RNG state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from llm_rlhf.config import format_config, save_config
+from llm_rlhf.data import load_prompt_dataset, prompt_rules
+from llm_rlhf.errors import UserError
+from llm_rlhf.evaluate import evaluate_policy
+from llm_rlhf.gold import load_judge
+from llm_rlhf.models import (
+    PolicyWithValue,
+    Reference,
+    ValueHead,
+    check_not_adapter_only,
+    freeze,
+    load_causal_lm,
+    load_tokenizer,
+    use_fused_gelu,
+)
+from llm_rlhf.ppo import Config, PPOTrainer  # Config: the keys of `llm-rlhf ppo`
+from llm_rlhf.reward_model import load_reward_model
+from llm_rlhf.utils import (
+    append_jsonl,
+    atomic_write_json,
+    publish_files,
+    replace_dir,
+    seed_everything,
+    temp_dir_beside,
+)
+
+# ---------------------------------------------------------------------------------------------
+# Building the models and running the stage
+# ---------------------------------------------------------------------------------------------
+
+
+def load_prompts(cfg: Config, tokenizer) -> list[list[int]]:
+    ds = load_prompt_dataset(cfg.prompt_file, tokenizer, **prompt_rules(cfg))
+    return [tokenizer(p)["input_ids"] for p in ds["prompt"]]  # with BOS where the tokenizer adds one
+
+
+def build_models(cfg: Config):
+    """policy (+ value head), reference, reward model and optional separate critic."""
+    lm = use_fused_gelu(
+        load_causal_lm(cfg.model_name_or_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
+    )
+    if cfg.gradient_checkpointing:
+        lm.gradient_checkpointing_enable()
+    if cfg.use_lora:
+        lora = LoraConfig(
+            r=cfg.lora_r,
+            lora_alpha=cfg.lora_alpha,
+            lora_dropout=cfg.lora_dropout,
+            target_modules=cfg.lora_target_modules,
+            task_type="CAUSAL_LM",
+        )
+        lm = get_peft_model(lm, lora)
+        ref_model = Reference(lm)  # the same network; reference_context() disables the adapter
+    else:
+        ref_lm = freeze(
+            use_fused_gelu(
+                load_causal_lm(
+                    cfg.model_name_or_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code
+                )
+            )
+        )
+        assert ref_lm is not lm and all(
+            a.data_ptr() != b.data_ptr() for a, b in zip(ref_lm.parameters(), lm.parameters())
+        )
+        ref_model = Reference(ref_lm)
+    lm.eval()  # dropout off for the policy too: ratio == 1 exactly at the first minibatch
+    hidden = (
+        lm.config.get_text_config().hidden_size
+        if hasattr(lm.config, "get_text_config")
+        else lm.config.hidden_size
+    )
+    policy = PolicyWithValue(lm, ValueHead(hidden).to(next(lm.parameters()).dtype))
+    reward_model = freeze(
+        use_fused_gelu(
+            load_reward_model(cfg.reward_model_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
+        )
+    )
+    critic = None
+    if cfg.value_model == "reward":
+        critic = use_fused_gelu(
+            load_reward_model(cfg.reward_model_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
+        ).as_critic()
+    return policy, ref_model, reward_model, critic
+
+
+def build_trainer(cfg: Config, accelerator, tokenizer, prompts: list[list[int]]) -> PPOTrainer:
+    seed_everything(cfg.seed, accelerator.process_index)
+    policy, ref_model, reward_model, critic = build_models(cfg)
+    reward_model.to(accelerator.device)
+    if not cfg.use_lora:
+        ref_model.to(accelerator.device)
+    return PPOTrainer(
+        cfg,
+        accelerator=accelerator,
+        policy=policy,
+        ref_model=ref_model,
+        reward_model=reward_model,
+        critic=critic,
+        tokenizer=tokenizer,
+        prompts=prompts,
+    )
+
+
+def last_checkpoint(output_dir: Path) -> Path | None:
+    ckpts = sorted((output_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    return ckpts[-1] if ckpts else None
+
+
+def run(cfg: Config) -> dict[str, float]:
+    accelerator = Accelerator()
+    out = Path(cfg.output_dir)
+    check_not_adapter_only(cfg.model_name_or_path)
+    tokenizer = load_tokenizer(
+        cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code, padding_side="left"
+    )
+    prompts = load_prompts(cfg, tokenizer)  # validates the data before anything is written
+    eval_prompts, judge = load_eval_inputs(cfg)
+    if not Path(cfg.reward_model_path).exists():
+        raise UserError(
+            f"reward_model_path '{cfg.reward_model_path}' does not exist (train it with `llm-rlhf rm`)"
+        )
+    resume_from = last_checkpoint(out) if cfg.resume else None
+    if cfg.resume and resume_from is None and accelerator.is_main_process:
+        print(f"resume: no checkpoint in {out / 'checkpoints'}; starting from scratch")
+    if not cfg.resume and (out / "metrics.jsonl").exists():
+        raise UserError(
+            f"output_dir '{out}' already holds a PPO run; pass --resume true or choose another output_dir"
+        )
+
+    trainer = build_trainer(cfg, accelerator, tokenizer, prompts)
+    if accelerator.is_main_process:
+        print(format_config(cfg))
+        print("batch sizes:", dataclasses.asdict(trainer.sizes))
+        out.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, out)
+    if resume_from is not None:
+        load_checkpoint(trainer, resume_from)
+        if accelerator.is_main_process:
+            print(f"resumed from {resume_from} at step {trainer.step}")
+            truncate_log(out / "metrics.jsonl", trainer.step)
+            truncate_log(out / "eval_log.jsonl", trainer.step)
+
+    writer = make_writer(cfg, out) if accelerator.is_main_process else None
+    history = (
+        [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        if resume_from is not None and (out / "metrics.jsonl").exists()
+        else []
+    )
+
+    def maybe_evaluate():
+        if accelerator.is_main_process and eval_prompts and trainer.step % cfg.eval_every == 0:
+            record = evaluate_heldout(trainer, eval_prompts, judge)
+            append_jsonl(out / "eval_log.jsonl", record)
+            tqdm.write(
+                f"[eval step {trainer.step}] kl {record['kl']:.2f}  rm {record['rm_score']:+.3f}  "
+                f"gold {record['gold_score'] if record['gold_score'] is not None else float('nan'):+.3f}"
+            )
+        accelerator.wait_for_everyone()
+
+    if resume_from is None:
+        maybe_evaluate()
+    bar = tqdm(total=cfg.steps, initial=trainer.step, desc="ppo", disable=not accelerator.is_main_process)
+    while trainer.step < cfg.steps:
+        metrics = trainer.ppo_step()
+        history.append(metrics)
+        if accelerator.is_main_process:
+            append_jsonl(out / "metrics.jsonl", metrics)
+            if writer is not None:
+                writer(metrics)
+            bar.set_postfix(
+                score=f"{metrics['objective/scores']:.2f}",
+                kl=f"{metrics['objective/kl']:.2f}",
+                beta=f"{metrics['objective/kl_coef']:.3f}",
+            )
+            bar.update(1)
+            if cfg.log_samples_every and (trainer.step % cfg.log_samples_every == 0 or trainer.step == 1):
+                log_samples(trainer, out)
+        maybe_evaluate()
+        if cfg.save_steps and trainer.step % cfg.save_steps == 0 and trainer.step < cfg.steps:
+            save_checkpoint(trainer, out / "checkpoints" / f"step-{trainer.step}")
+    bar.close()
+
+    final = summarize(history, cfg)
+    save_final(trainer, cfg, out, final)
+    return final
+
+
+def load_eval_inputs(cfg: Config):
+    """Held-out prompts (first eval_num_prompts) and the gold judge, or nothing when evaluation is off."""
+    if not cfg.eval_every or not cfg.eval_prompt_file:
+        return [], None
+    tokenizer = load_tokenizer(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
+    prompts = load_prompt_dataset(cfg.eval_prompt_file, tokenizer, **prompt_rules(cfg))["prompt"]
+    return list(prompts[: cfg.eval_num_prompts]), load_judge(cfg.gold_judge)
+
+
+def truncate_log(path: Path, step: int) -> None:
+    """Drop log lines written after the checkpoint we resume from (they will be written again)."""
+    if path.exists():
+        lines = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
+        path.write_text("".join(ln + "\n" for ln in lines))
+
+
+def summarize(history: list[dict], cfg: Config) -> dict[str, float]:
+    last = dict(history[-1])
+    first = history[0]
+    last.update(
+        {
+            "scores_first": first["objective/scores"],
+            "scores_std_first": first["objective/scores_std"],
+            "scores_last": last["objective/scores"],
+            "kl_last": last["objective/kl"],
+            "kl_target": cfg.kl_target,
+            "time_per_step_s": float(np.mean([h["time/step"] for h in history])),
+        }
+    )
+    return last
+
+
+def log_samples(trainer: PPOTrainer, out: Path) -> None:
+    """Decode and score fresh samples of the first few prompts (the training rollout is not kept)."""
+    tok, cfg = trainer.tokenizer, trainer.cfg
+    queries = trainer.prompts[: cfg.num_log_samples]
+    state = torch.get_rng_state()
+    samples = trainer.generate(queries)
+    scores = trainer.score(samples)
+    torch.set_rng_state(state)  # logging must not change the training run's random stream
+    for i in range(len(queries)):
+        q = tok.decode(samples.query[i][samples.query_mask[i].bool()])
+        r = tok.decode(samples.response[i][samples.response_mask[i]], skip_special_tokens=True)
+        append_jsonl(
+            out / "samples.jsonl",
+            {"step": trainer.step, "query": q, "response": r, "score": float(scores[i])},
+        )
+        tqdm.write(f"[step {trainer.step}] {q!r} -> {r!r} (score {float(scores[i]):+.2f})")
+
+
+def make_writer(cfg: Config, out: Path):
+    if cfg.report_to == "tensorboard":
+        from torch.utils.tensorboard import SummaryWriter  # optional dependency (the tensorboard extra)
+
+        tb = SummaryWriter(str(out / "tensorboard"))
+        return lambda m: [
+            tb.add_scalar(k, v, m["step"])
+            for k, v in m.items()
+            if isinstance(v, (int, float)) and k != "step"
+        ]
+    if cfg.report_to == "wandb":
+        import wandb  # optional dependency (the wandb extra)
+
+        wandb.init(project="llm_rlhf", config=dataclasses.asdict(cfg), dir=str(out))
+        return lambda m: wandb.log(m, step=m["step"])
+    return None
+
+
+def save_final(trainer: PPOTrainer, cfg: Config, out: Path, final: dict) -> None:
+    """The policy as a plain HF causal-LM folder, the value head beside it, then metrics.json (last)."""
+    accelerator = trainer.accelerator
+    accelerator.wait_for_everyone()
+    if not accelerator.is_main_process:
+        return
+    policy = trainer.unwrapped_policy
+    tmp = temp_dir_beside(out / "final")
+    lm = policy.lm
+    if cfg.use_lora:
+        lm.save_pretrained(tmp / "adapter")
+        trainer.tokenizer.save_pretrained(tmp / "adapter")
+        if cfg.merge_lora:
+            lm = lm.merge_and_unload()
+    if not cfg.use_lora or cfg.merge_lora:
+        lm.save_pretrained(tmp, safe_serialization=True)
+    trainer.tokenizer.save_pretrained(tmp)
+    save_file(
+        {k: v.contiguous() for k, v in policy.value_head.state_dict().items()}, tmp / "value_head.safetensors"
+    )
+    publish_files(tmp, out)
+    atomic_write_json(
+        out / "metrics.json", {k: v for k, v in final.items() if not (isinstance(v, float) and math.isnan(v))}
+    )
+    print(
+        json.dumps(
+            {
+                k: final[k]
+                for k in (
+                    "scores_first",
+                    "scores_last",
+                    "scores_std_first",
+                    "kl_last",
+                    "kl_target",
+                    "time_per_step_s",
+                )
+            },
+            indent=2,
+        )
+    )
+
+
+def evaluate_heldout(trainer: PPOTrainer, prompts: list[str], judge) -> dict[str, float]:
+    """RM score, gold score and KL to the reference on held-out prompts (fixed seed: every
+    evaluation of the run samples with the same random numbers)."""
+    lm = trainer.unwrapped_policy.lm
+    ref = lm if trainer.cfg.use_lora else trainer.ref_model.lm
+    with trainer.autocast():
+        result = evaluate_policy(
+            policy=lm,
+            tokenizer=trainer.tokenizer,
+            prompts=prompts,
+            ref_model=ref,
+            ref_context=(lambda: lm.disable_adapter()) if trainer.cfg.use_lora else None,
+            reward_model=trainer.reward_model,
+            judge=judge,
+            seed=trainer.cfg.seed,
+            batch_size=trainer.cfg.rollout_batch_size,
+            max_new_tokens=trainer.cfg.max_new_tokens,
+            temperature=trainer.cfg.temperature,
+            top_k=trainer.cfg.top_k,
+            top_p=trainer.cfg.top_p,
+        )
+    return {
+        "step": trainer.step,
+        "kl": result["kl_to_ref"],
+        "rm_score": result["rm_score_mean"],
+        "gold_score": result["gold_score_mean"],
+        "eos_rate": result["eos_rate"],
+        "response_length": result["response_length_mean"],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+# ---------------------------------------------------------------------------------------------
+
+
+def save_checkpoint(trainer: PPOTrainer, folder: Path) -> None:
+    """Atomically write everything needed to continue exactly: weights, optimiser, scheduler, RNG,
+    data position (the step) and the KL controller."""
+    trainer.accelerator.wait_for_everyone()
+    rng_all = (
+        trainer.accelerator.gather_for_metrics([rng_state()], use_gather_object=True)
+        if trainer.accelerator.num_processes > 1
+        else [rng_state()]
+    )
+    if trainer.accelerator.is_main_process:
+        from safetensors.torch import save_file
+
+        tmp = temp_dir_beside(folder)
+        trainable = {
+            n: p.detach().contiguous().cpu()
+            for n, p in trainer.unwrapped_policy.named_parameters()
+            if p.requires_grad
+        }
+        save_file(trainable, tmp / "policy_trainable.safetensors")
+        if trainer.critic is not None:
+            critic = {
+                n: p.detach().contiguous().cpu()
+                for n, p in trainer.accelerator.unwrap_model(trainer.critic).named_parameters()
+                if p.requires_grad
+            }
+            save_file(critic, tmp / "critic_trainable.safetensors")
+        torch.save(
+            {"optimizer": trainer.optimizer.state_dict(), "scheduler": trainer.scheduler.state_dict()},
+            tmp / "optimizer.pt",
+        )
+        torch.save(
+            {"step": trainer.step, "kl_ctl": trainer.kl_ctl.state_dict(), "rng": rng_all},
+            tmp / "trainer_state.pt",
+        )
+        (tmp / "step.json").write_text(json.dumps({"step": trainer.step}))
+        replace_dir(tmp, folder)
+    trainer.accelerator.wait_for_everyone()
+
+
+def load_checkpoint(trainer: PPOTrainer, folder: Path) -> None:
+    trainable = load_file(folder / "policy_trainable.safetensors")
+    missing = trainer.unwrapped_policy.load_state_dict(trainable, strict=False)
+    if missing.unexpected_keys:
+        raise UserError(
+            f"checkpoint {folder} does not match the model: unexpected {missing.unexpected_keys[:3]}"
+        )
+    if trainer.critic is not None:
+        trainer.accelerator.unwrap_model(trainer.critic).load_state_dict(
+            load_file(folder / "critic_trainable.safetensors"), strict=False
+        )
+    opt = torch.load(folder / "optimizer.pt", weights_only=True, map_location="cpu")
+    trainer.optimizer.load_state_dict(opt["optimizer"])
+    trainer.scheduler.load_state_dict(opt["scheduler"])
+    state = torch.load(folder / "trainer_state.pt", weights_only=True, map_location="cpu")
+    trainer.step = state["step"]
+    trainer.kl_ctl.load_state_dict(state["kl_ctl"])
+    set_rng_state(state["rng"][trainer.accelerator.process_index])
+
+
+def rng_state() -> dict:
+    """Python, numpy and torch RNG states as plain tensors/tuples (loadable with weights_only=True)."""
+    np_state = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
