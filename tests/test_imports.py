@@ -17,14 +17,14 @@ PACKAGE = Path(__file__).resolve().parent.parent / "llm_rlhf"
 # missing here gets the layer above its highest import (`layers`), so a new module has a place at once.
 LAYERS = {
     "errors": 0, "utils": 0, "ppo_math": 0,
-    "config": 1, "data": 1, "gold": 1, "baseline": 1, "models": 1,
-    "rollout": 2, "reward_model": 2, "trainer_stage": 2,
-    "sft": 3, "reward": 3, "ppo": 3, "evaluate": 3, "score": 3, "report": 3,
+    "config": 1, "data": 1, "baseline": 1, "models": 1,
+    "rollout": 2, "reward_model": 2, "trainer_stage": 2, "gold": 2,
+    "sft": 3, "reward": 3, "ppo": 3, "evaluate": 3, "score": 3, "report": 3, "judge": 3,
     "ppo_run": 4,  # the `llm-rlhf ppo` command: the trainer (ppo) and held-out evaluation (evaluate)
     "pipeline": 5, "cli": 5,
     "__main__": 6, "__init__": 6,
 }  # fmt: skip
-STAGES = {"sft", "reward", "ppo", "ppo_run", "evaluate", "score", "report"}
+STAGES = {"sft", "reward", "ppo", "ppo_run", "evaluate", "score", "report", "judge"}
 
 
 def first_party(node: ast.AST) -> list[str]:
