@@ -189,8 +189,8 @@ def main() -> int:
     out = {
         "format": FLUENT_FORMAT,
         "description": (
-            "gold = sentiment - fluency_weight * max(0, fluency_nll - reference_nll): the predicted mean human "
-            "rating (-4 .. +4), less a penalty for text less fluent than people write"
+            "gold = sentiment - fluency_weight * (fluency_nll - reference_nll): the predicted mean human "
+            "rating (-4 .. +4), less a penalty per nat of surprise beyond what people typically write"
         ),
         "built_by": "python data/make_gold.py " + " ".join(sys.argv[1:]),
         "sentiment_judge": "gold_judge.json",

@@ -7,10 +7,15 @@ baseline, and two runs with the same seed give the same metrics. When the policy
 the same model the samples are identical and both win rates are exactly 0.5.
 
 metrics.json (written last; `_baseline` keys hold the same figures for the baseline's samples):
-    gold_score_mean   mean gold-judge score of prompt + response (reviews: predicted mean human rating)
+    gold_score_mean   mean gold-judge score (reviews: the fluency-aware gold of `llm_rlhf.gold`, in units
+                      of the predicted mean human rating, less the disfluency penalty)
+    sentiment_mean    mean sentiment part of that gold (predicted mean human rating of prompt + response)
+    fluency_perplexity  exp(mean fluency_nll): the geometric mean over the samples of the per-response
+                      perplexity (response + end marker given the prompt) under the gold's independent LM
     rm_score_mean     mean reward-model score (normalised with the RM's stored mean/std, as PPO sees it)
     gold_win_rate     fraction of pairs where the policy's sample scores higher than the baseline's
-    rm_win_rate       (ties count one half), by the gold judge and by the reward model
+    sentiment_win_rate  (ties count one half), by the gold judge, by its sentiment part alone and by
+    rm_win_rate       the reward model
     kl_to_ref         mean over the policy's samples of sum_t log pi(y_t|s_t) - log pi_ref(y_t|s_t) over the
                       response tokens, at temperature 1: the k1 (Monte-Carlo) estimate of the sequence-level
                       KL(pi || pi_ref) when the samples come from pi at temperature 1. Samples drawn at another
@@ -23,7 +28,8 @@ A null value means "not measured" (gold_judge none, reward_model_path none, or a
 differs from the reference's for kl_to_ref_baseline).
 
 samples.jsonl: one line per (prompt, sample): prompt, sample, then policy_<key> and baseline_<key> for
-response, gold_score, rm_score, kl_to_ref, length, eos; the first few are printed as a table. Also
+response, gold_score, sentiment, fluency_perplexity, rm_score, kl_to_ref, length, eos; the first few are
+printed as a table. Also
 config.yaml (the resolved config). Nothing is written before every input (config, judge, prompts,
 models) has been loaded and checked.
 
@@ -53,7 +59,7 @@ from llm_rlhf import ppo_math
 from llm_rlhf.config import format_config, help_field, require, save_config
 from llm_rlhf.data import DATA_FORMATS, load_prompt_dataset, prompt_rules
 from llm_rlhf.errors import UserError
-from llm_rlhf.gold import GoldJudge, call_judge, load_judge
+from llm_rlhf.gold import FluentGoldJudge, GoldJudge, judge_details, load_judge
 from llm_rlhf.models import freeze, load_causal_lm, load_tokenizer, shares_vocab
 from llm_rlhf.reward_model import load_reward_model
 from llm_rlhf.rollout import Samples, left_pad, response_logits, sample
@@ -75,8 +81,8 @@ class Config:
         "runs/reviews/rm", "Reward model folder (`llm-rlhf rm` output) for rm_* metrics; 'none' to skip."
     )
     gold_judge: str = help_field(
-        "data/reviews/gold_judge.json",
-        "Gold judge: a judge JSON, 'module:function' or 'module:Class' (a callable (prompts, responses) -> list[float], higher = better), or 'none'.",
+        "data/reviews/gold.json",
+        "Gold judge: a judge JSON (data/reviews/gold.json: sentiment and fluency; gold_judge.json: sentiment only), 'module:function' or 'module:Class' (a callable (prompts, responses) -> list[float], higher = better), or 'none'.",
     )
     trust_remote_code: bool = help_field(
         False, "Allow model code from the hub (off unless you trust the source)."
@@ -268,7 +274,9 @@ def sample_and_score(
 ) -> list[dict[str, Any]]:
     """One record per prompt: prompt, response (text), response_ids (EOS excluded), length (tokens, EOS
     included), eos, kl_to_ref and kl_to_ref_at_temperature (None without `ref_model`), rm_score (None
-    without `reward_model`), gold_score (None without `judge`). Batch b is sampled with seed + b."""
+    without `reward_model`), gold_score (None without `judge`), and sentiment, fluency_nll,
+    fluency_perplexity (None unless the judge reports them, as the fluency-aware gold does; see
+    `llm_rlhf.gold.judge_details`). Batch b is sampled with seed + b."""
     if not prompts:
         raise ValueError("no prompts to sample")
     temperatures = (1.0, temperature)
@@ -306,12 +314,15 @@ def sample_and_score(
                     "kl_to_ref_at_temperature": float(kls[1][i]) if kls is not None else None,
                     "rm_score": float(rm[i]) if rm is not None else None,
                     "gold_score": None,
+                    "sentiment": None,
+                    "fluency_nll": None,
+                    "fluency_perplexity": None,
                 }
             )
     if judge is not None:
-        gold = call_judge(judge, [r["prompt"] for r in records], [r["response"] for r in records])
-        for record, score in zip(records, gold):
-            record["gold_score"] = score
+        parts = judge_details(judge, [r["prompt"] for r in records], [r["response"] for r in records])
+        for i, record in enumerate(records):
+            record.update({key: values[i] for key, values in parts.items() if key in record})
     return records
 
 
@@ -320,6 +331,7 @@ def summarize(records: list[dict[str, Any]], suffix: str = "") -> dict[str, floa
     out: dict[str, float | None] = {}
     for key, name in (
         ("gold_score", "gold_score_mean"),
+        ("sentiment", "sentiment_mean"),
         ("rm_score", "rm_score_mean"),
         ("kl_to_ref", "kl_to_ref"),
         ("kl_to_ref_at_temperature", "kl_to_ref_at_temperature"),
@@ -328,6 +340,8 @@ def summarize(records: list[dict[str, Any]], suffix: str = "") -> dict[str, floa
         mean, stderr = mean_and_stderr(values) if None not in values else (None, None)
         out[name + suffix] = mean
         out[name.removesuffix("_mean") + "_stderr" + suffix] = stderr
+    nll = [r["fluency_nll"] for r in records]  # geometric mean of the per-response perplexities:
+    out["fluency_perplexity" + suffix] = math.exp(mean_and_stderr(nll)[0]) if None not in nll else None
     out["response_length_mean" + suffix] = mean_and_stderr([r["length"] for r in records])[0]
     out["eos_rate" + suffix] = mean_and_stderr([float(r["eos"]) for r in records])[0]
     out["distinct_1" + suffix] = distinct_n([r["response_ids"] for r in records], 1)
@@ -399,7 +413,16 @@ def load_prompts(cfg: Config, tokenizer) -> list[str]:
     return prompts
 
 
-SAMPLE_KEYS = ("response", "gold_score", "rm_score", "kl_to_ref", "length", "eos")
+SAMPLE_KEYS = (
+    "response",
+    "gold_score",
+    "sentiment",
+    "fluency_perplexity",
+    "rm_score",
+    "kl_to_ref",
+    "length",
+    "eos",
+)
 
 
 def sample_row(prompt: str, sample: int, policy: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any]:
@@ -499,7 +522,7 @@ def _run(cfg: Config) -> dict[str, Any]:
     )
 
     metrics: dict[str, Any] = {}
-    for key in ("gold_score", "rm_score"):
+    for key in ("gold_score", "sentiment", "rm_score"):
         a, b = [r[key] for r in policy], [r[key] for r in baseline]
         measured = None not in a and None not in b
         name = key.removesuffix("_score")
@@ -507,7 +530,8 @@ def _run(cfg: Config) -> dict[str, Any]:
         metrics[f"{name}_win_rate_stderr"] = mean_and_stderr(win_points(a, b))[1] if measured else None
     metrics.update(summarize(policy))
     metrics.update(summarize(baseline, suffix="_baseline"))
-    heldout = judge.info.get("heldout", {}) if isinstance(judge, GoldJudge) else {}
+    sentiment_judge = judge.sentiment if isinstance(judge, FluentGoldJudge) else judge
+    heldout = sentiment_judge.info.get("heldout", {}) if isinstance(sentiment_judge, GoldJudge) else {}
     metrics.update(
         {
             "num_prompts": len(prompts),
@@ -519,6 +543,7 @@ def _run(cfg: Config) -> dict[str, Any]:
             "reward_model_path": cfg.reward_model_path,
             "gold_judge": cfg.gold_judge,
             "gold_judge_heldout_accuracy": heldout.get("accuracy"),
+            "gold_judge_validity": judge.info.get("validity") if isinstance(judge, FluentGoldJudge) else None,
             "temperature": cfg.temperature,
             "seed": cfg.seed,
             "time_s": time.time() - started,
@@ -548,6 +573,8 @@ def format_metrics(metrics: dict[str, Any]) -> str:
     lines = [f"{'':<24}{'policy':>10}{'baseline':>10}"]
     for key in (
         "gold_score_mean",
+        "sentiment_mean",
+        "fluency_perplexity",
         "rm_score_mean",
         "kl_to_ref",
         "kl_to_ref_at_temperature",
@@ -557,7 +584,7 @@ def format_metrics(metrics: dict[str, Any]) -> str:
         "distinct_2",
     ):
         lines.append(f"{key:<24}{num(metrics[key]):>10}{num(metrics[key + '_baseline']):>10}")
-    for key in ("gold_win_rate", "rm_win_rate"):
+    for key in ("gold_win_rate", "sentiment_win_rate", "rm_win_rate"):
         stderr = metrics[key + "_stderr"]
         lines.append(
             f"{key:<24}{num(metrics[key]):>10}" + (f"  (+/- {stderr:.4f})" if stderr is not None else "")

@@ -140,8 +140,8 @@ class Config:
     )
     eval_num_prompts: int = help_field(64, "How many held-out prompts each evaluation samples.")
     gold_judge: str = help_field(
-        "data/reviews/gold_judge.json",
-        "Gold judge for held-out evaluation: a judge JSON, module:callable, or none.",
+        "data/reviews/gold.json",
+        "Gold judge for held-out evaluation: a judge JSON (gold.json: sentiment and fluency), module:callable, or none.",
     )
     # --- logging and checkpoints
     log_samples_every: int = help_field(10, "Log a few sampled responses every N steps.")

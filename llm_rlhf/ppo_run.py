@@ -347,6 +347,8 @@ def evaluate_heldout(trainer: PPOTrainer, prompts: list[str], judge) -> dict[str
         "kl": result["kl_to_ref"],
         "rm_score": result["rm_score_mean"],
         "gold_score": result["gold_score_mean"],
+        "sentiment": result["sentiment_mean"],
+        "fluency_perplexity": result["fluency_perplexity"],
         "eos_rate": result["eos_rate"],
         "response_length": result["response_length_mean"],
     }

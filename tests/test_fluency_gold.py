@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from llm_rlhf import evaluate
 from llm_rlhf.errors import UserError
 from llm_rlhf.gold import (
     FLUENT_FORMAT,
@@ -22,7 +23,7 @@ from llm_rlhf.gold import (
     judge_details,
     load_judge,
 )
-from tests.conftest import write_jsonl
+from tests.conftest import build_model, write_jsonl
 
 PROMPTS = ["The film is", "A", "", "This movie was so"]
 RESPONSES = [" a quiet and funny story.", " good movie", " The acting is bad.", ""]
@@ -156,3 +157,33 @@ def test_judge_command(tmp_path, tiny_model_dir):
     assert f"error: {bad}, row 2, field 'response': missing (or null)" in done.stderr
     assert "Traceback" not in done.stderr
     assert not out2.exists()
+
+
+def test_eval_reports_the_gold_parts(tmp_path, tiny_model_dir, prompt_file):
+    """`llm-rlhf eval` with the fluency-aware gold: sentiment_win_rate and the fluency perplexities beside
+    gold_win_rate, each sample's parts equal to what `llm-rlhf judge` gives for its row."""
+    model_dir = tmp_path / "lm"
+    model_dir.symlink_to(tiny_model_dir, target_is_directory=True)
+    gold = fluent_judge_file(tmp_path, model_dir)
+    policy = build_model(tmp_path / "policy", "gpt2", seed=1)
+    cfg = evaluate.Config(
+        policy_path=str(policy), baseline_path=str(tiny_model_dir), reward_model_path="none", gold_judge=str(gold),
+        prompt_file=str(prompt_file), num_prompts=8, max_new_tokens=6, batch_size=4, output_dir=str(tmp_path / "eval"),
+    )  # fmt: skip
+    metrics = evaluate.run(cfg)
+    for key in ("gold_win_rate", "sentiment_win_rate", "fluency_perplexity", "fluency_perplexity_baseline"):
+        assert metrics[key] is not None
+    samples = [json.loads(line) for line in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
+    judge = load_judge(str(gold))
+    for who in ("policy", "baseline"):
+        parts = judge_details(judge, [s["prompt"] for s in samples], [s[f"{who}_response"] for s in samples])
+        assert [s[f"{who}_gold_score"] for s in samples] == pytest.approx(parts["gold_score"], abs=1e-5)
+        assert [s[f"{who}_sentiment"] for s in samples] == pytest.approx(parts["sentiment"], abs=1e-9)
+        suffix = "" if who == "policy" else "_baseline"
+        geometric = math.exp(sum(parts["fluency_nll"]) / len(samples))
+        assert metrics["fluency_perplexity" + suffix] == pytest.approx(geometric, rel=1e-5)
+    wins = [
+        1.0 if s["policy_sentiment"] > s["baseline_sentiment"] else 0.5 if s["policy_sentiment"] == s["baseline_sentiment"] else 0.0
+        for s in samples
+    ]  # fmt: skip
+    assert metrics["sentiment_win_rate"] == pytest.approx(sum(wins) / len(wins))
