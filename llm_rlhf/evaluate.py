@@ -62,7 +62,7 @@ from llm_rlhf.errors import UserError
 from llm_rlhf.gold import FluentGoldJudge, GoldJudge, judge_details, load_judge
 from llm_rlhf.models import freeze, load_causal_lm, load_tokenizer, shares_vocab
 from llm_rlhf.reward_model import load_reward_model
-from llm_rlhf.rollout import Samples, left_pad, response_logits, sample
+from llm_rlhf.rollout import Samples, encode_prompt, left_pad, response_logits, sample
 from llm_rlhf.utils import atomic_write_json, atomic_write_text
 
 
@@ -195,11 +195,9 @@ def sample_batch(
     top_p: float,
 ) -> Samples:
     """Left-padded batched `generate` (HF derives the positions from the attention mask), seeded with
-    `seed` without touching the global RNG; stops at EOS, at least one new token (as in PPO)."""
+    `seed` without touching the global RNG; stops at EOS (possibly at once), sampled as in PPO."""
     device = next(model.parameters()).device
-    queries = [
-        tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts
-    ]  # as PPO tokenizes prompts
+    queries = [encode_prompt(tokenizer, p) for p in prompts]  # as PPO, SFT and the RM tokenize prompts
     if any(len(q) == 0 for q in queries):
         raise UserError("a prompt tokenizes to no tokens; every prompt needs at least one")
     query, query_mask = left_pad(queries, tokenizer.pad_token_id, device)  # (B, P) each

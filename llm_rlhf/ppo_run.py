@@ -41,6 +41,7 @@ from llm_rlhf.models import (
 )
 from llm_rlhf.ppo import Config, PPOTrainer  # Config: the keys of `llm-rlhf ppo`
 from llm_rlhf.reward_model import load_reward_model
+from llm_rlhf.rollout import encode_prompt
 from llm_rlhf.utils import (
     append_jsonl,
     atomic_write_json,
@@ -57,7 +58,7 @@ from llm_rlhf.utils import (
 
 def load_prompts(cfg: Config, tokenizer) -> list[list[int]]:
     ds = load_prompt_dataset(cfg.prompt_file, tokenizer, **prompt_rules(cfg))
-    return [tokenizer(p)["input_ids"] for p in ds["prompt"]]  # with BOS where the tokenizer adds one
+    return [encode_prompt(tokenizer, p) for p in ds["prompt"]]  # with BOS where the tokenizer adds one
 
 
 def build_models(cfg: Config):

@@ -1,7 +1,8 @@
 """Sampling responses and the forwards over them, shared by PPO and evaluation.
 
     left_pad        token-id lists -> query, query_mask (B, P): every response starts at column P
-    sample          query -> `Samples`: responses from `generate`, cut after the first EOS
+    sample          query -> `Samples`: responses from `generate`, cut after the first EOS, drawn from
+                    exactly softmax(logits / temperature) (top-k/top-p if asked; nothing from the checkpoint)
     Rollout         `Samples` plus everything PPO computes on them (complete when built)
     response_logprobs_and_values   the policy / reference forward over query + response (PPO)
     response_logits                a plain causal-LM forward over query + response (evaluation's KL)
@@ -13,9 +14,11 @@ batch) and the contexts around `generate` (autocast, gathered shards).
 from __future__ import annotations
 
 import dataclasses
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from transformers import GenerationConfig
 
 from llm_rlhf import ppo_math
 from llm_rlhf.models import position_ids_from_mask
@@ -71,6 +74,13 @@ class Rollout(Samples):
         return cls(**{f.name: getattr(samples, f.name) for f in dataclasses.fields(Samples)}, **tensors)
 
 
+def encode_prompt(tokenizer, prompt: str) -> list[int]:
+    """A prompt's token ids as every stage sees it: `tokenizer(prompt)` with its special tokens, so BOS
+    where the tokenizer adds one (Llama-style), none for GPT-2 and SmolLM2 - the way TRL's SFT and the
+    RM tokenize prompt + response, so the policy is sampled from the context it was trained on."""
+    return tokenizer(prompt)["input_ids"]
+
+
 def left_pad(queries: list[list[int]], pad_token_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-id lists -> query (B, P) long, query_mask (B, P) long, P = the longest query."""
     P = max(len(q) for q in queries)
@@ -80,6 +90,35 @@ def left_pad(queries: list[list[int]], pad_token_id: int, device=None) -> tuple[
         query[i, P - len(q) :] = torch.tensor(q)
         query_mask[i, P - len(q) :] = 1
     return query.to(device), query_mask.to(device)
+
+
+@contextmanager
+def generation_config_hidden(lm):
+    """Hide the checkpoint's generation_config.json while `generate` runs.
+
+    transformers fills every generation setting left unset from the model's generation_config (a hub
+    model's may set repetition_penalty, no_repeat_ngram_size, top_k, min_p, ...) and then from its global
+    defaults (top_k=50). Any of them would reshape the distribution the tokens are drawn from, while PPO's
+    log-probs and KL are computed from the plain softmax(logits / temperature). So only the special-token
+    ids stay, and `sampling_settings` sets everything that shapes the distribution."""
+    inner = lm.get_base_model() if hasattr(lm, "get_base_model") else lm  # peft wraps the HF model
+    saved = getattr(inner, "generation_config", None)
+    if saved is None:  # not a transformers model: nothing to hide
+        yield
+        return
+    inner.generation_config = GenerationConfig(
+        bos_token_id=saved.bos_token_id, eos_token_id=saved.eos_token_id, pad_token_id=saved.pad_token_id
+    )
+    try:
+        yield
+    finally:
+        inner.generation_config = saved
+
+
+def sampling_settings(*, temperature: float, top_k: int, top_p: float) -> dict:
+    """`generate` kwargs for sampling from softmax(logits / temperature), truncated only by top_k (0 = off)
+    and top_p (1 = off): the explicit 0 matters, None would mean transformers' default top_k=50."""
+    return {"do_sample": True, "temperature": temperature, "top_k": top_k, "top_p": top_p}
 
 
 @torch.no_grad()
@@ -95,23 +134,21 @@ def sample(
     top_p: float,
     pad_to_max_new_tokens: bool = False,
 ) -> Samples:
-    """y ~ pi(.|x) with the KV cache (HF derives the positions from the attention mask); at least one new
-    token, stops at EOS. pad_to_max_new_tokens: R = max_new_tokens even when every row ended early (the
-    same shape on every process). Draws from the current global RNG."""
+    """y ~ pi(.|x) with the KV cache (HF derives the positions from the attention mask); stops at EOS,
+    which may be the first token (no min_new_tokens: masking EOS would sample from another distribution
+    than the one PPO's log-probs describe). pad_to_max_new_tokens: R = max_new_tokens even when every row
+    ended early (the same shape on every process). Draws from the current global RNG."""
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    sequences = lm.generate(
-        input_ids=query,
-        attention_mask=query_mask,
-        do_sample=True,
-        temperature=temperature,
-        top_k=top_k or None,
-        top_p=top_p,
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=1,
-        eos_token_id=eos,
-        pad_token_id=pad,
-        use_cache=True,
-    )
+    with generation_config_hidden(lm):
+        sequences = lm.generate(
+            input_ids=query,
+            attention_mask=query_mask,
+            **sampling_settings(temperature=temperature, top_k=top_k, top_p=top_p),
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos,
+            pad_token_id=pad,
+            use_cache=True,
+        )
     response = sequences[:, query.shape[1] :]  # (B, R)
     if pad_to_max_new_tokens and response.shape[1] < max_new_tokens:  # generate stopped: every row ended
         fill = response.new_full((response.shape[0], max_new_tokens - response.shape[1]), pad)

@@ -27,7 +27,7 @@ from trl import SFTConfig, SFTTrainer
 from llm_rlhf.config import format_config, help_field, require, save_config
 from llm_rlhf.data import load_sft_dataset
 from llm_rlhf.models import load_causal_lm, load_tokenizer
-from llm_rlhf.rollout import left_pad
+from llm_rlhf.rollout import encode_prompt, generation_config_hidden, left_pad, sampling_settings
 from llm_rlhf.trainer_stage import TrainerStageConfig, last_checkpoint, log_callback
 from llm_rlhf.utils import (
     atomic_write_json,
@@ -157,24 +157,25 @@ def sample_responses(model, tokenizer, prompts: list[str], *, max_new_tokens: in
     model.eval()
     device = next(model.parameters()).device
     sampling = (
-        {"do_sample": True, "temperature": temperature, "top_k": top_k or None, "top_p": top_p}
+        sampling_settings(temperature=temperature, top_k=top_k, top_p=top_p)
         if temperature > 0
         else {"do_sample": False}
     )
     results = []
     for i in range(0, len(prompts), batch_size):
         batch = prompts[i : i + batch_size]
-        encoded = [tokenizer(p)["input_ids"] or [start] for p in batch]
+        encoded = [encode_prompt(tokenizer, p) or [start] for p in batch]
         input_ids, attention_mask = left_pad(encoded, pad, device)  # (B, T) each
         width = input_ids.shape[1]
-        output = model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=eos,
-            pad_token_id=pad,
-            **sampling,
-        )
+        with generation_config_hidden(model):  # the same sampling as PPO and evaluation
+            output = model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=eos,
+                pad_token_id=pad,
+                **sampling,
+            )
         for prompt, tokens in zip(batch, output[:, width:].tolist()):  # (B, new) response tokens only
             n = tokens.index(eos) if eos in tokens else len(tokens)  # tokens after the EOS are padding
             results.append(

@@ -1,0 +1,84 @@
+"""A prompt is tokenised the same way in SFT, the RM, PPO and evaluation, BOS included where the
+tokenizer adds one (Llama-style tokenizers do; GPT-2's and SmolLM2's do not)."""
+
+from __future__ import annotations
+
+import torch
+from tokenizers import processors
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from llm_rlhf import ppo, ppo_run, sft
+from llm_rlhf.config import parse_config
+from llm_rlhf.data import load_sft_dataset
+from llm_rlhf.evaluate import sample_batch
+from llm_rlhf.models import load_causal_lm, load_tokenizer
+from llm_rlhf.reward_model import encode_pair
+from llm_rlhf.rollout import encode_prompt
+from tests.conftest import build_tokenizer, write_jsonl
+
+PROMPTS = ["The film is", "A tedious, boring"]
+COMPLETIONS = [" a delight from start to finish.", " waste."]
+
+
+def bos_model_dir(folder):
+    """A tiny Llama whose tokenizer prepends <s> to every text, as Llama's does."""
+    tokenizer = build_tokenizer(folder)
+    tokenizer.add_special_tokens({"bos_token": "<s>"})
+    bos = tokenizer.convert_tokens_to_ids("<s>")
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", bos)]
+    )
+    tokenizer.save_pretrained(folder)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64, bos_token_id=bos, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def test_every_stage_sees_the_bos(tmp_path):
+    folder = bos_model_dir(tmp_path / "bos_model")
+    tokenizer = load_tokenizer(str(folder))
+    bos = tokenizer.bos_token_id
+    expected = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    assert all(ids[0] == bos and ids.count(bos) == 1 for ids in expected)  # the tokenizer really adds it
+    assert [encode_prompt(tokenizer, p) for p in PROMPTS] == expected
+
+    # SFT: the rows TRL's trainer trains on start with the prompt's ids, BOS first
+    rows = [{"prompt": p, "completion": c} for p, c in zip(PROMPTS, COMPLETIONS)]
+    path = write_jsonl(tmp_path / "train.jsonl", rows)
+    dataset = load_sft_dataset(path, tokenizer, max_length=32)
+    cfg = parse_config(sft.Config, ["--output_dir", str(tmp_path / "sft"), "--max_length", "32"])
+    trainer = sft.build_trainer(cfg, load_causal_lm(str(folder)), tokenizer, dataset, dataset)
+    for i, ids in enumerate(expected):
+        assert trainer.train_dataset[i]["input_ids"][: len(ids)] == ids
+
+    # RM: prompt + response, BOS once at the start
+    for p, c, ids in zip(PROMPTS, COMPLETIONS, expected):
+        scored = encode_pair(tokenizer, p, c)
+        assert scored[: len(ids)] == ids and scored.count(bos) == 1
+
+    # PPO's prompts
+    prompt_file = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p} for p in PROMPTS])
+    ppo_cfg = parse_config(
+        ppo.Config, ["--prompt_file", str(prompt_file), "--output_dir", str(tmp_path / "ppo")]
+    )
+    assert ppo_run.load_prompts(ppo_cfg, tokenizer) == expected
+
+    # evaluation's queries (left-padded)
+    tokenizer.pad_token = tokenizer.eos_token
+    samples = sample_batch(
+        load_causal_lm(str(folder)),
+        tokenizer,
+        PROMPTS,
+        seed=0,
+        max_new_tokens=3,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+    )
+    for row, ids in enumerate(expected):
+        query = samples.query[row][samples.query_mask[row].bool()].tolist()
+        assert query == ids
