@@ -58,7 +58,7 @@ from typing import Any, Protocol
 import torch
 
 from llm_rlhf.errors import UserError
-from llm_rlhf.models import load_causal_lm, load_tokenizer
+from llm_rlhf.models import check_local_folder, load_causal_lm, load_tokenizer
 
 FORMAT = "llm_rlhf.gold_judge/tfidf-ridge-v1"
 
@@ -245,7 +245,6 @@ def judge_details(
 
 
 FLUENT_FORMAT = "llm_rlhf.gold_judge/sentiment-fluency-v1"
-BUILD_HINT = {"smollm2-135m-instruct": "python data/make_smollm2.py"}  # local folders a script builds
 
 
 class FluencyLM:
@@ -269,11 +268,7 @@ class FluencyLM:
 
     @classmethod
     def load(cls, name_or_path: str, **kwargs) -> FluencyLM:
-        folder = Path(name_or_path)
-        if not folder.is_dir() and (name_or_path.startswith((".", "/", "~")) or folder.parent.is_dir()):
-            hint = BUILD_HINT.get(folder.name)
-            build = f"; build it with `{hint}`" if hint else ""
-            raise UserError(f"fluency model '{name_or_path}': no such folder{build}")
+        check_local_folder(name_or_path, "fluency model")
         tokenizer = load_tokenizer(name_or_path)
         model = load_causal_lm(name_or_path, dtype="float32")
         return cls(model, tokenizer, **kwargs)

@@ -24,10 +24,36 @@ def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+# Local model folders that a script of this repository builds, by folder name.
+BUILT_BY = {
+    "smollm2-135m-instruct": "python data/make_smollm2.py",
+    "base_model": "python data/make_base_model.py --data data/reviews --out data/reviews/base_model",
+}
+
+
+def check_local_folder(name_or_path: str, what: str = "model") -> None:
+    """A path-like name (./x, /x, ~/x, a/b/c, or a/b whose folder a/ exists here, like
+    data/smollm2-135m-instruct) is a local folder, not a hub id (org/name): when it is missing, say so in
+    one line, with the command that builds it when a script of this repository does."""
+    path = Path(name_or_path).expanduser()
+    local = (
+        name_or_path.startswith((".", "/", "~"))
+        or name_or_path.count("/") > 1
+        or (str(path.parent) != "." and path.parent.is_dir())
+    )
+    if path.is_dir() or not local:
+        return
+    build = BUILT_BY.get(path.name)
+    raise UserError(
+        f"{what} '{name_or_path}': no such folder" + (f"; build it with `{build}`" if build else "")
+    )
+
+
 def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False, padding_side: str = "right"):
     """AutoTokenizer with a pad token. Tokenizers without one (GPT-2) reuse EOS as pad: every mask in
     this package comes from attention masks and lengths, never from `input_ids == pad_token_id`, so the
     real EOS of a response is never mistaken for padding."""
+    check_local_folder(name_or_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
@@ -64,6 +90,7 @@ def check_not_adapter_only(name_or_path: str) -> None:
 
 def load_causal_lm(name_or_path: str, *, dtype: str = "float32", trust_remote_code: bool = False):
     """AutoModelForCausalLM from a hub name or a local HF folder, safetensors only."""
+    check_local_folder(name_or_path)
     check_not_adapter_only(name_or_path)
     try:
         return AutoModelForCausalLM.from_pretrained(

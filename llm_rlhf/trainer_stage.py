@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from llm_rlhf.config import help_field, require
 from llm_rlhf.data import DATA_FORMATS
 from llm_rlhf.errors import ConfigError, UserError
+from llm_rlhf.models import check_local_folder
 from llm_rlhf.utils import append_jsonl
 
 SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
@@ -149,10 +149,10 @@ class TrainerStageConfig:
 
     def check_model_path(self, hint: str = "") -> None:
         """A path-like name that is not a folder is a typo, not a hub id: say so without a network round trip."""
-        name = self.model_name_or_path
-        looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1
-        if looks_local and not os.path.isdir(os.path.expanduser(name)):
-            raise UserError(f"model_name_or_path '{name}': no such folder{hint}")
+        try:
+            check_local_folder(self.model_name_or_path, "model_name_or_path")
+        except UserError as e:
+            raise UserError(f"{e}{hint}") from None
 
     # --- what the Trainer is given -----------------------------------------------------------
 

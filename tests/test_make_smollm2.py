@@ -196,3 +196,20 @@ def test_gguf_to_hf_folder_is_exact(tmp_path, make_smollm2):
 
 def unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def test_a_missing_smollm2_folder_names_the_command_that_builds_it(tmp_path):
+    """Every stage that takes a model path says, in one line, how to build the local SmolLM2 folder."""
+    import subprocess
+
+    missing = tmp_path / "smollm2-135m-instruct"
+    for argv in (
+        ["sft", "--model_name_or_path", str(missing), "--output_dir", str(tmp_path / "sft")],
+        ["ppo", "--model_name_or_path", str(missing), "--output_dir", str(tmp_path / "ppo")],
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "llm_rlhf", *argv], capture_output=True, text=True, cwd=REPO, timeout=300
+        )
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.strip().splitlines()[-1].endswith("; build it with `python data/make_smollm2.py`")
+        assert "Traceback" not in done.stderr and not (tmp_path / argv[0]).exists()

@@ -27,8 +27,8 @@ NAMES = sorted(p.name for p in RECIPES.iterdir() if p.is_dir())
 YAMLS = sorted(RECIPES.glob("*/*.yaml"))
 
 
-def test_the_recipes_are_the_documented_four():
-    assert NAMES == ["gpt2-hh", "gpt2-reviews", "reviews", "reviews-lora"]
+def test_the_recipes_are_the_documented_five():
+    assert NAMES == ["gpt2-hh", "gpt2-reviews", "reviews", "reviews-lora", "smollm2-reviews"]
     for name in NAMES:
         files = {p.name for p in (RECIPES / name).iterdir()}
         assert {"sft.yaml", "rm.yaml", "ppo.yaml", "eval.yaml", "pipeline.yaml", "README.md"} <= files, name
@@ -217,3 +217,27 @@ def test_reviews_lora_pipeline(tmp_path, tiny_model_dir, sft_files, pref_files, 
     assert (ppo_dir / "model.safetensors").is_file(), "the merged PPO policy, a plain HF folder"
     eval_metrics = read_json(tmp_path / "eval" / "metrics.json")
     assert {"rm_win_rate", "gold_win_rate", "kl_to_ref"} <= eval_metrics.keys()
+
+
+def test_smollm2_recipe_runs_on_a_tiny_llama(tmp_path, tiny_llama_dir, sft_files, pref_files, prompt_file):
+    """The SmolLM2 recipe (LoRA in every stage, a Llama model, the fluency-aware gold) on a tiny Llama: the
+    gold's fluency LM is the tiny Llama too, as SmolLM2 is both the base and the gold's LM in the recipe."""
+    from llm_rlhf.gold import FLUENT_FORMAT
+
+    data = {"sft": sft_files[0], "prefs": pref_files[0], "prompts": prompt_file}
+    overrides = tiny_overrides(tiny_llama_dir, data, tmp_path, max_length=48)
+    gold = tmp_path / "gold.json"
+    gold.write_text(json.dumps({
+        "format": FLUENT_FORMAT, "sentiment_judge": str(GOLD_JUDGE), "fluency_model": str(tiny_llama_dir),
+        "end_text": "\n", "fluency_weight": 5.0, "reference_nll": 4.6,
+    }))  # fmt: skip
+    overrides["ppo"]["gold_judge"] = overrides["eval"]["gold_judge"] = gold
+    for stage in ("sft", "rm", "ppo", "eval"):
+        run_stage(stage, "smollm2-reviews", overrides[stage])
+    assert_stage_outputs(tmp_path)
+    assert read_json(tmp_path / "rm" / "adapter_config.json")["r"] == 16
+    eval_metrics = read_json(tmp_path / "eval" / "metrics.json")
+    for key in ("gold_win_rate", "sentiment_win_rate", "fluency_perplexity", "fluency_perplexity_baseline"):
+        assert eval_metrics[key] is not None, key
+    heldout = [json.loads(line) for line in (tmp_path / "ppo" / "eval_log.jsonl").read_text().splitlines()]
+    assert heldout and all(r["fluency_perplexity"] > 1 for r in heldout)
