@@ -81,6 +81,9 @@ COMPARE_PANELS = (
 # Headline columns of the side-by-side table: (stage whose final metrics hold it, key).
 COMPARE_COLUMNS = (
     ("eval", "gold_win_rate"),
+    ("eval", "sentiment_win_rate"),
+    ("eval", "fluency_perplexity"),
+    ("eval", "fluency_perplexity_baseline"),
     ("eval", "rm_win_rate"),
     ("eval", "kl_to_ref"),
     ("eval", "gold_score_mean"),
@@ -698,6 +701,16 @@ def headline_cards(run: Run) -> str:
         _card("Gold win rate", _g(gold, ".1%"),
               f"vs SFT; RM win rate {_g(rm_win, '.1%')}" if rm_win is not None else "vs SFT"),
     ]  # fmt: skip
+    sentiment = final_value(run, "eval", "sentiment_win_rate")
+    fluency = final_value(run, "eval", "fluency_perplexity")
+    if sentiment is not None and fluency is not None:  # the fluency-aware gold's parts
+        fluency_sft = final_value(run, "eval", "fluency_perplexity_baseline")
+        cards.append(
+            _card("Sentiment win rate", _g(sentiment, ".1%"), "vs SFT, the gold's sentiment part alone")
+        )
+        cards.append(
+            _card("Fluency perplexity", _g(fluency), f"SFT {_g(fluency_sft)}; lower reads more fluent")
+        )
     if wall:
         cards.append(_card("Wall time", f"{wall / 60:.1f} min", "all stages"))
     return '<div class="cards">' + "".join(cards) + "</div>"
