@@ -29,7 +29,7 @@ from llm_rlhf import ppo_math
 from llm_rlhf.config import help_field, require
 from llm_rlhf.data import DATA_FORMATS
 from llm_rlhf.models import shares_vocab
-from llm_rlhf.rollout import Rollout, Samples, left_pad, response_logprobs_and_values, sample
+from llm_rlhf.rollout import Rollout, Samples, left_pad, pad_columns, response_logprobs_and_values, sample
 
 
 @dataclass
@@ -404,7 +404,8 @@ class PPOTrainer:
     def in_chunks(self, forward, samples: Samples):
         """`forward` over chunks of micro-batch rows, outputs concatenated along the batch: a no-grad pass
         over the whole rollout never holds its (B, R, V) logits and their softmax temporaries at once
-        (the peak memory of a LoRA step), and runs on the batch shape that training runs on."""
+        (the peak memory of a LoRA step), and runs on as many rows as a training micro-batch. `forward` trims
+        each chunk to its own real tokens and returns (b, R) outputs."""
         n = self.sizes.micro_batch_per_process
         parts = [forward(samples.select(slice(i, i + n))) for i in range(0, samples.query.shape[0], n)]
         if isinstance(parts[0], torch.Tensor):
@@ -412,11 +413,16 @@ class PPOTrainer:
         return tuple(torch.cat(xs) for xs in zip(*parts))  # each (B, R)
 
     def forward_policy(self, samples: Samples, *, train: bool = False):
-        """log pi_theta(y_t|s_t), V(s_t), entropy for the response tokens: (B, R) each.
+        """log pi_theta(y_t|s_t), V(s_t), entropy for the response tokens: (B, R) each, 0 at padding.
 
+        The forward runs on `samples.trimmed()`: the rows' longest real query and response, not the padding
+        up to max_new_tokens (each rollout chunk and each shuffled micro-batch of every PPO epoch is trimmed
+        to its own rows; the shape may differ between processes, DDP's collectives are on gradients).
         train=True goes through the DDP wrapper (gradients synchronised in backward); otherwise the
         unwrapped module runs the same computation with no collectives, so any one process may call it.
         """
+        R = samples.response.shape[1]
+        samples = samples.trimmed()  # (B, P') query, (B, R') response
         unwrap = self.accelerator.unwrap_model
         policy = self.policy if train else unwrap(self.policy)
         # The entropy needs an autograd graph only when the loss uses it (ent_coef != 0).
@@ -428,24 +434,30 @@ class PPOTrainer:
             if self.critic is not None:
                 critic = self.critic if train else unwrap(self.critic)
                 P = samples.query.shape[1]
-                values = critic(samples.sequence, samples.attention_mask)[:, P - 1 : -1]  # (B, R)
-        return logprobs.float(), values.float(), entropy.float()
+                values = critic(samples.sequence, samples.attention_mask)[:, P - 1 : -1]  # (B, R')
+        return tuple(pad_columns(x.float(), R) for x in (logprobs, values, entropy))  # (B, R) each
 
     @torch.no_grad()
     def reference_logprobs(self, samples: Samples) -> torch.Tensor:
-        """log pi_ref(y_t|s_t): (B, R). With LoRA: the policy's own network with the adapter disabled."""
+        """log pi_ref(y_t|s_t): (B, R), 0 at padding; each chunk's forward on its real tokens (`Samples.trimmed`).
+        With LoRA: the policy's own network with the adapter disabled."""
+        R = samples.response.shape[1]
         with self.autocast(), self.reference_context():
             logprobs = self.in_chunks(
-                lambda part: response_logprobs_and_values(
-                    self.ref_model, part, self.cfg.temperature, entropy="none"
-                )[0],
+                lambda part: pad_columns(
+                    response_logprobs_and_values(
+                        self.ref_model, part.trimmed(), self.cfg.temperature, entropy="none"
+                    )[0],
+                    R,
+                ),
                 samples,
             )
         return logprobs.float()
 
     @torch.no_grad()
     def score(self, samples: Samples) -> torch.Tensor:
-        """r_phi(x, y), normalised with the RM's stored mean/std: (B,)."""
+        """r_phi(x, y), normalised with the RM's stored mean/std: (B,). The RM drops the columns that are
+        padding in every row before its forward (`reward_model.trim_padding_columns`)."""
         with self.autocast():
             if self.rm_shares_vocab:  # the usual case: the RM was trained from the SFT model
                 return self.reward_model.score(samples.sequence, samples.attention_mask).float()
@@ -461,7 +473,8 @@ class PPOTrainer:
 
         Every loss is a token mean over the global minibatch: a micro-batch's masked mean is weighted by
         its share of the minibatch's tokens (times the number of processes, since DDP averages gradients),
-        so accumulation and data parallelism change only the float rounding. The ratio guard and the
+        so accumulation and data parallelism change only the float rounding, and so does trimming: each
+        micro-batch's forward runs on its own rows' real tokens (`forward_policy`). The ratio guard and the
         approx-KL early stop decide on global statistics, so every process takes the same branch.
         """
         cfg, sizes = self.cfg, self.sizes

@@ -67,6 +67,25 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
     return (positions * attention_mask.bool()).argmax(-1)  # (B,) the largest unmasked position wins
 
 
+def trim_padding_columns(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop the leading and trailing columns that are padding in every row (any padding side); the
+    columns in between stay, so every real token keeps its place, its position
+    (`position_ids_from_mask` counts real tokens only) and what it attends to. (B, T) each -> (B, T') each.
+
+        pad pad x x y EOS pad pad          pad x x y EOS pad
+        pad x   x y y y   EOS pad    ->    x   x y y y   EOS      (a PPO rollout: responses padded to
+        pad pad x y EOS   pad pad pad      pad x y EOS pad pad     max_new_tokens, the RM pays for none)
+
+    The score, read at the last real token, is the same up to float rounding (`tests/test_trim.py`).
+    """
+    real = attention_mask.bool().any(0)  # (T,) a real token in some row
+    start = int(real.int().argmax())  # the first such column
+    end = real.shape[0] - int(real.flip(0).int().argmax())  # one past the last
+    return input_ids[:, start:end], attention_mask[:, start:end]  # (B, T') each
+
+
 def encode_pairs(tokenizer, prompts: list[str], responses: list[str]) -> list[list[int]]:
     """The token ids the RM scores: tokenizer(prompt + response), then EOS (unless the tokenizer added
     one). The same as TRL's RewardTrainer, which appends the EOS text to each response."""
@@ -98,7 +117,8 @@ class RewardModel(nn.Module):
     """r_phi(x, y) of a sequence-classification model (num_labels=1), possibly wrapped by peft.
 
     forward(input_ids, attention_mask) -> (B,) raw scores, read at the last position where attention_mask
-    is 1 (left, right or both-sided padding; the pad id does not matter). score(...) -> (B,) normalised:
+    is 1 (left, right or both-sided padding; the pad id does not matter; columns that are padding in
+    every row are dropped first, `trim_padding_columns`). score(...) -> (B,) normalised:
     (raw - mean) / std. Attributes: `model`, `tokenizer` (with its dedicated pad token), `mean`, `std`,
     `normalization` (the stored record, None if the folder has none: then mean 0, std 1).
     """
@@ -130,7 +150,9 @@ class RewardModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         _, head = self._trunk_and_head()
-        hidden = self.hidden_states(input_ids, attention_mask)  # (B, T, H)
+        # (B, T') each: no compute on columns that are padding in every row
+        input_ids, attention_mask = trim_padding_columns(input_ids, attention_mask)
+        hidden = self.hidden_states(input_ids, attention_mask)  # (B, T', H)
         last = last_token_index(attention_mask)  # (B,)
         rows = torch.arange(hidden.shape[0], device=hidden.device)  # (B,)
         hidden_last = hidden[rows, last]  # (B, H): the hidden state at the last non-pad token (the EOS)

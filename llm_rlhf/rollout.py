@@ -4,6 +4,8 @@
     sample          query -> `Samples`: responses from `generate`, cut after the first EOS, drawn from
                     exactly softmax(logits / temperature) (top-k/top-p if asked; nothing from the checkpoint)
     Rollout         `Samples` plus everything PPO computes on them (complete when built)
+    Samples.trimmed / pad_columns  no compute on padding: forwards run on the real tokens' columns only,
+                    their outputs go back on the full (B, R) grid with zeros at the padding
     response_logprobs_and_values   the policy / reference forward over query + response (PPO)
     response_logits                a plain causal-LM forward over query + response (evaluation's KL)
 
@@ -55,6 +57,48 @@ class Samples:
     def select(self, index):
         """The rows `index` (a slice or a (b,) index tensor) of every field, as the same type."""
         return type(self)(**{f.name: getattr(self, f.name)[index] for f in dataclasses.fields(self)})
+
+    def trimmed(self):
+        """The same rows without the columns that are padding in every row, as the same type: the query
+        keeps its columns from the first one holding a real token in some row (the longest real query),
+        the response its columns up to the last one holding a real token (the longest real response).
+
+            query (P = 5)    | response (R = 6)              query (P' = 4) | response (R' = 3)
+            pad pad pad q q  | r r   EOS pad pad pad   ->    pad pad q q    | r r   EOS
+            pad q   q   q q  | r EOS pad pad pad pad         q   q   q q    | r EOS pad
+
+        Every real token keeps its token id, mask and position (positions count real tokens only,
+        `models.position_ids_from_mask`), and no real position attends to a dropped column (padding), so a
+        forward over the trimmed rows gives the same outputs at every real position up to float rounding
+        (matmuls of another shape; `tests/test_trim.py`). Shorter prompts and responses of the batch stay
+        padded. Fields: query and query_mask are cut on the left, every other field with a column axis
+        (response, response_mask and, for a `Rollout`, the (B, R) tensors) on the right; scores (B,) stay.
+        Outputs of the forward: (B, R') -> `pad_columns(x, R)`. Issue 14: responses that end after 5
+        tokens no longer pay for max_new_tokens = 48 in the reference, RM and every PPO epoch.
+        """
+        has_query = self.query_mask.bool().any(0)  # (P,) a real query token in some row
+        has_response = self.response_mask.bool().any(0)  # (R,) a real response token in some row
+        query_start = int(has_query.int().argmax())  # the first such column (0 if none)
+        response_end = len(has_response) - int(has_response.flip(0).int().argmax())  # one past the last
+        return self.columns(query_start, response_end)
+
+    def columns(self, query_start: int | None, response_end: int | None):
+        """Query columns [query_start:] and response columns [:response_end] of every field (see `trimmed`)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            x = getattr(self, f.name)
+            if f.name in ("query", "query_mask"):
+                x = x[:, query_start:]  # (B, P')
+            elif x.dim() > 1:
+                x = x[:, :response_end]  # (B, R') aligned with the response tokens
+            out[f.name] = x
+        return type(self)(**out)
+
+
+def pad_columns(x: torch.Tensor, width: int) -> torch.Tensor:
+    """(B, R') -> (B, width): zeros appended on the right, for the outputs of a forward over
+    `Samples.trimmed()` rows (the zeros sit at padding, which response_mask masks out). Differentiable."""
+    return torch.nn.functional.pad(x, (0, width - x.shape[1]))  # (B, width)
 
 
 @dataclass
