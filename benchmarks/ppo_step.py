@@ -3,26 +3,36 @@
     python benchmarks/ppo_step.py --model small                        # the reviews task's shape
     python benchmarks/ppo_step.py --model gpt2 --lora --bf16           # GPT-2 124M shape, LoRA, bf16 autocast
     python benchmarks/ppo_step.py --model gpt2 --matrix --json out.json  # {full, LoRA} x {fp32, bf16}, one process each
+    python benchmarks/ppo_step.py --value_model reward                  # the separate critic (from the RM)
+    python benchmarks/ppo_step.py --model-dir data/smollm2-135m-instruct --lora   # any local causal LM
 
 Models are built from a config with random weights (never downloaded) and saved as HF folders in a
 temporary directory: the policy (`GPT2LMHeadModel` + a byte-level BPE tokenizer whose vocabulary has
-exactly the model's `vocab_size`) and a reward model saved by `llm_rlhf.reward.save_reward_model`.
-The trainer is built by `llm_rlhf.ppo.build_trainer`, as `llm-rlhf ppo` does.
+exactly the model's `vocab_size`) and a reward model saved by `llm_rlhf.reward_model.save_reward_model`.
+With --model-dir the policy is that folder (any causal-LM architecture) and the reward model is its
+trunk with a fresh score head (`AutoModelForSequenceClassification`), as `llm-rlhf rm` starts from the
+SFT model. The trainer is built by `llm_rlhf.ppo_run.build_trainer`, as `llm-rlhf ppo` does.
 
 Per phase (generate = `policy.lm.generate` only; old log-probs and values = the policy forward after it;
 reference; reward model; update = `train_on_rollout`): seconds, tokens per second, share of the step.
 The phases are timed by wrapping the trainer's methods here; ppo.py is not changed for it.
 
-Training-phase FLOPs (model FLOPs, gradient-checkpointing recompute not counted):
+Training-phase FLOPs (model FLOPs, gradient-checkpointing recompute not counted), summed over the
+forwards that ran, each on b rows of width L (prompt + response, trimmed to the rows' real tokens) with
+the LM head at K positions (the response):
 
-    full fine-tuning:  6 * (N_trunk * B*L + N_head * B*R) + 6 * n_layer * d * B * L*L   per PPO epoch
+    full fine-tuning:  6 * (N_trunk * b*L + N_head * b*K) + 12 * n_layer * d * b * L*L
     LoRA:              the same with 4 (forward + input gradient) for the frozen weights and 6 for the adapters
+    separate critic:   + 6 * N_critic * b*L + 12 * n_layer * d * b * L*L (the critic is fully trained)
 
 N_trunk = weights of the transformer blocks' matmuls (embeddings are look-ups), N_head = vocab * d (the
-LM head, useful only at the R response positions), B = rollout batch, L = prompt + response length,
-the last term is attention's QK^T and AV (2 * 2 * n_layer * L * d per token forward, causal mask not
-halved, times 3 for forward + backward). MFU = training FLOPs / update seconds / matmul peak, where
-the peak is a square matmul (`--peak-size`, 2048) timed in this process, in fp32, or in bf16 with --bf16.
+LM head, useful only at the K response positions), the last term is attention's QK^T and AV
+(2 * 2 * n_layer * L * d per token forward, causal mask not halved, times 3 for forward + backward).
+The no-grad forwards count 2 per weight and 4 * n_layer * d * L per token. The shapes come from forward
+pre-hooks, so a batch whose responses stopped early counts the tokens it computed, not
+prompt + max_new_tokens. MFU = training FLOPs / update seconds / matmul peak, where the peak is a square
+matmul (`--peak-size`, 2048) timed in this process, in fp32, or in bf16 with --bf16 (only then: on a CPU
+without native bf16 matmuls the bf16 peak alone takes minutes).
 
 Peak memory: max RSS of this process (CPU) or max allocated (CUDA). Each --matrix entry runs in its own
 process so the peaks do not mix.
@@ -59,7 +69,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", choices=sorted(SHAPES), default="small", help="model shape (random weights)")
     p.add_argument(
         "--model-dir",
-        help="use this HF causal-LM folder as the policy instead (e.g. data/reviews/base_model)",
+        help="use this HF causal-LM folder as the policy instead, any architecture "
+        "(e.g. data/reviews/base_model, data/smollm2-135m-instruct)",
+    )
+    p.add_argument(
+        "--prompt-file",
+        help="prompts from this file (e.g. data/reviews/ppo_prompts.jsonl), encoded as `llm-rlhf ppo` does, "
+        "instead of --prompt-len random tokens (a real model's response lengths depend on its prompts)",
     )
     p.add_argument("--n-layer", type=int, help="override the shape")
     p.add_argument("--n-head", type=int)
@@ -74,6 +90,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lora", action="store_true", help="use_lora (r=16, peft default target modules)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast")
     p.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing")
+    p.add_argument(
+        "--value_model",
+        "--value-model",
+        choices=("policy", "reward"),
+        default="policy",
+        help="the critic: a value head on the policy trunk, or a separate critic from the reward model",
+    )
     p.add_argument("--steps", type=int, default=3, help="timed PPO steps (after --warmup)")
     p.add_argument("--warmup", type=int, default=1, help="untimed PPO steps first")
     p.add_argument(
@@ -98,6 +121,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def model_config(args):
+    """The policy's config: the --model-dir folder's (any architecture) or a GPT-2 shape."""
     from transformers import AutoConfig, GPT2Config
 
     if args.model_dir:
@@ -143,10 +167,10 @@ def build_tokenizer(vocab_size: int):
 
 def build_folders(args, workdir: Path) -> tuple[Path, Path]:
     """policy folder (causal LM + tokenizer) and reward-model folder (as `llm-rlhf rm` saves it)."""
-    from transformers import AutoTokenizer, GPT2ForSequenceClassification, GPT2LMHeadModel
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, GPT2LMHeadModel
 
     from llm_rlhf.models import load_tokenizer
-    from llm_rlhf.reward import RewardModel, add_pad_token, save_reward_model
+    from llm_rlhf.reward_model import RewardModel, add_pad_token, load_sequence_classifier, save_reward_model
 
     config = model_config(args)
     policy_dir, rm_dir = workdir / "policy", workdir / "rm"
@@ -166,8 +190,16 @@ def build_folders(args, workdir: Path) -> tuple[Path, Path]:
         tokenizer.save_pretrained(policy_dir)
         del lm
     torch.manual_seed(1)
-    rm_config = config.__class__.from_dict({**config.to_dict(), "num_labels": 1})
-    model = GPT2ForSequenceClassification(rm_config)
+    if args.model_dir:  # the trunk's weights and a fresh score head, whatever the architecture
+        model = load_sequence_classifier(
+            str(policy_dir), dtype="float32", trust_remote_code=False, need_head=False
+        )
+    else:
+        labels = ("id2label", "label2id")  # the config's default two labels would contradict num_labels=1
+        rm_config = {k: v for k, v in config.to_dict().items() if k not in labels}
+        model = AutoModelForSequenceClassification.from_config(
+            config.__class__.from_dict({**rm_config, "num_labels": 1})
+        )
     rm_tokenizer = load_tokenizer(str(policy_dir))
     add_pad_token(model, rm_tokenizer)
     save_reward_model(
@@ -210,7 +242,12 @@ class PhaseTimer:
     subtracted from its parent, so the phases add up to at most the step time."""
 
     def __init__(self, device):
-        self.device, self.seconds, self.stack = device, {}, []
+        self.device, self.seconds, self.stack, self.names = device, {}, [], []
+
+    @property
+    def current(self) -> str | None:
+        """The innermost phase running now (None outside the timed methods)."""
+        return self.names[-1] if self.names else None
 
     def wrap(self, fn, phase_of):
         def timed(*a, **kw):
@@ -219,6 +256,7 @@ class PhaseTimer:
                 return fn(*a, **kw)
             sync(self.device)
             self.stack.append(0.0)
+            self.names.append(phase)
             t = time.perf_counter()
             try:
                 with torch.profiler.record_function(f"phase/{phase}"):  # names the phase in --profile
@@ -227,6 +265,7 @@ class PhaseTimer:
                 sync(self.device)
                 elapsed = time.perf_counter() - t
                 children = self.stack.pop()
+                self.names.pop()
                 self.seconds[phase] = self.seconds.get(phase, 0.0) + elapsed - children
                 if self.stack:
                     self.stack[-1] += elapsed
@@ -257,44 +296,85 @@ def instrument(trainer, timer: PhaseTimer) -> None:
     trainer.train_on_rollout = update
 
 
-def param_counts(lm) -> dict[str, int]:
-    """Weights by role: trunk matmuls, LM head, embeddings (look-ups), LoRA adapters; frozen or not."""
-    counts = {"trunk": 0, "trunk_frozen": 0, "lora": 0, "embeddings": 0, "head": 0}
-    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
-    head = base.get_output_embeddings().weight
-    counts["head"] = head.numel()
+def param_counts(model) -> dict:
+    """Weights by role: trunk matmuls, LM head, embeddings (look-ups), LoRA adapters; frozen or not; and
+    the shape (n_layer, d). Any causal LM or sequence classifier (its score head is counted in the trunk)."""
+    counts = {"trunk": 0, "trunk_frozen": 0, "lora": 0, "embeddings": 0, "head": 0, "head_frozen": True}
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    output = base.get_output_embeddings()
+    head = output.weight if output is not None else None
+    if head is not None:
+        counts["head"], counts["head_frozen"] = head.numel(), not head.requires_grad
+    head_ptr = head.data_ptr() if head is not None else None
     emb_ptrs = {m.weight.data_ptr() for m in base.modules() if isinstance(m, torch.nn.Embedding)}
-    for name, p in lm.named_parameters():
+    for name, p in model.named_parameters():
         if "lora_" in name:
             counts["lora"] += p.numel()
-        elif p.data_ptr() in emb_ptrs or p.data_ptr() == head.data_ptr():
-            counts["embeddings"] += p.numel() if p.data_ptr() != head.data_ptr() else 0
+        elif p.data_ptr() == head_ptr:
+            continue
+        elif p.data_ptr() in emb_ptrs:
+            counts["embeddings"] += p.numel()
         elif p.dim() >= 2:  # matmul weights (biases and norms are O(d) per token: not counted)
             counts["trunk"] += p.numel()
             counts["trunk_frozen"] += 0 if p.requires_grad else p.numel()
+    config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    counts["n_layer"], counts["d"] = config.num_hidden_layers, config.hidden_size
     return counts
 
 
-def training_flops(counts, *, B, L, R, n_layer, d, epochs, lora) -> float:
-    """The docstring's formula: model FLOPs of `epochs` passes of forward + backward over B sequences."""
-    per_weight = lambda frozen: 4 if frozen else 6  # noqa: E731  frozen: no weight gradient
-    trunk = (
-        (per_weight(True) * counts["trunk_frozen"] + 6 * (counts["trunk"] - counts["trunk_frozen"])) * B * L
-    )
-    head = per_weight(lora) * counts["head"] * B * R
-    adapters = 6 * counts["lora"] * B * L
-    attention = 6 * n_layer * d * B * L * L
-    return float(epochs * (trunk + head + adapters + attention))
+def forward_flops(c: dict, *, b: int, L: int, K: int, adapters: bool = True) -> float:
+    """A no-grad forward of b rows of width L, the LM head at K positions: 2 FLOPs per weight per token,
+    plus attention (4 * n_layer * d * L per token). adapters=False: LoRA switched off (the reference)."""
+    weights = c["trunk"] + (c["lora"] if adapters else 0)
+    return float(2 * weights * b * L + 2 * c["head"] * b * K + 4 * c["n_layer"] * c["d"] * b * L * L)
 
 
-def forward_flops(counts, *, B, L, R, n_layer, d, lm_head: bool = True) -> float:
-    """2 FLOPs per weight per token, LM head on the R response positions (none for the reward model:
-    its score head is one dot product), plus attention."""
+def training_flops(c: dict, *, b: int, L: int, K: int) -> float:
+    """Forward + backward of b rows of width L (the docstring's formula): 6 per trained weight per token,
+    4 per frozen one (no weight gradient), attention 12 * n_layer * d * L per token."""
+    trunk = 4 * c["trunk_frozen"] + 6 * (c["trunk"] - c["trunk_frozen"])
+    head = (4 if c["head_frozen"] else 6) * c["head"]
     return float(
-        2 * (counts["trunk"] + counts["lora"]) * B * L
-        + (2 * counts["head"] * B * R if lm_head else 0)
-        + 2 * n_layer * d * B * L * L
+        trunk * b * L + head * b * K + 6 * c["lora"] * b * L + 12 * c["n_layer"] * c["d"] * b * L * L
     )
+
+
+class ShapeLog:
+    """The shape of every forward the timed phases run, from forward pre-hooks on the networks: per phase,
+    (role, b, L, K) per call; role "lm" (policy or reference), "critic" or "reward_model"; K = the LM
+    head's positions (0 for the others). The FLOPs and tokens are counted on these shapes, which are
+    trimmed to the rows' real tokens, not on prompt + max_new_tokens."""
+
+    def __init__(self, timer: PhaseTimer):
+        self.timer, self.calls, self.on = timer, {}, False
+
+    def watch(self, module, role: str) -> None:
+        def record(_module, args, kwargs):
+            phase = self.timer.current
+            if not self.on or phase in (None, "generate"):
+                return
+            b, L = (kwargs["input_ids"] if "input_ids" in kwargs else args[0]).shape
+            keep = kwargs.get("logits_to_keep", 0)
+            K = 0 if role != "lm" else len(keep) if isinstance(keep, torch.Tensor) else keep or L
+            self.calls.setdefault(phase, []).append((role, b, L, K))
+
+        module.register_forward_pre_hook(record, with_kwargs=True)
+
+    def flops(self, phase: str, nets: dict[str, dict]) -> float:
+        train = phase == "update"
+        total = 0.0
+        for role, b, L, K in self.calls.get(phase, []):
+            c = nets[role]
+            if train:
+                total += training_flops(c, b=b, L=L, K=K)
+            else:
+                total += forward_flops(c, b=b, L=L, K=K, adapters=phase != "reference")
+        return total
+
+    def tokens(self, phase: str) -> int:
+        """Tokens the phase's forwards ran on (a critic reads the policy's tokens: not counted twice)."""
+        role = "reward_model" if phase == "reward_model" else "lm"
+        return sum(b * L for r, b, L, _ in self.calls.get(phase, []) if r == role)
 
 
 def peak_memory_mb(device) -> float:
@@ -327,13 +407,14 @@ class RssSampler:
 
 
 def compare_generation(trainer, args, device, reps: int) -> dict:
+    from llm_rlhf.rollout import left_pad
+
     """Rollout generation (the trainer's `generate` minus its policy forward) vs a bare `model.generate`
     with the same model, batch, lengths and autocast, alternating so both see the same machine load."""
     lm = trainer.unwrapped_policy.lm
     tok = trainer.tokenizer
     queries = trainer.next_queries()
-    query = torch.tensor(queries, device=device)  # all prompts have --prompt-len tokens
-    mask = torch.ones_like(query)
+    query, mask = left_pad(queries, tok.pad_token_id, device)  # (B, P) each
     bare_s, bare_tokens, roll_s, roll_tokens = 0.0, 0, 0.0, 0
     forward_policy = trainer.forward_policy
     for rep in range(reps):
@@ -379,10 +460,24 @@ def compare_generation(trainer, args, device, reps: int) -> dict:
     }
 
 
+def make_prompts(args, cfg, tokenizer, vocab_size: int, n: int) -> list[list[int]]:
+    """--prompt-file encoded as `llm-rlhf ppo` does, or n prompts of --prompt-len random non-special tokens."""
+    from llm_rlhf import ppo_run
+
+    if args.prompt_file:
+        return ppo_run.load_prompts(cfg, tokenizer)
+    special = torch.tensor(sorted(set(tokenizer.all_special_ids)))
+    ordinary = torch.tensor([i for i in range(vocab_size) if i not in set(special.tolist())])  # (V',)
+    g = torch.Generator().manual_seed(0)
+    return [
+        ordinary[torch.randint(len(ordinary), (args.prompt_len,), generator=g)].tolist() for _ in range(n)
+    ]
+
+
 def run_one(args) -> dict:
     from accelerate import Accelerator
 
-    from llm_rlhf import ppo
+    from llm_rlhf import ppo, ppo_run
     from llm_rlhf.models import load_tokenizer
 
     torch.set_num_threads(args.threads)
@@ -394,44 +489,44 @@ def run_one(args) -> dict:
     else:
         policy_dir, rm_dir = build_folders(args, workdir)
 
-    peak_fp32 = matmul_peak(args.peak_size, torch.float32, device)
-    peak_bf16 = matmul_peak(args.peak_size, torch.bfloat16, device)
+    # The bf16 peak only when bf16 is asked for: a CPU that emulates bf16 spends minutes in it.
+    peak_dtype = torch.bfloat16 if args.bf16 else torch.float32
+    peak_start = matmul_peak(args.peak_size, peak_dtype, device)
 
     total_steps = args.warmup + args.steps + (1 if args.profile else 0) + 1
     cfg = ppo.Config(
         model_name_or_path=str(policy_dir),
         reward_model_path=str(rm_dir),
-        prompt_file="unused",  # prompts are given as token ids below
+        prompt_file=args.prompt_file or "unused",  # random prompts are given as token ids below
         output_dir=str(workdir / "out"),
         steps=total_steps,
         rollout_batch_size=args.rollout,
         mini_batch_size=args.mini_batch,
         gradient_accumulation_steps=args.grad_accum,
         ppo_epochs=args.ppo_epochs,
-        max_prompt_length=args.prompt_len,
+        max_prompt_length=max(args.prompt_len, 64 if args.prompt_file else 0),
+        skip_long=True,
         max_new_tokens=args.new_tokens,
         use_lora=args.lora,
         bf16=args.bf16,
         gradient_checkpointing=args.grad_ckpt,
+        value_model=args.value_model,
         eval_every=0,
         save_steps=0,
         log_samples_every=0,
     )
     tokenizer = load_tokenizer(str(policy_dir), padding_side="left")
-    g = torch.Generator().manual_seed(0)
-    vocab = len(tokenizer)
-    prompts = [
-        (torch.randint(1, vocab, (args.prompt_len,), generator=g)).tolist()  # id 0 is EOS
-        for _ in range(args.rollout * total_steps)
-    ]
-    trainer = ppo.build_trainer(cfg, Accelerator(cpu=device.type == "cpu"), tokenizer, prompts)
+    prompts = make_prompts(args, cfg, tokenizer, len(tokenizer), args.rollout * total_steps)
+    trainer = ppo_run.build_trainer(cfg, Accelerator(cpu=device.type == "cpu"), tokenizer, prompts)
     load_peak_mb = peak_memory_mb(device)
     lm = trainer.unwrapped_policy.lm
-    counts = param_counts(lm)
+    critic = trainer.accelerator.unwrap_model(trainer.critic) if trainer.critic is not None else None
+    nets = {  # weights and shapes of each network a phase runs
+        "lm": param_counts(lm),
+        "reward_model": param_counts(trainer.reward_model.model),
+        **({"critic": param_counts(critic.reward_model.model)} if critic is not None else {}),
+    }
     config = (lm.get_base_model() if hasattr(lm, "get_base_model") else lm).config
-    n_layer, d = config.n_layer, config.n_embd
-    B, P, R = args.rollout, args.prompt_len, args.new_tokens
-    L = P + R
 
     for _ in range(args.warmup):
         trainer.ppo_step()
@@ -439,10 +534,18 @@ def run_one(args) -> dict:
 
     timer = PhaseTimer(device)
     instrument(trainer, timer)
+    shapes = ShapeLog(timer)
+    shapes.watch(lm, "lm")
+    if not args.lora:
+        shapes.watch(trainer.ref_model.lm, "lm")  # a frozen copy (with LoRA: the policy's own network)
+    shapes.watch(trainer.reward_model._trunk_and_head()[0], "reward_model")
+    if critic is not None:
+        shapes.watch(critic.reward_model._trunk_and_head()[0], "critic")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    step_seconds = []
+    step_seconds, lengths = [], []
     usage0 = resource.getrusage(resource.RUSAGE_SELF)
+    shapes.on = True
     with RssSampler() as rss:
         for _ in range(args.steps):
             sync(device)
@@ -450,6 +553,8 @@ def run_one(args) -> dict:
             metrics = trainer.ppo_step()
             sync(device)
             step_seconds.append(time.perf_counter() - t)
+            lengths.append(metrics["response_length"])
+    shapes.on = False
     usage1 = resource.getrusage(resource.RUSAGE_SELF)
     cpu = {
         "user_s": usage1.ru_utime - usage0.ru_utime,
@@ -457,49 +562,40 @@ def run_one(args) -> dict:
     }
     # < 1: this process did not get its threads' worth of CPU (other jobs on the machine).
     cpu["utilization"] = (cpu["user_s"] + cpu["sys_s"]) / (sum(step_seconds) * args.threads)
-    peak_fp32_end = matmul_peak(args.peak_size, torch.float32, device)
-    peak_bf16_end = matmul_peak(args.peak_size, torch.bfloat16, device)
+    peak_end = matmul_peak(args.peak_size, peak_dtype, device)
+    peak = max(peak_start, peak_end)
     n = args.steps
     step_s = sum(step_seconds) / n
     phase_s = {k: v / n for k, v in timer.seconds.items()}
     phase_s.pop("rollout_other", None)  # padding the queries, the response mask: counted in "other"
     phase_s["other"] = step_s - sum(phase_s.values())  # + shaped rewards, GAE, whitening, metrics
-    tokens = {
-        "generate": B * R,
-        "old_logprobs_values": B * L,
-        "reference": B * L,
-        "reward_model": B * L,
-        "update": B * L * args.ppo_epochs,
-    }
+    tokens = {k: shapes.tokens(k) / n for k in ("old_logprobs_values", "reference", "reward_model", "update")}
+    tokens["generate"] = args.rollout * args.new_tokens  # at most: generate stops when every row has ended
     phases = {}
-    for k, s in phase_s.items():
+    for k, sec in phase_s.items():
         phases[k] = {
-            "seconds": s,
-            "tokens_per_s": tokens[k] / s if k in tokens and s > 0 else None,
-            "share": s / step_s,
+            "seconds": sec,
+            "tokens_per_s": tokens[k] / sec if k in tokens and sec > 0 else None,
+            "share": sec / step_s,
         }
-    train_flops = training_flops(
-        counts, B=B, L=L, R=R, n_layer=n_layer, d=d, epochs=args.ppo_epochs, lora=args.lora
-    )
-    peak_fp32, peak_bf16 = max(peak_fp32, peak_fp32_end), max(peak_bf16, peak_bf16_end)
-    peak = peak_bf16 if args.bf16 else peak_fp32
-    fwd = {
-        k: forward_flops(counts, B=B, L=L, R=R, n_layer=n_layer, d=d, lm_head=k != "reward_model")
-        for k in ("old_logprobs_values", "reference", "reward_model")
-    }
+    train_flops = shapes.flops("update", nets) / n
+    fwd = {k: shapes.flops(k, nets) / n for k in ("old_logprobs_values", "reference", "reward_model")}
     result = {
         "config": {
             "model": args.model_dir or args.model,
-            "n_layer": n_layer,
-            "n_embd": d,
+            "architecture": type(config).__name__.removesuffix("Config"),
+            "n_layer": nets["lm"]["n_layer"],
+            "n_embd": nets["lm"]["d"],
             "vocab_size": config.vocab_size,
-            "params": counts,
-            "rollout": B,
+            "params": nets,
+            "value_model": args.value_model,
+            "rollout": args.rollout,
             "mini_batch": args.mini_batch,
             "grad_accum": args.grad_accum,
             "ppo_epochs": args.ppo_epochs,
-            "prompt_len": P,
-            "new_tokens": R,
+            "prompt_len": "file" if args.prompt_file else args.prompt_len,
+            "prompt_file": args.prompt_file,
+            "new_tokens": args.new_tokens,
             "lora": args.lora,
             "bf16": args.bf16,
             "grad_ckpt": args.grad_ckpt,
@@ -510,8 +606,9 @@ def run_one(args) -> dict:
         "step_seconds": step_s,
         "step_seconds_all": step_seconds,
         "phases": phases,
-        "matmul_peak_gflops": {"fp32": peak_fp32 / 1e9, "bf16": peak_bf16 / 1e9},
-        "matmul_peak_gflops_end": {"fp32": peak_fp32_end / 1e9, "bf16": peak_bf16_end / 1e9},
+        "tokens_per_step": tokens,  # the tokens each phase's forwards ran on, trimmed to the real ones
+        "matmul_peak_gflops": {"fp32" if not args.bf16 else "bf16": peak / 1e9},
+        "matmul_peak_gflops_start_end": [peak_start / 1e9, peak_end / 1e9],
         "cpu_time_during_steps": cpu,
         "train_flops_per_step": train_flops,
         "train_gflops_per_s": train_flops / phase_s["update"] / 1e9,
@@ -523,7 +620,7 @@ def run_one(args) -> dict:
         "peak_memory_mb": peak_memory_mb(device),
         "peak_memory_mb_after_load": load_peak_mb,
         "peak_rss_mb_during_steps": rss.peak / 2**20 if device.type == "cpu" else None,
-        "response_length": metrics["response_length"],
+        "response_length": sum(lengths) / n,
         "load_avg_1min": os.getloadavg()[0],
     }
     if args.profile:
@@ -578,8 +675,10 @@ def ops_by_phase(prof, top: int = 12) -> str:
 
 def label(r: dict) -> str:
     c = r["config"]
-    return f"{c['model']} {'LoRA' if c['lora'] else 'full'} {'bf16' if c['bf16'] else 'fp32'}" + (
-        " ckpt" if c["grad_ckpt"] else ""
+    return (
+        f"{c['model']} ({c['architecture']}) {'LoRA' if c['lora'] else 'full'} {'bf16' if c['bf16'] else 'fp32'}"
+        + (" ckpt" if c["grad_ckpt"] else "")
+        + (" + critic from the RM" if c["value_model"] == "reward" else "")
     )
 
 
@@ -591,7 +690,8 @@ def format_table(results: list[dict]) -> str:
             f"## {label(r)}: rollout {c['rollout']}, prompt {c['prompt_len']} + {c['new_tokens']} new tokens, "
             f"minibatch {c['mini_batch']}, {c['ppo_epochs']} PPO epoch(s), {c['steps']} timed steps, "
             f"{c['threads']} threads, load {r['load_avg_1min']:.1f}, CPU utilisation "
-            f"{r['cpu_time_during_steps']['utilization']:.2f} (sys {r['cpu_time_during_steps']['sys_s']:.1f} s)"
+            f"{r['cpu_time_during_steps']['utilization']:.2f} (sys {r['cpu_time_during_steps']['sys_s']:.1f} s); "
+            f"mean response {r['response_length']:.1f} tokens"
         )
         lines.append("| phase | seconds | tokens/s | share |")
         lines.append("|---|---:|---:|---:|")
@@ -600,7 +700,7 @@ def format_table(results: list[dict]) -> str:
             lines.append(f"| {k} | {v['seconds']:.3f} | {tps} | {100 * v['share']:.1f}% |")
         lines.append(f"| **step** | {r['step_seconds']:.3f} | | 100% |")
         g = r["generation"]
-        peak = r["matmul_peak_gflops"]["bf16" if c["bf16"] else "fp32"]
+        (peak,) = r["matmul_peak_gflops"].values()
         lines.append(
             f"\ntraining: {r['train_gflops_per_s']:.1f} GFLOP/s = MFU {100 * r['mfu']:.1f}% of the "
             f"{peak:.0f} GFLOP/s {'bf16' if c['bf16'] else 'fp32'} matmul peak; forwards: "
