@@ -17,7 +17,8 @@ R = 12  # max_new_tokens; the longest real response below has 7 tokens
 EOS_AT = [1, 3, 6, 0, 2, 4, 1, 3]  # the EOS's index in each row's response
 EXTRA_QUERY_PAD = 2  # all-pad columns left of the queries
 
-untrimmed_samples = Samples.trimmed  # the real one, for the variants below
+# The real trims, before a test swaps in one of the variants below.
+TRIMMED, TRIM_PADDING_COLUMNS = Samples.trimmed, reward_model.trim_padding_columns
 
 
 def no_trim(self):
@@ -25,19 +26,16 @@ def no_trim(self):
 
 
 def drops_last_response_column(self):
-    return untrimmed_samples(self).columns(None, -1)
+    return TRIMMED(self).columns(None, -1)
 
 
 def drops_first_query_column(self):
-    return untrimmed_samples(self).columns(1, None)
+    return TRIMMED(self).columns(1, None)
 
 
 def rm_drops_last_column(input_ids, attention_mask):
     input_ids, attention_mask = TRIM_PADDING_COLUMNS(input_ids, attention_mask)
     return input_ids[:, :-1], attention_mask[:, :-1]
-
-
-TRIM_PADDING_COLUMNS = reward_model.trim_padding_columns
 
 
 def assert_same(a: torch.Tensor, b: torch.Tensor, msg: str, *, atol: float = 1e-6, rtol: float = 1e-5):
