@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ import torch
 from llm_rlhf import ppo, ppo_run
 from llm_rlhf.models import load_tokenizer
 from llm_rlhf.rollout import Samples
+
+SENTIMENT_JUDGE = Path(__file__).resolve().parents[1] / "data" / "reviews" / "gold_judge.json"
 
 
 def make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, out, **kw) -> ppo.Config:
@@ -30,6 +33,7 @@ def make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, out, **kw) -> ppo.Config:
         log_samples_every=0,
         kl_target=1.0,
         kl_horizon=100,
+        gold_judge=str(SENTIMENT_JUDGE),  # the default, gold.json, needs the 538 MB SmolLM2 folder
     )
     base.update(kw)
     return ppo.Config(**base)
