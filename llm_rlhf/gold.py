@@ -58,7 +58,7 @@ from typing import Any, Protocol
 import torch
 
 from llm_rlhf.errors import UserError
-from llm_rlhf.models import check_local_folder, load_causal_lm, load_tokenizer
+from llm_rlhf.models import check_local_folder, freeze, load_causal_lm, load_tokenizer
 
 FORMAT = "llm_rlhf.gold_judge/tfidf-ridge-v1"
 
@@ -258,9 +258,7 @@ class FluencyLM:
     def __init__(
         self, model, tokenizer, *, end_text: str = "\n", batch_size: int = 32, max_length: int = 512
     ):
-        self.model = model.eval()
-        for p in self.model.parameters():
-            p.requires_grad_(False)
+        self.model = freeze(model)
         self.tokenizer = tokenizer
         self.end_ids = tokenizer(end_text, add_special_tokens=False).input_ids if end_text else []
         self.batch_size = batch_size
