@@ -61,6 +61,7 @@ from llm_rlhf.errors import UserError
 from llm_rlhf.models import check_local_folder, freeze, load_causal_lm, load_tokenizer
 
 FORMAT = "llm_rlhf.gold_judge/tfidf-ridge-v1"
+TF_BINARY, TF_SUBLINEAR = "binary (presence)", "sublinear (1 + ln tf)"  # features.tf of the judge JSON
 
 
 class Judge(Protocol):
@@ -74,7 +75,8 @@ class GoldJudge:
 
     score(text) = intercept + sum_j coef_j * x_j, with
         tf_j = count of n-gram j in text          (n-grams of the lower-cased tokens of `token_pattern`)
-        x_j  = (1 + ln tf_j) * idf_j / ||(1 + ln tf) * idf||_2      (sublinear tf, l2 norm)
+        x_j  = f(tf_j) * idf_j / ||f(tf) * idf||_2      (l2 norm)
+        f(tf) = 1 (binary: presence)  or  1 + ln tf (sublinear)
     over the n-grams j of the vocabulary (others are ignored); a text with none scores `intercept`.
     """
 
@@ -86,6 +88,7 @@ class GoldJudge:
         ngram_range: tuple[int, int] = (1, 2),
         token_pattern: str = r"(?u)\b\w\w+\b",
         lowercase: bool = True,
+        binary: bool = False,
         info: dict[str, Any] | None = None,
     ):
         self.terms = terms  # n-gram -> (idf, coef)
@@ -93,6 +96,7 @@ class GoldJudge:
         self.ngram_range = (int(ngram_range[0]), int(ngram_range[1]))
         self.token_pattern = re.compile(token_pattern)
         self.lowercase = lowercase
+        self.binary = binary
         self.info = info or {}  # provenance and held-out accuracy, as stored by the script
 
     @classmethod
@@ -116,6 +120,9 @@ class GoldJudge:
             raise UserError(f"gold judge '{source}': expected format '{FORMAT}', found {found!r}")
         try:
             features = data["features"]
+            tf = features.get("tf", TF_SUBLINEAR)
+            if tf not in (TF_BINARY, TF_SUBLINEAR):
+                raise ValueError(f"features.tf must be '{TF_BINARY}' or '{TF_SUBLINEAR}', found {tf!r}")
             terms = {t: (float(v[0]), float(v[1])) for t, v in data["terms"].items()}
             return cls(
                 terms=terms,
@@ -123,6 +130,7 @@ class GoldJudge:
                 ngram_range=tuple(features["ngram_range"]),
                 token_pattern=features["token_pattern"],
                 lowercase=features["lowercase"],
+                binary=tf == TF_BINARY,
                 info={k: v for k, v in data.items() if k not in ("terms", "intercept", "features", "format")},
             )
         except (KeyError, TypeError, ValueError, IndexError, re.error) as e:
@@ -135,7 +143,7 @@ class GoldJudge:
                 "lowercase": self.lowercase,
                 "token_pattern": self.token_pattern.pattern,
                 "ngram_range": list(self.ngram_range),
-                "tf": "sublinear (1 + ln tf)",
+                "tf": TF_BINARY if self.binary else TF_SUBLINEAR,
                 "norm": "l2",
             },
             **self.info,
@@ -153,7 +161,9 @@ class GoldJudge:
         scores = []
         for text in texts:
             counts = Counter(g for g in self.ngrams(text) if g in self.terms)
-            weights = {g: (1.0 + math.log(tf)) * self.terms[g][0] for g, tf in counts.items()}  # tf * idf
+            weights = {  # f(tf) * idf
+                g: (1.0 if self.binary else 1.0 + math.log(tf)) * self.terms[g][0] for g, tf in counts.items()
+            }
             norm = math.sqrt(sum(w * w for w in weights.values()))
             dot = sum(w * self.terms[g][1] for g, w in weights.items())
             scores.append(self.intercept + (dot / norm if norm > 0 else 0.0))

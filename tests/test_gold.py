@@ -31,6 +31,9 @@ def test_score_matches_hand_computation():
     expected = 0.5 + (2.0 * w_good - 3.0 * w_bad) / norm
     assert judge(["Good good, "], ["BAD!"]) == pytest.approx([expected], abs=1e-12)
     assert judge([""], ["nothing known here"]) == [0.5]  # no vocabulary n-gram: the intercept
+    binary = GoldJudge(terms=judge.terms, intercept=0.5, binary=True)  # tf(good) counts 1, not 1 + ln 2
+    expected = 0.5 + (2.0 * 1.0 - 3.0 * 2.0) / math.hypot(1.0, 2.0)
+    assert binary(["Good good, "], ["BAD!"]) == pytest.approx([expected], abs=1e-12)
     assert judge.ngrams("Not bad, a good one") == [
         "not",
         "bad",
@@ -42,16 +45,29 @@ def test_score_matches_hand_computation():
     ]
 
 
-def test_round_trip_through_json(tmp_path):
+@pytest.mark.parametrize("binary", [False, True])
+def test_round_trip_through_json(tmp_path, binary):
     judge = tiny_judge()
+    judge.binary = binary
     path = tmp_path / "judge.json"
     path.write_text(json.dumps(judge.to_dict()))
     loaded = GoldJudge.load(path)
-    texts = ["good", "bad", "not bad at all", "good and bad", ""]
+    texts = ["good", "bad", "not bad at all", "good and bad", "good good bad", ""]
+    assert loaded.binary is binary
     assert loaded.score_texts(texts) == judge.score_texts(texts)
 
 
-def test_scorer_reproduces_scikit_learn():
+def test_unknown_tf_is_an_error(tmp_path):
+    data = tiny_judge().to_dict()
+    data["features"]["tf"] = "raw counts"
+    path = tmp_path / "judge.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(UserError, match="features.tf"):
+        GoldJudge.load(path)
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_scorer_reproduces_scikit_learn(binary):
     """The JSON judge is scikit-learn's TfidfVectorizer + Ridge, re-implemented: they must agree."""
     from conftest import SENTENCES
     from sklearn.feature_extraction.text import TfidfVectorizer
@@ -59,11 +75,11 @@ def test_scorer_reproduces_scikit_learn():
 
     texts = SENTENCES * 2 + ["It is not bad, it's good good good.", "Bad bad bad; a 10/10 bore."]
     ratings = np.linspace(-3, 3, len(texts))
-    vec = TfidfVectorizer(ngram_range=(1, 2), min_df=1, sublinear_tf=True)
+    vec = TfidfVectorizer(ngram_range=(1, 2), min_df=1, sublinear_tf=not binary, binary=binary)
     x = vec.fit_transform(texts)
     model = Ridge(alpha=1.0).fit(x, ratings)
     terms = {t: (float(vec.idf_[j]), float(model.coef_[j])) for t, j in vec.vocabulary_.items()}
-    judge = GoldJudge(terms=terms, intercept=float(model.intercept_), ngram_range=(1, 2))
+    judge = GoldJudge(terms=terms, intercept=float(model.intercept_), ngram_range=(1, 2), binary=binary)
     unseen = ["A delight, not a bore!", "the the the", "zzz"]
     for batch in (texts, unseen):
         np.testing.assert_allclose(judge.score_texts(batch), model.predict(vec.transform(batch)), atol=1e-10)
@@ -76,6 +92,16 @@ def test_shipped_judge_ranks_positive_over_negative():
         prompts, [" a wonderful, moving and funny delight.", " a dull, tedious and lifeless mess."]
     )
     assert good > 0 > bad
+
+
+def test_shipped_judge_does_not_count_repeats():
+    """Presence, not counts: writing a positive word four times buys no sentiment (only the new bigram)."""
+    judge = GoldJudge.load(SHIPPED)
+    assert judge.binary
+    once, four_times = judge(
+        ["The film is"] * 2, [" a wonderful mess.", " a wonderful wonderful wonderful wonderful mess."]
+    )
+    assert four_times - once < 0.1 * abs(once)
 
 
 def test_stored_heldout_accuracy_recomputed_from_the_file():

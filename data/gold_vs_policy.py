@@ -1,0 +1,75 @@
+"""How often the gold prefers the real held-out sentence to a policy's sample for the same opening.
+
+    python data/gold_vs_policy.py runs/reviews-sweep/no-kl/eval/samples.jsonl [--gold data/reviews/gold.json]
+
+The evaluation prompts are SFT openings of gold_test.jsonl sentences (data/README.md, rule 7); the real
+continuation of a prompt is the rest of the first test sentence with that opening. For every row of an
+evaluation's samples.jsonl the gold scores the real continuation and the policy's response; the script
+prints the fraction of rows where gold(real) > gold(policy) (ties count one half) with its standard
+error, and the same for the sentiment judge alone and for fluency alone. The validity check of the gold
+against a policy that over-optimised the reward model (issue 12: the no-KL run's samples).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from make_gold import opening_and_rest  # noqa: E402
+
+from llm_rlhf.gold import judge_details, load_judge  # noqa: E402
+
+
+def rate(wins: list[float]) -> tuple[float, float]:
+    p = sum(wins) / len(wins)
+    return p, math.sqrt(p * (1 - p) / len(wins))
+
+
+def prefer(a: list[float], b: list[float]) -> list[float]:
+    return [1.0 if x > y else 0.5 if x == y else 0.0 for x, y in zip(a, b)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "samples", type=Path, help="samples.jsonl of an `llm-rlhf eval` run on eval_prompts.jsonl"
+    )
+    ap.add_argument("--gold", default=str(REPO / "data" / "reviews" / "gold.json"))
+    ap.add_argument("--test", type=Path, default=REPO / "data" / "reviews" / "gold_test.jsonl")
+    args = ap.parse_args()
+
+    real_of: dict[str, str] = {}
+    for line in args.test.open(encoding="utf-8"):
+        prompt, rest = opening_and_rest(json.loads(line)["text"])
+        real_of.setdefault(prompt, rest)
+    rows = [json.loads(line) for line in args.samples.open(encoding="utf-8")]
+    missing = [r["prompt"] for r in rows if r["prompt"] not in real_of]
+    if missing:
+        sys.exit(
+            f"error: {args.samples}: {len(missing)} prompts are no gold_test opening, e.g. {missing[0]!r}"
+        )
+    prompts = [r["prompt"] for r in rows]
+    judge = load_judge(args.gold)
+    real = judge_details(judge, prompts, [real_of[p] for p in prompts])
+    policy = judge_details(judge, prompts, [r["policy_response"] for r in rows])
+    out = {"samples": str(args.samples), "rows": len(rows)}
+    for name, key, sign in (
+        ("gold", "gold_score", 1),
+        ("sentiment", "sentiment", 1),
+        ("fluency", "fluency_nll", -1),
+    ):
+        p, se = rate(prefer([sign * x for x in real[key]], [sign * x for x in policy[key]]))
+        out[f"{name}_prefers_real"] = round(p, 4)
+        out[f"{name}_prefers_real_stderr"] = round(se, 4)
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
