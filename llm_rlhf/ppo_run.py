@@ -3,7 +3,7 @@
     build the models (policy + value head, frozen reference, frozen RM, optional critic) and the trainer
     -> evaluate on held-out prompts -> loop: ppo_step, log (metrics.jsonl, samples, tensorboard/wandb),
        evaluate every eval_every steps, checkpoint every save_steps
-    -> save the policy (HF folder) and its value head, then metrics.json (last: the stage is done)
+    -> save the policy (HF folder) and its value head or critic, then metrics.json (last: the stage is done)
 
 A checkpoint holds everything needed to continue exactly (`--resume true`): trainable weights, optimiser,
 scheduler, the step (which fixes the data position), the KL controller and every process's RNG state.
@@ -40,7 +40,7 @@ from llm_rlhf.models import (
     use_fused_gelu,
 )
 from llm_rlhf.ppo import Config, PPOTrainer  # Config: the keys of `llm-rlhf ppo`
-from llm_rlhf.reward_model import load_reward_model
+from llm_rlhf.reward_model import load_reward_model, save_reward_model
 from llm_rlhf.rollout import encode_prompt
 from llm_rlhf.utils import (
     append_jsonl,
@@ -62,7 +62,7 @@ def load_prompts(cfg: Config, tokenizer) -> list[list[int]]:
 
 
 def build_models(cfg: Config):
-    """policy (+ value head), reference, reward model and optional separate critic."""
+    """policy (+ value head unless a separate critic), reference, reward model and optional critic."""
     lm = use_fused_gelu(
         load_causal_lm(cfg.model_name_or_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
     )
@@ -96,7 +96,9 @@ def build_models(cfg: Config):
         if hasattr(lm.config, "get_text_config")
         else lm.config.hidden_size
     )
-    policy = PolicyWithValue(lm, ValueHead(hidden).to(next(lm.parameters()).dtype))
+    # With a separate critic the policy has no value head: every trainable parameter takes part in the loss.
+    value_head = ValueHead(hidden).to(next(lm.parameters()).dtype) if cfg.value_model == "policy" else None
+    policy = PolicyWithValue(lm, value_head)
     reward_model = freeze(
         use_fused_gelu(
             load_reward_model(cfg.reward_model_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
@@ -281,7 +283,8 @@ def make_writer(cfg: Config, out: Path):
 
 
 def save_final(trainer: PPOTrainer, cfg: Config, out: Path, final: dict) -> None:
-    """The policy as a plain HF causal-LM folder, the value head beside it, then metrics.json (last)."""
+    """The policy as a plain HF causal-LM folder, the value head beside it (or the separate critic as an RM
+    folder in critic/), then metrics.json (last)."""
     accelerator = trainer.accelerator
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:
@@ -297,9 +300,14 @@ def save_final(trainer: PPOTrainer, cfg: Config, out: Path, final: dict) -> None
     if not cfg.use_lora or cfg.merge_lora:
         lm.save_pretrained(tmp, safe_serialization=True)
     trainer.tokenizer.save_pretrained(tmp)
-    save_file(
-        {k: v.contiguous() for k, v in policy.value_head.state_dict().items()}, tmp / "value_head.safetensors"
-    )
+    if policy.value_head is not None:
+        save_file(
+            {k: v.contiguous() for k, v in policy.value_head.state_dict().items()},
+            tmp / "value_head.safetensors",
+        )
+    if trainer.critic is not None:  # the trained critic, an RM folder (`load_reward_model` reads it)
+        critic = trainer.accelerator.unwrap_model(trainer.critic).reward_model
+        save_reward_model(critic, tmp / "critic", merge_lora=True)
     publish_files(tmp, out)
     atomic_write_json(
         out / "metrics.json", {k: v for k, v in final.items() if not (isinstance(v, float) and math.isnan(v))}

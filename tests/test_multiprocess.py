@@ -122,3 +122,30 @@ def test_resume_with_two_ranks(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_pat
         for k, v in ma.items():
             if not k.startswith(("time/", "tokens_per_s")):
                 assert mb[k] == pytest.approx(v, rel=1e-5, abs=1e-6, nan_ok=True), (ma["step"], k)
+
+
+def test_separate_critic_with_two_ranks(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
+    """value_model: reward under DDP: two minibatches per epoch (DDP's reducer fails on the second one when
+    a parameter, e.g. an unused policy value head, took no part in the loss), a checkpoint, and the
+    trained critic in the final folder instead of a value head."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "critic"
+    launch(
+        ppo_cli_args(tiny_model_dir, tiny_rm_dir, prompt_file, out, 2)
+        + ["--value_model", "reward", "--ppo_epochs", "2"],
+        2,
+    )
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+    assert not (out / "value_head.safetensors").exists()
+    assert (out / "checkpoints" / "step-1" / "critic_trainable.safetensors").is_file()
+    trained, initial = load_file(out / "critic" / "model.safetensors"), load_file(tiny_rm_dir / "model.safetensors")
+    assert trained.keys() == initial.keys()
+    changed = [k for k in trained if not torch_equal(trained[k], initial[k])]
+    assert "score.weight" in changed and len(changed) > len(trained) // 2
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return a.shape == b.shape and torch.equal(a, b)
