@@ -139,7 +139,10 @@ def test_separate_critic_with_two_ranks(tiny_model_dir, tiny_rm_dir, prompt_file
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
     assert not (out / "value_head.safetensors").exists()
     assert (out / "checkpoints" / "step-1" / "critic_trainable.safetensors").is_file()
-    trained, initial = load_file(out / "critic" / "model.safetensors"), load_file(tiny_rm_dir / "model.safetensors")
+    trained, initial = (
+        load_file(out / "critic" / "model.safetensors"),
+        load_file(tiny_rm_dir / "model.safetensors"),
+    )
     assert trained.keys() == initial.keys()
     changed = [k for k in trained if not torch_equal(trained[k], initial[k])]
     assert "score.weight" in changed and len(changed) > len(trained) // 2
