@@ -43,23 +43,33 @@ def run_script(tiny_model_dir, tiny_rm_dir, prompt_file, out: Path, mode: str, n
 
 
 def test_first_update_two_ranks_equals_one(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
+    """The RAW gradient (before clipping; an Adam step or clipping would hide a wrong loss scale, issue 13)
+    and the step's metrics of one global batch: on one process, on two, and on two with each minibatch
+    as accumulated micro-batches, which all-reduce the gradients once per minibatch (`no_sync`)."""
     import torch
 
     one = run_script(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "one.json", "same", 1)
     two = run_script(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "two.json", "same", 2)
-    assert (one["world"], two["world"]) == (1, 2)
-    torch.testing.assert_close(torch.tensor(two["grads"]), torch.tensor(one["grads"]), atol=1e-6, rtol=1e-4)
-    m1, m2 = one["metrics"][0], two["metrics"][0]
-    for key in (
-        "loss/policy",
-        "loss/value",
-        "policy/entropy",
-        "objective/kl",
-        "objective/scores",
-        "objective/non_score_reward",
-        "response_length",
-    ):
-        assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
+    acc = run_script(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "acc.json", "accumulate", 2)
+    assert (one["world"], two["world"], acc["world"]) == (1, 2, 2)
+    assert two["all_reduces"] > 0 and acc["all_reduces"] == two["all_reduces"]
+    assert torch.tensor(one["grads"]).abs().max() > 0
+    for run in (two, acc):
+        torch.testing.assert_close(
+            torch.tensor(run["grads"]), torch.tensor(one["grads"]), atol=1e-7, rtol=1e-4
+        )
+        m1, m2 = one["metrics"][0], run["metrics"][0]
+        for key in (
+            "loss/policy",
+            "loss/value",
+            "policy/entropy",
+            "objective/kl",
+            "objective/scores",
+            "objective/non_score_reward",
+            "response_length",
+            "val/explained_variance",
+        ):
+            assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
 
 
 def test_rank_with_empty_or_truncated_responses_does_not_hang(
