@@ -133,12 +133,17 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 class ValueHead(nn.Module):
-    """V_psi(s_t): a linear map from the trunk's last hidden state to one scalar per position."""
+    """V_psi(s_t): a linear map from the trunk's last hidden state to one scalar per position.
+
+    Initialised to zero (Huang et al. 2023, "The N implementation details of RLHF with PPO"): V = 0 at the
+    first step instead of random values of the hidden states' scale, which the first updates would spend
+    unlearning while they also train the shared trunk. Its gradient is not zero: dL/dw = sum_t dL/dV_t h_t.
+    """
 
     def __init__(self, hidden_size: int):
         super().__init__()
         self.summary = nn.Linear(hidden_size, 1)
-        nn.init.normal_(self.summary.weight, std=1.0 / (hidden_size + 1) ** 0.5)
+        nn.init.zeros_(self.summary.weight)
         nn.init.zeros_(self.summary.bias)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -99,6 +99,15 @@ def test_first_step_kl_zero_and_ratio_one(
     assert torch.equal(ratio, torch.ones_like(ratio))
 
 
+def test_value_head_starts_at_zero_and_learns(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
+    """Zero-initialised value head: V = 0 at every position of the first rollout; one step moves it."""
+    trainer = make_trainer(make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, ppo_epochs=1))
+    rollout = trainer.rollout(trainer.next_queries())
+    assert torch.equal(rollout.values, torch.zeros_like(rollout.values))
+    trainer.ppo_step()
+    assert trainer.unwrapped_policy.value_head.summary.weight.abs().sum() > 0
+
+
 def test_reference_bit_identical_after_steps(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
     trainer = make_trainer(make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, steps=3))
     before = {k: v.clone() for k, v in trainer.ref_model.state_dict().items()}
