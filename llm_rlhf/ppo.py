@@ -236,6 +236,26 @@ def batch_sizes(
     )
 
 
+def check_deepspeed_config(plugin, sizes: BatchSizes, *, critic: bool) -> None:
+    """Under DeepSpeed the PPO loop accumulates micro-batches itself (`PPOTrainer.backward`): the engine
+    must not divide the loss by an accumulation count of its own, and it is told the micro-batch size
+    (there is no dataloader for accelerate to read it from)."""
+    if critic:
+        raise UserError(
+            "value_model: 'reward' is not supported under DeepSpeed (accelerate builds one DeepSpeed engine "
+            "per Accelerator); use value_model: policy"
+        )
+    config = plugin.deepspeed_config
+    if config.get("gradient_accumulation_steps", 1) not in (1, "auto"):
+        raise UserError(
+            "the DeepSpeed config's gradient_accumulation_steps must be 1: set gradient_accumulation_steps "
+            "in the PPO config instead (the PPO loop accumulates micro-batches itself)"
+        )
+    config["gradient_accumulation_steps"] = 1
+    if config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+        config["train_micro_batch_size_per_gpu"] = sizes.micro_batch_per_process
+
+
 # ---------------------------------------------------------------------------------------------
 # The trainer
 # ---------------------------------------------------------------------------------------------
@@ -263,6 +283,8 @@ class PPOTrainer:
                 f"least 2 episodes (rollout_batch_size {cfg.rollout_batch_size} x {accelerator.num_processes} "
                 "processes)"
             )
+        if accelerator.distributed_type == DistributedType.DEEPSPEED:
+            check_deepspeed_config(accelerator.state.deepspeed_plugin, self.sizes, critic=critic is not None)
         params = [p for p in policy.parameters() if p.requires_grad]
         if critic is not None:
             params += [p for p in critic.parameters() if p.requires_grad]
@@ -533,7 +555,7 @@ class PPOTrainer:
                         entropy = ppo_math.masked_mean(entropy, mask)
                         loss = pg_loss + cfg.vf_coef * vf_loss - cfg.ent_coef * entropy
                         weight = mask.sum() * self.accelerator.num_processes / mb_tokens.clamp(min=1)
-                        self.accelerator.backward(loss * weight)
+                        self.backward(loss * weight, last=i == len(micro_batches) - 1)
                     parts = (
                         pg_loss,
                         vf_loss,
@@ -551,18 +573,11 @@ class PPOTrainer:
                         f"({', '.join(k for k, v in stats.items() if not np.isfinite(v))}); nothing was updated"
                     )
                 if stats["policy/ratio"] > cfg.ratio_guard:  # a diverged minibatch: drop its update
-                    self.optimizer.zero_grad(set_to_none=True)
+                    self.discard_gradients()
                     skipped += 1
                     continue
                 history.append(stats)
-                grad_norm = self.accelerator.clip_grad_norm_(self.trainable_parameters(), cfg.max_grad_norm)
-                if grad_norm is not None and not torch.isfinite(torch.as_tensor(grad_norm)):
-                    raise NonFiniteError(
-                        f"PPO step {self.step + 1}, train phase (epoch {epoch + 1}): non-finite gradient "
-                        "norm; nothing was updated"
-                    )
-                self.optimizer.step()
-                self.scheduler.step()
+                self.optimizer_step(epoch)
                 if cfg.target_approxkl is not None and stats["policy/approxkl"] > cfg.target_approxkl:
                     stopped_early = True
                     break
@@ -577,6 +592,47 @@ class PPOTrainer:
             }
         )
         return out
+
+    def backward(self, loss: torch.Tensor, *, last: bool) -> None:
+        """`accelerator.backward`, except under DeepSpeed: there it also steps the engine after every
+        micro-batch (accelerate's sync_gradients stays True in this loop), so there is no accumulation and
+        the ratio guard could not undo a step already taken. Under DeepSpeed the engine's own backward runs,
+        its accumulation boundary (where ZeRO reduces the gradients) at the minibatch's last micro-batch,
+        and the step waits for the guard (`optimizer_step`), as under DDP (issue 13)."""
+        if self.deepspeed:
+            self.policy.set_gradient_accumulation_boundary(last)
+            self.policy.backward(loss)  # the engine divides by its gradient_accumulation_steps: 1 (checked)
+        else:
+            self.accelerator.backward(loss)
+
+    def optimizer_step(self, epoch: int) -> None:
+        """Clip the gradients, step the optimiser and the scheduler. Under DeepSpeed the engine's step does
+        all three (clipping at its config's gradient_clipping, not max_grad_norm), and the gradient norm is
+        checked after it."""
+        if self.deepspeed:
+            self.policy.step()
+            grad_norm = self.policy.get_global_grad_norm()
+        else:
+            grad_norm = self.accelerator.clip_grad_norm_(self.trainable_parameters(), self.cfg.max_grad_norm)
+        if grad_norm is not None and not math.isfinite(float(grad_norm)):
+            raise NonFiniteError(
+                f"PPO step {self.step + 1}, train phase (epoch {epoch + 1}): non-finite gradient norm"
+                + ("" if self.deepspeed else "; nothing was updated")
+            )
+        if not self.deepspeed:
+            self.optimizer.step()
+            self.scheduler.step()
+
+    def discard_gradients(self) -> None:
+        """Drop the accumulated gradients of a skipped minibatch (under DeepSpeed they live in the engine's
+        optimizer; accelerate's optimizer wrapper does nothing there)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.deepspeed:
+            self.policy.optimizer.zero_grad()
+
+    @property
+    def deepspeed(self) -> bool:
+        return self.accelerator.distributed_type == DistributedType.DEEPSPEED
 
     @contextmanager
     def accumulating(self, *, last: bool):
