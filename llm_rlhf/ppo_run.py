@@ -177,13 +177,16 @@ def run(cfg: Config) -> dict[str, float]:
     )
 
     def maybe_evaluate():
-        if accelerator.is_main_process and eval_prompts and trainer.step % cfg.eval_every == 0:
+        # Every process evaluates (the same prompts and seed) and the main one writes: with sharded
+        # parameters (ZeRO-3, FSDP) each forward is a collective that every process must enter (issue 13).
+        if eval_prompts and trainer.step % cfg.eval_every == 0:
             record = evaluate_heldout(trainer, eval_prompts, judge)
-            append_jsonl(out / "eval_log.jsonl", record)
-            tqdm.write(
-                f"[eval step {trainer.step}] kl {record['kl']:.2f}  rm {record['rm_score']:+.3f}  "
-                f"gold {record['gold_score'] if record['gold_score'] is not None else float('nan'):+.3f}"
-            )
+            if accelerator.is_main_process:
+                append_jsonl(out / "eval_log.jsonl", record)
+                tqdm.write(
+                    f"[eval step {trainer.step}] kl {record['kl']:.2f}  rm {record['rm_score']:+.3f}  "
+                    f"gold {record['gold_score'] if record['gold_score'] is not None else float('nan'):+.3f}"
+                )
         accelerator.wait_for_everyone()
 
     if resume_from is None:
@@ -202,8 +205,8 @@ def run(cfg: Config) -> dict[str, float]:
                 beta=f"{metrics['objective/kl_coef']:.3f}",
             )
             bar.update(1)
-            if cfg.log_samples_every and (trainer.step % cfg.log_samples_every == 0 or trainer.step == 1):
-                log_samples(trainer, out)
+        if cfg.log_samples_every and (trainer.step % cfg.log_samples_every == 0 or trainer.step == 1):
+            log_samples(trainer, out)  # on every process, like evaluation; the main one writes
         maybe_evaluate()
         if cfg.save_steps and trainer.step % cfg.save_steps == 0 and trainer.step < cfg.steps:
             save_checkpoint(trainer, out / "checkpoints" / f"step-{trainer.step}")
@@ -247,13 +250,16 @@ def summarize(history: list[dict], cfg: Config) -> dict[str, float]:
 
 
 def log_samples(trainer: PPOTrainer, out: Path) -> None:
-    """Decode and score fresh samples of the first few prompts (the training rollout is not kept)."""
+    """Decode and score fresh samples of the first few prompts (the training rollout is not kept). Every
+    process samples (a collective with sharded parameters); the main process writes."""
     tok, cfg = trainer.tokenizer, trainer.cfg
     queries = trainer.prompts[: cfg.num_log_samples]
     state = torch.get_rng_state()
     samples = trainer.generate(queries)
     scores = trainer.score(samples)
     torch.set_rng_state(state)  # logging must not change the training run's random stream
+    if not trainer.accelerator.is_main_process:
+        return
     for i in range(len(queries)):
         q = tok.decode(samples.query[i][samples.query_mask[i].bool()])
         r = tok.decode(samples.response[i][samples.response_mask[i]], skip_special_tokens=True)
@@ -335,7 +341,7 @@ def evaluate_heldout(trainer: PPOTrainer, prompts: list[str], judge) -> dict[str
     evaluation of the run samples with the same random numbers)."""
     lm = trainer.unwrapped_policy.lm
     ref = lm if trainer.cfg.use_lora else trainer.ref_model.lm
-    with trainer.autocast():
+    with trainer.autocast(), trainer.gathered_for_generation(trainer.unwrapped_policy):
         result = evaluate_policy(
             policy=lm,
             tokenizer=trainer.tokenizer,

@@ -162,3 +162,18 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return a.shape == b.shape and torch.equal(a, b)
+
+
+def test_every_rank_samples_for_logs_and_evaluation(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
+    """Logged samples and held-out evaluation sample on every process (the main one writes), so every
+    process enters the same generate calls: a collective with ZeRO-3 / FSDP sharded parameters."""
+    out = tmp_path / "run"
+    args = ppo_cli_args(tiny_model_dir, tiny_rm_dir, prompt_file, out, 2)
+    args = [str(ROOT / "tests" / "scripts" / "count_sampling.py"), str(tmp_path / "calls"), *args[2:]]
+    args += ["--eval_every", "1", "--eval_prompt_file", str(prompt_file), "--eval_num_prompts", "4"]
+    args += ["--log_samples_every", "1", "--gold_judge", "none"]
+    launch(args, 2)
+    calls = [json.loads((tmp_path / "calls" / f"sample_calls_{r}.json").read_text()) for r in (0, 1)]
+    assert calls[0] == calls[1] >= 2 + 2 + 3, calls  # 2 rollouts, 2 logged samples, 3 evaluations
+    assert len((out / "eval_log.jsonl").read_text().splitlines()) == 3
+    assert len((out / "samples.jsonl").read_text().splitlines()) == 2 * 3
