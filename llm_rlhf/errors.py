@@ -26,3 +26,8 @@ class DataError(UserError):
             where.append(f"field '{field}'")
         self.file, self.row, self.field = file, row, field
         super().__init__(f"{', '.join(where)}: {message}" if where else message)
+
+
+class NonFiniteError(UserError):
+    """NaN or inf in a training run (scores, log-probs, values, the loss or the gradients); the message
+    names the step and the phase. Raised on every process at once, before anything is updated or saved."""

@@ -133,12 +133,17 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 class ValueHead(nn.Module):
-    """V_psi(s_t): a linear map from the trunk's last hidden state to one scalar per position."""
+    """V_psi(s_t): a linear map from the trunk's last hidden state to one scalar per position.
+
+    Initialised to zero (Huang et al. 2023, "The N implementation details of RLHF with PPO"): V = 0 at the
+    first step instead of random values of the hidden states' scale, which the first updates would spend
+    unlearning while they also train the shared trunk. Its gradient is not zero: dL/dw = sum_t dL/dV_t h_t.
+    """
 
     def __init__(self, hidden_size: int):
         super().__init__()
         self.summary = nn.Linear(hidden_size, 1)
-        nn.init.normal_(self.summary.weight, std=1.0 / (hidden_size + 1) ** 0.5)
+        nn.init.zeros_(self.summary.weight)
         nn.init.zeros_(self.summary.bias)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -149,28 +154,32 @@ class PolicyWithValue(nn.Module):
     """The policy pi_theta (a causal LM, possibly a peft model) and its value head on the same trunk.
 
     One forward gives the logits and the values, so the rollout's old log-probs and values come from a
-    single pass, and so does every training micro-batch.
+    single pass, and so does every training micro-batch. value_head None: a separate critic gives the
+    values (`value_model: reward`) and the policy holds no parameter that the loss does not use (DDP's
+    reducer fails on such a parameter, issue 13).
     """
 
-    def __init__(self, lm: nn.Module, value_head: ValueHead):
+    def __init__(self, lm: nn.Module, value_head: ValueHead | None):
         super().__init__()
         self.lm = lm
         self.value_head = value_head
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int | torch.Tensor = 0
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """input_ids, attention_mask: (B, L) -> logits (B, L, V), values (B, L). logits_to_keep (transformers'
-        argument; e.g. a (K,) tensor of positions): logits (B, K, V) at those positions only (the LM head
-        is the largest matmul of a small LM); values stay (B, L)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """input_ids, attention_mask: (B, L) -> logits (B, L, V), values (B, L) (None without a value head).
+        logits_to_keep (transformers' argument; e.g. a (K,) tensor of positions): logits (B, K, V) at those
+        positions only (the LM head is the largest matmul of a small LM); values stay (B, L)."""
         out = self.lm(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids_from_mask(attention_mask),
-            output_hidden_states=True,
+            output_hidden_states=self.value_head is not None,
             use_cache=False,
             logits_to_keep=logits_to_keep,
         )
+        if self.value_head is None:
+            return out.logits, None
         hidden = out.hidden_states[-1]  # (B, L, H) after the final layer norm
         return out.logits, self.value_head(hidden.to(self.value_head.summary.weight.dtype))
 

@@ -16,8 +16,9 @@ under `accelerate launch` with several processes.
 
 from __future__ import annotations
 
+import math
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +29,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from llm_rlhf import ppo_math
 from llm_rlhf.config import help_field, require
 from llm_rlhf.data import DATA_FORMATS
+from llm_rlhf.errors import NonFiniteError, UserError
 from llm_rlhf.models import shares_vocab
 from llm_rlhf.rollout import Rollout, Samples, left_pad, pad_columns, response_logprobs_and_values, sample
 
@@ -234,6 +236,26 @@ def batch_sizes(
     )
 
 
+def check_deepspeed_config(plugin, sizes: BatchSizes, *, critic: bool) -> None:
+    """Under DeepSpeed the PPO loop accumulates micro-batches itself (`PPOTrainer.backward`): the engine
+    must not divide the loss by an accumulation count of its own, and it is told the micro-batch size
+    (there is no dataloader for accelerate to read it from)."""
+    if critic:
+        raise UserError(
+            "value_model: 'reward' is not supported under DeepSpeed (accelerate builds one DeepSpeed engine "
+            "per Accelerator); use value_model: policy"
+        )
+    config = plugin.deepspeed_config
+    if config.get("gradient_accumulation_steps", 1) not in (1, "auto"):
+        raise UserError(
+            "the DeepSpeed config's gradient_accumulation_steps must be 1: set gradient_accumulation_steps "
+            "in the PPO config instead (the PPO loop accumulates micro-batches itself)"
+        )
+    config["gradient_accumulation_steps"] = 1
+    if config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+        config["train_micro_batch_size_per_gpu"] = sizes.micro_batch_per_process
+
+
 # ---------------------------------------------------------------------------------------------
 # The trainer
 # ---------------------------------------------------------------------------------------------
@@ -255,6 +277,14 @@ class PPOTrainer:
             steps=cfg.steps,
             num_processes=accelerator.num_processes,
         )
+        if self.sizes.episodes_per_step < 2:
+            raise UserError(
+                "rollout_batch_size: advantages are whitened over the global rollout batch, which needs at "
+                f"least 2 episodes (rollout_batch_size {cfg.rollout_batch_size} x {accelerator.num_processes} "
+                "processes)"
+            )
+        if accelerator.distributed_type == DistributedType.DEEPSPEED:
+            check_deepspeed_config(accelerator.state.deepspeed_plugin, self.sizes, critic=critic is not None)
         params = [p for p in policy.parameters() if p.requires_grad]
         if critic is not None:
             params += [p for p in critic.parameters() if p.requires_grad]
@@ -295,6 +325,13 @@ class PPOTrainer:
         """One PPO iteration (Ziegler et al. 2019, Algorithm 1; Stiennon et al. 2020, Appendix B)."""
         cfg, times = self.cfg, {}
         rollout = self.rollout(self.next_queries(), times)  # y ~ pi_theta(.|x), old logprobs, ref, scores
+        self.check_finite(
+            "rollout",
+            scores=rollout.scores,
+            logprobs=rollout.logprobs,
+            ref_logprobs=rollout.ref_logprobs,
+            values=rollout.values,
+        )
 
         kl = ppo_math.kl_penalty(
             logprobs=rollout.logprobs, ref_logprobs=rollout.ref_logprobs, estimator=cfg.kl_estimator
@@ -474,39 +511,51 @@ class PPOTrainer:
         Every loss is a token mean over the global minibatch: a micro-batch's masked mean is weighted by
         its share of the minibatch's tokens (times the number of processes, since DDP averages gradients),
         so accumulation and data parallelism change only the float rounding, and so does trimming: each
-        micro-batch's forward runs on its own rows' real tokens (`forward_policy`). The ratio guard and the
-        approx-KL early stop decide on global statistics, so every process takes the same branch.
+        micro-batch's forward runs on its own rows' real tokens (`forward_policy`). Gradients are
+        all-reduced once per minibatch, in the backward of its last micro-batch (`accumulating`). The ratio
+        guard and the approx-KL early stop decide on global statistics, so every process takes the same
+        branch; a skipped minibatch is counted, not averaged into the statistics.
+
+        The first epoch visits the rows in rollout order, the micro-batches on which `rollout` computed
+        the old log-probs (the rows are already in random prompt order, `next_queries`): the same rows
+        trimmed to the same widths, so rho == 1 exactly before the first update (SPEC); later epochs shuffle.
         """
         cfg, sizes = self.cfg, self.sizes
         history, skipped, stopped_early = [], 0, False
-        for _epoch in range(cfg.ppo_epochs):
-            order = torch.randperm(sizes.rollout_per_process, device=self.device)
+        for epoch in range(cfg.ppo_epochs):
+            order = (
+                torch.arange(sizes.rollout_per_process, device=self.device)
+                if epoch == 0
+                else torch.randperm(sizes.rollout_per_process, device=self.device)
+            )
             for mb in order.split(sizes.mini_batch_per_process):
                 mb_tokens = self.global_sum(rollout.response_mask[mb].sum())  # tokens in the global minibatch
                 self.optimizer.zero_grad(set_to_none=True)
                 totals = torch.zeros(len(TRAIN_STATS), device=self.device)
-                for mc in mb.split(sizes.micro_batch_per_process):
+                micro_batches = mb.split(sizes.micro_batch_per_process)
+                for i, mc in enumerate(micro_batches):
                     part = rollout.select(mc)
                     mask = part.response_mask
-                    logprobs, values, entropy = self.forward_policy(part, train=True)
-                    pg_loss, pg = ppo_math.policy_loss(
-                        logprobs=logprobs,
-                        old_logprobs=part.logprobs,
-                        advantages=advantages[mc],
-                        response_mask=mask,
-                        cliprange=cfg.cliprange,
-                    )
-                    vf_loss, vf = ppo_math.value_loss(
-                        values=values,
-                        old_values=part.values,
-                        returns=returns[mc],
-                        response_mask=mask,
-                        cliprange_value=cfg.cliprange_value,
-                    )
-                    entropy = ppo_math.masked_mean(entropy, mask)
-                    loss = pg_loss + cfg.vf_coef * vf_loss - cfg.ent_coef * entropy
-                    weight = mask.sum() * self.accelerator.num_processes / mb_tokens.clamp(min=1)
-                    self.accelerator.backward(loss * weight)
+                    with self.accumulating(last=i == len(micro_batches) - 1):
+                        logprobs, values, entropy = self.forward_policy(part, train=True)
+                        pg_loss, pg = ppo_math.policy_loss(
+                            logprobs=logprobs,
+                            old_logprobs=part.logprobs,
+                            advantages=advantages[mc],
+                            response_mask=mask,
+                            cliprange=cfg.cliprange,
+                        )
+                        vf_loss, vf = ppo_math.value_loss(
+                            values=values,
+                            old_values=part.values,
+                            returns=returns[mc],
+                            response_mask=mask,
+                            cliprange_value=cfg.cliprange_value,
+                        )
+                        entropy = ppo_math.masked_mean(entropy, mask)
+                        loss = pg_loss + cfg.vf_coef * vf_loss - cfg.ent_coef * entropy
+                        weight = mask.sum() * self.accelerator.num_processes / mb_tokens.clamp(min=1)
+                        self.backward(loss * weight, last=i == len(micro_batches) - 1)
                     parts = (
                         pg_loss,
                         vf_loss,
@@ -518,20 +567,23 @@ class PPOTrainer:
                     )
                     totals += torch.stack([v.detach().float() for v in parts]) * weight
                 stats = dict(zip(TRAIN_STATS, self.accelerator.reduce(totals, reduction="mean").tolist()))
-                history.append(stats)
+                if not all(np.isfinite(list(stats.values()))):  # the same global numbers on every process
+                    raise NonFiniteError(
+                        f"PPO step {self.step + 1}, train phase (epoch {epoch + 1}): non-finite loss "
+                        f"({', '.join(k for k, v in stats.items() if not np.isfinite(v))}); nothing was updated"
+                    )
                 if stats["policy/ratio"] > cfg.ratio_guard:  # a diverged minibatch: drop its update
-                    self.optimizer.zero_grad(set_to_none=True)
+                    self.discard_gradients()
                     skipped += 1
                     continue
-                self.accelerator.clip_grad_norm_(self.trainable_parameters(), cfg.max_grad_norm)
-                self.optimizer.step()
-                self.scheduler.step()
+                history.append(stats)
+                self.optimizer_step(epoch)
                 if cfg.target_approxkl is not None and stats["policy/approxkl"] > cfg.target_approxkl:
                     stopped_early = True
                     break
             if stopped_early:
                 break
-        out = {k: float(np.mean([h[k] for h in history])) for k in TRAIN_STATS}
+        out = {k: float(np.mean([h[k] for h in history])) if history else math.nan for k in TRAIN_STATS}
         out.update(
             {
                 "policy/skipped_minibatches": float(skipped),
@@ -540,6 +592,61 @@ class PPOTrainer:
             }
         )
         return out
+
+    def backward(self, loss: torch.Tensor, *, last: bool) -> None:
+        """`accelerator.backward`, except under DeepSpeed: there it also steps the engine after every
+        micro-batch (accelerate's sync_gradients stays True in this loop), so there is no accumulation and
+        the ratio guard could not undo a step already taken. Under DeepSpeed the engine's own backward runs,
+        its accumulation boundary (where ZeRO reduces the gradients) at the minibatch's last micro-batch,
+        and the step waits for the guard (`optimizer_step`), as under DDP (issue 13)."""
+        if self.deepspeed:
+            self.policy.set_gradient_accumulation_boundary(last)
+            self.policy.backward(loss)  # the engine divides by its gradient_accumulation_steps: 1 (checked)
+        else:
+            self.accelerator.backward(loss)
+
+    def optimizer_step(self, epoch: int) -> None:
+        """Clip the gradients, step the optimiser and the scheduler. Under DeepSpeed the engine's step does
+        all three (clipping at its config's gradient_clipping, not max_grad_norm), and the gradient norm is
+        checked after it."""
+        if self.deepspeed:
+            self.policy.step()
+            grad_norm = self.policy.get_global_grad_norm()
+        else:
+            grad_norm = self.accelerator.clip_grad_norm_(self.trainable_parameters(), self.cfg.max_grad_norm)
+        if grad_norm is not None and not math.isfinite(float(grad_norm)):
+            raise NonFiniteError(
+                f"PPO step {self.step + 1}, train phase (epoch {epoch + 1}): non-finite gradient norm"
+                + ("" if self.deepspeed else "; nothing was updated")
+            )
+        if not self.deepspeed:
+            self.optimizer.step()
+            self.scheduler.step()
+
+    def discard_gradients(self) -> None:
+        """Drop the accumulated gradients of a skipped minibatch (under DeepSpeed they live in the engine's
+        optimizer; accelerate's optimizer wrapper does nothing there)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.deepspeed:
+            self.policy.optimizer.zero_grad()
+
+    @property
+    def deepspeed(self) -> bool:
+        return self.accelerator.distributed_type == DistributedType.DEEPSPEED
+
+    @contextmanager
+    def accumulating(self, *, last: bool):
+        """Around the forward and backward of one micro-batch: gradients are all-reduced only in the
+        backward of a minibatch's last micro-batch (DDP's `no_sync`, FSDP2's `set_requires_gradient_sync`
+        through `accelerator.no_sync`), so accumulation does not pay one all-reduce per micro-batch."""
+        if last or self.accelerator.num_processes == 1:
+            yield
+            return
+        with ExitStack() as stack:
+            for model in (self.policy, self.critic):
+                if model is not None:
+                    stack.enter_context(self.accelerator.no_sync(model))
+            yield
 
     # --- held-out evaluation ------------------------------------------------------------------
 
@@ -563,7 +670,9 @@ class PPOTrainer:
             "objective/rlhf_reward": self.global_mean((rollout.scores + non_score).mean()),
             "objective/entropy": self.global_mean(ppo_math.masked_sum(rollout.entropy, mask, dim=-1).mean()),
             "val/explained_variance": float(
-                ppo_math.explained_variance(values=rollout.values, returns=returns, mask=mask)
+                ppo_math.explained_variance(
+                    values=rollout.values, returns=returns, mask=mask, reduce_sum=self.reduce_sum
+                )
             ),
             "val/mean": self.global_mean(ppo_math.masked_mean(rollout.values, mask)),
             "response_length": self.global_mean(lengths.mean()),
@@ -590,10 +699,25 @@ class PPOTrainer:
     def global_std(self, x: torch.Tensor) -> float:
         return float(self.accelerator.gather_for_metrics(x.float()).std())
 
+    @property
+    def reduce_sum(self):
+        """Sum over every process for the batch statistics of `ppo_math` (None with one process)."""
+        return self.global_sum if self.accelerator.num_processes > 1 else None
+
     def whiten(self, x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
         """masked_whiten with statistics over every process's batch (the same as whitening the global batch)."""
-        reduce_sum = self.global_sum if self.accelerator.num_processes > 1 else None
-        return ppo_math.masked_whiten(x, mask, shift_mean=shift_mean, reduce_sum=reduce_sum)
+        return ppo_math.masked_whiten(x, mask, shift_mean=shift_mean, reduce_sum=self.reduce_sum)
+
+    def check_finite(self, phase: str, **tensors: torch.Tensor) -> None:
+        """Stop with a one-line error naming the step, the phase and the tensors when any entry is NaN or
+        inf on any process (the counts are summed over processes, so every process raises together)."""
+        counts = torch.stack([(~torch.isfinite(t.float())).sum() for t in tensors.values()])  # (n,)
+        counts = self.global_sum(counts)
+        if counts.sum() > 0:
+            bad = [f"{name} ({int(c)} entries)" for name, c in zip(tensors, counts) if c > 0]
+            raise NonFiniteError(
+                f"PPO step {self.step + 1}, {phase} phase: non-finite {', '.join(bad)}; nothing was updated"
+            )
 
     # --- model plumbing -----------------------------------------------------------------------
 
@@ -608,7 +732,14 @@ class PPOTrainer:
         return params
 
     def autocast(self):
-        return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.cfg.bf16 else nullcontext()
+        """bf16 autocast with --bf16, else accelerate's autocast under its `mixed_precision` (bf16/fp16 in
+        the sharded configs): `prepare` wraps the policy's forward in it, and the reference, the RM and
+        generation must run in the same precision, or KL != 0 and rho != 1 at the first step (issue 13)."""
+        if self.cfg.bf16:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        if self.accelerator.mixed_precision != "no":
+            return self.accelerator.autocast()
+        return nullcontext()
 
     @contextmanager
     def checkpointing(self, train: bool):

@@ -404,14 +404,28 @@ def value_loss(
     return loss, stats
 
 
-def explained_variance(*, values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def explained_variance(
+    *,
+    values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """1 - Var[R - V] / Var[R] over the masked entries (`val/explained_variance`), a scalar.
 
-    1 is a perfect critic, 0 no better than a constant, negative worse. NaN when Var[R] = 0.
+    1 is a perfect critic, 0 no better than a constant, negative worse. NaN when Var[R] = 0. Population
+    variances, var(x) = sum_mask (x - mean)^2 / n. `reduce_sum` as in `masked_whiten`: with several
+    processes the sums are global, which is the explained variance of the global batch.
     values, returns: (B, T); mask: (B, T) bool.
     """
-    var_returns = masked_var(returns, mask, unbiased=False)
-    var_residual = masked_var(returns - values, mask, unbiased=False)
+    total = reduce_sum if reduce_sum is not None else (lambda t: t)
+    n = total(mask.sum()).clamp(min=1)  # ()
+
+    def var(x):
+        mean = total(masked_sum(x, mask)) / n  # ()
+        return total(masked_sum((x - mean) ** 2, mask)) / n  # ()
+
+    var_returns, var_residual = var(returns), var(returns - values)
     return torch.where(var_returns == 0, math.nan, 1.0 - var_residual / var_returns)
 
 

@@ -3,7 +3,7 @@
     build the models (policy + value head, frozen reference, frozen RM, optional critic) and the trainer
     -> evaluate on held-out prompts -> loop: ppo_step, log (metrics.jsonl, samples, tensorboard/wandb),
        evaluate every eval_every steps, checkpoint every save_steps
-    -> save the policy (HF folder) and its value head, then metrics.json (last: the stage is done)
+    -> save the policy (HF folder) and its value head or critic, then metrics.json (last: the stage is done)
 
 A checkpoint holds everything needed to continue exactly (`--resume true`): trainable weights, optimiser,
 scheduler, the step (which fixes the data position), the KL controller and every process's RNG state.
@@ -40,7 +40,7 @@ from llm_rlhf.models import (
     use_fused_gelu,
 )
 from llm_rlhf.ppo import Config, PPOTrainer  # Config: the keys of `llm-rlhf ppo`
-from llm_rlhf.reward_model import load_reward_model
+from llm_rlhf.reward_model import load_reward_model, save_reward_model
 from llm_rlhf.rollout import encode_prompt
 from llm_rlhf.utils import (
     append_jsonl,
@@ -62,7 +62,7 @@ def load_prompts(cfg: Config, tokenizer) -> list[list[int]]:
 
 
 def build_models(cfg: Config):
-    """policy (+ value head), reference, reward model and optional separate critic."""
+    """policy (+ value head unless a separate critic), reference, reward model and optional critic."""
     lm = use_fused_gelu(
         load_causal_lm(cfg.model_name_or_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
     )
@@ -96,7 +96,9 @@ def build_models(cfg: Config):
         if hasattr(lm.config, "get_text_config")
         else lm.config.hidden_size
     )
-    policy = PolicyWithValue(lm, ValueHead(hidden).to(next(lm.parameters()).dtype))
+    # With a separate critic the policy has no value head: every trainable parameter takes part in the loss.
+    value_head = ValueHead(hidden).to(next(lm.parameters()).dtype) if cfg.value_model == "policy" else None
+    policy = PolicyWithValue(lm, value_head)
     reward_model = freeze(
         use_fused_gelu(
             load_reward_model(cfg.reward_model_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
@@ -175,13 +177,16 @@ def run(cfg: Config) -> dict[str, float]:
     )
 
     def maybe_evaluate():
-        if accelerator.is_main_process and eval_prompts and trainer.step % cfg.eval_every == 0:
+        # Every process evaluates (the same prompts and seed) and the main one writes: with sharded
+        # parameters (ZeRO-3, FSDP) each forward is a collective that every process must enter (issue 13).
+        if eval_prompts and trainer.step % cfg.eval_every == 0:
             record = evaluate_heldout(trainer, eval_prompts, judge)
-            append_jsonl(out / "eval_log.jsonl", record)
-            tqdm.write(
-                f"[eval step {trainer.step}] kl {record['kl']:.2f}  rm {record['rm_score']:+.3f}  "
-                f"gold {record['gold_score'] if record['gold_score'] is not None else float('nan'):+.3f}"
-            )
+            if accelerator.is_main_process:
+                append_jsonl(out / "eval_log.jsonl", record)
+                tqdm.write(
+                    f"[eval step {trainer.step}] kl {record['kl']:.2f}  rm {record['rm_score']:+.3f}  "
+                    f"gold {record['gold_score'] if record['gold_score'] is not None else float('nan'):+.3f}"
+                )
         accelerator.wait_for_everyone()
 
     if resume_from is None:
@@ -200,8 +205,8 @@ def run(cfg: Config) -> dict[str, float]:
                 beta=f"{metrics['objective/kl_coef']:.3f}",
             )
             bar.update(1)
-            if cfg.log_samples_every and (trainer.step % cfg.log_samples_every == 0 or trainer.step == 1):
-                log_samples(trainer, out)
+        if cfg.log_samples_every and (trainer.step % cfg.log_samples_every == 0 or trainer.step == 1):
+            log_samples(trainer, out)  # on every process, like evaluation; the main one writes
         maybe_evaluate()
         if cfg.save_steps and trainer.step % cfg.save_steps == 0 and trainer.step < cfg.steps:
             save_checkpoint(trainer, out / "checkpoints" / f"step-{trainer.step}")
@@ -245,13 +250,16 @@ def summarize(history: list[dict], cfg: Config) -> dict[str, float]:
 
 
 def log_samples(trainer: PPOTrainer, out: Path) -> None:
-    """Decode and score fresh samples of the first few prompts (the training rollout is not kept)."""
+    """Decode and score fresh samples of the first few prompts (the training rollout is not kept). Every
+    process samples (a collective with sharded parameters); the main process writes."""
     tok, cfg = trainer.tokenizer, trainer.cfg
     queries = trainer.prompts[: cfg.num_log_samples]
     state = torch.get_rng_state()
     samples = trainer.generate(queries)
     scores = trainer.score(samples)
     torch.set_rng_state(state)  # logging must not change the training run's random stream
+    if not trainer.accelerator.is_main_process:
+        return
     for i in range(len(queries)):
         q = tok.decode(samples.query[i][samples.query_mask[i].bool()])
         r = tok.decode(samples.response[i][samples.response_mask[i]], skip_special_tokens=True)
@@ -281,7 +289,8 @@ def make_writer(cfg: Config, out: Path):
 
 
 def save_final(trainer: PPOTrainer, cfg: Config, out: Path, final: dict) -> None:
-    """The policy as a plain HF causal-LM folder, the value head beside it, then metrics.json (last)."""
+    """The policy as a plain HF causal-LM folder, the value head beside it (or the separate critic as an RM
+    folder in critic/), then metrics.json (last)."""
     accelerator = trainer.accelerator
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:
@@ -297,9 +306,14 @@ def save_final(trainer: PPOTrainer, cfg: Config, out: Path, final: dict) -> None
     if not cfg.use_lora or cfg.merge_lora:
         lm.save_pretrained(tmp, safe_serialization=True)
     trainer.tokenizer.save_pretrained(tmp)
-    save_file(
-        {k: v.contiguous() for k, v in policy.value_head.state_dict().items()}, tmp / "value_head.safetensors"
-    )
+    if policy.value_head is not None:
+        save_file(
+            {k: v.contiguous() for k, v in policy.value_head.state_dict().items()},
+            tmp / "value_head.safetensors",
+        )
+    if trainer.critic is not None:  # the trained critic, an RM folder (`load_reward_model` reads it)
+        critic = trainer.accelerator.unwrap_model(trainer.critic).reward_model
+        save_reward_model(critic, tmp / "critic", merge_lora=True)
     publish_files(tmp, out)
     atomic_write_json(
         out / "metrics.json", {k: v for k, v in final.items() if not (isinstance(v, float) and math.isnan(v))}
@@ -327,7 +341,7 @@ def evaluate_heldout(trainer: PPOTrainer, prompts: list[str], judge) -> dict[str
     evaluation of the run samples with the same random numbers)."""
     lm = trainer.unwrapped_policy.lm
     ref = lm if trainer.cfg.use_lora else trainer.ref_model.lm
-    with trainer.autocast():
+    with trainer.autocast(), trainer.gathered_for_generation(trainer.unwrapped_policy):
         result = evaluate_policy(
             policy=lm,
             tokenizer=trainer.tokenizer,

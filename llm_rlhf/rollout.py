@@ -219,7 +219,10 @@ def response_logprobs_and_values(model, samples: Samples, temperature: float, *,
     logits, values = (
         out if isinstance(out, tuple) else (out, None)
     )  # policy: (logits, values); reference: logits
-    # logits: (B, R, V): row t predicts response token t
+    # logits: (B, R, V): row t predicts response token t. In float32: under accelerate's mixed precision
+    # `prepare` returns the policy's logits in float32 and the reference's stay bf16, and CPU autocast
+    # runs log_softmax in the input's dtype, so without this KL != 0 at the first step (issue 13).
+    logits = logits.float()
     logprobs = ppo_math.logprobs_from_logits(logits=logits, labels=samples.response, temperature=temperature)
     if entropy == "grad":
         entropy = ppo_math.entropy_from_logits(logits=logits, temperature=temperature)

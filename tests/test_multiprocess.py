@@ -43,23 +43,33 @@ def run_script(tiny_model_dir, tiny_rm_dir, prompt_file, out: Path, mode: str, n
 
 
 def test_first_update_two_ranks_equals_one(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
+    """The RAW gradient (before clipping; an Adam step or clipping would hide a wrong loss scale, issue 13)
+    and the step's metrics of one global batch: on one process, on two, and on two with each minibatch
+    as accumulated micro-batches, which all-reduce the gradients once per minibatch (`no_sync`)."""
     import torch
 
     one = run_script(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "one.json", "same", 1)
     two = run_script(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "two.json", "same", 2)
-    assert (one["world"], two["world"]) == (1, 2)
-    torch.testing.assert_close(torch.tensor(two["grads"]), torch.tensor(one["grads"]), atol=1e-6, rtol=1e-4)
-    m1, m2 = one["metrics"][0], two["metrics"][0]
-    for key in (
-        "loss/policy",
-        "loss/value",
-        "policy/entropy",
-        "objective/kl",
-        "objective/scores",
-        "objective/non_score_reward",
-        "response_length",
-    ):
-        assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
+    acc = run_script(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "acc.json", "accumulate", 2)
+    assert (one["world"], two["world"], acc["world"]) == (1, 2, 2)
+    assert two["all_reduces"] > 0 and acc["all_reduces"] == two["all_reduces"]
+    assert torch.tensor(one["grads"]).abs().max() > 0
+    for run in (two, acc):
+        torch.testing.assert_close(
+            torch.tensor(run["grads"]), torch.tensor(one["grads"]), atol=1e-7, rtol=1e-4
+        )
+        m1, m2 = one["metrics"][0], run["metrics"][0]
+        for key in (
+            "loss/policy",
+            "loss/value",
+            "policy/entropy",
+            "objective/kl",
+            "objective/scores",
+            "objective/non_score_reward",
+            "response_length",
+            "val/explained_variance",
+        ):
+            assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
 
 
 def test_rank_with_empty_or_truncated_responses_does_not_hang(
@@ -122,3 +132,48 @@ def test_resume_with_two_ranks(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_pat
         for k, v in ma.items():
             if not k.startswith(("time/", "tokens_per_s")):
                 assert mb[k] == pytest.approx(v, rel=1e-5, abs=1e-6, nan_ok=True), (ma["step"], k)
+
+
+def test_separate_critic_with_two_ranks(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
+    """value_model: reward under DDP: two minibatches per epoch (DDP's reducer fails on the second one when
+    a parameter, e.g. an unused policy value head, took no part in the loss), a checkpoint, and the
+    trained critic in the final folder instead of a value head."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "critic"
+    launch(
+        ppo_cli_args(tiny_model_dir, tiny_rm_dir, prompt_file, out, 2)
+        + ["--value_model", "reward", "--ppo_epochs", "2"],
+        2,
+    )
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+    assert not (out / "value_head.safetensors").exists()
+    assert (out / "checkpoints" / "step-1" / "critic_trainable.safetensors").is_file()
+    trained, initial = (
+        load_file(out / "critic" / "model.safetensors"),
+        load_file(tiny_rm_dir / "model.safetensors"),
+    )
+    assert trained.keys() == initial.keys()
+    changed = [k for k in trained if not torch_equal(trained[k], initial[k])]
+    assert "score.weight" in changed and len(changed) > len(trained) // 2
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return a.shape == b.shape and torch.equal(a, b)
+
+
+def test_every_rank_samples_for_logs_and_evaluation(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
+    """Logged samples and held-out evaluation sample on every process (the main one writes), so every
+    process enters the same generate calls: a collective with ZeRO-3 / FSDP sharded parameters."""
+    out = tmp_path / "run"
+    args = ppo_cli_args(tiny_model_dir, tiny_rm_dir, prompt_file, out, 2)
+    args = [str(ROOT / "tests" / "scripts" / "count_sampling.py"), str(tmp_path / "calls"), *args[2:]]
+    args += ["--eval_every", "1", "--eval_prompt_file", str(prompt_file), "--eval_num_prompts", "4"]
+    args += ["--log_samples_every", "1", "--gold_judge", "none"]
+    launch(args, 2)
+    calls = [json.loads((tmp_path / "calls" / f"sample_calls_{r}.json").read_text()) for r in (0, 1)]
+    assert calls[0] == calls[1] >= 2 + 2 + 3, calls  # 2 rollouts, 2 logged samples, 3 evaluations
+    assert len((out / "eval_log.jsonl").read_text().splitlines()) == 3
+    assert len((out / "samples.jsonl").read_text().splitlines()) == 2 * 3

@@ -39,12 +39,16 @@ def make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, out, **kw) -> ppo.Config:
     return ppo.Config(**base)
 
 
-def make_trainer(cfg: ppo.Config) -> ppo.PPOTrainer:
+def make_trainer(cfg: ppo.Config, mixed_precision: str = "no") -> ppo.PPOTrainer:
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
+    AcceleratorState._reset_state(reset_partial_state=True)  # a fresh mixed_precision for each test
     tokenizer = load_tokenizer(cfg.model_name_or_path, padding_side="left")
     prompts = ppo_run.load_prompts(cfg, tokenizer)
-    return ppo_run.build_trainer(cfg, Accelerator(cpu=True), tokenizer, prompts)
+    return ppo_run.build_trainer(
+        cfg, Accelerator(cpu=True, mixed_precision=mixed_precision), tokenizer, prompts
+    )
 
 
 # --- pure helpers ------------------------------------------------------------------------------
@@ -75,9 +79,17 @@ def test_config_rejects_inconsistent_batch_sizes():
 # --- invariants --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("use_lora", [False, True])
-def test_first_step_kl_zero_and_ratio_one(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, use_lora):
-    trainer = make_trainer(make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, use_lora=use_lora))
+@pytest.mark.parametrize(
+    "use_lora, mixed_precision", [(False, "no"), (True, "no"), (False, "bf16"), (True, "bf16")]
+)
+def test_first_step_kl_zero_and_ratio_one(
+    tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, use_lora, mixed_precision
+):
+    """mixed_precision bf16 (the sharded accelerate configs): `prepare` runs the policy under autocast,
+    so the reference and the RM must run under it too."""
+    cfg = make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, use_lora=use_lora)
+    trainer = make_trainer(cfg, mixed_precision=mixed_precision)
+    assert trainer.accelerator.mixed_precision == mixed_precision
     rollout = trainer.rollout(trainer.next_queries())
     ref = trainer.reference_logprobs(rollout)
     kl = (rollout.logprobs - ref)[rollout.response_mask]
@@ -85,6 +97,15 @@ def test_first_step_kl_zero_and_ratio_one(tiny_model_dir, tiny_rm_dir, prompt_fi
     logprobs, _, _ = trainer.forward_policy(rollout, train=True)
     ratio = torch.exp(logprobs - rollout.logprobs)[rollout.response_mask]
     assert torch.equal(ratio, torch.ones_like(ratio))
+
+
+def test_value_head_starts_at_zero_and_learns(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
+    """Zero-initialised value head: V = 0 at every position of the first rollout; one step moves it."""
+    trainer = make_trainer(make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, ppo_epochs=1))
+    rollout = trainer.rollout(trainer.next_queries())
+    assert torch.equal(rollout.values, torch.zeros_like(rollout.values))
+    trainer.ppo_step()
+    assert trainer.unwrapped_policy.value_head.summary.weight.abs().sum() > 0
 
 
 def test_reference_bit_identical_after_steps(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
@@ -133,8 +154,9 @@ def test_logprobs_and_values_independent_of_padding_and_batch(
 
 
 def test_gradient_accumulation_equivalence(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
-    """One update on a minibatch of 8 == 8 accumulated micro-batches of 1."""
-    results = []
+    """One minibatch of 8 == 8 accumulated micro-batches of 1: the RAW gradient before clipping (an Adam
+    step or a clipped gradient would hide a wrong loss scale, issue 13), and the update."""
+    results, grads = [], []
     for ga in (1, 8):
         cfg = make_cfg(
             tiny_model_dir,
@@ -146,10 +168,108 @@ def test_gradient_accumulation_equivalence(tiny_model_dir, tiny_rm_dir, prompt_f
             gradient_accumulation_steps=ga,
             ppo_epochs=1,
             learning_rate=1e-2,
+            max_grad_norm=1e9,
         )
-        results.append(one_update(cfg))
+        raw = []
+        results.append(one_update(cfg, lambda trainer, raw=raw: record_raw_grads(trainer, raw)))
+        assert len(raw) == 1, "one optimiser step"
+        grads.append(raw[0])
+    assert grads[0].abs().max() > 0
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-7, rtol=1e-4)
     for k in results[0]:
         torch.testing.assert_close(results[0][k], results[1][k], atol=2e-5, rtol=1e-4, msg=k)
+
+
+def record_raw_grads(trainer: ppo.PPOTrainer, store: list) -> None:
+    """Append the flattened gradient of every trainable parameter to `store` at each optimiser step, as
+    it is before clipping (after DDP's all-reduce)."""
+    clip = trainer.accelerator.clip_grad_norm_
+
+    def recording(parameters, max_norm, *args, **kwargs):
+        parameters = list(parameters)
+        store.append(torch.cat([p.grad.detach().flatten().clone() for p in parameters]))
+        return clip(parameters, max_norm, *args, **kwargs)
+
+    trainer.accelerator.clip_grad_norm_ = recording
+
+
+@pytest.mark.parametrize("policy", ["gpt2", "llama"])
+def test_first_epoch_ratio_exactly_one_with_responses_that_end_early(
+    tiny_model_dir, tiny_llama_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch, policy
+):
+    """SPEC: rho == 1 exactly before the first update. Every micro-batch of the first minibatch comes
+    before that update; responses ending at different positions give the micro-batches different trimmed
+    widths (and the old log-probs must come from forwards of the same rows at the same widths)."""
+    model_dir = tiny_model_dir if policy == "gpt2" else tiny_llama_dir
+    cfg = make_cfg(model_dir, tiny_rm_dir, prompt_file, tmp_path, rollout_batch_size=8, max_new_tokens=16,
+                   mini_batch_size=8, gradient_accumulation_steps=4, ppo_epochs=1)  # fmt: skip
+    trainer = make_trainer(cfg)
+    use_fixed_responses(trainer)
+    ratios, policy_loss = [], ppo.ppo_math.policy_loss
+
+    def recording(**kw):
+        loss, stats = policy_loss(**kw)
+        ratios.append(stats.ratio[kw["response_mask"]])
+        return loss, stats
+
+    monkeypatch.setattr(ppo.ppo_math, "policy_loss", recording)
+    metrics = trainer.ppo_step()
+    assert len(ratios) == 4 and metrics["policy/approxkl"] == 0.0
+    widths = {int(r.numel()) for r in ratios}
+    assert len(widths) > 1, "the micro-batches hold responses of different lengths"
+    ratio = torch.cat(ratios)
+    assert torch.equal(ratio, torch.ones_like(ratio))
+
+
+def use_fixed_responses(trainer: ppo.PPOTrainer, seed: int = 7) -> None:
+    """Replace sampling by fixed responses to the trainer's own prompts: EOS at varied positions (rows
+    1, 2, 4, 5, 7 end early, the others never emit EOS), the same on every call."""
+    eos, pad, R = trainer.tokenizer.eos_token_id, trainer.tokenizer.pad_token_id, trainer.cfg.max_new_tokens
+
+    def fixed(queries):
+        from llm_rlhf import ppo_math
+        from llm_rlhf.rollout import left_pad
+
+        query, query_mask = left_pad(queries, pad)
+        response = torch.randint(5, 200, (len(queries), R), generator=torch.Generator().manual_seed(seed))
+        for i in range(len(queries)):
+            if i % 3:
+                response[i, i % R] = eos
+        mask = ppo_math.response_mask_from_tokens(response=response, eos_token_id=eos)
+        return Samples(
+            query=query, query_mask=query_mask, response=torch.where(mask, response, pad), response_mask=mask
+        )
+
+    trainer.generate = fixed
+
+
+def test_response_logprobs_sum_to_the_models_own_lm_loss(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
+    """An independent check of the token alignment: the sum of a response's log-probs from the PPO
+    forward (padded on both sides, batched with a longer row) equals minus the model's own shifted LM
+    loss (transformers shifts the labels) on the unpadded query + response, times the response length."""
+    trainer = make_trainer(make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path))
+    tok, lm = trainer.tokenizer, trainer.unwrapped_policy.lm
+    pairs = [
+        (tok("The film")["input_ids"], tok(" is good")["input_ids"] + [tok.eos_token_id]),
+        (tok("It's a wonderful movie that")["input_ids"], tok(" everyone should see this one")["input_ids"]),
+    ]
+    P, R = max(len(q) for q, _ in pairs) + 3, max(len(r) for _, r in pairs) + 4  # extra padding both sides
+    query, qmask = torch.full((2, P), tok.pad_token_id), torch.zeros((2, P), dtype=torch.long)
+    response, rmask = torch.full((2, R), tok.pad_token_id), torch.zeros((2, R), dtype=torch.bool)
+    for i, (q, r) in enumerate(pairs):
+        query[i, P - len(q) :], qmask[i, P - len(q) :] = torch.tensor(q), 1
+        response[i, : len(r)], rmask[i, : len(r)] = torch.tensor(r), True
+    with torch.no_grad():
+        logprobs, _, _ = trainer.forward_policy(
+            Samples(query=query, query_mask=qmask, response=response, response_mask=rmask)
+        )
+        for i, (q, r) in enumerate(pairs):
+            ids = torch.tensor([q + r])
+            labels = ids.clone()
+            labels[:, : len(q)] = -100  # loss on the response tokens only
+            expected = -lm(input_ids=ids, labels=labels).loss * len(r)
+            assert logprobs[i][rmask[i]].sum().item() == pytest.approx(expected.item(), abs=1e-4, rel=1e-5)
+            assert torch.all(logprobs[i][~rmask[i]] == 0)
 
 
 @pytest.mark.parametrize("use_lora", [False, True])

@@ -3,9 +3,12 @@
     python ppo_ranks.py MODEL_DIR RM_DIR PROMPT_FILE OUT_JSON MODE
 
 The global batch (8 episodes) is the same whatever the number of processes; each rank takes its
-contiguous slice. MODE "same": ordinary responses; MODE "degenerate": rank 0's responses are all
-empty (EOS at once) and the last rank's all truncated (no EOS), to check that no rank hangs.
-Writes the gradient of the first update (flattened) and the step's metrics to OUT_JSON (main process).
+contiguous slice. MODE "same": ordinary responses; MODE "accumulate": the same, each process's
+minibatch as micro-batches of one episode; MODE "degenerate": rank 0's responses are all empty (EOS at
+once) and the last rank's all truncated (no EOS), to check that no rank hangs.
+Writes the RAW gradient of the first update (flattened, after DDP's all-reduce, before clipping; clipping
+is off), the number of gradient all-reduces (DDP comm-hook calls; 0 with one process) and the step's
+metrics to OUT_JSON (main process).
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ def main() -> None:
         steps=2,
         rollout_batch_size=local,
         mini_batch_size=local,
+        gradient_accumulation_steps=local if mode == "accumulate" else 1,
+        max_grad_norm=1e9,
         ppo_epochs=1,
         max_new_tokens=R,
         learning_rate=1e-2,
@@ -78,19 +83,29 @@ def main() -> None:
         )
 
     trainer.generate = fixed_rollout
-    trainable = [p for p in trainer.unwrapped_policy.parameters() if p.requires_grad]
-    first_grads, optimizer_step = [], trainer.optimizer.step
+    first_grads, clip = [], accelerator.clip_grad_norm_
 
-    def step_and_record(*args, **kwargs):  # the gradient of the first update, after DDP's all-reduce
+    def record_and_clip(parameters, max_norm, *args, **kwargs):  # the raw gradient of the first update
+        parameters = list(parameters)
         if not first_grads:
-            first_grads.append(torch.cat([p.grad.flatten() for p in trainable]))
-        return optimizer_step(*args, **kwargs)
+            first_grads.append(torch.cat([p.grad.flatten() for p in parameters]))
+        return clip(parameters, max_norm, *args, **kwargs)
 
-    trainer.optimizer.step = step_and_record
+    accelerator.clip_grad_norm_ = record_and_clip
+    all_reduces = [0]
+    if world > 1:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        def counting_allreduce(state, bucket):
+            all_reduces[0] += 1
+            return allreduce_hook(state, bucket)
+
+        trainer.policy.register_comm_hook(None, counting_allreduce)
     metrics = [trainer.ppo_step() for _ in range(2 if mode == "degenerate" else 1)]
     if accelerator.is_main_process:
         with open(out_json, "w") as f:
-            json.dump({"world": world, "grads": first_grads[0].tolist(), "metrics": metrics}, f)
+            record = {"world": world, "grads": first_grads[0].tolist(), "metrics": metrics}
+            json.dump({**record, "all_reduces": all_reduces[0]}, f)
     accelerator.wait_for_everyone()
 
 
