@@ -164,6 +164,11 @@ class PolicyWithValue(nn.Module):
         self.lm = lm
         self.value_head = value_head
 
+    @property
+    def _no_split_modules(self):
+        """The LM's transformer-block classes: accelerate's FSDP auto-wrap shards at these blocks."""
+        return getattr(self.lm, "_no_split_modules", None)
+
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int | torch.Tensor = 0
     ) -> tuple[torch.Tensor, torch.Tensor | None]:

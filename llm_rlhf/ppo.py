@@ -283,6 +283,11 @@ class PPOTrainer:
                 f"least 2 episodes (rollout_batch_size {cfg.rollout_batch_size} x {accelerator.num_processes} "
                 "processes)"
             )
+        if accelerator.is_fsdp2 and (cfg.use_lora or critic is not None):
+            raise UserError(
+                "FSDP2 runs full fine-tuning with the policy's value head; use_lora and value_model: reward are "
+                "not supported under it yet (use DDP or DeepSpeed for them)"
+            )
         if accelerator.distributed_type == DistributedType.DEEPSPEED:
             check_deepspeed_config(accelerator.state.deepspeed_plugin, self.sizes, critic=critic is not None)
         params = [p for p in policy.parameters() if p.requires_grad]
@@ -309,6 +314,12 @@ class PPOTrainer:
         else:
             self.policy, self.optimizer, self.scheduler = accelerator.prepare(policy, optimizer, scheduler)
             self.critic = None
+        if accelerator.is_fsdp2:
+            # FSDP2 sets up its root unit at the root's first forward; generation calls the LM below
+            # the root (`fsdp2_unsharded`), so run that first forward now, on every process.
+            with torch.no_grad():
+                one = torch.ones((1, 1), dtype=torch.long, device=accelerator.device)
+                self.policy(one * tokenizer.eos_token_id, one)
         self.kl_ctl = (
             ppo_math.AdaptiveKLController(cfg.init_kl_coef, cfg.kl_target, cfg.kl_horizon)
             if cfg.kl_controller == "adaptive"
@@ -771,6 +782,9 @@ class PPOTrainer:
 
             with deepspeed.zero.GatheredParameters(list(policy.lm.parameters())):
                 yield
+        elif self.accelerator.is_fsdp2:
+            with fsdp2_unsharded(policy):
+                yield
         elif self.accelerator.distributed_type == DistributedType.FSDP:
             # here, not at the top: torch.distributed is missing from some torch builds (macOS, Windows)
             from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -785,3 +799,22 @@ class PPOTrainer:
         if self.cfg.use_lora:
             return self.unwrapped_policy.lm.disable_adapter()
         return nullcontext()
+
+
+@contextmanager
+def fsdp2_unsharded(model):
+    """Every FSDP2 unit of `model` (`fully_shard`) all-gathered once and kept whole: no forward inside
+    runs a collective (generation calls the LM many times and each process stops at its own length, and
+    the LM is called below the root unit, whose pre-forward gather would not run). Resharded at the end."""
+    from torch.distributed.fsdp import FSDPModule  # here: torch.distributed is missing from some builds
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.unshard()
+        unit.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+            unit.set_reshard_after_forward(True, recurse=False)

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import math
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -293,6 +294,9 @@ def save_final(trainer: PPOTrainer, cfg: Config, out: Path, final: dict) -> None
     folder in critic/), then metrics.json (last)."""
     accelerator = trainer.accelerator
     accelerator.wait_for_everyone()
+    if accelerator.is_fsdp2:
+        save_final_fsdp2(trainer, out, final)
+        return
     if not accelerator.is_main_process:
         return
     policy = trainer.unwrapped_policy
@@ -315,6 +319,10 @@ def save_final(trainer: PPOTrainer, cfg: Config, out: Path, final: dict) -> None
         critic = trainer.accelerator.unwrap_model(trainer.critic).reward_model
         save_reward_model(critic, tmp / "critic", merge_lora=True)
     publish_files(tmp, out)
+    write_final_metrics(out, final)
+
+
+def write_final_metrics(out: Path, final: dict) -> None:
     atomic_write_json(
         out / "metrics.json", {k: v for k, v in final.items() if not (isinstance(v, float) and math.isnan(v))}
     )
@@ -334,6 +342,42 @@ def save_final(trainer: PPOTrainer, cfg: Config, out: Path, final: dict) -> None
             indent=2,
         )
     )
+
+
+def save_final_fsdp2(trainer: PPOTrainer, out: Path, final: dict) -> None:
+    """FSDP2: the full policy state gathered from the shards (a collective: every process), then the main
+    process writes the same folder as `save_final`: one full HF causal-LM folder and the value head.
+    (LoRA and the separate critic are not supported under FSDP2 yet: `PPOTrainer` says so.)"""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    policy = trainer.unwrapped_policy
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # the whole tensors, on rank 0 only
+    state = get_model_state_dict(policy, options=options)
+    if trainer.accelerator.is_main_process:
+        tmp = temp_dir_beside(out / "final")
+        lm_state = {k.removeprefix("lm."): v for k, v in state.items() if k.startswith("lm.")}
+        for name in tied_duplicates(policy.lm):  # e.g. GPT-2's lm_head.weight is wte.weight: saved once
+            lm_state.pop(name, None)
+        policy.lm.save_pretrained(tmp, state_dict=lm_state, safe_serialization=True)
+        trainer.tokenizer.save_pretrained(tmp)
+        head = {
+            k.removeprefix("value_head."): v.contiguous()
+            for k, v in state.items()
+            if k.startswith("value_head.")
+        }
+        save_file(head, tmp / "value_head.safetensors")
+        publish_files(tmp, out)
+        write_final_metrics(out, final)
+    trainer.accelerator.wait_for_everyone()
+
+
+def tied_duplicates(model: torch.nn.Module) -> list[str]:
+    """Names of parameters that are another parameter registered again (tied weights), all but the first
+    name of each: what `save_pretrained` leaves out of a folder."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [name for group in names.values() for name in group[1:]]
 
 
 def evaluate_heldout(trainer: PPOTrainer, prompts: list[str], judge) -> dict[str, float]:
@@ -383,6 +427,9 @@ def save_checkpoint(trainer: PPOTrainer, folder: Path) -> None:
         if trainer.accelerator.num_processes > 1
         else [rng_state()]
     )
+    if trainer.accelerator.is_fsdp2:
+        save_sharded_checkpoint(trainer, folder, rng_all)
+        return
     if trainer.accelerator.is_main_process:
         from safetensors.torch import save_file
 
@@ -413,7 +460,49 @@ def save_checkpoint(trainer: PPOTrainer, folder: Path) -> None:
     trainer.accelerator.wait_for_everyone()
 
 
+def save_sharded_checkpoint(trainer: PPOTrainer, folder: Path, rng_all: list) -> None:
+    """FSDP2: each process writes its shards of the policy and of the optimiser state with torch's
+    distributed checkpoint (`folder/sharded`, loadable at another process count), the main process the
+    scheduler, step, KL controller and every process's RNG; the folder appears whole (renamed at the end)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    accelerator = trainer.accelerator
+    tmp = folder.with_name(f".{folder.name}.tmp")  # the same path on every process
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    model_state, optimizer_state = get_state_dict(trainer.unwrapped_policy, trainer.optimizer.optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(tmp / "sharded"))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        torch.save({"scheduler": trainer.scheduler.state_dict()}, tmp / "scheduler.pt")
+        torch.save(
+            {"step": trainer.step, "kl_ctl": trainer.kl_ctl.state_dict(), "rng": rng_all},
+            tmp / "trainer_state.pt",
+        )
+        (tmp / "step.json").write_text(json.dumps({"step": trainer.step}))
+        replace_dir(tmp, folder)
+    accelerator.wait_for_everyone()
+
+
+def load_sharded_checkpoint(trainer: PPOTrainer, folder: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    policy, optimizer = trainer.unwrapped_policy, trainer.optimizer.optimizer
+    model_state, optimizer_state = get_state_dict(policy, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=str(folder / "sharded"))
+    set_state_dict(policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    trainer.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True)["scheduler"])
+
+
 def load_checkpoint(trainer: PPOTrainer, folder: Path) -> None:
+    if trainer.accelerator.is_fsdp2:
+        load_sharded_checkpoint(trainer, folder)
+        load_trainer_state(trainer, folder)
+        return
     trainable = load_file(folder / "policy_trainable.safetensors")
     missing = trainer.unwrapped_policy.load_state_dict(trainable, strict=False)
     if missing.unexpected_keys:
@@ -427,6 +516,11 @@ def load_checkpoint(trainer: PPOTrainer, folder: Path) -> None:
     opt = torch.load(folder / "optimizer.pt", weights_only=True, map_location="cpu")
     trainer.optimizer.load_state_dict(opt["optimizer"])
     trainer.scheduler.load_state_dict(opt["scheduler"])
+    load_trainer_state(trainer, folder)
+
+
+def load_trainer_state(trainer: PPOTrainer, folder: Path) -> None:
+    """The step (the data position), the KL controller and this process's RNG state."""
     state = torch.load(folder / "trainer_state.pt", weights_only=True, map_location="cpu")
     trainer.step = state["step"]
     trainer.kl_ctl.load_state_dict(state["kl_ctl"])

@@ -41,7 +41,8 @@ def fake_trainer(distributed_type, zero_stage=None):
     state = SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=zero_stage))
     policy = SimpleNamespace(lm=torch.nn.Linear(2, 2))
     return SimpleNamespace(
-        accelerator=SimpleNamespace(distributed_type=distributed_type, state=state), policy=policy
+        accelerator=SimpleNamespace(distributed_type=distributed_type, state=state, is_fsdp2=False),
+        policy=policy,
     )
 
 

@@ -15,13 +15,13 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
 def launch(
-    args: list[str], num_processes: int, cwd: Path = ROOT, timeout: int = 900
+    args: list[str], num_processes: int, cwd: Path = ROOT, timeout: int = 900, config: str = "multi_gpu.yaml"
 ) -> subprocess.CompletedProcess:
-    """`accelerate launch` as a user runs it: the DDP config file, or a single CPU process."""
+    """`accelerate launch` as a user runs it: a config file (DDP by default), or a single CPU process."""
     if num_processes > 1:
         head = [
             "--config_file",
-            str(ROOT / "accelerate_configs" / "multi_gpu.yaml"),
+            str(ROOT / "accelerate_configs" / config),
             "--num_processes",
             str(num_processes),
         ]
@@ -177,3 +177,47 @@ def test_every_rank_samples_for_logs_and_evaluation(tiny_model_dir, tiny_rm_dir,
     assert calls[0] == calls[1] >= 2 + 2 + 3, calls  # 2 rollouts, 2 logged samples, 3 evaluations
     assert len((out / "eval_log.jsonl").read_text().splitlines()) == 3
     assert len((out / "samples.jsonl").read_text().splitlines()) == 2 * 3
+
+
+def test_fsdp2_ppo_with_two_ranks(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
+    """accelerate_configs/fsdp.yaml (FSDP2) on 2 CPU processes over gloo, with the one patch of
+    tests/scripts/fsdp2_on_cpu.py (accelerate enables FSDP only with an accelerator device): sampling,
+    logged samples, held-out evaluation, sharded checkpoints, a resume, and the final policy as one full HF
+    folder. The resumed run logs what the uninterrupted one logged and saves the same weights."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    script = str(ROOT / "tests" / "scripts" / "fsdp2_on_cpu.py")
+    extra = ["--eval_every", "2", "--eval_prompt_file", str(prompt_file), "--eval_num_prompts", "4"]
+    extra += ["--log_samples_every", "2", "--gold_judge", "none"]
+
+    def run(out, steps, *more):
+        args = ppo_cli_args(tiny_model_dir, tiny_rm_dir, prompt_file, out, steps)[2:] + extra + list(more)
+        launch([script, *args], 2, config="fsdp.yaml")
+        return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+    a = run(tmp_path / "a", 3)
+    run(tmp_path / "b", 2)
+    ckpt = tmp_path / "b" / "checkpoints" / "step-1"
+    assert (ckpt / "sharded" / ".metadata").is_file() and len(list((ckpt / "sharded").glob("*.distcp"))) == 2
+    b = run(tmp_path / "b", 3, "--resume", "true")
+    assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2, 3]
+    assert a[0]["objective/kl"] == 0.0
+    for ma, mb in zip(a, b):
+        for k, v in ma.items():
+            if not k.startswith(("time/", "tokens_per_s")):
+                assert mb[k] == pytest.approx(v, rel=1e-5, abs=1e-6, nan_ok=True), (ma["step"], k)
+    assert len((tmp_path / "a" / "eval_log.jsonl").read_text().splitlines()) == 2  # steps 0 and 2
+    assert (tmp_path / "a" / "samples.jsonl").is_file()
+    final_a, final_b = (load_file(tmp_path / d / "model.safetensors") for d in ("a", "b"))
+    initial = load_file(tiny_model_dir / "model.safetensors")
+    assert final_a.keys() == initial.keys() == final_b.keys()
+    import torch
+
+    assert any(not torch.equal(final_a[k], initial[k]) for k in initial)
+    for k in initial:
+        torch.testing.assert_close(final_b[k], final_a[k], atol=1e-6, rtol=1e-5, msg=k)
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "a").config.vocab_size == len(
+        initial["transformer.wte.weight"]
+    )
+    assert set(load_file(tmp_path / "a" / "value_head.safetensors")) == {"summary.weight", "summary.bias"}
