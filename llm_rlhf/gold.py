@@ -36,11 +36,14 @@ predicted mean human rating, -4 .. +4):
 
 reference_nll is the median fluency_nll of real human continuations, so a response as fluent as what
 people typically write scores its sentiment, and each nat per token of extra surprise costs
-`fluency_weight` rating points (fewer nats earn as much). Linear, not a hinge at reference_nll: a
-repeated word ("a great great great great film") is *predictable* after its first repeat, so repeated
-text stays near human fluency and only the linear form lets the gold prefer the real sentence (measured
-by `data/make_gold.py`, which stores the constants, the comparison of both forms and the validity
-figures on held-out sentences in the judge's JSON, format `FLUENT_FORMAT`).
+`fluency_weight` rating points (fewer nats earn as much). The weight is the largest at which the gold
+still agrees with people about pairs of real (fluent) sentences about as often as sentiment alone: the
+fluency term sinks text that is not English without overruling people between sentences that are.
+Linear, not a hinge at reference_nll: a repeated word ("a great great great great film") is predictable
+after its first repeat, so repeated text stays near human fluency and only the linear form lets the gold
+prefer the real sentence; and the sentiment judge counts n-grams by presence, so a repeat earns nothing.
+`data/make_gold.py` measures the constants and stores them, the calibration grid and the validity
+figures on held-out data in the judge's JSON (format `FLUENT_FORMAT`); `data/README.md` explains them.
 """
 
 from __future__ import annotations
