@@ -187,3 +187,52 @@ def test_eval_reports_the_gold_parts(tmp_path, tiny_model_dir, prompt_file):
         for s in samples
     ]  # fmt: skip
     assert metrics["sentiment_win_rate"] == pytest.approx(sum(wins) / len(wins))
+
+
+def test_gold_vs_policy_script(tmp_path, tiny_model_dir):
+    """data/gold_vs_policy.py pairs each evaluation prompt with the real test sentence that opens with it
+    and reports how often the gold, sentiment alone and fluency alone prefer the real continuation."""
+    model_dir = tmp_path / "lm"
+    model_dir.symlink_to(tiny_model_dir, target_is_directory=True)
+    gold = fluent_judge_file(tmp_path, model_dir)
+    repo = Path(__file__).resolve().parent.parent
+    test = write_jsonl(
+        tmp_path / "test.jsonl",
+        [
+            {"text": "It was good and fun to watch", "rating": 1.0},
+            {"text": "It was bad, bad, bad", "rating": -2.0},  # opening "It was" (under 6 words: 2 words)
+            {
+                "text": "It was good and never dull at all",
+                "rating": 2.0,
+            },  # same opening: the first one counts
+        ],
+    )
+    samples = write_jsonl(
+        tmp_path / "samples.jsonl",
+        [
+            {"prompt": "It was good", "policy_response": " good good good"},
+            {"prompt": "It was", "policy_response": " good"},
+        ],
+    )
+    done = subprocess.run(
+        [sys.executable, "data/gold_vs_policy.py", str(samples), "--gold", str(gold), "--test", str(test)],
+        cwd=repo, capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout)
+    judge = load_judge(str(gold))
+    real = judge_details(judge, ["It was good", "It was"], [" and fun to watch", " bad, bad, bad"])
+    policy = judge_details(judge, ["It was good", "It was"], [" good good good", " good"])
+    wins = [
+        1.0 if r > p else 0.5 if r == p else 0.0 for r, p in zip(real["gold_score"], policy["gold_score"])
+    ]
+    assert got["rows"] == 2
+    assert got["gold_prefers_real"] == pytest.approx(sum(wins) / 2, abs=1e-4)
+    # sentiment counts "good" once: row 1 is a tie (one half), row 2's "bad" loses to "good"
+    assert got["sentiment_prefers_real"] == 0.25
+    unknown = write_jsonl(tmp_path / "unknown.jsonl", [{"prompt": "Nobody wrote", "policy_response": " x"}])
+    done = subprocess.run(
+        [sys.executable, "data/gold_vs_policy.py", str(unknown), "--gold", str(gold), "--test", str(test)],
+        cwd=repo, capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 1 and "no gold_test opening" in done.stderr
