@@ -793,8 +793,37 @@ def section_ppo(page: Page, run: Run) -> None:
         )
 
 
+def gold_note(run: Run) -> str | None:
+    """Which LM the fluency-aware gold of this run's evaluation reads fluency with, and whether that LM is
+    the run's own base model (the SFT stage started from it) or one that no stage trained. None when the
+    gold is not a judge JSON with a fluency model, or its file cannot be found from here."""
+    try:
+        spec = (yaml.safe_load(run.configs.get("eval/config.yaml") or "") or {}).get("gold_judge")
+        base = (yaml.safe_load(run.configs.get("sft/config.yaml") or "") or {}).get("model_name_or_path")
+        path = Path(str(spec))
+        gold = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError, OSError, AttributeError):
+        return None
+    if not isinstance(gold, dict) or "fluency_model" not in gold:
+        return None
+    lm = (path.parent / str(gold["fluency_model"])).resolve()
+    own = base is not None and (
+        Path(str(base)).resolve() == lm or str(base) == gold.get("fluency_model_hub_name")
+    )
+    if own:
+        return (
+            f"The gold ({spec}) reads fluency with {lm.name}, the base model this run's SFT stage started "
+            f'from: fluency here means "still reads like {lm.name}", not independent English. The gold\'s '
+            "sentiment part is independent of every model of the run."
+        )
+    return f"The gold ({spec}) reads fluency with {lm.name}, an LM that no stage of this run trained."
+
+
 def section_eval(page: Page, run: Run) -> None:
     page.add('<h2 id="eval">4. Evaluation: policy vs SFT baseline</h2>', _wall_time(run, "eval"))
+    note = gold_note(run)
+    if note:
+        page.add(f'<p class="meta">{html.escape(note)}</p>')
     if run.metrics.get("eval"):
         page.add(metrics_table(run.metrics["eval"]))
     else:

@@ -206,3 +206,26 @@ def test_smooth_matches_loop():
             naive = [np.nanmean(y[max(0, i - h) : i + h + 1]) for i in range(len(y))]
         np.testing.assert_allclose(smooth(y, window), naive)
     np.testing.assert_allclose(smooth(np.arange(50.0), 9)[4:-4], np.arange(50.0)[4:-4])  # no lag on a trend
+
+
+def test_gold_note_says_whose_fluency_lm_the_gold_reads(tmp_path, monkeypatch):
+    """The evaluation section names the gold's fluency LM and says when it is the run's own base model."""
+    from llm_rlhf.report import gold_note, load_run
+
+    monkeypatch.chdir(tmp_path)  # config paths are relative to where the pipeline ran
+    (tmp_path / "lm").mkdir()
+    (tmp_path / "judges").mkdir()
+    (tmp_path / "judges" / "gold.json").write_text(
+        json.dumps({"fluency_model": "../lm", "fluency_model_hub_name": "org/lm"})
+    )
+    run = make_run(tmp_path / "run")
+    (run / "eval" / "config.yaml").write_text("gold_judge: judges/gold.json\n")
+    for base, own in (("lm", True), ("org/lm", True), ("other_model", False)):
+        (run / "sft" / "config.yaml").write_text(f"model_name_or_path: {base}\n")
+        note = gold_note(load_run(run))
+        assert note is not None and "reads fluency with lm" in note
+        assert ("the base model this run's SFT stage started from" in note) is own
+        assert ("no stage of this run trained" in note) is not own
+    assert "reads fluency with lm" in write_report(run).read_text(encoding="utf-8")
+    (run / "eval" / "config.yaml").write_text("gold_judge: judges/missing.json\n")
+    assert gold_note(load_run(run)) is None  # a sentiment-only or unreadable gold: no note
