@@ -21,18 +21,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from make_gold import opening_and_rest  # noqa: E402
+from make_gold import opening_and_rest, win_rate  # noqa: E402
 
 from llm_rlhf.gold import judge_details, load_judge  # noqa: E402
-
-
-def rate(wins: list[float]) -> tuple[float, float]:
-    p = sum(wins) / len(wins)
-    return p, math.sqrt(p * (1 - p) / len(wins))
-
-
-def prefer(a: list[float], b: list[float]) -> list[float]:
-    return [1.0 if x > y else 0.5 if x == y else 0.0 for x, y in zip(a, b)]
 
 
 def main() -> int:
@@ -64,7 +55,8 @@ def main() -> int:
         ("sentiment", "sentiment", 1),
         ("fluency", "fluency_nll", -1),
     ):
-        p, se = rate(prefer([sign * x for x in real[key]], [sign * x for x in policy[key]]))
+        p = win_rate([sign * x for x in real[key]], [sign * x for x in policy[key]])
+        se = math.sqrt(p * (1 - p) / len(rows))
         out[f"{name}_prefers_real"] = round(p, 4)
         out[f"{name}_prefers_real_stderr"] = round(se, 4)
     print(json.dumps(out, indent=2))

@@ -95,33 +95,38 @@ def parts(v: dict[str, list[str]], judge: GoldJudge, lm: FluencyLM) -> dict[str,
     }
 
 
+def win_rate(first: list[float], second: list[float]) -> float:
+    """Fraction of rows where first > second; ties count one half."""
+    wins = [1.0 if x > y else 0.5 if x == y else 0.0 for x, y in zip(first, second)]
+    return sum(wins) / len(wins)
+
+
+def golds(
+    p: dict, kind: str, rows, *, weight: float, reference_nll: float, hinge: bool = False
+) -> list[float]:
+    """The gold of `kind`'s rows from its stored parts; hinge: no penalty below reference_nll."""
+    return [
+        gold_from_parts(
+            sentiment=p[kind]["sentiment"][i],
+            fluency_nll=max(p[kind]["nll"][i], reference_nll) if hinge else p[kind]["nll"][i],
+            fluency_weight=weight,
+            reference_nll=reference_nll,
+        )
+        for i in rows
+    ]
+
+
 def prefer_real(
     p: dict, other: str, *, weight: float, reference_nll: float, keep: list[int], hinge: bool = False
 ) -> float:
     """Fraction of rows where gold(real) > gold(other); ties count one half."""
-
-    def gold(kind, i):
-        nll = p[kind]["nll"][i]
-        if hinge:
-            nll = max(nll, reference_nll)
-        return gold_from_parts(
-            sentiment=p[kind]["sentiment"][i],
-            fluency_nll=nll,
-            fluency_weight=weight,
-            reference_nll=reference_nll,
-        )
-
-    wins = [
-        1.0 if gold("real", i) > gold(other, i) else 0.5 if gold("real", i) == gold(other, i) else 0.0
-        for i in keep
-    ]
-    return sum(wins) / len(wins)
+    kw = {"weight": weight, "reference_nll": reference_nll, "hinge": hinge}
+    return win_rate(golds(p, "real", keep, **kw), golds(p, other, keep, **kw))
 
 
 def sentiment_prefers_real(p: dict, other: str, keep: list[int]) -> float:
     s, o = p["real"]["sentiment"], p[other]["sentiment"]
-    wins = [1.0 if s[i] > o[i] else 0.5 if s[i] == o[i] else 0.0 for i in keep]
-    return sum(wins) / len(wins)
+    return win_rate([s[i] for i in keep], [o[i] for i in keep])
 
 
 def changed(v: dict[str, list[str]], other: str) -> list[int]:
@@ -140,25 +145,9 @@ def pair_parts(path: Path, judge: GoldJudge, lm: FluencyLM) -> dict[str, dict[st
 
 def agreement(pp: dict, *, weight: float, reference_nll: float) -> float:
     """Fraction of pairs where gold(chosen) > gold(rejected), as people said; ties count one half."""
-
-    def gold(kind, i):
-        return gold_from_parts(
-            sentiment=pp[kind]["sentiment"][i],
-            fluency_nll=pp[kind]["nll"][i],
-            fluency_weight=weight,
-            reference_nll=reference_nll,
-        )
-
-    n = len(pp["chosen"]["nll"])
-    wins = [
-        1.0
-        if gold("chosen", i) > gold("rejected", i)
-        else 0.5
-        if gold("chosen", i) == gold("rejected", i)
-        else 0.0
-        for i in range(n)
-    ]
-    return sum(wins) / n
+    rows = range(len(pp["chosen"]["nll"]))
+    kw = {"weight": weight, "reference_nll": reference_nll}
+    return win_rate(golds(pp, "chosen", rows, **kw), golds(pp, "rejected", rows, **kw))
 
 
 def main() -> int:
