@@ -33,15 +33,24 @@ an empty response, is not fluent text either). The gold score, in the sentiment 
 predicted mean human rating, -4 .. +4):
 
     gold = sentiment - fluency_weight * (fluency_nll - reference_nll)
+                     - disfluency_weight * max(0, fluency_nll - disfluency_nll)
 
-reference_nll is the median fluency_nll of real human continuations, so a response as fluent as what
-people typically write scores its sentiment, and each nat per token of extra surprise costs
-`fluency_weight` rating points (fewer nats earn as much). The weight is the largest at which the gold
-still agrees with people about pairs of real (fluent) sentences about as often as sentiment alone: the
-fluency term sinks text that is not English without overruling people between sentences that are.
-Linear, not a hinge at reference_nll: a repeated word ("a great great great great film") is predictable
-after its first repeat, so repeated text stays near human fluency and only the linear form lets the gold
-prefer the real sentence; and the sentiment judge counts n-grams by presence, so a repeat earns nothing.
+a penalty that is linear in fluency_nll with a steeper slope beyond disfluency_nll:
+
+- reference_nll is the median fluency_nll of real human continuations, so a response as fluent as what
+  people typically write scores its sentiment, and each nat per token of extra surprise costs
+  `fluency_weight` rating points (fewer nats earn as much). That weight is the largest at which the gold
+  still agrees with people about pairs of real sentences about as often as sentiment alone, so within
+  English the fluency term does not overrule what people said. It is linear, not zero below some level:
+  a repeated word ("a great great great great film") is predictable after its first repeat, so repeated
+  text stays near human fluency, and the sentiment judge counts n-grams by presence, so a repeat earns
+  nothing there; only the fluency slope lets the gold prefer the real sentence.
+- disfluency_nll is the 95th percentile of fluency_nll over real human continuations: beyond it text is
+  more surprising than nearly anything people write, i.e. it is not read as English, and each further nat
+  costs `disfluency_weight` more. That weight is the smallest for which the gold prefers a real sentence
+  to praise salad (its own words shuffled, with two of the sentiment judge's most positive words put in)
+  as the calibration bar asks: a bag of praise words must not outscore a sentence.
+
 `data/make_gold.py` measures the constants and stores them, the calibration grid and the validity
 figures on held-out data in the judge's JSON (format `FLUENT_FORMAT`); `data/README.md` explains them.
 """
@@ -333,10 +342,21 @@ class FluencyLM:
 
 
 def gold_from_parts(
-    *, sentiment: float, fluency_nll: float, fluency_weight: float, reference_nll: float
+    *,
+    sentiment: float,
+    fluency_nll: float,
+    fluency_weight: float,
+    reference_nll: float,
+    disfluency_weight: float = 0.0,
+    disfluency_nll: float = math.inf,
 ) -> float:
-    """gold = sentiment - fluency_weight * (fluency_nll - reference_nll)   (module docstring)."""
-    return sentiment - fluency_weight * (fluency_nll - reference_nll)
+    """The gold score of one response (module docstring):
+
+    gold = sentiment - fluency_weight * (fluency_nll - reference_nll)
+                     - disfluency_weight * max(0, fluency_nll - disfluency_nll)
+    """
+    excess = max(0.0, fluency_nll - disfluency_nll)
+    return sentiment - fluency_weight * (fluency_nll - reference_nll) - disfluency_weight * excess
 
 
 class FluentGoldJudge:
@@ -346,25 +366,22 @@ class FluentGoldJudge:
     evaluation can report sentiment-only and fluency figures beside the gold from one call."""
 
     def __init__(self, *, sentiment, fluency: FluencyLM, fluency_weight: float, reference_nll: float,
+                 disfluency_weight: float = 0.0, disfluency_nll: float = math.inf,
                  info: dict[str, Any] | None = None):  # fmt: skip
         self.sentiment = sentiment
         self.fluency = fluency
-        self.fluency_weight = float(fluency_weight)
-        self.reference_nll = float(reference_nll)
+        self.constants = {
+            "fluency_weight": float(fluency_weight),
+            "reference_nll": float(reference_nll),
+            "disfluency_weight": float(disfluency_weight),
+            "disfluency_nll": float(disfluency_nll),
+        }
         self.info = info or {}
 
     def details(self, prompts: list[str], responses: list[str]) -> dict[str, list[float]]:
         sentiment = [float(s) for s in self.sentiment(list(prompts), list(responses))]
         nll = self.fluency.nll(list(prompts), list(responses))
-        gold = [
-            gold_from_parts(
-                sentiment=s,
-                fluency_nll=n,
-                fluency_weight=self.fluency_weight,
-                reference_nll=self.reference_nll,
-            )
-            for s, n in zip(sentiment, nll)
-        ]
+        gold = [gold_from_parts(sentiment=s, fluency_nll=n, **self.constants) for s, n in zip(sentiment, nll)]
         return {
             "gold_score": gold,
             "sentiment": sentiment,
@@ -395,6 +412,8 @@ class FluentGoldJudge:
                 fluency=fluency,
                 fluency_weight=float(data["fluency_weight"]),
                 reference_nll=float(data["reference_nll"]),
+                disfluency_weight=float(data.get("disfluency_weight", 0.0)),
+                disfluency_nll=float(data.get("disfluency_nll", math.inf)),
                 info={k: v for k, v in data.items() if k != "format"},
             )
         except (KeyError, TypeError, ValueError) as e:

@@ -60,7 +60,7 @@ def test_fluency_nll_matches_naive_rows(kind, tiny_model_dir, tiny_llama_dir):
     assert got[3] > 0
 
 
-def fluent_judge_file(tmp_path: Path, model_dir: Path, weight=2.0, reference_nll=5.0) -> Path:
+def fluent_judge_file(tmp_path: Path, model_dir: Path, weight=2.0, reference_nll=5.0, **disfluency) -> Path:
     judges = tmp_path / "judges"
     judges.mkdir()
     (judges / "sentiment.json").write_text(
@@ -76,6 +76,7 @@ def fluent_judge_file(tmp_path: Path, model_dir: Path, weight=2.0, reference_nll
                 "end_text": "\n",
                 "fluency_weight": weight,
                 "reference_nll": reference_nll,
+                **disfluency,
             }
         )
     )
@@ -99,6 +100,22 @@ def test_fluent_gold_formula_and_parts(tmp_path, tiny_model_dir):
     assert gold_from_parts(sentiment=1.0, fluency_nll=5.0, fluency_weight=2.0, reference_nll=5.0) == 1.0
     assert gold_from_parts(sentiment=1.0, fluency_nll=6.0, fluency_weight=2.0, reference_nll=5.0) == -1.0
     assert gold_from_parts(sentiment=1.0, fluency_nll=4.5, fluency_weight=2.0, reference_nll=5.0) == 2.0
+    # beyond disfluency_nll every nat costs disfluency_weight more; below it the linear form is untouched
+    consts = {"fluency_weight": 2.0, "reference_nll": 5.0, "disfluency_weight": 3.0, "disfluency_nll": 6.0}
+    assert gold_from_parts(sentiment=1.0, fluency_nll=5.5, **consts) == 0.0
+    assert gold_from_parts(sentiment=1.0, fluency_nll=6.0, **consts) == -1.0
+    assert gold_from_parts(sentiment=1.0, fluency_nll=7.0, **consts) == -3.0 - 3.0
+
+
+def test_fluent_gold_disfluency_term_is_read_from_the_json(tmp_path, tiny_model_dir):
+    model_dir = tmp_path / "lm"
+    model_dir.symlink_to(tiny_model_dir, target_is_directory=True)
+    # a random tiny LM: every response is far beyond nll 1.0, so each row pays 4 per nat beyond it
+    path = fluent_judge_file(tmp_path, model_dir, disfluency_weight=4.0, disfluency_nll=1.0)
+    parts = judge_details(load_judge(str(path)), PROMPTS, RESPONSES)
+    for s, n, g in zip(parts["sentiment"], parts["fluency_nll"], parts["gold_score"]):
+        assert n > 1.0
+        assert g == pytest.approx(s - 2.0 * (n - 5.0) - 4.0 * (n - 1.0))
 
 
 def test_missing_fluency_model_names_the_build_command(tmp_path, tiny_model_dir):
@@ -236,3 +253,42 @@ def test_gold_vs_policy_script(tmp_path, tiny_model_dir):
         cwd=repo, capture_output=True, text=True,
     )  # fmt: skip
     assert done.returncode == 1 and "no gold_test opening" in done.stderr
+
+
+def test_make_gold_salad_quantile_and_nll_cache(tmp_path):
+    """The calibration pieces of data/make_gold.py: praise salad keeps the response's words and puts in
+    PRAISE_INSERTED of the judge's most positive words; the quantile is numpy's linear one; the NLL cache
+    asks the LM only for pairs it has not seen, and a new process reads what the last one wrote."""
+    import random
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "data"))
+    import make_gold
+
+    judge = GoldJudge(
+        terms={"good": (1.0, 2.0), "great": (1.0, 3.0), "bad": (1.0, -3.0), "a b": (1.0, 9.0)}, intercept=0.0
+    )
+    assert make_gold.praise_words(judge, 2) == ["great", "good"]  # single words only, most positive first
+    response = " the film is long"
+    got = make_gold.salad(response, ["great", "good"], random.Random(0))
+    assert got.startswith(" ") and sorted(got.split()) == sorted(response.split() + ["great", "good"])
+    xs = [float(v) for v in (3, 1, 4, 1, 5, 9, 2, 6)]
+    assert make_gold.quantile(xs, 0.95) == pytest.approx(float(torch.tensor(xs).quantile(0.95)))
+    assert make_gold.quantile(xs, 0.5) == pytest.approx(3.5)
+
+    calls = []
+
+    class LM:
+        def nll(self, prompts, responses):
+            calls.append(list(zip(prompts, responses)))
+            return [float(len(p) + len(r)) for p, r in zip(prompts, responses)]
+
+    cache = tmp_path / "cache" / "nll.json"
+    first = make_gold.CachedNLL(LM(), cache, "lm|'\\n'")
+    assert first.nll(["a", "bb", "a"], [" x", " y", " x"]) == [3.0, 4.0, 3.0]
+    assert calls == [[("a", " x"), ("bb", " y")]]  # each new pair once
+    second = make_gold.CachedNLL(LM(), cache, "lm|'\\n'")
+    assert second.nll(["bb", "c"], [" y", ""]) == [4.0, 1.0]
+    assert calls[1:] == [[("c", "")]]
+    other = make_gold.CachedNLL(LM(), cache, "other-lm|'\\n'")  # another model: nothing cached for it
+    assert other.nll(["a"], [" x"]) == [3.0] and len(calls) == 3
+    assert set(json.loads(cache.read_text())) == {"lm|'\\n'", "other-lm|'\\n'"}

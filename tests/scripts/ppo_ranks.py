@@ -14,6 +14,7 @@ metrics to OUT_JSON (main process).
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -107,6 +108,13 @@ def main() -> None:
             record = {"world": world, "grads": first_grads[0].tolist(), "metrics": metrics}
             json.dump({**record, "all_reduces": all_reduces[0]}, f)
     accelerator.wait_for_everyone()
+    if world > 1:
+        # Leave without interpreter teardown: with the comm hook above registered in the C++ reducer, a rank
+        # rarely aborted at exit ("terminate called without an active exception", exit -6) while gloo's
+        # threads were torn down, after its work was done (session 5 notes); destroy_process_group hung.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
