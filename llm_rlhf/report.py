@@ -678,7 +678,10 @@ def _g(value: float | None, spec: str = ".3g") -> str:
 
 def headline_cards(run: Run) -> str:
     sft_eos = final_value(run, "sft", "eos_rate")
-    rm_acc, rm_base = final_value(run, "rm", "eval_accuracy"), final_value(run, "rm", "baseline_accuracy")
+    # held-out test pairs when the RM stage had a test_file (the figure recipes report), else the eval pairs
+    rm_split = "test" if final_value(run, "rm", "test_accuracy") is not None else "eval"
+    rm_acc = final_value(run, "rm", f"{rm_split}_accuracy")
+    rm_base = final_value(run, "rm", "baseline_test_accuracy" if rm_split == "test" else "baseline_accuracy")
     first = final_value(run, "ppo", "scores_first")
     if first is None and run.ppo_history:
         first = _num(run.ppo_history[0].get("objective/scores"))
@@ -694,7 +697,7 @@ def headline_cards(run: Run) -> str:
     )
     cards = [
         _card("SFT EOS rate", _g(sft_eos, ".1%"), "responses that stop"),
-        _card("RM accuracy", _g(rm_acc, ".1%"),
+        _card(f"RM {rm_split} accuracy", _g(rm_acc, ".1%"),
               f"bag-of-words baseline {_g(rm_base, '.1%')}, chance 50%" if rm_base is not None else "chance 50%"),
         _card("PPO RM score", f"{_g(first)} → {_g(last)}", "first → last step"),
         _card("PPO KL", _g(kl), f"target {_g(target)}, β = {_g(beta)}"),

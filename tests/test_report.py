@@ -115,6 +115,7 @@ def test_single_run_report_is_self_contained(tmp_path):
     # resolved configs, headline numbers, the missing-file note absent
     assert "marker_sft: yes-sft" in text and "kl_target: 6.0" in text and "pipeline_config.yaml" in text
     assert "62.0%" in text and "71.0%" in text and "97.0%" in text  # gold win rate, RM accuracy, SFT EOS rate
+    assert "RM eval accuracy" in text  # no test_file in this run: the card says which pairs it scored
     assert 'class="missing"' not in text
 
 
@@ -229,3 +230,13 @@ def test_gold_note_says_whose_fluency_lm_the_gold_reads(tmp_path, monkeypatch):
     assert "reads fluency with lm" in write_report(run).read_text(encoding="utf-8")
     (run / "eval" / "config.yaml").write_text("gold_judge: judges/missing.json\n")
     assert gold_note(load_run(run)) is None  # a sentiment-only or unreadable gold: no note
+
+
+def test_rm_card_shows_the_test_pairs_when_the_stage_had_them(tmp_path):
+    run = make_run(tmp_path / "run")
+    metrics = json.loads((run / "rm" / "metrics.json").read_text())
+    metrics.update(test_accuracy=0.834, baseline_test_accuracy=0.812)
+    (run / "rm" / "metrics.json").write_text(json.dumps(metrics))
+    text = write_report(run).read_text(encoding="utf-8")
+    assert "RM test accuracy" in text and "83.4%" in text and "81.2%" in text
+    assert "RM eval accuracy" not in text
