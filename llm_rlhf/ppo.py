@@ -314,6 +314,13 @@ class PPOTrainer:
         else:
             self.policy, self.optimizer, self.scheduler = accelerator.prepare(policy, optimizer, scheduler)
             self.critic = None
+        if accelerator.is_fsdp2 and accelerator.state.fsdp_plugin.mixed_precision_policy is not None:
+            # FSDP2's MixedPrecisionPolicy (mixed_precision: bf16) computes with the policy's parameters
+            # cast to param_dtype, norms and embeddings included, which autocast alone does not do: give
+            # the reference and the RM the same weights, or KL != 0 and rho != 1 at the first step (issue 13).
+            param_dtype = accelerator.state.fsdp_plugin.mixed_precision_policy.param_dtype
+            ref_model.to(param_dtype)
+            reward_model.to(param_dtype)
         if accelerator.is_fsdp2:
             # FSDP2 sets up its root unit at the root's first forward; generation calls the LM below
             # the root (`fsdp2_unsharded`), so run that first forward now, on every process.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -15,9 +16,15 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
 def launch(
-    args: list[str], num_processes: int, cwd: Path = ROOT, timeout: int = 900, config: str = "multi_gpu.yaml"
+    args: list[str],
+    num_processes: int,
+    cwd: Path = ROOT,
+    timeout: int = 900,
+    config: str = "multi_gpu.yaml",
+    mixed_precision: str | None = None,
 ) -> subprocess.CompletedProcess:
-    """`accelerate launch` as a user runs it: a config file (DDP by default), or a single CPU process."""
+    """`accelerate launch` as a user runs it: a config file (DDP by default), or a single CPU process.
+    `mixed_precision` overrides the config file's, as `accelerate launch --mixed_precision` does."""
     if num_processes > 1:
         head = [
             "--config_file",
@@ -27,7 +34,11 @@ def launch(
         ]
     else:
         head = ["--cpu", "--num_processes", "1"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if mixed_precision is not None:
+        head += ["--mixed_precision", mixed_precision]
+    # The scripts under tests/scripts import llm_rlhf: this checkout's, not another installed copy.
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": pythonpath}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *head, *args]
     result = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
@@ -221,3 +232,24 @@ def test_fsdp2_ppo_with_two_ranks(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_
         initial["transformer.wte.weight"]
     )
     assert set(load_file(tmp_path / "a" / "value_head.safetensors")) == {"summary.weight", "summary.bias"}
+
+
+@pytest.mark.parametrize("mixed_precision", ["bf16", "no"])
+def test_fsdp2_first_step_kl_zero_ratio_one(
+    tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, mixed_precision
+):
+    """fsdp.yaml on 2 CPU processes (the same patch), in bf16 (the file's setting) and in fp32: with bf16 the
+    prepared policy computes in bf16 (accelerate's FSDP2 MixedPrecisionPolicy and autocast), and so must the
+    reference and the RM, or KL != 0 and rho != 1 before the first update (issue 13). One minibatch per
+    step, so step 1's ratio and approx-KL are those of the first minibatch, before any update."""
+    script = str(ROOT / "tests" / "scripts" / "fsdp2_on_cpu.py")
+    args = ppo_cli_args(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, 2)[2:]
+    args += ["--mini_batch_size", "4", "--save_steps", "0"]
+    launch([script, *args], 2, config="fsdp.yaml", mixed_precision=mixed_precision)
+    first, second = (json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines())
+    assert first["objective/kl"] == 0.0
+    assert first["policy/ratio"] == 1.0 and first["policy/approxkl"] == 0.0
+    assert first["policy/clipfrac"] == 0.0
+    for m in (first, second):
+        assert all(math.isfinite(m[k]) for k in ("loss/policy", "loss/value", "objective/scores")), m
+    assert second["objective/kl"] != 0.0  # the policy moved and the KL sees it

@@ -2,8 +2,9 @@
 without GPUs, with ONE patch (test only): accelerate 1.15 turns FSDP on only when it sees an accelerator
 device (`AcceleratorState.__init__` sets `DistributedType.FSDP` only on MULTI_GPU/NPU/XPU/...); on CPU it
 leaves MULTI_CPU (DDP over gloo). The patch does, after that `__init__`, what its FSDP branch does:
-`distributed_type = FSDP` (in the accelerator's and the process's shared state) and the `fsdp_plugin`
-that accelerate built from the config file; everything else — the plugin, `prepare`
+`distributed_type = FSDP` (in the accelerator's and the process's shared state), the plugin's mixed
+precision from `mixed_precision` (bf16: FSDP2's `MixedPrecisionPolicy`) and the `fsdp_plugin` that
+accelerate built from the config file; everything else — the plugin, `prepare`
 (`fsdp2_prepare_model`: torch's `fully_shard` at each transformer block, the root), no_sync, gradient
 clipping, and our code — runs unpatched, over gloo on CPU.
 
@@ -26,6 +27,8 @@ def init_with_fsdp_on_cpu(self, *args, fsdp_plugin=None, **kwargs):
     original_init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
     if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
         self.distributed_type = DistributedType.FSDP
+        if self._mixed_precision != "no":
+            fsdp_plugin.set_mixed_precision(self._mixed_precision)
         self.fsdp_plugin = fsdp_plugin
         accelerate.state.PartialState._shared_state["distributed_type"] = (
             DistributedType.FSDP
