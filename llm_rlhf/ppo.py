@@ -236,7 +236,7 @@ def batch_sizes(
     )
 
 
-def check_deepspeed_config(plugin, sizes: BatchSizes, *, critic: bool) -> None:
+def check_deepspeed_config(plugin, sizes: BatchSizes, *, critic: bool, lora: bool = False) -> None:
     """Under DeepSpeed the PPO loop accumulates micro-batches itself (`PPOTrainer.backward`): the engine
     must not divide the loss by an accumulation count of its own, and it is told the micro-batch size
     (there is no dataloader for accelerate to read it from)."""
@@ -244,6 +244,11 @@ def check_deepspeed_config(plugin, sizes: BatchSizes, *, critic: bool) -> None:
         raise UserError(
             "value_model: 'reward' is not supported under DeepSpeed (accelerate builds one DeepSpeed engine "
             "per Accelerator); use value_model: policy"
+        )
+    if lora and plugin.zero_stage == 3:
+        raise UserError(
+            "use_lora is not supported under DeepSpeed ZeRO-3 yet (the final save gathers full weights, not "
+            "an adapter); use ZeRO-2 or DDP for LoRA"
         )
     config = plugin.deepspeed_config
     if config.get("gradient_accumulation_steps", 1) not in (1, "auto"):
@@ -289,7 +294,9 @@ class PPOTrainer:
                 "not supported under it yet (use DDP or DeepSpeed for them)"
             )
         if accelerator.distributed_type == DistributedType.DEEPSPEED:
-            check_deepspeed_config(accelerator.state.deepspeed_plugin, self.sizes, critic=critic is not None)
+            check_deepspeed_config(
+                accelerator.state.deepspeed_plugin, self.sizes, critic=critic is not None, lora=cfg.use_lora
+            )
         params = [p for p in policy.parameters() if p.requires_grad]
         if critic is not None:
             params += [p for p in critic.parameters() if p.requires_grad]
@@ -651,6 +658,11 @@ class PPOTrainer:
     @property
     def deepspeed(self) -> bool:
         return self.accelerator.distributed_type == DistributedType.DEEPSPEED
+
+    @property
+    def zero3(self) -> bool:
+        """DeepSpeed ZeRO-3: each process holds only its partition of every parameter."""
+        return self.deepspeed and self.accelerator.state.deepspeed_plugin.zero_stage == 3
 
     @contextmanager
     def accumulating(self, *, last: bool):

@@ -294,8 +294,8 @@ def save_final(trainer: PPOTrainer, cfg: Config, out: Path, final: dict) -> None
     folder in critic/), then metrics.json (last)."""
     accelerator = trainer.accelerator
     accelerator.wait_for_everyone()
-    if accelerator.is_fsdp2:
-        save_final_fsdp2(trainer, out, final)
+    if accelerator.is_fsdp2 or trainer.zero3:
+        save_final_gathered(trainer, out, final)
         return
     if not accelerator.is_main_process:
         return
@@ -344,15 +344,20 @@ def write_final_metrics(out: Path, final: dict) -> None:
     )
 
 
-def save_final_fsdp2(trainer: PPOTrainer, out: Path, final: dict) -> None:
-    """FSDP2: the full policy state gathered from the shards (a collective: every process), then the main
-    process writes the same folder as `save_final`: one full HF causal-LM folder and the value head.
-    (LoRA and the separate critic are not supported under FSDP2 yet: `PPOTrainer` says so.)"""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
+def save_final_gathered(trainer: PPOTrainer, out: Path, final: dict) -> None:
+    """FSDP2 and ZeRO-3 (parameters sharded): the full policy state gathered from the shards (a collective:
+    every process), then the main process writes the same folder as `save_final`: one full HF causal-LM
+    folder and the value head. (LoRA and the separate critic are not supported there yet: `PPOTrainer`
+    says so.)"""
     policy = trainer.unwrapped_policy
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # the whole tensors, on rank 0 only
-    state = get_model_state_dict(policy, options=options)
+    if trainer.zero3:
+        # DeepSpeed's consolidated 16-bit weights (the config's zero3_save_16bit_model), on rank 0 only
+        state = trainer.accelerator.get_state_dict(trainer.policy)
+    else:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0 only
+        state = get_model_state_dict(policy, options=options)
     if trainer.accelerator.is_main_process:
         tmp = temp_dir_beside(out / "final")
         lm_state = {k.removeprefix("lm."): v for k, v in state.items() if k.startswith("lm.")}
@@ -427,7 +432,7 @@ def save_checkpoint(trainer: PPOTrainer, folder: Path) -> None:
         if trainer.accelerator.num_processes > 1
         else [rng_state()]
     )
-    if trainer.accelerator.is_fsdp2:
+    if trainer.accelerator.is_fsdp2 or trainer.deepspeed:
         save_sharded_checkpoint(trainer, folder, rng_all)
         return
     if trainer.accelerator.is_main_process:
@@ -461,22 +466,29 @@ def save_checkpoint(trainer: PPOTrainer, folder: Path) -> None:
 
 
 def save_sharded_checkpoint(trainer: PPOTrainer, folder: Path, rng_all: list) -> None:
-    """FSDP2: each process writes its shards of the policy and of the optimiser state with torch's
-    distributed checkpoint (`folder/sharded`, loadable at another process count), the main process the
-    scheduler, step, KL controller and every process's RNG; the folder appears whole (renamed at the end)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
+    """FSDP2 and DeepSpeed: each process writes its own shards, the main process the step, KL controller
+    and every process's RNG; the folder appears whole (renamed at the end).
+    - FSDP2: the policy and the optimiser state with torch's distributed checkpoint (`folder/sharded`,
+      loadable at another process count); the main process the scheduler.
+    - DeepSpeed: accelerate's `save_state` (`folder/deepspeed`): the engine's own checkpoint on every
+      process (under ZeRO its partitions of the weights and of the optimiser state), and the scheduler."""
     accelerator = trainer.accelerator
     tmp = folder.with_name(f".{folder.name}.tmp")  # the same path on every process
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
-    model_state, optimizer_state = get_state_dict(trainer.unwrapped_policy, trainer.optimizer.optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(tmp / "sharded"))
+    if trainer.deepspeed:
+        accelerator.save_state(str(tmp / "deepspeed"))
+    else:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optimizer_state = get_state_dict(trainer.unwrapped_policy, trainer.optimizer.optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(tmp / "sharded"))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        torch.save({"scheduler": trainer.scheduler.state_dict()}, tmp / "scheduler.pt")
+        if not trainer.deepspeed:
+            torch.save({"scheduler": trainer.scheduler.state_dict()}, tmp / "scheduler.pt")
         torch.save(
             {"step": trainer.step, "kl_ctl": trainer.kl_ctl.state_dict(), "rng": rng_all},
             tmp / "trainer_state.pt",
@@ -487,6 +499,10 @@ def save_sharded_checkpoint(trainer: PPOTrainer, folder: Path, rng_all: list) ->
 
 
 def load_sharded_checkpoint(trainer: PPOTrainer, folder: Path) -> None:
+    if trainer.deepspeed:
+        # the engine's load_checkpoint on every process (its partitions), and the scheduler
+        trainer.accelerator.load_state(str(folder / "deepspeed"))
+        return
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -499,7 +515,7 @@ def load_sharded_checkpoint(trainer: PPOTrainer, folder: Path) -> None:
 
 
 def load_checkpoint(trainer: PPOTrainer, folder: Path) -> None:
-    if trainer.accelerator.is_fsdp2:
+    if trainer.accelerator.is_fsdp2 or trainer.deepspeed:
         load_sharded_checkpoint(trainer, folder)
         load_trainer_state(trainer, folder)
         return

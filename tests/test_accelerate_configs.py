@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
+import accelerate.accelerator
 import pytest
 import torch
 from accelerate.commands.config.config_args import load_config_from_file
@@ -131,9 +132,51 @@ class StandInDeepSpeedEngine(torch.nn.Module):
         return self.grad_norm
 
 
-def as_deepspeed(trainer, monkeypatch) -> StandInDeepSpeedEngine:
+class StandInZero3Engine(StandInDeepSpeedEngine):
+    """The stand-in engine with ZeRO-3's partitioned parameters where checkpoints and the final save meet
+    them: outside a gather every parameter of the module is empty (DeepSpeed leaves `param.data` without
+    elements) and this process's partition lives in the engine (`partitions`; one process here, so the
+    whole tensors). `save_checkpoint` / `load_checkpoint` write and read this process's own file (each
+    process calls them); `_zero3_consolidated_16bit_state_dict` is a collective every process must enter
+    (counted in `gathers`) that returns the whole state dict on rank 0 and None on the others."""
+
+    def __init__(self, module, optimizer, lr_scheduler, gradient_clipping: float):
+        super().__init__(module, optimizer, lr_scheduler, gradient_clipping)
+        self.rank, self.saves, self.gathers = 0, 0, 0
+        self.partitions = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        for p in module.parameters():
+            p.data = torch.empty(0, dtype=p.dtype)
+
+    def states_file(self, folder, tag) -> Path:
+        return Path(folder) / tag / f"zero_pp_rank_{self.rank}_states.pt"
+
+    def save_checkpoint(self, save_dir, tag):
+        self.saves += 1
+        path = self.states_file(save_dir, tag)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        state = {"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.lr_scheduler.state_dict()}
+        torch.save({"partitions": self.partitions, **state}, path)
+
+    def load_checkpoint(self, load_dir, tag):
+        path = self.states_file(load_dir, tag)
+        state = torch.load(path, weights_only=True)
+        self.partitions = state["partitions"]
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        return str(path), {}
+
+    def zero_gather_16bit_weights_on_model_save(self):
+        return True  # the config's zero3_save_16bit_model: true
+
+    def _zero3_consolidated_16bit_state_dict(self):
+        self.gathers += 1
+        return {k: v.clone() for k, v in self.partitions.items()} if self.rank == 0 else None
+
+
+def as_deepspeed(trainer, monkeypatch, zero_stage: int = 2) -> StandInDeepSpeedEngine:
     """The trainer's policy, optimiser and scheduler as `accelerator.prepare` returns them under DeepSpeed:
-    the engine as the model, accelerate's DeepSpeed optimizer/scheduler wrappers (whose step and zero_grad
+    the engine as the model (also in the accelerator's list of prepared models, which `save_state` and
+    `load_state` go through), accelerate's DeepSpeed optimizer/scheduler wrappers (whose step and zero_grad
     do nothing), `accelerator.backward` through accelerate's real `DeepSpeedEngineWrapper`."""
     from accelerate.utils.deepspeed import (
         DeepSpeedEngineWrapper,
@@ -143,14 +186,23 @@ def as_deepspeed(trainer, monkeypatch) -> StandInDeepSpeedEngine:
 
     optimizer = trainer.optimizer.optimizer  # the torch AdamW under accelerate's wrapper
     scheduler = trainer.scheduler.scheduler
-    engine = StandInDeepSpeedEngine(trainer.policy, optimizer, scheduler, gradient_clipping=1e9)
+    kind = StandInZero3Engine if zero_stage == 3 else StandInDeepSpeedEngine
+    engine = kind(trainer.policy, optimizer, scheduler, gradient_clipping=1e9)
     trainer.policy = engine
     trainer.optimizer = DeepSpeedOptimizerWrapper(optimizer)
     trainer.scheduler = DeepSpeedSchedulerWrapper(scheduler, [optimizer])
     accelerator = trainer.accelerator
     accelerator.deepspeed_engine_wrapped = DeepSpeedEngineWrapper(engine)
+    # accelerate.accelerator imports these names only when deepspeed is installed
+    for wrapper in (DeepSpeedEngineWrapper, DeepSpeedOptimizerWrapper, DeepSpeedSchedulerWrapper):
+        monkeypatch.setattr(accelerate.accelerator, wrapper.__name__, wrapper, raising=False)
+    monkeypatch.setattr(accelerator, "_models", [engine])
+    monkeypatch.setattr(accelerator, "_optimizers", [trainer.optimizer])
+    monkeypatch.setattr(accelerator, "_schedulers", [trainer.scheduler])
     monkeypatch.setattr(accelerator.state, "distributed_type", DistributedType.DEEPSPEED)
-    plugin = SimpleNamespace(zero_stage=2, deepspeed_config={"gradient_accumulation_steps": 1})  # fp32
+    config = {"gradient_accumulation_steps": 1, "zero_optimization": {"stage": zero_stage}}  # fp32
+    monkeypatch.setattr(accelerator, "deepspeed_config", config, raising=False)
+    plugin = SimpleNamespace(zero_stage=zero_stage, deepspeed_config=config)
     monkeypatch.setattr(accelerator.state, "deepspeed_plugins", plugin, raising=False)
     unwrap = accelerator.unwrap_model
     monkeypatch.setattr(
@@ -209,3 +261,85 @@ def test_deepspeed_config_checks():
         )
     with pytest.raises(UserError, match="not supported under DeepSpeed"):
         ppo.check_deepspeed_config(plugin, sizes, critic=True)
+    plugin.zero_stage = 3
+    ppo.check_deepspeed_config(plugin, sizes, critic=False, lora=False)
+    with pytest.raises(UserError, match="use_lora is not supported under DeepSpeed ZeRO-3"):
+        ppo.check_deepspeed_config(plugin, sizes, critic=False, lora=True)
+
+
+def trained_zero3_trainer(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch):
+    """One PPO step on one process, then the policy partitioned under the ZeRO-3 stand-in engine."""
+    from test_ppo import make_cfg, make_trainer
+
+    cfg = make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "run", lr_scheduler_type="linear")
+    trainer = make_trainer(cfg)
+    trainer.ppo_step()
+    return cfg, trainer, as_deepspeed(trainer, monkeypatch, zero_stage=3)
+
+
+def test_zero3_checkpoint_is_the_engines_own(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch):
+    """Under ZeRO-3 a process's parameters are its partition (here: empty): the checkpoint is the engine's
+    own, written through accelerate's save_state, and a resume restores the engine's partitions, optimiser
+    and scheduler, the step and the KL controller (issue 13)."""
+    from llm_rlhf import ppo_run
+
+    cfg, trainer, engine = trained_zero3_trainer(
+        tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch
+    )
+    folder = tmp_path / "run" / "checkpoints" / "step-1"
+    saved = {k: v.clone() for k, v in engine.partitions.items()}
+    adam, lr = engine.optimizer.state_dict(), engine.lr_scheduler.get_last_lr()
+    kl_ctl = trainer.kl_ctl.state_dict()
+    ppo_run.save_checkpoint(trainer, folder)
+    assert engine.saves == 1 and engine.states_file(folder / "deepspeed", "pytorch_model").is_file()
+
+    engine.partitions = {k: torch.zeros_like(v) for k, v in saved.items()}  # what training on would change
+    engine.optimizer.state.clear()
+    engine.lr_scheduler.step()
+    trainer.step, trainer.kl_ctl.value = 7, 0.5
+    ppo_run.load_checkpoint(trainer, folder)
+    assert trainer.step == 1 and trainer.kl_ctl.state_dict() == kl_ctl
+    assert engine.lr_scheduler.get_last_lr() == lr
+    for k, v in saved.items():
+        assert torch.equal(engine.partitions[k], v), k
+    restored = engine.optimizer.state_dict()["state"]
+    for i, state in adam["state"].items():
+        for name, value in state.items():
+            assert torch.equal(restored[i][name], value), (i, name)
+
+
+def test_zero3_final_save_gathers_on_every_process(
+    tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch
+):
+    """The final policy under ZeRO-3: every process enters the gather (a collective), rank 0 writes one full
+    HF folder from the gathered weights; another rank writes nothing."""
+    from accelerate import Accelerator
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from llm_rlhf import ppo_run
+
+    cfg, trainer, engine = trained_zero3_trainer(
+        tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch
+    )
+    final = dict.fromkeys(
+        ("scores_first", "scores_last", "scores_std_first", "kl_last", "kl_target", "time_per_step_s"), 0.0
+    )
+    with monkeypatch.context() as rank1:
+        engine.rank = 1
+        rank1.setattr(Accelerator, "is_main_process", property(lambda self: False))
+        ppo_run.save_final(trainer, cfg, tmp_path / "rank1", final)
+    assert engine.gathers == 1 and not (tmp_path / "rank1").exists()
+
+    engine.rank = 0
+    ppo_run.save_final(trainer, cfg, tmp_path / "rank0", final)
+    assert engine.gathers == 2
+    saved = load_file(tmp_path / "rank0" / "model.safetensors")
+    initial = load_file(tiny_model_dir / "model.safetensors")
+    assert saved.keys() == initial.keys()
+    for k in saved:
+        assert torch.equal(saved[k], engine.partitions[f"lm.{k}"]), k
+    assert any(not torch.equal(saved[k], initial[k]) for k in initial)  # the trained weights
+    AutoModelForCausalLM.from_pretrained(tmp_path / "rank0")
+    head = load_file(tmp_path / "rank0" / "value_head.safetensors")
+    assert torch.equal(head["summary.weight"], engine.partitions["value_head.summary.weight"])
