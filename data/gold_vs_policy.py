@@ -33,12 +33,16 @@ def main() -> int:
     )
     ap.add_argument("--gold", default=str(REPO / "data" / "reviews" / "gold.json"))
     ap.add_argument("--test", type=Path, default=REPO / "data" / "reviews" / "gold_test.jsonl")
+    ap.add_argument("--positive", type=float, default=1.0, help="mean human rating of a positive sentence")
     args = ap.parse_args()
 
     real_of: dict[str, str] = {}
+    rating_of: dict[str, float] = {}
     for line in args.test.open(encoding="utf-8"):
-        prompt, rest = opening_and_rest(json.loads(line)["text"])
-        real_of.setdefault(prompt, rest)
+        sentence = json.loads(line)
+        prompt, rest = opening_and_rest(sentence["text"])
+        if prompt not in real_of:
+            real_of[prompt], rating_of[prompt] = rest, float(sentence["rating"])
     rows = [json.loads(line) for line in args.samples.open(encoding="utf-8")]
     missing = [r["prompt"] for r in rows if r["prompt"] not in real_of]
     if missing:
@@ -49,16 +53,18 @@ def main() -> int:
     judge = load_judge(args.gold)
     real = judge_details(judge, prompts, [real_of[p] for p in prompts])
     policy = judge_details(judge, prompts, [r["policy_response"] for r in rows])
-    out = {"samples": str(args.samples), "rows": len(rows)}
-    for name, key, sign in (
-        ("gold", "gold_score", 1),
-        ("sentiment", "sentiment", 1),
-        ("fluency", "fluency_nll", -1),
-    ):
-        p = win_rate([sign * x for x in real[key]], [sign * x for x in policy[key]])
-        se = math.sqrt(p * (1 - p) / len(rows))
-        out[f"{name}_prefers_real"] = round(p, 4)
-        out[f"{name}_prefers_real_stderr"] = round(se, 4)
+    positive = [i for i, p in enumerate(prompts) if rating_of[p] >= args.positive]
+    out = {"samples": str(args.samples), "rows": len(rows), "rows_positive_real": len(positive)}
+    for subset, keep in (("", range(len(rows))), ("positive_real_", positive)):
+        for name, key, sign in (
+            ("gold", "gold_score", 1),
+            ("sentiment", "sentiment", 1),
+            ("fluency", "fluency_nll", -1),
+        ):
+            p = win_rate([sign * real[key][i] for i in keep], [sign * policy[key][i] for i in keep])
+            se = math.sqrt(p * (1 - p) / max(len(keep), 1))
+            out[f"{subset}{name}_prefers_real"] = round(p, 4)
+            out[f"{subset}{name}_prefers_real_stderr"] = round(se, 4)
     print(json.dumps(out, indent=2))
     return 0
 

@@ -247,6 +247,10 @@ def test_gold_vs_policy_script(tmp_path, tiny_model_dir):
     assert got["gold_prefers_real"] == pytest.approx(sum(wins) / 2, abs=1e-4)
     # sentiment counts "good" once: row 1 is a tie (one half), row 2's "bad" loses to "good"
     assert got["sentiment_prefers_real"] == 0.25
+    # only "It was good and fun to watch" (rating 1.0) was rated positive: the subset is its row alone
+    assert got["rows_positive_real"] == 1
+    assert got["positive_real_gold_prefers_real"] == wins[0]
+    assert got["positive_real_sentiment_prefers_real"] == 0.5
     unknown = write_jsonl(tmp_path / "unknown.jsonl", [{"prompt": "Nobody wrote", "policy_response": " x"}])
     done = subprocess.run(
         [sys.executable, "data/gold_vs_policy.py", str(unknown), "--gold", str(gold), "--test", str(test)],
