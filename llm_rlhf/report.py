@@ -208,11 +208,15 @@ def _planned_stages(config_text: str) -> list[str] | None:
 
 
 def find_runs(folder: str | Path) -> list[Path]:
-    """[folder] if it is a run; else its sub-folders that are runs (any depth below, sorted)."""
+    """The sub-folders of folder that are runs (any depth below, sorted), else [folder] if it is a run.
+
+    A sweep's folder is both: its own pipeline.json records the shared SFT and RM, and each variant is
+    a complete run below it; the variants are what the report compares."""
     folder = Path(folder)
-    if (folder / "pipeline.json").is_file():
-        return [folder]
-    return sorted(p.parent for p in folder.rglob("pipeline.json") if p.parent != folder)
+    below = sorted(p.parent for p in folder.rglob("pipeline.json") if p.parent != folder)
+    if below:
+        return below
+    return [folder] if (folder / "pipeline.json").is_file() else []
 
 
 def looks_like_run(folder: Path) -> bool:

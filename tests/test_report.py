@@ -125,6 +125,11 @@ def test_runs_side_by_side(tmp_path):
     make_run(sweep / "kl_coef-0.02", kl_coef=0.02)
     make_run(sweep / "kl_coef-0.2", kl_coef=0.2, steps=40)  # > 30 points: smoothed curves
     assert [p.name for p in find_runs(sweep)] == ["kl_coef-0.02", "kl_coef-0.2"]
+    # `llm-rlhf pipeline --sweep` also records the shared SFT and RM in the sweep folder's own pipeline.json:
+    # still the variants are compared
+    (sweep / "pipeline.json").write_text(json.dumps({"sft": {"wall_time_s": 1.0, "metrics": {}}}))
+    assert [p.name for p in find_runs(sweep)] == ["kl_coef-0.02", "kl_coef-0.2"]
+    assert find_runs(sweep / "kl_coef-0.2") == [sweep / "kl_coef-0.2"]
     text = write_report(sweep).read_text()
     assert text.count(IMG) == 2
     for name in ("kl_coef-0.02", "kl_coef-0.2"):
