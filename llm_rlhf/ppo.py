@@ -239,7 +239,8 @@ def batch_sizes(
 def check_deepspeed_config(plugin, sizes: BatchSizes, *, critic: bool, lora: bool = False) -> None:
     """Under DeepSpeed the PPO loop accumulates micro-batches itself (`PPOTrainer.backward`): the engine
     must not divide the loss by an accumulation count of its own, and it is told the micro-batch size
-    (there is no dataloader for accelerate to read it from)."""
+    (there is no dataloader for accelerate to read it from). The LR schedule is PPO's (`optimizer_step`),
+    so the config has none."""
     if critic:
         raise UserError(
             "value_model: 'reward' is not supported under DeepSpeed (accelerate builds one DeepSpeed engine "
@@ -257,6 +258,11 @@ def check_deepspeed_config(plugin, sizes: BatchSizes, *, critic: bool, lora: boo
             "in the PPO config instead (the PPO loop accumulates micro-batches itself)"
         )
     config["gradient_accumulation_steps"] = 1
+    if "scheduler" in config:
+        raise UserError(
+            "the DeepSpeed config must not define a scheduler: the engine would step it as well as PPO's own; "
+            "set lr_scheduler_type in the PPO config instead"
+        )
     if config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
         config["train_micro_batch_size_per_gpu"] = sizes.micro_batch_per_process
 
@@ -313,13 +319,15 @@ class PPOTrainer:
         decay = (
             (lambda i: max(0.0, 1.0 - i / total)) if cfg.lr_scheduler_type == "linear" else (lambda i: 1.0)
         )
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, decay)
+        # Not handed to `accelerator.prepare`: its scheduler wrapper steps the schedule num_processes times per
+        # optimiser step (made for dataloaders that give each process 1/N of the batches), so with N processes
+        # the linear decay reached 0 after 1/N of the run, and under DeepSpeed the engine steps only
+        # DeepSpeed's own schedules, so this one never moved. `optimizer_step` steps it once (issue 13).
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, decay)
         if critic is not None:
-            self.policy, self.critic, self.optimizer, self.scheduler = accelerator.prepare(
-                policy, critic, optimizer, scheduler
-            )
+            self.policy, self.critic, self.optimizer = accelerator.prepare(policy, critic, optimizer)
         else:
-            self.policy, self.optimizer, self.scheduler = accelerator.prepare(policy, optimizer, scheduler)
+            self.policy, self.optimizer = accelerator.prepare(policy, optimizer)
             self.critic = None
         if accelerator.is_fsdp2 and accelerator.state.fsdp_plugin.mixed_precision_policy is not None:
             # FSDP2's MixedPrecisionPolicy (mixed_precision: bf16) computes with the policy's parameters
@@ -631,9 +639,10 @@ class PPOTrainer:
             self.accelerator.backward(loss)
 
     def optimizer_step(self, epoch: int) -> None:
-        """Clip the gradients, step the optimiser and the scheduler. Under DeepSpeed the engine's step does
-        all three (clipping at its config's gradient_clipping, not max_grad_norm), and the gradient norm is
-        checked after it."""
+        """Clip the gradients, step the optimiser, then the LR schedule: once per optimiser step on every
+        process, whatever their number. Under DeepSpeed the engine's step clips (at its config's
+        gradient_clipping, not max_grad_norm) and steps the optimiser, and the gradient norm is checked
+        after it."""
         if self.deepspeed:
             self.policy.step()
             grad_norm = self.policy.get_global_grad_norm()
@@ -646,6 +655,7 @@ class PPOTrainer:
             )
         if not self.deepspeed:
             self.optimizer.step()
+        if not self.optimizer.step_was_skipped:  # an fp16 overflow: no update, so the schedule waits too
             self.scheduler.step()
 
     def discard_gradients(self) -> None:

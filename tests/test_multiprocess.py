@@ -125,14 +125,42 @@ def ppo_cli_args(tiny_model_dir, tiny_rm_dir, prompt_file, out: Path, steps: int
     ]
 
 
+def linear_lr(steps: int, optimizer_steps_per_step: int = 2, learning_rate: float = 1e-3) -> list[float]:
+    """The lr logged after PPO step k = 1..steps under lr_scheduler_type: linear (ppo_cli_args: 2 minibatches
+    of one epoch per step): learning_rate * (1 - i / total) after optimiser step i."""
+    total = steps * optimizer_steps_per_step
+    return [learning_rate * (1 - k * optimizer_steps_per_step / total) for k in range(1, steps + 1)]
+
+
+def test_linear_lr_two_ranks_equals_one(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
+    """lr_scheduler_type: linear advances once per optimiser step on every process, whatever their number:
+    the lr after each step on 2 processes is that of 1 process and the closed form. accelerate's scheduler
+    wrapper stepped it once per process, so on 2 it reached 0 halfway through the run (issue 13)."""
+
+    def logged_lr(out, num_processes):
+        args = ppo_cli_args(tiny_model_dir, tiny_rm_dir, prompt_file, out, 3)
+        launch(args + ["--lr_scheduler_type", "linear", "--save_steps", "0"], num_processes)
+        return [json.loads(x)["lr"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+    one, two = logged_lr(tmp_path / "one", 1), logged_lr(tmp_path / "two", 2)
+    assert one == pytest.approx(linear_lr(3), rel=1e-12, abs=1e-15)
+    assert two == one
+
+
 def test_resume_with_two_ranks(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
-    """2 ranks: run 3 steps straight; elsewhere run 2 steps, then resume to 3 from the step-1 checkpoint."""
-    launch(ppo_cli_args(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "a", 3), 2)
-    launch(ppo_cli_args(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "b", 2), 2)
+    """2 ranks: run 3 steps straight; elsewhere run 2 steps, then resume to 3 from the step-1 checkpoint
+    (with a linear LR schedule, so the resumed schedule is checked too)."""
+
+    def args(out, steps):
+        return ppo_cli_args(tiny_model_dir, tiny_rm_dir, prompt_file, out, steps) + [
+            "--lr_scheduler_type",
+            "linear",
+        ]
+
+    launch(args(tmp_path / "a", 3), 2)
+    launch(args(tmp_path / "b", 2), 2)
     assert (tmp_path / "b" / "checkpoints" / "step-1").is_dir()
-    launch(
-        ppo_cli_args(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "b", 3) + ["--resume", "true"], 2
-    )
+    launch(args(tmp_path / "b", 3) + ["--resume", "true"], 2)
 
     def lines(d):
         return [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
@@ -194,13 +222,14 @@ def test_fsdp2_ppo_with_two_ranks(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_
     """accelerate_configs/fsdp.yaml (FSDP2) on 2 CPU processes over gloo, with the one patch of
     tests/scripts/fsdp2_on_cpu.py (accelerate enables FSDP only with an accelerator device): sampling,
     logged samples, held-out evaluation, sharded checkpoints, a resume, and the final policy as one full HF
-    folder. The resumed run logs what the uninterrupted one logged and saves the same weights."""
+    folder. The resumed run logs what the uninterrupted one logged (the linear LR schedule included) and
+    saves the same weights."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     script = str(ROOT / "tests" / "scripts" / "fsdp2_on_cpu.py")
     extra = ["--eval_every", "2", "--eval_prompt_file", str(prompt_file), "--eval_num_prompts", "4"]
-    extra += ["--log_samples_every", "2", "--gold_judge", "none"]
+    extra += ["--log_samples_every", "2", "--gold_judge", "none", "--lr_scheduler_type", "linear"]
 
     def run(out, steps, *more):
         args = ppo_cli_args(tiny_model_dir, tiny_rm_dir, prompt_file, out, steps)[2:] + extra + list(more)
@@ -214,6 +243,9 @@ def test_fsdp2_ppo_with_two_ranks(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_
     b = run(tmp_path / "b", 3, "--resume", "true")
     assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2, 3]
     assert a[0]["objective/kl"] == 0.0
+    assert [m["lr"] for m in a] == pytest.approx(
+        linear_lr(3), rel=1e-12, abs=1e-15
+    )  # once per optimiser step
     for ma, mb in zip(a, b):
         for k, v in ma.items():
             if not k.startswith(("time/", "tokens_per_s")):
