@@ -267,6 +267,15 @@ def check_deepspeed_config(plugin, sizes: BatchSizes, *, critic: bool, lora: boo
         config["train_micro_batch_size_per_gpu"] = sizes.micro_batch_per_process
 
 
+def deepspeed_param_dtype(config: dict) -> torch.dtype | None:
+    """The dtype the DeepSpeed engine casts the model to: its config's bf16 (alias bfloat16) or fp16 section,
+    where accelerate writes `mixed_precision` (`DeepSpeedPlugin.set_mixed_precision`); None for fp32."""
+    for key, dtype in (("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16), ("fp16", torch.float16)):
+        if str(config.get(key, {}).get("enabled", False)).lower() == "true":
+            return dtype
+    return None
+
+
 # ---------------------------------------------------------------------------------------------
 # The trainer
 # ---------------------------------------------------------------------------------------------
@@ -336,6 +345,18 @@ class PPOTrainer:
             param_dtype = accelerator.state.fsdp_plugin.mixed_precision_policy.param_dtype
             ref_model.to(param_dtype)
             reward_model.to(param_dtype)
+        engine_dtype = (
+            deepspeed_param_dtype(accelerator.state.deepspeed_plugin.deepspeed_config)
+            if self.deepspeed
+            else None
+        )
+        if engine_dtype is not None:
+            # The engine holds the policy in bf16/fp16 (mixed_precision in the DeepSpeed configs) and
+            # accelerate's autocast is off under DeepSpeed: the same weights for the reference and the RM, or
+            # KL != 0 and rho != 1 at the first step (issue 13). With LoRA the reference is the policy's own
+            # network, already cast.
+            ref_model.to(engine_dtype)
+            reward_model.to(engine_dtype)
         if accelerator.is_fsdp2:
             # FSDP2 sets up its root unit at the root's first forward; generation calls the LM below
             # the root (`fsdp2_unsharded`), so run that first forward now, on every process.

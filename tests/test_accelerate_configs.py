@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import types
 from contextlib import contextmanager, nullcontext
@@ -293,6 +294,51 @@ def test_deepspeed_steps_the_lr_schedule_once_per_optimizer_step(
     assert len(engine.raw_grads) == 4
     assert engine.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * (1 - 4 / 8), rel=1e-12)
     assert metrics["lr"] == engine.optimizer.param_groups[0]["lr"]
+
+
+@pytest.mark.parametrize("mixed_precision, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_deepspeed_mixed_precision_first_step_kl_zero_ratio_one(
+    tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch, mixed_precision, dtype
+):
+    """mixed_precision bf16 (both DeepSpeed configs ship it) or fp16: the engine holds the policy in that
+    dtype and accelerate's autocast is off under DeepSpeed, so the reference and the RM must be cast to it,
+    or KL != 0 and rho != 1 before the first update (issue 13). The trainer is built under the stand-in from
+    the start (`prepare` returns the engine, which casts the model as DeepSpeed's does); one minibatch per
+    step, so the step's ratio and approx-KL are those before any update."""
+    from accelerate.scheduler import AcceleratedScheduler
+    from test_ppo import make_cfg, make_trainer
+
+    cfg = make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, mini_batch_size=8, ppo_epochs=1)
+    original_init = ppo.PPOTrainer.__init__
+
+    def init_under_deepspeed(self, cfg, *, accelerator, **models):
+        deepspeed_state(accelerator, monkeypatch, mixed_precision=mixed_precision)
+
+        def prepare(*objects):
+            optimizer = next(o for o in objects if isinstance(o, torch.optim.Optimizer))
+            model = objects[0].to(dtype)  # the engine casts the model to its config's bf16/fp16 dtype
+            engine, wrapped_optimizer = stand_in_engine(accelerator, monkeypatch, model, optimizer)
+            prepared = {id(model): engine, id(optimizer): wrapped_optimizer}
+            # a torch scheduler comes back in accelerate's wrapper, as from its DeepSpeed branch
+            return tuple(
+                prepared[id(o)] if id(o) in prepared else AcceleratedScheduler(o, wrapped_optimizer)
+                for o in objects
+            )
+
+        monkeypatch.setattr(accelerator, "prepare", prepare)
+        original_init(self, cfg, accelerator=accelerator, **models)
+
+    monkeypatch.setattr(ppo.PPOTrainer, "__init__", init_under_deepspeed)
+    trainer = make_trainer(cfg, mixed_precision=mixed_precision)
+    assert isinstance(trainer.policy, StandInDeepSpeedEngine)
+    first = trainer.ppo_step()
+    assert len(trainer.policy.raw_grads) == 1  # the engine took the step
+    assert first["objective/kl"] == 0.0
+    assert first["policy/ratio"] == 1.0 and first["policy/approxkl"] == 0.0
+    for model in (trainer.unwrapped_policy, trainer.ref_model, trainer.reward_model):
+        assert {p.dtype for p in model.parameters()} == {dtype}
+    assert all(math.isfinite(first[k]) for k in ("loss/policy", "loss/value", "objective/scores"))
+    assert trainer.ppo_step()["objective/kl"] != 0.0  # the policy moved and the KL sees it
 
 
 def test_deepspeed_config_checks():
