@@ -239,7 +239,8 @@ def batch_sizes(
 def check_deepspeed_config(plugin, sizes: BatchSizes, *, critic: bool, lora: bool = False) -> None:
     """Under DeepSpeed the PPO loop accumulates micro-batches itself (`PPOTrainer.backward`): the engine
     must not divide the loss by an accumulation count of its own, and it is told the micro-batch size
-    (there is no dataloader for accelerate to read it from)."""
+    (there is no dataloader for accelerate to read it from). The LR schedule is PPO's (`optimizer_step`),
+    so the config has none."""
     if critic:
         raise UserError(
             "value_model: 'reward' is not supported under DeepSpeed (accelerate builds one DeepSpeed engine "
@@ -257,8 +258,22 @@ def check_deepspeed_config(plugin, sizes: BatchSizes, *, critic: bool, lora: boo
             "in the PPO config instead (the PPO loop accumulates micro-batches itself)"
         )
     config["gradient_accumulation_steps"] = 1
+    if "scheduler" in config:
+        raise UserError(
+            "the DeepSpeed config must not define a scheduler: the engine would step it as well as PPO's own; "
+            "set lr_scheduler_type in the PPO config instead"
+        )
     if config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
         config["train_micro_batch_size_per_gpu"] = sizes.micro_batch_per_process
+
+
+def deepspeed_param_dtype(config: dict) -> torch.dtype | None:
+    """The dtype the DeepSpeed engine casts the model to: its config's bf16 (alias bfloat16) or fp16 section,
+    where accelerate writes `mixed_precision` (`DeepSpeedPlugin.set_mixed_precision`); None for fp32."""
+    for key, dtype in (("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16), ("fp16", torch.float16)):
+        if str(config.get(key, {}).get("enabled", False)).lower() == "true":
+            return dtype
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,13 +328,15 @@ class PPOTrainer:
         decay = (
             (lambda i: max(0.0, 1.0 - i / total)) if cfg.lr_scheduler_type == "linear" else (lambda i: 1.0)
         )
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, decay)
+        # Not handed to `accelerator.prepare`: its scheduler wrapper steps the schedule num_processes times per
+        # optimiser step (made for dataloaders that give each process 1/N of the batches), so with N processes
+        # the linear decay reached 0 after 1/N of the run, and under DeepSpeed the engine steps only
+        # DeepSpeed's own schedules, so this one never moved. `optimizer_step` steps it once (issue 13).
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, decay)
         if critic is not None:
-            self.policy, self.critic, self.optimizer, self.scheduler = accelerator.prepare(
-                policy, critic, optimizer, scheduler
-            )
+            self.policy, self.critic, self.optimizer = accelerator.prepare(policy, critic, optimizer)
         else:
-            self.policy, self.optimizer, self.scheduler = accelerator.prepare(policy, optimizer, scheduler)
+            self.policy, self.optimizer = accelerator.prepare(policy, optimizer)
             self.critic = None
         if accelerator.is_fsdp2 and accelerator.state.fsdp_plugin.mixed_precision_policy is not None:
             # FSDP2's MixedPrecisionPolicy (mixed_precision: bf16) computes with the policy's parameters
@@ -328,6 +345,18 @@ class PPOTrainer:
             param_dtype = accelerator.state.fsdp_plugin.mixed_precision_policy.param_dtype
             ref_model.to(param_dtype)
             reward_model.to(param_dtype)
+        engine_dtype = (
+            deepspeed_param_dtype(accelerator.state.deepspeed_plugin.deepspeed_config)
+            if self.deepspeed
+            else None
+        )
+        if engine_dtype is not None:
+            # The engine holds the policy in bf16/fp16 (mixed_precision in the DeepSpeed configs) and
+            # accelerate's autocast is off under DeepSpeed: the same weights for the reference and the RM, or
+            # KL != 0 and rho != 1 at the first step (issue 13). With LoRA the reference is the policy's own
+            # network, already cast.
+            ref_model.to(engine_dtype)
+            reward_model.to(engine_dtype)
         if accelerator.is_fsdp2:
             # FSDP2 sets up its root unit at the root's first forward; generation calls the LM below
             # the root (`fsdp2_unsharded`), so run that first forward now, on every process.
@@ -631,9 +660,10 @@ class PPOTrainer:
             self.accelerator.backward(loss)
 
     def optimizer_step(self, epoch: int) -> None:
-        """Clip the gradients, step the optimiser and the scheduler. Under DeepSpeed the engine's step does
-        all three (clipping at its config's gradient_clipping, not max_grad_norm), and the gradient norm is
-        checked after it."""
+        """Clip the gradients, step the optimiser, then the LR schedule: once per optimiser step on every
+        process, whatever their number. Under DeepSpeed the engine's step clips (at its config's
+        gradient_clipping, not max_grad_norm) and steps the optimiser, and the gradient norm is checked
+        after it."""
         if self.deepspeed:
             self.policy.step()
             grad_norm = self.policy.get_global_grad_norm()
@@ -646,6 +676,7 @@ class PPOTrainer:
             )
         if not self.deepspeed:
             self.optimizer.step()
+        if not self.optimizer.step_was_skipped:  # an fp16 overflow: no update, so the schedule waits too
             self.scheduler.step()
 
     def discard_gradients(self) -> None:

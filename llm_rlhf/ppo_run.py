@@ -469,9 +469,11 @@ def save_sharded_checkpoint(trainer: PPOTrainer, folder: Path, rng_all: list) ->
     """FSDP2 and DeepSpeed: each process writes its own shards, the main process the step, KL controller
     and every process's RNG; the folder appears whole (renamed at the end).
     - FSDP2: the policy and the optimiser state with torch's distributed checkpoint (`folder/sharded`,
-      loadable at another process count); the main process the scheduler.
+      loadable at another process count).
     - DeepSpeed: accelerate's `save_state` (`folder/deepspeed`): the engine's own checkpoint on every
-      process (under ZeRO its partitions of the weights and of the optimiser state), and the scheduler."""
+      process (under ZeRO its partitions of the weights and of the optimiser state).
+    Both: the main process writes the LR scheduler (`scheduler.pt`; PPO steps it, not accelerate or the
+    engine)."""
     accelerator = trainer.accelerator
     tmp = folder.with_name(f".{folder.name}.tmp")  # the same path on every process
     if accelerator.is_main_process:
@@ -487,8 +489,7 @@ def save_sharded_checkpoint(trainer: PPOTrainer, folder: Path, rng_all: list) ->
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(tmp / "sharded"))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        if not trainer.deepspeed:
-            torch.save({"scheduler": trainer.scheduler.state_dict()}, tmp / "scheduler.pt")
+        torch.save({"scheduler": trainer.scheduler.state_dict()}, tmp / "scheduler.pt")
         torch.save(
             {"step": trainer.step, "kl_ctl": trainer.kl_ctl.state_dict(), "rng": rng_all},
             tmp / "trainer_state.pt",
@@ -500,17 +501,19 @@ def save_sharded_checkpoint(trainer: PPOTrainer, folder: Path, rng_all: list) ->
 
 def load_sharded_checkpoint(trainer: PPOTrainer, folder: Path) -> None:
     if trainer.deepspeed:
-        # the engine's load_checkpoint on every process (its partitions), and the scheduler
+        # the engine's load_checkpoint on every process (its partitions)
         trainer.accelerator.load_state(str(folder / "deepspeed"))
-        return
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    else:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    policy, optimizer = trainer.unwrapped_policy, trainer.optimizer.optimizer
-    model_state, optimizer_state = get_state_dict(policy, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(state, checkpoint_id=str(folder / "sharded"))
-    set_state_dict(policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        policy, optimizer = trainer.unwrapped_policy, trainer.optimizer.optimizer
+        model_state, optimizer_state = get_state_dict(policy, optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(state, checkpoint_id=str(folder / "sharded"))
+        set_state_dict(
+            policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        )
     trainer.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True)["scheduler"])
 
 

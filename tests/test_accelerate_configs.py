@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import types
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -100,12 +101,14 @@ class StandInDeepSpeedEngine(torch.nn.Module):
     """What the PPO loop relies on of `deepspeed.DeepSpeedEngine` (DeepSpeed cannot be installed on this
     CPU machine), with its semantics: `backward` accumulates into the gradients; `step` does nothing
     unless the accumulation boundary is set, and at the boundary clips to gradient_clipping, steps the
-    optimiser and the LR scheduler, then zeroes the gradients; `module` is the wrapped model (what
-    accelerate's `unwrap_model` returns). `raw_grads` records the gradient each real step starts from."""
+    optimiser, then zeroes the gradients; `module` is the wrapped model (what accelerate's `unwrap_model`
+    returns). `raw_grads` records the gradient each real step starts from. No LR scheduler: accelerate hands
+    the engine only DeepSpeed's own schedule classes (`deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES`),
+    never a torch LambdaLR such as PPO's."""
 
-    def __init__(self, module, optimizer, lr_scheduler, gradient_clipping: float):
+    def __init__(self, module, optimizer, gradient_clipping: float):
         super().__init__()
-        self.module, self.optimizer, self.lr_scheduler = module, optimizer, lr_scheduler
+        self.module, self.optimizer = module, optimizer
         self.gradient_clipping, self.boundary, self.grad_norm = gradient_clipping, True, None
         self.raw_grads = []
 
@@ -125,7 +128,6 @@ class StandInDeepSpeedEngine(torch.nn.Module):
         self.raw_grads.append(torch.cat([p.grad.flatten().clone() for p in params]))
         self.grad_norm = torch.nn.utils.clip_grad_norm_(params, self.gradient_clipping)
         self.optimizer.step()
-        self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
     def get_global_grad_norm(self):
@@ -140,8 +142,8 @@ class StandInZero3Engine(StandInDeepSpeedEngine):
     process calls them); `_zero3_consolidated_16bit_state_dict` is a collective every process must enter
     (counted in `gathers`) that returns the whole state dict on rank 0 and None on the others."""
 
-    def __init__(self, module, optimizer, lr_scheduler, gradient_clipping: float):
-        super().__init__(module, optimizer, lr_scheduler, gradient_clipping)
+    def __init__(self, module, optimizer, gradient_clipping: float):
+        super().__init__(module, optimizer, gradient_clipping)
         self.rank, self.saves, self.gathers = 0, 0, 0
         self.partitions = {k: v.detach().clone() for k, v in module.state_dict().items()}
         for p in module.parameters():
@@ -154,15 +156,13 @@ class StandInZero3Engine(StandInDeepSpeedEngine):
         self.saves += 1
         path = self.states_file(save_dir, tag)
         path.parent.mkdir(parents=True, exist_ok=True)
-        state = {"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.lr_scheduler.state_dict()}
-        torch.save({"partitions": self.partitions, **state}, path)
+        torch.save({"partitions": self.partitions, "optimizer": self.optimizer.state_dict()}, path)
 
     def load_checkpoint(self, load_dir, tag):
         path = self.states_file(load_dir, tag)
         state = torch.load(path, weights_only=True)
         self.partitions = state["partitions"]
         self.optimizer.load_state_dict(state["optimizer"])
-        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         return str(path), {}
 
     def zero_gather_16bit_weights_on_model_save(self):
@@ -173,41 +173,68 @@ class StandInZero3Engine(StandInDeepSpeedEngine):
         return {k: v.clone() for k, v in self.partitions.items()} if self.rank == 0 else None
 
 
-def as_deepspeed(trainer, monkeypatch, zero_stage: int = 2) -> StandInDeepSpeedEngine:
-    """The trainer's policy, optimiser and scheduler as `accelerator.prepare` returns them under DeepSpeed:
-    the engine as the model (also in the accelerator's list of prepared models, which `save_state` and
-    `load_state` go through), accelerate's DeepSpeed optimizer/scheduler wrappers (whose step and zero_grad
-    do nothing), `accelerator.backward` through accelerate's real `DeepSpeedEngineWrapper`."""
+def deepspeed_state(accelerator, monkeypatch, zero_stage: int = 2, mixed_precision: str = "no") -> None:
+    """accelerate's state under DeepSpeed: the distributed type, the plugin with its config (where accelerate
+    writes mixed_precision, `DeepSpeedPlugin.set_mixed_precision`) and its autocast off (accelerate sets
+    `native_amp` only outside DeepSpeed)."""
     from accelerate.utils.deepspeed import (
         DeepSpeedEngineWrapper,
         DeepSpeedOptimizerWrapper,
         DeepSpeedSchedulerWrapper,
     )
 
-    optimizer = trainer.optimizer.optimizer  # the torch AdamW under accelerate's wrapper
-    scheduler = trainer.scheduler.scheduler
-    kind = StandInZero3Engine if zero_stage == 3 else StandInDeepSpeedEngine
-    engine = kind(trainer.policy, optimizer, scheduler, gradient_clipping=1e9)
-    trainer.policy = engine
-    trainer.optimizer = DeepSpeedOptimizerWrapper(optimizer)
-    trainer.scheduler = DeepSpeedSchedulerWrapper(scheduler, [optimizer])
-    accelerator = trainer.accelerator
-    accelerator.deepspeed_engine_wrapped = DeepSpeedEngineWrapper(engine)
     # accelerate.accelerator imports these names only when deepspeed is installed
     for wrapper in (DeepSpeedEngineWrapper, DeepSpeedOptimizerWrapper, DeepSpeedSchedulerWrapper):
         monkeypatch.setattr(accelerate.accelerator, wrapper.__name__, wrapper, raising=False)
-    monkeypatch.setattr(accelerator, "_models", [engine])
-    monkeypatch.setattr(accelerator, "_optimizers", [trainer.optimizer])
-    monkeypatch.setattr(accelerator, "_schedulers", [trainer.scheduler])
     monkeypatch.setattr(accelerator.state, "distributed_type", DistributedType.DEEPSPEED)
-    config = {"gradient_accumulation_steps": 1, "zero_optimization": {"stage": zero_stage}}  # fp32
+    config = {
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": zero_stage},
+        "bf16": {"enabled": mixed_precision == "bf16"},
+        "fp16": {"enabled": mixed_precision == "fp16"},
+    }
     monkeypatch.setattr(accelerator, "deepspeed_config", config, raising=False)
     plugin = SimpleNamespace(zero_stage=zero_stage, deepspeed_config=config)
     monkeypatch.setattr(accelerator.state, "deepspeed_plugins", plugin, raising=False)
+    monkeypatch.setattr(accelerator, "native_amp", False)
+    # accelerate's autocast is then a null context; the real one would also build a new AcceleratorState,
+    # which copies back PartialState's distributed type (NO here, so that reductions stay on this process)
+    monkeypatch.setattr(accelerator, "autocast", lambda *args, **kwargs: nullcontext())
+
+
+def stand_in_engine(accelerator, monkeypatch, model, optimizer, zero_stage: int = 2):
+    """The engine and optimizer wrapper `accelerator.prepare` returns under DeepSpeed for `model` and the
+    torch `optimizer`: the engine is in the accelerator's list of prepared models (which `save_state` and
+    `load_state` go through) and behind `unwrap_model`, `accelerator.backward` runs through accelerate's real
+    `DeepSpeedEngineWrapper`, the optimizer wrapper is accelerate's (its step and zero_grad do nothing)."""
+    from accelerate.utils.deepspeed import DeepSpeedEngineWrapper, DeepSpeedOptimizerWrapper
+
+    kind = StandInZero3Engine if zero_stage == 3 else StandInDeepSpeedEngine
+    engine = kind(model, optimizer, gradient_clipping=1e9)
+    wrapped_optimizer = DeepSpeedOptimizerWrapper(optimizer)
+    # The wrapper's new AcceleratorState copied the distributed type back from PartialState's, which stays
+    # NO (so that reductions stay on this one process): DeepSpeed again.
+    monkeypatch.setattr(accelerator.state, "distributed_type", DistributedType.DEEPSPEED)
+    accelerator.deepspeed_engine_wrapped = DeepSpeedEngineWrapper(engine)
+    monkeypatch.setattr(accelerator, "_models", [engine])
+    monkeypatch.setattr(accelerator, "_optimizers", [wrapped_optimizer])
     unwrap = accelerator.unwrap_model
     monkeypatch.setattr(
         accelerator, "unwrap_model", lambda m, **kw: m.module if m is engine else unwrap(m, **kw)
     )
+    return engine, wrapped_optimizer
+
+
+def as_deepspeed(trainer, monkeypatch, zero_stage: int = 2) -> StandInDeepSpeedEngine:
+    """A trainer built on one process, its policy and optimiser then as `accelerator.prepare` returns them
+    under DeepSpeed (fp32). The trainer's scheduler is left as it is: accelerate gives a torch LambdaLR to
+    no engine, so `prepare` returns the same for it under DeepSpeed as on one process."""
+    deepspeed_state(trainer.accelerator, monkeypatch, zero_stage)
+    optimizer = trainer.optimizer.optimizer  # the torch AdamW under accelerate's wrapper
+    engine, trainer.optimizer = stand_in_engine(
+        trainer.accelerator, monkeypatch, trainer.policy, optimizer, zero_stage
+    )
+    trainer.policy = engine
     return engine
 
 
@@ -232,17 +259,86 @@ def test_deepspeed_accumulates_like_ddp(tiny_model_dir, tiny_rm_dir, prompt_file
 def test_deepspeed_ratio_guard_takes_no_step(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch):
     from test_ppo import make_cfg, make_trainer
 
-    cfg = make_cfg(
-        tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, gradient_accumulation_steps=2, ratio_guard=0.5
-    )
+    cfg = make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, gradient_accumulation_steps=2,
+                   ratio_guard=0.5, lr_scheduler_type="linear")  # fmt: skip
     trainer = make_trainer(cfg)
     engine = as_deepspeed(trainer, monkeypatch)
     before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     metrics = trainer.ppo_step()  # rho == 1 > 0.5: every minibatch is skipped
     assert metrics["policy/skipped_minibatches"] == 4 and engine.raw_grads == []
+    assert engine.optimizer.param_groups[0]["lr"] == 1e-3  # no step, so no schedule step
     for n, p in engine.module.named_parameters():
         assert torch.equal(p, before[n]), n
         assert p.grad is None or not p.grad.any(), n
+
+
+def test_deepspeed_steps_the_lr_schedule_once_per_optimizer_step(
+    tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch
+):
+    """lr_scheduler_type: linear under DeepSpeed: the engine steps no torch LambdaLR, so PPO steps it after
+    each engine step; one PPO step is 4 of the run's 8 optimiser steps (2 minibatches x 2 epochs, each of 2
+    micro-batches), after which the optimiser's lr is half the initial one (it never moved, issue 13)."""
+    from test_ppo import make_cfg, make_trainer
+
+    cfg = make_cfg(
+        tiny_model_dir,
+        tiny_rm_dir,
+        prompt_file,
+        tmp_path,
+        gradient_accumulation_steps=2,
+        lr_scheduler_type="linear",
+    )
+    trainer = make_trainer(cfg)
+    engine = as_deepspeed(trainer, monkeypatch)
+    metrics = trainer.ppo_step()
+    assert len(engine.raw_grads) == 4
+    assert engine.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * (1 - 4 / 8), rel=1e-12)
+    assert metrics["lr"] == engine.optimizer.param_groups[0]["lr"]
+
+
+@pytest.mark.parametrize("mixed_precision, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_deepspeed_mixed_precision_first_step_kl_zero_ratio_one(
+    tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch, mixed_precision, dtype
+):
+    """mixed_precision bf16 (both DeepSpeed configs ship it) or fp16: the engine holds the policy in that
+    dtype and accelerate's autocast is off under DeepSpeed, so the reference and the RM must be cast to it,
+    or KL != 0 and rho != 1 before the first update (issue 13). The trainer is built under the stand-in from
+    the start (`prepare` returns the engine, which casts the model as DeepSpeed's does); one minibatch per
+    step, so the step's ratio and approx-KL are those before any update."""
+    from accelerate.scheduler import AcceleratedScheduler
+    from test_ppo import make_cfg, make_trainer
+
+    cfg = make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, mini_batch_size=8, ppo_epochs=1)
+    original_init = ppo.PPOTrainer.__init__
+
+    def init_under_deepspeed(self, cfg, *, accelerator, **models):
+        deepspeed_state(accelerator, monkeypatch, mixed_precision=mixed_precision)
+
+        def prepare(*objects):
+            optimizer = next(o for o in objects if isinstance(o, torch.optim.Optimizer))
+            model = objects[0].to(dtype)  # the engine casts the model to its config's bf16/fp16 dtype
+            engine, wrapped_optimizer = stand_in_engine(accelerator, monkeypatch, model, optimizer)
+            prepared = {id(model): engine, id(optimizer): wrapped_optimizer}
+            # a torch scheduler comes back in accelerate's wrapper, as from its DeepSpeed branch
+            return tuple(
+                prepared[id(o)] if id(o) in prepared else AcceleratedScheduler(o, wrapped_optimizer)
+                for o in objects
+            )
+
+        monkeypatch.setattr(accelerator, "prepare", prepare)
+        original_init(self, cfg, accelerator=accelerator, **models)
+
+    monkeypatch.setattr(ppo.PPOTrainer, "__init__", init_under_deepspeed)
+    trainer = make_trainer(cfg, mixed_precision=mixed_precision)
+    assert isinstance(trainer.policy, StandInDeepSpeedEngine)
+    first = trainer.ppo_step()
+    assert len(trainer.policy.raw_grads) == 1  # the engine took the step
+    assert first["objective/kl"] == 0.0
+    assert first["policy/ratio"] == 1.0 and first["policy/approxkl"] == 0.0
+    for model in (trainer.unwrapped_policy, trainer.ref_model, trainer.reward_model):
+        assert {p.dtype for p in model.parameters()} == {dtype}
+    assert all(math.isfinite(first[k]) for k in ("loss/policy", "loss/value", "objective/scores"))
+    assert trainer.ppo_step()["objective/kl"] != 0.0  # the policy moved and the KL sees it
 
 
 def test_deepspeed_config_checks():
@@ -261,6 +357,10 @@ def test_deepspeed_config_checks():
         )
     with pytest.raises(UserError, match="not supported under DeepSpeed"):
         ppo.check_deepspeed_config(plugin, sizes, critic=True)
+    with pytest.raises(UserError, match="must not define a scheduler"):
+        ppo.check_deepspeed_config(
+            SimpleNamespace(deepspeed_config={"scheduler": {"type": "WarmupLR"}}), sizes, critic=False
+        )
     plugin.zero_stage = 3
     ppo.check_deepspeed_config(plugin, sizes, critic=False, lora=False)
     with pytest.raises(UserError, match="use_lora is not supported under DeepSpeed ZeRO-3"):
@@ -288,18 +388,18 @@ def test_zero3_checkpoint_is_the_engines_own(tiny_model_dir, tiny_rm_dir, prompt
     )
     folder = tmp_path / "run" / "checkpoints" / "step-1"
     saved = {k: v.clone() for k, v in engine.partitions.items()}
-    adam, lr = engine.optimizer.state_dict(), engine.lr_scheduler.get_last_lr()
+    adam, lr = engine.optimizer.state_dict(), trainer.scheduler.get_last_lr()
     kl_ctl = trainer.kl_ctl.state_dict()
     ppo_run.save_checkpoint(trainer, folder)
     assert engine.saves == 1 and engine.states_file(folder / "deepspeed", "pytorch_model").is_file()
 
     engine.partitions = {k: torch.zeros_like(v) for k, v in saved.items()}  # what training on would change
     engine.optimizer.state.clear()
-    engine.lr_scheduler.step()
+    trainer.scheduler.step()
     trainer.step, trainer.kl_ctl.value = 7, 0.5
     ppo_run.load_checkpoint(trainer, folder)
     assert trainer.step == 1 and trainer.kl_ctl.state_dict() == kl_ctl
-    assert engine.lr_scheduler.get_last_lr() == lr
+    assert trainer.scheduler.get_last_lr() == lr
     for k, v in saved.items():
         assert torch.equal(engine.partitions[k], v), k
     restored = engine.optimizer.state_dict()["state"]

@@ -125,6 +125,28 @@ def ppo_cli_args(tiny_model_dir, tiny_rm_dir, prompt_file, out: Path, steps: int
     ]
 
 
+def linear_lr(steps: int, optimizer_steps_per_step: int = 2, learning_rate: float = 1e-3) -> list[float]:
+    """The lr logged after PPO step k = 1..steps under lr_scheduler_type: linear (ppo_cli_args: 2 minibatches
+    of one epoch per step): learning_rate * (1 - i / total) after optimiser step i."""
+    total = steps * optimizer_steps_per_step
+    return [learning_rate * (1 - k * optimizer_steps_per_step / total) for k in range(1, steps + 1)]
+
+
+def test_linear_lr_two_ranks_equals_one(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
+    """lr_scheduler_type: linear advances once per optimiser step on every process, whatever their number:
+    the lr after each step on 2 processes is that of 1 process and the closed form. accelerate's scheduler
+    wrapper stepped it once per process, so on 2 it reached 0 halfway through the run (issue 13)."""
+
+    def logged_lr(out, num_processes):
+        args = ppo_cli_args(tiny_model_dir, tiny_rm_dir, prompt_file, out, 3)
+        launch(args + ["--lr_scheduler_type", "linear", "--save_steps", "0"], num_processes)
+        return [json.loads(x)["lr"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+    one, two = logged_lr(tmp_path / "one", 1), logged_lr(tmp_path / "two", 2)
+    assert one == pytest.approx(linear_lr(3), rel=1e-12, abs=1e-15)
+    assert two == one
+
+
 def test_resume_with_two_ranks(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
     """2 ranks: run 3 steps straight; elsewhere run 2 steps, then resume to 3 from the step-1 checkpoint."""
     launch(ppo_cli_args(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "a", 3), 2)
@@ -241,10 +263,11 @@ def test_fsdp2_first_step_kl_zero_ratio_one(
     """fsdp.yaml on 2 CPU processes (the same patch), in bf16 (the file's setting) and in fp32: with bf16 the
     prepared policy computes in bf16 (accelerate's FSDP2 MixedPrecisionPolicy and autocast), and so must the
     reference and the RM, or KL != 0 and rho != 1 before the first update (issue 13). One minibatch per
-    step, so step 1's ratio and approx-KL are those of the first minibatch, before any update."""
+    step, so step 1's ratio and approx-KL are those of the first minibatch, before any update. The linear LR
+    schedule decays once per optimiser step here too (it is not accelerate's to step)."""
     script = str(ROOT / "tests" / "scripts" / "fsdp2_on_cpu.py")
     args = ppo_cli_args(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, 2)[2:]
-    args += ["--mini_batch_size", "4", "--save_steps", "0"]
+    args += ["--mini_batch_size", "4", "--save_steps", "0", "--lr_scheduler_type", "linear"]
     launch([script, *args], 2, config="fsdp.yaml", mixed_precision=mixed_precision)
     first, second = (json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines())
     assert first["objective/kl"] == 0.0
@@ -253,3 +276,5 @@ def test_fsdp2_first_step_kl_zero_ratio_one(
     for m in (first, second):
         assert all(math.isfinite(m[k]) for k in ("loss/policy", "loss/value", "objective/scores")), m
     assert second["objective/kl"] != 0.0  # the policy moved and the KL sees it
+    lrs = [first["lr"], second["lr"]]
+    assert lrs == pytest.approx(linear_lr(2, optimizer_steps_per_step=1), rel=1e-12, abs=1e-15)

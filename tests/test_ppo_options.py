@@ -144,8 +144,11 @@ def test_ratio_guard_skips_every_update_and_reports_no_statistics(
 
 def test_skipped_minibatch_is_left_out_of_the_statistics(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
     """The second minibatch's log-probs are pushed up by 5 nats (rho ~ 148 > ratio_guard = 10): it is
-    skipped, and the step's policy/ratio is the mean over the minibatches that were kept (issue 13)."""
-    cfg = make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, ppo_epochs=1)
+    skipped, the step's policy/ratio is the mean over the minibatches that were kept (issue 13), and the
+    linear LR schedule advanced for the kept one only (1 of the run's 4 optimiser steps)."""
+    cfg = make_cfg(
+        tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, ppo_epochs=1, lr_scheduler_type="linear"
+    )
     trainer = make_trainer(cfg)
     forward, calls = trainer.forward_policy, [0]
 
@@ -162,6 +165,7 @@ def test_skipped_minibatch_is_left_out_of_the_statistics(tiny_model_dir, tiny_rm
     metrics = trainer.ppo_step()
     assert calls[0] == 2 and steps[0] == 1 and metrics["policy/skipped_minibatches"] == 1
     assert metrics["policy/ratio"] == 1.0  # the kept first minibatch, before any update
+    assert metrics["lr"] == pytest.approx(1e-3 * (1 - 1 / 4), rel=1e-12)
 
 
 def test_separate_critic_through_ppo_step_and_the_final_folder(
