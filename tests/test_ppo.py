@@ -94,7 +94,10 @@ def test_first_step_kl_zero_and_ratio_one(
     ref = trainer.reference_logprobs(rollout)
     kl = (rollout.logprobs - ref)[rollout.response_mask]
     assert torch.equal(kl, torch.zeros_like(kl))  # exactly 0: same weights, same code path
-    logprobs, _, _ = trainer.forward_policy(rollout, train=True)
+    # The first PPO epoch's forwards: the rollout's micro-batches in rollout order, each trimmed to its own
+    # rows (`train_on_rollout`). The same shapes as the rollout's chunks, so equal bit for bit on any CPU; a
+    # forward over the whole batch at once would change the matmul shapes and with them the float rounding.
+    logprobs = trainer.in_chunks(lambda part: trainer.forward_policy(part, train=True)[0], rollout)
     ratio = torch.exp(logprobs - rollout.logprobs)[rollout.response_mask]
     assert torch.equal(ratio, torch.ones_like(ratio))
 
