@@ -506,3 +506,117 @@ class FixedKLController:
 
     def load_state_dict(self, state: dict) -> None:
         self.value = float(state["value"])
+
+
+# --- best-of-n and the over-optimisation law ---------------------------------------------------
+
+
+def best_of_n_kl(n: int) -> float:
+    """KL(pi_bon || pi_ref) = log n - (n - 1) / n: best-of-n sampling against the policy it samples from, for a
+    reward with no ties (Stiennon et al. 2020, appendix G.3; Gao et al. 2022, sec. 2). With ties it is an
+    upper bound (Beirami et al. 2024); `best_of_n_empirical_kl` measures it on samples."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1 (got {n})")
+    return math.log(n) - (n - 1) / n
+
+
+def best_of_n_weights(*, rewards: torch.Tensor, n: int) -> torch.Tensor:
+    """Unbiased best-of-n weights from N >= n samples of each prompt (Gao et al. 2022, appendix: every
+    n-subset of the N samples is one draw of best-of-n).
+
+    The sample of rank k (1 = lowest reward of its row) is the best of a uniformly random n-subset with
+    probability  w_k = C(k - 1, n - 1) / C(N, n);  sum_k w_k f(y_k) is an unbiased estimate of E[f(best of n)].
+    Samples with tied rewards share their weights equally (which of them best-of-n keeps is arbitrary).
+    rewards: (B, N). Returns (B, N) weights, each row summing to 1, in the samples' own order.
+    """
+    B, N = rewards.shape
+    if not 1 <= n <= N:
+        raise ValueError(f"best-of-{n} needs 1 <= n <= N = {N} samples per prompt")
+    k = torch.arange(1, N + 1, dtype=torch.float64)  # ranks
+    log_w = (  # log C(k - 1, n - 1) - log C(N, n), -inf where k < n
+        torch.lgamma(k) - math.lgamma(n) - torch.lgamma(k - n + 1).where(k >= n, torch.tensor(math.inf))
+    ) - (math.lgamma(N + 1) - math.lgamma(n + 1) - math.lgamma(N - n + 1))
+    by_rank = log_w.exp()  # (N,)
+    order = rewards.double().argsort(dim=1, stable=True)  # (B, N) sample index of each rank
+    weights = torch.zeros(B, N, dtype=torch.float64).scatter(1, order, by_rank.expand(B, N))  # (B, N)
+    same = rewards.unsqueeze(2) == rewards.unsqueeze(1)  # (B, N, N) tied pairs, the diagonal included
+    return (same.double() @ weights.unsqueeze(2)).squeeze(2) / same.sum(2)  # tie-group means: (B, N)
+
+
+def best_of_n_empirical_kl(*, rewards: torch.Tensor, n: int) -> torch.Tensor:
+    """KL(bon || ref) measured on samples: best-of-n drawn (with replacement) from the empirical
+    distribution of each row's N samples, exact for that distribution. Per distinct reward value v:
+
+        p_v = F(v) - F(v-)    (the share of samples scoring v),    q_v = F(v)^n - F(v-)^n,
+        KL  = sum_v q_v log(q_v / p_v).
+
+    With N distinct rewards it is within 0.05 nats of `best_of_n_kl` up to n = N = 64; samples that tie
+    (identical responses, e.g. an immediate EOS) make it smaller. rewards: (B, N). Returns (B,).
+    """
+    B, N = rewards.shape
+    if n < 1:
+        raise ValueError(f"n must be >= 1 (got {n})")
+    r = rewards.double()
+    below_or_equal = (r.unsqueeze(1) <= r.unsqueeze(2)).double().mean(2)  # (B, N) F(v) at each sample's v
+    below = (r.unsqueeze(1) < r.unsqueeze(2)).double().mean(2)  # (B, N) F(v-)
+    p = below_or_equal - below  # (B, N) p_v, repeated once per sample of value v
+    q = below_or_equal.pow(n) - below.pow(n)  # (B, N) q_v
+    # Each value v appears N * p_v times in the row, so weight each sample's term by 1 / (N * p_v).
+    terms = torch.where(q > 0, q * (q / p).log(), torch.zeros_like(q)) / (N * p)  # (B, N)
+    return terms.sum(1)  # (B,)
+
+
+def gao_bon_law(d: torch.Tensor, *, alpha: float, beta: float) -> torch.Tensor:
+    """Gold reward of best-of-n against d = sqrt(KL): R(d) = d (alpha - beta d) (Gao et al. 2022, eq. 1)."""
+    return d * (alpha - beta * d)
+
+
+def gao_rl_law(d: torch.Tensor, *, alpha: float, beta: float) -> torch.Tensor:
+    """Gold reward of RL against d = sqrt(KL): R(d) = d (alpha - beta log d) (Gao et al. 2022, eq. 2)."""
+    return d * (alpha - beta * torch.log(d))
+
+
+@dataclass
+class LawFit:
+    """A least-squares fit of one of Gao et al.'s forms: coefficients, their standard errors, the RMS
+    residual and the number of points."""
+
+    alpha: float
+    beta: float
+    alpha_stderr: float
+    beta_stderr: float
+    rmse: float
+    num_points: int
+
+
+def fit_gao_law(*, d: torch.Tensor, gain: torch.Tensor, form: str) -> LawFit:
+    """Fit alpha, beta of `gao_bon_law` (form "bon") or `gao_rl_law` (form "rl") to points (d_i, gain_i),
+    where d = sqrt(KL to the initial policy) and gain = gold score - the initial policy's gold score
+    (both laws pass through R(0) = 0). Both forms are linear in (alpha, beta):
+
+        gain = alpha * d - beta * g(d),    g(d) = d^2 (bon)  or  d log d (rl),
+
+    so ordinary least squares on the design [d, -g(d)] gives them; stderr = sqrt(diag(s^2 (X^T X)^-1)) with
+    s^2 = RSS / (m - 2). d, gain: (m,), d > 0, m >= 3 points.
+    """
+    if form not in ("bon", "rl"):
+        raise ValueError(f"form must be 'bon' or 'rl' (got {form!r})")
+    d, gain = d.double(), gain.double()
+    if d.shape != gain.shape or d.dim() != 1 or d.numel() < 3 or bool((d <= 0).any()):
+        raise ValueError("need at least 3 points with d > 0, as two 1-d tensors of one length")
+    g = d * d if form == "bon" else d * torch.log(d)  # (m,)
+    X = torch.stack([d, -g], dim=1)  # (m, 2)
+    xtx_inv = torch.linalg.inv(X.T @ X)  # (2, 2)
+    coef = xtx_inv @ X.T @ gain  # (2,) alpha, beta
+    residual = gain - X @ coef  # (m,)
+    m = d.numel()
+    s2 = float(residual.pow(2).sum()) / (m - 2)
+    stderr = (s2 * torch.diagonal(xtx_inv)).sqrt()  # (2,)
+    return LawFit(
+        alpha=float(coef[0]),
+        beta=float(coef[1]),
+        alpha_stderr=float(stderr[0]),
+        beta_stderr=float(stderr[1]),
+        rmse=float(residual.pow(2).mean().sqrt()),
+        num_points=m,
+    )

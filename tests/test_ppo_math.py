@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 import torch
 
+from llm_rlhf import ppo_math as pm
 from llm_rlhf.ppo_math import (
     AdaptiveKLController,
     FixedKLController,
@@ -540,3 +542,75 @@ def test_kl_controllers_state_dict_round_trip():
     other = FixedKLController(kl_coef=0.3)
     other.load_state_dict(fixed.state_dict())
     assert other.value == 0.05
+
+
+# --- best-of-n and the over-optimisation law -----------------------------------------------------
+
+
+def test_best_of_n_kl_formula():
+    assert pm.best_of_n_kl(1) == 0.0
+    assert pm.best_of_n_kl(2) == pytest.approx(math.log(2) - 0.5)
+    assert pm.best_of_n_kl(64) == pytest.approx(math.log(64) - 63 / 64)
+    with pytest.raises(ValueError):
+        pm.best_of_n_kl(0)
+
+
+def naive_best_of_n_weights(rewards: list[float], n: int) -> list[float]:
+    """Every n-subset of the samples equally likely; the best of a subset gets its share, split equally
+    between samples that tie for the best."""
+    weights = [0.0] * len(rewards)
+    subsets = list(itertools.combinations(range(len(rewards)), n))
+    for subset in subsets:
+        best = max(rewards[i] for i in subset)
+        winners = [i for i in subset if rewards[i] == best]
+        for i in winners:
+            weights[i] += 1 / len(subsets) / len(winners)
+    return weights
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 6])
+def test_best_of_n_weights_match_enumeration_of_subsets(n):
+    rewards = torch.tensor([[0.3, -1.2, 2.0, 0.7, 0.1, -0.4], [1.0, 0.0, 1.0, 2.0, 0.0, 1.0]])  # row 2 ties
+    weights = pm.best_of_n_weights(rewards=rewards, n=n)
+    for row, w in zip(rewards.tolist(), weights):
+        assert w.tolist() == pytest.approx(naive_best_of_n_weights(row, n), abs=1e-12)
+
+
+def test_best_of_n_weights_estimate_the_mean_of_the_best():
+    """Uniform(0, 1) rewards: E[max of n] = n / (n + 1)."""
+    torch.manual_seed(0)
+    rewards = torch.rand(2000, 32)
+    for n in (1, 4, 16):
+        estimate = (pm.best_of_n_weights(rewards=rewards, n=n) * rewards.double()).sum(1).mean()
+        assert float(estimate) == pytest.approx(n / (n + 1), abs=0.01)
+    with pytest.raises(ValueError):
+        pm.best_of_n_weights(rewards=rewards, n=33)
+
+
+def test_best_of_n_empirical_kl():
+    # Distinct rewards: the analytic value, up to the finite sample (0.041 nats at n = N = 64).
+    rewards = torch.randn(2, 64)
+    for n in (1, 2, 8, 16):
+        kl = pm.best_of_n_empirical_kl(rewards=rewards, n=n)
+        assert kl.tolist() == pytest.approx([pm.best_of_n_kl(n)] * 2, abs=0.005)
+    kl64 = float(pm.best_of_n_empirical_kl(rewards=rewards, n=64)[0])
+    assert pm.best_of_n_kl(64) - 0.05 < kl64 < pm.best_of_n_kl(64)
+    # Ties by hand: values 0 (p 1/2), 1 (1/4), 2 (1/4); F = 1/2, 3/4, 1; q = F^2 - F(-)^2 = 1/4, 5/16, 7/16.
+    kl = pm.best_of_n_empirical_kl(rewards=torch.tensor([[0.0, 1.0, 0.0, 2.0]]), n=2)
+    expected = 0.25 * math.log(0.5) + 0.3125 * math.log(1.25) + 0.4375 * math.log(1.75)
+    assert float(kl[0]) == pytest.approx(expected, abs=1e-12)
+    one_response = torch.ones(1, 8)  # every sample the same: best-of-n has no choice
+    assert float(pm.best_of_n_empirical_kl(rewards=one_response, n=4)[0]) == 0.0
+
+
+@pytest.mark.parametrize("form, law", [("bon", pm.gao_bon_law), ("rl", pm.gao_rl_law)])
+def test_fit_gao_law_recovers_its_coefficients(form, law):
+    d = torch.linspace(0.2, 4.0, 12, dtype=torch.float64)
+    fit = pm.fit_gao_law(d=d, gain=law(d, alpha=1.3, beta=0.4), form=form)
+    assert (fit.alpha, fit.beta) == (pytest.approx(1.3, abs=1e-9), pytest.approx(0.4, abs=1e-9))
+    assert fit.rmse < 1e-9 and fit.num_points == 12
+    torch.manual_seed(0)
+    noisy = pm.fit_gao_law(d=d, gain=law(d, alpha=1.3, beta=0.4) + 0.05 * torch.randn(12), form=form)
+    assert abs(noisy.alpha - 1.3) < 3 * noisy.alpha_stderr + 1e-3 and noisy.rmse > 0.02
+    with pytest.raises(ValueError):
+        pm.fit_gao_law(d=torch.tensor([0.0, 1.0, 2.0]), gain=torch.zeros(3), form=form)
