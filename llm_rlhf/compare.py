@@ -1,5 +1,22 @@
 """Gold reward against KL for the alignment methods, on the same held-out prompts and the same gold.
 
+    llm-rlhf compare --config recipes/reviews/compare.yaml      (or the pipeline's `compare` stage)
+
+For the KL one is willing to spend, which method buys the most gold reward? Three methods from one SFT model
+and one RM, each a set of points (sqrt(KL to the SFT model), RM score, gold score) on the held-out prompts
+of the PPO run (its `eval_prompt_file`, first `eval_num_prompts`), sampled with its settings and seed:
+
+    PPO        the held-out evaluations it logged along its run (DIR/ppo/eval_log.jsonl: run PPO with
+               eval_every > 0); KL = the k1 sequence estimate on the samples
+    DPO        one DPO stage per beta in `dpo_betas` (TRL's DPOTrainer, `llm_rlhf.dpo`) on the RM's
+               preference pairs, each evaluated like PPO's held-out evaluations
+    best-of-n  see below
+
+Gao et al. (2022) fitted  R(d) = d (alpha - beta d)  to best-of-n and  R(d) = d (alpha - beta log d)  to RL,
+with d = sqrt(KL) and R the gold gain over the initial policy; `ppo_math.fit_gao_law` fits them here (the RL
+form to PPO and to DPO) with the coefficients' standard errors and R^2, and a fit is flagged poor when
+R^2 < 0.8 or it rests on fewer than 4 points.
+
 Best-of-n (an evaluation-time policy): sample N responses per prompt from the SFT model, keep the one the
 reward model scores highest. Each n in `ns` is one point, estimated from the same N samples with the
 unbiased best-of-n weights (`ppo_math.best_of_n_weights`); its KL to the SFT model is the analytic
@@ -9,14 +26,24 @@ log n - (n - 1)/n (`ppo_math.best_of_n_kl`) beside the KL measured on the sample
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from llm_rlhf import ppo_math
-from llm_rlhf.evaluate import sample_and_score
-from llm_rlhf.gold import judge_details
+from llm_rlhf.config import format_config, help_field, load_yaml_config, require, save_config
+from llm_rlhf.data import load_prompt_dataset, prompt_rules
+from llm_rlhf.errors import ConfigError, UserError
+from llm_rlhf.evaluate import evaluate_policy, sample_and_score
+from llm_rlhf.gold import judge_details, load_judge
+from llm_rlhf.models import freeze, load_causal_lm, load_tokenizer
+from llm_rlhf.reward_model import load_reward_model
+from llm_rlhf.utils import atomic_write_json, atomic_write_text
 
 
 def expectation(weights: torch.Tensor, x: torch.Tensor) -> float:
@@ -93,3 +120,199 @@ def best_of_n_points(
         }
         points.append(point)
     return points
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Config:
+    sft_path: str = help_field(
+        "runs/reviews/sft", "The SFT model: best-of-n's sampler, DPO's start, every KL's reference."
+    )
+    reward_model_path: str = help_field(
+        "runs/reviews/rm", "The RM: best-of-n's selector, the proxy score of every point."
+    )
+    ppo_dir: str = help_field(
+        "runs/reviews/ppo",
+        "The PPO run: its eval_log.jsonl gives the PPO points and its config.yaml the held-out prompts, the "
+        "sampling settings, the seed and the gold judge every method is scored with.",
+    )
+    output_dir: str = help_field(
+        "runs/reviews/compare", "points.jsonl, metrics.json and one dpo-beta-<b>/ per beta."
+    )
+    dpo_config: str | None = help_field(
+        "recipes/reviews/dpo.yaml", "Recipe of the DPO stages (null: its defaults)."
+    )
+    dpo: dict = help_field({}, "Overrides of DPO config keys for every beta, e.g. {max_steps: 50}.")
+    dpo_betas: list[float] = help_field([0.03, 0.1, 0.3, 1.0], "One DPO run per beta (empty: no DPO points).")
+    best_of_n: list[int] = help_field(
+        [1, 2, 4, 8, 16, 32, 64], "The n of each best-of-n point (empty: none)."
+    )
+    best_of_n_samples: int = help_field(
+        64, "N, responses sampled per prompt for every best-of-n point (>= max n)."
+    )
+
+    def __post_init__(self):
+        require(all(b > 0 for b in self.dpo_betas), "dpo_betas", "every beta must be > 0")
+        require(len(set(self.dpo_betas)) == len(self.dpo_betas), "dpo_betas", "a beta is listed twice")
+        require(all(n >= 1 for n in self.best_of_n), "best_of_n", "every n must be >= 1")
+        require(
+            not self.best_of_n or max(self.best_of_n) <= self.best_of_n_samples,
+            "best_of_n_samples",
+            f"must be >= the largest n ({max(self.best_of_n, default=0)})",
+        )
+
+
+def dpo_config(cfg: Config, beta: float):
+    """The DPO stage for one beta: recipe < the SFT model, the output folder and beta < `cfg.dpo`."""
+    from llm_rlhf import dpo
+
+    valid = [f.name for f in dataclasses.fields(dpo.Config)]
+    values = load_yaml_config(cfg.dpo_config, valid) if cfg.dpo_config else {}
+    values.update(
+        model_name_or_path=cfg.sft_path, output_dir=str(Path(cfg.output_dir) / f"dpo-beta-{beta:g}")
+    )
+    for key in cfg.dpo:
+        if key not in valid:
+            raise ConfigError(f"config key 'dpo': unknown DPO key '{key}'")
+    values.update(cfg.dpo)
+    values["beta"] = beta
+    return dpo.Config(**values)
+
+
+def ppo_settings(ppo_dir: Path):
+    """The PPO run's resolved config (its config.yaml) and its held-out evaluations (eval_log.jsonl)."""
+    from llm_rlhf import ppo
+
+    if not (ppo_dir / "config.yaml").is_file():
+        raise UserError(f"'{ppo_dir}': no config.yaml; run the PPO stage first (llm-rlhf ppo)")
+    cfg = ppo.Config(
+        **load_yaml_config(ppo_dir / "config.yaml", [f.name for f in dataclasses.fields(ppo.Config)])
+    )
+    log = ppo_dir / "eval_log.jsonl"
+    records = [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
+    if not records or not cfg.eval_every or not cfg.eval_prompt_file:
+        raise UserError(
+            f"'{log}': no held-out evaluations; run PPO with eval_every > 0 (e.g. --ppo \"{{eval_every: 10}}\")"
+        )
+    return cfg, records
+
+
+def law_fit(points: list[dict[str, Any]], origin: float, form: str) -> dict[str, Any] | None:
+    """Gao et al.'s law fitted to the points with KL > 0, gain = gold - origin; None with < 3 points."""
+    fitted = [p for p in points if p["kl"] > 0]
+    if len(fitted) < 3:
+        return None
+    d = torch.tensor([math.sqrt(p["kl"]) for p in fitted], dtype=torch.float64)
+    gain = torch.tensor([p["gold_score"] - origin for p in fitted], dtype=torch.float64)
+    fit = ppo_math.fit_gao_law(d=d, gain=gain, form=form)
+    total = float((gain - gain.mean()).pow(2).sum())
+    r2 = 1 - fit.rmse**2 * len(fitted) / total if total > 0 else float("nan")
+    return {
+        **dataclasses.asdict(fit),
+        "form": form,
+        "origin": origin,
+        "r2": r2,
+        "poor": not (r2 >= 0.8) or len(fitted) < 4,
+    }
+
+
+def run(cfg: Config) -> dict[str, Any]:
+    """PPO points from its log, DPO points (training each beta, or reusing a finished one), best-of-n points;
+    the fits and the best gold of each method; points.jsonl, config.yaml, metrics.json (last)."""
+    from llm_rlhf import dpo
+
+    started = time.time()
+    print(format_config(cfg))
+    out = Path(cfg.output_dir)
+    ppo_cfg, ppo_log = ppo_settings(Path(cfg.ppo_dir))
+    dpo_cfgs = [dpo_config(cfg, beta) for beta in cfg.dpo_betas]  # every config checked before any work
+    judge = load_judge(ppo_cfg.gold_judge)
+    tokenizer = load_tokenizer(cfg.sft_path)
+    prompts = list(
+        load_prompt_dataset(ppo_cfg.eval_prompt_file, tokenizer, **prompt_rules(ppo_cfg))["prompt"]
+    )
+    prompts = prompts[: ppo_cfg.eval_num_prompts]
+    sampling = dict(
+        seed=ppo_cfg.seed,
+        batch_size=ppo_cfg.rollout_batch_size,
+        max_new_tokens=ppo_cfg.max_new_tokens,
+        temperature=ppo_cfg.temperature,
+        top_k=ppo_cfg.top_k,
+        top_p=ppo_cfg.top_p,
+    )
+    sft_model = freeze(load_causal_lm(cfg.sft_path))
+    reward_model = freeze(load_reward_model(cfg.reward_model_path))
+
+    points: list[dict[str, Any]] = []
+    for r in ppo_log:
+        points.append({"method": "ppo", "label": f"step {r['step']}", **{k: r.get(k) for k in POINT_KEYS}})
+    for beta, dpo_cfg in zip(cfg.dpo_betas, dpo_cfgs):
+        if not (Path(dpo_cfg.output_dir) / "metrics.json").exists():
+            print(f"== DPO beta {beta:g}: training in {dpo_cfg.output_dir}")
+            dpo.run(dataclasses.replace(dpo_cfg, resume=Path(dpo_cfg.output_dir).exists()))
+        policy = freeze(load_causal_lm(dpo_cfg.output_dir))
+        result = evaluate_policy(
+            policy=policy, tokenizer=tokenizer, prompts=prompts, ref_model=sft_model,
+            reward_model=reward_model, judge=judge, **sampling,
+        )  # fmt: skip
+        points.append({
+            "method": "dpo", "label": f"beta {beta:g}", "kl": result["kl_to_ref"], "rm_score": result["rm_score_mean"],
+            "gold_score": result["gold_score_mean"], "sentiment": result["sentiment_mean"],
+            "fluency_perplexity": result["fluency_perplexity"],
+        })  # fmt: skip
+        del policy
+    if cfg.best_of_n:
+        for p in best_of_n_points(
+            sft_model, tokenizer, prompts, reward_model=reward_model, judge=judge, ns=cfg.best_of_n,
+            num_samples=cfg.best_of_n_samples, **sampling,
+        ):  # fmt: skip
+            points.append({"method": "best_of_n", "label": f"n {p['n']}", **p})
+
+    origin = next((p["gold_score"] for p in points if p["method"] == "ppo" and p["kl"] == 0), None)
+    by_method = {m: [p for p in points if p["method"] == m] for m in METHODS}
+    bon_origin = next((p["gold_score"] for p in by_method["best_of_n"] if p["n"] == 1), origin)
+    fits = {
+        "ppo": law_fit(by_method["ppo"], origin, "rl") if origin is not None else None,
+        "dpo": law_fit(by_method["dpo"], origin, "rl") if origin is not None else None,
+        "best_of_n": law_fit(by_method["best_of_n"], bon_origin, "bon") if bon_origin is not None else None,
+    }
+    best = {}
+    for method, ps in by_method.items():
+        if ps:
+            top = max(ps, key=lambda p: p["gold_score"])
+            best[method] = {"gold_score": top["gold_score"], "kl": top["kl"], "label": top["label"]}
+    metrics = {
+        "best": best,
+        "fits": fits,
+        "num_prompts": len(prompts),
+        "gold_judge": ppo_cfg.gold_judge,
+        "time_s": time.time() - started,
+    }
+    atomic_write_text(out / "points.jsonl", "".join(json.dumps(p) + "\n" for p in points))
+    save_config(cfg, out)
+    atomic_write_json(out / "metrics.json", metrics)  # last: marks the stage done
+    print(format_summary(metrics))
+    return metrics
+
+
+METHODS = ("ppo", "dpo", "best_of_n")
+POINT_KEYS = ("kl", "rm_score", "gold_score", "sentiment", "fluency_perplexity")
+
+
+def format_summary(metrics: dict[str, Any]) -> str:
+    """The best gold of each method and where, then each fit."""
+    lines = [f"{'method':<12}{'best gold':>10}{'at KL':>8}  point"]
+    for method, b in metrics["best"].items():
+        lines.append(f"{method:<12}{b['gold_score']:>+10.3f}{b['kl']:>8.2f}  {b['label']}")
+    for method, fit in metrics["fits"].items():
+        if fit:
+            flag = "  (poor fit)" if fit["poor"] else ""
+            lines.append(
+                f"fit {method} ({fit['form']}): alpha {fit['alpha']:.3f} +/- {fit['alpha_stderr']:.3f}, "
+                f"beta {fit['beta']:.3f} +/- {fit['beta_stderr']:.3f}, R^2 {fit['r2']:.2f}{flag}"
+            )
+    return "\n".join(lines)

@@ -13,6 +13,7 @@ DIR/report/. What the report reads (any of it may be missing: that section says 
     DIR/ppo/metrics.jsonl    one line per PPO step;   DIR/ppo/samples.jsonl   logged responses
     DIR/ppo/eval_log.jsonl   held-out kl, rm_score, gold_score during PPO (the over-optimisation curve)
     DIR/eval/metrics.json, DIR/eval/samples.jsonl    final policy vs baseline (SFT)
+    DIR/compare/points.jsonl, DIR/compare/metrics.json   PPO, DPO and best-of-n: gold against KL (optional)
 
 When DIR holds several runs, DIR/report.html overlays their PPO curves (legend = folder name),
 tabulates their headline metrics and the config keys in which they differ, and draws gold and
@@ -118,6 +119,8 @@ class Run:
     ppo_samples: list[dict] | None = None
     eval_log: list[dict] | None = None
     eval_samples: list[dict] | None = None
+    compare_points: list[dict] | None = None  # DIR/compare (optional): the methods on one gold-vs-KL plot
+    compare_metrics: dict | None = None
     configs: dict[str, str] = field(default_factory=dict)  # relative path -> YAML text
 
     def _read(self, rel: str, parse, note: bool = True) -> Any:
@@ -180,6 +183,8 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
     run.ppo_samples = run.jsonl("ppo/samples.jsonl")
     run.eval_log = run.jsonl("ppo/eval_log.jsonl")
     run.eval_samples = run.jsonl("eval/samples.jsonl")
+    run.compare_points = run.jsonl("compare/points.jsonl", note=False)
+    run.compare_metrics = _dict(run.json("compare/metrics.json", note=False))
     return run
 
 
@@ -521,6 +526,46 @@ def plot_overoptimisation(eval_log: list[dict]):
     return fig
 
 
+METHOD_NAMES = {"ppo": "PPO (along its run)", "dpo": "DPO (β sweep)", "best_of_n": "best-of-n (n = 1 … 64)"}
+
+
+def plot_methods(points: list[dict], fits: dict):
+    """Gold (solid, left axis) and proxy RM score (dashed, right axis) against sqrt(KL), one colour per
+    method; Gao et al.'s fitted law dotted through the gold points."""
+    import torch  # the laws are ppo_math's torch functions
+
+    from llm_rlhf.ppo_math import gao_bon_law, gao_rl_law
+
+    fig, axes = _figure(1, 1, 8, 4.8)
+    ax = axes[0, 0]
+    twin = _twin(ax, "0.4")
+    ax.set(title="Gold reward against KL: which method buys the most gold per nat?",
+           xlabel="sqrt(KL to the SFT model)   (sqrt nats)", ylabel="gold score (solid)")  # fmt: skip
+    twin.set_ylabel("RM score, normalised (dashed)", color="0.4")
+    for i, method in enumerate(METHOD_NAMES):
+        ps = sorted((p for p in points if p.get("method") == method and _num(p.get("kl")) is not None),
+                    key=lambda p: p["kl"])  # fmt: skip
+        if not ps:
+            continue
+        d = np.sqrt(np.maximum([p["kl"] for p in ps], 0.0))
+        color = _color(i)
+        ax.plot(d, [p["gold_score"] for p in ps], "o-", color=color, markersize=4, label=METHOD_NAMES[method])
+        twin.plot(d, [p["rm_score"] for p in ps], "--", color=color, linewidth=1)
+        fit = (fits or {}).get(method)
+        if fit:
+            grid = np.linspace(max(d.min(), 1e-3), d.max(), 100)
+            law = gao_bon_law if fit["form"] == "bon" else gao_rl_law
+            curve = law(torch.tensor(grid), alpha=fit["alpha"], beta=fit["beta"]).numpy() + fit["origin"]
+            ax.plot(grid, curve, ":", color=color, linewidth=1.5,
+                    label=f"fit: α {fit['alpha']:.2f}, β {fit['beta']:.2f}, R² {fit['r2']:.2f}"
+                    + (" (poor)" if fit["poor"] else ""))  # fmt: skip
+    if not ax.lines:
+        _no_data(ax)
+    else:
+        ax.legend(fontsize=7, loc="best")
+    return fig
+
+
 def plot_compare_ppo(runs: list[Run]):
     fig, axes = _figure(3, 4, 16, 10)
     for ax, (key, title, ylabel) in zip(axes.flat, COMPARE_PANELS):
@@ -844,6 +889,38 @@ def section_eval(page: Page, run: Run) -> None:
         page.missing(_skipped(run, "eval", ["eval/samples.jsonl"]))
 
 
+def section_methods(page: Page, run: Run) -> None:
+    """Only for runs with a compare stage (`llm-rlhf compare`)."""
+    if not run.compare_points or not run.compare_metrics:
+        return
+    metrics = run.compare_metrics
+    page.add('<h2 id="compare">5. Methods compared: gold reward against KL</h2>', _wall_time(run, "compare"))
+    page.add(f'<p class="meta">{metrics.get("num_prompts")} held-out prompts (the PPO run\'s held-out set), '
+             f"one gold judge ({html.escape(str(metrics.get('gold_judge')))}). Best-of-n's KL is the analytic "
+             "log n − (n−1)/n; the KL measured on its samples is in the table.</p>")  # fmt: skip
+    page.figure(plot_methods(run.compare_points, metrics.get("fits") or {}), "methods",
+                "Gold and RM score against sqrt(KL) for PPO, DPO and best-of-n")  # fmt: skip
+    best = metrics.get("best") or {}
+    page.add("<h3>Best gold of each method</h3>", table(
+        ["method", "best gold score", "at KL", "point"],
+        [[METHOD_NAMES.get(m, m), b.get("gold_score"), b.get("kl"), b.get("label")] for m, b in best.items()],
+    ))  # fmt: skip
+    fits = metrics.get("fits") or {}
+    page.add("<h3>Gao et al. (2022) law fits</h3>", table(
+        ["method", "form (d = sqrt KL)", "α ± se", "β ± se", "R²", "points", "fit"],
+        [[METHOD_NAMES.get(m, m),
+          "d(α − β d)" if f["form"] == "bon" else "d(α − β log d)",
+          f"{f['alpha']:.3f} ± {f['alpha_stderr']:.3f}", f"{f['beta']:.3f} ± {f['beta_stderr']:.3f}",
+          f["r2"], f["num_points"], "poor" if f["poor"] else "good"]
+         for m, f in fits.items() if f],
+    ))  # fmt: skip
+    rows = [[METHOD_NAMES.get(p["method"], p["method"]), p.get("label"), p.get("kl"), p.get("kl_measured"),
+             p.get("rm_score"), p.get("gold_score"), p.get("fluency_perplexity")] for p in run.compare_points]  # fmt: skip
+    page.add("<details><summary>Every point</summary>", table(
+        ["method", "point", "KL", "KL measured (best-of-n)", "RM score", "gold score", "fluency perplexity"], rows
+    ), "</details>")  # fmt: skip
+
+
 def section_configs(page: Page, run: Run) -> None:
     page.add('<h2 id="configs">Resolved configs</h2>')
     if not run.configs:
@@ -871,7 +948,7 @@ def build_run_page(run: Run, png_dir: Path) -> Page:
     )
     if run.missing:
         page.missing("Not found in this run folder: " + ", ".join(run.missing))
-    for section in (section_sft, section_rm, section_ppo, section_eval, section_configs):
+    for section in (section_sft, section_rm, section_ppo, section_eval, section_methods, section_configs):
         section(page, run)
     return page
 
