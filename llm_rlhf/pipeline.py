@@ -134,7 +134,7 @@ def run(cfg: Config) -> dict[str, Any]:
         records[run_cfg.output_dir] = run_one(run_cfg)
     if cfg.report and PartialState().is_main_process:
         print(f"report: {write_report(out)}")
-    return records[cfg.output_dir] if len(runs) == 1 else records
+    return records if cfg.seeds or cfg.sweep else records[cfg.output_dir]
 
 
 def seed_run(cfg: Config, seed: int) -> Config:

@@ -117,6 +117,11 @@ def test_pipeline_seeds_give_one_run_per_seed(
     assert first[0]["objective/scores"] != second[0]["objective/scores"], "different seeds, different samples"
     assert (out / "report.html").is_file()
 
+    # one seed alone (finished above, so nothing re-runs): its record, keyed by its folder like any seed run
+    one = argv[: argv.index("--seeds")] + ["--seeds", "[2]"] + argv[argv.index("--seeds") + 2 :]
+    records = run_pipeline(one)
+    assert records.keys() == {str(out / "seed-2")}
+
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
