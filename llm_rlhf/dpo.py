@@ -148,12 +148,15 @@ class Inputs:
     tokenizer: object
     model: object  # the policy, initialised from the SFT model
     ref_model: object | None  # a frozen copy of the SFT model; None with LoRA (adapter disabled instead)
-    train: object  # prompt/chosen/rejected strings
-    eval: object
+    train: Dataset  # prompt/chosen/rejected strings and length: the pairs that fit in max_length
+    eval: Dataset
+    pairs_read: int  # train pairs in train_file
+    dropped: tuple[int, int]  # train and eval pairs longer than max_length, left out
 
 
 def load_inputs(cfg: Config) -> Inputs:
-    """Tokenizer, the two pair sets, the policy and (full fine-tuning) the reference, all checked."""
+    """Tokenizer, the two pair sets (those that fit in max_length), the policy and (full fine-tuning) the
+    reference, all checked."""
     cfg.check_outputs()
     hint = " (train it with `llm-rlhf sft`)" if cfg.model_name_or_path.rstrip("/").endswith("sft") else ""
     cfg.check_model_path(hint)
@@ -162,13 +165,20 @@ def load_inputs(cfg: Config) -> Inputs:
     rules = {"max_length": cfg.max_length, "data_format": cfg.data_format, "skip_long": cfg.skip_long}
     train = load_preference_dataset(cfg.train_file, tokenizer, split=cfg.train_split, **rules)
     val = load_preference_dataset(cfg.eval_file, tokenizer, split=cfg.eval_split, **rules)
+    train_fitting, dropped = fitting_pairs(train, tokenizer, cfg.max_length)
+    eval_fitting, eval_dropped = fitting_pairs(val, tokenizer, cfg.max_length)
+    for key, dataset in (("train_file", train_fitting), ("eval_file", eval_fitting)):
+        if len(dataset) == 0:
+            raise UserError(f"{key}: no pair fits in max_length={cfg.max_length} tokens; raise max_length")
     # Local folders by absolute path: a LoRA adapter records its base model's path in adapter_config.json.
     name = cfg.model_name_or_path
     name = os.path.abspath(os.path.expanduser(name)) if os.path.isdir(os.path.expanduser(name)) else name
     load = {"dtype": cfg.dtype, "trust_remote_code": cfg.trust_remote_code}
     model = load_causal_lm(name, **load)
     ref_model = None if cfg.use_lora else freeze(load_causal_lm(name, **load))
-    return Inputs(tokenizer, model, ref_model, train, val)
+    return Inputs(
+        tokenizer, model, ref_model, train_fitting, eval_fitting, len(train), (dropped, eval_dropped)
+    )
 
 
 def fitting_pairs(pairs, tokenizer, max_length: int) -> tuple[Dataset, int]:
@@ -343,11 +353,7 @@ def run(cfg: Config) -> dict[str, float]:
     started = time.time()
     inputs = load_inputs(cfg)
     tokenizer, output_dir = inputs.tokenizer, Path(cfg.output_dir)
-    train_dataset, dropped = fitting_pairs(inputs.train, tokenizer, cfg.max_length)
-    eval_dataset, eval_dropped = fitting_pairs(inputs.eval, tokenizer, cfg.max_length)
-    for name, dataset in (("train_file", train_dataset), ("eval_file", eval_dataset)):
-        if len(dataset) == 0:
-            raise UserError(f"{name}: no pair fits in max_length={cfg.max_length} tokens; raise max_length")
+    train_dataset, eval_dataset, (dropped, eval_dropped) = inputs.train, inputs.eval, inputs.dropped
     checkpoint = last_checkpoint(output_dir) if cfg.resume else None
 
     seed_everything(cfg.seed)
@@ -359,7 +365,7 @@ def run(cfg: Config) -> dict[str, float]:
         (output_dir / "metrics.json").unlink(missing_ok=True)  # a rerun is not done until it writes it again
         lengths = sorted(train_dataset["length"])
         print(
-            f"train: {len(train_dataset)} pairs ({len(inputs.train)} read, {dropped} longer than max_length="
+            f"train: {len(train_dataset)} pairs ({inputs.pairs_read} read, {dropped} longer than max_length="
             f"{cfg.max_length} left out), tokens per longer sequence median {lengths[len(lengths) // 2]}, max "
             f"{lengths[-1]}; eval: {len(eval_dataset)} pairs ({eval_dropped} left out)",
             flush=True,
