@@ -161,6 +161,7 @@ def test_trl_loss_and_rewards_equal_a_naive_computation(tmp_path, tiny_model_dir
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("use_lora", [False, True])
 def test_training_moves_every_parameter_grows_the_margin_and_saves(
     tmp_path, tiny_model_dir, pref_files, use_lora
@@ -217,6 +218,7 @@ def test_training_moves_every_parameter_grows_the_margin_and_saves(
     ), "the saved policy is the trained one, not the reference"
 
 
+@pytest.mark.slow
 def test_dpo_stage_end_to_end(tmp_path, tiny_model_dir, pref_files):
     """`llm-rlhf dpo`: metrics.json (last) with TRL's eval metrics, config.yaml that parses back, log.jsonl,
     checkpoints, a plain HF folder, no temporary folder left; with LoRA + merge: adapter/ and the merged model."""
@@ -253,6 +255,7 @@ def test_dpo_stage_end_to_end(tmp_path, tiny_model_dir, pref_files):
     assert read_json(lora / "metrics.json")["trainable_parameters"] < metrics["trainable_parameters"]
 
 
+@pytest.mark.slow
 def test_resume_reaches_the_same_weights(tmp_path, tiny_model_dir, pref_files):
     from safetensors.torch import load_file
 
@@ -351,6 +354,7 @@ def test_pipeline_chains_dpo_to_the_sft_folder(tmp_path, monkeypatch):
         pipeline.Config(stages=["sft", "kto"])
 
 
+@pytest.mark.slow
 def test_recipe_parses_and_runs_a_few_steps(tmp_path, tiny_model_dir, pref_files):
     cfg = parse_config(dpo.Config, ["--config", str(RECIPE)])
     assert cfg.model_name_or_path == "runs/reviews/sft" and cfg.output_dir == "runs/reviews/dpo"
@@ -360,3 +364,29 @@ def test_recipe_parses_and_runs_a_few_steps(tmp_path, tiny_model_dir, pref_files
         "--eval_file", str(val), "--output_dir", str(tmp_path / "dpo"), "--max_steps", "2", "--max_length", "32",
     ])  # fmt: skip
     assert dpo.run(cfg)["global_step"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_process_ddp_run_on_cpu(tmp_path, tiny_model_dir, pref_files):
+    """`accelerate launch` with 2 processes trains one model with DDP (not two copies): 6 steps of 4 pairs
+    per process cover 48 of the 40 training pairs, epoch 1.2."""
+    import os
+    import subprocess
+    import sys
+
+    train, val = pref_files
+    out = tmp_path / "dpo"
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+        str(ROOT / "accelerate_configs" / "multi_gpu.yaml"), "--num_processes", "2", "-m", "llm_rlhf", "dpo",
+        "--model_name_or_path", str(tiny_model_dir), "--train_file", str(train), "--eval_file", str(val),
+        "--output_dir", str(out), "--max_steps", "6", "--max_length", "32", "--per_device_train_batch_size", "4",
+        "--eval_steps", "3", "--logging_steps", "3",
+    ]  # fmt: skip
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert read_json(out / "metrics.json")["global_step"] == 6
+    epochs = [json.loads(line)["epoch"] for line in (out / "log.jsonl").read_text().splitlines()]
+    assert max(epochs) == pytest.approx(1.2)
