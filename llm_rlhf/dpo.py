@@ -7,9 +7,10 @@ Direct Preference Optimization (Rafailov et al. 2023) on TRL's `DPOTrainer` (the
 
 pi_ref is the SFT model, frozen: a second copy for full fine-tuning, or with LoRA the same network with
 the adapter disabled (TRL does this when it is given the peft config). beta * logratio is DPO's implicit
-reward; TRL logs its mean on chosen and rejected responses (`rewards/chosen`, `rewards/rejected`: beta times a
-one-sample estimate of each response's KL contribution), their mean difference (`rewards/margins`) and the
-fraction of pairs where chosen beats rejected (`rewards/accuracies`).
+reward; TRL logs its mean on chosen and rejected responses (`rewards/chosen`, `rewards/rejected`: how far the
+policy moved from the reference on the dataset's responses, KL-like but not a KL estimate, since the responses
+are not samples of pi_theta), their mean difference (`rewards/margins`) and the fraction of pairs where chosen
+beats rejected (`rewards/accuracies`).
 
 The data are the RM stage's preference pairs, read by the same loader (`load_preference_dataset`: the same
 schemas and the same one-line errors naming file, row and field). Each sequence is tokenized as the RM and
