@@ -23,6 +23,10 @@ COMMANDS = {
         "llm_rlhf.reward",
         "Reward model: a scalar head on the causal LM trained with the Bradley-Terry loss.",
     ),
+    "dpo": (
+        "llm_rlhf.dpo",
+        "DPO: the SFT model trained directly on the preference pairs (no RM, no PPO), TRL's DPOTrainer.",
+    ),
     "score": ("llm_rlhf.score", "Score a JSONL of prompt/response pairs with a saved reward model."),
     "ppo": ("llm_rlhf.ppo_run", "PPO with a value head, a frozen reference and an adaptive KL controller."),
     "eval": (

@@ -8,6 +8,7 @@ overrides; the chaining keys are set here so each stage reads the previous stage
     DIR/sft  <- base model                      DIR/rm   <- DIR/sft
     DIR/ppo  <- DIR/sft (policy, reference), DIR/rm
     DIR/eval <- DIR/ppo vs DIR/sft, scored by DIR/rm and the gold judge
+    DIR/dpo  <- DIR/sft (policy, reference)     (optional: `stages: [sft, dpo]`; not a default stage)
 
 A stage whose folder holds `metrics.json` is finished and skipped; a stage folder without it was
 interrupted and is resumed. `DIR/pipeline.json` records each stage's wall time and headline metrics.
@@ -26,14 +27,16 @@ from typing import Any
 
 from accelerate import PartialState
 
-from llm_rlhf import evaluate, ppo_run, reward, sft
+from llm_rlhf import dpo, evaluate, ppo_run, reward, sft
 from llm_rlhf.config import _coerce, format_config, help_field, load_yaml_config, require, save_config
 from llm_rlhf.errors import ConfigError
 from llm_rlhf.report import write_report
 from llm_rlhf.utils import atomic_write_json
 
-STAGES = ("sft", "rm", "ppo", "eval")
-MODULES = {"sft": sft, "rm": reward, "ppo": ppo_run, "eval": evaluate}  # each has Config and run(cfg)
+STAGES = ("sft", "rm", "ppo", "eval")  # the default stages, in order
+OPTIONAL_STAGES = ("dpo",)  # run only when `stages` names them
+# each has Config and run(cfg)
+MODULES = {"sft": sft, "rm": reward, "ppo": ppo_run, "eval": evaluate, "dpo": dpo}
 
 
 @dataclass
@@ -41,15 +44,19 @@ class Config:
     output_dir: str = help_field(
         "runs/reviews", "Run folder: one sub-folder per stage, pipeline.json and the report."
     )
-    stages: list[str] = help_field(list(STAGES), "Stages to run, in order (a subset of sft, rm, ppo, eval).")
+    stages: list[str] = help_field(
+        list(STAGES), "Stages to run, in order (a subset of sft, rm, ppo, eval, dpo; dpo needs only sft)."
+    )
     sft_config: str = help_field("recipes/reviews/sft.yaml", "Recipe of the SFT stage.")
     rm_config: str = help_field("recipes/reviews/rm.yaml", "Recipe of the reward-model stage.")
     ppo_config: str = help_field("recipes/reviews/ppo.yaml", "Recipe of the PPO stage.")
     eval_config: str | None = help_field(None, "Recipe of the evaluation stage (null: its defaults).")
+    dpo_config: str = help_field("recipes/reviews/dpo.yaml", "Recipe of the DPO stage (when stages name it).")
     sft: dict = help_field({}, "Overrides of SFT config keys, e.g. {num_train_epochs: 2}.")
     rm: dict = help_field({}, "Overrides of reward-model config keys.")
     ppo: dict = help_field({}, "Overrides of PPO config keys, e.g. {steps: 20}.")
     eval: dict = help_field({}, "Overrides of evaluation config keys.")
+    dpo: dict = help_field({}, "Overrides of DPO config keys, e.g. {beta: 0.2}.")
     report: bool = help_field(True, "Write DIR/report.html at the end.")
     shared_dir: str | None = help_field(
         None, "Internal to sweeps: the folder whose sft/ and rm/ this run links to."
@@ -64,8 +71,10 @@ class Config:
     )
 
     def __post_init__(self):
-        unknown = [s for s in self.stages if s not in STAGES]
-        require(not unknown, "stages", f"unknown stage(s) {unknown}; choose from {list(STAGES)}")
+        unknown = [s for s in self.stages if s not in STAGES + OPTIONAL_STAGES]
+        require(
+            not unknown, "stages", f"unknown stage(s) {unknown}; choose from {list(STAGES + OPTIONAL_STAGES)}"
+        )
         require(not (self.seeds and self.sweep), "sweep", "give either seeds or sweep, not both")
         for i, variant in enumerate(self.sweep or []):
             require(
@@ -93,6 +102,7 @@ def chained_paths(out: Path, shared: Path | None = None) -> dict[str, dict[str, 
             "reward_model_path": str(base / "rm"),
             "output_dir": str(out / "eval"),
         },
+        "dpo": {"model_name_or_path": str(base / "sft"), "output_dir": str(out / "dpo")},
     }
 
 
@@ -139,18 +149,18 @@ def run(cfg: Config) -> dict[str, Any]:
 
 def seed_run(cfg: Config, seed: int) -> Config:
     """The same pipeline in DIR/seed-<seed>, every stage seeded with `seed`."""
-    overrides = {stage: {**getattr(cfg, stage), "seed": seed} for stage in STAGES}
+    overrides = {stage: {**getattr(cfg, stage), "seed": seed} for stage in STAGES + OPTIONAL_STAGES}
     return dataclasses.replace(
         cfg, output_dir=str(Path(cfg.output_dir) / f"seed-{seed}"), seeds=None, report=False, **overrides
     )
 
 
 def sweep_runs(cfg: Config) -> list[Config]:
-    """SFT and RM once in DIR; each PPO variant (and its evaluation) in DIR/<name>, whose sft/ and rm/
-    are links to the shared ones (so every variant folder is a complete run for the report)."""
+    """SFT and RM (and DPO) once in DIR; each PPO variant (and its evaluation) in DIR/<name>, whose sft/ and
+    rm/ are links to the shared ones (so every variant folder is a complete run for the report)."""
     out = Path(cfg.output_dir)
     shared = dataclasses.replace(
-        cfg, stages=[s for s in cfg.stages if s in ("sft", "rm")], sweep=None, report=False
+        cfg, stages=[s for s in cfg.stages if s in ("sft", "rm", "dpo")], sweep=None, report=False
     )
     runs = [shared]
     for variant in cfg.sweep:
@@ -219,6 +229,7 @@ HEADLINES = {
     "rm": ("eval_accuracy", "eval_margin", "baseline_accuracy"),
     "ppo": ("scores_first", "scores_last", "kl_last", "kl_target", "objective/kl_coef"),
     "eval": ("gold_win_rate", "rm_win_rate", "kl_to_ref", "gold_score_mean", "rm_score_mean"),
+    "dpo": ("eval_loss", "eval_rewards/accuracies", "eval_rewards/margins"),
 }
 
 

@@ -1,9 +1,9 @@
-"""What the two stages built on a Hugging Face `Trainer` (SFT: TRL's SFTTrainer, RM: TRL's RewardTrainer)
-share: the config fields with their help, their checks, the training arguments, the LoRA arguments, the
-output-dir and checkpoint checks, and the log.jsonl callback.
+"""What the stages built on a Hugging Face `Trainer` (SFT: TRL's SFTTrainer, RM: TRL's RewardTrainer, DPO:
+TRL's DPOTrainer) share: the config fields with their help, their checks, the training arguments, the LoRA
+arguments, the output-dir and checkpoint checks, and the log.jsonl callback.
 
-`TrainerStageConfig` is the base of `sft.Config` and `reward.Config`; a stage re-declares a field only to
-change its default or its help. The user still sees one flat config per stage (YAML keys, `--key value`
+`TrainerStageConfig` is the base of `sft.Config`, `reward.Config` and `dpo.Config`; a stage re-declares a
+field only to change its default or its help. The user still sees one flat config per stage (YAML keys, `--key value`
 flags, `--help`, the saved config.yaml).
 """
 

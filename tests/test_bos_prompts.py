@@ -7,7 +7,7 @@ import torch
 from tokenizers import processors
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from llm_rlhf import ppo, ppo_run, sft
+from llm_rlhf import dpo, ppo, ppo_run, sft
 from llm_rlhf.config import parse_config
 from llm_rlhf.data import load_sft_dataset
 from llm_rlhf.evaluate import sample_batch
@@ -59,6 +59,21 @@ def test_every_stage_sees_the_bos(tmp_path):
     for p, c, ids in zip(PROMPTS, COMPLETIONS, expected):
         scored = encode_pair(tokenizer, p, c)
         assert scored[: len(ids)] == ids and scored.count(bos) == 1
+
+    # DPO: TRL's prompt ids are the prompt's (BOS first), prompt + response ids are the RM's, BOS once
+    pairs = write_jsonl(
+        tmp_path / "pairs.jsonl",
+        [{"prompt": p, "chosen": c, "rejected": " no."} for p, c in zip(PROMPTS, COMPLETIONS)],
+    )
+    dpo_cfg = dpo.Config(model_name_or_path=str(folder), train_file=str(pairs), eval_file=str(pairs),
+                         output_dir=str(tmp_path / "dpo"), max_length=32, eval_steps=0)  # fmt: skip
+    inputs = dpo.load_inputs(dpo_cfg)
+    trainer = dpo.build_trainer(dpo_cfg, inputs.model, inputs.ref_model, tokenizer, inputs.train, None)
+    for i, (p, c, ids) in enumerate(zip(PROMPTS, COMPLETIONS, expected)):
+        row = trainer.train_dataset[i]
+        assert row["prompt_ids"] == ids
+        assert row["prompt_ids"] + row["chosen_ids"] == encode_pair(tokenizer, p, c)
+        assert (row["prompt_ids"] + row["rejected_ids"]).count(bos) == 1
 
     # PPO's prompts
     prompt_file = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p} for p in PROMPTS])

@@ -19,12 +19,12 @@ LAYERS = {
     "errors": 0, "utils": 0, "ppo_math": 0,
     "config": 1, "data": 1, "baseline": 1, "models": 1,
     "rollout": 2, "reward_model": 2, "trainer_stage": 2, "gold": 2,
-    "sft": 3, "reward": 3, "ppo": 3, "evaluate": 3, "score": 3, "report": 3, "judge": 3,
+    "sft": 3, "reward": 3, "dpo": 3, "ppo": 3, "evaluate": 3, "score": 3, "report": 3, "judge": 3,
     "ppo_run": 4,  # the `llm-rlhf ppo` command: the trainer (ppo) and held-out evaluation (evaluate)
     "pipeline": 5, "cli": 5,
     "__main__": 6, "__init__": 6,
 }  # fmt: skip
-STAGES = {"sft", "reward", "ppo", "ppo_run", "evaluate", "score", "report", "judge"}
+STAGES = {"sft", "reward", "dpo", "ppo", "ppo_run", "evaluate", "score", "report", "judge"}
 
 
 def first_party(node: ast.AST) -> list[str]:

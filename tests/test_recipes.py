@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import build_model
 
-from llm_rlhf import cli, evaluate, pipeline, ppo, reward, sft
+from llm_rlhf import cli, dpo, evaluate, pipeline, ppo, reward, sft
 from llm_rlhf.config import parse_config
 from llm_rlhf.utils import read_json
 
@@ -23,6 +23,7 @@ HH_FIXTURE = Path(__file__).resolve().parent / "fixtures" / "hh_rlhf.jsonl"
 GOLD_JUDGE = ROOT / "data" / "reviews" / "gold_judge.json"
 CONFIGS = {"sft": sft.Config, "rm": reward.Config, "ppo": ppo.Config, "eval": evaluate.Config,
            "pipeline": pipeline.Config}  # fmt: skip
+OPTIONAL = {"dpo": dpo.Config}  # stage files only some recipes have (reviews: dpo.yaml)
 NAMES = sorted(p.name for p in RECIPES.iterdir() if p.is_dir())
 YAMLS = sorted(RECIPES.glob("*/*.yaml"))
 
@@ -37,7 +38,7 @@ def test_the_recipes_are_the_documented_five():
 @pytest.mark.parametrize("path", YAMLS, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_every_recipe_parses(path, monkeypatch):
     monkeypatch.chdir(ROOT)  # recipes name their files relative to the repo root
-    cfg = parse_config(CONFIGS[path.stem], ["--config", str(path)])
+    cfg = parse_config({**CONFIGS, **OPTIONAL}[path.stem], ["--config", str(path)])
     if path.stem == "pipeline":
         for stage in cfg.stages:  # each stage's recipe file through its Config, with the chaining keys
             pipeline.stage_config(cfg, stage)
@@ -62,6 +63,15 @@ def test_the_stage_files_of_a_recipe_chain(name):
     assert cfg["ppo"].reward_model_path == cfg["eval"].reward_model_path == str(run / "rm")
     assert (cfg["eval"].policy_path, cfg["eval"].baseline_path) == (str(run / "ppo"), str(run / "sft"))
     assert cfg["sft"].merge_lora, "RM and PPO read a plain HF folder; PPO's reference is the SFT model"
+    for stage, config in OPTIONAL.items():
+        if (folder / f"{stage}.yaml").is_file():
+            optional = parse_config(config, ["--config", str(folder / f"{stage}.yaml")])
+            assert (optional.model_name_or_path, optional.output_dir) == (str(run / "sft"), str(run / stage))
+            assert getattr(cfg["pipeline"], f"{stage}_config") == f"recipes/{name}/{stage}.yaml"
+
+
+def test_the_reviews_recipe_has_a_dpo_stage_file():
+    assert (RECIPES / "reviews" / "dpo.yaml").is_file()
 
 
 def test_readme_commands_name_files_that_exist():
