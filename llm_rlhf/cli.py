@@ -37,6 +37,10 @@ COMMANDS = {
         "llm_rlhf.judge",
         "Score prompt/response rows with the gold evaluation (sentiment and fluency).",
     ),
+    "compare": (
+        "llm_rlhf.compare",
+        "PPO, DPO (a beta sweep) and best-of-n on one gold-vs-KL plot, with Gao et al.'s laws fitted.",
+    ),
     "pipeline": (
         "llm_rlhf.pipeline",
         "SFT -> RM -> PPO -> evaluation, each stage reading the previous output.",

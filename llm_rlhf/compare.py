@@ -34,14 +34,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate import PartialState
 
-from llm_rlhf import ppo_math
+from llm_rlhf import dpo, ppo, ppo_math
 from llm_rlhf.config import format_config, help_field, load_yaml_config, require, save_config
-from llm_rlhf.data import load_prompt_dataset, prompt_rules
 from llm_rlhf.errors import ConfigError, UserError
 from llm_rlhf.evaluate import evaluate_policy, sample_and_score
-from llm_rlhf.gold import judge_details, load_judge
+from llm_rlhf.gold import judge_details
 from llm_rlhf.models import freeze, load_causal_lm, load_tokenizer
+from llm_rlhf.ppo_run import load_eval_inputs
 from llm_rlhf.reward_model import load_reward_model
 from llm_rlhf.utils import atomic_write_json, atomic_write_text
 
@@ -168,8 +169,6 @@ class Config:
 
 def dpo_config(cfg: Config, beta: float):
     """The DPO stage for one beta: recipe < the SFT model, the output folder and beta < `cfg.dpo`."""
-    from llm_rlhf import dpo
-
     valid = [f.name for f in dataclasses.fields(dpo.Config)]
     values = load_yaml_config(cfg.dpo_config, valid) if cfg.dpo_config else {}
     values.update(
@@ -185,8 +184,6 @@ def dpo_config(cfg: Config, beta: float):
 
 def ppo_settings(ppo_dir: Path):
     """The PPO run's resolved config (its config.yaml) and its held-out evaluations (eval_log.jsonl)."""
-    from llm_rlhf import ppo
-
     if not (ppo_dir / "config.yaml").is_file():
         raise UserError(f"'{ppo_dir}': no config.yaml; run the PPO stage first (llm-rlhf ppo)")
     cfg = ppo.Config(
@@ -211,31 +208,35 @@ def law_fit(points: list[dict[str, Any]], origin: float, form: str) -> dict[str,
     fit = ppo_math.fit_gao_law(d=d, gain=gain, form=form)
     total = float((gain - gain.mean()).pow(2).sum())
     r2 = 1 - fit.rmse**2 * len(fitted) / total if total > 0 else float("nan")
+    law = ppo_math.gao_bon_law if form == "bon" else ppo_math.gao_rl_law
+    grid = torch.linspace(float(d.min()), float(d.max()), 50, dtype=torch.float64)  # (50,)
+    curve = origin + law(grid, alpha=fit.alpha, beta=fit.beta)  # (50,) the fitted gold, for the plot
     return {
         **dataclasses.asdict(fit),
         "form": form,
         "origin": origin,
         "r2": r2,
         "poor": not (r2 >= 0.8) or len(fitted) < 4,
+        "curve": [[float(x), float(y)] for x, y in zip(grid, curve)],
     }
 
 
 def run(cfg: Config) -> dict[str, Any]:
     """PPO points from its log, DPO points (training each beta, or reusing a finished one), best-of-n points;
     the fits and the best gold of each method; points.jsonl, config.yaml, metrics.json (last)."""
-    from llm_rlhf import dpo
-
     started = time.time()
+    if PartialState().num_processes > 1:
+        raise UserError(
+            "llm-rlhf compare runs in one process (not under a multi-process `accelerate launch`)"
+        )
     print(format_config(cfg))
     out = Path(cfg.output_dir)
     ppo_cfg, ppo_log = ppo_settings(Path(cfg.ppo_dir))
     dpo_cfgs = [dpo_config(cfg, beta) for beta in cfg.dpo_betas]  # every config checked before any work
-    judge = load_judge(ppo_cfg.gold_judge)
+    prompts, judge = load_eval_inputs(
+        ppo_cfg
+    )  # PPO's held-out prompts and gold judge, loaded as it loads them
     tokenizer = load_tokenizer(cfg.sft_path)
-    prompts = list(
-        load_prompt_dataset(ppo_cfg.eval_prompt_file, tokenizer, **prompt_rules(ppo_cfg))["prompt"]
-    )
-    prompts = prompts[: ppo_cfg.eval_num_prompts]
     sampling = dict(
         seed=ppo_cfg.seed,
         batch_size=ppo_cfg.rollout_batch_size,
@@ -286,6 +287,7 @@ def run(cfg: Config) -> dict[str, Any]:
             top = max(ps, key=lambda p: p["gold_score"])
             best[method] = {"gold_score": top["gold_score"], "kl": top["kl"], "label": top["label"]}
     metrics = {
+        **{f"{method}_best_gold": b["gold_score"] for method, b in best.items()},
         "best": best,
         "fits": fits,
         "num_prompts": len(prompts),

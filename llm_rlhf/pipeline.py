@@ -9,6 +9,8 @@ overrides; the chaining keys are set here so each stage reads the previous stage
     DIR/ppo  <- DIR/sft (policy, reference), DIR/rm
     DIR/eval <- DIR/ppo vs DIR/sft, scored by DIR/rm and the gold judge
     DIR/dpo  <- DIR/sft (policy, reference)     (optional: `stages: [sft, dpo]`; not a default stage)
+    DIR/compare <- DIR/sft, DIR/rm, DIR/ppo     (optional: PPO, DPO per beta and best-of-n on one gold-vs-KL
+                                                plot; PPO needs eval_every > 0)
 
 A stage whose folder holds `metrics.json` is finished and skipped; a stage folder without it was
 interrupted and is resumed. `DIR/pipeline.json` records each stage's wall time and headline metrics.
@@ -27,16 +29,16 @@ from typing import Any
 
 from accelerate import PartialState
 
-from llm_rlhf import dpo, evaluate, ppo_run, reward, sft
+from llm_rlhf import compare, dpo, evaluate, ppo_run, reward, sft
 from llm_rlhf.config import _coerce, format_config, help_field, load_yaml_config, require, save_config
 from llm_rlhf.errors import ConfigError
 from llm_rlhf.report import write_report
 from llm_rlhf.utils import atomic_write_json
 
 STAGES = ("sft", "rm", "ppo", "eval")  # the default stages, in order
-OPTIONAL_STAGES = ("dpo",)  # run only when `stages` names them
+OPTIONAL_STAGES = ("dpo", "compare")  # run only when `stages` names them
 # each has Config and run(cfg)
-MODULES = {"sft": sft, "rm": reward, "ppo": ppo_run, "eval": evaluate, "dpo": dpo}
+MODULES = {"sft": sft, "rm": reward, "ppo": ppo_run, "eval": evaluate, "dpo": dpo, "compare": compare}
 
 
 @dataclass
@@ -45,18 +47,25 @@ class Config:
         "runs/reviews", "Run folder: one sub-folder per stage, pipeline.json and the report."
     )
     stages: list[str] = help_field(
-        list(STAGES), "Stages to run, in order (a subset of sft, rm, ppo, eval, dpo; dpo needs only sft)."
+        list(STAGES),
+        "Stages to run, in order (a subset of sft, rm, ppo, eval, dpo, compare; dpo needs only sft, compare "
+        "sft, rm and a ppo run with eval_every > 0).",
     )
     sft_config: str = help_field("recipes/reviews/sft.yaml", "Recipe of the SFT stage.")
     rm_config: str = help_field("recipes/reviews/rm.yaml", "Recipe of the reward-model stage.")
     ppo_config: str = help_field("recipes/reviews/ppo.yaml", "Recipe of the PPO stage.")
     eval_config: str | None = help_field(None, "Recipe of the evaluation stage (null: its defaults).")
     dpo_config: str = help_field("recipes/reviews/dpo.yaml", "Recipe of the DPO stage (when stages name it).")
+    compare_config: str | None = help_field(
+        "recipes/reviews/compare.yaml",
+        "Recipe of the compare stage (when stages name it; null: its defaults).",
+    )
     sft: dict = help_field({}, "Overrides of SFT config keys, e.g. {num_train_epochs: 2}.")
     rm: dict = help_field({}, "Overrides of reward-model config keys.")
     ppo: dict = help_field({}, "Overrides of PPO config keys, e.g. {steps: 20}.")
     eval: dict = help_field({}, "Overrides of evaluation config keys.")
     dpo: dict = help_field({}, "Overrides of DPO config keys, e.g. {beta: 0.2}.")
+    compare: dict = help_field({}, "Overrides of compare config keys, e.g. {dpo_betas: [0.1, 1.0]}.")
     report: bool = help_field(True, "Write DIR/report.html at the end.")
     shared_dir: str | None = help_field(
         None, "Internal to sweeps: the folder whose sft/ and rm/ this run links to."
@@ -103,6 +112,12 @@ def chained_paths(out: Path, shared: Path | None = None) -> dict[str, dict[str, 
             "output_dir": str(out / "eval"),
         },
         "dpo": {"model_name_or_path": str(base / "sft"), "output_dir": str(out / "dpo")},
+        "compare": {
+            "sft_path": str(base / "sft"),
+            "reward_model_path": str(base / "rm"),
+            "ppo_dir": str(out / "ppo"),
+            "output_dir": str(out / "compare"),
+        },
     }
 
 
@@ -149,7 +164,12 @@ def run(cfg: Config) -> dict[str, Any]:
 
 def seed_run(cfg: Config, seed: int) -> Config:
     """The same pipeline in DIR/seed-<seed>, every stage seeded with `seed`."""
-    overrides = {stage: {**getattr(cfg, stage), "seed": seed} for stage in STAGES + OPTIONAL_STAGES}
+    seeded = [
+        s
+        for s in STAGES + OPTIONAL_STAGES
+        if "seed" in {f.name for f in dataclasses.fields(MODULES[s].Config)}
+    ]
+    overrides = {stage: {**getattr(cfg, stage), "seed": seed} for stage in seeded}  # compare: PPO's seed
     return dataclasses.replace(
         cfg, output_dir=str(Path(cfg.output_dir) / f"seed-{seed}"), seeds=None, report=False, **overrides
     )
@@ -170,7 +190,7 @@ def sweep_runs(cfg: Config) -> list[Config]:
             dataclasses.replace(
                 cfg,
                 output_dir=str(folder),
-                stages=[s for s in cfg.stages if s in ("ppo", "eval")],
+                stages=[s for s in cfg.stages if s in ("ppo", "eval", "compare")],
                 sweep=None,
                 report=False,
                 ppo=ppo,
@@ -230,6 +250,7 @@ HEADLINES = {
     "ppo": ("scores_first", "scores_last", "kl_last", "kl_target", "objective/kl_coef"),
     "eval": ("gold_win_rate", "rm_win_rate", "kl_to_ref", "gold_score_mean", "rm_score_mean"),
     "dpo": ("eval_loss", "eval_rewards/accuracies", "eval_rewards/margins"),
+    "compare": ("ppo_best_gold", "dpo_best_gold", "best_of_n_best_gold"),
 }
 
 

@@ -532,10 +532,6 @@ METHOD_NAMES = {"ppo": "PPO (along its run)", "dpo": "DPO (β sweep)", "best_of_
 def plot_methods(points: list[dict], fits: dict):
     """Gold (solid, left axis) and proxy RM score (dashed, right axis) against sqrt(KL), one colour per
     method; Gao et al.'s fitted law dotted through the gold points."""
-    import torch  # the laws are ppo_math's torch functions
-
-    from llm_rlhf.ppo_math import gao_bon_law, gao_rl_law
-
     fig, axes = _figure(1, 1, 8, 4.8)
     ax = axes[0, 0]
     twin = _twin(ax, "0.4")
@@ -553,9 +549,7 @@ def plot_methods(points: list[dict], fits: dict):
         twin.plot(d, [p["rm_score"] for p in ps], "--", color=color, linewidth=1)
         fit = (fits or {}).get(method)
         if fit:
-            grid = np.linspace(max(d.min(), 1e-3), d.max(), 100)
-            law = gao_bon_law if fit["form"] == "bon" else gao_rl_law
-            curve = law(torch.tensor(grid), alpha=fit["alpha"], beta=fit["beta"]).numpy() + fit["origin"]
+            grid, curve = np.array(fit["curve"]).T  # compare's fitted law on sqrt(KL)
             ax.plot(grid, curve, ":", color=color, linewidth=1.5,
                     label=f"fit: α {fit['alpha']:.2f}, β {fit['beta']:.2f}, R² {fit['r2']:.2f}"
                     + (" (poor)" if fit["poor"] else ""))  # fmt: skip

@@ -4,16 +4,22 @@ against the samples it is built from."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
+from test_pipeline import pipeline_argv, run_pipeline
 
 from llm_rlhf import compare, ppo_math
+from llm_rlhf.config import parse_config
+from llm_rlhf.errors import ConfigError, UserError
 from llm_rlhf.evaluate import sample_and_score
 from llm_rlhf.gold import GoldJudge
 from llm_rlhf.models import freeze, load_causal_lm, load_tokenizer
 from llm_rlhf.reward_model import load_reward_model
+from llm_rlhf.utils import read_json
 
 REPO = Path(__file__).resolve().parent.parent
 SENTIMENT_JUDGE = str(REPO / "data" / "reviews" / "gold_judge.json")
@@ -63,3 +69,74 @@ def test_best_of_n_points_are_the_expectations_over_the_samples(tiny_model_dir, 
         compare.best_of_n_points(
             model, tokenizer, prompts, reward_model=reward_model, judge=judge, ns=[16], num_samples=N
         )
+
+
+def test_compare_stage_puts_ppo_dpo_and_best_of_n_on_one_plot(
+    tmp_path, tiny_model_dir, sft_files, pref_files, prompt_file, monkeypatch, capsys
+):
+    """The pipeline's optional compare stage after SFT, RM and PPO (held-out evaluations at every step):
+    one DPO run per beta, best-of-n from the SFT model, the laws fitted, the report's section."""
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "run"
+    argv = pipeline_argv(out, tiny_model_dir, sft_files, pref_files, prompt_file)
+    dpo_tiny = {"train_file": str(pref_files[0]), "eval_file": str(pref_files[0]), "max_length": 48,
+                "max_steps": 2, "per_device_train_batch_size": 4, "warmup_ratio": 0, "logging_steps": 1,
+                "eval_steps": 0, "save_steps": 2}  # fmt: skip
+    compare_overrides = {
+        "dpo": dpo_tiny,
+        "dpo_betas": [0.1, 1.0],
+        "best_of_n": [1, 2, 3, 4],
+        "best_of_n_samples": 4,
+    }
+    argv += ["--stages", "[sft, rm, ppo, compare]", "--ppo", "{steps: 3, save_steps: 0, eval_every: 1}"]
+    argv += ["--compare", json.dumps(compare_overrides)]
+    run_pipeline(argv)
+    folder = out / "compare"
+    points = [json.loads(line) for line in (folder / "points.jsonl").read_text().splitlines()]
+    ppo_log = [json.loads(line) for line in (out / "ppo" / "eval_log.jsonl").read_text().splitlines()]
+    by_method = {m: [p for p in points if p["method"] == m] for m in compare.METHODS}
+    # PPO: its held-out evaluations, step 0 (the SFT model, KL 0) to step 3
+    assert [p["label"] for p in by_method["ppo"]] == ["step 0", "step 1", "step 2", "step 3"]
+    assert [p["gold_score"] for p in by_method["ppo"]] == [r["gold_score"] for r in ppo_log]
+    assert by_method["ppo"][0]["kl"] == 0.0
+    # DPO: one trained run per beta, from the SFT model, each moved away from it
+    assert [p["label"] for p in by_method["dpo"]] == ["beta 0.1", "beta 1"]
+    for beta, point in zip((0.1, 1.0), by_method["dpo"]):
+        run = folder / f"dpo-beta-{beta:g}"
+        assert yaml.safe_load((run / "config.yaml").read_text())["beta"] == beta
+        assert read_json(run / "metrics.json")["global_step"] == 2
+        assert point["kl"] > 0 and math.isfinite(point["gold_score"])
+    # best-of-n: n = 1 is the SFT model; the RM score rises with n (the same samples, the best kept)
+    bon = by_method["best_of_n"]
+    assert [p["n"] for p in bon] == [1, 2, 3, 4] and bon[0]["kl"] == 0.0
+    assert all(a["rm_score"] <= b["rm_score"] + 1e-9 for a, b in zip(bon, bon[1:]))
+    metrics = read_json(folder / "metrics.json")
+    fit = metrics["fits"]["best_of_n"]  # 3 points with KL > 0: fitted, flagged poor (fewer than 4)
+    assert fit["form"] == "bon" and fit["poor"] and len(fit["curve"]) == 50
+    d0, gold0 = fit["curve"][0]
+    law = ppo_math.gao_bon_law(torch.tensor(d0), alpha=fit["alpha"], beta=fit["beta"])
+    assert gold0 == pytest.approx(fit["origin"] + float(law))
+    assert metrics["best_of_n_best_gold"] == max(p["gold_score"] for p in bon)
+    assert read_json(out / "pipeline.json")["compare"]["metrics"] == metrics
+    html = (out / "report.html").read_text()
+    assert "Methods compared" in html and (out / "report" / "methods.png").is_file()
+
+    # run on its own again: the finished DPO runs are reused, not retrained
+    trained = (folder / "dpo-beta-0.1" / "model.safetensors").stat().st_mtime_ns
+    cfg = parse_config(compare.Config, ["--config", str(folder / "config.yaml")])
+    assert compare.run(cfg)["best"] == metrics["best"]
+    assert (folder / "dpo-beta-0.1" / "model.safetensors").stat().st_mtime_ns == trained
+
+
+def test_compare_config_errors_name_the_key(tmp_path):
+    with pytest.raises(ConfigError, match="best_of_n_samples"):
+        compare.Config(best_of_n=[1, 128], best_of_n_samples=64)
+    with pytest.raises(ConfigError, match="dpo_betas"):
+        compare.Config(dpo_betas=[0.1, 0.1])
+    with pytest.raises(ConfigError, match="unknown DPO key 'betta'"):
+        compare.dpo_config(compare.Config(output_dir=str(tmp_path), dpo={"betta": 1}), 0.1)
+    ppo_dir = tmp_path / "ppo"
+    ppo_dir.mkdir()
+    (ppo_dir / "config.yaml").write_text("eval_every: 0\n")
+    with pytest.raises(UserError, match="eval_every > 0"):
+        compare.ppo_settings(ppo_dir)

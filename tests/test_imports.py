@@ -21,10 +21,11 @@ LAYERS = {
     "rollout": 2, "reward_model": 2, "trainer_stage": 2, "gold": 2,
     "sft": 3, "reward": 3, "dpo": 3, "ppo": 3, "evaluate": 3, "score": 3, "report": 3, "judge": 3,
     "ppo_run": 4,  # the `llm-rlhf ppo` command: the trainer (ppo) and held-out evaluation (evaluate)
-    "pipeline": 5, "cli": 5,
-    "__main__": 6, "__init__": 6,
+    "compare": 5,  # `llm-rlhf compare`: PPO's held-out evaluation (ppo_run), DPO (dpo), best-of-n
+    "pipeline": 6, "cli": 6,
+    "__main__": 7, "__init__": 7,
 }  # fmt: skip
-STAGES = {"sft", "reward", "dpo", "ppo", "ppo_run", "evaluate", "score", "report", "judge"}
+STAGES = {"sft", "reward", "dpo", "ppo", "ppo_run", "evaluate", "score", "report", "judge", "compare"}
 
 
 def first_party(node: ast.AST) -> list[str]:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import build_model
 
-from llm_rlhf import cli, dpo, evaluate, pipeline, ppo, reward, sft
+from llm_rlhf import cli, compare, dpo, evaluate, pipeline, ppo, reward, sft
 from llm_rlhf.config import parse_config
 from llm_rlhf.utils import read_json
 
@@ -23,7 +23,7 @@ HH_FIXTURE = Path(__file__).resolve().parent / "fixtures" / "hh_rlhf.jsonl"
 GOLD_JUDGE = ROOT / "data" / "reviews" / "gold_judge.json"
 CONFIGS = {"sft": sft.Config, "rm": reward.Config, "ppo": ppo.Config, "eval": evaluate.Config,
            "pipeline": pipeline.Config}  # fmt: skip
-OPTIONAL = {"dpo": dpo.Config}  # stage files only some recipes have (reviews: dpo.yaml)
+OPTIONAL = {"dpo": dpo.Config, "compare": compare.Config}  # stage files only some recipes have (reviews)
 NAMES = sorted(p.name for p in RECIPES.iterdir() if p.is_dir())
 YAMLS = sorted(RECIPES.glob("*/*.yaml"))
 
@@ -66,12 +66,13 @@ def test_the_stage_files_of_a_recipe_chain(name):
     for stage, config in OPTIONAL.items():
         if (folder / f"{stage}.yaml").is_file():
             optional = parse_config(config, ["--config", str(folder / f"{stage}.yaml")])
-            assert (optional.model_name_or_path, optional.output_dir) == (str(run / "sft"), str(run / stage))
+            chained = pipeline.chained_paths(run)[stage]
+            assert {key: getattr(optional, key) for key in chained} == chained, stage
             assert getattr(cfg["pipeline"], f"{stage}_config") == f"recipes/{name}/{stage}.yaml"
 
 
-def test_the_reviews_recipe_has_a_dpo_stage_file():
-    assert (RECIPES / "reviews" / "dpo.yaml").is_file()
+def test_the_reviews_recipe_has_dpo_and_compare_stage_files():
+    assert (RECIPES / "reviews" / "dpo.yaml").is_file() and (RECIPES / "reviews" / "compare.yaml").is_file()
 
 
 def test_readme_commands_name_files_that_exist():
