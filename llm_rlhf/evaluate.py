@@ -16,6 +16,10 @@ metrics.json (written last; `_baseline` keys hold the same figures for the basel
     gold_win_rate     fraction of pairs where the policy's sample scores higher than the baseline's
     sentiment_win_rate  (ties count one half), by the gold judge, by its sentiment part alone and by
     rm_win_rate       the reward model
+    reward_fn_mean    mean score of the reward function (`--reward_fn module:callable`, unweighted), and
+    reward_fn_win_rate  the pairs it prefers, as for the RM
+    combined_score_mean  rm_score + reward_fn_weight * reward_fn (rm_score 0 without a reward model): the score
+    combined_win_rate   PPO maximises with the same keys; null without a reward_fn
     kl_to_ref         mean over the policy's samples of sum_t log pi(y_t|s_t) - log pi_ref(y_t|s_t) over the
                       response tokens, at temperature 1: the k1 (Monte-Carlo) estimate of the sequence-level
                       KL(pi || pi_ref) when the samples come from pi at temperature 1. Samples drawn at another
@@ -24,8 +28,8 @@ metrics.json (written last; `_baseline` keys hold the same figures for the basel
     response_length_mean   response tokens, the EOS included;  eos_rate: fraction of responses that stop
     distinct_1, distinct_2  unique / total token n-grams over all responses (EOS excluded; Li et al. 2016)
     *_stderr          standard error of the mean over the samples
-A null value means "not measured" (gold_judge none, reward_model_path none, or a baseline whose tokenizer
-differs from the reference's for kl_to_ref_baseline).
+A null value means "not measured" (gold_judge none, reward_model_path none, reward_fn unset, or a baseline
+whose tokenizer differs from the reference's for kl_to_ref_baseline).
 
 samples.jsonl: one line per (prompt, sample): prompt, sample, then policy_<key> and baseline_<key> for
 response, gold_score, sentiment, fluency_perplexity, rm_score, kl_to_ref, length, eos; the first few are
@@ -61,6 +65,7 @@ from llm_rlhf.data import DATA_FORMATS, load_prompt_dataset, prompt_rules
 from llm_rlhf.errors import UserError
 from llm_rlhf.gold import FluentGoldJudge, GoldJudge, judge_details, load_judge
 from llm_rlhf.models import freeze, load_causal_lm, load_tokenizer, shares_vocab
+from llm_rlhf.reward_fn import is_off, load_reward_fn, split_spec
 from llm_rlhf.reward_model import load_reward_model
 from llm_rlhf.rollout import Samples, encode_prompt, left_pad, response_logits, sample
 from llm_rlhf.utils import atomic_write_json, atomic_write_text
@@ -77,8 +82,17 @@ class Config:
         None,
         "The reference pi_ref of kl_to_ref (null = baseline_path); it must share the policy's tokenizer.",
     )
-    reward_model_path: str = help_field(
-        "runs/reviews/rm", "Reward model folder (`llm-rlhf rm` output) for rm_* metrics; 'none' to skip."
+    reward_model_path: str | None = help_field(
+        "runs/reviews/rm",
+        "Reward model folder (`llm-rlhf rm` output) for rm_* metrics; 'none' (or null) to skip.",
+    )
+    reward_fn: str | None = help_field(
+        None,
+        "A reward function for reward_fn_* metrics, as in PPO: 'module:callable' or 'path/to/file.py:callable', "
+        "any callable (prompts: list[str], responses: list[str]) -> list[float]; null = off.",
+    )
+    reward_fn_weight: float = help_field(
+        1.0, "Its weight in combined_score = rm_score + reward_fn_weight * reward_fn (PPO's score)."
     )
     gold_judge: str = help_field(
         "data/reviews/gold.json",
@@ -123,6 +137,9 @@ class Config:
 
     def __post_init__(self):
         require(self.data_format in DATA_FORMATS, "data_format", f"must be one of {', '.join(DATA_FORMATS)}")
+        if self.reward_fn is not None:
+            split_spec(self.reward_fn)  # the form only; `run` imports it
+        require(math.isfinite(self.reward_fn_weight), "reward_fn_weight", "must be a finite number")
         require(
             self.num_prompts is None or self.num_prompts > 0, "num_prompts", "must be > 0 (or null for all)"
         )
@@ -163,6 +180,14 @@ def distinct_n(sequences: list[list], n: int) -> float:
     """Unique n-grams / total n-grams, pooled over all sequences (0.0 when there is no n-gram)."""
     grams = [tuple(seq[i : i + n]) for seq in sequences for i in range(len(seq) - n + 1)]
     return len(set(grams)) / len(grams) if grams else 0.0
+
+
+def combined_score(rm_score: float | None, reward_fn: float | None, weight: float) -> float | None:
+    """PPO's score of one sample: rm_score + weight * reward_fn, rm_score 0 without a reward model (None);
+    None without a reward function (then the RM score alone is rm_score)."""
+    if reward_fn is None:
+        return None
+    return (rm_score if rm_score is not None else 0.0) + weight * reward_fn
 
 
 def mean_and_stderr(values: list[float]) -> tuple[float, float]:
@@ -262,6 +287,7 @@ def sample_and_score(
     ref_context=None,
     reward_model=None,
     judge=None,
+    reward_fn=None,
     seed: int = 0,
     batch_size: int = 32,
     max_new_tokens: int = 32,
@@ -274,7 +300,8 @@ def sample_and_score(
     included), eos, kl_to_ref and kl_to_ref_at_temperature (None without `ref_model`), rm_score (None
     without `reward_model`), gold_score (None without `judge`), and sentiment, fluency_nll,
     fluency_perplexity (None unless the judge reports them, as the fluency-aware gold does; see
-    `llm_rlhf.gold.judge_details`). Batch b is sampled with seed + b."""
+    `llm_rlhf.gold.judge_details`), reward_fn (None without `reward_fn`, a `llm_rlhf.reward_fn.RewardFn`:
+    its unweighted score of the prompt and the response text). Batch b is sampled with seed + b."""
     if not prompts:
         raise ValueError("no prompts to sample")
     temperatures = (1.0, temperature)
@@ -321,6 +348,13 @@ def sample_and_score(
         parts = judge_details(judge, [r["prompt"] for r in records], [r["response"] for r in records])
         for i, record in enumerate(records):
             record.update({key: values[i] for key, values in parts.items() if key in record})
+    fn_scores = (
+        reward_fn([r["prompt"] for r in records], [r["response"] for r in records])
+        if reward_fn is not None
+        else None
+    )
+    for i, record in enumerate(records):
+        record["reward_fn"] = fn_scores[i] if fn_scores is not None else None
     return records
 
 
@@ -331,10 +365,12 @@ def summarize(records: list[dict[str, Any]], suffix: str = "") -> dict[str, floa
         ("gold_score", "gold_score_mean"),
         ("sentiment", "sentiment_mean"),
         ("rm_score", "rm_score_mean"),
+        ("reward_fn", "reward_fn_mean"),
+        ("combined_score", "combined_score_mean"),  # set by the command only (`combined_score`)
         ("kl_to_ref", "kl_to_ref"),
         ("kl_to_ref_at_temperature", "kl_to_ref_at_temperature"),
     ):
-        values = [r[key] for r in records]
+        values = [r.get(key) for r in records]
         mean, stderr = mean_and_stderr(values) if None not in values else (None, None)
         out[name + suffix] = mean
         out[name.removesuffix("_mean") + "_stderr" + suffix] = stderr
@@ -356,6 +392,7 @@ def evaluate_policy(
     ref_context=None,
     reward_model=None,
     judge=None,
+    reward_fn=None,
     seed: int = 0,
     batch_size: int = 32,
     max_new_tokens: int = 32,
@@ -367,10 +404,10 @@ def evaluate_policy(
 
     policy, ref_model: causal LMs (e.g. PPO's `policy.lm` unwrapped from DDP, and the reference's `lm`; with
     LoRA pass the policy's `lm` again and `ref_context=lambda: lm.disable_adapter()`); reward_model: a
-    `llm_rlhf.reward_model.RewardModel`; judge: any (prompts, responses) -> list[float]. Each may be None to skip
-    its metric. Deterministic for a given seed, and the global RNG is left untouched. The policy is put in
+    `llm_rlhf.reward_model.RewardModel`; judge: any (prompts, responses) -> list[float]; reward_fn: a
+    `llm_rlhf.reward_fn.RewardFn`. Each may be None to skip its metric. Deterministic for a given seed, and the global RNG is left untouched. The policy is put in
     eval mode for the call and restored. Returns `summarize`'s keys: gold_score_mean, rm_score_mean,
-    kl_to_ref, kl_to_ref_at_temperature, response_length_mean, eos_rate, distinct_1, distinct_2 (+ stderrs).
+    reward_fn_mean, kl_to_ref, kl_to_ref_at_temperature, response_length_mean, eos_rate, distinct_1, distinct_2 (+ stderrs).
     """
     was_training = policy.training
     policy.eval()
@@ -383,6 +420,7 @@ def evaluate_policy(
             ref_context=ref_context,
             reward_model=reward_model,
             judge=judge,
+            reward_fn=reward_fn,
             seed=seed,
             batch_size=batch_size,
             max_new_tokens=max_new_tokens,
@@ -417,6 +455,8 @@ SAMPLE_KEYS = (
     "sentiment",
     "fluency_perplexity",
     "rm_score",
+    "reward_fn",
+    "combined_score",
     "kl_to_ref",
     "length",
     "eos",
@@ -442,8 +482,11 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     for row in rows:
         lines.append(f"prompt: {row['prompt']!r}")
         for who in ("policy", "baseline"):
-            gold, rm, response = (row[f"{who}_{k}"] for k in ("gold_score", "rm_score", "response"))
-            lines.append(f"  {who:<8} gold {num(gold)}  rm {num(rm)}  {response!r}")
+            gold, rm, fn, response = (
+                row[f"{who}_{k}"] for k in ("gold_score", "rm_score", "reward_fn", "response")
+            )
+            fn_text = f"  fn {num(fn)}" if fn is not None else ""
+            lines.append(f"  {who:<8} gold {num(gold)}  rm {num(rm)}{fn_text}  {response!r}")
     return "\n".join(lines)
 
 
@@ -467,6 +510,7 @@ def _run(cfg: Config) -> dict[str, Any]:
     started = time.time()
     print(format_config(cfg))
     judge = load_judge(cfg.gold_judge)
+    reward_fn = load_reward_fn(cfg.reward_fn) if cfg.reward_fn is not None else None
     reference_path = cfg.reference_path or cfg.baseline_path
     paths = list(
         dict.fromkeys([cfg.policy_path, cfg.baseline_path, reference_path])
@@ -489,7 +533,7 @@ def _run(cfg: Config) -> dict[str, Any]:
         for p in paths
     }
     reward_model = None
-    if cfg.reward_model_path.lower() != "none":
+    if not is_off(cfg.reward_model_path):
         reward_model = load_reward_model(
             cfg.reward_model_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code, device=device
         )
@@ -498,6 +542,7 @@ def _run(cfg: Config) -> dict[str, Any]:
     common = dict(
         reward_model=reward_model,
         judge=judge,
+        reward_fn=reward_fn,
         seed=cfg.seed,
         batch_size=cfg.batch_size,
         max_new_tokens=cfg.max_new_tokens,
@@ -519,8 +564,12 @@ def _run(cfg: Config) -> dict[str, Any]:
         **common,
     )
 
+    for record in policy + baseline:
+        record["combined_score"] = combined_score(
+            record["rm_score"], record["reward_fn"], cfg.reward_fn_weight
+        )
     metrics: dict[str, Any] = {}
-    for key in ("gold_score", "sentiment", "rm_score"):
+    for key in ("gold_score", "sentiment", "rm_score", "reward_fn", "combined_score"):
         a, b = [r[key] for r in policy], [r[key] for r in baseline]
         measured = None not in a and None not in b
         name = key.removesuffix("_score")
@@ -539,6 +588,8 @@ def _run(cfg: Config) -> dict[str, Any]:
             "baseline_path": cfg.baseline_path,
             "reference_path": reference_path,
             "reward_model_path": cfg.reward_model_path,
+            "reward_fn": cfg.reward_fn,
+            "reward_fn_weight": cfg.reward_fn_weight,
             "gold_judge": cfg.gold_judge,
             "gold_judge_heldout_accuracy": heldout.get("accuracy"),
             "gold_judge_validity": judge.info.get("validity") if isinstance(judge, FluentGoldJudge) else None,
@@ -574,6 +625,8 @@ def format_metrics(metrics: dict[str, Any]) -> str:
         "sentiment_mean",
         "fluency_perplexity",
         "rm_score_mean",
+        "reward_fn_mean",
+        "combined_score_mean",
         "kl_to_ref",
         "kl_to_ref_at_temperature",
         "response_length_mean",
@@ -582,7 +635,13 @@ def format_metrics(metrics: dict[str, Any]) -> str:
         "distinct_2",
     ):
         lines.append(f"{key:<24}{num(metrics[key]):>10}{num(metrics[key + '_baseline']):>10}")
-    for key in ("gold_win_rate", "sentiment_win_rate", "rm_win_rate"):
+    for key in (
+        "gold_win_rate",
+        "sentiment_win_rate",
+        "rm_win_rate",
+        "reward_fn_win_rate",
+        "combined_win_rate",
+    ):
         stderr = metrics[key + "_stderr"]
         lines.append(
             f"{key:<24}{num(metrics[key]):>10}" + (f"  (+/- {stderr:.4f})" if stderr is not None else "")

@@ -3,7 +3,8 @@
 One PPO step (`ppo_step`) reads like the algorithm box of Ziegler et al. (2019) / Stiennon et al. (2020):
 
     rollout (sample responses, old log-probs and values in one pass) -> reference log-probs
-    -> reward-model scores -> shaped rewards (-beta*KL per token + score at the last token)
+    -> scores (reward model, + reward_fn_weight * reward_fn when set)
+    -> shaped rewards (-beta*KL per token + score at the last token)
     -> GAE -> K epochs of clipped policy/value updates on shuffled minibatches
     -> KL controller update -> metrics
 
@@ -31,6 +32,7 @@ from llm_rlhf.config import help_field, require
 from llm_rlhf.data import DATA_FORMATS
 from llm_rlhf.errors import NonFiniteError, UserError
 from llm_rlhf.models import shares_vocab
+from llm_rlhf.reward_fn import RewardFn, decode_texts, is_off, split_spec
 from llm_rlhf.rollout import Rollout, Samples, left_pad, pad_columns, response_logprobs_and_values, sample
 
 
@@ -40,9 +42,20 @@ class Config:
     model_name_or_path: str = help_field(
         "runs/reviews/sft", "The SFT model (HF folder or hub name): initial policy and frozen reference."
     )
-    reward_model_path: str = help_field(
-        "runs/reviews/rm", "The trained reward model folder (`llm-rlhf rm` output)."
+    reward_model_path: str | None = help_field(
+        "runs/reviews/rm",
+        "The trained reward model folder (`llm-rlhf rm` output); null or 'none': no reward model, the score "
+        "is reward_fn_weight * reward_fn alone.",
     )
+    reward_fn: str | None = help_field(
+        None,
+        "A reward function 'module:callable' (importable from the current directory or the python path) or "
+        "'path/to/file.py:callable': any callable (prompts: list[str], responses: list[str]) -> list[float] "
+        "(a class is built with no arguments). scores = rm_score + reward_fn_weight * reward_fn, the one "
+        "score per sequence at the last response token (rm_score = 0 without a reward model). Probed once "
+        "before training; every call is checked (one finite number per response). null = off.",
+    )
+    reward_fn_weight: float = help_field(1.0, "The weight of reward_fn in the score (see reward_fn).")
     prompt_file: str = help_field(
         "data/reviews/ppo_prompts.jsonl",
         "Prompts to sample responses for (JSONL/CSV/Parquet or a hub dataset).",
@@ -154,6 +167,7 @@ class Config:
 
     def __post_init__(self):
         require(self.data_format in DATA_FORMATS, "data_format", f"must be one of {', '.join(DATA_FORMATS)}")
+        check_reward_keys(self)
         require(self.steps > 0, "steps", "must be > 0")
         require(
             self.mini_batch_size > 0 and self.rollout_batch_size % self.mini_batch_size == 0,
@@ -185,6 +199,23 @@ class Config:
         )
         require(0 < self.cliprange and 0 < self.cliprange_value, "cliprange", "clip ranges must be > 0")
         require(self.max_new_tokens > 0, "max_new_tokens", "must be > 0")
+
+
+def check_reward_keys(cfg) -> None:
+    """The score needs a reward model, a reward function or both; the RM-initialised critic needs the RM."""
+    require(
+        not is_off(cfg.reward_model_path) or cfg.reward_fn is not None,
+        "reward_model_path",
+        "is none and reward_fn is not set: PPO needs a score (a reward model, a reward_fn or both)",
+    )
+    if cfg.reward_fn is not None:
+        split_spec(cfg.reward_fn)  # the form only; the import runs when the stage starts (`load_reward_fn`)
+    require(math.isfinite(cfg.reward_fn_weight), "reward_fn_weight", "must be a finite number")
+    require(
+        cfg.value_model != "reward" or not is_off(cfg.reward_model_path),
+        "value_model",
+        "'reward' initialises the critic from the reward model: set reward_model_path",
+    )
 
 
 TRAIN_STATS = (
@@ -282,13 +313,28 @@ def deepspeed_param_dtype(config: dict) -> torch.dtype | None:
 
 
 class PPOTrainer:
-    """Holds the models, the optimiser and the KL controller; `ppo_step` is one iteration."""
+    """Holds the models, the optimiser and the KL controller; `ppo_step` is one iteration.
+
+    reward_model: the frozen RM, or None (reward_model_path none); reward_fn: a loaded `RewardFn` or None.
+    At least one of them gives the scores (`score`)."""
 
     def __init__(
-        self, cfg: Config, *, accelerator, policy, ref_model, reward_model, critic, tokenizer, prompts
+        self,
+        cfg: Config,
+        *,
+        accelerator,
+        policy,
+        ref_model,
+        reward_model,
+        critic,
+        tokenizer,
+        prompts,
+        reward_fn: RewardFn | None = None,
     ):
         self.cfg, self.accelerator, self.tokenizer = cfg, accelerator, tokenizer
-        self.ref_model, self.reward_model = ref_model, reward_model
+        self.ref_model, self.reward_model, self.reward_fn = ref_model, reward_model, reward_fn
+        if reward_model is None and reward_fn is None:
+            raise UserError("reward_model_path: PPO needs a reward model, a reward_fn or both")
         self.sizes = batch_sizes(
             rollout_batch_size=cfg.rollout_batch_size,
             mini_batch_size=cfg.mini_batch_size,
@@ -344,7 +390,8 @@ class PPOTrainer:
             # the reference and the RM the same weights, or KL != 0 and rho != 1 at the first step (issue 13).
             param_dtype = accelerator.state.fsdp_plugin.mixed_precision_policy.param_dtype
             ref_model.to(param_dtype)
-            reward_model.to(param_dtype)
+            if reward_model is not None:
+                reward_model.to(param_dtype)
         engine_dtype = (
             deepspeed_param_dtype(accelerator.state.deepspeed_plugin.deepspeed_config)
             if self.deepspeed
@@ -356,7 +403,8 @@ class PPOTrainer:
             # KL != 0 and rho != 1 at the first step (issue 13). With LoRA the reference is the policy's own
             # network, already cast.
             ref_model.to(engine_dtype)
-            reward_model.to(engine_dtype)
+            if reward_model is not None:
+                reward_model.to(engine_dtype)
         if accelerator.is_fsdp2:
             # FSDP2 sets up its root unit at the root's first forward; generation calls the LM below
             # the root (`fsdp2_unsharded`), so run that first forward now, on every process.
@@ -369,7 +417,7 @@ class PPOTrainer:
             else ppo_math.FixedKLController(cfg.init_kl_coef)
         )
         self.prompts = prompts  # list of token-id lists
-        self.rm_shares_vocab = shares_vocab(tokenizer, reward_model.tokenizer)
+        self.rm_shares_vocab = reward_model is not None and shares_vocab(tokenizer, reward_model.tokenizer)
         self.step = 0
         self.device = accelerator.device
 
@@ -377,8 +425,8 @@ class PPOTrainer:
 
     def ppo_step(self) -> dict[str, float]:
         """One PPO iteration (Ziegler et al. 2019, Algorithm 1; Stiennon et al. 2020, Appendix B)."""
-        cfg, times = self.cfg, {}
-        rollout = self.rollout(self.next_queries(), times)  # y ~ pi_theta(.|x), old logprobs, ref, scores
+        cfg, times, terms = self.cfg, {}, {}
+        rollout = self.rollout(self.next_queries(), times, terms)  # y ~ pi_theta(.|x), logprobs, ref, scores
         self.check_finite(
             "rollout",
             scores=rollout.scores,
@@ -433,15 +481,22 @@ class PPOTrainer:
             returns=returns,
             train_stats=train_stats,
             times=times,
+            score_terms=terms,
         )
 
     # --- phases -------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def rollout(self, queries: list[list[int]], times: dict[str, float] | None = None) -> Rollout:
+    def rollout(
+        self,
+        queries: list[list[int]],
+        times: dict[str, float] | None = None,
+        terms: dict[str, torch.Tensor] | None = None,
+    ) -> Rollout:
         """The complete rollout of `queries`: samples, then the policy's old log-probs, values and entropy
-        (one forward), the reference's log-probs and the RM's scores. `times`, if given, receives the
-        seconds of "generate" (sampling and the policy forward) and "score" (reference and RM)."""
+        (one forward), the reference's log-probs and the scores (`score`). `times`, if given, receives the
+        seconds of "generate" (sampling and the policy forward) and "score" (reference and scores);
+        `terms` the terms of the scores (`score`)."""
         t0 = time.perf_counter()
         samples = self.generate(queries)  # y ~ pi_theta(.|x)
         logprobs, values, entropy = self.in_chunks(self.forward_policy, samples)
@@ -452,7 +507,7 @@ class PPOTrainer:
             values=values,
             entropy=entropy,
             ref_logprobs=self.reference_logprobs(samples),  # log pi_ref(y_t|s_t)
-            scores=self.score(samples),  # r_phi(x, y), normalised
+            scores=self.score(samples, terms),  # r_phi(x, y), normalised (+ reward_fn_weight * reward_fn)
         )
         if times is not None:
             times.update(generate=t1 - t0, score=time.perf_counter() - t1)
@@ -546,7 +601,52 @@ class PPOTrainer:
         return logprobs.float()
 
     @torch.no_grad()
-    def score(self, samples: Samples) -> torch.Tensor:
+    def score(self, samples: Samples, terms: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """The one score per sequence, (B,):
+
+            scores = rm_score + reward_fn_weight * reward_fn(prompts, responses)
+
+        rm_score: r_phi(x, y) normalised (`rm_score`), 0 without a reward model; the second term only with
+        a reward_fn (`reward_fn_scores`). These are the scores `ppo_step` clips (score_clip), replaces for
+        responses without EOS (eos_penalty) and adds at the last response token (`ppo_math.shaped_rewards`),
+        and then whitens only as part of the per-token rewards (whiten_rewards) and the advantages.
+        `terms`, if given and a reward_fn is set, receives the terms, each (B,): "reward_fn" (unweighted)
+        and, with a reward model, "rm_score" (the step logs their means as objective/reward_fn and
+        objective/rm_score)."""
+        B = samples.query.shape[0]
+        rm = self.rm_score(samples) if self.reward_model is not None else None
+        if self.reward_fn is None:
+            return rm
+        fn = self.reward_fn_scores(samples)  # (B,)
+        if terms is not None:
+            terms.update({"reward_fn": fn} if rm is None else {"rm_score": rm, "reward_fn": fn})
+        base = rm if rm is not None else torch.zeros(B, device=fn.device)  # (B,)
+        return base + self.cfg.reward_fn_weight * fn  # (B,)
+
+    def reward_fn_scores(self, samples: Samples) -> torch.Tensor:
+        """reward_fn(prompts, responses) of this process's samples, unweighted: (B,) float32.
+
+        Each process calls the function on its own samples, as texts (`reward_fn.decode_texts`: the prompt,
+        the response without its EOS); nothing inside it is a collective. Whether the call failed on any
+        process (it raised, or returned a wrong number of scores or a non-finite one: `RewardFn` checks)
+        is one sum over the processes, so every process stops with the same one-line error here instead
+        of the others waiting at the next collective."""
+        prompts, responses = decode_texts(
+            self.tokenizer, samples.query, samples.query_mask, samples.response, samples.response_mask
+        )
+        try:
+            values, error = self.reward_fn(prompts, responses), None
+        except UserError as e:
+            values, error = [0.0] * len(responses), e
+        failed = self.global_sum(torch.tensor(float(error is not None)))  # processes whose call failed
+        if error is not None:
+            raise error
+        if failed > 0:
+            raise UserError(f"reward_fn '{self.reward_fn.spec}' failed on another process (see its error)")
+        return torch.tensor(values, dtype=torch.float32, device=self.device)  # (B,)
+
+    @torch.no_grad()
+    def rm_score(self, samples: Samples) -> torch.Tensor:
         """r_phi(x, y), normalised with the RM's stored mean/std: (B,). The RM drops the columns that are
         padding in every row before its forward (`reward_model.trim_padding_columns`)."""
         with self.autocast():
@@ -712,9 +812,19 @@ class PPOTrainer:
     # --- held-out evaluation ------------------------------------------------------------------
 
     def metrics(
-        self, rollout: Rollout, *, kl_seq, kl_coef, non_score_reward, returns, train_stats, times
+        self,
+        rollout: Rollout,
+        *,
+        kl_seq,
+        kl_coef,
+        non_score_reward,
+        returns,
+        train_stats,
+        times,
+        score_terms=None,
     ) -> dict[str, float]:
-        """The step's log line: objective/*, val/*, lengths, EOS rate and times, global over processes."""
+        """The step's log line: objective/*, val/*, lengths, EOS rate and times, global over processes.
+        score_terms: the terms of the scores (`score`), logged as objective/<term> (their global means)."""
         mask = rollout.response_mask
         lengths = mask.sum(-1).float()  # (B,)
         non_score = ppo_math.masked_sum(non_score_reward, mask, dim=-1)  # (B,)
@@ -745,6 +855,8 @@ class PPOTrainer:
             "tokens_per_s": float(tokens) / step_time,
         }
         m.update(train_stats)
+        for name, values in (score_terms or {}).items():  # objective/reward_fn, objective/rm_score
+            m[f"objective/{name}"] = self.global_mean(values.mean())
         return m
 
     # --- distributed helpers ------------------------------------------------------------------

@@ -41,6 +41,7 @@ from llm_rlhf.models import (
     use_fused_gelu,
 )
 from llm_rlhf.ppo import Config, PPOTrainer  # Config: the keys of `llm-rlhf ppo`
+from llm_rlhf.reward_fn import RewardFn, is_off, load_reward_fn, probe
 from llm_rlhf.reward_model import load_reward_model, save_reward_model
 from llm_rlhf.rollout import encode_prompt
 from llm_rlhf.utils import (
@@ -63,7 +64,8 @@ def load_prompts(cfg: Config, tokenizer) -> list[list[int]]:
 
 
 def build_models(cfg: Config):
-    """policy (+ value head unless a separate critic), reference, reward model and optional critic."""
+    """policy (+ value head unless a separate critic), reference, reward model (None when reward_model_path
+    is none) and optional critic."""
     lm = use_fused_gelu(
         load_causal_lm(cfg.model_name_or_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
     )
@@ -100,11 +102,15 @@ def build_models(cfg: Config):
     # With a separate critic the policy has no value head: every trainable parameter takes part in the loss.
     value_head = ValueHead(hidden).to(next(lm.parameters()).dtype) if cfg.value_model == "policy" else None
     policy = PolicyWithValue(lm, value_head)
-    reward_model = freeze(
-        use_fused_gelu(
-            load_reward_model(cfg.reward_model_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
+    reward_model = None
+    if not is_off(cfg.reward_model_path):  # none: the score is the reward_fn's alone
+        reward_model = freeze(
+            use_fused_gelu(
+                load_reward_model(
+                    cfg.reward_model_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code
+                )
+            )
         )
-    )
     critic = None
     if cfg.value_model == "reward":
         critic = use_fused_gelu(
@@ -113,10 +119,17 @@ def build_models(cfg: Config):
     return policy, ref_model, reward_model, critic
 
 
-def build_trainer(cfg: Config, accelerator, tokenizer, prompts: list[list[int]]) -> PPOTrainer:
+def build_trainer(
+    cfg: Config, accelerator, tokenizer, prompts: list[list[int]], reward_fn: RewardFn | None = None
+) -> PPOTrainer:
+    """The models and the trainer. reward_fn: `cfg.reward_fn` already loaded (`run` loads and probes it
+    first), else loaded here."""
+    if cfg.reward_fn is not None and reward_fn is None:
+        reward_fn = load_reward_fn(cfg.reward_fn)
     seed_everything(cfg.seed, accelerator.process_index)
     policy, ref_model, reward_model, critic = build_models(cfg)
-    reward_model.to(accelerator.device)
+    if reward_model is not None:
+        reward_model.to(accelerator.device)
     if not cfg.use_lora:
         ref_model.to(accelerator.device)
     return PPOTrainer(
@@ -128,6 +141,7 @@ def build_trainer(cfg: Config, accelerator, tokenizer, prompts: list[list[int]])
         critic=critic,
         tokenizer=tokenizer,
         prompts=prompts,
+        reward_fn=reward_fn,
     )
 
 
@@ -144,8 +158,9 @@ def run(cfg: Config) -> dict[str, float]:
         cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code, padding_side="left"
     )
     prompts = load_prompts(cfg, tokenizer)  # validates the data before anything is written
+    reward_fn = load_and_probe_reward_fn(cfg, tokenizer, prompts)  # a broken function stops the run here
     eval_prompts, judge = load_eval_inputs(cfg)
-    if not Path(cfg.reward_model_path).exists():
+    if not is_off(cfg.reward_model_path) and not Path(cfg.reward_model_path).exists():
         raise UserError(
             f"reward_model_path '{cfg.reward_model_path}' does not exist (train it with `llm-rlhf rm`)"
         )
@@ -157,7 +172,7 @@ def run(cfg: Config) -> dict[str, float]:
             f"output_dir '{out}' already holds a PPO run; pass --resume true or choose another output_dir"
         )
 
-    trainer = build_trainer(cfg, accelerator, tokenizer, prompts)
+    trainer = build_trainer(cfg, accelerator, tokenizer, prompts, reward_fn)
     if accelerator.is_main_process:
         print(format_config(cfg))
         print("batch sizes:", dataclasses.asdict(trainer.sizes))
@@ -185,8 +200,9 @@ def run(cfg: Config) -> dict[str, float]:
             if accelerator.is_main_process:
                 append_jsonl(out / "eval_log.jsonl", record)
                 tqdm.write(
-                    f"[eval step {trainer.step}] kl {record['kl']:.2f}  rm {record['rm_score']:+.3f}  "
-                    f"gold {record['gold_score'] if record['gold_score'] is not None else float('nan'):+.3f}"
+                    f"[eval step {trainer.step}] kl {record['kl']:.2f}  rm {signed(record['rm_score'])}  "
+                    f"gold {signed(record['gold_score'])}"
+                    + (f"  reward_fn {signed(record['reward_fn'])}" if cfg.reward_fn is not None else "")
                 )
         accelerator.wait_for_everyone()
 
@@ -216,6 +232,22 @@ def run(cfg: Config) -> dict[str, float]:
     final = summarize(history, cfg)
     save_final(trainer, cfg, out, final)
     return final
+
+
+def load_and_probe_reward_fn(cfg: Config, tokenizer, prompts: list[list[int]]) -> RewardFn | None:
+    """`cfg.reward_fn` imported and called once (`reward_fn.probe`) on the first two training prompts, as
+    text (decoded as `reward_fn.decode_texts` decodes them in training), with dummy responses: before any model is
+    loaded or any output written. Every process probes on the same inputs, so a deterministic function
+    fails on all of them alike. None without a reward_fn."""
+    if cfg.reward_fn is None:
+        return None
+    reward_fn = load_reward_fn(cfg.reward_fn)
+    probe(reward_fn, [tokenizer.decode(ids, skip_special_tokens=True) for ids in prompts[:2]])
+    return reward_fn
+
+
+def signed(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:+.3f}"
 
 
 def load_eval_inputs(cfg: Config):
@@ -386,8 +418,8 @@ def tied_duplicates(model: torch.nn.Module) -> list[str]:
 
 
 def evaluate_heldout(trainer: PPOTrainer, prompts: list[str], judge) -> dict[str, float]:
-    """RM score, gold score and KL to the reference on held-out prompts (fixed seed: every
-    evaluation of the run samples with the same random numbers)."""
+    """RM score, gold score, reward_fn score (unweighted; None without a reward_fn) and KL to the reference
+    on held-out prompts (fixed seed: every evaluation of the run samples with the same random numbers)."""
     lm = trainer.unwrapped_policy.lm
     ref = lm if trainer.cfg.use_lora else trainer.ref_model.lm
     with trainer.autocast(), trainer.gathered_for_generation(trainer.unwrapped_policy):
@@ -399,6 +431,7 @@ def evaluate_heldout(trainer: PPOTrainer, prompts: list[str], judge) -> dict[str
             ref_context=(lambda: lm.disable_adapter()) if trainer.cfg.use_lora else None,
             reward_model=trainer.reward_model,
             judge=judge,
+            reward_fn=trainer.reward_fn,
             seed=trainer.cfg.seed,
             batch_size=trainer.cfg.rollout_batch_size,
             max_new_tokens=trainer.cfg.max_new_tokens,
@@ -411,6 +444,7 @@ def evaluate_heldout(trainer: PPOTrainer, prompts: list[str], judge) -> dict[str
         "kl": result["kl_to_ref"],
         "rm_score": result["rm_score_mean"],
         "gold_score": result["gold_score_mean"],
+        "reward_fn": result["reward_fn_mean"],
         "sentiment": result["sentiment_mean"],
         "fluency_perplexity": result["fluency_perplexity"],
         "eos_rate": result["eos_rate"],

@@ -1,0 +1,215 @@
+"""Reward functions: a rule written in python as the score of a response, alone or beside the reward model.
+
+A reward function is any callable
+
+    reward_fn(prompts: list[str], responses: list[str]) -> list[float]     # one score per pair, higher = better
+
+named in a config as `reward_fn: SPEC`:
+
+    module:callable         imported from the current directory or the python path (`my_rewards:length`,
+                            `mypackage.rewards:Keyword.score`)
+    path/to/file.py:callable   the file is loaded as a module (relative to the current directory)
+
+A class is built once with no arguments and its instances are called (a function that loads a classifier
+once, say). Where its score goes (`llm_rlhf.ppo.PPOTrainer.score`, and `llm-rlhf eval`):
+
+    scores = rm_score + reward_fn_weight * reward_fn(prompts, responses)      (B,)
+    rm_score = r_phi(x, y), normalised (0 when reward_model_path is null: the score is the function's alone)
+
+the one scalar per sequence that PPO adds at the last response token, before the score_clip and the EOS
+trick (`ppo_math.shaped_rewards`). The texts it sees: the prompt as the policy read it and the response
+decoded without its EOS (special tokens skipped), the same texts evaluation scores (`decode_texts`).
+
+Checks, each a one-line `UserError` naming the callable:
+- `load_reward_fn`: the module imports, the attribute exists, the object is callable;
+- every call (`RewardFn.__call__`): it returns a sequence of one number per response, each finite (the
+  error names the first bad index); an exception raised inside becomes one line with its type, message
+  and the line of the function that raised it;
+- `probe`: one call on the first two prompts of the run with two dummy responses, before any model is
+  loaded or any output written, so a broken function stops the run at once instead of at the first step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import math
+import os
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llm_rlhf.errors import UserError
+
+PROBE_RESPONSES = ("", " and it was good.")  # an empty response (EOS at once) and a short one
+
+
+def is_off(value: str | None) -> bool:
+    """True for a path or spec that means "none": null, '', 'none', 'null' (any case)."""
+    return value is None or value.strip().lower() in ("", "none", "null")
+
+
+def split_spec(spec: str) -> tuple[str, str]:
+    """'module:attr' or 'path/file.py:attr' -> (module or path, attr); raises naming 'reward_fn' otherwise.
+    The last ':' splits, so a Windows drive letter stays in the path."""
+    where, colon, attr = spec.strip().rpartition(":")
+    if not colon or not where or not attr or not all(part.isidentifier() for part in attr.split(".")):
+        raise UserError(
+            f"reward_fn '{spec}': expected 'module:callable' or 'path/to/file.py:callable' "
+            "(a callable (prompts, responses) -> list[float])"
+        )
+    return where, attr
+
+
+class RewardFn:
+    """A loaded reward function: `self(prompts, responses)` calls it and checks what comes back.
+
+    fn: the user's callable; spec: how the config named it (every error message names it).
+    """
+
+    def __init__(self, fn: Callable[[list[str], list[str]], Any], spec: str):
+        self.fn, self.spec = fn, spec
+
+    def __repr__(self) -> str:
+        return f"RewardFn('{self.spec}')"
+
+    def __call__(self, prompts: Sequence[str], responses: Sequence[str]) -> list[float]:
+        if len(prompts) != len(responses):
+            raise ValueError(f"{len(prompts)} prompts for {len(responses)} responses")
+        try:
+            out = self.fn(list(prompts), list(responses))
+        except Exception as e:  # the user's code: one line with where it failed, not a traceback
+            frames = traceback.extract_tb(e.__traceback__)
+            where = f" ({Path(frames[-1].filename).name}:{frames[-1].lineno})" if len(frames) > 1 else ""
+            message = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise UserError(
+                f"reward_fn '{self.spec}' raised {type(e).__name__}{': ' + message if message else ''}{where}"
+            ) from e
+        return check_scores(out, len(responses), self.spec)
+
+
+def check_scores(out: Any, n: int, spec: str) -> list[float]:
+    """`out` as n finite floats, or a one-line UserError naming `spec` (and the first bad index).
+
+    Accepted: a list, tuple, numpy array or 1-D tensor of numbers (python, numpy or 0-d tensor scalars)."""
+    if isinstance(out, torch.Tensor):
+        out = out.detach().cpu().tolist() if out.dim() == 1 else out
+    if hasattr(out, "tolist") and getattr(out, "ndim", None) == 1:  # a numpy array
+        out = out.tolist()
+    if isinstance(out, (str, bytes, dict)) or not isinstance(out, Sequence):
+        raise UserError(
+            f"reward_fn '{spec}' returned {type(out).__name__}; expected a list of {n} numbers, "
+            "one per response"
+        )
+    if len(out) != n:
+        raise UserError(f"reward_fn '{spec}' returned {len(out)} scores for {n} responses")
+    scores = []
+    for i, value in enumerate(out):
+        try:
+            if isinstance(value, (str, bytes, bool)):
+                raise TypeError
+            score = float(value)
+        except (TypeError, ValueError):
+            raise UserError(
+                f"reward_fn '{spec}': score {i} is {value!r} ({type(value).__name__}), not a number"
+            ) from None
+        if not math.isfinite(score):
+            raise UserError(f"reward_fn '{spec}': score {i} is {score} (NaN or infinite)")
+        scores.append(score)
+    return scores
+
+
+@contextmanager
+def current_directory_on_path():
+    """The current directory first on sys.path while importing (`python -m` puts it there, the `llm-rlhf`
+    entry point does not), so `my_rewards:fn` finds ./my_rewards.py either way."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path and "" not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        yield
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
+
+
+def import_file(path: Path, spec: str):
+    """Load `path` (a .py file) as a module, once: registered under a private name, so a file called
+    e.g. `random.py` does not replace the standard module."""
+    digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
+    name = f"_llm_rlhf_reward_fn_{digest}_{path.stem}"
+    if name in sys.modules:
+        return sys.modules[name]
+    if not path.is_file():
+        raise UserError(f"reward_fn '{spec}': no such file '{path}'")
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[name]
+        raise UserError(f"reward_fn '{spec}': loading '{path}' raised {type(e).__name__}: {e}") from e
+    return module
+
+
+def load_reward_fn(spec: str) -> RewardFn:
+    """Resolve `reward_fn: SPEC` (see the module docstring) to a checked `RewardFn`."""
+    where, attr = split_spec(spec)
+    if where.endswith(".py") or "/" in where or os.sep in where:
+        obj: Any = import_file(Path(where), spec)
+    else:
+        try:
+            with current_directory_on_path():
+                obj = importlib.import_module(where)
+        except ImportError as e:
+            raise UserError(f"reward_fn '{spec}': cannot import module '{where}' ({e})") from None
+        except Exception as e:  # the module itself failed while importing
+            raise UserError(f"reward_fn '{spec}': importing '{where}' raised {type(e).__name__}: {e}") from e
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise UserError(f"reward_fn '{spec}': '{where}' has no attribute '{attr}'")
+        obj = getattr(obj, part)
+    if isinstance(obj, type):
+        try:
+            obj = obj()
+        except Exception as e:
+            raise UserError(
+                f"reward_fn '{spec}': building the class with no arguments raised {type(e).__name__}: {e}"
+            ) from e
+    if not callable(obj):
+        raise UserError(f"reward_fn '{spec}': {type(obj).__name__} is not callable")
+    return RewardFn(obj, spec)
+
+
+def probe(reward_fn: RewardFn, prompts: Sequence[str]) -> list[float]:
+    """One checked call on the first two prompts, each with the dummy responses `PROBE_RESPONSES` (4 pairs),
+    before training starts: a function that fails, returns the wrong number of scores or a non-finite one
+    stops the run here with its one-line error. Returns the scores."""
+    first = list(prompts[:2])
+    pairs = [(p, r) for p in first for r in PROBE_RESPONSES]
+    return reward_fn([p for p, _ in pairs], [r for _, r in pairs])
+
+
+def decode_texts(tokenizer, query, query_mask, response, response_mask) -> tuple[list[str], list[str]]:
+    """The (prompts, responses) texts a reward function sees for a batch of samples.
+
+    query, query_mask: (B, P); response: (B, R); response_mask: (B, R) bool, True up to and including the
+    first EOS. The prompt is its real tokens decoded (special tokens, e.g. a BOS, skipped); the response its
+    real tokens without the EOS, decoded as `llm-rlhf eval` decodes it.
+    """
+    eos = (response == tokenizer.eos_token_id) & response_mask.bool()  # (B, R) the first EOS, if any
+    keep = response_mask.bool() & ~eos  # (B, R) the response's text tokens
+    prompts = [
+        tokenizer.decode(q[m.bool()].tolist(), skip_special_tokens=True)  # (P',) real query tokens
+        for q, m in zip(query, query_mask)
+    ]
+    responses = [tokenizer.decode(r[k].tolist(), skip_special_tokens=True) for r, k in zip(response, keep)]
+    return prompts, responses
