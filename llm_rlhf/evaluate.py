@@ -60,12 +60,12 @@ from accelerate import PartialState
 from tqdm.auto import tqdm
 
 from llm_rlhf import ppo_math
-from llm_rlhf.config import format_config, help_field, require, save_config
+from llm_rlhf.config import format_config, help_field, is_off, require, save_config, split_callable_spec
 from llm_rlhf.data import DATA_FORMATS, load_prompt_dataset, prompt_rules
 from llm_rlhf.errors import UserError
 from llm_rlhf.gold import FluentGoldJudge, GoldJudge, judge_details, load_judge
 from llm_rlhf.models import freeze, load_causal_lm, load_tokenizer, shares_vocab
-from llm_rlhf.reward_fn import is_off, load_reward_fn, split_spec
+from llm_rlhf.reward_fn import load_reward_fn
 from llm_rlhf.reward_model import load_reward_model
 from llm_rlhf.rollout import Samples, encode_prompt, left_pad, response_logits, sample
 from llm_rlhf.utils import atomic_write_json, atomic_write_text
@@ -138,7 +138,7 @@ class Config:
     def __post_init__(self):
         require(self.data_format in DATA_FORMATS, "data_format", f"must be one of {', '.join(DATA_FORMATS)}")
         if self.reward_fn is not None:
-            split_spec(self.reward_fn)  # the form only; `run` imports it
+            split_callable_spec(self.reward_fn, "reward_fn")  # the form only; `run` imports it
         require(math.isfinite(self.reward_fn_weight), "reward_fn_weight", "must be a finite number")
         require(
             self.num_prompts is None or self.num_prompts > 0, "num_prompts", "must be > 0 (or null for all)"

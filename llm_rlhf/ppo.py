@@ -28,11 +28,10 @@ from accelerate.utils import DistributedType
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from llm_rlhf import ppo_math
-from llm_rlhf.config import help_field, require
+from llm_rlhf.config import help_field, is_off, require, split_callable_spec
 from llm_rlhf.data import DATA_FORMATS
 from llm_rlhf.errors import NonFiniteError, UserError
 from llm_rlhf.models import shares_vocab
-from llm_rlhf.reward_fn import RewardFn, decode_texts, is_off, split_spec
 from llm_rlhf.rollout import Rollout, Samples, left_pad, pad_columns, response_logprobs_and_values, sample
 
 
@@ -209,7 +208,9 @@ def check_reward_keys(cfg) -> None:
         "is none and reward_fn is not set: PPO needs a score (a reward model, a reward_fn or both)",
     )
     if cfg.reward_fn is not None:
-        split_spec(cfg.reward_fn)  # the form only; the import runs when the stage starts (`load_reward_fn`)
+        split_callable_spec(
+            cfg.reward_fn, "reward_fn"
+        )  # the form only; the import runs when the stage starts (`load_reward_fn`)
     require(math.isfinite(cfg.reward_fn_weight), "reward_fn_weight", "must be a finite number")
     require(
         cfg.value_model != "reward" or not is_off(cfg.reward_model_path),
@@ -315,7 +316,8 @@ def deepspeed_param_dtype(config: dict) -> torch.dtype | None:
 class PPOTrainer:
     """Holds the models, the optimiser and the KL controller; `ppo_step` is one iteration.
 
-    reward_model: the frozen RM, or None (reward_model_path none); reward_fn: a loaded `RewardFn` or None.
+    reward_model: the frozen RM, or None (reward_model_path none); reward_fn: a loaded
+    `llm_rlhf.reward_fn.RewardFn`, or None.
     At least one of them gives the scores (`score`)."""
 
     def __init__(
@@ -329,7 +331,7 @@ class PPOTrainer:
         critic,
         tokenizer,
         prompts,
-        reward_fn: RewardFn | None = None,
+        reward_fn=None,
     ):
         self.cfg, self.accelerator, self.tokenizer = cfg, accelerator, tokenizer
         self.ref_model, self.reward_model, self.reward_fn = ref_model, reward_model, reward_fn
@@ -626,18 +628,15 @@ class PPOTrainer:
     def reward_fn_scores(self, samples: Samples) -> torch.Tensor:
         """reward_fn(prompts, responses) of this process's samples, unweighted: (B,) float32.
 
-        Each process calls the function on its own samples, as texts (`reward_fn.decode_texts`: the prompt,
+        Each process calls the function on its own samples, as texts (`RewardFn.score_samples`: the prompt,
         the response without its EOS); nothing inside it is a collective. Whether the call failed on any
         process (it raised, or returned a wrong number of scores or a non-finite one: `RewardFn` checks)
         is one sum over the processes, so every process stops with the same one-line error here instead
         of the others waiting at the next collective."""
-        prompts, responses = decode_texts(
-            self.tokenizer, samples.query, samples.query_mask, samples.response, samples.response_mask
-        )
         try:
-            values, error = self.reward_fn(prompts, responses), None
+            values, error = self.reward_fn.score_samples(samples, self.tokenizer), None
         except UserError as e:
-            values, error = [0.0] * len(responses), e
+            values, error = [], e
         failed = self.global_sum(torch.tensor(float(error is not None)))  # processes whose call failed
         if error is not None:
             raise error

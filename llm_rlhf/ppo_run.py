@@ -25,7 +25,7 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from llm_rlhf.config import format_config, save_config
+from llm_rlhf.config import format_config, is_off, save_config
 from llm_rlhf.data import load_prompt_dataset, prompt_rules
 from llm_rlhf.errors import UserError
 from llm_rlhf.evaluate import evaluate_policy
@@ -41,7 +41,7 @@ from llm_rlhf.models import (
     use_fused_gelu,
 )
 from llm_rlhf.ppo import Config, PPOTrainer  # Config: the keys of `llm-rlhf ppo`
-from llm_rlhf.reward_fn import RewardFn, is_off, load_reward_fn, probe
+from llm_rlhf.reward_fn import RewardFn, load_reward_fn, probe
 from llm_rlhf.reward_model import load_reward_model, save_reward_model
 from llm_rlhf.rollout import encode_prompt
 from llm_rlhf.utils import (

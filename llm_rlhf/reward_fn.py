@@ -45,26 +45,10 @@ from typing import Any
 
 import torch
 
+from llm_rlhf.config import split_callable_spec
 from llm_rlhf.errors import UserError
 
 PROBE_RESPONSES = ("", " and it was good.")  # an empty response (EOS at once) and a short one
-
-
-def is_off(value: str | None) -> bool:
-    """True for a path or spec that means "none": null, '', 'none', 'null' (any case)."""
-    return value is None or value.strip().lower() in ("", "none", "null")
-
-
-def split_spec(spec: str) -> tuple[str, str]:
-    """'module:attr' or 'path/file.py:attr' -> (module or path, attr); raises naming 'reward_fn' otherwise.
-    The last ':' splits, so a Windows drive letter stays in the path."""
-    where, colon, attr = spec.strip().rpartition(":")
-    if not colon or not where or not attr or not all(part.isidentifier() for part in attr.split(".")):
-        raise UserError(
-            f"reward_fn '{spec}': expected 'module:callable' or 'path/to/file.py:callable' "
-            "(a callable (prompts, responses) -> list[float])"
-        )
-    return where, attr
 
 
 class RewardFn:
@@ -92,6 +76,14 @@ class RewardFn:
                 f"reward_fn '{self.spec}' raised {type(e).__name__}{': ' + message if message else ''}{where}"
             ) from e
         return check_scores(out, len(responses), self.spec)
+
+    def score_samples(self, samples, tokenizer) -> list[float]:
+        """The checked scores of a batch of sampled token ids (`rollout.Samples`: query, query_mask, response,
+        response_mask), decoded to the texts the function sees (`decode_texts`)."""
+        prompts, responses = decode_texts(
+            tokenizer, samples.query, samples.query_mask, samples.response, samples.response_mask
+        )
+        return self(prompts, responses)
 
 
 def check_scores(out: Any, n: int, spec: str) -> list[float]:
@@ -162,7 +154,7 @@ def import_file(path: Path, spec: str):
 
 def load_reward_fn(spec: str) -> RewardFn:
     """Resolve `reward_fn: SPEC` (see the module docstring) to a checked `RewardFn`."""
-    where, attr = split_spec(spec)
+    where, attr = split_callable_spec(spec, "reward_fn")
     if where.endswith(".py") or "/" in where or os.sep in where:
         obj: Any = import_file(Path(where), spec)
     else:
