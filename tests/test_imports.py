@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "llm_rlhf"
 LAYERS = {
     "errors": 0, "utils": 0, "ppo_math": 0,
     "config": 1, "data": 1, "baseline": 1, "models": 1,
-    "rollout": 2, "reward_model": 2, "trainer_stage": 2, "gold": 2,
+    "rollout": 2, "reward_model": 2, "reward_fn": 2, "trainer_stage": 2, "gold": 2,
     "sft": 3, "reward": 3, "dpo": 3, "ppo": 3, "evaluate": 3, "score": 3, "report": 3, "judge": 3,
     "ppo_run": 4,  # the `llm-rlhf ppo` command: the trainer (ppo) and held-out evaluation (evaluate)
     "compare": 5,  # `llm-rlhf compare`: PPO's held-out evaluation (ppo_run), DPO (dpo), best-of-n

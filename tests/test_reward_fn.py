@@ -1,0 +1,423 @@
+"""Reward functions (`reward_fn: module:callable`): loading and checking them, where their score enters PPO
+(alone, or beside the RM score with a weight), a tiny policy learning a rule-based reward through the real
+PPOTrainer, the one-line errors before any training step, evaluation, and two processes."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import reward_fns
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+
+from llm_rlhf import cli, evaluate, ppo, ppo_run
+from llm_rlhf.errors import ConfigError, UserError
+from llm_rlhf.models import load_tokenizer
+from llm_rlhf.reward_fn import PROBE_RESPONSES, RewardFn, check_scores, decode_texts, load_reward_fn, probe
+from llm_rlhf.reward_model import load_reward_model
+
+ROOT = Path(__file__).resolve().parents[1]
+FILE_SPEC = "tests/reward_fns.py:keyword"  # the file form, relative to the repo root
+
+
+def ppo_cfg(model_dir, prompt_file, out, **kw) -> ppo.Config:
+    base = dict(
+        model_name_or_path=str(model_dir), reward_model_path=None, reward_fn="reward_fns:keyword",
+        prompt_file=str(prompt_file), output_dir=str(out), steps=2, rollout_batch_size=8, mini_batch_size=4,
+        ppo_epochs=2, max_new_tokens=8, learning_rate=1e-3, save_steps=0, log_samples_every=0, eval_every=0,
+        gold_judge="none",
+    )  # fmt: skip
+    base.update(kw)
+    return ppo.Config(**base)
+
+
+def make_trainer(cfg: ppo.Config) -> ppo.PPOTrainer:
+    AcceleratorState._reset_state(reset_partial_state=True)
+    tokenizer = load_tokenizer(cfg.model_name_or_path, padding_side="left")
+    prompts = ppo_run.load_prompts(cfg, tokenizer)
+    return ppo_run.build_trainer(cfg, Accelerator(cpu=True), tokenizer, prompts)
+
+
+# --- loading and checking ------------------------------------------------------------------------
+
+
+def test_load_forms(tmp_path, monkeypatch):
+    """module:function, module:Class (built once), a .py file (relative or absolute), and a module in the
+    current directory that is not on the python path (the `llm-rlhf` entry point does not add it)."""
+    prompts, responses = ["a", "b"], ["the end", ""]
+    assert load_reward_fn("reward_fns:keyword")(prompts, responses) == [2.0, 0.0]
+    assert load_reward_fn("reward_fns:Keyword")(prompts, responses) == [2.0, 0.0]
+    monkeypatch.chdir(ROOT)
+    assert load_reward_fn(FILE_SPEC)(prompts, responses) == [2.0, 0.0]
+    assert load_reward_fn(f"{ROOT / 'tests' / 'reward_fns.py'}:length")(prompts, responses) == [0.7, 0.0]
+    (tmp_path / "my_rewards_here.py").write_text(
+        "def fn(prompts, responses):\n    return [7.0] * len(responses)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    assert str(tmp_path) not in sys.path
+    assert load_reward_fn("my_rewards_here:fn")(prompts, responses) == [7.0, 7.0]
+    assert str(tmp_path) not in sys.path, "the current directory is on the path only while importing"
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("no_such_module_xyz:fn", "reward_fn 'no_such_module_xyz:fn': cannot import module 'no_such_module_xyz'"),
+        ("reward_fns:nope", "reward_fn 'reward_fns:nope': 'reward_fns' has no attribute 'nope'"),
+        ("reward_fns:not_callable", "reward_fn 'reward_fns:not_callable': float is not callable"),
+        ("missing_dir/rewards.py:fn", "reward_fn 'missing_dir/rewards.py:fn': no such file 'missing_dir/rewards.py'"),
+        ("reward_fns", "reward_fn 'reward_fns': expected 'module:callable' or 'path/to/file.py:callable'"),
+        ("reward_fns:1x", "reward_fn 'reward_fns:1x': expected 'module:callable'"),
+    ],
+)  # fmt: skip
+def test_load_errors_are_one_line_naming_the_callable(spec, message):
+    with pytest.raises(UserError) as e:
+        load_reward_fn(spec)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_check_scores():
+    """One finite number per response, from a list, tuple, numpy array or 1-D tensor; else one line naming
+    the callable and the first bad index."""
+    assert check_scores([1, 2.5], 2, "m:f") == [1.0, 2.5]
+    assert check_scores((np.float32(1.5), torch.tensor(2.0)), 2, "m:f") == [1.5, 2.0]
+    assert check_scores(np.array([1.0, 2.0]), 2, "m:f") == [1.0, 2.0]
+    assert check_scores(torch.tensor([3.0, 4.0]), 2, "m:f") == [3.0, 4.0]
+    cases = [
+        ([1.0], "reward_fn 'm:f' returned 1 scores for 2 responses"),
+        ([1.0, math.nan], "reward_fn 'm:f': score 1 is nan (NaN or infinite)"),
+        ([math.inf, math.nan], "reward_fn 'm:f': score 0 is inf (NaN or infinite)"),
+        ([1.0, "2"], "reward_fn 'm:f': score 1 is '2' (str), not a number"),
+        ([None, 1.0], "reward_fn 'm:f': score 0 is None (NoneType), not a number"),
+        (None, "reward_fn 'm:f' returned NoneType; expected a list of 2 numbers, one per response"),
+        ("ab", "reward_fn 'm:f' returned str; expected a list of 2 numbers, one per response"),
+        (1.0, "reward_fn 'm:f' returned float; expected a list of 2 numbers, one per response"),
+    ]
+    for out, message in cases:
+        with pytest.raises(UserError) as e:
+            check_scores(out, 2, "m:f")
+        assert str(e.value) == message
+
+
+def test_a_raising_function_is_one_line_with_its_place():
+    with pytest.raises(UserError) as e:
+        load_reward_fn("reward_fns:raises")(["a"], ["b"])
+    line = str(e.value)
+    assert line.startswith("reward_fn 'reward_fns:raises' raised ZeroDivisionError: float division by zero (")
+    assert "reward_fns.py:" in line and "\n" not in line
+    assert isinstance(e.value.__cause__, ZeroDivisionError)  # kept for a debugger
+
+
+def test_probe_calls_once_with_dummy_responses():
+    calls = []
+
+    def fn(prompts, responses):
+        calls.append((prompts, responses))
+        return [0.0] * len(responses)
+
+    probe(RewardFn(fn, "m:fn"), ["The film", "A tedious", "unused"])
+    assert calls == [(["The film"] * 2 + ["A tedious"] * 2, list(PROBE_RESPONSES) * 2)]
+
+
+def test_decode_texts_layout(tiny_model_dir):
+    """What the function reads of a batch laid out as in PPO:
+
+    query     pad pad q q | r r EOS pad      -> prompt: the real query tokens' text
+    response  (left pad)  | r r r r (no EOS)  -> response: the real response tokens' text, no EOS
+    """
+    tok = load_tokenizer(str(tiny_model_dir), padding_side="left")
+    q0, q1 = tok("The film")["input_ids"], tok("It's a wonderful movie")["input_ids"]
+    r0, r1 = tok(" is good")["input_ids"], tok(" and sharp script")["input_ids"]
+    P, R = max(len(q0), len(q1)), max(len(r0) + 1, len(r1)) + 1
+    query, qmask = torch.full((2, P), tok.pad_token_id), torch.zeros((2, P), dtype=torch.long)
+    response, rmask = torch.full((2, R), tok.pad_token_id), torch.zeros((2, R), dtype=torch.bool)
+    for i, (q, r) in enumerate([(q0, r0 + [tok.eos_token_id]), (q1, r1)]):
+        query[i, P - len(q) :], qmask[i, P - len(q) :] = torch.tensor(q), 1
+        response[i, : len(r)], rmask[i, : len(r)] = torch.tensor(r), True
+    prompts, responses = decode_texts(tok, query, qmask, response, rmask)
+    assert prompts == ["The film", "It's a wonderful movie"]
+    assert responses == [" is good", " and sharp script"]
+
+
+def test_config_checks_name_the_key():
+    with pytest.raises(
+        ConfigError, match="^config key 'reward_model_path': is none and reward_fn is not set"
+    ):
+        ppo.Config(reward_model_path="none")
+    with pytest.raises(ConfigError, match="^config key 'value_model': 'reward' initialises the critic"):
+        ppo.Config(reward_model_path=None, reward_fn="m:f", value_model="reward")
+    with pytest.raises(ConfigError, match="^config key 'reward_fn_weight'"):
+        ppo.Config(reward_fn="m:f", reward_fn_weight=math.nan)
+    with pytest.raises(ConfigError, match="^reward_fn 'no_colon'"):
+        ppo.Config(reward_fn="no_colon")
+    with pytest.raises(ConfigError, match="^reward_fn 'x'"):
+        evaluate.Config(reward_fn="x")
+    assert (
+        ppo.Config(reward_model_path=None, reward_fn="any_module:fn").reward_fn_weight == 1.0
+    )  # no import yet
+
+
+# --- PPO --------------------------------------------------------------------------------------------
+
+
+def test_tiny_policy_learns_a_keyword_reward(tiny_model_dir, prompt_file, tmp_path):
+    """No reward model: the score is the keyword count alone. Through the real PPOTrainer the policy's mean
+    count rises from ~0.7 to ~4 in 16 steps (seeds 0-4 all end at 4-6; the first 4 steps average <= 1.1)."""
+    cfg = ppo_cfg(tiny_model_dir, prompt_file, tmp_path, steps=16, rollout_batch_size=16, mini_batch_size=8,
+                  ppo_epochs=4, learning_rate=3e-3, kl_controller="fixed", init_kl_coef=0.01)  # fmt: skip
+    trainer = make_trainer(cfg)
+    assert trainer.reward_model is None
+    history = [trainer.ppo_step() for _ in range(cfg.steps)]
+    counts = [m["objective/reward_fn"] for m in history]
+    assert all(m["objective/scores"] == pytest.approx(m["objective/reward_fn"], abs=1e-6) for m in history)
+    assert "objective/rm_score" not in history[0]
+    first, last = np.mean(counts[:4]), np.mean(counts[-4:])
+    assert last > 2 * first and last > first + 1.0, counts
+
+
+def test_combined_score_is_rm_plus_weighted_fn(
+    tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch
+):
+    """scores = RM score + reward_fn_weight * reward_fn, per sequence: checked against an RM loaded apart and
+    the function called on texts decoded apart, at the place PPO uses them (the scores given to
+    `ppo_math.shaped_rewards`), and in the step's logged means."""
+    weight = 0.5
+    cfg = ppo_cfg(tiny_model_dir, prompt_file, tmp_path, reward_model_path=str(tiny_rm_dir),
+                  reward_fn="reward_fns:length", reward_fn_weight=weight, steps=1)  # fmt: skip
+    trainer = make_trainer(cfg)
+    seen = {}
+    rollout_fn, shaped = trainer.rollout, ppo.ppo_math.shaped_rewards
+
+    def recording_rollout(*args, **kwargs):
+        seen["rollout"] = rollout_fn(*args, **kwargs)
+        return seen["rollout"]
+
+    def recording_shaped(**kw):
+        seen["scores"] = kw["scores"].clone()
+        return shaped(**kw)
+
+    trainer.rollout = recording_rollout
+    monkeypatch.setattr(ppo.ppo_math, "shaped_rewards", recording_shaped)
+    metrics = trainer.ppo_step()
+
+    rollout, tok = seen["rollout"], trainer.tokenizer
+    rm = evaluate.reward_scores(load_reward_model(str(tiny_rm_dir)), tok, rollout)  # (B,) an RM of its own
+    prompts = [
+        tok.decode(q[m.bool()], skip_special_tokens=True) for q, m in zip(rollout.query, rollout.query_mask)
+    ]
+    responses = [
+        tok.decode(r[m & (r != tok.eos_token_id)], skip_special_tokens=True)
+        for r, m in zip(rollout.response, rollout.response_mask)
+    ]
+    fn = torch.tensor(reward_fns.length(prompts, responses))
+    assert fn.std() > 0 and rm.std() > 0
+    torch.testing.assert_close(seen["scores"], rm + weight * fn, atol=1e-5, rtol=1e-5)
+    assert metrics["objective/rm_score"] == pytest.approx(rm.mean().item(), abs=1e-5)
+    assert metrics["objective/reward_fn"] == pytest.approx(fn.mean().item(), abs=1e-6)
+    assert metrics["objective/scores"] == pytest.approx(
+        metrics["objective/rm_score"] + weight * metrics["objective/reward_fn"], abs=1e-5
+    )
+
+
+def test_score_clip_acts_on_the_sum(tiny_model_dir, prompt_file, tmp_path, monkeypatch):
+    """The function's score is clipped (score_clip) like an RM score: after the sum, before the rewards."""
+    cfg = ppo_cfg(tiny_model_dir, prompt_file, tmp_path, reward_fn="reward_fns:length", reward_fn_weight=10.0,
+                  score_clip=2.0, steps=1)  # fmt: skip
+    trainer = make_trainer(cfg)
+    seen, shaped = {}, ppo.ppo_math.shaped_rewards
+
+    def recording_shaped(**kw):
+        seen["scores"] = kw["scores"].clone()
+        return shaped(**kw)
+
+    monkeypatch.setattr(ppo.ppo_math, "shaped_rewards", recording_shaped)
+    metrics = trainer.ppo_step()
+    assert metrics["objective/scores"] > 2.0, "the sum before the clip is logged"
+    assert seen["scores"].max() == 2.0 and seen["scores"].min() >= -2.0
+
+
+def test_run_with_reward_fn_only_writes_the_usual_outputs(tiny_model_dir, prompt_file, tmp_path, monkeypatch):
+    """`llm-rlhf ppo` without a reward model, the function loaded from the current directory; held-out
+    evaluation logs the function's score (and no RM score)."""
+    (tmp_path / "cwd").mkdir()
+    (tmp_path / "cwd" / "cwd_rewards.py").write_text(
+        "def ends_with_e(prompts, responses):\n    return [float(r.endswith('e')) for r in responses]\n"
+    )
+    monkeypatch.chdir(tmp_path / "cwd")
+    out = tmp_path / "run"
+    cfg = ppo_cfg(tiny_model_dir, prompt_file, out, reward_fn="cwd_rewards:ends_with_e", eval_every=1,
+                  eval_prompt_file=str(prompt_file), eval_num_prompts=4, log_samples_every=1)  # fmt: skip
+    ppo_run.run(cfg)
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 and all(0 <= m["objective/reward_fn"] <= 1 for m in lines)
+    heldout = [json.loads(x) for x in (out / "eval_log.jsonl").read_text().splitlines()]
+    assert len(heldout) == 3 and all(r["rm_score"] is None and 0 <= r["reward_fn"] <= 1 for r in heldout)
+    samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert all(s["score"] == float(s["response"].endswith("e")) for s in samples)
+    assert (out / "model.safetensors").is_file() and (out / "metrics.json").is_file()
+    assert "reward_fn: cwd_rewards:ends_with_e" in (out / "config.yaml").read_text()
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("no_such_module_xyz:fn", "error: reward_fn 'no_such_module_xyz:fn': cannot import module 'no_such_module_xyz'"),
+        ("reward_fns:wrong_length", "error: reward_fn 'reward_fns:wrong_length' returned 3 scores for 4 responses"),
+        ("reward_fns:returns_nan", "error: reward_fn 'reward_fns:returns_nan': score 1 is nan (NaN or infinite)"),
+        ("reward_fns:raises", "error: reward_fn 'reward_fns:raises' raised ZeroDivisionError: float division by zero ("),
+    ],
+)  # fmt: skip
+def test_broken_function_stops_ppo_before_anything(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, capsys,
+                                                    monkeypatch, spec, message):  # fmt: skip
+    """One line on stderr, exit code 2, no output folder: the import and the probe run before any model is
+    loaded (`build_trainer` is never reached)."""
+    monkeypatch.setattr(ppo_run, "build_trainer", lambda *a, **kw: pytest.fail("models were built"))
+    out = tmp_path / "run"
+    argv = ["ppo", "--model_name_or_path", str(tiny_model_dir), "--reward_model_path", str(tiny_rm_dir),
+            "--reward_fn", spec, "--prompt_file", str(prompt_file), "--output_dir", str(out), "--eval_every", "0"]  # fmt: skip
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1, err
+    assert not out.exists()
+
+
+def test_bad_scores_in_training_stop_before_the_update(tiny_model_dir, prompt_file, tmp_path):
+    """A function that passes the probe and returns NaN on the first rollout: the one-line error at the score
+    phase of step 1, before any parameter moves."""
+    trainer = make_trainer(
+        ppo_cfg(tiny_model_dir, prompt_file, tmp_path, reward_fn="reward_fns:NanAfterProbe")
+    )
+    trainer.reward_fn.fn.calls = 1  # as if probed
+    before = {n: p.detach().clone() for n, p in trainer.unwrapped_policy.named_parameters()}
+    with pytest.raises(UserError) as e:
+        trainer.ppo_step()
+    assert str(e.value) == "reward_fn 'reward_fns:NanAfterProbe': score 2 is nan (NaN or infinite)"
+    assert trainer.step == 0
+    assert all(torch.equal(p, before[n]) for n, p in trainer.unwrapped_policy.named_parameters())
+
+
+# --- evaluation -------------------------------------------------------------------------------------
+
+
+def test_eval_with_reward_fn_only(tiny_model_dir, prompt_file, tmp_path, monkeypatch):
+    """`llm-rlhf eval` with no RM and no gold judge: reward_fn_* beside the (null) rm_* figures, the means
+    and per-sample values equal to the function on the written responses, the combined score the weighted
+    function, and a policy against itself wins exactly half."""
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "eval"
+    argv = ["eval", "--policy_path", str(tiny_model_dir), "--baseline_path", str(tiny_model_dir),
+            "--reward_model_path", "none", "--gold_judge", "none", "--reward_fn", FILE_SPEC,
+            "--reward_fn_weight", "0.5", "--prompt_file", str(prompt_file), "--num_prompts", "8",
+            "--max_new_tokens", "8", "--print_samples", "2", "--output_dir", str(out)]  # fmt: skip
+    assert cli.main(argv) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    expected = reward_fns.keyword([s["prompt"] for s in samples], [s["policy_response"] for s in samples])
+    assert [s["policy_reward_fn"] for s in samples] == expected
+    assert [s["policy_combined_score"] for s in samples] == [0.5 * x for x in expected]
+    assert metrics["reward_fn_mean"] == pytest.approx(np.mean(expected)) and sum(expected) > 0
+    assert metrics["combined_score_mean"] == pytest.approx(0.5 * np.mean(expected))
+    assert metrics["reward_fn_win_rate"] == 0.5 and metrics["combined_win_rate"] == 0.5
+    assert metrics["rm_win_rate"] is None and metrics["rm_score_mean"] is None
+    assert metrics["reward_fn"] == FILE_SPEC
+
+
+def test_eval_reward_fn_beside_the_rm(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
+    from conftest import build_model
+
+    other = build_model(tmp_path / "other", "gpt2", seed=1)
+    cfg = evaluate.Config(policy_path=str(other), baseline_path=str(tiny_model_dir), reward_model_path=str(tiny_rm_dir),
+                          gold_judge="none", reward_fn="reward_fns:length", reward_fn_weight=2.0,
+                          prompt_file=str(prompt_file), num_prompts=8, max_new_tokens=8, output_dir=str(tmp_path / "e"))  # fmt: skip
+    metrics = evaluate.run(cfg)
+    samples = [json.loads(x) for x in (tmp_path / "e" / "samples.jsonl").read_text().splitlines()]
+    for who in ("policy", "baseline"):
+        fn = reward_fns.length([], [s[f"{who}_response"] for s in samples])
+        assert [s[f"{who}_reward_fn"] for s in samples] == fn
+        for s, f in zip(samples, fn):
+            assert s[f"{who}_combined_score"] == pytest.approx(s[f"{who}_rm_score"] + 2.0 * f)
+    wins = evaluate.win_rate(
+        [s["policy_reward_fn"] for s in samples], [s["baseline_reward_fn"] for s in samples]
+    )
+    assert metrics["reward_fn_win_rate"] == wins
+    assert metrics["rm_score_mean"] is not None and metrics["reward_fn_mean_baseline"] is not None
+
+
+def test_eval_bad_reward_fn_writes_nothing(tiny_model_dir, prompt_file, tmp_path):
+    out = tmp_path / "eval"
+    for spec in ("no_such_module_xyz:fn", "reward_fns:wrong_length"):
+        cfg = evaluate.Config(policy_path=str(tiny_model_dir), baseline_path=str(tiny_model_dir),
+                              reward_model_path=None, gold_judge="none", reward_fn=spec, prompt_file=str(prompt_file),
+                              num_prompts=4, max_new_tokens=4, output_dir=str(out))  # fmt: skip
+        with pytest.raises(UserError, match=f"^reward_fn '{spec}'"):
+            evaluate.run(cfg)
+    assert not out.exists()
+
+
+# --- two processes ------------------------------------------------------------------------------------
+
+
+def accelerate_launch(args: list[str], num_processes: int = 2) -> subprocess.CompletedProcess:
+    """`accelerate launch` of `python -m llm_rlhf ...` from the repo root (DDP over gloo for 2 processes)."""
+    head = [
+        "--config_file",
+        str(ROOT / "accelerate_configs" / "multi_gpu.yaml"),
+        "--num_processes",
+        str(num_processes),
+    ]
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": pythonpath}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *head, "-m", "llm_rlhf", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+def ppo_args(model_dir, prompt_file, out, **kw) -> list[str]:
+    values = dict(model_name_or_path=model_dir, prompt_file=prompt_file, output_dir=out, steps=3,
+                  rollout_batch_size=4, mini_batch_size=2, ppo_epochs=1, max_new_tokens=6, save_steps=0,
+                  eval_every=0, log_samples_every=0, learning_rate=1e-3)  # fmt: skip
+    values.update(kw)
+    return ["ppo", *[item for key, value in values.items() for item in (f"--{key}", str(value))]]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_processes_combined_score_and_a_failure_on_one_rank(
+    tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path
+):
+    """2 processes: each scores its own samples with the function (a file spec, the RM beside it); the
+    logged global means keep scores = rm_score + weight * reward_fn. Then a function that fails on rank 1
+    only, at the first step: both processes stop with a one-line error (rank 1 its own, rank 0 naming the
+    other process) instead of rank 0 waiting for ever."""
+    out = tmp_path / "ok"
+    result = accelerate_launch(ppo_args(tiny_model_dir, prompt_file, out, reward_model_path=tiny_rm_dir,
+                                        reward_fn=FILE_SPEC, reward_fn_weight=0.5))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-5000:]
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3]
+    for m in lines:
+        assert m["objective/scores"] == pytest.approx(
+            m["objective/rm_score"] + 0.5 * m["objective/reward_fn"], abs=1e-5
+        )
+        assert m["objective/reward_fn"] > 0
+    assert (out / "model.safetensors").is_file()
+
+    bad = tmp_path / "bad"
+    spec = "tests/reward_fns.py:WrongLengthOnRank1AfterProbe"
+    result = accelerate_launch(
+        ppo_args(tiny_model_dir, prompt_file, bad, reward_model_path="none", reward_fn=spec)
+    )
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert sorted(errors) == sorted([
+        f"error: reward_fn '{spec}' returned 3 scores for 4 responses",
+        f"error: reward_fn '{spec}' failed on another process (see its error)",
+    ]), result.stderr[-3000:]  # fmt: skip
+    assert not (bad / "metrics.jsonl").exists()
