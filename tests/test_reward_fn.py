@@ -422,3 +422,45 @@ def test_two_processes_combined_score_and_a_failure_on_one_rank(
         assert message in result.stderr, result.stderr[-3000:]
     assert "Traceback" not in result.stderr.split("exitcode")[0], "no traceback from the ranks themselves"
     assert not (bad / "metrics.jsonl").exists()
+
+
+# --- the README's example ---------------------------------------------------------------------------
+
+
+def test_readme_example_runs(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch):
+    """The README's "Reward functions" section: its my_rewards.py and each of its commands, with the tiny
+    models, small files and a two-step budget put first on the command line (the README's own flags win)."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Reward functions") :].split("\n## ")[0]
+    code = section.split("```python\n")[1].split("```")[0]
+    commands = [line.split() for line in section.split("```bash\n")[1].split("```")[0].splitlines()]
+    assert [c[:2] for c in commands] == [["llm-rlhf", "ppo"], ["llm-rlhf", "ppo"], ["llm-rlhf", "eval"]]
+    (tmp_path / "my_rewards.py").write_text(code)
+    monkeypatch.chdir(tmp_path)
+    concise = load_reward_fn("my_rewards:concise")
+    assert concise(["p"] * 3, ["Fine.", "Fine", "x" * 90 + "."]) == [1.0, 0.0, pytest.approx(1.0 - 0.02 * 11)]
+    tiny = {
+        "ppo": dict(model_name_or_path=tiny_model_dir, reward_model_path=tiny_rm_dir, prompt_file=prompt_file,
+                    steps=2, rollout_batch_size=4, mini_batch_size=2, ppo_epochs=1, max_new_tokens=6,
+                    save_steps=0, log_samples_every=0),
+        "eval": dict(policy_path=tmp_path / "ppo-1", baseline_path=tiny_model_dir, reward_model_path=tiny_rm_dir,
+                     gold_judge="none", prompt_file=prompt_file, num_prompts=4, max_new_tokens=6,
+                     output_dir=tmp_path / "eval"),
+    }  # fmt: skip
+    for i, (_, stage, *flags) in enumerate(commands):
+        flags = [f.replace("recipes/", str(ROOT / "recipes") + "/") for f in flags]
+        values = {**tiny[stage], **({"output_dir": tmp_path / f"ppo-{i}"} if stage == "ppo" else {})}
+        first = [item for key, value in values.items() for item in (f"--{key}", str(value))]
+        assert cli.main([stage, *first, *flags]) == 0, (stage, flags)
+    with_rm, fn_only = (
+        [json.loads(x) for x in (tmp_path / f"ppo-{i}" / "metrics.jsonl").read_text().splitlines()]
+        for i in (0, 1)
+    )
+    assert all("objective/rm_score" in m for m in with_rm) and all(
+        "objective/rm_score" not in m for m in fn_only
+    )
+    metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    assert metrics["reward_fn"] == "my_rewards:concise" and metrics["reward_fn_weight"] == 0.5
+    assert metrics["combined_score_mean"] == pytest.approx(
+        metrics["rm_score_mean"] + 0.5 * metrics["reward_fn_mean"], abs=1e-9
+    )
