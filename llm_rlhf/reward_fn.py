@@ -7,7 +7,7 @@ A reward function is any callable
 named in a config as `reward_fn: SPEC`:
 
     module:callable         imported from the current directory or the python path (`my_rewards:length`,
-                            `mypackage.rewards:Keyword.score`)
+                            `mypackage.rewards:concise`)
     path/to/file.py:callable   the file is loaded as a module (relative to the current directory)
 
 A class is built once with no arguments and its instances are called (a function that loads a classifier
