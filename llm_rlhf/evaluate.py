@@ -123,12 +123,14 @@ class Config:
     top_p: float = help_field(1.0, "Nucleus sampling (1.0 = off).")
     stop_strings: list[str] = help_field(
         [],
-        "A response ends at the token completing the first of these strings in its text (kept), as at an "
-        "EOS; use the PPO run's. [] = off.",
+        "A response ends at the token completing the first of these strings in its text (the token is kept, "
+        "as an EOS is); set the PPO run's. On the command line a YAML list keeps spaces and escapes: "
+        "--stop_strings '[\"\\n\"]'. [] = off.",
     )
     min_new_tokens: int = help_field(
         0,
-        "EOS cannot be sampled before this many response tokens, nor a stop string end the response (0 = off).",
+        "EOS cannot be sampled before this many response tokens, and a stop string completed before then is "
+        "ignored (0 = off); set the PPO run's. The KL uses the same EOS-masked distribution.",
     )
     batch_size: int = help_field(
         32, "Prompts per generate call (the same batches for both models: part of the pairing)."

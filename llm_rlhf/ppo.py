@@ -106,13 +106,14 @@ class Config:
     top_p: float = help_field(1.0, "Nucleus sampling (1.0 = off).")
     stop_strings: list[str] = help_field(
         [],
-        "A response ends at the token completing the first of these strings in its text (kept, like an EOS): "
-        "the end for the response mask, the EOS trick and the RM score. [] = off.",
+        "A response ends at the token completing the first of these strings in its text (the token is kept, "
+        "as an EOS is): its end for the response mask, the score, the KL and the EOS trick. On the command "
+        "line a YAML list keeps spaces and escapes: --stop_strings '[\"\\n\"]'. [] = off.",
     )
     min_new_tokens: int = help_field(
         0,
-        "EOS cannot be sampled before this many response tokens, nor a stop string end the response (0 = off); "
-        "the log-probs use the same masked distribution.",
+        "EOS cannot be sampled before this many response tokens, and a stop string completed before then is "
+        "ignored (0 = off). PPO's log-probs are those of the same EOS-masked distribution.",
     )
     # --- rewards and KL
     kl_estimator: str = help_field("k1", "Per-token KL estimator in the reward: k1 | k3 | abs | mse.")

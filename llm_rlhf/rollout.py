@@ -4,7 +4,8 @@
     sample          query -> `Samples`: responses from `generate`, cut after the first EOS or stop string,
                     drawn from exactly softmax(logits / temperature) (top-k/top-p if asked, EOS masked before
                     min_new_tokens; nothing from the checkpoint)
-    stop_string_ends  where each response's first stop string ends (a token-level cut of the decoded text)
+    stop_string_ends  where each response's first stop string ends (a token-level cut of the decoded text;
+                    the same test, `completes_stop_string`, stops `generate` through `StopStringsCriteria`)
     Rollout         `Samples` plus everything PPO computes on them (complete when built)
     Samples.trimmed / pad_columns  no compute on padding: forwards run on the real tokens' columns only,
                     their outputs go back on the full (B, R) grid with zeros at the padding
@@ -18,6 +19,7 @@ batch) and the contexts around `generate` (autocast, gathered shards).
 from __future__ import annotations
 
 import dataclasses
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -199,61 +201,76 @@ def sampling_settings(*, temperature: float, top_k: int, top_p: float) -> dict:
     return {"do_sample": True, "temperature": temperature, "top_k": top_k, "top_p": top_p}
 
 
+def completes_stop_string(before: str, after: str, stop_strings) -> bool:
+    """Whether the token that turned the decoded text `before` into `after` completes a stop string: `after`
+    holds an occurrence that `before` does not, one ending past their common prefix (the common prefix is
+    `before` itself, unless a byte-level tokenizer decodes an unfinished character of `before` otherwise).
+
+        before "The fi"   after "The film"   stop "film"  -> True    stop "The" -> False (already there)
+    """
+    common = len(os.path.commonprefix([before, after]))
+    return any(stop in after[max(0, common - len(stop) + 1) :] for stop in stop_strings)
+
+
 def stop_string_ends(
     tokenizer, response: torch.Tensor, response_mask: torch.Tensor, stop_strings, *, min_new_tokens: int = 0
 ) -> torch.Tensor:
-    """Where each response's first stop string ends, token by token: True at the first position t >= min_new_tokens - 1
-    such that the decoded response[:t+1] contains any stop string (special tokens decoded as text, so a
-    stop string may be one), among the real tokens (response_mask); at most one True per row.
+    """Where each response's first stop string ends, token by token: True at the first position
+    t >= min_new_tokens - 1 whose token completes a stop string in the decoded response
+    (`completes_stop_string` of the texts of response[:t] and response[:t+1]; special tokens decoded as
+    text, so a stop string may be one), among the real tokens (response_mask); at most one True per row.
 
-        stop_strings ["\n"]       response  " great"  "!\n"  " And"  EOS        ->   F  T  F  F
-        stop_strings ["stop"]      response  " st"     "opped" " now"             ->   F  T  F
-        stop_strings ["\n\n"]      response  "\n"      "\n\nThe"                     ->   F  T
+        stop_strings ["\n"]                       " great"  "!\n"    " And"  EOS     ->  F  T  F  F
+        stop_strings ["stop"]                     " st"     "opped"  " now"          ->  F  T  F
+        stop_strings ["\n\n"]                     "\n"      "\n\nThe"                 ->  F  T
+        stop_strings ["o"], min_new_tokens 4      "s"  "t"  "o"  "p"  " no"  "w"     ->  F  F  F  F  T  F
 
     The token completing the stop string is kept even when it runs past it ("opped", "\n\nThe"): a token
     cannot be split, and dropping it would end the response one token early, where the text held no stop
     string yet. Only the response is read, not the prompt before it. A stop string completed before
-    min_new_tokens does not end the response (as vLLM's min_tokens: the response has at least
-    min_new_tokens tokens unless it reaches max_new_tokens). Cutting after sampling leaves the distribution of
-    the kept tokens unchanged; `StopStringsCriteria` merely stops `generate` once every row has stopped.
+    min_new_tokens is ignored, as at an EOS there (vLLM's min_tokens does the same): the response then ends
+    at the next one, so it has at least min_new_tokens tokens unless it ends at max_new_tokens. Cutting after
+    sampling leaves the distribution of the kept tokens unchanged; `StopStringsCriteria` merely stops
+    `generate` once every row has ended, with the same test.
 
     response: (B, R) token ids; response_mask: (B, R) bool. Returns (B, R) bool.
     """
     stops = torch.zeros_like(response_mask)  # (B, R)
     if not stop_strings:
         return stops
+    first = max(min_new_tokens, 1)  # the shortest response a stop string may end
     for b in range(response.shape[0]):
         ids = response[b][response_mask[b]].tolist()  # the real tokens: up to the first EOS
-        first = max(min_new_tokens, 1)  # the length of the shortest prefix that may end with a stop string
-        texts = tokenizer.batch_decode(
-            [ids[:n] for n in range(first, len(ids) + 1)], skip_special_tokens=False
-        )
-        for n, text in enumerate(texts, start=first):
-            if any(stop in text for stop in stop_strings):
-                stops[b, n - 1] = True  # the token completing it: position n - 1
+        prefixes = [ids[:n] for n in range(first - 1, len(ids) + 1)]  # lengths first - 1 .. len(ids)
+        texts = tokenizer.batch_decode(prefixes, skip_special_tokens=False)
+        for n, before, after in zip(range(first, len(ids) + 1), texts, texts[1:]):
+            if completes_stop_string(before, after, stop_strings):
+                stops[b, n - 1] = True  # token n - 1 turned response[:n-1] into response[:n]
                 break
     return stops
 
 
 class StopStringsCriteria(StoppingCriteria):
-    """Ends a row of `generate` once its response (the tokens after the prompt columns) holds a stop string,
-    with the test of `stop_string_ends`, so generation stops when every row has ended. A stopping criterion
-    does not touch the logits: rows that stop get padding, and the draws of the other rows are unchanged.
-    (transformers' own `stop_strings` also reads the prompt, so a stop string straddling the prompt's end
-    would stop a row whose response holds none.)"""
+    """Ends a row of `generate` when its newest token completes a stop string in its response (the tokens
+    after the prompt columns), with the test of `stop_string_ends`, so the row ends where the cut puts its
+    end and generation stops once every row has ended. A stopping criterion does not touch the logits:
+    rows that end get padding, and the draws of the other rows are unchanged. (transformers' own
+    `stop_strings` also reads the prompt, so a stop string straddling the prompt's end would end a row whose
+    response holds none, and it knows nothing of min_new_tokens.)"""
 
     def __init__(self, tokenizer, stop_strings, *, prompt_length: int, min_new_tokens: int):
         self.tokenizer, self.stop_strings = tokenizer, list(stop_strings)
         self.prompt_length, self.min_new_tokens = prompt_length, min_new_tokens
 
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-        response = input_ids[:, self.prompt_length :]  # (B, t + 1): the response so far
+        response = input_ids[:, self.prompt_length :]  # (B, n): the response so far, n >= 1
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)  # (B,)
         if response.shape[1] < max(self.min_new_tokens, 1):
             return done
-        texts = self.tokenizer.batch_decode(response.tolist(), skip_special_tokens=False)
-        for b, text in enumerate(texts):
-            done[b] = any(stop in text for stop in self.stop_strings)
+        before = self.tokenizer.batch_decode(response[:, :-1].tolist(), skip_special_tokens=False)
+        after = self.tokenizer.batch_decode(response.tolist(), skip_special_tokens=False)
+        for b in range(len(after)):
+            done[b] = completes_stop_string(before[b], after[b], self.stop_strings)
         return done
 
 
@@ -276,8 +293,8 @@ def sample(
     which may be the first token unless min_new_tokens > 0: then EOS cannot be drawn at response positions
     t < min_new_tokens (transformers' MinNewTokensLengthLogitsProcessor: the distribution is that of
     `ppo_math.mask_eos_logits`, which every log-prob computation must apply too). A response also ends at
-    the token completing its first stop string (`stop_string_ends`), cut after sampling; the tokens after
-    the end are padding. pad_to_max_new_tokens: R = max_new_tokens even when every row ended early (the
+    the token completing its first stop string (`stop_string_ends`; none before min_new_tokens), cut after
+    sampling: the kept tokens are draws of the same distribution, the tokens after the end are padding. pad_to_max_new_tokens: R = max_new_tokens even when every row ended early (the
     same shape on every process). Draws from the current global RNG."""
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     criteria = StoppingCriteriaList()
