@@ -204,6 +204,17 @@ def _read(source: str | os.PathLike, split: str = "train", name: str | None = No
     return rows
 
 
+def read_records(
+    source: str | os.PathLike, *, split: str = "train", name: str | None = None
+) -> tuple[str, list[dict[str, Any]], list[int]]:
+    """The records of a local file or hub dataset as read, each value as the file holds it (no Arrow schema
+    over the rows: a turn of chat `messages` keeps exactly its own keys, and a row whose value has another
+    type is for the caller's check to name), with the file as errors name it and each record's 1-based row
+    number (the JSONL/CSV line)."""
+    rows = _read(source, split, name)
+    return rows.file, rows.records, rows.numbers
+
+
 def load_rows(source: str | os.PathLike, *, split: str = "train", name: str | None = None):
     """Rows of a local `.jsonl`/`.json`/`.csv`/`.parquet` file or of a hub dataset, as a `datasets.Dataset`.
 

@@ -19,7 +19,7 @@ import statistics
 from pathlib import Path
 
 from llm_rlhf.config import help_field, require
-from llm_rlhf.data import chat_prompt, load_rows
+from llm_rlhf.data import chat_prompt, read_records
 from llm_rlhf.errors import DataError, UserError
 from llm_rlhf.gold import judge_details, load_judge
 from llm_rlhf.models import load_tokenizer
@@ -56,18 +56,18 @@ class Config:
 def read_rows(path: str, tokenizer: str | None = None) -> list[dict]:
     """Rows with string `prompt` and `response` (empty allowed), checked row by row before any scoring. A row
     with chat `messages` and no `prompt` gets the prompt rendered with `tokenizer`'s chat template."""
-    rows = load_rows(path).to_list()
+    file, rows, numbers = read_records(path)  # as read: a bad `messages` row is ours to name, not Arrow's
     chat = None
-    for number, row in enumerate(rows, start=1):
+    for number, row in zip(numbers, rows):
         if row.get("prompt") is None and row.get("messages") is not None:
             if chat is None:
                 chat = chat_tokenizer(tokenizer, path)
-            row["prompt"] = chat_prompt(chat, row, file=path, row=number)
+            row["prompt"] = chat_prompt(chat, row, file=file, row=number)
         for field in ("prompt", "response"):
             value = row.get(field)
             if not isinstance(value, str):
                 got = "missing (or null)" if value is None else f"expected a string, got {value!r:.40}"
-                raise DataError(got, file=path, row=number, field=field)
+                raise DataError(got, file=file, row=number, field=field)
     return rows
 
 

@@ -43,7 +43,8 @@ class Samples:
     last real one, as an EOS would be, and `stopped` marks the row.
 
     query, query_mask: (B, P) long; response: (B, R) long; response_mask: (B, R) bool; stopped: (B,) bool,
-    True where a stop string ended the response (None: sampled without stop strings, as False).
+    True where a stop string ended the response, False where an EOS did or nothing did (None: sampled
+    without stop strings, as False).
     """
 
     query: torch.Tensor
@@ -218,7 +219,8 @@ def stop_string_ends(
     """Where each response's first stop string ends, token by token: True at the first position
     t >= min_new_tokens - 1 whose token completes a stop string in the decoded response
     (`completes_stop_string` of the texts of response[:t] and response[:t+1]; special tokens decoded as
-    text, so a stop string may be one), among the real tokens (response_mask); at most one True per row.
+    text, so a stop string may be one), among the tokens response_mask marks (`sample`: those before the
+    first EOS); at most one True per row.
 
         stop_strings ["\n"]                       " great"  "!\n"    " And"  EOS     ->  F  T  F  F
         stop_strings ["stop"]                     " st"     "opped"  " now"          ->  F  T  F
@@ -240,7 +242,7 @@ def stop_string_ends(
         return stops
     first = max(min_new_tokens, 1)  # the shortest response a stop string may end
     for b in range(response.shape[0]):
-        ids = response[b][response_mask[b]].tolist()  # the real tokens: up to the first EOS
+        ids = response[b][response_mask[b]].tolist()  # the tokens that may end with a stop string
         prefixes = [ids[:n] for n in range(first - 1, len(ids) + 1)]  # lengths first - 1 .. len(ids)
         texts = tokenizer.batch_decode(prefixes, skip_special_tokens=False)
         for n, before, after in zip(range(first, len(ids) + 1), texts, texts[1:]):
@@ -321,7 +323,8 @@ def sample(
         fill = response.new_full((response.shape[0], max_new_tokens - response.shape[1]), pad)
         response = torch.cat([response, fill], dim=1)  # (B, max_new_tokens)
     eos_mask = ppo_math.response_mask_from_tokens(response=response, eos_token_id=eos)  # (B, R) up to EOS
-    stops = stop_string_ends(tokenizer, response, eos_mask, stop_strings, min_new_tokens=min_new_tokens)
+    before_eos = eos_mask & (response != eos)  # (B, R): an EOS ends its response itself, whatever its text
+    stops = stop_string_ends(tokenizer, response, before_eos, stop_strings, min_new_tokens=min_new_tokens)
     response_mask = ppo_math.response_mask_from_tokens(response=response, eos_token_id=eos, stops=stops)
     response = torch.where(response_mask, response, pad)  # (B, R) padding after the first EOS or stop
     return Samples(
