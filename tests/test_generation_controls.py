@@ -585,3 +585,14 @@ def test_two_processes_with_stop_strings_and_min_new_tokens(
     assert stopped_rows > 0
     heldout = [json.loads(line) for line in (out / "eval_log.jsonl").read_text().splitlines()]
     assert len(heldout) == 3 and all(r["response_length"] >= 2 for r in heldout)
+
+
+@pytest.mark.parametrize("config", [ppo.Config, evaluate.Config])
+def test_the_readme_example_is_a_valid_config(config, tmp_path):
+    """The YAML block of README.md's "Generation controls and chat prompts" section parses in both stages."""
+    section = (ROOT / "README.md").read_text().split("## Generation controls and chat prompts")[1]
+    block = section.split("```yaml\n")[1].split("```")[0]
+    recipe = tmp_path / "example.yaml"
+    recipe.write_text(block)
+    cfg = parse_config(config, ["--config", str(recipe)])
+    assert (cfg.stop_strings, cfg.min_new_tokens) == (["\n\nHuman:"], 4)
