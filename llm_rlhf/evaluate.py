@@ -253,7 +253,8 @@ def sequence_kl_to_ref(
 ) -> list[torch.Tensor]:
     """k1 sequence KL of each sample, sum_t log pi(y_t|s_t) - log pi_ref(y_t|s_t) over its response tokens,
     with both log-probs at each temperature in `temperatures`, both from logits with EOS masked before
-    min_new_tokens as in sampling (`ppo_math.mask_eos_logits`, as PPO). Returns one (B,) tensor per temperature."""
+    min_new_tokens as in sampling (`ppo_math.mask_eos_logits`, as PPO). Returns one (B,) tensor per
+    temperature."""
     mask = dict(eos_token_id=eos_token_id, min_new_tokens=min_new_tokens)
     logits = ppo_math.mask_eos_logits(logits=response_logits(model, batch), **mask)  # (B, R, V)
     with ref_context() if ref_context is not None else nullcontext():
@@ -307,7 +308,8 @@ def sample_and_score(
     progress: str | None = None,
 ) -> list[dict[str, Any]]:
     """One record per prompt: prompt, response (text; a stop string that ended it is kept, as the RM scored
-    it), response_ids (EOS excluded), length (tokens, EOS included), eos (ended: EOS or a stop string), kl_to_ref and kl_to_ref_at_temperature (None without `ref_model`), rm_score (None
+    it), response_ids (EOS excluded), length (tokens, EOS included), eos (ended: EOS or a stop string),
+    kl_to_ref and kl_to_ref_at_temperature (None without `ref_model`), rm_score (None
     without `reward_model`), gold_score (None without `judge`), and sentiment, fluency_nll,
     fluency_perplexity (None unless the judge reports them, as the fluency-aware gold does; see
     `llm_rlhf.gold.judge_details`). Batch b is sampled with seed + b."""

@@ -552,7 +552,8 @@ class PPOTrainer:
 
     @property
     def eos_mask(self) -> dict:
-        """How the log-prob forwards mask EOS: as sampling did under min_new_tokens (`ppo_math.mask_eos_logits`)."""
+        """How the log-prob forwards mask EOS: as sampling did under min_new_tokens
+        (`ppo_math.mask_eos_logits`)."""
         return {"eos_token_id": self.tokenizer.eos_token_id, "min_new_tokens": self.cfg.min_new_tokens}
 
     @torch.no_grad()

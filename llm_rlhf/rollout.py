@@ -296,8 +296,9 @@ def sample(
     t < min_new_tokens (transformers' MinNewTokensLengthLogitsProcessor: the distribution is that of
     `ppo_math.mask_eos_logits`, which every log-prob computation must apply too). A response also ends at
     the token completing its first stop string (`stop_string_ends`; none before min_new_tokens), cut after
-    sampling: the kept tokens are draws of the same distribution, the tokens after the end are padding. pad_to_max_new_tokens: R = max_new_tokens even when every row ended early (the
-    same shape on every process). Draws from the current global RNG."""
+    sampling: the kept tokens are draws of the same distribution, the tokens after the end are padding.
+    pad_to_max_new_tokens: R = max_new_tokens even when every row ended early (the same shape on every
+    process). Draws from the current global RNG."""
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     criteria = StoppingCriteriaList()
     if stop_strings:
