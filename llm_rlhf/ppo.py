@@ -102,8 +102,13 @@ class Config:
     )
     max_new_tokens: int = help_field(32, "Maximum response length in tokens.")
     temperature: float = help_field(1.0, "Sampling temperature (log-probs use the same temperature).")
-    top_k: int = help_field(0, "Top-k sampling (0 = off).")
-    top_p: float = help_field(1.0, "Nucleus sampling (1.0 = off).")
+    top_k: int = help_field(
+        0,
+        "Must stay 0 (off): PPO's ratio and KL are log-probs of the full softmax at `temperature`, the "
+        "distribution the tokens must be drawn from; top-k draws from another one (tokens outside the "
+        "reference's top k would even have infinite KL). Evaluation may use it.",
+    )
+    top_p: float = help_field(1.0, "Must stay 1.0 (off), as top_k and for the same reason.")
     stop_strings: list[str] = help_field(
         [],
         "A response ends at the token completing the first of these strings in its text (the token is kept, "
@@ -199,6 +204,11 @@ class Config:
             "must be none, tensorboard or wandb",
         )
         require(self.temperature > 0, "temperature", "must be > 0")
+        sampled_as_scored = (
+            "PPO samples from the distribution its log-probs describe: the full softmax at temperature"
+        )
+        require(self.top_k == 0, "top_k", f"must be 0 (off); {sampled_as_scored}")
+        require(self.top_p == 1.0, "top_p", f"must be 1.0 (off); {sampled_as_scored}")
         require(
             self.kl_target > 0 and self.kl_horizon > 0, "kl_target", "kl_target and kl_horizon must be > 0"
         )
