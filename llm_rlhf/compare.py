@@ -68,6 +68,8 @@ def best_of_n_points(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
+    stop_strings=(),
+    min_new_tokens: int = 0,
 ) -> list[dict[str, Any]]:
     """One point per n in `ns`: n, kl (analytic), kl_measured, rm_score, gold_score, sentiment,
     fluency_perplexity (the last two when the judge reports them), each the best-of-n expectation over the
@@ -91,6 +93,8 @@ def best_of_n_points(
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
+        stop_strings=stop_strings,
+        min_new_tokens=min_new_tokens,
     )
     rm = torch.tensor([r["rm_score"] for r in records], dtype=torch.float64).view(P, N)  # (P, N)
     pairs = list(dict.fromkeys((r["prompt"], r["response"]) for r in records))  # distinct, in order
@@ -244,6 +248,8 @@ def run(cfg: Config) -> dict[str, Any]:
         temperature=ppo_cfg.temperature,
         top_k=ppo_cfg.top_k,
         top_p=ppo_cfg.top_p,
+        stop_strings=ppo_cfg.stop_strings,  # responses end as they did in PPO
+        min_new_tokens=ppo_cfg.min_new_tokens,
     )
     sft_model = freeze(load_causal_lm(cfg.sft_path))
     reward_model = freeze(load_reward_model(cfg.reward_model_path))

@@ -16,7 +16,8 @@ Conventions:
   plain language-modelling loss over the whole text.
 - Chat `messages` are rendered with `tokenizer.apply_chat_template`: the prompt is every turn before
   the last assistant turn (with the generation prompt), the completion is the rest of the rendered
-  conversation up to and including that assistant turn.
+  conversation up to and including that assistant turn. A BOS the template writes is dropped from the
+  text when the tokenizer adds its own (no double BOS when a stage tokenizes the text).
 - HH rows (Anthropic/hh-rlhf): `chosen` and `rejected` full dialogues "\\n\\nHuman: ...\\n\\nAssistant: ...",
   possibly multi-turn, sharing everything up to the last "\\n\\nAssistant:". They are detected by their
   columns (chosen/rejected without a prompt column), or required with `data_format="hh"`. Pairs are split by
@@ -203,6 +204,17 @@ def _read(source: str | os.PathLike, split: str = "train", name: str | None = No
     return rows
 
 
+def read_records(
+    source: str | os.PathLike, *, split: str = "train", name: str | None = None
+) -> tuple[str, list[dict[str, Any]], list[int]]:
+    """The records of a local file or hub dataset as read, each value as the file holds it (no Arrow schema
+    over the rows: a turn of chat `messages` keeps exactly its own keys, and a row whose value has another
+    type is for the caller's check to name), with the file as errors name it and each record's 1-based row
+    number (the JSONL/CSV line)."""
+    rows = _read(source, split, name)
+    return rows.file, rows.records, rows.numbers
+
+
 def load_rows(source: str | os.PathLike, *, split: str = "train", name: str | None = None):
     """Rows of a local `.jsonl`/`.json`/`.csv`/`.parquet` file or of a hub dataset, as a `datasets.Dataset`.
 
@@ -324,8 +336,12 @@ def _require_chat_template(tokenizer, rows: _Rows) -> None:
 
 def _messages(rows: _Rows, i: int) -> tuple[list[dict[str, str]], int | None]:
     """Validated chat turns of row i and the index of the last assistant turn (None if there is none)."""
-    file, row = rows.file, rows.numbers[i]
-    record = rows.records[i]
+    return _record_messages(rows.records[i], file=rows.file, row=rows.numbers[i])
+
+
+def _record_messages(
+    record: dict[str, Any], *, file: str, row: int
+) -> tuple[list[dict[str, str]], int | None]:
     messages = record.get("messages")
     if "messages" not in record or messages is None:
         raise DataError("missing (or null)", file=file, row=row, field="messages")
@@ -352,14 +368,41 @@ def _messages(rows: _Rows, i: int) -> tuple[list[dict[str, str]], int | None]:
 def _render(
     tokenizer, messages: list[dict[str, str]], *, add_generation_prompt: bool, file: str, row: int
 ) -> str:
+    """The conversation as text. A template that writes the BOS itself (`{{ bos_token }}...`, Llama 3's)
+    loses it here when the tokenizer adds one anyway: every stage tokenizes the text with the tokenizer's
+    special tokens (`rollout.encode_prompt`, TRL's SFT, the RM), which would give two BOS."""
     try:
-        return tokenizer.apply_chat_template(
+        text = tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt
         )
     except Exception as e:  # jinja errors raised by the template itself (e.g. "roles must alternate")
         raise DataError(
             f"the chat template failed: {str(e).splitlines()[0]}", file=file, row=row, field="messages"
         ) from None
+    bos = tokenizer.bos_token
+    if bos and text.startswith(bos) and adds_bos(tokenizer):
+        text = text[len(bos) :]
+    return text
+
+
+def adds_bos(tokenizer) -> bool:
+    """Whether `tokenizer(text)` puts the BOS token in front of the text's own tokens (Llama-style)."""
+    with_special = tokenizer("a")["input_ids"]
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    bos = tokenizer.bos_token_id
+    return bos is not None and len(with_special) > len(plain) and with_special[0] == bos
+
+
+def chat_prompt(tokenizer, record: dict[str, Any], *, file: str, row: int) -> str:
+    """The prompt of a chat `messages` record: every turn before its last assistant turn (all of them when
+    it has none), rendered with the generation prompt, the text `load_prompt_dataset` gives."""
+    messages, last = _record_messages(record, file=file, row=row)
+    turns = messages[:last] if last is not None else messages
+    if not turns:
+        raise DataError(
+            "no turn before the assistant turn to use as the prompt", file=file, row=row, field="messages"
+        )
+    return _render(tokenizer, turns, add_generation_prompt=True, file=file, row=row)
 
 
 def _to_dataset(columns: dict[str, list[str]]):
@@ -605,18 +648,7 @@ def load_prompt_dataset(
     elif "messages" in columns:
         _require_chat_template(tokenizer, rows)
         for i in range(len(rows.records)):
-            messages, last = _messages(rows, i)
-            turns = messages[:last] if last is not None else messages
-            if not turns:
-                raise DataError(
-                    "no turn before the assistant turn to use as the prompt",
-                    file=rows.file,
-                    row=rows.numbers[i],
-                    field="messages",
-                )
-            prompts.append(
-                _render(tokenizer, turns, add_generation_prompt=True, file=rows.file, row=rows.numbers[i])
-            )
+            prompts.append(chat_prompt(tokenizer, rows.records[i], file=rows.file, row=rows.numbers[i]))
     elif "text" in columns:
         prompts = [_field(rows, i, "text") for i in range(len(rows.records))]
     else:

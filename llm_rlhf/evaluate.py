@@ -26,6 +26,7 @@ metrics.json (written last; `_baseline` keys hold the same figures for the basel
                       temperature tau come from pi_tau: `kl_to_ref_at_temperature` is the same sum with both
                       log-probs at tau, the estimate of KL(pi_tau || pi_ref_tau), which is what PPO penalises.
     response_length_mean   response tokens, the EOS included;  eos_rate: fraction of responses that stop
+                      (with EOS or a stop string; not truncated at max_new_tokens)
     distinct_1, distinct_2  unique / total token n-grams over all responses (EOS excluded; Li et al. 2016)
     *_stderr          standard error of the mean over the samples
 A null value means "not measured" (gold_judge none, reward_model_path none, reward_fn unset, or a baseline
@@ -67,7 +68,14 @@ from llm_rlhf.gold import FluentGoldJudge, GoldJudge, judge_details, load_judge
 from llm_rlhf.models import freeze, load_causal_lm, load_tokenizer, shares_vocab
 from llm_rlhf.reward_fn import load_reward_fn
 from llm_rlhf.reward_model import load_reward_model
-from llm_rlhf.rollout import Samples, encode_prompt, left_pad, response_logits, sample
+from llm_rlhf.rollout import (
+    Samples,
+    check_generation_controls,
+    encode_prompt,
+    left_pad,
+    response_logits,
+    sample,
+)
 from llm_rlhf.utils import atomic_write_json, atomic_write_text
 
 
@@ -127,6 +135,17 @@ class Config:
     temperature: float = help_field(1.0, "Sampling temperature.")
     top_k: int = help_field(0, "Top-k sampling (0 = off).")
     top_p: float = help_field(1.0, "Nucleus sampling (1.0 = off).")
+    stop_strings: list[str] = help_field(
+        [],
+        "A response ends at the token completing the first of these strings in its text (the token is kept, "
+        "as an EOS is); set the PPO run's. On the command line a YAML list keeps spaces and escapes: "
+        "--stop_strings '[\"\\n\"]'. [] = off.",
+    )
+    min_new_tokens: int = help_field(
+        0,
+        "EOS cannot be sampled before this many response tokens, and a stop string completed before then is "
+        "ignored (0 = off); set the PPO run's. The KL uses the same EOS-masked distribution.",
+    )
     batch_size: int = help_field(
         32, "Prompts per generate call (the same batches for both models: part of the pairing)."
     )
@@ -155,6 +174,7 @@ class Config:
         require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         require(self.batch_size > 0, "batch_size", "must be > 0")
         require(self.print_samples >= 0, "print_samples", "must be >= 0")
+        check_generation_controls(self)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,9 +238,12 @@ def sample_batch(
     temperature: float,
     top_k: int,
     top_p: float,
+    stop_strings=(),
+    min_new_tokens: int = 0,
 ) -> Samples:
     """Left-padded batched `generate` (HF derives the positions from the attention mask), seeded with
-    `seed` without touching the global RNG; stops at EOS (possibly at once), sampled as in PPO."""
+    `seed` without touching the global RNG; stops at EOS (possibly at once, unless min_new_tokens) or at a
+    stop string, sampled as in PPO."""
     device = next(model.parameters()).device
     queries = [encode_prompt(tokenizer, p) for p in prompts]  # as PPO, SFT and the RM tokenize prompts
     if any(len(q) == 0 for q in queries):
@@ -237,18 +260,30 @@ def sample_batch(
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
+            stop_strings=stop_strings,
+            min_new_tokens=min_new_tokens,
         )
 
 
 @torch.no_grad()
 def sequence_kl_to_ref(
-    model, ref_model, batch: Samples, temperatures: tuple[float, ...], ref_context=None
+    model,
+    ref_model,
+    batch: Samples,
+    temperatures: tuple[float, ...],
+    ref_context=None,
+    *,
+    eos_token_id: int | None = None,
+    min_new_tokens: int = 0,
 ) -> list[torch.Tensor]:
     """k1 sequence KL of each sample, sum_t log pi(y_t|s_t) - log pi_ref(y_t|s_t) over its response tokens,
-    with both log-probs at each temperature in `temperatures`. Returns one (B,) tensor per temperature."""
-    logits = response_logits(model, batch)  # (B, R, V)
+    with both log-probs at each temperature in `temperatures`, both from logits with EOS masked before
+    min_new_tokens as in sampling (`ppo_math.mask_eos_logits`, as PPO). Returns one (B,) tensor per
+    temperature."""
+    mask = dict(eos_token_id=eos_token_id, min_new_tokens=min_new_tokens)
+    logits = ppo_math.mask_eos_logits(logits=response_logits(model, batch), **mask)  # (B, R, V)
     with ref_context() if ref_context is not None else nullcontext():
-        ref_logits = response_logits(ref_model, batch)  # (B, R, V)
+        ref_logits = ppo_math.mask_eos_logits(logits=response_logits(ref_model, batch), **mask)  # (B, R, V)
     out = []
     for tau in temperatures:
         logprobs = ppo_math.logprobs_from_logits(
@@ -294,10 +329,13 @@ def sample_and_score(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
+    stop_strings=(),
+    min_new_tokens: int = 0,
     progress: str | None = None,
 ) -> list[dict[str, Any]]:
-    """One record per prompt: prompt, response (text), response_ids (EOS excluded), length (tokens, EOS
-    included), eos, kl_to_ref and kl_to_ref_at_temperature (None without `ref_model`), rm_score (None
+    """One record per prompt: prompt, response (text; a stop string that ended it is kept, as the RM scored
+    it), response_ids (EOS excluded), length (tokens, EOS included), eos (ended: EOS or a stop string),
+    kl_to_ref and kl_to_ref_at_temperature (None without `ref_model`), rm_score (None
     without `reward_model`), gold_score (None without `judge`), and sentiment, fluency_nll,
     fluency_perplexity (None unless the judge reports them, as the fluency-aware gold does; see
     `llm_rlhf.gold.judge_details`), reward_fn (None without `reward_fn`, a `llm_rlhf.reward_fn.RewardFn`:
@@ -318,14 +356,25 @@ def sample_and_score(
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
+            stop_strings=stop_strings,
+            min_new_tokens=min_new_tokens,
         )
         kls = (
-            sequence_kl_to_ref(model, ref_model, batch, temperatures, ref_context)
+            sequence_kl_to_ref(
+                model,
+                ref_model,
+                batch,
+                temperatures,
+                ref_context,
+                eos_token_id=tokenizer.eos_token_id,
+                min_new_tokens=min_new_tokens,
+            )
             if ref_model is not None
             else None
         )
         rm = reward_scores(reward_model, tokenizer, batch) if reward_model is not None else None
         eos = (batch.response == tokenizer.eos_token_id) & batch.response_mask  # (B, R) the first EOS, if any
+        ended = batch.ended(tokenizer.eos_token_id)  # (B,) EOS or a stop string
         for i, prompt in enumerate(chunk):
             ids = batch.response[i][batch.response_mask[i] & ~eos[i]].tolist()  # the response without its EOS
             records.append(
@@ -334,7 +383,7 @@ def sample_and_score(
                     "response": tokenizer.decode(ids, skip_special_tokens=True),
                     "response_ids": ids,
                     "length": int(batch.response_mask[i].sum()),
-                    "eos": bool(eos[i].any()),
+                    "eos": bool(ended[i]),
                     "kl_to_ref": float(kls[0][i]) if kls is not None else None,
                     "kl_to_ref_at_temperature": float(kls[1][i]) if kls is not None else None,
                     "rm_score": float(rm[i]) if rm is not None else None,
@@ -399,6 +448,8 @@ def evaluate_policy(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
+    stop_strings=(),
+    min_new_tokens: int = 0,
 ) -> dict[str, float | None]:
     """Sample one response per prompt from `policy` and score it: for evaluation during training.
 
@@ -427,6 +478,8 @@ def evaluate_policy(
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
+            stop_strings=stop_strings,
+            min_new_tokens=min_new_tokens,
         )
     finally:
         policy.train(was_training)
@@ -549,6 +602,8 @@ def _run(cfg: Config) -> dict[str, Any]:
         temperature=cfg.temperature,
         top_k=cfg.top_k,
         top_p=cfg.top_p,
+        stop_strings=cfg.stop_strings,
+        min_new_tokens=cfg.min_new_tokens,
     )
     ref_model = models[reference_path]
     policy = sample_and_score(

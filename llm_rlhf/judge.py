@@ -3,7 +3,10 @@
     llm-rlhf judge --input_file samples.jsonl --output_file judged.jsonl [--gold_judge data/reviews/gold.json]
 
 Each input row (JSONL/JSON/CSV/Parquet) needs a string `prompt` and a string `response` (either may be
-empty: a policy can stop at once); other fields are kept. Each output row adds `gold_score` and, when the
+empty: a policy can stop at once); other fields are kept. Instead of `prompt`, a row may hold chat
+`messages`: the prompt is then every turn before the last assistant turn rendered with the chat template
+of `--tokenizer` (the policy's), the text `llm-rlhf ppo` and `eval` sample from, and the output row gets it
+as `prompt`; the response stays in `response`. Each output row adds `gold_score` and, when the
 judge reports them (the fluency-aware gold does), `sentiment`, `fluency_nll` and `fluency_perplexity`.
 The scores come from `judge_details`, the call `llm-rlhf eval` makes, so both give the same numbers.
 """
@@ -16,16 +19,20 @@ import statistics
 from pathlib import Path
 
 from llm_rlhf.config import help_field, require
-from llm_rlhf.data import load_rows
+from llm_rlhf.data import chat_prompt, read_records
 from llm_rlhf.errors import DataError, UserError
 from llm_rlhf.gold import judge_details, load_judge
+from llm_rlhf.models import load_tokenizer
 from llm_rlhf.utils import atomic_write_text
 
 
 @dataclasses.dataclass
 class Config:
     input_file: str = dataclasses.field(
-        metadata={"help": "JSONL/JSON/CSV/Parquet rows with `prompt` and `response` (other fields are kept)."}
+        metadata={
+            "help": "JSONL/JSON/CSV/Parquet rows with `prompt` (or chat `messages`) and `response` (other "
+            "fields are kept)."
+        }
     )
     output_file: str = dataclasses.field(metadata={"help": "Where the judged rows go (JSONL)."})
     gold_judge: str = help_field(
@@ -33,6 +40,11 @@ class Config:
         "The gold judge: a judge JSON (fluency-aware or sentiment-only), 'module:function' or 'module:Class'.",
     )
     show: int = help_field(3, "Print this many of the highest and of the lowest judged rows (0 = none).")
+    tokenizer: str | None = help_field(
+        None,
+        "For rows given as chat `messages`: the model (HF folder or hub name) whose tokenizer's chat template "
+        "renders them, the policy's (null = every row has a `prompt`).",
+    )
 
     def __post_init__(self):
         require(self.show >= 0, "show", "must be >= 0")
@@ -41,21 +53,42 @@ class Config:
         )
 
 
-def read_rows(path: str) -> list[dict]:
-    """Rows with string `prompt` and `response` (empty allowed), checked row by row before any scoring."""
-    rows = load_rows(path).to_list()
-    for number, row in enumerate(rows, start=1):
+def read_rows(path: str, tokenizer: str | None = None) -> list[dict]:
+    """Rows with string `prompt` and `response` (empty allowed), checked row by row before any scoring. A row
+    with chat `messages` and no `prompt` gets the prompt rendered with `tokenizer`'s chat template."""
+    file, rows, numbers = read_records(path)  # as read: a bad `messages` row is ours to name, not Arrow's
+    chat = None
+    for number, row in zip(numbers, rows):
+        if row.get("prompt") is None and row.get("messages") is not None:
+            if chat is None:
+                chat = chat_tokenizer(tokenizer, path)
+            row["prompt"] = chat_prompt(chat, row, file=file, row=number)
         for field in ("prompt", "response"):
             value = row.get(field)
             if not isinstance(value, str):
                 got = "missing (or null)" if value is None else f"expected a string, got {value!r:.40}"
-                raise DataError(got, file=path, row=number, field=field)
+                raise DataError(got, file=file, row=number, field=field)
     return rows
+
+
+def chat_tokenizer(tokenizer: str | None, path: str):
+    """The tokenizer whose chat template renders `messages` rows: `--tokenizer`, which must have one."""
+    if tokenizer is None:
+        raise UserError(
+            f"'{path}' has rows with chat `messages` and no `prompt`: set --tokenizer to the policy's model, "
+            "whose chat template renders them"
+        )
+    loaded = load_tokenizer(tokenizer)
+    if not getattr(loaded, "chat_template", None):
+        raise UserError(
+            f"tokenizer '{tokenizer}' has no chat template to render the `messages` rows of '{path}'"
+        )
+    return loaded
 
 
 def run(cfg: Config) -> dict[str, float]:
     """Check the input, load the judge, judge every row, write output_file, print a summary."""
-    rows = read_rows(cfg.input_file)
+    rows = read_rows(cfg.input_file, cfg.tokenizer)
     output = Path(cfg.output_file)
     if output.is_dir():
         raise UserError(f"output_file '{output}' is a folder")

@@ -33,6 +33,7 @@ from llm_rlhf import compare, dpo, evaluate, ppo_run, reward, sft
 from llm_rlhf.config import _coerce, format_config, help_field, load_yaml_config, require, save_config
 from llm_rlhf.errors import ConfigError
 from llm_rlhf.report import write_report
+from llm_rlhf.trainer_stage import last_checkpoint as trainer_last_checkpoint
 from llm_rlhf.utils import atomic_write_json
 
 STAGES = ("sft", "rm", "ppo", "eval")  # the default stages, in order
@@ -228,9 +229,13 @@ def run_one(cfg: Config) -> dict[str, Any]:
         if (stage_dir / "metrics.json").exists():
             state.print(f"== {stage}: finished earlier ({stage_dir}); skipped")
             continue
-        if stage_dir.exists() and hasattr(stage_cfg, "resume"):
+        if stage_dir.exists() and hasattr(stage_cfg, "resume") and has_checkpoint(stage, stage_dir):
             stage_cfg = dataclasses.replace(stage_cfg, resume=True)
             state.print(f"== {stage}: interrupted earlier; resuming in {stage_dir}")
+        elif stage_dir.exists():
+            state.print(
+                f"== {stage}: interrupted earlier, no checkpoint to resume from; starting over in {stage_dir}"
+            )
         else:
             state.print(f"== {stage}: running in {stage_dir}")
         start = time.perf_counter()
@@ -242,6 +247,12 @@ def run_one(cfg: Config) -> dict[str, Any]:
             atomic_write_json(record_path, record)
     state.print(summary(record))
     return record
+
+
+def has_checkpoint(stage: str, stage_dir: Path) -> bool:
+    """Whether an interrupted stage left a checkpoint to resume from (PPO's step-N, a Trainer's checkpoint-N)."""
+    latest = ppo_run.last_checkpoint if stage == "ppo" else trainer_last_checkpoint
+    return latest(stage_dir) is not None
 
 
 HEADLINES = {

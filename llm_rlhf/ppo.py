@@ -32,7 +32,15 @@ from llm_rlhf.config import help_field, is_off, require, split_callable_spec
 from llm_rlhf.data import DATA_FORMATS
 from llm_rlhf.errors import NonFiniteError, UserError
 from llm_rlhf.models import shares_vocab
-from llm_rlhf.rollout import Rollout, Samples, left_pad, pad_columns, response_logprobs_and_values, sample
+from llm_rlhf.rollout import (
+    Rollout,
+    Samples,
+    check_generation_controls,
+    left_pad,
+    pad_columns,
+    response_logprobs_and_values,
+    sample,
+)
 
 
 @dataclass
@@ -106,8 +114,24 @@ class Config:
     )
     max_new_tokens: int = help_field(32, "Maximum response length in tokens.")
     temperature: float = help_field(1.0, "Sampling temperature (log-probs use the same temperature).")
-    top_k: int = help_field(0, "Top-k sampling (0 = off).")
-    top_p: float = help_field(1.0, "Nucleus sampling (1.0 = off).")
+    top_k: int = help_field(
+        0,
+        "Must stay 0 (off): PPO's ratio and KL are log-probs of the full softmax at `temperature`, the "
+        "distribution the tokens must be drawn from; top-k draws from another one (tokens outside the "
+        "reference's top k would even have infinite KL). Evaluation may use it.",
+    )
+    top_p: float = help_field(1.0, "Must stay 1.0 (off), as top_k and for the same reason.")
+    stop_strings: list[str] = help_field(
+        [],
+        "A response ends at the token completing the first of these strings in its text (the token is kept, "
+        "as an EOS is): its end for the response mask, the score, the KL and the EOS trick. On the command "
+        "line a YAML list keeps spaces and escapes: --stop_strings '[\"\\n\"]'. [] = off.",
+    )
+    min_new_tokens: int = help_field(
+        0,
+        "EOS cannot be sampled before this many response tokens, and a stop string completed before then is "
+        "ignored (0 = off). PPO's log-probs are those of the same EOS-masked distribution.",
+    )
     # --- rewards and KL
     kl_estimator: str = help_field("k1", "Per-token KL estimator in the reward: k1 | k3 | abs | mse.")
     kl_controller: str = help_field("adaptive", "'adaptive' (Ziegler et al. 2019) or 'fixed'.")
@@ -115,7 +139,7 @@ class Config:
     kl_target: float = help_field(6.0, "Adaptive controller: target per-sequence KL (nats).")
     kl_horizon: int = help_field(10000, "Adaptive controller: horizon in episodes.")
     eos_penalty: float | None = help_field(
-        None, "EOS trick: score for responses that never emitted EOS (null = off)."
+        None, "EOS trick: score for responses that never emitted EOS nor a stop string (null = off)."
     )
     score_clip: float | None = help_field(None, "Clip RM scores to [-x, x] (null = off).")
     whiten_rewards: bool = help_field(False, "Whiten the per-token rewards over the batch before GAE.")
@@ -193,11 +217,17 @@ class Config:
             "must be none, tensorboard or wandb",
         )
         require(self.temperature > 0, "temperature", "must be > 0")
+        sampled_as_scored = (
+            "PPO samples from the distribution its log-probs describe: the full softmax at temperature"
+        )
+        require(self.top_k == 0, "top_k", f"must be 0 (off); {sampled_as_scored}")
+        require(self.top_p == 1.0, "top_p", f"must be 1.0 (off); {sampled_as_scored}")
         require(
             self.kl_target > 0 and self.kl_horizon > 0, "kl_target", "kl_target and kl_horizon must be > 0"
         )
         require(0 < self.cliprange and 0 < self.cliprange_value, "cliprange", "clip ranges must be > 0")
         require(self.max_new_tokens > 0, "max_new_tokens", "must be > 0")
+        check_generation_controls(self)
 
 
 def check_reward_keys(cfg) -> None:
@@ -451,7 +481,7 @@ class PPOTrainer:
             kl_coef=self.kl_ctl.value,
             response_mask=rollout.response_mask,
             eos_penalty=cfg.eos_penalty,
-            ended_with_eos=rollout.ended_with_eos(self.tokenizer.eos_token_id)
+            ended_with_eos=rollout.ended(self.tokenizer.eos_token_id)  # EOS or a stop string
             if cfg.eos_penalty is not None
             else None,
         )
@@ -546,6 +576,8 @@ class PPOTrainer:
                 temperature=cfg.temperature,
                 top_k=cfg.top_k,
                 top_p=cfg.top_p,
+                stop_strings=cfg.stop_strings,
+                min_new_tokens=cfg.min_new_tokens,
                 pad_to_max_new_tokens=True,
             )
 
@@ -577,13 +609,19 @@ class PPOTrainer:
         entropy_mode = "grad" if train and self.cfg.ent_coef != 0 else "stats"
         with self.autocast(), self.checkpointing(train):
             logprobs, values, entropy = response_logprobs_and_values(
-                policy, samples, self.cfg.temperature, entropy=entropy_mode
+                policy, samples, self.cfg.temperature, entropy=entropy_mode, **self.eos_mask
             )
             if self.critic is not None:
                 critic = self.critic if train else unwrap(self.critic)
                 P = samples.query.shape[1]
                 values = critic(samples.sequence, samples.attention_mask)[:, P - 1 : -1]  # (B, R')
         return tuple(pad_columns(x.float(), R) for x in (logprobs, values, entropy))  # (B, R) each
+
+    @property
+    def eos_mask(self) -> dict:
+        """How the log-prob forwards mask EOS: as sampling did under min_new_tokens
+        (`ppo_math.mask_eos_logits`)."""
+        return {"eos_token_id": self.tokenizer.eos_token_id, "min_new_tokens": self.cfg.min_new_tokens}
 
     @torch.no_grad()
     def reference_logprobs(self, samples: Samples) -> torch.Tensor:
@@ -594,7 +632,7 @@ class PPOTrainer:
             logprobs = self.in_chunks(
                 lambda part: pad_columns(
                     response_logprobs_and_values(
-                        self.ref_model, part.trimmed(), self.cfg.temperature, entropy="none"
+                        self.ref_model, part.trimmed(), self.cfg.temperature, entropy="none", **self.eos_mask
                     )[0],
                     R,
                 ),
@@ -846,7 +884,7 @@ class PPOTrainer:
             ),
             "val/mean": self.global_mean(ppo_math.masked_mean(rollout.values, mask)),
             "response_length": self.global_mean(lengths.mean()),
-            "eos_rate": self.global_mean(rollout.ended_with_eos(self.tokenizer.eos_token_id).float().mean()),
+            "eos_rate": self.global_mean(rollout.ended(self.tokenizer.eos_token_id).float().mean()),
             "time/generate": times["generate"],
             "time/score": times["score"],
             "time/train": times["train"],

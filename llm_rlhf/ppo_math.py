@@ -60,12 +60,39 @@ def entropy_from_logits(*, logits: torch.Tensor, temperature: float = 1.0) -> to
 
         H = -sum_v p_v log p_v = logsumexp(z) - sum_v p_v z_v
 
+    Logits of -inf (`mask_eos_logits`) are tokens of probability 0, which add 0 to the sum (p_v z_v is
+    0 * -inf = nan, so z_v is read as 0 there; that also keeps nan out of the gradient).
+
     logits: (B, T, V). Returns (B, T).
     """
     if temperature != 1.0:
         logits = logits / temperature  # (B, T, V)
     probs = torch.softmax(logits, dim=-1)  # (B, T, V)
-    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)  # (B, T)
+    finite = torch.where(torch.isneginf(logits), 0, logits)  # (B, T, V): 0 * 0 where p_v = 0
+    return torch.logsumexp(logits, dim=-1) - (probs * finite).sum(dim=-1)  # (B, T)
+
+
+def mask_eos_logits(*, logits: torch.Tensor, eos_token_id: int, min_new_tokens: int) -> torch.Tensor:
+    """The logits sampling uses under `min_new_tokens`: EOS cannot be drawn before response token
+    `min_new_tokens` (transformers' MinNewTokensLengthLogitsProcessor, which `rollout.sample` applies):
+
+        z'_{t,v} = -inf   if v == eos_token_id and t < min_new_tokens
+        z'_{t,v} = z_{t,v}  otherwise
+
+    The log-probs of the sampled tokens must come from z' in every log-prob computation (policy, old policy,
+    reference, evaluation's KL), or the ratio and the KL describe another distribution than the one the
+    tokens were drawn from; the same mask on the policy and the reference keeps KL = 0 and ratio = 1 at the
+    first step. Only EOS is masked, as transformers does: a pad token distinct from EOS is an ordinary token.
+
+    logits: (B, T, V), position t predicts response token t (the caller does the shift). Returns (B, T, V),
+    `logits` itself when min_new_tokens is 0. Differentiable (the masked entries get no gradient).
+    """
+    if min_new_tokens <= 0:
+        return logits
+    T, V = logits.shape[-2:]
+    early = torch.arange(T, device=logits.device) < min_new_tokens  # (T,) positions t < min_new_tokens
+    is_eos = torch.arange(V, device=logits.device) == eos_token_id  # (V,)
+    return logits.masked_fill(early[:, None] & is_eos[None, :], -math.inf)  # (B, T, V)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,22 +169,32 @@ def masked_whiten(
 # ---------------------------------------------------------------------------------------------
 
 
-def response_mask_from_tokens(*, response: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """True up to and including the first EOS; everything after it is padding. The EOS counts: it is
-    a sampled action, and the score lands on it (the last True, see `shaped_rewards`).
+def response_mask_from_tokens(
+    *, response: torch.Tensor, eos_token_id: int, stops: torch.Tensor | None = None
+) -> torch.Tensor:
+    """True up to and including the first end token; everything after it is padding. An end token is an
+    EOS, or a token marked in `stops` (the token completing a stop string, `rollout.stop_string_ends`).
+    The end token counts: it is a sampled action, and the score lands on it (the last True, see
+    `shaped_rewards`).
 
         position        0     1     2     3     4
         response        r     r    EOS   pad   pad      (pad may be EOS itself, as for GPT-2)
         response_mask   T     T     T     F     F
 
-    A row without EOS (truncated at max_new_tokens) is all True. The loop it replaces:
-    `[[eos_token_id not in response[b, :t] for t in range(R)] for b in range(B)]`.
+        response        r    "\n"  r    EOS   pad      stop_strings ["\n"]: stops = F T F F F
+        response_mask   T     T     F     F     F
 
-    response: (B, R) token ids -> (B, R) bool.
+    A row without an end token (truncated at max_new_tokens) is all True. The loop it replaces:
+    `[[not any(is_end[b, :t]) for t in range(R)] for b in range(B)]`, is_end = (response == eos) | stops.
+
+    response: (B, R) token ids; stops: (B, R) bool or None (no stop strings) -> (B, R) bool.
     """
-    is_eos = (response == eos_token_id).int()  # (B, R)
-    eos_before = is_eos.cumsum(-1) - is_eos  # (B, R) EOS tokens strictly before t
-    return eos_before == 0
+    is_end = response == eos_token_id  # (B, R)
+    if stops is not None:
+        is_end = is_end | stops
+    is_end = is_end.int()
+    ends_before = is_end.cumsum(-1) - is_end  # (B, R) end tokens strictly before t
+    return ends_before == 0
 
 
 # ---------------------------------------------------------------------------------------------

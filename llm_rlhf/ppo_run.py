@@ -438,6 +438,8 @@ def evaluate_heldout(trainer: PPOTrainer, prompts: list[str], judge) -> dict[str
             temperature=trainer.cfg.temperature,
             top_k=trainer.cfg.top_k,
             top_p=trainer.cfg.top_p,
+            stop_strings=trainer.cfg.stop_strings,
+            min_new_tokens=trainer.cfg.min_new_tokens,
         )
     return {
         "step": trainer.step,

@@ -539,8 +539,9 @@ def plot_methods(points: list[dict], fits: dict):
            xlabel="sqrt(KL to the SFT model)   (sqrt nats)", ylabel="gold score (solid)")  # fmt: skip
     twin.set_ylabel("RM score, normalised (dashed)", color="0.4")
     for i, method in enumerate(METHOD_NAMES):
-        ps = sorted((p for p in points if p.get("method") == method and _num(p.get("kl")) is not None),
-                    key=lambda p: p["kl"])  # fmt: skip
+        ps = [p for p in points if p.get("method") == method and _num(p.get("kl")) is not None]
+        if method != "ppo":  # PPO's points stay in step order: its path along the run (KL is not monotone)
+            ps.sort(key=lambda p: p["kl"])
         if not ps:
             continue
         d = np.sqrt(np.maximum([p["kl"] for p in ps], 0.0))
@@ -893,7 +894,7 @@ def section_methods(page: Page, run: Run) -> None:
              f"one gold judge ({html.escape(str(metrics.get('gold_judge')))}). Best-of-n's KL is the analytic "
              "log n − (n−1)/n; the KL measured on its samples is in the table.</p>")  # fmt: skip
     page.figure(plot_methods(run.compare_points, metrics.get("fits") or {}), "methods",
-                "Gold and RM score against sqrt(KL) for PPO, DPO and best-of-n")  # fmt: skip
+                "Gold and RM score against sqrt(KL): PPO joined in step order, DPO and best-of-n by KL")  # fmt: skip
     best = metrics.get("best") or {}
     page.add("<h3>Best gold of each method</h3>", table(
         ["method", "best gold score", "at KL", "point"],

@@ -1,8 +1,11 @@
 """Sampling responses and the forwards over them, shared by PPO and evaluation.
 
     left_pad        token-id lists -> query, query_mask (B, P): every response starts at column P
-    sample          query -> `Samples`: responses from `generate`, cut after the first EOS, drawn from
-                    exactly softmax(logits / temperature) (top-k/top-p if asked; nothing from the checkpoint)
+    sample          query -> `Samples`: responses from `generate`, cut after the first EOS or stop string,
+                    drawn from exactly softmax(logits / temperature) (top-k/top-p if asked, EOS masked before
+                    min_new_tokens; nothing from the checkpoint)
+    stop_string_ends  where each response's first stop string ends (a token-level cut of the decoded text;
+                    the same test, `completes_stop_string`, stops `generate` through `StopStringsCriteria`)
     Rollout         `Samples` plus everything PPO computes on them (complete when built)
     Samples.trimmed / pad_columns  no compute on padding: forwards run on the real tokens' columns only,
                     their outputs go back on the full (B, R) grid with zeros at the padding
@@ -16,13 +19,15 @@ batch) and the contexts around `generate` (autocast, gathered shards).
 from __future__ import annotations
 
 import dataclasses
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from llm_rlhf import ppo_math
+from llm_rlhf.config import require
 from llm_rlhf.models import position_ids_from_mask
 
 
@@ -34,13 +39,19 @@ class Samples:
         attention      0   0   1 1 1 | 1 1 1 1   0   0
         response_mask                | T T T T   F   F     (tokens after the first EOS are padding)
 
-    query, query_mask: (B, P) long; response: (B, R) long; response_mask: (B, R) bool.
+    A response may also end at the token completing a stop string (`stop_string_ends`): that token is its
+    last real one, as an EOS would be, and `stopped` marks the row.
+
+    query, query_mask: (B, P) long; response: (B, R) long; response_mask: (B, R) bool; stopped: (B,) bool,
+    True where a stop string ended the response, False where an EOS did or nothing did (None: sampled
+    without stop strings, as False).
     """
 
     query: torch.Tensor
     query_mask: torch.Tensor
     response: torch.Tensor
     response_mask: torch.Tensor
+    stopped: torch.Tensor | None = None
 
     @property
     def sequence(self) -> torch.Tensor:
@@ -54,9 +65,20 @@ class Samples:
         """(B,) True where the response contains EOS (its last unmasked token); False if truncated."""
         return ((self.response == eos_token_id) & self.response_mask).any(-1)
 
+    def ended(self, eos_token_id: int) -> torch.Tensor:
+        """(B,) True where the response ended, with EOS or a stop string; False if truncated at
+        max_new_tokens. What the EOS trick, the eos_rate metric and evaluation's `eos` count."""
+        ended = self.ended_with_eos(eos_token_id)
+        return ended if self.stopped is None else ended | self.stopped
+
     def select(self, index):
         """The rows `index` (a slice or a (b,) index tensor) of every field, as the same type."""
-        return type(self)(**{f.name: getattr(self, f.name)[index] for f in dataclasses.fields(self)})
+        return type(self)(
+            **{
+                f.name: x if (x := getattr(self, f.name)) is None else x[index]
+                for f in dataclasses.fields(self)
+            }
+        )
 
     def trimmed(self):
         """The same rows without the columns that are padding in every row, as the same type: the query
@@ -89,7 +111,7 @@ class Samples:
             x = getattr(self, f.name)
             if f.name in ("query", "query_mask"):
                 x = x[:, query_start:]  # (B, P')
-            elif x.dim() > 1:
+            elif x is not None and x.dim() > 1:
                 x = x[:, :response_end]  # (B, R') aligned with the response tokens
             out[f.name] = x
         return type(self)(**out)
@@ -101,7 +123,7 @@ def pad_columns(x: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, width - x.shape[1]))  # (B, width)
 
 
-@dataclass
+@dataclass(kw_only=True)  # keyword-only: its fields follow Samples' `stopped`, which has a default
 class Rollout(Samples):
     """One PPO rollout batch: the samples and, aligned with the response tokens, the old policy's
     logprobs, values and entropy, the reference's ref_logprobs: (B, R) each; the RM's scores: (B,)."""
@@ -136,6 +158,21 @@ def left_pad(queries: list[list[int]], pad_token_id: int, device=None) -> tuple[
     return query.to(device), query_mask.to(device)
 
 
+def check_generation_controls(cfg) -> None:
+    """stop_strings and min_new_tokens of a PPO or evaluation config (ConfigError naming the key)."""
+    require(
+        isinstance(cfg.stop_strings, list) and all(isinstance(x, str) and x for x in cfg.stop_strings),
+        "stop_strings",
+        "must be a list of non-empty strings",
+    )
+    require(cfg.min_new_tokens >= 0, "min_new_tokens", "must be >= 0 (0 = off)")
+    require(
+        cfg.min_new_tokens <= cfg.max_new_tokens,
+        "min_new_tokens",
+        f"must be <= max_new_tokens ({cfg.max_new_tokens})",
+    )
+
+
 @contextmanager
 def generation_config_hidden(lm):
     """Hide the checkpoint's generation_config.json while `generate` runs.
@@ -165,6 +202,80 @@ def sampling_settings(*, temperature: float, top_k: int, top_p: float) -> dict:
     return {"do_sample": True, "temperature": temperature, "top_k": top_k, "top_p": top_p}
 
 
+def completes_stop_string(before: str, after: str, stop_strings) -> bool:
+    """Whether the token that turned the decoded text `before` into `after` completes a stop string: `after`
+    holds an occurrence that `before` does not, one ending past their common prefix (the common prefix is
+    `before` itself, unless a byte-level tokenizer decodes an unfinished character of `before` otherwise).
+
+        before "The fi"   after "The film"   stop "film"  -> True    stop "The" -> False (already there)
+    """
+    common = len(os.path.commonprefix([before, after]))
+    return any(stop in after[max(0, common - len(stop) + 1) :] for stop in stop_strings)
+
+
+def stop_string_ends(
+    tokenizer, response: torch.Tensor, response_mask: torch.Tensor, stop_strings, *, min_new_tokens: int = 0
+) -> torch.Tensor:
+    """Where each response's first stop string ends, token by token: True at the first position
+    t >= min_new_tokens - 1 whose token completes a stop string in the decoded response
+    (`completes_stop_string` of the texts of response[:t] and response[:t+1]; special tokens decoded as
+    text, so a stop string may be one), among the tokens response_mask marks (`sample`: those before the
+    first EOS); at most one True per row.
+
+        stop_strings ["\n"]                       " great"  "!\n"    " And"  EOS     ->  F  T  F  F
+        stop_strings ["stop"]                     " st"     "opped"  " now"          ->  F  T  F
+        stop_strings ["\n\n"]                     "\n"      "\n\nThe"                 ->  F  T
+        stop_strings ["o"], min_new_tokens 4      "s"  "t"  "o"  "p"  " no"  "w"     ->  F  F  F  F  T  F
+
+    The token completing the stop string is kept even when it runs past it ("opped", "\n\nThe"): a token
+    cannot be split, and dropping it would end the response one token early, where the text held no stop
+    string yet. Only the response is read, not the prompt before it. A stop string completed before
+    min_new_tokens is ignored, as at an EOS there (vLLM's min_tokens does the same): the response then ends
+    at the next one, so it has at least min_new_tokens tokens unless it ends at max_new_tokens. Cutting after
+    sampling leaves the distribution of the kept tokens unchanged; `StopStringsCriteria` merely stops
+    `generate` once every row has ended, with the same test.
+
+    response: (B, R) token ids; response_mask: (B, R) bool. Returns (B, R) bool.
+    """
+    stops = torch.zeros_like(response_mask)  # (B, R)
+    if not stop_strings:
+        return stops
+    first = max(min_new_tokens, 1)  # the shortest response a stop string may end
+    for b in range(response.shape[0]):
+        ids = response[b][response_mask[b]].tolist()  # the tokens that may end with a stop string
+        prefixes = [ids[:n] for n in range(first - 1, len(ids) + 1)]  # lengths first - 1 .. len(ids)
+        texts = tokenizer.batch_decode(prefixes, skip_special_tokens=False)
+        for n, before, after in zip(range(first, len(ids) + 1), texts, texts[1:]):
+            if completes_stop_string(before, after, stop_strings):
+                stops[b, n - 1] = True  # token n - 1 turned response[:n-1] into response[:n]
+                break
+    return stops
+
+
+class StopStringsCriteria(StoppingCriteria):
+    """Ends a row of `generate` when its newest token completes a stop string in its response (the tokens
+    after the prompt columns), with the test of `stop_string_ends`, so the row ends where the cut puts its
+    end and generation stops once every row has ended. A stopping criterion does not touch the logits:
+    rows that end get padding, and the draws of the other rows are unchanged. (transformers' own
+    `stop_strings` also reads the prompt, so a stop string straddling the prompt's end would end a row whose
+    response holds none, and it knows nothing of min_new_tokens.)"""
+
+    def __init__(self, tokenizer, stop_strings, *, prompt_length: int, min_new_tokens: int):
+        self.tokenizer, self.stop_strings = tokenizer, list(stop_strings)
+        self.prompt_length, self.min_new_tokens = prompt_length, min_new_tokens
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        response = input_ids[:, self.prompt_length :]  # (B, n): the response so far, n >= 1
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)  # (B,)
+        if response.shape[1] < max(self.min_new_tokens, 1):
+            return done
+        before = self.tokenizer.batch_decode(response[:, :-1].tolist(), skip_special_tokens=False)
+        after = self.tokenizer.batch_decode(response.tolist(), skip_special_tokens=False)
+        for b in range(len(after)):
+            done[b] = completes_stop_string(before[b], after[b], self.stop_strings)
+        return done
+
+
 @torch.no_grad()
 def sample(
     lm,
@@ -176,19 +287,34 @@ def sample(
     temperature: float,
     top_k: int,
     top_p: float,
+    stop_strings=(),
+    min_new_tokens: int = 0,
     pad_to_max_new_tokens: bool = False,
 ) -> Samples:
     """y ~ pi(.|x) with the KV cache (HF derives the positions from the attention mask); stops at EOS,
-    which may be the first token (no min_new_tokens: masking EOS would sample from another distribution
-    than the one PPO's log-probs describe). pad_to_max_new_tokens: R = max_new_tokens even when every row
-    ended early (the same shape on every process). Draws from the current global RNG."""
+    which may be the first token unless min_new_tokens > 0: then EOS cannot be drawn at response positions
+    t < min_new_tokens (transformers' MinNewTokensLengthLogitsProcessor: the distribution is that of
+    `ppo_math.mask_eos_logits`, which every log-prob computation must apply too). A response also ends at
+    the token completing its first stop string (`stop_string_ends`; none before min_new_tokens), cut after
+    sampling: the kept tokens are draws of the same distribution, the tokens after the end are padding.
+    pad_to_max_new_tokens: R = max_new_tokens even when every row ended early (the same shape on every
+    process). Draws from the current global RNG."""
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    criteria = StoppingCriteriaList()
+    if stop_strings:
+        criteria.append(
+            StopStringsCriteria(
+                tokenizer, stop_strings, prompt_length=query.shape[1], min_new_tokens=min_new_tokens
+            )
+        )
     with generation_config_hidden(lm):
         sequences = lm.generate(
             input_ids=query,
             attention_mask=query_mask,
             **sampling_settings(temperature=temperature, top_k=top_k, top_p=top_p),
             max_new_tokens=max_new_tokens,
+            **({"min_new_tokens": min_new_tokens} if min_new_tokens > 0 else {}),
+            stopping_criteria=criteria,
             eos_token_id=eos,
             pad_token_id=pad,
             use_cache=True,
@@ -197,14 +323,33 @@ def sample(
     if pad_to_max_new_tokens and response.shape[1] < max_new_tokens:  # generate stopped: every row ended
         fill = response.new_full((response.shape[0], max_new_tokens - response.shape[1]), pad)
         response = torch.cat([response, fill], dim=1)  # (B, max_new_tokens)
-    response_mask = ppo_math.response_mask_from_tokens(response=response, eos_token_id=eos)  # (B, R)
-    response = torch.where(response_mask, response, pad)  # (B, R) padding after the first EOS
-    return Samples(query=query, query_mask=query_mask, response=response, response_mask=response_mask)
+    eos_mask = ppo_math.response_mask_from_tokens(response=response, eos_token_id=eos)  # (B, R) up to EOS
+    before_eos = eos_mask & (response != eos)  # (B, R): an EOS ends its response itself, whatever its text
+    stops = stop_string_ends(tokenizer, response, before_eos, stop_strings, min_new_tokens=min_new_tokens)
+    response_mask = ppo_math.response_mask_from_tokens(response=response, eos_token_id=eos, stops=stops)
+    response = torch.where(response_mask, response, pad)  # (B, R) padding after the first EOS or stop
+    return Samples(
+        query=query,
+        query_mask=query_mask,
+        response=response,
+        response_mask=response_mask,
+        stopped=(stops & response_mask).any(-1),  # (B,)
+    )
 
 
-def response_logprobs_and_values(model, samples: Samples, temperature: float, *, entropy: str = "grad"):
+def response_logprobs_and_values(
+    model,
+    samples: Samples,
+    temperature: float,
+    *,
+    entropy: str = "grad",
+    eos_token_id: int | None = None,
+    min_new_tokens: int = 0,
+):
     """One forward of `models.PolicyWithValue` or `models.Reference` over query + response; outputs
-    aligned with the response tokens.
+    aligned with the response tokens. With min_new_tokens > 0 the log-probs and the entropy are those of
+    the distribution the tokens were sampled from: EOS masked before response token min_new_tokens
+    (`ppo_math.mask_eos_logits`).
 
     The LM head runs only at the R positions whose logits are used (`logits_to_keep`), not at the query.
     entropy: "grad" (differentiable), "stats" (a metric only: no autograd graph over the (B, R, V)
@@ -223,6 +368,7 @@ def response_logprobs_and_values(model, samples: Samples, temperature: float, *,
     # `prepare` returns the policy's logits in float32 and the reference's stay bf16, and CPU autocast
     # runs log_softmax in the input's dtype, so without this KL != 0 at the first step (issue 13).
     logits = logits.float()
+    logits = ppo_math.mask_eos_logits(logits=logits, eos_token_id=eos_token_id, min_new_tokens=min_new_tokens)
     logprobs = ppo_math.logprobs_from_logits(logits=logits, labels=samples.response, temperature=temperature)
     if entropy == "grad":
         entropy = ppo_math.entropy_from_logits(logits=logits, temperature=temperature)

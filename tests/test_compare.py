@@ -88,8 +88,15 @@ def test_compare_stage_puts_ppo_dpo_and_best_of_n_on_one_plot(
         "best_of_n": [1, 2, 3, 4],
         "best_of_n_samples": 4,
     }
-    argv += ["--stages", "[sft, rm, ppo, compare]", "--ppo", "{steps: 3, save_steps: 0, eval_every: 1}"]
-    argv += ["--compare", json.dumps(compare_overrides)]
+    (i,) = [i for i, arg in enumerate(argv) if arg.startswith("--ppo=")]  # the tiny PPO keys, plus these
+    ppo_keys = {
+        **yaml.safe_load(argv[i].removeprefix("--ppo=")),
+        "steps": 3,
+        "save_steps": 0,
+        "eval_every": 1,
+    }
+    argv[i] = f"--ppo={json.dumps(ppo_keys)}"
+    argv += ["--stages", "[sft, rm, ppo, compare]", "--compare", json.dumps(compare_overrides)]
     run_pipeline(argv)
     folder = out / "compare"
     points = [json.loads(line) for line in (folder / "points.jsonl").read_text().splitlines()]

@@ -146,3 +146,21 @@ def test_pipeline_under_accelerate_launch_with_two_processes(
     assert ppo_steps(out) == [1, 2, 3, 4]
     assert ppo_metrics["episodes"] == 4 * 4 * 2, "4 steps x rollout 4 per process x 2 processes"
     assert 0.0 <= record["eval"]["metrics"]["gold_win_rate"] <= 1.0
+
+
+def test_a_stage_killed_before_its_first_checkpoint_starts_over(
+    tmp_path, tiny_model_dir, sft_files, pref_files, prompt_file, monkeypatch, capsys
+):
+    """A stage folder without a checkpoint (killed while loading data, say) is run again from scratch
+    instead of failing on `--resume: no checkpoint`."""
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "run"
+    argv = pipeline_argv(out, tiny_model_dir, sft_files, pref_files, prompt_file, report="false")
+    argv += ["--stages", "[sft]"]
+    (out / "sft").mkdir(parents=True)
+    (out / "sft" / "config.yaml").write_text("output_dir: left by the killed run\n")
+    run_pipeline(argv)
+    assert (
+        "== sft: interrupted earlier, no checkpoint to resume from; starting over" in capsys.readouterr().out
+    )
+    assert read_json(out / "sft" / "metrics.json")["global_step"] == 2

@@ -359,6 +359,24 @@ def test_response_mask_matches_the_loop():
     assert torch.equal(response_mask_from_tokens(response=response, eos_token_id=0), loop)
 
 
+def test_response_mask_ends_at_a_stop_token_like_at_eos():
+    """The docstring's layout: the token completing a stop string ("\\n", position 1) ends the response."""
+    eos = 0
+    response = torch.tensor([[5, 7, 6, eos, eos], [5, 6, eos, 7, eos], [5, 6, 6, 6, 6]])  # (3, 5)
+    stops = torch.tensor([[False, True, False, False, False], [False] * 5, [False, False, True, False, True]])
+    expected = torch.tensor(
+        [
+            [True, True, False, False, False],
+            [True, True, True, False, False],
+            [True, True, True, False, False],
+        ]
+    )
+    assert torch.equal(response_mask_from_tokens(response=response, eos_token_id=eos, stops=stops), expected)
+    is_end = (response == eos) | stops
+    loop = torch.tensor([[not is_end[b, :t].any() for t in range(5)] for b in range(3)])
+    assert torch.equal(expected, loop)
+
+
 # ----------------------------------------------------------------------------------------------
 # Log-probs, entropy, KL estimators
 # ----------------------------------------------------------------------------------------------
@@ -614,3 +632,26 @@ def test_fit_gao_law_recovers_its_coefficients(form, law):
     assert abs(noisy.alpha - 1.3) < 3 * noisy.alpha_stderr + 1e-3 and noisy.rmse > 0.02
     with pytest.raises(ValueError):
         pm.fit_gao_law(d=torch.tensor([0.0, 1.0, 2.0]), gain=torch.zeros(3), form=form)
+
+
+def test_mask_eos_logits_hand_example_and_gradient():
+    """EOS (id 2) gets -inf at positions t < min_new_tokens = 2, nothing else changes; the log-probs are then
+    those of softmax over the other tokens there, the entropy is finite, and no gradient is NaN."""
+    logits = torch.tensor([[[1.0, 2.0, 3.0, 0.5], [0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 4.0, 1.0]]], dtype=F64)
+    logits.requires_grad_(True)
+    masked = pm.mask_eos_logits(logits=logits, eos_token_id=2, min_new_tokens=2)  # (1, 3, 4)
+    inf = -math.inf
+    expected = [[[1.0, 2.0, inf, 0.5], [0.0, 0.0, inf, 0.0], [1.0, 1.0, 4.0, 1.0]]]
+    assert masked.tolist() == expected
+    assert pm.mask_eos_logits(logits=logits, eos_token_id=2, min_new_tokens=0) is logits  # off: no copy
+    labels = torch.tensor([[0, 1, 2]])
+    logprobs = logprobs_from_logits(logits=masked, labels=labels)  # (1, 3)
+    by_hand = [1.0 - math.log(math.e + math.e**2 + math.e**0.5), -math.log(3.0)]
+    torch.testing.assert_close(logprobs[0, :2], torch.tensor(by_hand, dtype=F64), **TIGHT)
+    torch.testing.assert_close(logprobs[0, 2], torch.log_softmax(logits[0, 2], -1)[2], **TIGHT)
+    entropy = entropy_from_logits(logits=masked, temperature=0.7)  # (1, 3)
+    dist = torch.distributions.Categorical(logits=logits[0, 1, [0, 1, 3]] / 0.7)  # the three tokens left
+    torch.testing.assert_close(entropy[0, 1], dist.entropy(), **TIGHT)
+    (logprobs.sum() + entropy.sum()).backward()
+    assert torch.isfinite(logits.grad).all()
+    assert logits.grad[0, :2, 2].abs().max() == 0  # the masked EOS entries get no gradient

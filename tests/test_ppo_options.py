@@ -10,7 +10,8 @@ import torch
 from test_ppo import make_cfg, make_trainer, use_fixed_responses
 
 from llm_rlhf import ppo, ppo_math, ppo_run
-from llm_rlhf.errors import NonFiniteError
+from llm_rlhf.config import parse_config
+from llm_rlhf.errors import ConfigError, NonFiniteError
 
 
 def recorded_step(trainer: ppo.PPOTrainer, monkeypatch) -> tuple[dict, dict]:
@@ -253,3 +254,11 @@ def test_a_global_batch_of_one_episode_is_rejected(tiny_model_dir, tiny_rm_dir, 
     )
     with pytest.raises(UserError, match="at least 2 episodes"):
         make_trainer(cfg)
+
+
+@pytest.mark.parametrize(("key", "value"), [("top_k", 50), ("top_p", 0.9)])
+def test_ppo_refuses_truncated_sampling(key, value):
+    """Top-k / top-p would draw tokens from a truncated softmax while the ratio and the KL use the full
+    one (and a token outside the reference's kept set has infinite KL): PPO refuses them by name."""
+    with pytest.raises(ConfigError, match=f"^config key '{key}': must be"):
+        parse_config(ppo.Config, [f"--{key}", str(value)])

@@ -71,6 +71,23 @@ def test_the_stage_files_of_a_recipe_chain(name):
             assert getattr(cfg["pipeline"], f"{stage}_config") == f"recipes/{name}/{stage}.yaml"
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_ppo_and_eval_recipes_spell_out_the_same_generation_controls(name):
+    """Both files name stop_strings and min_new_tokens (issue 16), and agree on them and on the sampling
+    settings: the evaluation must sample from the distribution PPO trained, and end responses where it did."""
+    import yaml
+
+    folder = RECIPES / name
+    keys = {"temperature", "top_k", "top_p", "stop_strings", "min_new_tokens"}
+    written = {
+        stage: set(yaml.safe_load((folder / f"{stage}.yaml").read_text())) for stage in ("ppo", "eval")
+    }
+    assert {"stop_strings", "min_new_tokens"} <= written["ppo"] & written["eval"]
+    ppo_cfg = parse_config(ppo.Config, ["--config", str(folder / "ppo.yaml")])
+    eval_cfg = parse_config(evaluate.Config, ["--config", str(folder / "eval.yaml")])
+    assert {k: getattr(ppo_cfg, k) for k in keys} == {k: getattr(eval_cfg, k) for k in keys}
+
+
 def test_the_reviews_recipe_has_dpo_and_compare_stage_files():
     assert (RECIPES / "reviews" / "dpo.yaml").is_file() and (RECIPES / "reviews" / "compare.yaml").is_file()
 

@@ -1,0 +1,47 @@
+"""Run `llm-rlhf ppo ARGS...` under `accelerate launch`, recording on each process every rollout PPO trains on:
+its response tokens, response_mask, `stopped` (a stop string ended the row) and `ended` (EOS or a stop
+string: what the EOS trick and the eos_rate metric count).
+
+    python record_rollouts.py OUT_DIR ARGS...
+
+Writes OUT_DIR/rollouts_<rank>.json: one record per PPO step, in order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from llm_rlhf import cli, ppo
+
+
+def main() -> None:
+    out, args = Path(sys.argv[1]), sys.argv[2:]
+    records = []
+    original = ppo.PPOTrainer.rollout
+
+    def recorded(self, queries, times=None):
+        rollout = original(self, queries, times)
+        eos = self.tokenizer.eos_token_id
+        records.append(
+            {
+                "response": rollout.response.tolist(),
+                "response_mask": rollout.response_mask.tolist(),
+                "stopped": rollout.stopped.tolist(),
+                "ended": rollout.ended(eos).tolist(),
+            }
+        )
+        return rollout
+
+    ppo.PPOTrainer.rollout = recorded
+    code = cli.main(args)
+    rank = int(os.environ.get("RANK", "0"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rollouts_{rank}.json").write_text(json.dumps(records))
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

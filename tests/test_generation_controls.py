@@ -1,0 +1,598 @@
+"""Generation controls and chat prompts (issue 16): stop strings, min_new_tokens and chat `messages` prompts,
+in sampling, PPO (one process and two), evaluation and the judge.
+
+The invariant behind the first two: the sampled tokens come from the distribution whose log-probs PPO uses.
+A stop string only cuts a response after sampling (the kept tokens are the draws made without it); under
+min_new_tokens EOS cannot be drawn early, and every log-prob computation masks it the same way. Both are
+checked against what `generate` itself sampled from (its processed scores), not against our own forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from llm_rlhf import cli, evaluate, ppo, ppo_math, ppo_run
+from llm_rlhf.config import parse_config, save_config
+from llm_rlhf.data import load_prompt_dataset
+from llm_rlhf.errors import ConfigError
+from llm_rlhf.gold import judge_details, load_judge
+from llm_rlhf.models import Reference, freeze, load_causal_lm, load_tokenizer
+from llm_rlhf.reward_model import load_reward_model
+from llm_rlhf.rollout import (
+    Samples,
+    completes_stop_string,
+    encode_prompt,
+    left_pad,
+    response_logprobs_and_values,
+    sample,
+    stop_string_ends,
+)
+from tests.conftest import build_model, write_jsonl
+from tests.test_bos_prompts import bos_model_dir
+from tests.test_multiprocess import launch, ppo_cli_args
+from tests.test_ppo import make_cfg, make_trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+SENTIMENT_JUDGE = str(ROOT / "data" / "reviews" / "gold_judge.json")
+STOPS = ["e", "a"]  # in about one token of five of the tiny tokenizer's: some responses stop, some do not
+PROMPTS = ["The film is", "A gorgeous", "It's a terrible movie", "The acting"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+CHATS = [
+    [{"role": "user", "content": "The film is"}],
+    [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "A gorgeous"}],
+    [{"role": "user", "content": "The acting"}, {"role": "assistant", "content": " is superb."}],
+]
+RENDERED = [  # every turn before the last assistant turn, then the generation prompt
+    "user: The film is\nassistant:",
+    "system: Be kind.\nuser: A gorgeous\nassistant:",
+    "user: The acting\nassistant:",
+]
+
+
+# --- fixtures and references -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def eos_prone_dir(tmp_path_factory) -> Path:
+    """The tiny GPT-2 with its EOS logit raised by 5 at every position (P(EOS) ~ 0.25 instead of ~1/400), so
+    responses end early and min_new_tokens has something to prevent: ln_f's bias moved along EOS's (tied)
+    output embedding w adds 5 * w.w / w.w to the EOS logit."""
+    folder = build_model(tmp_path_factory.mktemp("tiny_gpt2_eos"), "gpt2")
+    lm = AutoModelForCausalLM.from_pretrained(folder)
+    eos = lm.config.eos_token_id
+    with torch.no_grad():
+        w = lm.transformer.wte.weight[eos].clone()
+        lm.transformer.ln_f.bias += 5.0 * w / w.dot(w)
+    lm.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny GPT-2 whose tokenizer has a chat template (as an instruct model's, e.g. SmolLM2-Instruct)."""
+    folder = tmp_path_factory.mktemp("tiny_gpt2_chat") / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    tokenizer = load_tokenizer(str(folder))
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def naive_end(tokenizer, ids: list[int], stop_strings, min_new_tokens: int = 0) -> int | None:
+    """Where `ids` ends at its first stop string, checked the long way: the first length n >= min_new_tokens
+    (and >= 1) whose decoded text holds more occurrences of some stop string than the text of its first n - 1
+    tokens. None when no token completes one."""
+
+    def count(text: str, stop: str) -> int:
+        return sum(text.startswith(stop, i) for i in range(len(text)))
+
+    for n in range(max(min_new_tokens, 1), len(ids) + 1):
+        before, after = (tokenizer.decode(ids[:m], skip_special_tokens=False) for m in (n - 1, n))
+        if any(count(after, stop) > count(before, stop) for stop in stop_strings):
+            return n
+    return None
+
+
+def record_generate_scores(lm, monkeypatch) -> list:
+    """Make `lm.generate` also keep its processed scores: per step, the (B, V) logits it sampled from, after
+    every logits processor (min_new_tokens) and the temperature. Returns the list each call appends to."""
+    calls, original = [], lm.generate
+
+    def generate(*args, **kwargs):
+        out = original(*args, **kwargs, output_scores=True, return_dict_in_generate=True)
+        calls.append(out.scores)
+        return out.sequences
+
+    monkeypatch.setattr(lm, "generate", generate)
+    return calls
+
+
+def sampled_logprobs(scores, response: torch.Tensor) -> torch.Tensor:
+    """log p(y_t) under the distribution `generate` drew token t from: (B, T), T = the steps it ran."""
+    logp = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in scores], dim=1)  # (B, T, V)
+    return logp.gather(-1, response[:, : logp.shape[1], None]).squeeze(-1)  # (B, T)
+
+
+def load_lm(folder):
+    tokenizer = load_tokenizer(str(folder), padding_side="left")
+    return freeze(load_causal_lm(str(folder))), tokenizer
+
+
+# --- the cut, token by token ----------------------------------------------------------------------------
+
+
+def test_completes_stop_string():
+    assert completes_stop_string("The fi", "The film", ["film"])
+    assert not completes_stop_string("The film", "The film is", ["The", "film"])  # already there
+    assert completes_stop_string("The film", "The film is", ["The", "m i"])  # straddles the new token
+    assert completes_stop_string("ab\ufffd", "abc", ["bc"])  # an unfinished character decoded whole
+    assert not completes_stop_string("", "abc", [])
+
+
+def test_stop_string_ends_hand_examples(tiny_model_dir):
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    ids = tokenizer("stopped now")["input_ids"]
+    assert [tokenizer.decode([i]) for i in ids] == ["s", "t", "o", "p", "p", "e", "d", " no", "w"]
+    response = torch.tensor([ids])  # (1, 9)
+    mask = torch.ones_like(response, dtype=torch.bool)
+
+    def end(stop_strings, min_new_tokens=0, mask=mask):
+        stops = stop_string_ends(tokenizer, response, mask, stop_strings, min_new_tokens=min_new_tokens)
+        assert stops.sum() <= 1
+        return int(stops.int().argmax()) if stops.any() else None
+
+    assert end(["pped"]) == 6  # completed by "d", over four tokens
+    assert end(["d n"]) == 7  # " no" completes it and runs past it: the whole token is kept
+    assert end(["o"]) == 2
+    assert end(["o"], min_new_tokens=3) == 2  # the third token may end the response
+    assert end(["o"], min_new_tokens=4) == 7  # the "o" of token 2 is ignored, the next one ends it
+    assert end(["w", "e"]) == 5  # the first of several
+    assert end(["xyz"]) is None
+    assert end(["e"], mask=torch.arange(9)[None] < 4) is None  # only the tokens the mask marks are read
+
+    # the response mask ends at the stop token, as at an EOS (ppo_math.response_mask_from_tokens)
+    stops = stop_string_ends(tokenizer, response, mask, ["pped"])
+    got = ppo_math.response_mask_from_tokens(
+        response=response, eos_token_id=tokenizer.eos_token_id, stops=stops
+    )
+    assert got.tolist() == [[True] * 7 + [False] * 2]
+
+
+# --- sampling -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("min_new_tokens", [0, 3])
+def test_stop_strings_only_cut_the_draws(eos_prone_dir, min_new_tokens):
+    """With the same random numbers, sampling with stop strings keeps exactly the tokens drawn without them,
+    up to and including the token completing the first stop string (none before min_new_tokens); rows
+    that end at EOS or max_new_tokens first are unchanged."""
+    lm, tokenizer = load_lm(eos_prone_dir)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    query, query_mask = left_pad([encode_prompt(tokenizer, p) for p in PROMPTS * 10], pad)  # (40, P)
+    kw = dict(max_new_tokens=10, temperature=1.0, top_k=0, top_p=1.0, min_new_tokens=min_new_tokens)
+    torch.manual_seed(0)
+    plain = sample(lm, tokenizer, query, query_mask, **kw)
+    torch.manual_seed(0)
+    cut = sample(lm, tokenizer, query, query_mask, stop_strings=STOPS, **kw)
+    R = cut.response.shape[1]
+    kinds = {"stop": 0, "eos": 0, "truncated": 0}
+    for b in range(query.shape[0]):
+        drawn = plain.response[b][plain.response_mask[b]].tolist()  # up to and including the first EOS
+        text_tokens = drawn[:-1] if plain.ended_with_eos(eos)[b] else drawn
+        n = naive_end(tokenizer, text_tokens, STOPS, min_new_tokens)
+        kept = cut.response[b][cut.response_mask[b]].tolist()
+        if n is not None:
+            kinds["stop"] += 1
+            assert kept == drawn[:n] and bool(cut.stopped[b])
+            assert torch.all(cut.response[b, n:] == pad) and not cut.response_mask[b, n:].any()
+        else:
+            kinds["eos" if plain.ended_with_eos(eos)[b] else "truncated"] += 1
+            assert kept == drawn and not cut.stopped[b]
+        assert len(kept) >= min_new_tokens
+        assert bool(cut.ended(eos)[b]) == (n is not None or bool(plain.ended_with_eos(eos)[b]))
+    assert R <= plain.response.shape[1]
+    assert kinds["stop"] > 0 and kinds["eos"] > 0, kinds  # the test has teeth
+
+
+def naive_min_new_tokens_sample(lm, query, *, steps, temperature, eos, pad, min_new_tokens):
+    """Token by token, no cache: x_t ~ softmax(z'_t / T) with z'_t[EOS] = -inf while t < min_new_tokens;
+    finished rows get pad (as HF)."""
+    seq, done, out = query.clone(), torch.zeros(query.shape[0], dtype=torch.bool), []
+    for t in range(steps):
+        logits = lm(seq).logits[:, -1].float()  # (B, V): the next-token logits
+        if t < min_new_tokens:
+            logits[:, eos] = -math.inf
+        token = torch.multinomial(torch.softmax(logits / temperature, dim=-1), num_samples=1).squeeze(1)
+        token = torch.where(done, torch.full_like(token, pad), token)
+        out.append(token)
+        seq = torch.cat([seq, token[:, None]], dim=1)
+        done |= token == eos
+        if done.all():
+            break
+    return torch.stack(out, dim=1)  # (B, steps or fewer)
+
+
+def test_min_new_tokens_draws_from_the_eos_masked_softmax(eos_prone_dir):
+    lm, tokenizer = load_lm(eos_prone_dir)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    query, query_mask = left_pad([encode_prompt(tokenizer, "The film is")] * 64, pad)  # no padding
+    kw = dict(max_new_tokens=8, temperature=0.9, top_k=0, top_p=1.0)
+    torch.manual_seed(5)
+    got = sample(lm, tokenizer, query, query_mask, min_new_tokens=3, **kw)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        expected = naive_min_new_tokens_sample(
+            lm, query, steps=8, temperature=0.9, eos=eos, pad=pad, min_new_tokens=3
+        )
+    assert torch.equal(got.response[:, : expected.shape[1]], expected)
+    assert got.response_mask.sum(-1).min() >= 3  # EOS no earlier than the third token
+    assert got.ended_with_eos(eos).any()
+    torch.manual_seed(5)
+    free = sample(lm, tokenizer, query, query_mask, **kw)
+    assert free.response_mask.sum(-1).min() < 3  # without it some responses are shorter: the test has teeth
+
+
+# --- PPO: the log-probs of the sampling distribution, the score of the cut response ------------------------
+
+
+@pytest.mark.parametrize(
+    "stop_strings, min_new_tokens", [(STOPS, 0), ([], 3), (STOPS, 3)], ids=["stop", "min", "both"]
+)
+def test_ppo_logprobs_are_those_generate_sampled_from(
+    eos_prone_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch, stop_strings, min_new_tokens
+):
+    """The real PPO rollout (`PPOTrainer.rollout`): its old log-probs, recomputed by the PPO forward on the cut
+    responses, are the log-probs of the distribution `generate` drew each kept token from; the reference's
+    equal them exactly at the first step (KL = 0); the RM scores each response as cut."""
+    cfg = make_cfg(eos_prone_dir, tiny_rm_dir, prompt_file, tmp_path, rollout_batch_size=16, mini_batch_size=8,
+                   max_new_tokens=10, temperature=0.8, stop_strings=stop_strings, min_new_tokens=min_new_tokens)  # fmt: skip
+    trainer = make_trainer(cfg)
+    eos = trainer.tokenizer.eos_token_id
+    calls = record_generate_scores(trainer.unwrapped_policy.lm, monkeypatch)
+    torch.manual_seed(0)
+    rollout = trainer.rollout(trainer.next_queries())
+    (scores,) = calls
+    mask = rollout.response_mask
+    T = len(scores)
+    assert not mask[:, T:].any()  # every kept token was drawn in one of the recorded steps
+    expected = sampled_logprobs(scores, rollout.response)  # (B, T)
+    torch.testing.assert_close(
+        rollout.logprobs[:, :T][mask[:, :T]], expected[mask[:, :T]], atol=2e-5, rtol=1e-5
+    )
+    assert torch.equal(rollout.ref_logprobs[mask], rollout.logprobs[mask])  # policy == reference: KL = 0
+    lengths = mask.sum(-1)
+    assert lengths.min() >= min_new_tokens
+    if min_new_tokens:
+        # without the EOS mask the forward gives other log-probs where EOS was masked: the test has teeth
+        unmasked = response_logprobs_and_values(
+            trainer.unwrapped_policy, rollout.trimmed(), cfg.temperature, entropy="none"
+        )[0]  # (B, R')
+        early = mask[:, :min_new_tokens]
+        assert (unmasked[:, :min_new_tokens] - expected[:, :min_new_tokens])[early].abs().min() > 1e-3
+    if stop_strings:
+        stopped = rollout.stopped.nonzero().flatten().tolist()
+        assert stopped and not rollout.stopped.all()
+        for b in range(len(lengths)):
+            ids = rollout.response[b][mask[b]].tolist()
+            if rollout.ended_with_eos(eos)[b]:
+                assert (
+                    not rollout.stopped[b]
+                    and naive_end(trainer.tokenizer, ids[:-1], stop_strings, min_new_tokens) is None
+                )
+            else:  # fmt: skip
+                assert naive_end(trainer.tokenizer, ids, stop_strings, min_new_tokens) == (
+                    len(ids) if rollout.stopped[b] else None
+                )
+        for b in stopped:  # the score of prompt + the response up to its stop token, alone and unpadded
+            query = rollout.query[b][rollout.query_mask[b].bool()][None]  # (1, P_b)
+            response = rollout.response[b, : lengths[b]][None]  # (1, L_b)
+            alone = Samples(query=query, query_mask=torch.ones_like(query), response=response,
+                            response_mask=torch.ones_like(response, dtype=torch.bool))  # fmt: skip
+            assert trainer.score(alone).item() == pytest.approx(rollout.scores[b].item(), abs=1e-5)
+
+
+def test_ppo_steps_with_stop_strings_and_min_new_tokens(
+    eos_prone_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch
+):
+    """Two real PPO steps: finite metrics, KL = 0 and ratio = 1 before the first update (the same EOS mask in
+    the rollout and the training forward), response_length and eos_rate those of the rollout, and the EOS
+    trick treating a stop string as an end (no penalty) like an EOS."""
+    cfg = make_cfg(eos_prone_dir, tiny_rm_dir, prompt_file, tmp_path, rollout_batch_size=16, mini_batch_size=16,
+                   ppo_epochs=1, max_new_tokens=10, stop_strings=STOPS, min_new_tokens=2, eos_penalty=-3.0)  # fmt: skip
+    trainer = make_trainer(cfg)
+    eos = trainer.tokenizer.eos_token_id
+    rollouts, ended, rollout, shaped = [], [], trainer.rollout, ppo_math.shaped_rewards
+
+    def recording_rollout(*args, **kwargs):
+        rollouts.append(rollout(*args, **kwargs))
+        return rollouts[-1]
+
+    def recording_shaped(**kw):
+        ended.append(kw["ended_with_eos"])
+        return shaped(**kw)
+
+    trainer.rollout = recording_rollout
+    monkeypatch.setattr(ppo.ppo_math, "shaped_rewards", recording_shaped)
+    metrics = [trainer.ppo_step() for _ in range(2)]
+    assert metrics[0]["objective/kl"] == 0.0
+    assert metrics[0]["policy/ratio"] == 1.0 and metrics[0]["policy/approxkl"] == 0.0
+    for m, r, e in zip(metrics, rollouts, ended):
+        assert all(math.isfinite(v) for v in m.values()), m
+        lengths = r.response_mask.sum(-1).float()
+        assert lengths.min() >= 2
+        assert m["response_length"] == pytest.approx(lengths.mean().item())
+        assert torch.equal(e, r.stopped | r.ended_with_eos(eos))  # the EOS trick's "ended"
+        assert m["eos_rate"] == pytest.approx(e.float().mean().item())
+        assert r.stopped.any() and not (r.stopped & r.ended_with_eos(eos)).any()
+    assert not torch.equal(rollouts[0].response, rollouts[1].response)
+
+
+# --- evaluation and the judge see the cut text ----------------------------------------------------------
+
+
+def test_eval_scores_the_cut_responses(eos_prone_dir, tiny_model_dir, tiny_rm_dir):
+    """`sample_and_score` (llm-rlhf eval, PPO's held-out evaluation, compare): the text the judge is given and
+    the RM score are those of the response up to its stop token, `eos` counts a stop string as an end, and
+    the KL is PPO's: sum_t of the EOS-masked log-probs of the policy minus the reference's."""
+    lm, tokenizer = load_lm(eos_prone_dir)
+    ref = freeze(load_causal_lm(str(tiny_model_dir)))
+    rm = freeze(load_reward_model(str(tiny_rm_dir)))
+    seen = []
+
+    def judge(prompts, responses):
+        seen.extend(responses)
+        return [float(len(r)) for r in responses]
+
+    kw = dict(
+        seed=3, max_new_tokens=10, temperature=1.0, top_k=0, top_p=1.0, stop_strings=STOPS, min_new_tokens=2
+    )
+    prompts = PROMPTS * 3
+    records = evaluate.sample_and_score(lm, tokenizer, prompts, ref_model=ref, reward_model=rm, judge=judge,
+                                        batch_size=len(prompts), **kw)  # fmt: skip
+    batch = evaluate.sample_batch(lm, tokenizer, prompts, **kw)  # the same draws (seed + batch 0)
+    eos = tokenizer.eos_token_id
+    assert seen == [r["response"] for r in records]
+    assert any(batch.stopped) and not all(batch.stopped)
+    logprobs = response_logprobs_and_values(Reference(lm), batch, 1.0, entropy="none", eos_token_id=eos,
+                                            min_new_tokens=2)[0]  # fmt: skip
+    ref_logprobs = response_logprobs_and_values(Reference(ref), batch, 1.0, entropy="none", eos_token_id=eos,
+                                                min_new_tokens=2)[0]  # fmt: skip
+    kl = ppo_math.masked_sum(logprobs - ref_logprobs, batch.response_mask, dim=-1)  # (B,)
+    for b, record in enumerate(records):
+        ids = batch.response[b][batch.response_mask[b]].tolist()
+        text_ids = ids[:-1] if batch.ended_with_eos(eos)[b] else ids
+        assert record["response_ids"] == text_ids and len(text_ids) >= 2
+        assert record["response"] == tokenizer.decode(text_ids, skip_special_tokens=True)
+        assert record["eos"] == bool(batch.ended(eos)[b]) and record["gold_score"] == len(record["response"])
+        if batch.stopped[b]:
+            assert naive_end(tokenizer, text_ids, STOPS, 2) == len(text_ids)
+        query = batch.query[b][batch.query_mask[b].bool()][None]  # (1, P_b)
+        alone = Samples(query=query, query_mask=torch.ones_like(query), response=torch.tensor([ids]),
+                        response_mask=torch.ones((1, len(ids)), dtype=torch.bool))  # fmt: skip
+        assert record["rm_score"] == pytest.approx(
+            evaluate.reward_scores(rm, tokenizer, alone).item(), abs=1e-5
+        )
+        assert record["kl_to_ref"] == pytest.approx(kl[b].item(), abs=1e-4)
+    summary = evaluate.summarize(records)
+    assert summary["eos_rate"] == pytest.approx(float(batch.ended(eos).float().mean()))
+
+
+# --- chat prompts -----------------------------------------------------------------------------------------
+
+
+def test_chat_prompts_are_rendered_with_the_template_and_one_bos(tmp_path):
+    """A tokenizer that adds BOS (Llama-style) and a template that writes it too: the prompt keeps the
+    template's tokens with one BOS, in PPO's prompts as in the data layer's."""
+    folder = bos_model_dir(tmp_path / "bos_model")
+    tokenizer = load_tokenizer(str(folder))
+    tokenizer.chat_template = "{{ bos_token }}" + CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    tokenizer = load_tokenizer(str(folder))
+    bos = tokenizer.bos_token_id
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in CHATS])
+    prompts = list(load_prompt_dataset(path, tokenizer, max_prompt_length=64)["prompt"])
+    assert prompts == RENDERED  # the template's text, its "<s>" left to the tokenizer
+    expected = [tokenizer("<s>" + text, add_special_tokens=False)["input_ids"] for text in RENDERED]
+    assert all(ids[0] == bos and ids.count(bos) == 1 for ids in expected)
+    assert [encode_prompt(tokenizer, p) for p in prompts] == expected
+    cfg = parse_config(ppo.Config, ["--prompt_file", str(path), "--max_prompt_length", "64"])
+    assert ppo_run.load_prompts(cfg, tokenizer) == expected
+
+    tokenizer.chat_template = CHAT_TEMPLATE  # a template without the BOS: the tokenizer adds it, once
+    assert [encode_prompt(tokenizer, p) for p in load_prompt_dataset(path, tokenizer, max_prompt_length=64)["prompt"]] == expected  # fmt: skip
+
+
+def test_ppo_eval_and_judge_take_chat_prompts(chat_model_dir, tiny_rm_dir, tmp_path):
+    """The commands on a prompt file of chat `messages` rows: PPO (rollouts, logged samples and held-out
+    evaluation, with a stop string at the line end as for a chat model), eval, and judge (`--tokenizer`)."""
+    chats = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in CHATS])
+    out = tmp_path / "ppo"
+    argv = ["ppo", "--model_name_or_path", str(chat_model_dir), "--reward_model_path", str(tiny_rm_dir),
+            "--prompt_file", str(chats), "--eval_prompt_file", str(chats), "--eval_every", "1",
+            "--eval_num_prompts", "3", "--gold_judge", SENTIMENT_JUDGE, "--output_dir", str(out), "--steps", "1",
+            "--rollout_batch_size", "4", "--mini_batch_size", "4", "--ppo_epochs", "1", "--max_new_tokens", "6",
+            "--max_prompt_length", "40", "--log_samples_every", "1", "--num_log_samples", "3", "--save_steps", "0",
+            "--stop_strings", '["\\n"]', "--min_new_tokens", "1"]  # fmt: skip
+    assert cli.main(argv) == 0
+    logged = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [s["query"] for s in logged[:3]] == RENDERED
+    assert len((out / "eval_log.jsonl").read_text().splitlines()) == 2  # before the first step and after it
+    assert json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["objective/kl"] == 0.0
+    saved = parse_config(ppo.Config, ["--config", str(out / "config.yaml")])
+    assert (saved.stop_strings, saved.min_new_tokens) == (["\n"], 1)
+
+    evaluated = evaluate.run(
+        evaluate.Config(
+            policy_path=str(chat_model_dir),
+            baseline_path=str(chat_model_dir),
+            reward_model_path=str(tiny_rm_dir),
+            gold_judge=SENTIMENT_JUDGE,
+            prompt_file=str(chats),
+            num_prompts=None,
+            max_prompt_length=40,
+            max_new_tokens=6,
+            stop_strings=["\n"],
+            min_new_tokens=1,
+            output_dir=str(tmp_path / "eval"),
+            print_samples=0,
+        )  # fmt: skip
+    )
+    assert evaluated["num_prompts"] == 3 and evaluated["gold_win_rate"] == 0.5
+    samples = [json.loads(line) for line in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
+    assert [s["prompt"] for s in samples] == RENDERED
+    assert all(s["policy_length"] >= 1 for s in samples)
+
+    responses = [" a delight.", " and funny.", " is wooden."]
+    rows = write_jsonl(tmp_path / "rows.jsonl", [{"messages": m, "response": r, "id": i}
+                                                 for i, (m, r) in enumerate(zip(CHATS, responses))])  # fmt: skip
+    judged_file = tmp_path / "judged.jsonl"
+    argv = ["judge", "--input_file", str(rows), "--output_file", str(judged_file), "--gold_judge", SENTIMENT_JUDGE,
+            "--tokenizer", str(chat_model_dir), "--show", "0"]  # fmt: skip
+    assert cli.main(argv) == 0
+    judged = [json.loads(line) for line in judged_file.read_text().splitlines()]
+    assert [r["prompt"] for r in judged] == RENDERED and [r["id"] for r in judged] == [0, 1, 2]
+    expected = judge_details(load_judge(SENTIMENT_JUDGE), RENDERED, responses)["gold_score"]
+    assert [r["gold_score"] for r in judged] == pytest.approx(expected)
+
+
+BAD_ROWS = [
+    ({"messages": [{"role": "user"}]}, "field 'messages[0].content': missing (or null)"),
+    ({"messages": [{"role": "user", "content": 3}]}, "field 'messages[0].content': expected a string, got int (3)"),
+    ({"messages": "The film is"}, "field 'messages': expected a non-empty list of {role, content} turns"),
+    ({"messages": ["The film is"]}, "field 'messages[0]': expected a {role, content} object, got str"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("row, message", BAD_ROWS, ids=["no-content", "int-content", "string", "string-turn"])
+def test_a_bad_messages_row_is_one_line_naming_file_row_and_field(
+    chat_model_dir, tiny_rm_dir, tmp_path, capsys, row, message
+):
+    bad = write_jsonl(
+        tmp_path / "bad.jsonl", [{"messages": CHATS[0], "response": "x"}, {**row, "response": "y"}]
+    )
+    commands = {
+        "ppo": ["--model_name_or_path", str(chat_model_dir), "--reward_model_path", str(tiny_rm_dir),
+                "--prompt_file", str(bad), "--eval_every", "0", "--output_dir", str(tmp_path / "ppo")],
+        "eval": ["--policy_path", str(chat_model_dir), "--baseline_path", str(chat_model_dir),
+                 "--reward_model_path", "none", "--gold_judge", SENTIMENT_JUDGE, "--prompt_file", str(bad),
+                 "--output_dir", str(tmp_path / "eval")],
+        "judge": ["--input_file", str(bad), "--output_file", str(tmp_path / "judged.jsonl"), "--gold_judge",
+                  SENTIMENT_JUDGE, "--tokenizer", str(chat_model_dir)],
+    }  # fmt: skip
+    for command, argv in commands.items():
+        assert cli.main([command, *argv]) == 2, command
+        assert capsys.readouterr().err == f"error: {bad}, row 2, {message}\n", command
+    assert not any((tmp_path / name).exists() for name in ("ppo", "eval", "judged.jsonl"))
+
+
+def test_judge_needs_a_tokenizer_with_a_chat_template_for_messages_rows(tiny_model_dir, tmp_path, capsys):
+    rows = write_jsonl(tmp_path / "rows.jsonl", [{"messages": CHATS[0], "response": " good."}])
+    argv = ["judge", "--input_file", str(rows), "--output_file", str(tmp_path / "o.jsonl"), "--gold_judge",
+            SENTIMENT_JUDGE]  # fmt: skip
+    assert cli.main(argv) == 2
+    assert "set --tokenizer to the policy's model" in capsys.readouterr().err
+    assert cli.main([*argv, "--tokenizer", str(tiny_model_dir)]) == 2
+    assert "has no chat template" in capsys.readouterr().err
+
+
+# --- configs --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", [ppo.Config, evaluate.Config])
+def test_generation_control_keys_are_checked_and_round_trip(config, tmp_path):
+    cfg = parse_config(config, ["--stop_strings", '["\\n\\n", " The end"]', "--min_new_tokens", "2"])
+    assert (cfg.stop_strings, cfg.min_new_tokens) == (["\n\n", " The end"], 2)
+    assert parse_config(config, ["--config", str(save_config(cfg, tmp_path))]) == cfg  # config.yaml reloads
+    assert (config().stop_strings, config().min_new_tokens) == ([], 0)  # off by default
+    for argv, key in [
+        (["--stop_strings", "[1]"], "stop_strings"),
+        (["--stop_strings", '[""]'], "stop_strings"),
+        (["--min_new_tokens", "-1"], "min_new_tokens"),
+        (["--min_new_tokens", "9", "--max_new_tokens", "8"], "min_new_tokens"),
+    ]:
+        with pytest.raises(ConfigError, match=f"^config key '{key}': "):
+            parse_config(config, argv)
+
+
+@pytest.mark.parametrize("command, keys", [("ppo", ["stop_strings", "min_new_tokens"]),
+                                           ("eval", ["stop_strings", "min_new_tokens"]),
+                                           ("judge", ["tokenizer"])])  # fmt: skip
+def test_help_documents_the_new_keys(command, keys, capsys):
+    assert cli.main([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    for key in keys:
+        assert f"--{key} (" in out, key
+    names = {"ppo": ppo.Config, "eval": evaluate.Config}.get(command)
+    if names is not None:
+        assert {f.name for f in dataclasses.fields(names)} >= set(keys)
+
+
+# --- two processes --------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_processes_with_stop_strings_and_min_new_tokens(
+    eos_prone_dir, tiny_rm_dir, prompt_file, tmp_path
+):
+    """`accelerate launch` with 2 DDP processes: two PPO steps and held-out evaluations with stop strings and
+    min_new_tokens. Every rollout row on each process is cut at its first stop string and no shorter than
+    min_new_tokens, and the logged response_length and eos_rate are those of the rows of both processes."""
+    from llm_rlhf.models import load_tokenizer as tokenizer_of
+
+    out, record = tmp_path / "run", tmp_path / "rollouts"
+    args = ppo_cli_args(eos_prone_dir, tiny_rm_dir, prompt_file, out, 2)[2:]  # without "-m llm_rlhf"
+    args += ["--max_new_tokens", "10", "--stop_strings", '["e", "a"]', "--min_new_tokens", "2", "--save_steps", "0",
+             "--eval_every", "1", "--eval_prompt_file", str(prompt_file), "--eval_num_prompts", "4",
+             "--gold_judge", SENTIMENT_JUDGE]  # fmt: skip
+    launch([str(ROOT / "tests" / "scripts" / "record_rollouts.py"), str(record), *args], 2)
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    ranks = [json.loads((record / f"rollouts_{r}.json").read_text()) for r in (0, 1)]
+    assert len(metrics) == 2 and all(len(steps) == 2 for steps in ranks)
+    assert metrics[0]["objective/kl"] == 0.0
+    tokenizer = tokenizer_of(str(eos_prone_dir))
+    eos = tokenizer.eos_token_id
+    stopped_rows = 0
+    for step, m in enumerate(metrics):
+        lengths, ended = [], []
+        for steps in ranks:
+            rollout = steps[step]
+            for ids, mask, stopped, end in zip(
+                rollout["response"], rollout["response_mask"], rollout["stopped"], rollout["ended"]
+            ):
+                real = [i for i, keep in zip(ids, mask) if keep]
+                assert mask == [True] * len(real) + [False] * (len(mask) - len(real))
+                assert 2 <= len(real) <= 10
+                text_ids = real[:-1] if real[-1] == eos else real
+                assert naive_end(tokenizer, text_ids, STOPS, 2) == (len(real) if stopped else None)
+                assert end == (stopped or real[-1] == eos)
+                stopped_rows += stopped
+                lengths.append(len(real))
+                ended.append(end)
+        assert m["response_length"] == pytest.approx(sum(lengths) / len(lengths), rel=1e-6)
+        assert m["eos_rate"] == pytest.approx(sum(ended) / len(ended), rel=1e-6)
+    assert stopped_rows > 0
+    heldout = [json.loads(line) for line in (out / "eval_log.jsonl").read_text().splitlines()]
+    assert len(heldout) == 3 and all(r["response_length"] >= 2 for r in heldout)
+
+
+@pytest.mark.parametrize("config", [ppo.Config, evaluate.Config])
+def test_the_readme_example_is_a_valid_config(config, tmp_path):
+    """The YAML block of README.md's "Generation controls and chat prompts" section parses in both stages."""
+    section = (ROOT / "README.md").read_text().split("## Generation controls and chat prompts")[1]
+    block = section.split("```yaml\n")[1].split("```")[0]
+    recipe = tmp_path / "example.yaml"
+    recipe.write_text(block)
+    cfg = parse_config(config, ["--config", str(recipe)])
+    assert (cfg.stop_strings, cfg.min_new_tokens) == (["\n\nHuman:"], 4)
