@@ -41,9 +41,9 @@ from llm_rlhf.models import (
     use_fused_gelu,
 )
 from llm_rlhf.ppo import Config, PPOTrainer  # Config: the keys of `llm-rlhf ppo`
-from llm_rlhf.reward_fn import RewardFn, load_reward_fn, probe
+from llm_rlhf.reward_fn import RewardFn, decode_texts, load_reward_fn, probe
 from llm_rlhf.reward_model import load_reward_model, save_reward_model
-from llm_rlhf.rollout import encode_prompt
+from llm_rlhf.rollout import encode_prompt, left_pad
 from llm_rlhf.utils import (
     append_jsonl,
     atomic_write_json,
@@ -236,13 +236,16 @@ def run(cfg: Config) -> dict[str, float]:
 
 def load_and_probe_reward_fn(cfg: Config, tokenizer, prompts: list[list[int]]) -> RewardFn | None:
     """`cfg.reward_fn` imported and called once (`reward_fn.probe`) on the first two training prompts, as
-    text (decoded as `reward_fn.decode_texts` decodes them in training), with dummy responses: before any model is
+    text as training decodes them (`reward_fn.decode_texts`), with dummy responses: before any model is
     loaded or any output written. Every process probes on the same inputs, so a deterministic function
     fails on all of them alike. None without a reward_fn."""
     if cfg.reward_fn is None:
         return None
     reward_fn = load_reward_fn(cfg.reward_fn)
-    probe(reward_fn, [tokenizer.decode(ids, skip_special_tokens=True) for ids in prompts[:2]])
+    query, query_mask = left_pad(prompts[:2], tokenizer.pad_token_id)  # (2, P) each
+    no_response = torch.zeros((query.shape[0], 0), dtype=torch.bool)  # (2, 0)
+    texts, _ = decode_texts(tokenizer, query, query_mask, no_response.long(), no_response)
+    probe(reward_fn, texts)
     return reward_fn
 
 

@@ -17,8 +17,9 @@ once, say). Where its score goes (`llm_rlhf.ppo.PPOTrainer.score`, and `llm-rlhf
     rm_score = r_phi(x, y), normalised (0 when reward_model_path is null: the score is the function's alone)
 
 the one scalar per sequence that PPO adds at the last response token, before the score_clip and the EOS
-trick (`ppo_math.shaped_rewards`). The texts it sees: the prompt as the policy read it and the response
-decoded without its EOS (special tokens skipped), the same texts evaluation scores (`decode_texts`).
+trick (`ppo_math.shaped_rewards`). The texts it sees: the prompt string of the prompt file (a chat prompt
+rendered with its template) and the response decoded without its EOS, in PPO as in evaluation
+(`decode_texts`).
 
 Checks, each a one-line `UserError` naming the callable:
 - `load_reward_fn`: the module imports, the attribute exists, the object is callable;
@@ -46,6 +47,7 @@ from typing import Any
 import torch
 
 from llm_rlhf.config import split_callable_spec
+from llm_rlhf.data import adds_bos
 from llm_rlhf.errors import UserError
 
 PROBE_RESPONSES = ("", " and it was good.")  # an empty response (EOS at once) and a short one
@@ -194,14 +196,18 @@ def decode_texts(tokenizer, query, query_mask, response, response_mask) -> tuple
     """The (prompts, responses) texts a reward function sees for a batch of samples.
 
     query, query_mask: (B, P); response: (B, R); response_mask: (B, R) bool, True up to and including the
-    first EOS. The prompt is its real tokens decoded (special tokens, e.g. a BOS, skipped); the response its
-    real tokens without the EOS, decoded as `llm-rlhf eval` decodes it.
+    first EOS. The prompt: its real tokens decoded back to the text `rollout.encode_prompt` encoded (the BOS
+    the tokenizer adds dropped; special tokens a chat template wrote kept), which is the prompt string
+    `llm-rlhf eval` passes. The response: its real tokens without the EOS, decoded as `llm-rlhf eval` does
+    (special tokens skipped; a stop string that ended it kept).
     """
+    bos = tokenizer.bos_token_id if adds_bos(tokenizer) else None
+    prompts = []
+    for q, m in zip(query, query_mask):
+        ids = q[m.bool()].tolist()  # (P',) the real query tokens
+        ids = ids[1:] if bos is not None and ids[:1] == [bos] else ids
+        prompts.append(tokenizer.decode(ids, clean_up_tokenization_spaces=False))
     eos = (response == tokenizer.eos_token_id) & response_mask.bool()  # (B, R) the first EOS, if any
     keep = response_mask.bool() & ~eos  # (B, R) the response's text tokens
-    prompts = [
-        tokenizer.decode(q[m.bool()].tolist(), skip_special_tokens=True)  # (P',) real query tokens
-        for q, m in zip(query, query_mask)
-    ]
     responses = [tokenizer.decode(r[k].tolist(), skip_special_tokens=True) for r, k in zip(response, keep)]
     return prompts, responses

@@ -147,6 +147,26 @@ def test_decode_texts_layout(tiny_model_dir):
     assert responses == [" is good", " and sharp script"]
 
 
+def test_decode_texts_gives_back_the_prompt_string(tiny_model_dir):
+    """A Llama-style tokenizer that adds a BOS: the prompt text is the string `encode_prompt` encoded (the
+    BOS it added dropped), special-token text inside it kept (a chat template writes some)."""
+    from tokenizers.processors import TemplateProcessing
+
+    from llm_rlhf.rollout import encode_prompt, left_pad
+
+    tok = load_tokenizer(str(tiny_model_dir), padding_side="left")
+    bos = tok.bos_token_id
+    tok._tokenizer.post_processor = TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)]
+    )
+    texts = ["user: The film<|endoftext|>assistant:", "A tedious"]
+    queries = [encode_prompt(tok, t) for t in texts]
+    assert all(q[0] == bos for q in queries)
+    query, qmask = left_pad(queries, tok.pad_token_id)
+    empty = torch.zeros((2, 0), dtype=torch.bool)
+    assert decode_texts(tok, query, qmask, empty.long(), empty) == (texts, ["", ""])
+
+
 def test_config_checks_name_the_key():
     with pytest.raises(
         ConfigError, match="^config key 'reward_model_path': is none and reward_fn is not set"
