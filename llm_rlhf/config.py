@@ -185,9 +185,10 @@ def format_help(cls: type) -> str:
     return "\n".join(lines)
 
 
-def is_off(value: str | None) -> bool:
-    """True for a path or spec that means "none": null, '', 'none', 'null' (any case)."""
-    return value is None or value.strip().lower() in ("", "none", "null")
+def is_off(value: str | list[str] | None) -> bool:
+    """True for a path or spec that means "none": null, '', 'none', 'null' (any case). A list (a reward-model
+    ensemble's folders) is never off."""
+    return value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null"))
 
 
 def split_callable_spec(spec: str, key: str) -> tuple[str, str]:

@@ -12,7 +12,10 @@ metrics.json (written last; `_baseline` keys hold the same figures for the basel
     sentiment_mean    mean sentiment part of that gold (predicted mean human rating of prompt + response)
     fluency_perplexity  exp(mean fluency_nll): the geometric mean over the samples of the per-response
                       perplexity (response + end marker given the prompt) under the gold's independent LM
-    rm_score_mean     mean reward-model score (normalised with the RM's stored mean/std, as PPO sees it)
+    rm_score_mean     mean reward-model score (normalised with the RM's stored mean/std, as PPO sees it; with
+                      an ensemble, `reward_model_path` a list: the members' scores combined as PPO combines them)
+    rm_score_member_<k>_mean, rm_disagreement_mean   with an ensemble only: member k's mean score, and the
+                      mean over the samples of the std across the members
     gold_win_rate     fraction of pairs where the policy's sample scores higher than the baseline's
     sentiment_win_rate  (ties count one half), by the gold judge, by its sentiment part alone and by
     rm_win_rate       the reward model
@@ -67,7 +70,7 @@ from llm_rlhf.errors import UserError
 from llm_rlhf.gold import FluentGoldJudge, GoldJudge, judge_details, load_judge
 from llm_rlhf.models import freeze, load_causal_lm, load_tokenizer, shares_vocab
 from llm_rlhf.reward_fn import load_reward_fn
-from llm_rlhf.reward_model import load_reward_model
+from llm_rlhf.reward_model import RewardEnsemble, check_ensemble_keys, check_members_exist, load_reward_models
 from llm_rlhf.rollout import (
     Samples,
     check_generation_controls,
@@ -90,9 +93,18 @@ class Config:
         None,
         "The reference pi_ref of kl_to_ref (null = baseline_path); it must share the policy's tokenizer.",
     )
-    reward_model_path: str | None = help_field(
+    reward_model_path: str | list[str] | None = help_field(
         "runs/reviews/rm",
-        "Reward model folder (`llm-rlhf rm` output) for rm_* metrics; 'none' (or null) to skip.",
+        "Reward model folder (`llm-rlhf rm` output) for rm_* metrics, or a list of them (an ensemble: rm_score "
+        "is their combined score, as in PPO, beside each member's); 'none' (or null) to skip.",
+    )
+    ensemble_combine: str = help_field(
+        "mean",
+        "With a list of reward models: 'mean', 'min' or 'uncertainty' (mean - ensemble_uncertainty_coef * std "
+        "across the members); set the PPO run's (the pipeline does).",
+    )
+    ensemble_uncertainty_coef: float = help_field(
+        1.0, "lambda of ensemble_combine 'uncertainty' (>= 0); set the PPO run's (the pipeline does)."
     )
     reward_fn: str | None = help_field(
         None,
@@ -159,6 +171,7 @@ class Config:
         if self.reward_fn is not None:
             split_callable_spec(self.reward_fn, "reward_fn")  # the form only; `run` imports it
         require(math.isfinite(self.reward_fn_weight), "reward_fn_weight", "must be a finite number")
+        check_ensemble_keys(self)
         require(
             self.num_prompts is None or self.num_prompts > 0, "num_prompts", "must be > 0 (or null for all)"
         )
@@ -336,7 +349,8 @@ def sample_and_score(
     """One record per prompt: prompt, response (text; a stop string that ended it is kept, as the RM scored
     it), response_ids (EOS excluded), length (tokens, EOS included), eos (ended: EOS or a stop string),
     kl_to_ref and kl_to_ref_at_temperature (None without `ref_model`), rm_score (None
-    without `reward_model`), gold_score (None without `judge`), and sentiment, fluency_nll,
+    without `reward_model`; a `RewardEnsemble`'s combined score), rm_member_scores (a list of K floats) and
+    rm_disagreement (their population std; both None unless `reward_model` is an ensemble), gold_score (None without `judge`), and sentiment, fluency_nll,
     fluency_perplexity (None unless the judge reports them, as the fluency-aware gold does; see
     `llm_rlhf.gold.judge_details`), reward_fn (None without `reward_fn`, a `llm_rlhf.reward_fn.RewardFn`:
     its unweighted score of the prompt and the response text). Batch b is sampled with seed + b."""
@@ -372,7 +386,12 @@ def sample_and_score(
             if ref_model is not None
             else None
         )
-        rm = reward_scores(reward_model, tokenizer, batch) if reward_model is not None else None
+        rm = members = None
+        if isinstance(reward_model, RewardEnsemble):
+            members = reward_model.member_scores(batch.sequence, batch.attention_mask, tokenizer)  # (K, B)
+            rm, spread = reward_model.combine(members), ppo_math.member_disagreement(member_scores=members)
+        elif reward_model is not None:
+            rm = reward_scores(reward_model, tokenizer, batch)  # (B,)
         eos = (batch.response == tokenizer.eos_token_id) & batch.response_mask  # (B, R) the first EOS, if any
         ended = batch.ended(tokenizer.eos_token_id)  # (B,) EOS or a stop string
         for i, prompt in enumerate(chunk):
@@ -387,6 +406,8 @@ def sample_and_score(
                     "kl_to_ref": float(kls[0][i]) if kls is not None else None,
                     "kl_to_ref_at_temperature": float(kls[1][i]) if kls is not None else None,
                     "rm_score": float(rm[i]) if rm is not None else None,
+                    "rm_member_scores": members[:, i].tolist() if members is not None else None,
+                    "rm_disagreement": float(spread[i]) if members is not None else None,
                     "gold_score": None,
                     "sentiment": None,
                     "fluency_nll": None,
@@ -429,6 +450,11 @@ def summarize(records: list[dict[str, Any]], suffix: str = "") -> dict[str, floa
     out["eos_rate" + suffix] = mean_and_stderr([float(r["eos"]) for r in records])[0]
     out["distinct_1" + suffix] = distinct_n([r["response_ids"] for r in records], 1)
     out["distinct_2" + suffix] = distinct_n([r["response_ids"] for r in records], 2)
+    if records[0].get("rm_member_scores") is not None:  # an ensemble: each member, and their disagreement
+        per_member = zip(*[r["rm_member_scores"] for r in records])  # K tuples of one score per sample
+        for k, scores in enumerate(per_member):
+            out[f"rm_score_member_{k}_mean" + suffix] = mean_and_stderr(list(scores))[0]
+        out["rm_disagreement_mean" + suffix] = mean_and_stderr([r["rm_disagreement"] for r in records])[0]
     return out
 
 
@@ -508,6 +534,7 @@ SAMPLE_KEYS = (
     "sentiment",
     "fluency_perplexity",
     "rm_score",
+    "rm_member_scores",
     "reward_fn",
     "combined_score",
     "kl_to_ref",
@@ -564,6 +591,8 @@ def _run(cfg: Config) -> dict[str, Any]:
     print(format_config(cfg))
     judge = load_judge(cfg.gold_judge)
     reward_fn = load_reward_fn(cfg.reward_fn) if cfg.reward_fn is not None else None
+    if not is_off(cfg.reward_model_path):  # one RM or an ensemble (a list): every folder, before any loads
+        check_members_exist(cfg.reward_model_path)
     reference_path = cfg.reference_path or cfg.baseline_path
     paths = list(
         dict.fromkeys([cfg.policy_path, cfg.baseline_path, reference_path])
@@ -587,8 +616,13 @@ def _run(cfg: Config) -> dict[str, Any]:
     }
     reward_model = None
     if not is_off(cfg.reward_model_path):
-        reward_model = load_reward_model(
-            cfg.reward_model_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code, device=device
+        reward_model = load_reward_models(
+            cfg.reward_model_path,
+            combine=cfg.ensemble_combine,
+            uncertainty_coef=cfg.ensemble_uncertainty_coef,
+            dtype=cfg.dtype,
+            trust_remote_code=cfg.trust_remote_code,
+            device=device,
         )
         freeze(reward_model)
 
@@ -643,6 +677,14 @@ def _run(cfg: Config) -> dict[str, Any]:
             "baseline_path": cfg.baseline_path,
             "reference_path": reference_path,
             "reward_model_path": cfg.reward_model_path,
+            **(
+                {
+                    "ensemble_combine": cfg.ensemble_combine,
+                    "ensemble_uncertainty_coef": cfg.ensemble_uncertainty_coef,
+                }
+                if isinstance(reward_model, RewardEnsemble)
+                else {}
+            ),
             "reward_fn": cfg.reward_fn,
             "reward_fn_weight": cfg.reward_fn_weight,
             "gold_judge": cfg.gold_judge,
@@ -680,6 +722,8 @@ def format_metrics(metrics: dict[str, Any]) -> str:
         "sentiment_mean",
         "fluency_perplexity",
         "rm_score_mean",
+        *sorted(k for k in metrics if k.startswith("rm_score_member_") and k.endswith("_mean")),
+        *(["rm_disagreement_mean"] if "rm_disagreement_mean" in metrics else []),
         "reward_fn_mean",
         "combined_score_mean",
         "kl_to_ref",

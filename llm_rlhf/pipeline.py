@@ -12,6 +12,11 @@ overrides; the chaining keys are set here so each stage reads the previous stage
     DIR/compare <- DIR/sft, DIR/rm, DIR/ppo     (optional: PPO, DPO per beta and best-of-n on one gold-vs-KL
                                                 plot; PPO needs eval_every > 0)
 
+A reward-model ensemble (`rm_members: K`): the RM stage runs K times, member 0 in DIR/rm and member k in
+DIR/rm-<k>, member k seeded with the RM seed + k (and with `rm_bootstrap`, trained on its own bootstrap
+resample of the pairs); PPO and eval get the list [DIR/rm, DIR/rm-1, ...] as reward_model_path, and eval
+takes PPO's ensemble_combine and ensemble_uncertainty_coef. compare reads DIR/rm alone.
+
 A stage whose folder holds `metrics.json` is finished and skipped; a stage folder without it was
 interrupted and is resumed. `DIR/pipeline.json` records each stage's wall time and headline metrics.
 """
@@ -71,6 +76,16 @@ class Config:
     shared_dir: str | None = help_field(
         None, "Internal to sweeps: the folder whose sft/ and rm/ this run links to."
     )
+    rm_members: int = help_field(
+        1,
+        "Reward models to train (an ensemble): member 0 in DIR/rm, member k in DIR/rm-<k> with the RM seed + k; "
+        "PPO and eval read the list. 1 = one reward model.",
+    )
+    rm_bootstrap: bool = help_field(
+        False,
+        "Train each ensemble member on its own bootstrap resample of the training pairs (the RM key "
+        "bootstrap_seed = the member's seed); false = every member on every pair, members differ by seed.",
+    )
     seeds: list[int] | None = help_field(
         None, "Run the whole pipeline once per seed, in DIR/seed-<s> (every stage gets the seed)."
     )
@@ -86,6 +101,7 @@ class Config:
             not unknown, "stages", f"unknown stage(s) {unknown}; choose from {list(STAGES + OPTIONAL_STAGES)}"
         )
         require(not (self.seeds and self.sweep), "sweep", "give either seeds or sweep, not both")
+        require(self.rm_members >= 1, "rm_members", f"must be >= 1, got {self.rm_members}")
         for i, variant in enumerate(self.sweep or []):
             require(
                 isinstance(variant, dict) and isinstance(variant.get("name"), str),
@@ -94,22 +110,30 @@ class Config:
             )
 
 
-def chained_paths(out: Path, shared: Path | None = None) -> dict[str, dict[str, str]]:
+def rm_member_dirs(folder: Path, rm_members: int) -> list[Path]:
+    """The RM folders of a run: DIR/rm, then DIR/rm-1 ... DIR/rm-<K-1> for an ensemble."""
+    return [folder / "rm"] + [folder / f"rm-{k}" for k in range(1, rm_members)]
+
+
+def chained_paths(out: Path, shared: Path | None = None, rm_members: int = 1) -> dict[str, dict[str, Any]]:
     """The keys that connect the stages: each reads the previous stage's output folder (a sweep variant
-    reads the SFT and RM of the shared folder)."""
+    reads the SFT and RM of the shared folder). With rm_members > 1, PPO and eval read the list of the
+    members' folders."""
     base = shared or out
+    members = [str(p) for p in rm_member_dirs(base, rm_members)]
+    reward_model_path = members[0] if rm_members == 1 else members
     return {
         "sft": {"output_dir": str(out / "sft")},
         "rm": {"model_name_or_path": str(base / "sft"), "output_dir": str(out / "rm")},
         "ppo": {
             "model_name_or_path": str(base / "sft"),
-            "reward_model_path": str(base / "rm"),
+            "reward_model_path": reward_model_path,
             "output_dir": str(out / "ppo"),
         },
         "eval": {
             "policy_path": str(out / "ppo"),
             "baseline_path": str(base / "sft"),
-            "reward_model_path": str(base / "rm"),
+            "reward_model_path": reward_model_path,
             "output_dir": str(out / "eval"),
         },
         "dpo": {"model_name_or_path": str(base / "sft"), "output_dir": str(out / "dpo")},
@@ -128,9 +152,11 @@ def stage_config(cfg: Config, stage: str) -> Any:
     valid = [f.name for f in dataclasses.fields(stage_cls)]
     recipe = getattr(cfg, f"{stage}_config")
     values: dict[str, Any] = load_yaml_config(recipe, valid) if recipe else {}
-    values.update(
-        chained_paths(Path(cfg.output_dir), Path(cfg.shared_dir) if cfg.shared_dir else None)[stage]
-    )
+    shared = Path(cfg.shared_dir) if cfg.shared_dir else None
+    values.update(chained_paths(Path(cfg.output_dir), shared, cfg.rm_members)[stage])
+    if stage == "eval" and cfg.rm_members > 1:  # the ensemble's score as PPO combined it
+        ppo_cfg = stage_config(cfg, "ppo")
+        values.update({key: getattr(ppo_cfg, key) for key in ENSEMBLE_KEYS})
     overrides = getattr(cfg, stage)
     for key in overrides:
         if key not in valid:
@@ -141,6 +167,24 @@ def stage_config(cfg: Config, stage: str) -> Any:
     hints = typing.get_type_hints(stage_cls)  # the same type checks as the command line
     values = {k: _coerce(k, v, hints[k], f"pipeline stage '{stage}'") for k, v in values.items()}
     return stage_cls(**values)
+
+
+ENSEMBLE_KEYS = ("ensemble_combine", "ensemble_uncertainty_coef")  # eval takes PPO's
+
+
+def rm_member_configs(cfg: Config, rm_cfg) -> list[tuple[str, Any]]:
+    """(name, config) of each RM the run trains: ("rm", the RM stage's config) alone, or for an ensemble
+    also ("rm-<k>", the same config with output_dir DIR/rm-<k> and seed + k), k = 1 .. rm_members - 1.
+    With rm_bootstrap every member (the first too) trains on its own resample: bootstrap_seed = its seed."""
+    out = Path(cfg.output_dir)
+    jobs = []
+    for k, folder in enumerate(rm_member_dirs(out, cfg.rm_members)):
+        seed = rm_cfg.seed + k
+        member = dataclasses.replace(rm_cfg, output_dir=str(folder), seed=seed)
+        if cfg.rm_bootstrap:
+            member = dataclasses.replace(member, bootstrap_seed=seed)
+        jobs.append((folder.name, member))
+    return jobs
 
 
 def run(cfg: Config) -> dict[str, Any]:
@@ -206,7 +250,11 @@ def run_one(cfg: Config) -> dict[str, Any]:
     stage is data-parallel on its own); only the main process writes the pipeline's own files."""
     state = PartialState()
     out = Path(cfg.output_dir)
-    configs = {stage: stage_config(cfg, stage) for stage in cfg.stages}
+    jobs = []  # (name, stage, config): the stages in order, the RM stage once per ensemble member
+    for stage in cfg.stages:
+        stage_cfg = stage_config(cfg, stage)
+        members = rm_member_configs(cfg, stage_cfg) if stage == "rm" else [(stage, stage_cfg)]
+        jobs += [(name, stage, member_cfg) for name, member_cfg in members]
     if state.is_main_process:
         print(format_config(cfg))
         out.mkdir(parents=True, exist_ok=True)
@@ -218,31 +266,31 @@ def run_one(cfg: Config) -> dict[str, Any]:
         cfg.shared_dir and state.is_main_process
     ):  # a sweep variant: link the shared SFT and RM stages into this run folder
         shared_record = json.loads((Path(cfg.shared_dir) / "pipeline.json").read_text())
-        for stage in ("sft", "rm"):
+        for stage in ("sft", *(p.name for p in rm_member_dirs(out, cfg.rm_members))):
             link = out / stage
             if not link.exists():
                 link.symlink_to(Path("..") / stage, target_is_directory=True)
             if stage in shared_record:
                 record[stage] = shared_record[stage]
-    for stage in cfg.stages:
-        stage_cfg, stage_dir = configs[stage], Path(configs[stage].output_dir)
+    for name, stage, stage_cfg in jobs:
+        stage_dir = Path(stage_cfg.output_dir)
         if (stage_dir / "metrics.json").exists():
-            state.print(f"== {stage}: finished earlier ({stage_dir}); skipped")
+            state.print(f"== {name}: finished earlier ({stage_dir}); skipped")
             continue
         if stage_dir.exists() and hasattr(stage_cfg, "resume") and has_checkpoint(stage, stage_dir):
             stage_cfg = dataclasses.replace(stage_cfg, resume=True)
-            state.print(f"== {stage}: interrupted earlier; resuming in {stage_dir}")
+            state.print(f"== {name}: interrupted earlier; resuming in {stage_dir}")
         elif stage_dir.exists():
             state.print(
-                f"== {stage}: interrupted earlier, no checkpoint to resume from; starting over in {stage_dir}"
+                f"== {name}: interrupted earlier, no checkpoint to resume from; starting over in {stage_dir}"
             )
         else:
-            state.print(f"== {stage}: running in {stage_dir}")
+            state.print(f"== {name}: running in {stage_dir}")
         start = time.perf_counter()
         MODULES[stage].run(stage_cfg)
         state.wait_for_everyone()
         metrics = json.loads((stage_dir / "metrics.json").read_text())
-        record[stage] = {"wall_time_s": round(time.perf_counter() - start, 1), "metrics": metrics}
+        record[name] = {"wall_time_s": round(time.perf_counter() - start, 1), "metrics": metrics}
         if state.is_main_process:
             atomic_write_json(record_path, record)
     state.print(summary(record))
@@ -270,7 +318,7 @@ def summary(record: dict[str, Any]) -> str:
     for stage, entry in record.items():
         shown = ", ".join(
             f"{k}={entry['metrics'][k]:.4g}"
-            for k in HEADLINES.get(stage, ())
+            for k in HEADLINES.get(stage.split("-")[0], ())  # rm-<k>: an ensemble member
             if isinstance(entry["metrics"].get(k), (int, float))
         )
         lines.append(f"{stage:<6} {entry['wall_time_s']:>7.1f} s  {shown}")

@@ -3,7 +3,8 @@
 One PPO step (`ppo_step`) reads like the algorithm box of Ziegler et al. (2019) / Stiennon et al. (2020):
 
     rollout (sample responses, old log-probs and values in one pass) -> reference log-probs
-    -> scores (reward model, + reward_fn_weight * reward_fn when set)
+    -> scores (the reward model's, or a reward-model ensemble's combined; + reward_fn_weight * reward_fn
+    when set)
     -> shaped rewards (-beta*KL per token + score at the last token)
     -> GAE -> K epochs of clipped policy/value updates on shuffled minibatches
     -> KL controller update -> metrics
@@ -32,6 +33,7 @@ from llm_rlhf.config import help_field, is_off, require, split_callable_spec
 from llm_rlhf.data import DATA_FORMATS
 from llm_rlhf.errors import NonFiniteError, UserError
 from llm_rlhf.models import shares_vocab
+from llm_rlhf.reward_model import RewardEnsemble, check_ensemble_keys
 from llm_rlhf.rollout import (
     Rollout,
     Samples,
@@ -49,10 +51,21 @@ class Config:
     model_name_or_path: str = help_field(
         "runs/reviews/sft", "The SFT model (HF folder or hub name): initial policy and frozen reference."
     )
-    reward_model_path: str | None = help_field(
+    reward_model_path: str | list[str] | None = help_field(
         "runs/reviews/rm",
-        "The trained reward model folder (`llm-rlhf rm` output); null or 'none': no reward model, the score "
-        "is reward_fn_weight * reward_fn alone.",
+        "The trained reward model folder (`llm-rlhf rm` output), or a list of them: an ensemble whose members "
+        "each score every response with their own normalisation, combined per response by ensemble_combine "
+        "(value_model 'reward' starts the critic from the first member); null or 'none': no reward model, "
+        "the score is reward_fn_weight * reward_fn alone.",
+    )
+    ensemble_combine: str = help_field(
+        "mean",
+        "With a list of reward models, one score per response from the members' scores: 'mean', 'min' (worst "
+        "case) or 'uncertainty' (mean - ensemble_uncertainty_coef * std across the members, the population "
+        "std). Ignored with one reward model.",
+    )
+    ensemble_uncertainty_coef: float = help_field(
+        1.0, "lambda of ensemble_combine 'uncertainty' (>= 0; 0 = the mean)."
     )
     reward_fn: str | None = help_field(
         None,
@@ -191,6 +204,7 @@ class Config:
     def __post_init__(self):
         require(self.data_format in DATA_FORMATS, "data_format", f"must be one of {', '.join(DATA_FORMATS)}")
         check_reward_keys(self)
+        check_ensemble_keys(self)
         require(self.steps > 0, "steps", "must be > 0")
         require(
             self.mini_batch_size > 0 and self.rollout_batch_size % self.mini_batch_size == 0,
@@ -449,7 +463,11 @@ class PPOTrainer:
             else ppo_math.FixedKLController(cfg.init_kl_coef)
         )
         self.prompts = prompts  # list of token-id lists
-        self.rm_shares_vocab = reward_model is not None and shares_vocab(tokenizer, reward_model.tokenizer)
+        self.rm_shares_vocab = (
+            reward_model is not None
+            and not isinstance(reward_model, RewardEnsemble)  # an ensemble decides for each member
+            and shares_vocab(tokenizer, reward_model.tokenizer)
+        )
         self.step = 0
         self.device = accelerator.device
 
@@ -646,15 +664,16 @@ class PPOTrainer:
 
             scores = rm_score + reward_fn_weight * reward_fn(prompts, responses)
 
-        rm_score: r_phi(x, y) normalised (`rm_score`), 0 without a reward model; the second term only with
-        a reward_fn (`reward_fn_scores`). These are the scores `ppo_step` clips (score_clip), replaces for
+        rm_score: r_phi(x, y) normalised (`rm_score`; a reward-model ensemble's combined score), 0 without a
+        reward model; the second term only with a reward_fn (`reward_fn_scores`). These are the scores `ppo_step` clips (score_clip), replaces for
         responses without EOS (eos_penalty) and adds at the last response token (`ppo_math.shaped_rewards`),
         and then whitens only as part of the per-token rewards (whiten_rewards) and the advantages.
         `terms`, if given and a reward_fn is set, receives the terms, each (B,): "reward_fn" (unweighted)
         and, with a reward model, "rm_score" (the step logs their means as objective/reward_fn and
-        objective/rm_score)."""
+        objective/rm_score); with an ensemble it also receives the members' scores and their disagreement
+        (`rm_score`), with or without a reward_fn."""
         B = samples.query.shape[0]
-        rm = self.rm_score(samples) if self.reward_model is not None else None
+        rm = self.rm_score(samples, terms) if self.reward_model is not None else None
         if self.reward_fn is None:
             return rm
         fn = self.reward_fn_scores(samples)  # (B,)
@@ -683,10 +702,24 @@ class PPOTrainer:
         return torch.tensor(values, dtype=torch.float32, device=self.device)  # (B,)
 
     @torch.no_grad()
-    def rm_score(self, samples: Samples) -> torch.Tensor:
+    def rm_score(self, samples: Samples, terms: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """r_phi(x, y), normalised with the RM's stored mean/std: (B,). The RM drops the columns that are
-        padding in every row before its forward (`reward_model.trim_padding_columns`)."""
+        padding in every row before its forward (`reward_model.trim_padding_columns`).
+
+        An ensemble (`RewardEnsemble`, reward_model_path a list): every member scores this process's
+        samples (no collective), each normalised with its own statistics, and the K scores become one per
+        sequence, `ppo_math.combine_member_scores` (ensemble_combine). `terms`, if given, then receives
+        "scores_member_<k>" (member k's scores) and "scores_disagreement" (the std across the members,
+        `ppo_math.member_disagreement`), (B,) each; the step logs their means as objective/<name>."""
         with self.autocast():
+            if isinstance(self.reward_model, RewardEnsemble):
+                members = self.reward_model.member_scores(
+                    samples.sequence, samples.attention_mask, self.tokenizer
+                )  # (K, B)
+                if terms is not None:
+                    terms.update({f"scores_member_{k}": s for k, s in enumerate(members)})
+                    terms["scores_disagreement"] = ppo_math.member_disagreement(member_scores=members)
+                return self.reward_model.combine(members)  # (B,)
             if self.rm_shares_vocab:  # the usual case: the RM was trained from the SFT model
                 return self.reward_model.score(samples.sequence, samples.attention_mask).float()
             # Another tokenizer: decode and re-encode the way the RM was trained.
@@ -861,7 +894,8 @@ class PPOTrainer:
         score_terms=None,
     ) -> dict[str, float]:
         """The step's log line: objective/*, val/*, lengths, EOS rate and times, global over processes.
-        score_terms: the terms of the scores (`score`), logged as objective/<term> (their global means)."""
+        score_terms: the terms of the scores (`score`), (B,) each, logged as objective/<term>: their means
+        over every process, all in one all-reduce."""
         mask = rollout.response_mask
         lengths = mask.sum(-1).float()  # (B,)
         non_score = ppo_math.masked_sum(non_score_reward, mask, dim=-1)  # (B,)
@@ -892,8 +926,12 @@ class PPOTrainer:
             "tokens_per_s": float(tokens) / step_time,
         }
         m.update(train_stats)
-        for name, values in (score_terms or {}).items():  # objective/reward_fn, objective/rm_score
-            m[f"objective/{name}"] = self.global_mean(values.mean())
+        if (
+            score_terms
+        ):  # objective/reward_fn, objective/rm_score, objective/scores_member_<k>, ..._disagreement
+            means = torch.stack([v.float().mean() for v in score_terms.values()])  # (n,) this process's
+            means = self.accelerator.reduce(means.to(self.device), reduction="mean")  # (n,) every process's
+            m.update({f"objective/{name}": float(v) for name, v in zip(score_terms, means)})
         return m
 
     # --- distributed helpers ------------------------------------------------------------------

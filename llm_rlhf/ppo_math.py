@@ -500,6 +500,53 @@ def ranking_to_pairs(ranked: list) -> list[tuple]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Reward-model ensembles
+# ---------------------------------------------------------------------------------------------
+
+ENSEMBLE_COMBINES = ("mean", "min", "uncertainty")
+
+
+def member_disagreement(*, member_scores: torch.Tensor) -> torch.Tensor:
+    """How much K reward models disagree on each sequence: the population std across the members,
+
+        std_k(s) = sqrt( (1/K) * sum_k (s_k - mean_k(s))^2 )
+
+    Population (1/K), not sample (1/(K-1)): it describes the K members at hand rather than estimating the
+    spread of some larger population of reward models, it is defined for K = 1 (0, so one member is an
+    ensemble that never disagrees) and its square is the intra-ensemble variance of Coste et al. (2024).
+    member_scores: (K, B) -> (B,).
+    """
+    return member_scores.std(dim=0, correction=0)  # (B,)
+
+
+def combine_member_scores(
+    *, member_scores: torch.Tensor, combine: str, uncertainty_coef: float = 1.0
+) -> torch.Tensor:
+    """One score per sequence from the scores of K reward models (Coste et al. 2024, "Reward Model
+    Ensembles Help Mitigate Overoptimization", sec. 3), s_k the k-th member's (normalised) score:
+
+        mean          scores = (1/K) * sum_k s_k
+        min           scores = min_k s_k                                   worst-case optimisation (WCO)
+        uncertainty   scores = mean_k(s) - uncertainty_coef * std_k(s)     uncertainty-weighted (UWO)
+
+    std_k is `member_disagreement` (population std). Coste et al. penalise the variance; the std is in score
+    units, so the same lambda means the same thing whatever the scale of the scores. With K = 1 every mode
+    returns the member's score exactly (mean of one value, min of one value, std 0).
+    Hand example, two members on two sequences, s = [[1, 0], [3, 0]] (K=2, B=2), lambda = 1:
+    mean [2, 0], min [1, 0], std [1, 0], uncertainty [1, 0].
+    member_scores: (K, B) -> (B,).
+    """
+    if combine == "mean":
+        return member_scores.mean(dim=0)  # (B,)
+    if combine == "min":
+        return member_scores.min(dim=0).values  # (B,)
+    if combine == "uncertainty":
+        std = member_disagreement(member_scores=member_scores)  # (B,)
+        return member_scores.mean(dim=0) - uncertainty_coef * std  # (B,)
+    raise ValueError(f"unknown ensemble combine {combine!r}; expected one of {', '.join(ENSEMBLE_COMBINES)}")
+
+
+# ---------------------------------------------------------------------------------------------
 # KL coefficient controllers
 # ---------------------------------------------------------------------------------------------
 

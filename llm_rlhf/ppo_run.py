@@ -42,7 +42,13 @@ from llm_rlhf.models import (
 )
 from llm_rlhf.ppo import Config, PPOTrainer  # Config: the keys of `llm-rlhf ppo`
 from llm_rlhf.reward_fn import RewardFn, decode_texts, load_reward_fn, probe
-from llm_rlhf.reward_model import load_reward_model, save_reward_model
+from llm_rlhf.reward_model import (
+    check_members_exist,
+    load_reward_model,
+    load_reward_models,
+    member_paths,
+    save_reward_model,
+)
 from llm_rlhf.rollout import encode_prompt, left_pad
 from llm_rlhf.utils import (
     append_jsonl,
@@ -64,8 +70,9 @@ def load_prompts(cfg: Config, tokenizer) -> list[list[int]]:
 
 
 def build_models(cfg: Config):
-    """policy (+ value head unless a separate critic), reference, reward model (None when reward_model_path
-    is none) and optional critic."""
+    """policy (+ value head unless a separate critic), reference, reward model (a `RewardEnsemble` when
+    reward_model_path is a list, its members loaded once; None when reward_model_path is none) and optional
+    critic (from the first member of an ensemble)."""
     lm = use_fused_gelu(
         load_causal_lm(cfg.model_name_or_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
     )
@@ -106,15 +113,23 @@ def build_models(cfg: Config):
     if not is_off(cfg.reward_model_path):  # none: the score is the reward_fn's alone
         reward_model = freeze(
             use_fused_gelu(
-                load_reward_model(
-                    cfg.reward_model_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code
+                load_reward_models(
+                    cfg.reward_model_path,
+                    combine=cfg.ensemble_combine,
+                    uncertainty_coef=cfg.ensemble_uncertainty_coef,
+                    dtype=cfg.dtype,
+                    trust_remote_code=cfg.trust_remote_code,
                 )
             )
         )
     critic = None
     if cfg.value_model == "reward":
         critic = use_fused_gelu(
-            load_reward_model(cfg.reward_model_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
+            load_reward_model(
+                member_paths(cfg.reward_model_path)[0],
+                dtype=cfg.dtype,
+                trust_remote_code=cfg.trust_remote_code,
+            )
         ).as_critic()
     return policy, ref_model, reward_model, critic
 
@@ -160,10 +175,8 @@ def run(cfg: Config) -> dict[str, float]:
     prompts = load_prompts(cfg, tokenizer)  # validates the data before anything is written
     reward_fn = load_and_probe_reward_fn(cfg, tokenizer, prompts)  # a broken function stops the run here
     eval_prompts, judge = load_eval_inputs(cfg)
-    if not is_off(cfg.reward_model_path) and not Path(cfg.reward_model_path).exists():
-        raise UserError(
-            f"reward_model_path '{cfg.reward_model_path}' does not exist (train it with `llm-rlhf rm`)"
-        )
+    if not is_off(cfg.reward_model_path):
+        check_members_exist(cfg.reward_model_path)
     resume_from = last_checkpoint(out) if cfg.resume else None
     if cfg.resume and resume_from is None and accelerator.is_main_process:
         print(f"resume: no checkpoint in {out / 'checkpoints'}; starting from scratch")
@@ -422,7 +435,9 @@ def tied_duplicates(model: torch.nn.Module) -> list[str]:
 
 def evaluate_heldout(trainer: PPOTrainer, prompts: list[str], judge) -> dict[str, float]:
     """RM score, gold score, reward_fn score (unweighted; None without a reward_fn) and KL to the reference
-    on held-out prompts (fixed seed: every evaluation of the run samples with the same random numbers)."""
+    on held-out prompts (fixed seed: every evaluation of the run samples with the same random numbers).
+    With a reward-model ensemble also each member's score (rm_score_member_<k>) and their disagreement
+    (rm_disagreement); rm_score is the combined one."""
     lm = trainer.unwrapped_policy.lm
     ref = lm if trainer.cfg.use_lora else trainer.ref_model.lm
     with trainer.autocast(), trainer.gathered_for_generation(trainer.unwrapped_policy):
@@ -444,10 +459,16 @@ def evaluate_heldout(trainer: PPOTrainer, prompts: list[str], judge) -> dict[str
             stop_strings=trainer.cfg.stop_strings,
             min_new_tokens=trainer.cfg.min_new_tokens,
         )
+    members = {
+        key.removesuffix("_mean"): value
+        for key, value in result.items()
+        if key.startswith(("rm_score_member_", "rm_disagreement"))
+    }  # only with an ensemble
     return {
         "step": trainer.step,
         "kl": result["kl_to_ref"],
         "rm_score": result["rm_score_mean"],
+        **members,
         "gold_score": result["gold_score_mean"],
         "reward_fn": result["reward_fn_mean"],
         "sentiment": result["sentiment_mean"],

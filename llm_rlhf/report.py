@@ -469,6 +469,31 @@ def plot_ppo(history: list[dict], kl_target: float | None):
     return fig
 
 
+def ensemble_members(history: list[dict]) -> list[str]:
+    """The objective/scores_member_<k> keys a PPO run with a reward-model ensemble logged, in member order."""
+    keys = {k for row in history for k in row if k.startswith("objective/scores_member_")}
+    return sorted(keys, key=lambda k: int(k.rsplit("_", 1)[1]))
+
+
+def plot_ensemble(history: list[dict]):
+    """A reward-model ensemble: each member's mean score with the combined score PPO optimised, and the
+    members' disagreement (std across the members, averaged over the batch)."""
+    fig, axes = _figure(1, 2, 12, 3.6)
+    left, right = axes[0]
+    for i, key in enumerate(ensemble_members(history)):
+        _line(left, *series(history, key), label=f"member {key.rsplit('_', 1)[1]}", color=_color(i + 1))
+    _line(left, *series(history, "objective/scores"), label="combined (PPO's score)", color="k")
+    left.set(title="Ensemble: member and combined scores", xlabel="PPO step", ylabel="normalised RM units")
+    _legend(left)
+    x, y = series(history, "objective/scores_disagreement")
+    if len(x):
+        _line(right, x, y, color=_color(0))
+    else:
+        _no_data(right)
+    right.set(title="Ensemble disagreement", xlabel="PPO step", ylabel="std across members")
+    return fig
+
+
 def _time_panel(ax, history: list[dict]) -> bool:
     """Generate / score / train stacked, the whole step on top (the rest is bookkeeping)."""
     x, total = series(history, "time/step")
@@ -816,6 +841,14 @@ def section_ppo(page: Page, run: Run) -> None:
         page.figure(
             plot_ppo(run.ppo_history, final_value(run, "ppo", "kl_target")), "ppo", "PPO curves", caption
         )
+        if ensemble_members(run.ppo_history):
+            page.figure(
+                plot_ensemble(run.ppo_history),
+                "ppo_ensemble",
+                "Reward-model ensemble: member scores and disagreement",
+                "Each member's mean normalised score on the rollouts, the combined score PPO maximised "
+                "(ppo/config.yaml: ensemble_combine), and the std across the members, averaged over the batch.",
+            )
     else:
         page.missing(_skipped(run, "ppo", ["ppo/metrics.jsonl (no PPO curves)"]))
     page.add("<h3>Over-optimisation: gold and proxy reward against KL</h3>")

@@ -136,6 +136,12 @@ class Config(TrainerStageConfig):
     score_batch_size: int = help_field(
         64, "Sequences per batch when scoring at the end (eval, test, reference set)."
     )
+    bootstrap_seed: int | None = help_field(
+        None,
+        "Train on a bootstrap resample of the training pairs: as many pairs as fit max_length, drawn with "
+        "replacement with this seed (an ensemble member's own data; the pipeline's rm_bootstrap sets it). "
+        "The normalisation reference set stays the full training set. null = every pair once.",
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -167,6 +173,14 @@ def _margins(cfg: Config, num_pairs: int) -> list[float]:
             )
         values.append(cfg.margin * float(value))
     return values
+
+
+def bootstrap_indices(n: int, *, seed: int) -> list[int]:
+    """A bootstrap resample of n items (Efron 1979): n indices drawn uniformly with replacement, seeded.
+    Each item is left out with probability (1 - 1/n)^n ~ 1/e ~ 37%, so members trained on different
+    resamples differ in their data as well as in their initialisation and data order."""
+    rng = random.Random(seed)
+    return [rng.randrange(n) for _ in range(n)]
 
 
 def _tokenize(dataset, tokenizer, max_length: int, margins: list[float] | None = None):
@@ -367,6 +381,10 @@ def run(cfg: Config) -> dict[str, float]:
     for name, dataset in (("train_file", train_dataset), ("eval_file", eval_dataset)):
         if len(dataset) == 0:
             raise UserError(f"{name}: no pair fits in max_length={cfg.max_length} tokens; raise max_length")
+    resampled = None
+    if cfg.bootstrap_seed is not None:  # an ensemble member's own resample of the pairs
+        resampled = bootstrap_indices(len(train_dataset), seed=cfg.bootstrap_seed)
+        train_dataset = train_dataset.select(resampled)
     checkpoint = last_checkpoint(output_dir) if cfg.resume else None
 
     seed_everything(cfg.seed)
@@ -385,6 +403,12 @@ def run(cfg: Config) -> dict[str, float]:
             f"eval: {len(eval_dataset)} pairs ({eval_dropped} left out of the in-training eval)",
             flush=True,
         )
+        if resampled is not None:
+            print(
+                f"bootstrap (seed {cfg.bootstrap_seed}): {len(set(resampled))} distinct pairs of "
+                f"{len(resampled)} drawn",
+                flush=True,
+            )
     if checkpoint:
         print(f"resuming from {checkpoint}", flush=True)
 
@@ -406,6 +430,7 @@ def run(cfg: Config) -> dict[str, float]:
             "global_step": int(trainer.state.global_step),
             "train_pairs": len(train_dataset),
             "train_pairs_too_long": dropped,
+            **({"train_pairs_distinct": len(set(resampled))} if resampled is not None else {}),
             "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
             "total_runtime_s": time.time() - started,
         })  # fmt: skip

@@ -27,11 +27,17 @@ unique prompt + response texts (chosen and rejected) of the training pairs, are 
 `reward_normalization.json` (and in config.json as `reward_normalization` for full models), so that
 `load_reward_model(...).score` returns roughly N(0, 1) scores. Plain transformers still loads the folder
 and returns raw scores.
+
+Ensembles (`RewardEnsemble`, `load_reward_models`): K saved RMs score the same sequences, each normalised
+with its own stored statistics, and `ppo_math.combine_member_scores` makes one score per sequence of them
+(mean, min, or mean - lambda * std across the members; Coste et al. 2024). PPO and evaluation take one
+folder or a list of folders as `reward_model_path`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from pathlib import Path
 
@@ -43,8 +49,10 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForSequenceClassification
 from transformers.utils import logging as hf_logging
 
+from llm_rlhf import ppo_math
+from llm_rlhf.config import require
 from llm_rlhf.errors import UserError
-from llm_rlhf.models import load_tokenizer, position_ids_from_mask, torch_dtype
+from llm_rlhf.models import load_tokenizer, position_ids_from_mask, shares_vocab, torch_dtype
 from llm_rlhf.utils import atomic_write_json, read_json
 
 PAD_TOKEN = "<|pad|>"
@@ -298,6 +306,130 @@ def _load_lora_reward_model(folder: Path, tokenizer, *, dtype: str, trust_remote
     )
     add_pad_token(base, tokenizer)  # the same extra (zero) row as in training, before the adapter loads
     return PeftModel.from_pretrained(base, str(folder)).merge_and_unload()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Ensembles of reward models
+# ---------------------------------------------------------------------------------------------------
+
+
+class RewardEnsemble(nn.Module):
+    """K frozen reward models that score the same sequences (Coste et al. 2024, reward-model ensembles
+    against over-optimisation):
+
+        member_scores[k] = (raw_k(x, y) - mean_k) / std_k     each member normalised with its own statistics
+        scores           = ppo_math.combine_member_scores(member_scores, combine, uncertainty_coef)
+
+    member_scores(input_ids, attention_mask, tokenizer) -> (K, B); combine((K, B)) -> (B,). The sequences
+    are written in `tokenizer`'s ids (a policy's samples); a member that shares that vocabulary reads the
+    ids, any other decodes and re-encodes the text its own way (`RewardModel.score_tokens`), so members
+    need not share a tokenizer. Attributes: `members` (nn.ModuleList of `RewardModel`), `combine_mode`,
+    `uncertainty_coef`, `paths` (the member folders, for the logs).
+
+    Memory: each member is a whole RM held in memory (frozen: no gradients, no optimiser state), loaded
+    once per process; in PPO they sit beside the policy, the reference and the value head, so an ensemble
+    of K costs K - 1 more reward models than one RM (`dtype` applies to them too).
+    """
+
+    def __init__(
+        self,
+        members: list[RewardModel],
+        *,
+        combine: str,
+        uncertainty_coef: float,
+        paths: list[str] | None = None,
+    ):
+        super().__init__()
+        if not members:
+            raise ValueError("an ensemble needs at least one member")
+        if combine not in ppo_math.ENSEMBLE_COMBINES:
+            raise ValueError(f"unknown ensemble combine {combine!r}")
+        self.members = nn.ModuleList(members)
+        self.combine_mode, self.uncertainty_coef = combine, uncertainty_coef
+        self.paths = list(paths) if paths is not None else None
+        self._vocab = (None, [])  # (the tokenizer last seen, whether each member shares its vocabulary)
+
+    def member_scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, tokenizer) -> torch.Tensor:
+        """Normalised scores of every member: (B, T) ids of `tokenizer` and their mask -> (K, B) float32."""
+        if self._vocab[0] is not tokenizer:  # comparing vocabularies costs a dict walk: once per tokenizer
+            self._vocab = (tokenizer, [shares_vocab(tokenizer, m.tokenizer) for m in self.members])
+        rows = []
+        for member, shares in zip(self.members, self._vocab[1]):
+            if shares:
+                rows.append(member.score(input_ids, attention_mask).float())  # (B,)
+            else:
+                rows.append(member.score_tokens(input_ids, attention_mask, tokenizer).float())  # (B,)
+        return torch.stack(rows)  # (K, B)
+
+    def combine(self, member_scores: torch.Tensor) -> torch.Tensor:
+        """(K, B) -> (B,): `ppo_math.combine_member_scores` with this ensemble's mode and lambda."""
+        return ppo_math.combine_member_scores(
+            member_scores=member_scores, combine=self.combine_mode, uncertainty_coef=self.uncertainty_coef
+        )
+
+
+def member_paths(reward_model_path: str | list[str]) -> list[str]:
+    """The folders of `reward_model_path`: [path] for one reward model, the list for an ensemble."""
+    return [reward_model_path] if isinstance(reward_model_path, str) else list(reward_model_path)
+
+
+def check_ensemble_keys(cfg) -> None:
+    """reward_model_path (one folder or a non-empty list of distinct ones), ensemble_combine and
+    ensemble_uncertainty_coef of a PPO or evaluation config: a ConfigError naming the key."""
+    path = cfg.reward_model_path
+    if isinstance(path, list):
+        require(len(path) > 0, "reward_model_path", "an empty list; give one folder or a list of them")
+        require(
+            all(isinstance(p, str) and p.strip() and p.strip().lower() != "none" for p in path),
+            "reward_model_path",
+            f"every member of the list must be a folder, got {path}",
+        )
+        require(len(set(path)) == len(path), "reward_model_path", f"lists a folder twice: {path}")
+    require(
+        cfg.ensemble_combine in ppo_math.ENSEMBLE_COMBINES,
+        "ensemble_combine",
+        f"must be one of {', '.join(ppo_math.ENSEMBLE_COMBINES)}, got {cfg.ensemble_combine!r}",
+    )
+    require(
+        math.isfinite(cfg.ensemble_uncertainty_coef) and cfg.ensemble_uncertainty_coef >= 0,
+        "ensemble_uncertainty_coef",
+        f"must be a finite number >= 0, got {cfg.ensemble_uncertainty_coef}",
+    )
+
+
+def check_members_exist(reward_model_path: str | list[str]) -> None:
+    """Every folder of reward_model_path exists, else a one-line UserError naming the key (and the member)."""
+    paths = member_paths(reward_model_path)
+    for k, path in enumerate(paths):
+        if not Path(path).exists():
+            which = f" member {k} " if isinstance(reward_model_path, list) else " "
+            raise UserError(
+                f"reward_model_path{which}'{path}': no such reward model folder (train one with `llm-rlhf rm`)"
+            )
+
+
+def load_reward_models(
+    reward_model_path: str | list[str],
+    *,
+    combine: str = "mean",
+    uncertainty_coef: float = 1.0,
+    dtype: str = "float32",
+    trust_remote_code: bool = False,
+    device=None,
+) -> RewardModel | RewardEnsemble:
+    """One folder: `load_reward_model`. A list (even of one): a `RewardEnsemble` of its members, each
+    loaded by `load_reward_model` (so with its own normalisation), in list order."""
+    if isinstance(reward_model_path, str):
+        return load_reward_model(
+            reward_model_path, dtype=dtype, trust_remote_code=trust_remote_code, device=device
+        )
+    members = [
+        load_reward_model(p, dtype=dtype, trust_remote_code=trust_remote_code, device=device)
+        for p in reward_model_path
+    ]
+    return RewardEnsemble(
+        members, combine=combine, uncertainty_coef=uncertainty_coef, paths=reward_model_path
+    )
 
 
 @torch.no_grad()

@@ -1,6 +1,9 @@
 """Run under `accelerate launch` with 1 or 2 processes: one PPO step on a fixed global rollout.
 
-    python ppo_ranks.py MODEL_DIR RM_DIR PROMPT_FILE OUT_JSON MODE
+    python ppo_ranks.py MODEL_DIR RM_DIR PROMPT_FILE OUT_JSON MODE [ENSEMBLE_COMBINE]
+
+RM_DIR may be several folders joined by commas: a reward-model ensemble, combined by ENSEMBLE_COMBINE
+(default mean; 'uncertainty' with lambda 0.5).
 
 The global batch (8 episodes) is the same whatever the number of processes; each rank takes its
 contiguous slice. MODE "same": ordinary responses; MODE "accumulate": the same, each process's
@@ -30,13 +33,16 @@ GLOBAL_BATCH, R = 8, 6
 
 def main() -> None:
     model_dir, rm_dir, prompt_file, out_json, mode = sys.argv[1:6]
+    combine = sys.argv[6] if len(sys.argv) > 6 else "mean"
     use_cpu_ddp_without_gpus()
     accelerator = Accelerator()
     world, rank = accelerator.num_processes, accelerator.process_index
     local = GLOBAL_BATCH // world
     cfg = ppo.Config(
         model_name_or_path=model_dir,
-        reward_model_path=rm_dir,
+        reward_model_path=rm_dir.split(",") if "," in rm_dir else rm_dir,
+        ensemble_combine=combine,
+        ensemble_uncertainty_coef=0.5,
         prompt_file=prompt_file,
         output_dir="unused",
         steps=2,

@@ -1,0 +1,492 @@
+"""Reward-model ensembles (issue 16; Coste et al. 2024): the combine rules against hand-computed values,
+K = 1 identical to one reward model, PPO steps and evaluation through the real code paths with members
+that disagree (each normalised with its own statistics), members with another tokenizer, config errors,
+the pipeline training the members (seeds, bootstrap resamples) and two data-parallel processes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import SENTENCES
+from test_evaluate import make_cfg as make_eval_cfg
+from test_ppo import make_cfg, make_trainer
+
+from llm_rlhf import cli, evaluate, pipeline, ppo, ppo_math, reward
+from llm_rlhf.config import parse_config
+from llm_rlhf.errors import ConfigError
+from llm_rlhf.models import load_tokenizer, shares_vocab
+from llm_rlhf.reward_model import (
+    RewardEnsemble,
+    RewardModel,
+    add_pad_token,
+    load_reward_model,
+    load_reward_models,
+    save_reward_model,
+)
+from llm_rlhf.utils import read_json
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMES = ("time/", "tokens_per_s")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The combine rules (pure)
+# ---------------------------------------------------------------------------------------------------
+
+# K = 4 members, B = 2 sequences: column 0 is 0, 0, 2, 2 (mean 1, population std 1, min 0); column 1 is
+# -1, -1, 3, 3 (mean 1, population std 2, min -1). The sample std would be 1.1547 and 2.3094.
+S = torch.tensor([[0.0, -1.0], [0.0, -1.0], [2.0, 3.0], [2.0, 3.0]])
+
+
+def combine(mode: str, coef: float = 1.0, scores: torch.Tensor = S) -> torch.Tensor:
+    return ppo_math.combine_member_scores(member_scores=scores, combine=mode, uncertainty_coef=coef)
+
+
+def test_combine_modes_against_hand_computed_values():
+    assert combine("mean").tolist() == [1.0, 1.0]
+    assert combine("min").tolist() == [0.0, -1.0]
+    assert ppo_math.member_disagreement(member_scores=S).tolist() == [
+        1.0,
+        2.0,
+    ]  # population std, not 1.15, 2.31
+    assert combine("uncertainty", 0.5).tolist() == [1.0 - 0.5 * 1.0, 1.0 - 0.5 * 2.0]  # [0.5, 0.0]
+    assert combine("uncertainty", 1.0).tolist() == [0.0, -1.0]
+    assert combine("uncertainty", 0.0).tolist() == combine("mean").tolist()
+    two = torch.tensor([[1.0, 0.0], [3.0, 0.0]])  # the docstring's example
+    assert [combine(m, 1.0, two).tolist() for m in ("mean", "min", "uncertainty")] == [[2, 0], [1, 0], [1, 0]]
+
+
+def test_one_member_is_returned_exactly_by_every_mode():
+    one = torch.tensor([[0.123456789, -2.5, 7.25]])  # (K=1, B=3)
+    assert torch.equal(ppo_math.member_disagreement(member_scores=one), torch.zeros(3))
+    for mode in ppo_math.ENSEMBLE_COMBINES:
+        assert torch.equal(combine(mode, 3.0, one), one[0]), mode
+
+
+def test_unknown_combine_mode_raises():
+    with pytest.raises(ValueError, match="median"):
+        combine("median")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Members: the tiny RM, and copies whose head and normalisation differ (they disagree)
+# ---------------------------------------------------------------------------------------------------
+
+
+def perturbed_member(source: Path, folder: Path, *, seed: int, mean: float, std: float) -> Path:
+    """The tiny RM with a freshly drawn score head and its own stored normalisation."""
+    rm = load_reward_model(source)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        rm.model.score.weight.normal_(0.0, 0.5)
+    rm.normalization = {"mean": mean, "std": std, "reference_set": "test", "n": 1}
+    save_reward_model(rm, folder, merge_lora=False)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def members(tiny_rm_dir, tmp_path_factory) -> list[str]:
+    tmp = tmp_path_factory.mktemp("members")
+    return [
+        str(tiny_rm_dir),
+        str(perturbed_member(tiny_rm_dir, tmp / "m1", seed=1, mean=0.3, std=2.0)),
+        str(perturbed_member(tiny_rm_dir, tmp / "m2", seed=2, mean=-0.2, std=0.5)),
+    ]
+
+
+@pytest.fixture(scope="module")
+def other_tokenizer_member(tmp_path_factory) -> str:
+    """An RM (random head) over a tokenizer of its own: another vocabulary than the tiny models'."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import GPT2Config, GPT2ForSequenceClassification, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(reversed(SENTENCES)) * 3, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>", unk_token="<|endoftext|>"
+    )
+    torch.manual_seed(3)
+    config = GPT2Config(
+        vocab_size=len(tokenizer), n_positions=64, n_embd=16, n_layer=1, n_head=2, num_labels=1
+    )
+    model = GPT2ForSequenceClassification(config)
+    add_pad_token(model, tokenizer)
+    folder = tmp_path_factory.mktemp("other_tok_rm")
+    save_reward_model(RewardModel(model, tokenizer, {"mean": 0.1, "std": 1.5}), folder, merge_lora=False)
+    return str(folder)
+
+
+def separate_scores(paths: list[str], sequence: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each member loaded alone by `load_reward_model` (its own normalisation) scoring the ids: (K, B)."""
+    with torch.no_grad():
+        return torch.stack([load_reward_model(p).score(sequence, mask) for p in paths])
+
+
+def test_members_disagree_and_keep_their_own_normalisation(members, tiny_model_dir, prompt_file):
+    ensemble = load_reward_models(members, combine="mean")
+    assert isinstance(ensemble, RewardEnsemble) and [m.std for m in ensemble.members] == [
+        load_reward_model(members[0]).std,
+        2.0,
+        0.5,
+    ]
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    rows = [tokenizer(s)["input_ids"] + [tokenizer.eos_token_id] for s in SENTENCES[:4]]
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    got = ensemble.member_scores(ids, mask, tokenizer)  # (K, B)
+    torch.testing.assert_close(got, separate_scores(members, ids, mask), atol=1e-6, rtol=1e-6)
+    assert ppo_math.member_disagreement(member_scores=got).min() > 0.01  # the members disagree
+
+
+def test_a_member_with_another_tokenizer_reads_the_text(tiny_rm_dir, other_tokenizer_member, tiny_model_dir):
+    """Members need not share the policy's tokenizer: one with another vocabulary decodes the policy's ids
+    and re-encodes the text its own way (`RewardModel.score_tokens`), the other reads the ids."""
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    other = load_reward_model(other_tokenizer_member)
+    assert not shares_vocab(tokenizer, other.tokenizer)
+    ensemble = load_reward_models([str(tiny_rm_dir), other_tokenizer_member], combine="min")
+    rows = [tokenizer(s)["input_ids"] + [tokenizer.eos_token_id] for s in SENTENCES[4:8]]
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])  # left-padded, as a rollout's query
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    got = ensemble.member_scores(ids, mask, tokenizer)
+    torch.testing.assert_close(got[0], load_reward_model(tiny_rm_dir).score(ids, mask), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got[1], other.score_tokens(ids, mask, tokenizer), atol=1e-6, rtol=1e-6)
+    assert torch.equal(ensemble.combine(got), got.min(dim=0).values)
+
+
+# ---------------------------------------------------------------------------------------------------
+# PPO through the real trainer
+# ---------------------------------------------------------------------------------------------------
+
+
+def recording_rollouts(trainer: ppo.PPOTrainer) -> list:
+    """Keep every rollout the trainer builds (the real `rollout`, called as `ppo_step` calls it)."""
+    kept, real = [], trainer.rollout
+
+    def rollout(*args, **kwargs):
+        kept.append(real(*args, **kwargs))
+        return kept[-1]
+
+    trainer.rollout = rollout
+    return kept
+
+
+@pytest.mark.parametrize("mode", ["mean", "min", "uncertainty"])
+def test_ppo_step_with_an_ensemble_scores_and_logs_every_member(
+    members, tiny_model_dir, prompt_file, tmp_path, mode
+):
+    cfg = make_cfg(
+        tiny_model_dir, members[0], prompt_file, tmp_path, reward_model_path=members, ensemble_combine=mode,
+        ensemble_uncertainty_coef=0.5, ppo_epochs=1,
+    )  # fmt: skip
+    trainer = make_trainer(cfg)
+    assert isinstance(trainer.reward_model, RewardEnsemble) and len(trainer.reward_model.members) == 3
+    rollouts = recording_rollouts(trainer)
+    metrics = trainer.ppo_step()
+    rollout = rollouts[0]
+    expected = separate_scores(members, rollout.sequence, rollout.attention_mask)  # (3, B)
+    combined = combine(mode, 0.5, expected)
+    torch.testing.assert_close(rollout.scores, combined, atol=1e-5, rtol=1e-5)
+    for k in range(3):
+        assert metrics[f"objective/scores_member_{k}"] == pytest.approx(float(expected[k].mean()), abs=1e-5)
+    disagreement = ppo_math.member_disagreement(member_scores=expected)
+    assert metrics["objective/scores_disagreement"] == pytest.approx(float(disagreement.mean()), abs=1e-5)
+    assert metrics["objective/scores_disagreement"] > 0.01
+    assert metrics["objective/scores"] == pytest.approx(float(combined.mean()), abs=1e-5)
+    assert metrics["objective/kl"] == 0.0  # the first step's invariants hold with an ensemble too
+    if mode != "mean":  # min and mean - 0.5 std lie below the mean wherever the members disagree
+        assert (combined < expected.mean(dim=0) - 1e-4).all()
+
+
+def test_one_member_list_equals_one_reward_model_exactly(tiny_rm_dir, tiny_model_dir, prompt_file, tmp_path):
+    """reward_model_path: [rm] goes through the ensemble code and gives the same PPO run as 'rm', bit for
+    bit, in every mode; it logs the one member (equal to the score) and a disagreement of 0."""
+    single = make_trainer(make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "a"))
+    plain = [single.ppo_step() for _ in range(2)]
+    listed = make_trainer(
+        make_cfg(
+            tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "b",
+            reward_model_path=[str(tiny_rm_dir)], ensemble_combine="uncertainty", ensemble_uncertainty_coef=2.0,
+        )
+    )  # fmt: skip
+    assert isinstance(listed.reward_model, RewardEnsemble)
+    ensembled = [listed.ppo_step() for _ in range(2)]
+    for a, b in zip(plain, ensembled):
+        for key, value in a.items():
+            if not key.startswith(TIMES):
+                assert b[key] == value or (math.isnan(value) and math.isnan(b[key])), key
+        assert b["objective/scores_member_0"] == pytest.approx(a["objective/scores"], abs=1e-6)
+        assert b["objective/scores_disagreement"] == 0.0
+        assert set(b) - set(a) == {"objective/scores_member_0", "objective/scores_disagreement"}
+
+
+def test_ppo_run_with_an_ensemble_logs_members_in_training_and_heldout(
+    members, tiny_model_dir, prompt_file, tmp_path
+):
+    """`llm-rlhf ppo` with a YAML list on the command line: members in metrics.jsonl, eval_log.jsonl and
+    the saved config; the held-out rm_score is the combined one."""
+    out = tmp_path / "run"
+    argv = ["ppo", "--model_name_or_path", str(tiny_model_dir), "--reward_model_path", f"[{', '.join(members[:2])}]",
+            "--ensemble_combine", "min", "--prompt_file", str(prompt_file), "--output_dir", str(out),
+            "--steps", "2", "--rollout_batch_size", "4", "--mini_batch_size", "2", "--ppo_epochs", "1",
+            "--max_new_tokens", "6", "--save_steps", "0", "--log_samples_every", "1", "--eval_every", "1",
+            "--eval_prompt_file", str(prompt_file), "--eval_num_prompts", "4", "--gold_judge", "none"]  # fmt: skip
+    assert cli.main(argv) == 0
+    assert yaml.safe_load((out / "config.yaml").read_text())["reward_model_path"] == members[:2]
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for m in steps:
+        assert {
+            "objective/scores_member_0",
+            "objective/scores_member_1",
+            "objective/scores_disagreement",
+        } <= set(m)
+    evals = [json.loads(line) for line in (out / "eval_log.jsonl").read_text().splitlines()]
+    assert len(evals) == 3
+    for record in evals:
+        assert record["rm_score"] <= min(record["rm_score_member_0"], record["rm_score_member_1"]) + 1e-6
+        assert record["rm_disagreement"] > 0
+    assert "objective/scores_member_1" in read_json(out / "metrics.json")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Evaluation
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_eval_with_an_ensemble_reports_each_member_and_the_combined_score(
+    members, tiny_model_dir, prompt_file, tmp_path
+):
+    kw = dict(gold_judge="none", num_prompts=6, batch_size=3)
+    ensemble = evaluate.run(
+        make_eval_cfg(
+            tiny_model_dir, tiny_model_dir, prompt_file, tmp_path / "ens", reward_model_path=members,
+            ensemble_combine="uncertainty", ensemble_uncertainty_coef=0.5, **kw,
+        )
+    )  # fmt: skip
+    for k, path in enumerate(members):  # each member's mean is that member's own evaluation
+        alone = evaluate.run(
+            make_eval_cfg(
+                tiny_model_dir, tiny_model_dir, prompt_file, tmp_path / f"m{k}", reward_model_path=path, **kw
+            )
+        )
+        assert ensemble[f"rm_score_member_{k}_mean"] == pytest.approx(alone["rm_score_mean"], abs=1e-5)
+    samples = [json.loads(line) for line in (tmp_path / "ens" / "samples.jsonl").read_text().splitlines()]
+    member_scores = torch.tensor([s["policy_rm_member_scores"] for s in samples]).T  # (K, N)
+    combined = combine("uncertainty", 0.5, member_scores)  # (N,)
+    assert [s["policy_rm_score"] for s in samples] == pytest.approx(combined.tolist(), abs=1e-5)
+    assert ensemble["rm_score_mean"] == pytest.approx(float(combined.mean()), abs=1e-5)
+    spread = ppo_math.member_disagreement(member_scores=member_scores)
+    assert (
+        ensemble["rm_disagreement_mean"] == pytest.approx(float(spread.mean()), abs=1e-5) and spread.min() > 0
+    )
+    assert ensemble["rm_win_rate"] == 0.5  # policy = baseline: the combined scores tie pair by pair
+    written = read_json(tmp_path / "ens" / "metrics.json")
+    assert written["reward_model_path"] == members and written["ensemble_combine"] == "uncertainty"
+    assert "rm_score_member_2_mean_baseline" in written
+
+
+# ---------------------------------------------------------------------------------------------------
+# Config errors: one line naming the key
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", [ppo.Config, evaluate.Config])
+@pytest.mark.parametrize(
+    "values, key",
+    [
+        ({"reward_model_path": []}, "reward_model_path"),
+        ({"reward_model_path": ["a", "a"]}, "reward_model_path"),
+        ({"reward_model_path": ["a", "none"]}, "reward_model_path"),
+        ({"ensemble_combine": "median"}, "ensemble_combine"),
+        ({"ensemble_uncertainty_coef": -0.1}, "ensemble_uncertainty_coef"),
+        ({"ensemble_uncertainty_coef": math.inf}, "ensemble_uncertainty_coef"),
+    ],
+)
+def test_bad_ensemble_keys_are_config_errors_naming_the_key(config, values, key):
+    with pytest.raises(ConfigError) as info:
+        config(**values)
+    message = str(info.value)
+    assert message.startswith(f"config key '{key}':") and "\n" not in message
+
+
+def test_a_list_on_the_command_line_parses_and_a_missing_member_is_one_error_line(
+    members, tiny_model_dir, prompt_file, tmp_path, capsys
+):
+    cfg = parse_config(ppo.Config, ["--reward_model_path", "[a, b]", "--ensemble_combine", "min"])
+    assert cfg.reward_model_path == ["a", "b"] and cfg.ensemble_combine == "min"
+    missing = str(tmp_path / "rm-9")
+    ppo_argv = ["ppo", "--model_name_or_path", str(tiny_model_dir), "--reward_model_path", f"[{members[0]}, {missing}]",
+                "--prompt_file", str(prompt_file), "--output_dir", str(tmp_path / "ppo"), "--eval_every", "0"]  # fmt: skip
+    eval_argv = ["eval", "--policy_path", str(tiny_model_dir), "--baseline_path", str(tiny_model_dir),
+                 "--reward_model_path", f"[{members[0]}, {missing}]", "--gold_judge", "none",
+                 "--prompt_file", str(prompt_file), "--num_prompts", "2", "--output_dir", str(tmp_path / "eval")]  # fmt: skip
+    for argv in (ppo_argv, eval_argv):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert (
+            err == f"error: reward_model_path member 1 '{missing}': no such reward model folder "
+            "(train one with `llm-rlhf rm`)\n"
+        )
+    assert not (tmp_path / "ppo").exists() and not (tmp_path / "eval").exists()
+    assert cli.main(["ppo", "--ensemble_combine", "median"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "error: config key 'ensemble_combine': must be one of mean, min, uncertainty"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# The pipeline trains the members
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_bootstrap_indices_are_a_seeded_resample_with_replacement():
+    a, b = reward.bootstrap_indices(200, seed=1), reward.bootstrap_indices(200, seed=2)
+    assert a == reward.bootstrap_indices(200, seed=1) and a != b
+    assert len(a) == 200 and all(0 <= i < 200 for i in a)
+    assert 100 < len(set(a)) < 160  # ~ 1 - 1/e = 63% distinct
+
+
+def test_member_configs_seeds_sweeps_and_chaining(tmp_path, monkeypatch):
+    """Member k in DIR/rm-<k> with seed + k (bootstrap seed = that seed), PPO and eval read the list, eval
+    takes PPO's combine; a sweep variant reads the shared members, a seed run seeds its members from its seed."""
+    monkeypatch.chdir(ROOT)  # the recipe names its stage files relative to the repo root
+    recipes = ROOT / "recipes" / "reviews"
+    cfg = parse_config(
+        pipeline.Config,
+        ["--config", str(recipes / "pipeline.yaml"), "--output_dir", str(tmp_path), "--rm_members", "3",
+         "--rm_bootstrap", "true", "--ppo", "{ensemble_combine: uncertainty, ensemble_uncertainty_coef: 0.25}"],
+    )  # fmt: skip
+    rm_cfg = pipeline.stage_config(cfg, "rm")
+    jobs = pipeline.rm_member_configs(cfg, rm_cfg)
+    assert [(name, c.output_dir, c.seed, c.bootstrap_seed) for name, c in jobs] == [
+        ("rm", str(tmp_path / "rm"), rm_cfg.seed, rm_cfg.seed),
+        ("rm-1", str(tmp_path / "rm-1"), rm_cfg.seed + 1, rm_cfg.seed + 1),
+        ("rm-2", str(tmp_path / "rm-2"), rm_cfg.seed + 2, rm_cfg.seed + 2),
+    ]
+    varied = ("output_dir", "seed", "bootstrap_seed")
+    for _, member in jobs:  # every other key is the RM stage's
+        assert {k: v for k, v in dataclasses.asdict(member).items() if k not in varied} == {
+            k: v for k, v in dataclasses.asdict(rm_cfg).items() if k not in varied
+        }
+    listed = [str(tmp_path / d) for d in ("rm", "rm-1", "rm-2")]
+    ppo_cfg, eval_cfg = pipeline.stage_config(cfg, "ppo"), pipeline.stage_config(cfg, "eval")
+    assert ppo_cfg.reward_model_path == eval_cfg.reward_model_path == listed
+    assert (eval_cfg.ensemble_combine, eval_cfg.ensemble_uncertainty_coef) == ("uncertainty", 0.25)
+    assert pipeline.stage_config(cfg, "compare").reward_model_path == str(tmp_path / "rm")
+
+    sweep = dataclasses.replace(cfg, sweep=[{"name": "fixed", "kl_controller": "fixed"}])
+    shared, variant = pipeline.sweep_runs(sweep)
+    assert [name for name, _ in pipeline.rm_member_configs(shared, pipeline.stage_config(shared, "rm"))] == [
+        "rm", "rm-1", "rm-2"
+    ]  # fmt: skip
+    assert pipeline.stage_config(variant, "ppo").reward_model_path == listed  # the shared members
+    assert pipeline.stage_config(variant, "ppo").kl_controller == "fixed"
+
+    seeded = pipeline.seed_run(dataclasses.replace(cfg, seeds=[7]), 7)
+    jobs = pipeline.rm_member_configs(seeded, pipeline.stage_config(seeded, "rm"))
+    assert [(c.output_dir, c.seed) for _, c in jobs] == [
+        (str(tmp_path / "seed-7" / d), 7 + k) for k, d in enumerate(("rm", "rm-1", "rm-2"))
+    ]
+    with pytest.raises(ConfigError, match="config key 'rm_members'"):
+        pipeline.Config(rm_members=0)
+
+
+def test_pipeline_trains_the_members_and_chains_the_list(
+    tmp_path, tiny_model_dir, sft_files, pref_files, prompt_file, monkeypatch, capsys
+):
+    """rm_members: 2 with rm_bootstrap through the whole pipeline: two RM folders (seeds s and s + 1, each on
+    its own resample), PPO and eval on the ensemble (eval with PPO's combine), member curves in the report;
+    a rerun skips both members."""
+    from test_pipeline import pipeline_argv
+
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "ens"
+    argv = pipeline_argv(
+        out, tiny_model_dir, sft_files, pref_files, prompt_file, rm_members="2", rm_bootstrap="true"
+    )
+    i = next(i for i, a in enumerate(argv) if a.startswith("--ppo="))
+    ppo_keys = {**yaml.safe_load(argv[i].removeprefix("--ppo=")), "ensemble_combine": "min"}
+    argv[i] = "--ppo=" + yaml.safe_dump(ppo_keys, default_flow_style=True, width=10_000).strip()
+    pipeline.run(parse_config(pipeline.Config, argv))
+    record = read_json(out / "pipeline.json")
+    assert record.keys() == {"sft", "rm", "rm-1", "ppo", "eval"}
+    configs = {
+        d: yaml.safe_load((out / d / "config.yaml").read_text()) for d in ("rm", "rm-1", "ppo", "eval")
+    }
+    assert configs["rm-1"]["seed"] == configs["rm"]["seed"] + 1
+    assert [configs[d]["bootstrap_seed"] for d in ("rm", "rm-1")] == [
+        configs["rm"]["seed"],
+        configs["rm"]["seed"] + 1,
+    ]
+    for d in ("rm", "rm-1"):
+        metrics = read_json(out / d / "metrics.json")
+        assert metrics["train_pairs_distinct"] < metrics["train_pairs"]  # a resample with repeats
+        assert (out / d / "reward_normalization.json").is_file()
+    assert read_json(out / "rm" / "reward_normalization.json") != read_json(
+        out / "rm-1" / "reward_normalization.json"
+    )
+    members = [str(out / "rm"), str(out / "rm-1")]
+    assert configs["ppo"]["reward_model_path"] == configs["eval"]["reward_model_path"] == members
+    assert configs["ppo"]["ensemble_combine"] == configs["eval"]["ensemble_combine"] == "min"
+    steps = [json.loads(line) for line in (out / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    assert all("objective/scores_member_1" in m and m["objective/scores_disagreement"] > 0 for m in steps)
+    heldout = [json.loads(line) for line in (out / "ppo" / "eval_log.jsonl").read_text().splitlines()]
+    assert all("rm_score_member_1" in r for r in heldout)
+    final = record["eval"]["metrics"]
+    assert {"rm_score_member_0_mean", "rm_score_member_1_mean", "rm_disagreement_mean"} <= final.keys()
+    html = (out / "report.html").read_text()
+    assert "Reward-model ensemble: member scores and disagreement" in html
+    capsys.readouterr()
+    pipeline.run(parse_config(pipeline.Config, argv))
+    printed = capsys.readouterr().out
+    assert "== rm: finished earlier" in printed and "== rm-1: finished earlier" in printed
+
+
+# ---------------------------------------------------------------------------------------------------
+# Two data-parallel processes
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_ensemble_two_ranks_equals_one(members, tiny_model_dir, prompt_file, tmp_path):
+    """One PPO step of a fixed global rollout (tests/scripts/ppo_ranks.py) scored by a 3-member ensemble:
+    every rank scores its own samples with every member, and the global member scores, disagreement,
+    combined score, losses and the raw gradient equal those of one process."""
+    from test_multiprocess import launch
+
+    script = ROOT / "tests" / "scripts" / "ppo_ranks.py"
+
+    def run(num_processes):
+        out = tmp_path / f"{num_processes}.json"
+        launch([str(script), str(tiny_model_dir), ",".join(members), str(prompt_file), str(out), "same",
+                "uncertainty"], num_processes)  # fmt: skip
+        return json.loads(out.read_text())
+
+    one, two = run(1), run(2)
+    assert (one["world"], two["world"]) == (1, 2)
+    torch.testing.assert_close(torch.tensor(two["grads"]), torch.tensor(one["grads"]), atol=1e-7, rtol=1e-4)
+    m1, m2 = one["metrics"][0], two["metrics"][0]
+    keys = [f"objective/scores_member_{k}" for k in range(3)] + ["objective/scores_disagreement"]
+    keys += ["objective/scores", "objective/rlhf_reward", "loss/policy", "loss/value"]
+    for key in keys:
+        assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
+    assert m1["objective/scores_disagreement"] > 0.01
+    means = torch.tensor([m1[f"objective/scores_member_{k}"] for k in range(3)])
+    assert m1["objective/scores"] < float(means.mean())  # uncertainty: below the mean of the members
