@@ -407,6 +407,28 @@ def test_member_configs_seeds_sweeps_and_chaining(tmp_path, monkeypatch):
         pipeline.Config(rm_members=0)
 
 
+def test_the_readme_command_sets_up_an_ensemble(tmp_path, monkeypatch):
+    """The README's ensemble command parses, and its stages read the three members with PPO's combine."""
+    import re
+    import shlex
+
+    monkeypatch.chdir(ROOT)
+    section = (ROOT / "README.md").read_text().split("## Reward-model ensembles")[1].split("\n## ")[0]
+    command = re.search(r"^llm-rlhf pipeline .*$", section, re.MULTILINE).group(0)
+    argv = shlex.split(command)[2:]
+    argv[argv.index("--output_dir") + 1] = str(tmp_path)
+    cfg = parse_config(pipeline.Config, argv)
+    members = [str(tmp_path / d) for d in ("rm", "rm-1", "rm-2")]
+    assert [name for name, _ in pipeline.rm_member_configs(cfg, pipeline.stage_config(cfg, "rm"))] == [
+        "rm",
+        "rm-1",
+        "rm-2",
+    ]
+    for stage in ("ppo", "eval"):
+        stage_cfg = pipeline.stage_config(cfg, stage)
+        assert stage_cfg.reward_model_path == members and stage_cfg.ensemble_combine == "uncertainty", stage
+
+
 def test_pipeline_trains_the_members_and_chains_the_list(
     tmp_path, tiny_model_dir, sft_files, pref_files, prompt_file, monkeypatch, capsys
 ):
@@ -490,3 +512,25 @@ def test_ensemble_two_ranks_equals_one(members, tiny_model_dir, prompt_file, tmp
     assert m1["objective/scores_disagreement"] > 0.01
     means = torch.tensor([m1[f"objective/scores_member_{k}"] for k in range(3)])
     assert m1["objective/scores"] < float(means.mean())  # uncertainty: below the mean of the members
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_ppo_command_with_an_ensemble_on_two_processes(members, tiny_model_dir, prompt_file, tmp_path):
+    """`accelerate launch ... llm-rlhf ppo` with a 2-member ensemble: training steps, logged samples and the
+    held-out evaluation (every process scores with every member; the main one writes) log the members."""
+    from test_multiprocess import launch, ppo_cli_args
+
+    out = tmp_path / "run"
+    args = ppo_cli_args(tiny_model_dir, members[0], prompt_file, out, 2)
+    args[args.index("--reward_model_path") + 1] = f"[{members[1]}, {members[2]}]"
+    args += ["--ensemble_combine", "min", "--eval_every", "1", "--eval_prompt_file", str(prompt_file)]
+    args += ["--eval_num_prompts", "4", "--gold_judge", "none", "--log_samples_every", "1"]
+    launch(args, 2)
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in steps] == [1, 2] and steps[-1]["episodes"] == 2 * 4 * 2
+    for m in steps:
+        worst = min(m["objective/scores_member_0"], m["objective/scores_member_1"])
+        assert m["objective/scores"] <= worst + 1e-6 and m["objective/scores_disagreement"] > 0
+    evals = [json.loads(line) for line in (out / "eval_log.jsonl").read_text().splitlines()]
+    assert len(evals) == 3 and all("rm_score_member_1" in r for r in evals)
