@@ -22,8 +22,8 @@ def main() -> None:
     records = []
     original = ppo.PPOTrainer.rollout
 
-    def recorded(self, queries, times=None):
-        rollout = original(self, queries, times)
+    def recorded(self, queries, *args, **kwargs):  # times, terms: as `ppo_step` passes them
+        rollout = original(self, queries, *args, **kwargs)
         eos = self.tokenizer.eos_token_id
         records.append(
             {
