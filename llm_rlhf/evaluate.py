@@ -350,10 +350,11 @@ def sample_and_score(
     it), response_ids (EOS excluded), length (tokens, EOS included), eos (ended: EOS or a stop string),
     kl_to_ref and kl_to_ref_at_temperature (None without `ref_model`), rm_score (None
     without `reward_model`; a `RewardEnsemble`'s combined score), rm_member_scores (a list of K floats) and
-    rm_disagreement (their population std; both None unless `reward_model` is an ensemble), gold_score (None without `judge`), and sentiment, fluency_nll,
-    fluency_perplexity (None unless the judge reports them, as the fluency-aware gold does; see
-    `llm_rlhf.gold.judge_details`), reward_fn (None without `reward_fn`, a `llm_rlhf.reward_fn.RewardFn`:
-    its unweighted score of the prompt and the response text). Batch b is sampled with seed + b."""
+    rm_disagreement (their population std; both None unless `reward_model` is an ensemble), gold_score
+    (None without `judge`), and sentiment, fluency_nll, fluency_perplexity (None unless the judge reports
+    them, as the fluency-aware gold does; see `llm_rlhf.gold.judge_details`), reward_fn (None without
+    `reward_fn`, a `llm_rlhf.reward_fn.RewardFn`: its unweighted score of the prompt and the response text).
+    Batch b is sampled with seed + b."""
     if not prompts:
         raise ValueError("no prompts to sample")
     temperatures = (1.0, temperature)
@@ -386,7 +387,7 @@ def sample_and_score(
             if ref_model is not None
             else None
         )
-        rm = members = None
+        rm = members = spread = None
         if isinstance(reward_model, RewardEnsemble):
             members = reward_model.member_scores(batch.sequence, batch.attention_mask, tokenizer)  # (K, B)
             rm, spread = reward_model.combine(members), ppo_math.member_disagreement(member_scores=members)
