@@ -264,6 +264,43 @@ def test_ppo_run_with_an_ensemble_logs_members_in_training_and_heldout(
     assert "objective/scores_member_1" in read_json(out / "metrics.json")
 
 
+def test_ensemble_and_reward_fn_add_up_in_ppo(members, tiny_model_dir, prompt_file, tmp_path, monkeypatch):
+    """With a reward function beside the ensemble: scores = combined + reward_fn_weight * reward_fn per
+    sequence, at the place PPO uses them (the scores given to `ppo_math.shaped_rewards`); the step logs the
+    combined score as objective/rm_score, the function, and every member."""
+    import reward_fns
+
+    weight = 0.5
+    cfg = make_cfg(
+        tiny_model_dir, members[0], prompt_file, tmp_path, reward_model_path=members, ensemble_combine="min",
+        reward_fn="reward_fns:length", reward_fn_weight=weight, ppo_epochs=1,
+    )  # fmt: skip
+    trainer = make_trainer(cfg)
+    rollouts, seen, shaped = recording_rollouts(trainer), {}, ppo_math.shaped_rewards
+
+    def recording_shaped(**kw):
+        seen["scores"] = kw["scores"].clone()
+        return shaped(**kw)
+
+    monkeypatch.setattr(ppo.ppo_math, "shaped_rewards", recording_shaped)
+    metrics = trainer.ppo_step()
+    rollout, tok = rollouts[0], trainer.tokenizer
+    combined = combine("min", 1.0, separate_scores(members, rollout.sequence, rollout.attention_mask))  # (B,)
+    responses = [
+        tok.decode(r[m & (r != tok.eos_token_id)], skip_special_tokens=True)
+        for r, m in zip(rollout.response, rollout.response_mask)
+    ]
+    fn = torch.tensor(reward_fns.length([], responses))
+    assert fn.std() > 0
+    torch.testing.assert_close(seen["scores"], combined + weight * fn, atol=1e-5, rtol=1e-5)
+    assert metrics["objective/rm_score"] == pytest.approx(float(combined.mean()), abs=1e-5)
+    assert metrics["objective/reward_fn"] == pytest.approx(float(fn.mean()), abs=1e-6)
+    assert metrics["objective/scores"] == pytest.approx(float((combined + weight * fn).mean()), abs=1e-5)
+    assert {f"objective/scores_member_{k}" for k in range(3)} | {"objective/scores_disagreement"} <= set(
+        metrics
+    )
+
+
 # ---------------------------------------------------------------------------------------------------
 # Evaluation
 # ---------------------------------------------------------------------------------------------------
@@ -299,6 +336,27 @@ def test_eval_with_an_ensemble_reports_each_member_and_the_combined_score(
     written = read_json(tmp_path / "ens" / "metrics.json")
     assert written["reward_model_path"] == members and written["ensemble_combine"] == "uncertainty"
     assert "rm_score_member_2_mean_baseline" in written
+
+
+def test_eval_ensemble_and_reward_fn_add_up(members, tiny_model_dir, prompt_file, tmp_path):
+    """combined_score = rm_score + reward_fn_weight * reward_fn, rm_score the ensemble's combined score."""
+    import reward_fns
+
+    metrics = evaluate.run(
+        make_eval_cfg(
+            tiny_model_dir, tiny_model_dir, prompt_file, tmp_path / "e", reward_model_path=members[:2],
+            ensemble_combine="mean", reward_fn="reward_fns:length", reward_fn_weight=2.0, gold_judge="none",
+            num_prompts=6, batch_size=3,
+        )
+    )  # fmt: skip
+    samples = [json.loads(line) for line in (tmp_path / "e" / "samples.jsonl").read_text().splitlines()]
+    fn = reward_fns.length([], [s["policy_response"] for s in samples])
+    for s, f in zip(samples, fn):
+        assert s["policy_rm_score"] == pytest.approx(sum(s["policy_rm_member_scores"]) / 2, abs=1e-6)
+        assert s["policy_combined_score"] == pytest.approx(s["policy_rm_score"] + 2.0 * f, abs=1e-6)
+    assert metrics["combined_score_mean"] == pytest.approx(
+        metrics["rm_score_mean"] + 2.0 * metrics["reward_fn_mean"], abs=1e-5
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
