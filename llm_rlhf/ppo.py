@@ -665,9 +665,10 @@ class PPOTrainer:
             scores = rm_score + reward_fn_weight * reward_fn(prompts, responses)
 
         rm_score: r_phi(x, y) normalised (`rm_score`; a reward-model ensemble's combined score), 0 without a
-        reward model; the second term only with a reward_fn (`reward_fn_scores`). These are the scores `ppo_step` clips (score_clip), replaces for
-        responses without EOS (eos_penalty) and adds at the last response token (`ppo_math.shaped_rewards`),
-        and then whitens only as part of the per-token rewards (whiten_rewards) and the advantages.
+        reward model; the second term only with a reward_fn (`reward_fn_scores`). These are the scores
+        `ppo_step` clips (score_clip), replaces for responses without EOS (eos_penalty) and adds at the last
+        response token (`ppo_math.shaped_rewards`), and then whitens only as part of the per-token rewards
+        (whiten_rewards) and the advantages.
         `terms`, if given and a reward_fn is set, receives the terms, each (B,): "reward_fn" (unweighted)
         and, with a reward model, "rm_score" (the step logs their means as objective/reward_fn and
         objective/rm_score); with an ensemble it also receives the members' scores and their disagreement
