@@ -14,8 +14,12 @@ overrides; the chaining keys are set here so each stage reads the previous stage
 
 A reward-model ensemble (`rm_members: K`): the RM stage runs K times, member 0 in DIR/rm and member k in
 DIR/rm-<k>, member k seeded with the RM seed + k (and with `rm_bootstrap`, trained on its own bootstrap
-resample of the pairs); PPO and eval get the list [DIR/rm, DIR/rm-1, ...] as reward_model_path, and eval
-takes PPO's ensemble_combine and ensemble_uncertainty_coef. compare reads DIR/rm alone.
+resample of the pairs); PPO gets the list [DIR/rm, DIR/rm-1, ...] as reward_model_path. compare reads DIR/rm
+alone.
+
+Evaluation scores the policy as its PPO stage did: eval takes PPO's resolved reward_model_path, ensemble keys,
+reward_fn, reward_fn_weight, stop_strings and min_new_tokens (`EVAL_FROM_PPO`), so a sweep variant that trains on
+one member of an ensemble, or with a reward function, is evaluated on that score; `eval:` overrides still win.
 
 A stage whose folder holds `metrics.json` is finished and skipped; a stage folder without it was
 interrupted and is resumed. `DIR/pipeline.json` records each stage's wall time and headline metrics.
@@ -154,9 +158,9 @@ def stage_config(cfg: Config, stage: str) -> Any:
     values: dict[str, Any] = load_yaml_config(recipe, valid) if recipe else {}
     shared = Path(cfg.shared_dir) if cfg.shared_dir else None
     values.update(chained_paths(Path(cfg.output_dir), shared, cfg.rm_members)[stage])
-    if stage == "eval" and cfg.rm_members > 1:  # the ensemble's score as PPO combined it
+    if stage == "eval":  # the policy is judged by the score PPO maximised, on responses cut as PPO cut them
         ppo_cfg = stage_config(cfg, "ppo")
-        values.update({key: getattr(ppo_cfg, key) for key in ENSEMBLE_KEYS})
+        values.update({key: getattr(ppo_cfg, key) for key in EVAL_FROM_PPO})
     overrides = getattr(cfg, stage)
     for key in overrides:
         if key not in valid:
@@ -169,7 +173,17 @@ def stage_config(cfg: Config, stage: str) -> Any:
     return stage_cls(**values)
 
 
-ENSEMBLE_KEYS = ("ensemble_combine", "ensemble_uncertainty_coef")  # eval takes PPO's
+# eval takes these from the run's resolved PPO config (a sweep variant's own reward_model_path or reward_fn
+# included); the pipeline's `eval:` overrides still win
+EVAL_FROM_PPO = (
+    "reward_model_path",
+    "ensemble_combine",
+    "ensemble_uncertainty_coef",
+    "reward_fn",
+    "reward_fn_weight",
+    "stop_strings",
+    "min_new_tokens",
+)
 
 
 def rm_member_configs(cfg: Config, rm_cfg) -> list[tuple[str, Any]]:

@@ -465,6 +465,36 @@ def test_member_configs_seeds_sweeps_and_chaining(tmp_path, monkeypatch):
         pipeline.Config(rm_members=0)
 
 
+def test_eval_scores_each_sweep_variant_as_its_ppo_did(tmp_path, monkeypatch):
+    """A sweep over one RM of an ensemble vs the whole ensemble (the over-optimisation comparison): each
+    variant's evaluation reads the reward model(s), combine, reward function and stop controls its PPO
+    used, not the pipeline's default list; the pipeline's eval overrides still win."""
+    monkeypatch.chdir(ROOT)
+    recipes = ROOT / "recipes" / "reviews"
+    single = str(tmp_path / "rm")
+    cfg = parse_config(
+        pipeline.Config,
+        ["--config", str(recipes / "pipeline.yaml"), "--output_dir", str(tmp_path), "--rm_members", "3",
+         "--sweep", f"[{{name: single, reward_model_path: {single}, reward_fn: 'reward_fns:keyword', "
+         "reward_fn_weight: 0.5, stop_strings: ['.'], min_new_tokens: 2}, "
+         "{name: worst, ensemble_combine: min}]"],
+    )  # fmt: skip
+    _, single_run, worst_run = pipeline.sweep_runs(cfg)
+    members = [str(tmp_path / d) for d in ("rm", "rm-1", "rm-2")]
+    for run_cfg, expected_rm in ((single_run, single), (worst_run, members)):
+        ppo_cfg, eval_cfg = pipeline.stage_config(run_cfg, "ppo"), pipeline.stage_config(run_cfg, "eval")
+        assert ppo_cfg.reward_model_path == eval_cfg.reward_model_path == expected_rm
+        for key in pipeline.EVAL_FROM_PPO:
+            assert getattr(eval_cfg, key) == getattr(ppo_cfg, key), key
+    single_eval = pipeline.stage_config(single_run, "eval")
+    assert (single_eval.reward_fn, single_eval.reward_fn_weight) == ("reward_fns:keyword", 0.5)
+    assert (single_eval.stop_strings, single_eval.min_new_tokens) == (["."], 2)
+    assert pipeline.stage_config(worst_run, "eval").ensemble_combine == "min"
+    overridden = dataclasses.replace(single_run, eval={"reward_model_path": members[1], "stop_strings": []})
+    eval_cfg = pipeline.stage_config(overridden, "eval")
+    assert (eval_cfg.reward_model_path, eval_cfg.stop_strings) == (members[1], [])
+
+
 def test_the_readme_command_sets_up_an_ensemble(tmp_path, monkeypatch):
     """The README's ensemble command parses, and its stages read the three members with PPO's combine."""
     import re
