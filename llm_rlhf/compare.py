@@ -44,6 +44,7 @@ from llm_rlhf.gold import judge_details
 from llm_rlhf.models import freeze, load_causal_lm, load_tokenizer
 from llm_rlhf.ppo_run import load_eval_inputs
 from llm_rlhf.reward_model import load_reward_model
+from llm_rlhf.trainer_stage import last_checkpoint
 from llm_rlhf.utils import atomic_write_json, atomic_write_text
 
 
@@ -260,7 +261,8 @@ def run(cfg: Config) -> dict[str, Any]:
     for beta, dpo_cfg in zip(cfg.dpo_betas, dpo_cfgs):
         if not (Path(dpo_cfg.output_dir) / "metrics.json").exists():
             print(f"== DPO beta {beta:g}: training in {dpo_cfg.output_dir}")
-            dpo.run(dataclasses.replace(dpo_cfg, resume=Path(dpo_cfg.output_dir).exists()))
+            # resume only from a checkpoint: a run killed before its first save starts over
+            dpo.run(dataclasses.replace(dpo_cfg, resume=last_checkpoint(dpo_cfg.output_dir) is not None))
         policy = freeze(load_causal_lm(dpo_cfg.output_dir))
         result = evaluate_policy(
             policy=policy, tokenizer=tokenizer, prompts=prompts, ref_model=sft_model,
@@ -279,7 +281,8 @@ def run(cfg: Config) -> dict[str, Any]:
         ):  # fmt: skip
             points.append({"method": "best_of_n", "label": f"n {p['n']}", **p})
 
-    origin = next((p["gold_score"] for p in points if p["method"] == "ppo" and p["kl"] == 0), None)
+    # the SFT model's gold: PPO's step-0 evaluation (policy == reference; its KL need not be exactly 0 in bf16)
+    origin = next((r["gold_score"] for r in ppo_log if r["step"] == 0), None)
     by_method = {m: [p for p in points if p["method"] == m] for m in METHODS}
     bon_origin = next((p["gold_score"] for p in by_method["best_of_n"] if p["n"] == 1), origin)
     fits = {

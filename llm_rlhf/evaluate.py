@@ -69,7 +69,7 @@ from llm_rlhf.data import DATA_FORMATS, load_prompt_dataset, prompt_rules
 from llm_rlhf.errors import UserError
 from llm_rlhf.gold import FluentGoldJudge, GoldJudge, judge_details, load_judge
 from llm_rlhf.models import freeze, load_causal_lm, load_tokenizer, shares_vocab
-from llm_rlhf.reward_fn import load_reward_fn
+from llm_rlhf.reward_fn import load_reward_fn, probe
 from llm_rlhf.reward_model import RewardEnsemble, check_ensemble_keys, check_members_exist, load_reward_models
 from llm_rlhf.rollout import (
     Samples,
@@ -607,6 +607,8 @@ def _run(cfg: Config) -> dict[str, Any]:
             "same token ids (set reference_path to the model the policy was trained from)"
         )
     prompts = load_prompts(cfg, tokenizer)
+    if reward_fn is not None:  # checked on two real prompts before any model loads, as PPO does
+        probe(reward_fn, prompts)
     rows = [(i, j) for i in range(len(prompts)) for j in range(cfg.samples_per_prompt)]  # (prompt, sample)
     row_prompts = [prompts[i] for i, _ in rows]
 

@@ -8,7 +8,7 @@ overrides; the chaining keys are set here so each stage reads the previous stage
     DIR/sft  <- base model                      DIR/rm   <- DIR/sft
     DIR/ppo  <- DIR/sft (policy, reference), DIR/rm
     DIR/eval <- DIR/ppo vs DIR/sft, scored by DIR/rm and the gold judge
-    DIR/dpo  <- DIR/sft (policy, reference)     (optional: `stages: [sft, dpo]`; not a default stage)
+    DIR/dpo  <- DIR/sft (policy, reference), the RM stage's pairs   (optional: `stages: [sft, dpo]`)
     DIR/compare <- DIR/sft, DIR/rm, DIR/ppo     (optional: PPO, DPO per beta and best-of-n on one gold-vs-KL
                                                 plot; PPO needs eval_every > 0)
 
@@ -161,6 +161,9 @@ def stage_config(cfg: Config, stage: str) -> Any:
     if stage == "eval":  # the policy is judged by the score PPO maximised, on responses cut as PPO cut them
         ppo_cfg = stage_config(cfg, "ppo")
         values.update({key: getattr(ppo_cfg, key) for key in EVAL_FROM_PPO})
+    if stage == "dpo":  # the preference pairs the RM stage trains on (its recipe and overrides)
+        rm_cfg = stage_config(cfg, "rm")
+        values.update({key: getattr(rm_cfg, key) for key in DPO_FROM_RM})
     overrides = getattr(cfg, stage)
     for key in overrides:
         if key not in valid:
@@ -168,11 +171,18 @@ def stage_config(cfg: Config, stage: str) -> Any:
             hint = f"; did you mean '{close[0]}'?" if close else ""
             raise ConfigError(f"pipeline key '{stage}': unknown {stage} key '{key}'{hint}")
     values.update(overrides)
+    if (
+        stage == "compare"
+    ):  # its DPO runs train on the RM's pairs too, unless its own `dpo` block says otherwise
+        rm_cfg = stage_config(cfg, "rm")
+        values["dpo"] = {**{key: getattr(rm_cfg, key) for key in DPO_FROM_RM}, **(values.get("dpo") or {})}
     hints = typing.get_type_hints(stage_cls)  # the same type checks as the command line
     values = {k: _coerce(k, v, hints[k], f"pipeline stage '{stage}'") for k, v in values.items()}
     return stage_cls(**values)
 
 
+# DPO (the dpo stage and compare's DPO runs) trains on the pairs of the run's resolved RM config; `dpo:` overrides win
+DPO_FROM_RM = ("train_file", "eval_file", "train_split", "eval_split", "data_format")
 # eval takes these from the run's resolved PPO config (a sweep variant's own reward_model_path or reward_fn
 # included); the pipeline's `eval:` overrides still win
 EVAL_FROM_PPO = (

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -123,6 +124,7 @@ def test_compare_stage_puts_ppo_dpo_and_best_of_n_on_one_plot(
     d0, gold0 = fit["curve"][0]
     law = ppo_math.gao_bon_law(torch.tensor(d0), alpha=fit["alpha"], beta=fit["beta"])
     assert gold0 == pytest.approx(fit["origin"] + float(law))
+    assert metrics["fits"]["ppo"]["origin"] == ppo_log[0]["gold_score"]  # the SFT model: PPO's step 0
     assert metrics["best_of_n_best_gold"] == max(p["gold_score"] for p in bon)
     assert read_json(out / "pipeline.json")["compare"]["metrics"] == metrics
     html = (out / "report.html").read_text()
@@ -133,6 +135,14 @@ def test_compare_stage_puts_ppo_dpo_and_best_of_n_on_one_plot(
     cfg = parse_config(compare.Config, ["--config", str(folder / "config.yaml")])
     assert compare.run(cfg)["best"] == metrics["best"]
     assert (folder / "dpo-beta-0.1" / "model.safetensors").stat().st_mtime_ns == trained
+    # a DPO run killed before its first checkpoint (its folder holds only config.yaml) starts over
+    killed = folder / "dpo-beta-1"
+    saved_config = (killed / "config.yaml").read_text()
+    shutil.rmtree(killed)
+    killed.mkdir()
+    (killed / "config.yaml").write_text(saved_config)
+    compare.run(cfg)
+    assert read_json(killed / "metrics.json")["global_step"] == 2
 
 
 def test_compare_config_errors_name_the_key(tmp_path):

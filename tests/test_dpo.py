@@ -4,6 +4,7 @@ folder reloads to the same log-probs, resume, and the input checks."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -350,6 +351,23 @@ def test_pipeline_chains_dpo_to_the_sft_folder(tmp_path, monkeypatch):
         0.2,
     )
     assert pipeline.Config().stages == ["sft", "rm", "ppo", "eval"], "not a default stage"
+    # the RM stage's pairs, as the run resolved them: a pipeline override of the RM's data reaches DPO
+    # (the dpo stage and compare's DPO runs), and DPO's own overrides still win
+    other = {"train_file": "data/reviews/prefs_val.jsonl", "eval_file": "data/reviews/prefs_test.jsonl"}
+    cfg = pipeline.Config(output_dir=str(tmp_path), stages=["sft", "dpo"], rm=other)
+    stage = pipeline.stage_config(cfg, "dpo")
+    assert (stage.train_file, stage.eval_file) == (other["train_file"], other["eval_file"])
+    rm_stage = pipeline.stage_config(cfg, "rm")
+    assert pipeline.stage_config(cfg, "compare").dpo == {
+        k: getattr(rm_stage, k) for k in pipeline.DPO_FROM_RM
+    }
+    assert pipeline.stage_config(cfg, "compare").dpo["train_file"] == other["train_file"]
+    own = dataclasses.replace(
+        cfg, dpo={"train_file": "mine.jsonl"}, compare={"dpo": {"eval_file": "x.jsonl"}}
+    )
+    assert pipeline.stage_config(own, "dpo").train_file == "mine.jsonl"
+    assert pipeline.stage_config(own, "compare").dpo["eval_file"] == "x.jsonl"
+    assert pipeline.stage_config(own, "compare").dpo["train_file"] == other["train_file"]
     with pytest.raises(ConfigError, match="unknown stage"):
         pipeline.Config(stages=["sft", "kto"])
 

@@ -587,6 +587,47 @@ def test_two_processes_with_stop_strings_and_min_new_tokens(
     assert len(heldout) == 3 and all(r["response_length"] >= 2 for r in heldout)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_processes_with_chat_prompts(chat_model_dir, tiny_rm_dir, tmp_path):
+    """`accelerate launch` with 2 DDP processes on chat `messages` prompts, with stop strings and
+    min_new_tokens: every process's queries are the template's rendering of a chat,
+    and the first step's old log-probs, after the stop-string cuts, are those of the distribution sampled
+    from: recomputed here by a plain forward of the model on each prompt + kept response, alone and unpadded,
+    at the temperature with EOS masked before min_new_tokens. KL = 0 exactly at that step on every row."""
+    chats = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in CHATS] * 4)
+    out, record = tmp_path / "run", tmp_path / "rollouts"
+    args = ppo_cli_args(chat_model_dir, tiny_rm_dir, chats, out, 2)[2:]  # without "-m llm_rlhf"
+    args += ["--max_new_tokens", "8", "--max_prompt_length", "40", "--temperature", "0.8",
+             "--stop_strings", json.dumps(STOPS), "--min_new_tokens", "2", "--save_steps", "0"]  # fmt: skip
+    launch([str(ROOT / "tests" / "scripts" / "record_rollouts.py"), str(record), *args], 2)
+    ranks = [json.loads((record / f"rollouts_{r}.json").read_text()) for r in (0, 1)]
+    tokenizer = load_tokenizer(str(chat_model_dir))
+    lm = freeze(load_causal_lm(str(chat_model_dir)))  # the policy before its first update
+    eos = tokenizer.eos_token_id
+    queries = [tokenizer.decode(q) for steps in ranks for q in steps[0]["query"]]
+    assert len(queries) == 8 and set(queries) <= set(RENDERED)  # 4 rows per process, each a rendered chat
+    assert all(len(steps) == 2 for steps in ranks)
+    assert any(any(steps[0]["stopped"]) for steps in ranks)
+    for steps in ranks:
+        first = steps[0]
+        for query, ids, mask, logprobs, ref in zip(
+            first["query"],
+            first["response"],
+            first["response_mask"],
+            first["logprobs"],
+            first["ref_logprobs"],
+        ):
+            kept = [i for i, keep in zip(ids, mask) if keep]
+            assert len(kept) >= 2
+            with torch.no_grad():
+                logits = lm(torch.tensor([query + kept])).logits[0, len(query) - 1 : -1] / 0.8  # (L, V)
+            logits[:2, eos] = float("-inf")  # min_new_tokens: EOS cannot end the response before token 2
+            naive = logits.log_softmax(-1).gather(-1, torch.tensor(kept)[:, None]).squeeze(-1)  # (L,)
+            torch.testing.assert_close(torch.tensor(logprobs[: len(kept)]), naive, atol=2e-5, rtol=1e-5)
+            assert logprobs[: len(kept)] == ref[: len(kept)]  # policy == reference at the first step
+
+
 @pytest.mark.parametrize("config", [ppo.Config, evaluate.Config])
 def test_the_readme_example_is_a_valid_config(config, tmp_path):
     """The YAML block of README.md's "Generation controls and chat prompts" section parses in both stages."""

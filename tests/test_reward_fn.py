@@ -371,8 +371,13 @@ def test_eval_reward_fn_beside_the_rm(tiny_model_dir, tiny_rm_dir, prompt_file, 
     assert metrics["rm_score_mean"] is not None and metrics["reward_fn_mean_baseline"] is not None
 
 
-def test_eval_bad_reward_fn_writes_nothing(tiny_model_dir, prompt_file, tmp_path):
+def test_eval_bad_reward_fn_writes_nothing(tiny_model_dir, prompt_file, tmp_path, monkeypatch):
+    """A failed import or a probe that returns the wrong number of scores stops eval before any model
+    loads (as in PPO), with the one-line error and no output."""
     out = tmp_path / "eval"
+    monkeypatch.setattr(
+        evaluate, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded before the check")
+    )
     for spec in ("no_such_module_xyz:fn", "reward_fns:wrong_length"):
         cfg = evaluate.Config(policy_path=str(tiny_model_dir), baseline_path=str(tiny_model_dir),
                               reward_model_path=None, gold_judge="none", reward_fn=spec, prompt_file=str(prompt_file),

@@ -1,6 +1,7 @@
 """Run `llm-rlhf ppo ARGS...` under `accelerate launch`, recording on each process every rollout PPO trains on:
-its response tokens, response_mask, `stopped` (a stop string ended the row) and `ended` (EOS or a stop
-string: what the EOS trick and the eos_rate metric count).
+its query tokens (padding dropped), response tokens, response_mask, `stopped` (a stop string ended the row),
+`ended` (EOS or a stop string: what the EOS trick and the eos_rate metric count) and the old and reference
+log-probs PPO trains with.
 
     python record_rollouts.py OUT_DIR ARGS...
 
@@ -27,7 +28,10 @@ def main() -> None:
         eos = self.tokenizer.eos_token_id
         records.append(
             {
+                "query": [q[m.bool()].tolist() for q, m in zip(rollout.query, rollout.query_mask)],
                 "response": rollout.response.tolist(),
+                "logprobs": rollout.logprobs.tolist(),
+                "ref_logprobs": rollout.ref_logprobs.tolist(),
                 "response_mask": rollout.response_mask.tolist(),
                 "stopped": rollout.stopped.tolist(),
                 "ended": rollout.ended(eos).tolist(),
