@@ -203,6 +203,13 @@ def ppo_settings(ppo_dir: Path):
     return cfg, records
 
 
+def sft_origin(ppo_log: list[dict[str, Any]]) -> float | None:
+    """The SFT model's gold score, where every law starts (gain 0 at d = 0): PPO's step-0 held-out evaluation,
+    when policy == reference. Found by its step, not by KL == 0: under bf16 or on other hardware the
+    step-0 KL need not be exactly 0. None if the log has no step 0 (a resumed run's partial log)."""
+    return next((r["gold_score"] for r in ppo_log if r["step"] == 0), None)
+
+
 def law_fit(points: list[dict[str, Any]], origin: float, form: str) -> dict[str, Any] | None:
     """Gao et al.'s law fitted to the points with KL > 0, gain = gold - origin; None with < 3 points."""
     fitted = [p for p in points if p["kl"] > 0]
@@ -281,8 +288,7 @@ def run(cfg: Config) -> dict[str, Any]:
         ):  # fmt: skip
             points.append({"method": "best_of_n", "label": f"n {p['n']}", **p})
 
-    # the SFT model's gold: PPO's step-0 evaluation (policy == reference; its KL need not be exactly 0 in bf16)
-    origin = next((r["gold_score"] for r in ppo_log if r["step"] == 0), None)
+    origin = sft_origin(ppo_log)
     by_method = {m: [p for p in points if p["method"] == m] for m in METHODS}
     bon_origin = next((p["gold_score"] for p in by_method["best_of_n"] if p["n"] == 1), origin)
     fits = {

@@ -124,7 +124,6 @@ def test_compare_stage_puts_ppo_dpo_and_best_of_n_on_one_plot(
     d0, gold0 = fit["curve"][0]
     law = ppo_math.gao_bon_law(torch.tensor(d0), alpha=fit["alpha"], beta=fit["beta"])
     assert gold0 == pytest.approx(fit["origin"] + float(law))
-    assert metrics["fits"]["ppo"]["origin"] == ppo_log[0]["gold_score"]  # the SFT model: PPO's step 0
     assert metrics["best_of_n_best_gold"] == max(p["gold_score"] for p in bon)
     assert read_json(out / "pipeline.json")["compare"]["metrics"] == metrics
     html = (out / "report.html").read_text()
@@ -143,6 +142,20 @@ def test_compare_stage_puts_ppo_dpo_and_best_of_n_on_one_plot(
     (killed / "config.yaml").write_text(saved_config)
     compare.run(cfg)
     assert read_json(killed / "metrics.json")["global_step"] == 2
+
+
+def test_the_laws_start_at_ppos_step_0_whatever_its_kl():
+    """The origin is the step-0 evaluation (the SFT model) even when its KL is not exactly 0 (bf16)."""
+    log = [{"step": 0, "kl": 3e-7, "gold_score": -1.2}, {"step": 10, "kl": 4.0, "gold_score": 0.5}]
+    assert compare.sft_origin(log) == -1.2
+    assert compare.sft_origin(log[1:]) is None
+    points = [{"kl": kl, "gold_score": -1.2 + 0.3 * kl**0.5} for kl in (1.0, 4.0, 9.0, 16.0)]
+    fit = compare.law_fit(points, compare.sft_origin(log), "bon")
+    assert (
+        fit["origin"] == -1.2
+        and fit["alpha"] == pytest.approx(0.3)
+        and fit["beta"] == pytest.approx(0.0, abs=1e-9)
+    )
 
 
 def test_compare_config_errors_name_the_key(tmp_path):
