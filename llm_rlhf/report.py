@@ -513,14 +513,17 @@ def _time_panel(ax, history: list[dict]) -> bool:
 
 
 def _eval_points(eval_log: list[dict]):
-    """(step, kl, rm_score, gold_score) arrays of the held-out evaluations, in step order."""
+    """(step, kl, rm_score, gold_score) arrays of the held-out evaluations with a KL and a gold score, in step
+    order; rm_score is NaN where no reward model scored (a run on a reward function alone)."""
     rows = sorted(
-        (r for r in eval_log if all(_num(r.get(k)) is not None for k in ("kl", "rm_score", "gold_score"))),
+        (r for r in eval_log if all(_num(r.get(k)) is not None for k in ("kl", "gold_score"))),
         key=lambda r: _num(r.get("step")) or 0,
     )
-    return tuple(
-        np.array([_num(r.get(k)) or 0.0 for r in rows]) for k in ("step", "kl", "rm_score", "gold_score")
+    step, kl, gold = (
+        np.array([_num(r.get(k)) for r in rows], dtype=float) for k in ("step", "kl", "gold_score")
     )
+    rm = np.array([_num(r.get("rm_score")) for r in rows], dtype=float)  # None -> NaN
+    return step, kl, rm, gold
 
 
 def _overopt_axes(ax, eval_log: list[dict], title: str, legend: bool = True) -> bool:
@@ -536,10 +539,9 @@ def _overopt_axes(ax, eval_log: list[dict], title: str, legend: bool = True) -> 
     twin = _twin(ax, "C1")
     twin.plot(kl, gold, "s-", color="C1", markersize=4, label="gold judge score")
     twin.set_ylabel("gold score", color="C1")
-    for i in {0, len(kl) - 1}:
-        ax.annotate(
-            f"step {step[i]:g}", (kl[i], rm[i]), textcoords="offset points", xytext=(4, 4), fontsize=7
-        )
+    for i in {0, len(kl) - 1}:  # on the proxy's line, or on the gold's when no reward model scored
+        on, y = (ax, rm[i]) if np.isfinite(rm[i]) else (twin, gold[i])
+        on.annotate(f"step {step[i]:g}", (kl[i], y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     if legend:
         ax.figure.legend(handles=[*ax.lines, *twin.lines], loc="outside lower center", ncols=2)
     return True

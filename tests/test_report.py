@@ -6,9 +6,10 @@ import json
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from llm_rlhf import cli
+from llm_rlhf import cli, report
 from llm_rlhf.report import find_runs, parse_jsonl, write_report
 
 IMG = "data:image/png;base64,"
@@ -117,6 +118,22 @@ def test_single_run_report_is_self_contained(tmp_path):
     assert "62.0%" in text and "71.0%" in text and "97.0%" in text  # gold win rate, RM accuracy, SFT EOS rate
     assert "RM eval accuracy" in text  # no test_file in this run: the card says which pairs it scored
     assert 'class="missing"' not in text
+
+
+def test_overoptimisation_curve_of_a_run_without_a_reward_model(tmp_path):
+    """A PPO run on a reward function alone logs rm_score null in its held-out evaluations: the gold is still
+    drawn against KL (the rows were dropped, and the figure with them)."""
+    run = make_run(tmp_path / "run")
+    rows = [json.loads(line) for line in (run / "ppo" / "eval_log.jsonl").read_text().splitlines()]
+    _jsonl(run / "ppo" / "eval_log.jsonl", [{**r, "rm_score": None, "reward_fn": 0.3} for r in rows])
+    step, kl, rm, gold = report._eval_points(
+        [json.loads(line) for line in (run / "ppo" / "eval_log.jsonl").read_text().splitlines()]
+    )
+    assert list(kl) == [r["kl"] for r in rows] and list(gold) == [r["gold_score"] for r in rows]
+    assert np.isnan(rm).all()
+    text = write_report(run).read_text(encoding="utf-8")
+    assert text.count(IMG) == 4
+    assert (run / "report" / "overoptimisation.png").read_bytes().startswith(PNG_MAGIC)
 
 
 @pytest.mark.slow
