@@ -658,6 +658,7 @@ th { background: #f0f0f0; } td.num { text-align: right; font-variant-numeric: ta
 table.samples td { max-width: 32em; white-space: pre-wrap; word-break: break-word; }
 img { max-width: 100%; height: auto; border: 1px solid #eee; }
 figure { margin: 1em 0; } figcaption { color: #666; font-size: 0.85em; }
+.note { color: #555; }
 .missing { color: #a15c00; background: #fff6e5; border-left: 4px solid #f0a020; padding: 0.4em 0.8em; }
 details { margin: 0.4em 0; } summary { cursor: pointer; font-weight: 600; }
 pre { background: #f6f8fa; padding: 0.8em; overflow-x: auto; font-size: 0.85em; }
@@ -861,6 +862,12 @@ def section_ppo(page: Page, run: Run) -> None:
             "Gold and proxy reward against KL",
             "Periodic held-out evaluation during PPO. The RM (proxy) keeps rising with KL; when the gold "
             "score stops following it, the policy is exploiting the reward model.",
+        )
+    elif (yaml.safe_load(run.configs.get("ppo/config.yaml") or "") or {}).get("eval_every") == 0:
+        page.add(
+            '<p class="note">Held-out evaluation during PPO was off in this run (ppo/config.yaml: eval_every: 0), '
+            "so there is no gold-vs-proxy curve. Run PPO with eval_every &gt; 0 (e.g. "
+            '<code>--ppo "{eval_every: 10}"</code> in the pipeline) to draw it.</p>'
         )
     else:
         page.missing(_skipped(run, "ppo", ["ppo/eval_log.jsonl (no over-optimisation curve)"]))

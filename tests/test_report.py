@@ -136,6 +136,20 @@ def test_overoptimisation_curve_of_a_run_without_a_reward_model(tmp_path):
     assert (run / "report" / "overoptimisation.png").read_bytes().startswith(PNG_MAGIC)
 
 
+def test_a_run_without_held_out_evaluation_says_how_to_get_the_curve(tmp_path):
+    """The default recipe runs PPO with eval_every: 0: the report says the curve was not asked for and how to
+    ask for it, instead of flagging a missing file."""
+    run = make_run(tmp_path / "run")
+    (run / "ppo" / "eval_log.jsonl").unlink()
+    text = write_report(run).read_text(encoding="utf-8")
+    assert "eval_log.jsonl (no over-optimisation curve)" in text  # eval_every not in this config: missing
+    config = run / "ppo" / "config.yaml"
+    config.write_text(config.read_text() + "eval_every: 0\n")
+    text = write_report(run).read_text(encoding="utf-8")
+    assert "Held-out evaluation during PPO was off in this run" in text and "eval_every: 10" in text
+    assert "eval_log.jsonl (no over-optimisation curve)" not in text
+
+
 @pytest.mark.slow
 def test_runs_side_by_side(tmp_path):
     sweep = tmp_path / "sweep"
