@@ -171,9 +171,8 @@ def stage_config(cfg: Config, stage: str) -> Any:
             hint = f"; did you mean '{close[0]}'?" if close else ""
             raise ConfigError(f"pipeline key '{stage}': unknown {stage} key '{key}'{hint}")
     values.update(overrides)
-    if (
-        stage == "compare"
-    ):  # its DPO runs train on the RM's pairs too, unless its own `dpo` block says otherwise
+    # compare's DPO runs train on the RM's pairs too, unless its own `dpo` block says otherwise
+    if stage == "compare":
         rm_cfg = stage_config(cfg, "rm")
         values["dpo"] = {**{key: getattr(rm_cfg, key) for key in DPO_FROM_RM}, **(values.get("dpo") or {})}
     hints = typing.get_type_hints(stage_cls)  # the same type checks as the command line

@@ -220,6 +220,41 @@ def test_training_moves_every_parameter_grows_the_margin_and_saves(
 
 
 @pytest.mark.slow
+def test_trainer_keys_reach_trl_and_act(tmp_path, tiny_model_dir, pref_files):
+    """The keys DPO shares with SFT and RM (`trainer_stage`) and its own, each set away from its default,
+    reach TRL's DPOConfig and peft's LoraConfig and act in training: weight decay in the optimiser, the
+    length-grouped sampler, one checkpoint kept, the adapter on c_attn only, dropout left on."""
+    out = tmp_path / "dpo"
+    cfg = tiny_config(
+        tiny_model_dir, pref_files, out, use_lora=True, lora_dropout=0.1, lora_target_modules=["c_attn"],
+        weight_decay=0.1, group_by_length=True, save_total_limit=1, save_steps=1, max_steps=3,
+        lr_scheduler_type="constant", max_grad_norm=0.5, gradient_accumulation_steps=2, disable_dropout=False,
+        per_device_eval_batch_size=3, per_device_train_batch_size=4,
+    )  # fmt: skip
+    _, trainer = trainer_for(cfg)
+    args = trainer.args
+    assert (args.weight_decay, args.train_sampling_strategy, args.save_total_limit) == (
+        0.1,
+        "group_by_length",
+        1,
+    )
+    assert (args.lr_scheduler_type, args.max_grad_norm, args.gradient_accumulation_steps) == (
+        "constant",
+        0.5,
+        2,
+    )
+    assert (args.disable_dropout, args.per_device_eval_batch_size) == (False, 3)
+    adapter = trainer.model.peft_config["default"]
+    assert adapter.lora_dropout == 0.1 and set(adapter.target_modules) == {"c_attn"}
+    trained = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    assert trained and all("c_attn" in n and "lora_" in n for n in trained)
+    trainer.train()
+    assert max(group["weight_decay"] for group in trainer.optimizer.param_groups) == 0.1
+    assert [group["lr"] for group in trainer.optimizer.param_groups][0] == cfg.learning_rate  # constant
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["checkpoint-3"]  # the limit of 1
+
+
+@pytest.mark.slow
 def test_dpo_stage_end_to_end(tmp_path, tiny_model_dir, pref_files):
     """`llm-rlhf dpo`: metrics.json (last) with TRL's eval metrics, config.yaml that parses back, log.jsonl,
     checkpoints, a plain HF folder, no temporary folder left; with LoRA + merge: adapter/ and the merged model."""
