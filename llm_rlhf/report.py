@@ -553,7 +553,7 @@ def plot_overoptimisation(eval_log: list[dict]):
     return fig
 
 
-METHOD_NAMES = {"ppo": "PPO (along its run)", "dpo": "DPO (β sweep)", "best_of_n": "best-of-n (n = 1 … 64)"}
+METHOD_NAMES = {"ppo": "PPO (along its run)", "dpo": "DPO (β sweep)", "best_of_n": "best-of-n (the RM picks 1 of n)"}
 
 
 def plot_methods(points: list[dict], fits: dict):
