@@ -162,8 +162,7 @@ def stage_config(cfg: Config, stage: str) -> Any:
         ppo_cfg = stage_config(cfg, "ppo")
         values.update({key: getattr(ppo_cfg, key) for key in EVAL_FROM_PPO})
     if stage == "dpo":  # the preference pairs the RM stage trains on (its recipe and overrides)
-        rm_cfg = stage_config(cfg, "rm")
-        values.update({key: getattr(rm_cfg, key) for key in DPO_FROM_RM})
+        values.update(rm_pairs(cfg))
     overrides = getattr(cfg, stage)
     for key in overrides:
         if key not in valid:
@@ -173,8 +172,7 @@ def stage_config(cfg: Config, stage: str) -> Any:
     values.update(overrides)
     # compare's DPO runs train on the RM's pairs too, unless its own `dpo` block says otherwise
     if stage == "compare":
-        rm_cfg = stage_config(cfg, "rm")
-        values["dpo"] = {**{key: getattr(rm_cfg, key) for key in DPO_FROM_RM}, **(values.get("dpo") or {})}
+        values["dpo"] = {**rm_pairs(cfg), **(values.get("dpo") or {})}
     hints = typing.get_type_hints(stage_cls)  # the same type checks as the command line
     values = {k: _coerce(k, v, hints[k], f"pipeline stage '{stage}'") for k, v in values.items()}
     return stage_cls(**values)
@@ -182,6 +180,14 @@ def stage_config(cfg: Config, stage: str) -> Any:
 
 # DPO (the dpo stage and compare's DPO runs) trains on the pairs of the run's resolved RM config; `dpo:` overrides win
 DPO_FROM_RM = ("train_file", "eval_file", "train_split", "eval_split", "data_format")
+
+
+def rm_pairs(cfg: Config) -> dict[str, Any]:
+    """The data keys (`DPO_FROM_RM`) of the run's resolved RM stage: the pairs DPO trains on."""
+    rm_cfg = stage_config(cfg, "rm")
+    return {key: getattr(rm_cfg, key) for key in DPO_FROM_RM}
+
+
 # eval takes these from the run's resolved PPO config (a sweep variant's own reward_model_path or reward_fn
 # included); the pipeline's `eval:` overrides still win
 EVAL_FROM_PPO = (

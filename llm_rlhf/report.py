@@ -276,6 +276,11 @@ def final_value(run: Run, stage: str, key: str) -> float | None:
     return value
 
 
+def config_value(run: Run, stage: str, key: str) -> Any:
+    """A key of the stage's resolved config (`<stage>/config.yaml`), None when the file or key is absent."""
+    return (yaml.safe_load(run.configs.get(f"{stage}/config.yaml") or "") or {}).get(key)
+
+
 def fmt(value: Any) -> str:
     """A table cell: 4 significant digits for floats, escaped text otherwise."""
     if value is None:
@@ -553,7 +558,11 @@ def plot_overoptimisation(eval_log: list[dict]):
     return fig
 
 
-METHOD_NAMES = {"ppo": "PPO (along its run)", "dpo": "DPO (β sweep)", "best_of_n": "best-of-n (the RM picks 1 of n)"}
+METHOD_NAMES = {
+    "ppo": "PPO (along its run)",
+    "dpo": "DPO (β sweep)",
+    "best_of_n": "best-of-n (the RM picks 1 of n)",
+}
 
 
 def plot_methods(points: list[dict], fits: dict):
@@ -863,7 +872,7 @@ def section_ppo(page: Page, run: Run) -> None:
             "Periodic held-out evaluation during PPO. The RM (proxy) keeps rising with KL; when the gold "
             "score stops following it, the policy is exploiting the reward model.",
         )
-    elif (yaml.safe_load(run.configs.get("ppo/config.yaml") or "") or {}).get("eval_every") == 0:
+    elif config_value(run, "ppo", "eval_every") == 0:
         page.add(
             '<p class="note">Held-out evaluation during PPO was off in this run (ppo/config.yaml: eval_every: 0), '
             "so there is no gold-vs-proxy curve. Run PPO with eval_every &gt; 0 (e.g. "
@@ -887,8 +896,8 @@ def gold_note(run: Run) -> str | None:
     the run's own base model (the SFT stage started from it) or one that no stage trained. None when the
     gold is not a judge JSON with a fluency model, or its file cannot be found from here."""
     try:
-        spec = (yaml.safe_load(run.configs.get("eval/config.yaml") or "") or {}).get("gold_judge")
-        base = (yaml.safe_load(run.configs.get("sft/config.yaml") or "") or {}).get("model_name_or_path")
+        spec = config_value(run, "eval", "gold_judge")
+        base = config_value(run, "sft", "model_name_or_path")
         path = Path(str(spec))
         gold = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     except (yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError, OSError, AttributeError):
