@@ -421,7 +421,7 @@ def compare_generation(trainer, args, device, reps: int) -> dict:
         torch.manual_seed(rep)
         sync(device)
         t = time.perf_counter()
-        with torch.no_grad(), trainer.autocast():
+        with torch.no_grad(), trainer.acc.autocast():
             out = lm.generate(
                 input_ids=query,
                 attention_mask=mask,
@@ -523,7 +523,7 @@ def run_one(args) -> dict:
     critic = trainer.accelerator.unwrap_model(trainer.critic) if trainer.critic is not None else None
     nets = {  # weights and shapes of each network a phase runs
         "lm": param_counts(lm),
-        "reward_model": param_counts(trainer.reward_model.model),
+        "reward_model": param_counts(trainer.scorer.reward_model.model),
         **({"critic": param_counts(critic.reward_model.model)} if critic is not None else {}),
     }
     config = (lm.get_base_model() if hasattr(lm, "get_base_model") else lm).config
@@ -538,7 +538,7 @@ def run_one(args) -> dict:
     shapes.watch(lm, "lm")
     if not args.lora:
         shapes.watch(trainer.ref_model.lm, "lm")  # a frozen copy (with LoRA: the policy's own network)
-    shapes.watch(trainer.reward_model._trunk_and_head()[0], "reward_model")
+    shapes.watch(trainer.scorer.reward_model._trunk_and_head()[0], "reward_model")
     if critic is not None:
         shapes.watch(critic.reward_model._trunk_and_head()[0], "critic")
     if device.type == "cuda":

@@ -39,11 +39,18 @@ from accelerate import PartialState
 from llm_rlhf import dpo, ppo, ppo_math
 from llm_rlhf.config import format_config, help_field, load_yaml_config, require, save_config
 from llm_rlhf.errors import ConfigError, UserError
-from llm_rlhf.evaluate import evaluate_policy, sample_and_score
+from llm_rlhf.evaluate import (
+    KLReference,
+    PairedSampling,
+    evaluate_policy,
+    load_heldout_inputs,
+    sample_and_score,
+)
 from llm_rlhf.gold import judge_details
 from llm_rlhf.models import freeze, load_causal_lm, load_tokenizer
-from llm_rlhf.ppo_run import load_eval_inputs
 from llm_rlhf.reward_model import load_reward_model
+from llm_rlhf.rollout import Sampling
+from llm_rlhf.scoring import Scorer
 from llm_rlhf.trainer_stage import last_checkpoint
 from llm_rlhf.utils import atomic_write_json, atomic_write_text
 
@@ -55,26 +62,13 @@ def expectation(weights: torch.Tensor, x: torch.Tensor) -> float:
 
 @torch.no_grad()
 def best_of_n_points(
-    model,
-    tokenizer,
-    prompts: list[str],
-    *,
-    reward_model,
-    judge,
-    ns: list[int],
+    model, tokenizer, prompts: list[str], draws: PairedSampling, *, scorer: Scorer, judge, ns: list[int],
     num_samples: int,
-    seed: int = 0,
-    batch_size: int = 32,
-    max_new_tokens: int = 32,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    stop_strings=(),
-    min_new_tokens: int = 0,
-) -> list[dict[str, Any]]:
+) -> list[dict[str, Any]]:  # fmt: skip
     """One point per n in `ns`: n, kl (analytic), kl_measured, rm_score, gold_score, sentiment,
     fluency_perplexity (the last two when the judge reports them), each the best-of-n expectation over the
-    prompts. `model` is the policy best-of-n samples from (and its own reference: the SFT model).
+    prompts. `model` is the policy best-of-n samples from (and its own reference: the SFT model); `scorer`
+    (the reward model) selects.
 
     N = num_samples responses are drawn per prompt (prompt i's samples are rows i*N .. i*N + N - 1 of one
     `sample_and_score` call, batch b seeded with seed + b); the RM scores all of them and the judge each
@@ -83,20 +77,7 @@ def best_of_n_points(
         raise ValueError(f"every n must be in [1, num_samples = {num_samples}] (got {ns})")
     P, N = len(prompts), num_samples
     rows = [prompt for prompt in prompts for _ in range(N)]
-    records = sample_and_score(
-        model,
-        tokenizer,
-        rows,
-        reward_model=reward_model,
-        seed=seed,
-        batch_size=batch_size,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        stop_strings=stop_strings,
-        min_new_tokens=min_new_tokens,
-    )
+    records = sample_and_score(model, tokenizer, rows, draws, scorer=scorer)
     rm = torch.tensor([r["rm_score"] for r in records], dtype=torch.float64).view(P, N)  # (P, N)
     pairs = list(dict.fromkeys((r["prompt"], r["response"]) for r in records))  # distinct, in order
     parts = judge_details(judge, [p for p, _ in pairs], [r for _, r in pairs])
@@ -245,22 +226,12 @@ def run(cfg: Config) -> dict[str, Any]:
     out = Path(cfg.output_dir)
     ppo_cfg, ppo_log = ppo_settings(Path(cfg.ppo_dir))
     dpo_cfgs = [dpo_config(cfg, beta) for beta in cfg.dpo_betas]  # every config checked before any work
-    prompts, judge = load_eval_inputs(
-        ppo_cfg
-    )  # PPO's held-out prompts and gold judge, loaded as it loads them
+    prompts, judge = load_heldout_inputs(ppo_cfg)  # PPO's held-out prompts and gold judge, as it loads them
     tokenizer = load_tokenizer(cfg.sft_path)
-    sampling = dict(
-        seed=ppo_cfg.seed,
-        batch_size=ppo_cfg.rollout_batch_size,
-        max_new_tokens=ppo_cfg.max_new_tokens,
-        temperature=ppo_cfg.temperature,
-        top_k=ppo_cfg.top_k,
-        top_p=ppo_cfg.top_p,
-        stop_strings=ppo_cfg.stop_strings,  # responses end as they did in PPO
-        min_new_tokens=ppo_cfg.min_new_tokens,
-    )
+    # sampled as PPO's held-out evaluation samples (its settings, seed and batches): responses end as in PPO
+    draws = PairedSampling(Sampling.of(ppo_cfg), seed=ppo_cfg.seed, batch_size=ppo_cfg.rollout_batch_size)
     sft_model = freeze(load_causal_lm(cfg.sft_path))
-    reward_model = freeze(load_reward_model(cfg.reward_model_path))
+    scorer = Scorer(freeze(load_reward_model(cfg.reward_model_path)))
 
     points: list[dict[str, Any]] = []
     for r in ppo_log:
@@ -272,8 +243,8 @@ def run(cfg: Config) -> dict[str, Any]:
             dpo.run(dataclasses.replace(dpo_cfg, resume=last_checkpoint(dpo_cfg.output_dir) is not None))
         policy = freeze(load_causal_lm(dpo_cfg.output_dir))
         result = evaluate_policy(
-            policy=policy, tokenizer=tokenizer, prompts=prompts, ref_model=sft_model,
-            reward_model=reward_model, judge=judge, **sampling,
+            policy=policy, tokenizer=tokenizer, prompts=prompts, draws=draws, scorer=scorer, judge=judge,
+            reference=KLReference(sft_model),
         )  # fmt: skip
         points.append({
             "method": "dpo", "label": f"beta {beta:g}", "kl": result["kl_to_ref"], "rm_score": result["rm_score_mean"],
@@ -283,8 +254,8 @@ def run(cfg: Config) -> dict[str, Any]:
         del policy
     if cfg.best_of_n:
         for p in best_of_n_points(
-            sft_model, tokenizer, prompts, reward_model=reward_model, judge=judge, ns=cfg.best_of_n,
-            num_samples=cfg.best_of_n_samples, **sampling,
+            sft_model, tokenizer, prompts, draws, scorer=scorer, judge=judge, ns=cfg.best_of_n,
+            num_samples=cfg.best_of_n_samples,
         ):  # fmt: skip
             points.append({"method": "best_of_n", "label": f"n {p['n']}", **p})
 

@@ -191,18 +191,6 @@ def is_off(value: str | list[str] | None) -> bool:
     return value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null"))
 
 
-def split_callable_spec(spec: str, key: str) -> tuple[str, str]:
-    """'module:attr' or 'path/file.py:attr' -> (module or path, attr); otherwise a ConfigError naming `key`.
-    The last ':' splits, so a Windows drive letter stays in the path."""
-    where, colon, attr = spec.strip().rpartition(":")
-    if not colon or not where or not attr or not all(part.isidentifier() for part in attr.split(".")):
-        raise ConfigError(
-            f"{key} '{spec}': expected 'module:callable' or 'path/to/file.py:callable' "
-            "(a callable (prompts, responses) -> list[float])"
-        )
-    return where, attr
-
-
 def require(condition: bool, key: str, message: str) -> None:
     """Cross-field check for `__post_init__`: raise a ConfigError naming the key."""
     if not condition:

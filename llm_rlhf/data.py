@@ -409,6 +409,22 @@ def _to_dataset(columns: dict[str, list[str]]):
     return Dataset.from_dict(columns)
 
 
+def _fit_in_max_length(rows: _Rows, prompts, numbers, tokenizer, *, max_length: int, skip: bool, what: str):
+    """`_check_prompt_lengths` for a training sequence of max_length tokens: each prompt must leave room for
+    one response token and the EOS (SFT's examples, the pairs of the RM and DPO)."""
+    return _check_prompt_lengths(
+        rows,
+        prompts,
+        numbers,
+        tokenizer,
+        limit=max_length - 2,
+        why=f"max_length={max_length} leaves room for at most {max_length - 2} prompt tokens "
+        "(plus one response token and the EOS)",
+        skip=skip,
+        what=what,
+    )
+
+
 # ---------------------------------------------------------------------------------------------------
 # The three loaders
 # ---------------------------------------------------------------------------------------------------
@@ -484,17 +500,8 @@ def load_sft_dataset(
             f"found {', '.join(columns)}",
             file=rows.file,
         )
-    keep = _check_prompt_lengths(
-        rows,
-        prompts,
-        rows.numbers,
-        tokenizer,
-        limit=max_length - 2,
-        why=f"max_length={max_length} leaves room for at most {max_length - 2} prompt tokens "
-        "(plus one response token and the EOS)",
-        skip=skip_long,
-        what="examples whose prompt is too long",
-    )
+    keep = _fit_in_max_length(rows, prompts, rows.numbers, tokenizer, max_length=max_length, skip=skip_long,
+                              what="examples whose prompt is too long")  # fmt: skip
     return _to_dataset(_select({"prompt": prompts, "completion": completions}, keep))
 
 
@@ -610,17 +617,8 @@ def load_preference_dataset(
             f"prompt/ranked; found {', '.join(columns)}",
             file=rows.file,
         )
-    keep = _check_prompt_lengths(
-        rows,
-        out["prompt"],
-        numbers,
-        tokenizer,
-        limit=max_length - 2,
-        why=f"max_length={max_length} leaves room for at most {max_length - 2} prompt tokens "
-        "(plus one response token and the EOS)",
-        skip=skip_long,
-        what="pairs whose prompt is too long",
-    )
+    keep = _fit_in_max_length(rows, out["prompt"], numbers, tokenizer, max_length=max_length, skip=skip_long,
+                              what="pairs whose prompt is too long")  # fmt: skip
     return _to_dataset(_select(out, keep))
 
 

@@ -39,14 +39,23 @@ from transformers import AutoModelForCausalLM
 from transformers.pytorch_utils import Conv1D
 from trl import DPOConfig, DPOTrainer
 
-from llm_rlhf.config import format_config, help_field, require, save_config
+from llm_rlhf.config import help_field, require
 from llm_rlhf.data import load_preference_dataset
 from llm_rlhf.errors import UserError
 from llm_rlhf.models import check_not_adapter_only, freeze, load_causal_lm, load_tokenizer, torch_dtype
 from llm_rlhf.ppo_math import logprobs_from_logits, masked_sum
 from llm_rlhf.reward_model import encode_pairs, pad_right
 from llm_rlhf.rollout import encode_prompt
-from llm_rlhf.trainer_stage import SCHEDULERS, TrainerStageConfig, last_checkpoint, log_callback
+from llm_rlhf.trainer_stage import (
+    SCHEDULERS,
+    TrainerStageConfig,
+    check_reload,
+    final_eval,
+    last_checkpoint,
+    log_callback,
+    start_outputs,
+    training_metrics,
+)
 from llm_rlhf.utils import atomic_write_json, publish_files, seed_everything, temp_dir_beside
 
 LOSS_TYPES = ("sigmoid", "hinge", "ipo")  # TRL's losses that need nothing but beta
@@ -333,17 +342,6 @@ def load_saved_policy(folder: Path, *, dtype: str = "float32"):
     return PeftModel.from_pretrained(load_causal_lm(base, dtype=dtype), adapter)
 
 
-def _check_reload(folder: Path, model, tokenizer, pairs, dtype: str) -> None:
-    """The saved folder must give the log-probs the trained model gives (no lost weight, no lost adapter)."""
-    n = min(8, len(pairs))
-    prompts, responses = list(pairs["prompt"])[:n], list(pairs["chosen"])[:n]
-    expected = response_logprobs(model, tokenizer, prompts, responses)
-    reloaded = load_saved_policy(folder, dtype=dtype).to(next(model.parameters()).device)
-    got = response_logprobs(reloaded, tokenizer, prompts, responses)
-    if not torch.allclose(expected, got, atol=1e-3, rtol=1e-4):
-        raise RuntimeError(f"the saved policy gives other log-probs after reloading: {expected} vs {got}")
-
-
 # ---------------------------------------------------------------------------------------------------
 # The stage
 # ---------------------------------------------------------------------------------------------------
@@ -361,9 +359,7 @@ def run(cfg: Config) -> dict[str, float]:
     trainer = build_trainer(cfg, inputs.model, inputs.ref_model, tokenizer, train_dataset, eval_dataset)
     main = trainer.accelerator.is_main_process
     if main:
-        print(format_config(cfg), flush=True)
-        save_config(cfg, output_dir)  # the first write: every input is valid by now
-        (output_dir / "metrics.json").unlink(missing_ok=True)  # a rerun is not done until it writes it again
+        start_outputs(cfg, output_dir)  # the first write: every input is valid by now
         lengths = sorted(train_dataset["length"])
         print(
             f"train: {len(train_dataset)} pairs ({inputs.pairs_read} read, {dropped} longer than max_length="
@@ -375,7 +371,7 @@ def run(cfg: Config) -> dict[str, float]:
         print(f"resuming from {checkpoint}", flush=True)
 
     train_output = trainer.train(resume_from_checkpoint=checkpoint)
-    eval_metrics = _final_eval(trainer)
+    eval_metrics = final_eval(trainer)
     trainer.accelerator.wait_for_everyone()
 
     metrics: dict[str, float] = {}
@@ -384,13 +380,15 @@ def run(cfg: Config) -> dict[str, float]:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         tmp = temp_dir_beside(output_dir / "final")  # inside output_dir: moving files out of it is atomic
         saved = save_policy(model, tokenizer, tmp, merge_lora=cfg.merge_lora)
-        _check_reload(tmp, saved, tokenizer, inputs.eval, cfg.dtype)
+        check_reload(
+            saved, lambda: load_saved_policy(tmp, dtype=cfg.dtype),
+            lambda model, prompts, responses: response_logprobs(model, tokenizer, prompts, responses),
+            inputs.eval, what="the saved policy gives other log-probs", rtol=1e-4,
+        )  # fmt: skip
         publish_files(tmp, output_dir)
         metrics = {key: float(value) for key, value in eval_metrics.items() if key in EVAL_METRICS}
         metrics.update({
-            "train_loss": float(train_output.training_loss),
-            "train_runtime_s": float(train_output.metrics.get("train_runtime", float("nan"))),
-            "global_step": int(trainer.state.global_step),
+            **training_metrics(trainer, train_output),
             "train_pairs": len(train_dataset),
             "train_pairs_too_long": dropped,
             "eval_pairs": len(eval_dataset),
@@ -401,11 +399,3 @@ def run(cfg: Config) -> dict[str, float]:
         atomic_write_json(output_dir / "metrics.json", metrics)  # last: marks the stage done
     trainer.accelerator.wait_for_everyone()
     return metrics
-
-
-def _final_eval(trainer) -> dict[str, float]:
-    """The evaluation Trainer ran at the last step (eval_steps divides it), else a new one: eval_loss and
-    TRL's eval_rewards/{chosen,rejected,accuracies,margins}, eval_logps/{chosen,rejected}, ..."""
-    step = trainer.state.global_step
-    done = [e for e in trainer.state.log_history if "eval_loss" in e and e.get("step") == step]
-    return done[-1] if done else trainer.evaluate()

@@ -46,7 +46,9 @@ class built with no arguments), any callable (prompts: list[str], responses: lis
 with higher = better; see `llm_rlhf.gold`.
 
 For PPO (or any training loop) `evaluate_policy(...)` runs the same sampling and scoring for one
-already-loaded policy and returns the summary figures.
+already-loaded policy and returns the summary figures (`heldout_record`: a line of PPO's eval_log.jsonl;
+`load_heldout_inputs`: a PPO config's held-out prompts and gold judge). Every score is the one scorer's
+(`llm_rlhf.scoring.Scorer`), the one PPO adds at the last response token.
 """
 
 from __future__ import annotations
@@ -64,21 +66,23 @@ from accelerate import PartialState
 from tqdm.auto import tqdm
 
 from llm_rlhf import ppo_math
-from llm_rlhf.config import format_config, help_field, is_off, require, save_config, split_callable_spec
+from llm_rlhf.config import format_config, help_field, is_off, require, save_config
 from llm_rlhf.data import DATA_FORMATS, load_prompt_dataset, prompt_rules
 from llm_rlhf.errors import UserError
 from llm_rlhf.gold import FluentGoldJudge, GoldJudge, judge_details, load_judge
-from llm_rlhf.models import freeze, load_causal_lm, load_tokenizer, shares_vocab
+from llm_rlhf.models import freeze, load_causal_lm, load_tokenizer
 from llm_rlhf.reward_fn import load_reward_fn, probe
-from llm_rlhf.reward_model import RewardEnsemble, check_ensemble_keys, check_members_exist, load_reward_models
+from llm_rlhf.reward_model import RewardEnsemble, check_members_exist, load_reward_models
 from llm_rlhf.rollout import (
     Samples,
+    Sampling,
     check_generation_controls,
     encode_prompt,
     left_pad,
     response_logits,
     sample,
 )
+from llm_rlhf.scoring import Scorer, Scores, check_score_keys
 from llm_rlhf.utils import atomic_write_json, atomic_write_text
 
 
@@ -168,10 +172,7 @@ class Config:
 
     def __post_init__(self):
         require(self.data_format in DATA_FORMATS, "data_format", f"must be one of {', '.join(DATA_FORMATS)}")
-        if self.reward_fn is not None:
-            split_callable_spec(self.reward_fn, "reward_fn")  # the form only; `run` imports it
-        require(math.isfinite(self.reward_fn_weight), "reward_fn_weight", "must be a finite number")
-        check_ensemble_keys(self)
+        check_score_keys(self)  # the reward function's form only: `run` imports it
         require(
             self.num_prompts is None or self.num_prompts > 0, "num_prompts", "must be > 0 (or null for all)"
         )
@@ -215,14 +216,6 @@ def distinct_n(sequences: list[list], n: int) -> float:
     return len(set(grams)) / len(grams) if grams else 0.0
 
 
-def combined_score(rm_score: float | None, reward_fn: float | None, weight: float) -> float | None:
-    """PPO's score of one sample: rm_score + weight * reward_fn, rm_score 0 without a reward model (None);
-    None without a reward function (then the RM score alone is rm_score)."""
-    if reward_fn is None:
-        return None
-    return (rm_score if rm_score is not None else 0.0) + weight * reward_fn
-
-
 def mean_and_stderr(values: list[float]) -> tuple[float, float]:
     """Mean and standard error of the mean (sample std / sqrt(n); 0 for one value)."""
     n = len(values)
@@ -232,8 +225,27 @@ def mean_and_stderr(values: list[float]) -> tuple[float, float]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Sampling and scoring one batch
+# Sampling and scoring
 # ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PairedSampling:
+    """How evaluation samples, so that two models' samples pair up: the prompts cut into the same batches of
+    `batch_size`, batch b drawn with `sampling` after torch.manual_seed(seed + b) (in a fork of the RNG)."""
+
+    sampling: Sampling
+    seed: int = 0
+    batch_size: int = 32
+
+
+@dataclass(frozen=True)
+class KLReference:
+    """pi_ref of kl_to_ref: a causal LM, and with LoRA the context that turns the policy's adapter off (the
+    reference is then the policy's own network, `lm.disable_adapter`)."""
+
+    lm: Any
+    context: Any = None
 
 
 def _rng_devices(device: torch.device) -> list:
@@ -241,22 +253,10 @@ def _rng_devices(device: torch.device) -> list:
 
 
 @torch.no_grad()
-def sample_batch(
-    model,
-    tokenizer,
-    prompts: list[str],
-    *,
-    seed: int,
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    stop_strings=(),
-    min_new_tokens: int = 0,
-) -> Samples:
+def sample_batch(model, tokenizer, prompts: list[str], sampling: Sampling, *, seed: int) -> Samples:
     """Left-padded batched `generate` (HF derives the positions from the attention mask), seeded with
     `seed` without touching the global RNG; stops at EOS (possibly at once, unless min_new_tokens) or at a
-    stop string, sampled as in PPO."""
+    stop string, sampled as in PPO (`rollout.sample`)."""
     device = next(model.parameters()).device
     queries = [encode_prompt(tokenizer, p) for p in prompts]  # as PPO, SFT and the RM tokenize prompts
     if any(len(q) == 0 for q in queries):
@@ -264,41 +264,24 @@ def sample_batch(
     query, query_mask = left_pad(queries, tokenizer.pad_token_id, device)  # (B, P) each
     with torch.random.fork_rng(devices=_rng_devices(device)):
         torch.manual_seed(seed)
-        return sample(
-            model,
-            tokenizer,
-            query,
-            query_mask,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            stop_strings=stop_strings,
-            min_new_tokens=min_new_tokens,
-        )
+        return sample(model, tokenizer, query, query_mask, sampling)
 
 
 @torch.no_grad()
 def sequence_kl_to_ref(
-    model,
-    ref_model,
-    batch: Samples,
-    temperatures: tuple[float, ...],
-    ref_context=None,
-    *,
-    eos_token_id: int | None = None,
-    min_new_tokens: int = 0,
-) -> list[torch.Tensor]:
+    model, reference: KLReference, batch: Samples, sampling: Sampling, *, eos_token_id: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """k1 sequence KL of each sample, sum_t log pi(y_t|s_t) - log pi_ref(y_t|s_t) over its response tokens,
-    with both log-probs at each temperature in `temperatures`, both from logits with EOS masked before
-    min_new_tokens as in sampling (`ppo_math.mask_eos_logits`, as PPO). Returns one (B,) tensor per
-    temperature."""
-    mask = dict(eos_token_id=eos_token_id, min_new_tokens=min_new_tokens)
+    with both log-probs at temperature 1 and at the sampling temperature, both from logits with EOS masked
+    before min_new_tokens as in sampling (`ppo_math.mask_eos_logits`, as PPO). Returns two (B,) tensors."""
+    mask = dict(eos_token_id=eos_token_id, min_new_tokens=sampling.min_new_tokens)
     logits = ppo_math.mask_eos_logits(logits=response_logits(model, batch), **mask)  # (B, R, V)
-    with ref_context() if ref_context is not None else nullcontext():
-        ref_logits = ppo_math.mask_eos_logits(logits=response_logits(ref_model, batch), **mask)  # (B, R, V)
+    with reference.context() if reference.context is not None else nullcontext():
+        ref_logits = ppo_math.mask_eos_logits(
+            logits=response_logits(reference.lm, batch), **mask
+        )  # (B, R, V)
     out = []
-    for tau in temperatures:
+    for tau in (1.0, sampling.temperature):
         logprobs = ppo_math.logprobs_from_logits(
             logits=logits, labels=batch.response, temperature=tau
         )  # (B, R)
@@ -307,22 +290,11 @@ def sequence_kl_to_ref(
         )
         kl = ppo_math.kl_penalty(logprobs=logprobs, ref_logprobs=ref_logprobs, estimator="k1")  # (B, R)
         out.append(ppo_math.sequence_kl(kl=kl, response_mask=batch.response_mask))  # (B,)
-    return out
+    return out[0], out[1]
 
 
-@torch.no_grad()
-def reward_scores(reward_model, tokenizer, batch: Samples) -> torch.Tensor:
-    """Normalised RM scores of prompt + response, exactly the sequence PPO scores: (B,). Token ids go to the
-    RM directly when it shares the sampling tokenizer, otherwise the RM re-encodes the text."""
-    mask = batch.attention_mask  # (B, P + R)
-    if shares_vocab(tokenizer, reward_model.tokenizer):
-        return reward_model.score(batch.sequence, mask).float()
-    return reward_model.score_tokens(batch.sequence, mask, tokenizer).float()
-
-
-# ---------------------------------------------------------------------------------------------
-# Sampling and scoring a list of prompts
-# ---------------------------------------------------------------------------------------------
+def _floats(x: torch.Tensor | None, i: int) -> float | None:
+    return float(x[i]) if x is not None else None
 
 
 @torch.no_grad()
@@ -330,69 +302,38 @@ def sample_and_score(
     model,
     tokenizer,
     prompts: list[str],
+    draws: PairedSampling,
     *,
-    ref_model=None,
-    ref_context=None,
-    reward_model=None,
+    scorer: Scorer | None = None,
     judge=None,
-    reward_fn=None,
-    seed: int = 0,
-    batch_size: int = 32,
-    max_new_tokens: int = 32,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    stop_strings=(),
-    min_new_tokens: int = 0,
+    reference: KLReference | None = None,
     progress: str | None = None,
 ) -> list[dict[str, Any]]:
     """One record per prompt: prompt, response (text; a stop string that ended it is kept, as the RM scored
     it), response_ids (EOS excluded), length (tokens, EOS included), eos (ended: EOS or a stop string),
-    kl_to_ref and kl_to_ref_at_temperature (None without `ref_model`), rm_score (None
-    without `reward_model`; a `RewardEnsemble`'s combined score), rm_member_scores (a list of K floats) and
-    rm_disagreement (their population std; both None unless `reward_model` is an ensemble), gold_score
-    (None without `judge`), and sentiment, fluency_nll, fluency_perplexity (None unless the judge reports
-    them, as the fluency-aware gold does; see `llm_rlhf.gold.judge_details`), reward_fn (None without
-    `reward_fn`, a `llm_rlhf.reward_fn.RewardFn`: its unweighted score of the prompt and the response text).
-    Batch b is sampled with seed + b."""
+    kl_to_ref and kl_to_ref_at_temperature (None without `reference`), then the `scorer`'s parts (PPO's
+    score, `scoring.Scorer`): rm_score (None without a reward model; a `RewardEnsemble`'s combined score),
+    rm_member_scores (a list of K floats) and rm_disagreement (their population std; both None unless the
+    reward model is an ensemble), reward_fn (None without a reward function: its unweighted score of the
+    prompt and the response text) and combined_score (rm_score + reward_fn_weight * reward_fn, the score PPO
+    maximises; None without a reward function), then gold_score (None without `judge`) and sentiment,
+    fluency_nll, fluency_perplexity (None unless the judge reports them, as the fluency-aware gold does; see
+    `llm_rlhf.gold.judge_details`). Batch b is sampled with seed + b (`PairedSampling`)."""
     if not prompts:
         raise ValueError("no prompts to sample")
-    temperatures = (1.0, temperature)
+    sampling = draws.sampling
     records: list[dict[str, Any]] = []
-    starts = range(0, len(prompts), batch_size)
+    starts = range(0, len(prompts), draws.batch_size)
     for b, start in enumerate(tqdm(starts, desc=progress, disable=progress is None, leave=False)):
-        chunk = prompts[start : start + batch_size]
-        batch = sample_batch(
-            model,
-            tokenizer,
-            chunk,
-            seed=seed + b,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            stop_strings=stop_strings,
-            min_new_tokens=min_new_tokens,
-        )
+        chunk = prompts[start : start + draws.batch_size]
+        batch = sample_batch(model, tokenizer, chunk, sampling, seed=draws.seed + b)
         kls = (
-            sequence_kl_to_ref(
-                model,
-                ref_model,
-                batch,
-                temperatures,
-                ref_context,
-                eos_token_id=tokenizer.eos_token_id,
-                min_new_tokens=min_new_tokens,
-            )
-            if ref_model is not None
-            else None
+            sequence_kl_to_ref(model, reference, batch, sampling, eos_token_id=tokenizer.eos_token_id)
+            if reference is not None
+            else (None, None)
         )
-        rm = members = spread = None
-        if isinstance(reward_model, RewardEnsemble):
-            members = reward_model.member_scores(batch.sequence, batch.attention_mask, tokenizer)  # (K, B)
-            rm, spread = reward_model.combine(members), ppo_math.member_disagreement(member_scores=members)
-        elif reward_model is not None:
-            rm = reward_scores(reward_model, tokenizer, batch)  # (B,)
+        scores = scorer(batch, tokenizer, chunk) if scorer is not None else Scores(None)
+        combined = scores.scores if scores.reward_fn is not None else None  # (B,) the sum PPO maximises
         eos = (batch.response == tokenizer.eos_token_id) & batch.response_mask  # (B, R) the first EOS, if any
         ended = batch.ended(tokenizer.eos_token_id)  # (B,) EOS or a stop string
         for i, prompt in enumerate(chunk):
@@ -404,11 +345,15 @@ def sample_and_score(
                     "response_ids": ids,
                     "length": int(batch.response_mask[i].sum()),
                     "eos": bool(ended[i]),
-                    "kl_to_ref": float(kls[0][i]) if kls is not None else None,
-                    "kl_to_ref_at_temperature": float(kls[1][i]) if kls is not None else None,
-                    "rm_score": float(rm[i]) if rm is not None else None,
-                    "rm_member_scores": members[:, i].tolist() if members is not None else None,
-                    "rm_disagreement": float(spread[i]) if members is not None else None,
+                    "kl_to_ref": _floats(kls[0], i),
+                    "kl_to_ref_at_temperature": _floats(kls[1], i),
+                    "rm_score": _floats(scores.rm_score, i),
+                    "rm_member_scores": (
+                        scores.member_scores[:, i].tolist() if scores.member_scores is not None else None
+                    ),
+                    "rm_disagreement": _floats(scores.disagreement, i),
+                    "reward_fn": _floats(scores.reward_fn, i),
+                    "combined_score": _floats(combined, i),
                     "gold_score": None,
                     "sentiment": None,
                     "fluency_nll": None,
@@ -419,13 +364,6 @@ def sample_and_score(
         parts = judge_details(judge, [r["prompt"] for r in records], [r["response"] for r in records])
         for i, record in enumerate(records):
             record.update({key: values[i] for key, values in parts.items() if key in record})
-    fn_scores = (
-        reward_fn([r["prompt"] for r in records], [r["response"] for r in records])
-        if reward_fn is not None
-        else None
-    )
-    for i, record in enumerate(records):
-        record["reward_fn"] = fn_scores[i] if fn_scores is not None else None
     return records
 
 
@@ -437,7 +375,7 @@ def summarize(records: list[dict[str, Any]], suffix: str = "") -> dict[str, floa
         ("sentiment", "sentiment_mean"),
         ("rm_score", "rm_score_mean"),
         ("reward_fn", "reward_fn_mean"),
-        ("combined_score", "combined_score_mean"),  # set by the command only (`combined_score`)
+        ("combined_score", "combined_score_mean"),
         ("kl_to_ref", "kl_to_ref"),
         ("kl_to_ref_at_temperature", "kl_to_ref_at_temperature"),
     ):
@@ -460,57 +398,61 @@ def summarize(records: list[dict[str, Any]], suffix: str = "") -> dict[str, floa
 
 
 def evaluate_policy(
-    *,
-    policy,
-    tokenizer,
-    prompts: list[str],
-    ref_model=None,
-    ref_context=None,
-    reward_model=None,
-    judge=None,
-    reward_fn=None,
-    seed: int = 0,
-    batch_size: int = 32,
-    max_new_tokens: int = 32,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    stop_strings=(),
-    min_new_tokens: int = 0,
+    *, policy, tokenizer, prompts: list[str], draws: PairedSampling, scorer=None, judge=None, reference=None
 ) -> dict[str, float | None]:
     """Sample one response per prompt from `policy` and score it: for evaluation during training.
 
-    policy, ref_model: causal LMs (e.g. PPO's `policy.lm` unwrapped from DDP, and the reference's `lm`; with
-    LoRA pass the policy's `lm` again and `ref_context=lambda: lm.disable_adapter()`); reward_model: a
-    `llm_rlhf.reward_model.RewardModel`; judge: any (prompts, responses) -> list[float]; reward_fn: a
-    `llm_rlhf.reward_fn.RewardFn`. Each may be None to skip its metric. Deterministic for a given seed, and the global RNG is left untouched. The policy is put in
-    eval mode for the call and restored. Returns `summarize`'s keys: gold_score_mean, rm_score_mean,
-    reward_fn_mean, kl_to_ref, kl_to_ref_at_temperature, response_length_mean, eos_rate, distinct_1, distinct_2 (+ stderrs).
+    policy: a causal LM (e.g. PPO's `policy.lm` unwrapped from DDP); reference: a `KLReference` (the
+    reference's `lm`; with LoRA the policy's `lm` again with `context=lm.disable_adapter`); scorer: a
+    `llm_rlhf.scoring.Scorer` (the reward model or ensemble and the reward function, as PPO scores); judge:
+    any (prompts, responses) -> list[float]. Each may be None to skip its metrics. Deterministic for a given
+    seed, and the global RNG is left untouched. The policy is put in eval mode for the call and restored.
+    Returns `summarize`'s keys: gold_score_mean, rm_score_mean, reward_fn_mean, combined_score_mean,
+    kl_to_ref, kl_to_ref_at_temperature, response_length_mean, eos_rate, distinct_1, distinct_2 (+ stderrs).
     """
     was_training = policy.training
     policy.eval()
     try:
         records = sample_and_score(
-            policy,
-            tokenizer,
-            list(prompts),
-            ref_model=ref_model,
-            ref_context=ref_context,
-            reward_model=reward_model,
-            judge=judge,
-            reward_fn=reward_fn,
-            seed=seed,
-            batch_size=batch_size,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            stop_strings=stop_strings,
-            min_new_tokens=min_new_tokens,
+            policy, tokenizer, list(prompts), draws, scorer=scorer, judge=judge, reference=reference
         )
     finally:
         policy.train(was_training)
     return summarize(records)
+
+
+def load_heldout_inputs(cfg) -> tuple[list[str], Any]:
+    """A PPO config's held-out prompts (the first eval_num_prompts of eval_prompt_file) and its gold judge, or
+    nothing when its held-out evaluation is off (eval_every 0 or no eval_prompt_file). `compare` reads a PPO
+    run's the same way."""
+    if not cfg.eval_every or not cfg.eval_prompt_file:
+        return [], None
+    tokenizer = load_tokenizer(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
+    prompts = load_prompt_dataset(cfg.eval_prompt_file, tokenizer, **prompt_rules(cfg))["prompt"]
+    return list(prompts[: cfg.eval_num_prompts]), load_judge(cfg.gold_judge)
+
+
+def heldout_record(step: int, result: dict[str, Any]) -> dict[str, Any]:
+    """One line of PPO's eval_log.jsonl from `evaluate_policy`'s figures: step, kl, rm_score (with an ensemble
+    also rm_score_member_<k> and rm_disagreement), gold_score, reward_fn (unweighted; None without one),
+    sentiment, fluency_perplexity, eos_rate, response_length."""
+    members = {
+        key.removesuffix("_mean"): value
+        for key, value in result.items()
+        if key.startswith(("rm_score_member_", "rm_disagreement"))
+    }  # only with an ensemble
+    return {
+        "step": step,
+        "kl": result["kl_to_ref"],
+        "rm_score": result["rm_score_mean"],
+        **members,
+        "gold_score": result["gold_score_mean"],
+        "reward_fn": result["reward_fn_mean"],
+        "sentiment": result["sentiment_mean"],
+        "fluency_perplexity": result["fluency_perplexity"],
+        "eos_rate": result["eos_rate"],
+        "response_length": result["response_length_mean"],
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -629,37 +571,30 @@ def _run(cfg: Config) -> dict[str, Any]:
         )
         freeze(reward_model)
 
-    common = dict(
-        reward_model=reward_model,
-        judge=judge,
-        reward_fn=reward_fn,
-        seed=cfg.seed,
-        batch_size=cfg.batch_size,
-        max_new_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature,
-        top_k=cfg.top_k,
-        top_p=cfg.top_p,
-        stop_strings=cfg.stop_strings,
-        min_new_tokens=cfg.min_new_tokens,
-    )
-    ref_model = models[reference_path]
+    scorer = Scorer(reward_model, reward_fn, reward_fn_weight=cfg.reward_fn_weight)  # as PPO scores
+    draws = PairedSampling(Sampling.of(cfg), seed=cfg.seed, batch_size=cfg.batch_size)
+    measures = dict(scorer=scorer, judge=judge)
+    reference = KLReference(models[reference_path])
     policy = sample_and_score(
-        models[cfg.policy_path], tokenizer, row_prompts, ref_model=ref_model, progress="policy", **common
+        models[cfg.policy_path],
+        tokenizer,
+        row_prompts,
+        draws,
+        reference=reference,
+        progress="policy",
+        **measures,
     )
-    baseline_ref = ref_model if baseline_tokenizer.get_vocab() == ref_vocab else None  # KL needs the same ids
+    baseline_ref = reference if baseline_tokenizer.get_vocab() == ref_vocab else None  # KL needs the same ids
     baseline = sample_and_score(
         models[cfg.baseline_path],
         baseline_tokenizer,
         row_prompts,
-        ref_model=baseline_ref,
+        draws,
+        reference=baseline_ref,
         progress="baseline",
-        **common,
+        **measures,
     )
 
-    for record in policy + baseline:
-        record["combined_score"] = combined_score(
-            record["rm_score"], record["reward_fn"], cfg.reward_fn_weight
-        )
     metrics: dict[str, Any] = {}
     for key in ("gold_score", "sentiment", "rm_score", "reward_fn", "combined_score"):
         a, b = [r[key] for r in policy], [r[key] for r in baseline]

@@ -9,7 +9,9 @@ takes it as `--gold_judge SPEC`, resolved by `load_judge`:
 
     path/to/judge.json   a judge saved as JSON: the fluency-aware `FluentGoldJudge` (default:
                          data/reviews/gold.json) or the sentiment-only `GoldJudge` (data/reviews/gold_judge.json)
-    module:function      a function with the signature above, imported from an importable module
+    module:function      a function with the signature above, imported from the current directory or the
+                         python path (or path/to/file.py:function); the rules of `callables.resolve_callable`,
+                         which `reward_fn` follows too
     module:Class         a class, instantiated with no arguments; its instances are such callables
     none                 no gold judge (gold metrics are reported as null)
 
@@ -57,7 +59,6 @@ figures on held-out data in the judge's JSON (format `FLUENT_FORMAT`); `data/REA
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import os
@@ -69,6 +70,7 @@ from typing import Any, Protocol
 
 import torch
 
+from llm_rlhf.callables import resolve_callable
 from llm_rlhf.errors import UserError
 from llm_rlhf.models import check_local_folder, freeze, load_causal_lm, load_tokenizer
 
@@ -187,8 +189,12 @@ class GoldJudge:
         return self.score_texts([p + r for p, r in zip(prompts, responses)])
 
 
+JUDGE_FORMS = "a judge JSON file, 'module:function', 'module:Class', 'path/to/file.py:function' or 'none'"
+
+
 def load_judge(spec: str) -> Judge | None:
-    """Resolve `--gold_judge`: a judge JSON path, 'module:function', 'module:Class' or 'none' (-> None)."""
+    """Resolve `--gold_judge`: a judge JSON path, 'none' (-> None), or a callable resolved as a reward function
+    is (`callables.resolve_callable`: 'module:function', 'module:Class', 'path/to/file.py:function')."""
     spec = spec.strip()
     if spec.lower() in ("none", "null", ""):
         return None
@@ -202,29 +208,7 @@ def load_judge(spec: str) -> Judge | None:
             if isinstance(data, dict) and data.get("format") == FLUENT_FORMAT:
                 return FluentGoldJudge.load(path, data)
         return GoldJudge.load(spec)
-    module_name, colon, attr = spec.partition(":")
-    if not colon or not module_name or not attr:
-        raise UserError(
-            f"gold_judge '{spec}': expected a judge JSON file, 'module:function', 'module:Class' or 'none'"
-        )
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as e:
-        raise UserError(f"gold_judge '{spec}': cannot import module '{module_name}' ({e})") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise UserError(f"gold_judge '{spec}': '{module_name}' has no attribute '{attr}'")
-        obj = getattr(obj, part)
-    if isinstance(obj, type):
-        try:
-            obj = obj()
-        except TypeError as e:
-            raise UserError(
-                f"gold_judge '{spec}': the class must be constructible with no arguments ({e})"
-            ) from None
-    if not callable(obj):
-        raise UserError(f"gold_judge '{spec}': {type(obj).__name__} is not callable")
-    return obj
+    return resolve_callable(spec, "gold_judge", JUDGE_FORMS)
 
 
 def call_judge(

@@ -120,10 +120,6 @@ def freeze(model: nn.Module) -> nn.Module:
     return model
 
 
-def trainable_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p for n, p in model.named_parameters() if p.requires_grad}
-
-
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions that count only real tokens, so left padding does not shift absolute positions.
 

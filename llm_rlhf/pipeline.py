@@ -17,9 +17,11 @@ DIR/rm-<k>, member k seeded with the RM seed + k (and with `rm_bootstrap`, train
 resample of the pairs); PPO gets the list [DIR/rm, DIR/rm-1, ...] as reward_model_path. compare reads DIR/rm
 alone.
 
-Evaluation scores the policy as its PPO stage did: eval takes PPO's resolved reward_model_path, ensemble keys,
-reward_fn, reward_fn_weight, stop_strings and min_new_tokens (`EVAL_FROM_PPO`), so a sweep variant that trains on
-one member of an ensemble, or with a reward function, is evaluated on that score; `eval:` overrides still win.
+Evaluation scores the policy as its PPO stage did: eval takes the keys that decide a sample's score from PPO's
+resolved config (`scoring.scored_as`: the scorer's keys, reward_model_path, the ensemble keys, reward_fn and
+reward_fn_weight, and where a response ends, stop_strings and min_new_tokens), so a sweep variant that trains
+on one member of an ensemble, or with a reward function, is evaluated on that score; `eval:` overrides still
+win.
 
 A stage whose folder holds `metrics.json` is finished and skipped; a stage folder without it was
 interrupted and is resumed. `DIR/pipeline.json` records each stage's wall time and headline metrics.
@@ -42,6 +44,7 @@ from llm_rlhf import compare, dpo, evaluate, ppo_run, reward, sft
 from llm_rlhf.config import _coerce, format_config, help_field, load_yaml_config, require, save_config
 from llm_rlhf.errors import ConfigError
 from llm_rlhf.report import write_report
+from llm_rlhf.scoring import scored_as
 from llm_rlhf.trainer_stage import last_checkpoint as trainer_last_checkpoint
 from llm_rlhf.utils import atomic_write_json
 
@@ -159,8 +162,7 @@ def stage_config(cfg: Config, stage: str) -> Any:
     shared = Path(cfg.shared_dir) if cfg.shared_dir else None
     values.update(chained_paths(Path(cfg.output_dir), shared, cfg.rm_members)[stage])
     if stage == "eval":  # the policy is judged by the score PPO maximised, on responses cut as PPO cut them
-        ppo_cfg = stage_config(cfg, "ppo")
-        values.update({key: getattr(ppo_cfg, key) for key in EVAL_FROM_PPO})
+        values.update(scored_as(stage_config(cfg, "ppo")))
     if stage == "dpo":  # the preference pairs the RM stage trains on (its recipe and overrides)
         values.update(rm_pairs(cfg))
     overrides = getattr(cfg, stage)
@@ -186,19 +188,6 @@ def rm_pairs(cfg: Config) -> dict[str, Any]:
     """The data keys (`DPO_FROM_RM`) of the run's resolved RM stage: the pairs DPO trains on."""
     rm_cfg = stage_config(cfg, "rm")
     return {key: getattr(rm_cfg, key) for key in DPO_FROM_RM}
-
-
-# eval takes these from the run's resolved PPO config (a sweep variant's own reward_model_path or reward_fn
-# included); the pipeline's `eval:` overrides still win
-EVAL_FROM_PPO = (
-    "reward_model_path",
-    "ensemble_combine",
-    "ensemble_uncertainty_coef",
-    "reward_fn",
-    "reward_fn_weight",
-    "stop_strings",
-    "min_new_tokens",
-)
 
 
 def rm_member_configs(cfg: Config, rm_cfg) -> list[tuple[str, Any]]:

@@ -10,7 +10,9 @@ One PPO step (`ppo_step`) reads like the algorithm box of Ziegler et al. (2019) 
     -> KL controller update -> metrics
 
 The math lives in `llm_rlhf.ppo_math` (torch only), sampling and the forwards over a rollout in
-`llm_rlhf.rollout`; this module holds the config and the trainer, which moves tensors between models.
+`llm_rlhf.rollout`, the scores in `llm_rlhf.scoring`, and what each accelerate config (DeepSpeed, FSDP2,
+FSDP, mixed precision) needs of the models in `llm_rlhf.accelerated`; this module holds the config and the
+trainer, which moves tensors between models.
 The command around it (building the models, the run loop, checkpoints, logs, the final save) is
 `llm_rlhf.ppo_run`. Run it with `llm-rlhf ppo --config recipes/reviews/ppo.yaml [--key value ...]`, also
 under `accelerate launch` with several processes.
@@ -20,29 +22,29 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
-from accelerate.utils import DistributedType
-from transformers.modeling_layers import GradientCheckpointingLayer
 
 from llm_rlhf import ppo_math
-from llm_rlhf.config import help_field, is_off, require, split_callable_spec
+from llm_rlhf.accelerated import Accelerated
+from llm_rlhf.config import help_field, is_off, require
 from llm_rlhf.data import DATA_FORMATS
 from llm_rlhf.errors import NonFiniteError, UserError
-from llm_rlhf.models import shares_vocab
-from llm_rlhf.reward_model import RewardEnsemble, check_ensemble_keys
 from llm_rlhf.rollout import (
     Rollout,
     Samples,
+    Sampling,
     check_generation_controls,
     left_pad,
     pad_columns,
     response_logprobs_and_values,
     sample,
 )
+from llm_rlhf.scoring import Scorer, Scores, check_score_keys
 
 
 @dataclass
@@ -204,7 +206,6 @@ class Config:
     def __post_init__(self):
         require(self.data_format in DATA_FORMATS, "data_format", f"must be one of {', '.join(DATA_FORMATS)}")
         check_reward_keys(self)
-        check_ensemble_keys(self)
         require(self.steps > 0, "steps", "must be > 0")
         require(
             self.mini_batch_size > 0 and self.rollout_batch_size % self.mini_batch_size == 0,
@@ -245,17 +246,14 @@ class Config:
 
 
 def check_reward_keys(cfg) -> None:
-    """The score needs a reward model, a reward function or both; the RM-initialised critic needs the RM."""
+    """The score needs a reward model, a reward function or both (`scoring.check_score_keys` checks their
+    keys); the RM-initialised critic needs the RM."""
     require(
         not is_off(cfg.reward_model_path) or cfg.reward_fn is not None,
         "reward_model_path",
         "is none and reward_fn is not set: PPO needs a score (a reward model, a reward_fn or both)",
     )
-    if cfg.reward_fn is not None:
-        split_callable_spec(
-            cfg.reward_fn, "reward_fn"
-        )  # the form only; the import runs when the stage starts (`load_reward_fn`)
-    require(math.isfinite(cfg.reward_fn_weight), "reward_fn_weight", "must be a finite number")
+    check_score_keys(cfg)  # the reward function's form only: it is imported when the stage starts
     require(
         cfg.value_model != "reward" or not is_off(cfg.reward_model_path),
         "value_model",
@@ -312,74 +310,35 @@ def batch_sizes(
     )
 
 
-def check_deepspeed_config(plugin, sizes: BatchSizes, *, critic: bool, lora: bool = False) -> None:
-    """Under DeepSpeed the PPO loop accumulates micro-batches itself (`PPOTrainer.backward`): the engine
-    must not divide the loss by an accumulation count of its own, and it is told the micro-batch size
-    (there is no dataloader for accelerate to read it from). The LR schedule is PPO's (`optimizer_step`),
-    so the config has none."""
-    if critic:
-        raise UserError(
-            "value_model: 'reward' is not supported under DeepSpeed (accelerate builds one DeepSpeed engine "
-            "per Accelerator); use value_model: policy"
-        )
-    if lora and plugin.zero_stage == 3:
-        raise UserError(
-            "use_lora is not supported under DeepSpeed ZeRO-3 yet (the final save gathers full weights, not "
-            "an adapter); use ZeRO-2 or DDP for LoRA"
-        )
-    config = plugin.deepspeed_config
-    if config.get("gradient_accumulation_steps", 1) not in (1, "auto"):
-        raise UserError(
-            "the DeepSpeed config's gradient_accumulation_steps must be 1: set gradient_accumulation_steps "
-            "in the PPO config instead (the PPO loop accumulates micro-batches itself)"
-        )
-    config["gradient_accumulation_steps"] = 1
-    if "scheduler" in config:
-        raise UserError(
-            "the DeepSpeed config must not define a scheduler: the engine would step it as well as PPO's own; "
-            "set lr_scheduler_type in the PPO config instead"
-        )
-    if config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
-        config["train_micro_batch_size_per_gpu"] = sizes.micro_batch_per_process
-
-
-def deepspeed_param_dtype(config: dict) -> torch.dtype | None:
-    """The dtype the DeepSpeed engine casts the model to: its config's bf16 (alias bfloat16) or fp16 section,
-    where accelerate writes `mixed_precision` (`DeepSpeedPlugin.set_mixed_precision`); None for fp32."""
-    for key, dtype in (("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16), ("fp16", torch.float16)):
-        if str(config.get(key, {}).get("enabled", False)).lower() == "true":
-            return dtype
-    return None
-
-
 # ---------------------------------------------------------------------------------------------
 # The trainer
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass
+class PPOModels:
+    """What `ppo_run.build_models` loads for the trainer: the policy (`models.PolicyWithValue`, with its value
+    head unless a separate critic), the frozen reference (`models.Reference`; with LoRA the policy's own
+    network), the frozen reward model (a `RewardModel`, a `RewardEnsemble` or None) and the optional critic
+    (`RewardCritic`, value_model 'reward')."""
+
+    policy: Any
+    ref_model: Any
+    reward_model: Any = None
+    critic: Any = None
+
+
 class PPOTrainer:
     """Holds the models, the optimiser and the KL controller; `ppo_step` is one iteration.
 
-    reward_model: the frozen RM, or None (reward_model_path none); reward_fn: a loaded
-    `llm_rlhf.reward_fn.RewardFn`, or None.
-    At least one of them gives the scores (`score`)."""
+    models: `PPOModels`; reward_fn: a loaded `llm_rlhf.reward_fn.RewardFn`, or None. The reward model and
+    the reward function (at least one of them) make the scores (`scoring.Scorer`). The precision and sharding
+    plumbing of each accelerate config is `self.acc` (`accelerated.Accelerated`). `state_dict()` is what a
+    checkpoint keeps of the trainer besides the models' weights and optimiser state."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        *,
-        accelerator,
-        policy,
-        ref_model,
-        reward_model,
-        critic,
-        tokenizer,
-        prompts,
-        reward_fn=None,
-    ):
+    def __init__(self, cfg: Config, *, accelerator, models: PPOModels, tokenizer, prompts, reward_fn=None):
         self.cfg, self.accelerator, self.tokenizer = cfg, accelerator, tokenizer
-        self.ref_model, self.reward_model, self.reward_fn = ref_model, reward_model, reward_fn
-        if reward_model is None and reward_fn is None:
+        if models.reward_model is None and reward_fn is None:
             raise UserError("reward_model_path: PPO needs a reward model, a reward_fn or both")
         self.sizes = batch_sizes(
             rollout_batch_size=cfg.rollout_batch_size,
@@ -395,18 +354,14 @@ class PPOTrainer:
                 f"least 2 episodes (rollout_batch_size {cfg.rollout_batch_size} x {accelerator.num_processes} "
                 "processes)"
             )
-        if accelerator.is_fsdp2 and (cfg.use_lora or critic is not None):
-            raise UserError(
-                "FSDP2 runs full fine-tuning with the policy's value head; use_lora and value_model: reward are "
-                "not supported under it yet (use DDP or DeepSpeed for them)"
-            )
-        if accelerator.distributed_type == DistributedType.DEEPSPEED:
-            check_deepspeed_config(
-                accelerator.state.deepspeed_plugin, self.sizes, critic=critic is not None, lora=cfg.use_lora
-            )
-        params = [p for p in policy.parameters() if p.requires_grad]
-        if critic is not None:
-            params += [p for p in critic.parameters() if p.requires_grad]
+        self.acc = Accelerated(accelerator, bf16=cfg.bf16, gradient_checkpointing=cfg.gradient_checkpointing)
+        params = [
+            p
+            for m in (models.policy, models.critic)
+            if m is not None
+            for p in m.parameters()
+            if p.requires_grad
+        ]
         optimizer = torch.optim.AdamW(
             params,
             lr=cfg.learning_rate,
@@ -425,58 +380,63 @@ class PPOTrainer:
         # the linear decay reached 0 after 1/N of the run, and under DeepSpeed the engine steps only
         # DeepSpeed's own schedules, so this one never moved. `optimizer_step` steps it once (issue 13).
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, decay)
-        if critic is not None:
-            self.policy, self.critic, self.optimizer = accelerator.prepare(policy, critic, optimizer)
-        else:
-            self.policy, self.optimizer = accelerator.prepare(policy, optimizer)
-            self.critic = None
-        if accelerator.is_fsdp2 and accelerator.state.fsdp_plugin.mixed_precision_policy is not None:
-            # FSDP2's MixedPrecisionPolicy (mixed_precision: bf16) computes with the policy's parameters
-            # cast to param_dtype, norms and embeddings included, which autocast alone does not do: give
-            # the reference and the RM the same weights, or KL != 0 and rho != 1 at the first step (issue 13).
-            param_dtype = accelerator.state.fsdp_plugin.mixed_precision_policy.param_dtype
-            ref_model.to(param_dtype)
-            if reward_model is not None:
-                reward_model.to(param_dtype)
-        engine_dtype = (
-            deepspeed_param_dtype(accelerator.state.deepspeed_plugin.deepspeed_config)
-            if self.deepspeed
-            else None
+        frozen = [m for m in (models.ref_model, models.reward_model) if m is not None]
+        self.policy, self.critic, self.optimizer = self.acc.prepare(
+            models.policy,
+            models.critic,
+            optimizer,
+            frozen=frozen,
+            micro_batch_size=self.sizes.micro_batch_per_process,
+            lora=cfg.use_lora,
         )
-        if engine_dtype is not None:
-            # The engine holds the policy in bf16/fp16 (mixed_precision in the DeepSpeed configs) and
-            # accelerate's autocast is off under DeepSpeed: the same weights for the reference and the RM, or
-            # KL != 0 and rho != 1 at the first step (issue 13). With LoRA the reference is the policy's own
-            # network, already cast.
-            ref_model.to(engine_dtype)
-            if reward_model is not None:
-                reward_model.to(engine_dtype)
-        if accelerator.is_fsdp2:
-            # FSDP2 sets up its root unit at the root's first forward; generation calls the LM below
-            # the root (`fsdp2_unsharded`), so run that first forward now, on every process.
-            with torch.no_grad():
-                one = torch.ones((1, 1), dtype=torch.long, device=accelerator.device)
-                self.policy(one * tokenizer.eos_token_id, one)
+        self.acc.set_up_root(self.policy, tokenizer.eos_token_id)
+        self.ref_model = models.ref_model
+        self.scorer = Scorer(
+            models.reward_model,
+            reward_fn,
+            reward_fn_weight=cfg.reward_fn_weight,
+            rm_context=self.acc.autocast,
+        )
+        self.sampling = Sampling.of(cfg)
         self.kl_ctl = (
             ppo_math.AdaptiveKLController(cfg.init_kl_coef, cfg.kl_target, cfg.kl_horizon)
             if cfg.kl_controller == "adaptive"
             else ppo_math.FixedKLController(cfg.init_kl_coef)
         )
         self.prompts = prompts  # list of token-id lists
-        self.rm_shares_vocab = (
-            reward_model is not None
-            and not isinstance(reward_model, RewardEnsemble)  # an ensemble decides for each member
-            and shares_vocab(tokenizer, reward_model.tokenizer)
-        )
         self.step = 0
         self.device = accelerator.device
+
+    # --- the trainer's state ------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What continues the run exactly besides the models' weights and optimiser state (written by
+        `accelerated.Accelerated.save_model_state`) and the RNG: the step (which fixes the data position,
+        `next_queries`), the KL controller and the LR schedule."""
+        return {
+            "step": self.step,
+            "kl_ctl": self.kl_ctl.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = state["step"]
+        self.kl_ctl.load_state_dict(state["kl_ctl"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def save_model_state(self, folder) -> None:
+        """The weights and optimiser state into a checkpoint folder, sharded or not (every process calls it)."""
+        self.acc.save_model_state(folder, policy=self.policy, critic=self.critic, optimizer=self.optimizer)
+
+    def load_model_state(self, folder) -> None:
+        self.acc.load_model_state(folder, policy=self.policy, critic=self.critic, optimizer=self.optimizer)
 
     # --- the algorithm -------------------------------------------------------------------------
 
     def ppo_step(self) -> dict[str, float]:
         """One PPO iteration (Ziegler et al. 2019, Algorithm 1; Stiennon et al. 2020, Appendix B)."""
-        cfg, times, terms = self.cfg, {}, {}
-        rollout = self.rollout(self.next_queries(), times, terms)  # y ~ pi_theta(.|x), logprobs, ref, scores
+        cfg, times = self.cfg, {}
+        rollout, scores = self.rollout(self.next_queries(), times)  # y ~ pi_theta(.|x), logprobs, ref, scores
         self.check_finite(
             "rollout",
             scores=rollout.scores,
@@ -488,13 +448,13 @@ class PPOTrainer:
         kl = ppo_math.kl_penalty(
             logprobs=rollout.logprobs, ref_logprobs=rollout.ref_logprobs, estimator=cfg.kl_estimator
         )
-        scores = (
+        clipped = (
             rollout.scores
             if cfg.score_clip is None
             else ppo_math.clip_scores(scores=rollout.scores, score_clip=cfg.score_clip)
         )
         rewards, non_score_reward = ppo_math.shaped_rewards(
-            scores=scores,
+            scores=clipped,
             kl=kl,
             kl_coef=self.kl_ctl.value,
             response_mask=rollout.response_mask,
@@ -523,45 +483,43 @@ class PPOTrainer:
         kl_coef = self.kl_ctl.value
         self.kl_ctl.update(mean_kl, self.sizes.episodes_per_step)  # n in episodes
         self.step += 1
-        return self.metrics(
+        metrics = self.metrics(
             rollout,
             kl_seq=kl_seq,
             kl_coef=kl_coef,
             non_score_reward=non_score_reward,
             returns=returns,
-            train_stats=train_stats,
             times=times,
-            score_terms=terms,
         )
+        return {**metrics, **train_stats, **self.score_term_means(scores)}
 
     # --- phases -------------------------------------------------------------------------------
 
     @torch.no_grad()
     def rollout(
-        self,
-        queries: list[list[int]],
-        times: dict[str, float] | None = None,
-        terms: dict[str, torch.Tensor] | None = None,
-    ) -> Rollout:
+        self, queries: list[list[int]], times: dict[str, float] | None = None
+    ) -> tuple[Rollout, Scores]:
         """The complete rollout of `queries`: samples, then the policy's old log-probs, values and entropy
-        (one forward), the reference's log-probs and the scores (`score`). `times`, if given, receives the
-        seconds of "generate" (sampling and the policy forward) and "score" (reference and scores);
-        `terms` the terms of the scores (`score`)."""
+        (one forward), the reference's log-probs and the scores (`score`), and the scores' parts. `times`, if
+        given, receives the seconds of "generate" (sampling and the policy forward) and "score" (reference
+        and scores)."""
         t0 = time.perf_counter()
         samples = self.generate(queries)  # y ~ pi_theta(.|x)
         logprobs, values, entropy = self.in_chunks(self.forward_policy, samples)
         t1 = time.perf_counter()
+        ref_logprobs = self.reference_logprobs(samples)  # log pi_ref(y_t|s_t)
+        scores = self.score(samples)  # r_phi(x, y), normalised (+ reward_fn_weight * reward_fn)
         rollout = Rollout.of(
             samples,
             logprobs=logprobs,
             values=values,
             entropy=entropy,
-            ref_logprobs=self.reference_logprobs(samples),  # log pi_ref(y_t|s_t)
-            scores=self.score(samples, terms),  # r_phi(x, y), normalised (+ reward_fn_weight * reward_fn)
+            ref_logprobs=ref_logprobs,
+            scores=scores.scores,
         )
         if times is not None:
             times.update(generate=t1 - t0, score=time.perf_counter() - t1)
-        return rollout
+        return rollout, scores
 
     def next_queries(self) -> list[list[int]]:
         """This process's prompts for the current step: a seeded permutation per pass over the data.
@@ -581,22 +539,11 @@ class PPOTrainer:
     @torch.no_grad()
     def generate(self, queries: list[list[int]]) -> Samples:
         """Sample responses with the KV cache from the global RNG; R = max_new_tokens on every process."""
-        cfg, tok = self.cfg, self.tokenizer
-        query, query_mask = left_pad(queries, tok.pad_token_id, self.device)  # (B, P) each
+        query, query_mask = left_pad(queries, self.tokenizer.pad_token_id, self.device)  # (B, P) each
         policy = self.unwrapped_policy
-        with self.autocast(), self.gathered_for_generation(policy):
+        with self.acc.autocast(), self.acc.gathered_for_generation(policy):
             return sample(
-                policy.lm,
-                tok,
-                query,
-                query_mask,
-                max_new_tokens=cfg.max_new_tokens,
-                temperature=cfg.temperature,
-                top_k=cfg.top_k,
-                top_p=cfg.top_p,
-                stop_strings=cfg.stop_strings,
-                min_new_tokens=cfg.min_new_tokens,
-                pad_to_max_new_tokens=True,
+                policy.lm, self.tokenizer, query, query_mask, self.sampling, pad_to_max_new_tokens=True
             )
 
     def in_chunks(self, forward, samples: Samples):
@@ -618,6 +565,8 @@ class PPOTrainer:
         to its own rows; the shape may differ between processes, DDP's collectives are on gradients).
         train=True goes through the DDP wrapper (gradients synchronised in backward); otherwise the
         unwrapped module runs the same computation with no collectives, so any one process may call it.
+        The log-probs are those of the distribution the tokens were drawn from (`self.sampling`: the
+        temperature, EOS masked before min_new_tokens).
         """
         R = samples.response.shape[1]
         samples = samples.trimmed()  # (B, P') query, (B, R') response
@@ -625,9 +574,9 @@ class PPOTrainer:
         policy = self.policy if train else unwrap(self.policy)
         # The entropy needs an autograd graph only when the loss uses it (ent_coef != 0).
         entropy_mode = "grad" if train and self.cfg.ent_coef != 0 else "stats"
-        with self.autocast(), self.checkpointing(train):
+        with self.acc.autocast(), self.acc.checkpointing(self.unwrapped_policy, train):
             logprobs, values, entropy = response_logprobs_and_values(
-                policy, samples, self.cfg.temperature, entropy=entropy_mode, **self.eos_mask
+                policy, samples, self.sampling, eos_token_id=self.tokenizer.eos_token_id, entropy=entropy_mode
             )
             if self.critic is not None:
                 critic = self.critic if train else unwrap(self.critic)
@@ -635,98 +584,51 @@ class PPOTrainer:
                 values = critic(samples.sequence, samples.attention_mask)[:, P - 1 : -1]  # (B, R')
         return tuple(pad_columns(x.float(), R) for x in (logprobs, values, entropy))  # (B, R) each
 
-    @property
-    def eos_mask(self) -> dict:
-        """How the log-prob forwards mask EOS: as sampling did under min_new_tokens
-        (`ppo_math.mask_eos_logits`)."""
-        return {"eos_token_id": self.tokenizer.eos_token_id, "min_new_tokens": self.cfg.min_new_tokens}
-
     @torch.no_grad()
     def reference_logprobs(self, samples: Samples) -> torch.Tensor:
         """log pi_ref(y_t|s_t): (B, R), 0 at padding; each chunk's forward on its real tokens (`Samples.trimmed`).
         With LoRA: the policy's own network with the adapter disabled."""
-        R = samples.response.shape[1]
-        with self.autocast(), self.reference_context():
-            logprobs = self.in_chunks(
-                lambda part: pad_columns(
-                    response_logprobs_and_values(
-                        self.ref_model, part.trimmed(), self.cfg.temperature, entropy="none", **self.eos_mask
-                    )[0],
-                    R,
-                ),
-                samples,
-            )
+        R, eos = samples.response.shape[1], self.tokenizer.eos_token_id
+
+        def forward(part: Samples) -> torch.Tensor:
+            logprobs = response_logprobs_and_values(
+                self.ref_model, part.trimmed(), self.sampling, eos_token_id=eos, entropy="none"
+            )[0]
+            return pad_columns(logprobs, R)  # (b, R)
+
+        with self.acc.autocast(), self.reference_context():
+            logprobs = self.in_chunks(forward, samples)
         return logprobs.float()
 
     @torch.no_grad()
-    def score(self, samples: Samples, terms: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        """The one score per sequence, (B,):
+    def score(self, samples: Samples) -> Scores:
+        """The scores of this process's samples and their parts (`scoring.Scorer`, the one scorer evaluation
+        uses too):
 
-            scores = rm_score + reward_fn_weight * reward_fn(prompts, responses)
+            scores = rm_score + reward_fn_weight * reward_fn(prompts, responses)      (B,)
 
-        rm_score: r_phi(x, y) normalised (`rm_score`; a reward-model ensemble's combined score), 0 without a
-        reward model; the second term only with a reward_fn (`reward_fn_scores`). These are the scores
-        `ppo_step` clips (score_clip), replaces for responses without EOS (eos_penalty) and adds at the last
-        response token (`ppo_math.shaped_rewards`), and then whitens only as part of the per-token rewards
-        (whiten_rewards) and the advantages.
-        `terms`, if given and a reward_fn is set, receives the terms, each (B,): "reward_fn" (unweighted)
-        and, with a reward model, "rm_score" (the step logs their means as objective/reward_fn and
-        objective/rm_score); with an ensemble it also receives the members' scores and their disagreement
-        (`rm_score`), with or without a reward_fn."""
-        B = samples.query.shape[0]
-        rm = self.rm_score(samples, terms) if self.reward_model is not None else None
-        if self.reward_fn is None:
-            return rm
-        fn = self.reward_fn_scores(samples)  # (B,)
-        if terms is not None:
-            terms.update({"reward_fn": fn} if rm is None else {"rm_score": rm, "reward_fn": fn})
-        base = rm if rm is not None else torch.zeros(B, device=fn.device)  # (B,)
-        return base + self.cfg.reward_fn_weight * fn  # (B,)
+        These are the scores `ppo_step` clips (score_clip), replaces for responses without EOS (eos_penalty)
+        and adds at the last response token (`ppo_math.shaped_rewards`), and then whitens only as part of the
+        per-token rewards (whiten_rewards) and the advantages. The RM runs under the policy's precision.
 
-    def reward_fn_scores(self, samples: Samples) -> torch.Tensor:
-        """reward_fn(prompts, responses) of this process's samples, unweighted: (B,) float32.
-
-        Each process calls the function on its own samples, as texts (`RewardFn.score_samples`: the prompt,
-        the response without its EOS); nothing inside it is a collective. Whether the call failed on any
-        process (it raised, or returned a wrong number of scores or a non-finite one: `RewardFn` checks)
-        is one sum over the processes, so every process stops with the same one-line error here instead
-        of the others waiting at the next collective."""
+        Each process calls the reward function on its own samples; nothing inside it is a collective.
+        Whether the call failed on any process (it raised, or returned a wrong number of scores or a
+        non-finite one: `RewardFn` checks) is one sum over the processes, so every process stops with the
+        same one-line error here instead of the others waiting at the next collective."""
+        if self.scorer.reward_fn is None:
+            return self.scorer(samples, self.tokenizer)
         try:
-            values, error = self.reward_fn.score_samples(samples, self.tokenizer), None
+            scores, error = self.scorer(samples, self.tokenizer), None
         except UserError as e:
-            values, error = [], e
+            scores, error = None, e
         failed = self.global_sum(torch.tensor(float(error is not None)))  # processes whose call failed
         if error is not None:
             raise error
         if failed > 0:
-            raise UserError(f"reward_fn '{self.reward_fn.spec}' failed on another process (see its error)")
-        return torch.tensor(values, dtype=torch.float32, device=self.device)  # (B,)
-
-    @torch.no_grad()
-    def rm_score(self, samples: Samples, terms: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        """r_phi(x, y), normalised with the RM's stored mean/std: (B,). The RM drops the columns that are
-        padding in every row before its forward (`reward_model.trim_padding_columns`).
-
-        An ensemble (`RewardEnsemble`, reward_model_path a list): every member scores this process's
-        samples (no collective), each normalised with its own statistics, and the K scores become one per
-        sequence, `ppo_math.combine_member_scores` (ensemble_combine). `terms`, if given, then receives
-        "scores_member_<k>" (member k's scores) and "scores_disagreement" (the std across the members,
-        `ppo_math.member_disagreement`), (B,) each; the step logs their means as objective/<name>."""
-        with self.autocast():
-            if isinstance(self.reward_model, RewardEnsemble):
-                members = self.reward_model.member_scores(
-                    samples.sequence, samples.attention_mask, self.tokenizer
-                )  # (K, B)
-                if terms is not None:
-                    terms.update({f"scores_member_{k}": s for k, s in enumerate(members)})
-                    terms["scores_disagreement"] = ppo_math.member_disagreement(member_scores=members)
-                return self.reward_model.combine(members)  # (B,)
-            if self.rm_shares_vocab:  # the usual case: the RM was trained from the SFT model
-                return self.reward_model.score(samples.sequence, samples.attention_mask).float()
-            # Another tokenizer: decode and re-encode the way the RM was trained.
-            return self.reward_model.score_tokens(
-                samples.sequence, samples.attention_mask, self.tokenizer
-            ).float()
+            raise UserError(
+                f"reward_fn '{self.scorer.reward_fn.spec}' failed on another process (see its error)"
+            )
+        return scores
 
     def train_on_rollout(
         self, rollout: Rollout, advantages: torch.Tensor, returns: torch.Tensor
@@ -737,9 +639,9 @@ class PPOTrainer:
         its share of the minibatch's tokens (times the number of processes, since DDP averages gradients),
         so accumulation and data parallelism change only the float rounding, and so does trimming: each
         micro-batch's forward runs on its own rows' real tokens (`forward_policy`). Gradients are
-        all-reduced once per minibatch, in the backward of its last micro-batch (`accumulating`). The ratio
-        guard and the approx-KL early stop decide on global statistics, so every process takes the same
-        branch; a skipped minibatch is counted, not averaged into the statistics.
+        all-reduced once per minibatch, in the backward of its last micro-batch (`Accelerated.accumulating`).
+        The ratio guard and the approx-KL early stop decide on global statistics, so every process takes the
+        same branch; a skipped minibatch is counted, not averaged into the statistics.
 
         The first epoch visits the rows in rollout order, the micro-batches on which `rollout` computed
         the old log-probs (the rows are already in random prompt order, `next_queries`): the same rows
@@ -761,7 +663,8 @@ class PPOTrainer:
                 for i, mc in enumerate(micro_batches):
                     part = rollout.select(mc)
                     mask = part.response_mask
-                    with self.accumulating(last=i == len(micro_batches) - 1):
+                    last = i == len(micro_batches) - 1
+                    with self.acc.accumulating((self.policy, self.critic), last=last):
                         logprobs, values, entropy = self.forward_policy(part, train=True)
                         pg_loss, pg = ppo_math.policy_loss(
                             logprobs=logprobs,
@@ -780,7 +683,7 @@ class PPOTrainer:
                         entropy = ppo_math.masked_mean(entropy, mask)
                         loss = pg_loss + cfg.vf_coef * vf_loss - cfg.ent_coef * entropy
                         weight = mask.sum() * self.accelerator.num_processes / mb_tokens.clamp(min=1)
-                        self.backward(loss * weight, last=i == len(micro_batches) - 1)
+                        self.acc.backward(self.policy, loss * weight, last=last)
                     parts = (
                         pg_loss,
                         vf_loss,
@@ -798,7 +701,7 @@ class PPOTrainer:
                         f"({', '.join(k for k, v in stats.items() if not np.isfinite(v))}); nothing was updated"
                     )
                 if stats["policy/ratio"] > cfg.ratio_guard:  # a diverged minibatch: drop its update
-                    self.discard_gradients()
+                    self.acc.discard_gradients(self.policy, self.optimizer)
                     skipped += 1
                     continue
                 history.append(stats)
@@ -818,91 +721,35 @@ class PPOTrainer:
         )
         return out
 
-    def backward(self, loss: torch.Tensor, *, last: bool) -> None:
-        """`accelerator.backward`, except under DeepSpeed: there it also steps the engine after every
-        micro-batch (accelerate's sync_gradients stays True in this loop), so there is no accumulation and
-        the ratio guard could not undo a step already taken. Under DeepSpeed the engine's own backward runs,
-        its accumulation boundary (where ZeRO reduces the gradients) at the minibatch's last micro-batch,
-        and the step waits for the guard (`optimizer_step`), as under DDP (issue 13)."""
-        if self.deepspeed:
-            self.policy.set_gradient_accumulation_boundary(last)
-            self.policy.backward(loss)  # the engine divides by its gradient_accumulation_steps: 1 (checked)
-        else:
-            self.accelerator.backward(loss)
-
     def optimizer_step(self, epoch: int) -> None:
         """Clip the gradients, step the optimiser, then the LR schedule: once per optimiser step on every
-        process, whatever their number. Under DeepSpeed the engine's step clips (at its config's
-        gradient_clipping, not max_grad_norm) and steps the optimiser, and the gradient norm is checked
-        after it."""
-        if self.deepspeed:
-            self.policy.step()
-            grad_norm = self.policy.get_global_grad_norm()
-        else:
-            grad_norm = self.accelerator.clip_grad_norm_(self.trainable_parameters(), self.cfg.max_grad_norm)
+        process, whatever their number. Under DeepSpeed the engine's step clips and steps the optimiser
+        (`Accelerated.clip_gradients`), and the gradient norm is checked after it."""
+        deepspeed = self.acc.deepspeed
+        grad_norm = self.acc.clip_gradients(self.policy, self.trainable_parameters(), self.cfg.max_grad_norm)
         if grad_norm is not None and not math.isfinite(float(grad_norm)):
             raise NonFiniteError(
                 f"PPO step {self.step + 1}, train phase (epoch {epoch + 1}): non-finite gradient norm"
-                + ("" if self.deepspeed else "; nothing was updated")
+                + ("" if deepspeed else "; nothing was updated")
             )
-        if not self.deepspeed:
+        if not deepspeed:
             self.optimizer.step()
         if not self.optimizer.step_was_skipped:  # an fp16 overflow: no update, so the schedule waits too
             self.scheduler.step()
 
-    def discard_gradients(self) -> None:
-        """Drop the accumulated gradients of a skipped minibatch (under DeepSpeed they live in the engine's
-        optimizer; accelerate's optimizer wrapper does nothing there)."""
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.deepspeed:
-            self.policy.optimizer.zero_grad()
-
-    @property
-    def deepspeed(self) -> bool:
-        return self.accelerator.distributed_type == DistributedType.DEEPSPEED
-
-    @property
-    def zero3(self) -> bool:
-        """DeepSpeed ZeRO-3: each process holds only its partition of every parameter."""
-        return self.deepspeed and self.accelerator.state.deepspeed_plugin.zero_stage == 3
-
-    @contextmanager
-    def accumulating(self, *, last: bool):
-        """Around the forward and backward of one micro-batch: gradients are all-reduced only in the
-        backward of a minibatch's last micro-batch (DDP's `no_sync`, FSDP2's `set_requires_gradient_sync`
-        through `accelerator.no_sync`), so accumulation does not pay one all-reduce per micro-batch."""
-        if last or self.accelerator.num_processes == 1:
-            yield
-            return
-        with ExitStack() as stack:
-            for model in (self.policy, self.critic):
-                if model is not None:
-                    stack.enter_context(self.accelerator.no_sync(model))
-            yield
-
-    # --- held-out evaluation ------------------------------------------------------------------
+    # --- the step's log line ------------------------------------------------------------------
 
     def metrics(
-        self,
-        rollout: Rollout,
-        *,
-        kl_seq,
-        kl_coef,
-        non_score_reward,
-        returns,
-        train_stats,
-        times,
-        score_terms=None,
+        self, rollout: Rollout, *, kl_seq, kl_coef, non_score_reward, returns, times
     ) -> dict[str, float]:
-        """The step's log line: objective/*, val/*, lengths, EOS rate and times, global over processes.
-        score_terms: the terms of the scores (`score`), (B,) each, logged as objective/<term>: their means
-        over every process, all in one all-reduce."""
+        """The step's log line: objective/*, val/*, lengths, EOS rate and times, global over processes
+        (`ppo_step` adds the update's statistics and the scores' parts, `score_term_means`)."""
         mask = rollout.response_mask
         lengths = mask.sum(-1).float()  # (B,)
         non_score = ppo_math.masked_sum(non_score_reward, mask, dim=-1)  # (B,)
         tokens = self.global_sum(lengths.sum())
         step_time = sum(times.values())
-        m = {
+        return {
             "step": self.step,
             "episodes": self.step * self.sizes.episodes_per_step,
             "objective/scores": self.global_mean(rollout.scores.mean()),
@@ -926,14 +773,17 @@ class PPOTrainer:
             "time/step": step_time,
             "tokens_per_s": float(tokens) / step_time,
         }
-        m.update(train_stats)
-        if (
-            score_terms
-        ):  # objective/reward_fn, objective/rm_score, objective/scores_member_<k>, ..._disagreement
-            means = torch.stack([v.float().mean() for v in score_terms.values()])  # (n,) this process's
-            means = self.accelerator.reduce(means.to(self.device), reduction="mean")  # (n,) every process's
-            m.update({f"objective/{name}": float(v) for name, v in zip(score_terms, means)})
-        return m
+
+    def score_term_means(self, scores: Scores) -> dict[str, float]:
+        """objective/<term> for each part of the scores (`Scores.terms`: objective/reward_fn,
+        objective/rm_score, objective/scores_member_<k>, objective/scores_disagreement): their means over
+        every process, all in one all-reduce; nothing when the scores have no parts."""
+        terms = scores.terms()
+        if not terms:
+            return {}
+        means = torch.stack([v.float().mean() for v in terms.values()])  # (n,) this process's
+        means = self.accelerator.reduce(means.to(self.device), reduction="mean")  # (n,) every process's
+        return {f"objective/{name}": float(v) for name, v in zip(terms, means)}
 
     # --- distributed helpers ------------------------------------------------------------------
 
@@ -968,7 +818,7 @@ class PPOTrainer:
                 f"PPO step {self.step + 1}, {phase} phase: non-finite {', '.join(bad)}; nothing was updated"
             )
 
-    # --- model plumbing -----------------------------------------------------------------------
+    # --- the models ---------------------------------------------------------------------------
 
     @property
     def unwrapped_policy(self):
@@ -980,79 +830,8 @@ class PPOTrainer:
             params += [p for p in self.critic.parameters() if p.requires_grad]
         return params
 
-    def autocast(self):
-        """bf16 autocast with --bf16, else accelerate's autocast under its `mixed_precision` (bf16/fp16 in
-        the sharded configs): `prepare` wraps the policy's forward in it, and the reference, the RM and
-        generation must run in the same precision, or KL != 0 and rho != 1 at the first step (issue 13)."""
-        if self.cfg.bf16:
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        if self.accelerator.mixed_precision != "no":
-            return self.accelerator.autocast()
-        return nullcontext()
-
-    @contextmanager
-    def checkpointing(self, train: bool):
-        """Gradient checkpointing for a training forward. transformers checkpoints a layer only while that
-        layer is in training mode, and the policy stays in eval mode (dropout off), so the option did
-        nothing: flag the checkpointed layers alone as training (their submodules, dropout included,
-        stay in eval mode), and only for the training forward (generation keeps its KV cache)."""
-        if not (train and self.cfg.gradient_checkpointing):
-            yield
-            return
-        layers = [m for m in self.unwrapped_policy.modules() if isinstance(m, GradientCheckpointingLayer)]
-        for layer in layers:
-            layer.training = True
-        try:
-            yield
-        finally:
-            for layer in layers:
-                layer.training = False
-
-    @contextmanager
-    def gathered_for_generation(self, policy):
-        """ZeRO-3 / FSDP shard parameters: gather them once for the many small forwards of generation
-        (each rank then generates on its own, so ranks that finish early wait for nobody)."""
-        if (
-            self.accelerator.distributed_type == DistributedType.DEEPSPEED
-            and self.accelerator.state.deepspeed_plugin.zero_stage == 3
-        ):
-            import deepspeed  # optional dependency (the deepspeed extra), needed only under ZeRO-3
-
-            with deepspeed.zero.GatheredParameters(list(policy.lm.parameters())):
-                yield
-        elif self.accelerator.is_fsdp2:
-            with fsdp2_unsharded(policy):
-                yield
-        elif self.accelerator.distributed_type == DistributedType.FSDP:
-            # here, not at the top: torch.distributed is missing from some torch builds (macOS, Windows)
-            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-            with FSDP.summon_full_params(self.policy, writeback=False, recurse=True):
-                yield
-        else:
-            yield
-
     def reference_context(self):
         """With LoRA the reference is the policy's network with the adapter switched off."""
         if self.cfg.use_lora:
             return self.unwrapped_policy.lm.disable_adapter()
         return nullcontext()
-
-
-@contextmanager
-def fsdp2_unsharded(model):
-    """Every FSDP2 unit of `model` (`fully_shard`) all-gathered once and kept whole: no forward inside
-    runs a collective (generation calls the LM many times and each process stops at its own length, and
-    the LM is called below the root unit, whose pre-forward gather would not run). Resharded at the end."""
-    from torch.distributed.fsdp import FSDPModule  # here: torch.distributed is missing from some builds
-
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    for unit in units:
-        unit.unshard()
-        unit.set_reshard_after_forward(False, recurse=False)
-    try:
-        yield
-    finally:
-        for unit in units:
-            unit.reshard()
-            unit.set_reshard_after_forward(True, recurse=False)

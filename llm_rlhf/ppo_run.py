@@ -22,14 +22,19 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 from peft import LoraConfig, get_peft_model
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from llm_rlhf.config import format_config, is_off, save_config
 from llm_rlhf.data import load_prompt_dataset, prompt_rules
 from llm_rlhf.errors import UserError
-from llm_rlhf.evaluate import evaluate_policy
-from llm_rlhf.gold import load_judge
+from llm_rlhf.evaluate import (
+    KLReference,
+    PairedSampling,
+    evaluate_policy,
+    heldout_record,
+    load_heldout_inputs,
+)
 from llm_rlhf.models import (
     PolicyWithValue,
     Reference,
@@ -40,7 +45,7 @@ from llm_rlhf.models import (
     load_tokenizer,
     use_fused_gelu,
 )
-from llm_rlhf.ppo import Config, PPOTrainer  # Config: the keys of `llm-rlhf ppo`
+from llm_rlhf.ppo import Config, PPOModels, PPOTrainer  # Config: the keys of `llm-rlhf ppo`
 from llm_rlhf.reward_fn import RewardFn, decode_texts, load_reward_fn, probe
 from llm_rlhf.reward_model import (
     check_members_exist,
@@ -69,7 +74,7 @@ def load_prompts(cfg: Config, tokenizer) -> list[list[int]]:
     return [encode_prompt(tokenizer, p) for p in ds["prompt"]]  # with BOS where the tokenizer adds one
 
 
-def build_models(cfg: Config):
+def build_models(cfg: Config) -> PPOModels:
     """policy (+ value head unless a separate critic), reference, reward model (a `RewardEnsemble` when
     reward_model_path is a list, its members loaded once; None when reward_model_path is none) and optional
     critic (from the first member of an ensemble)."""
@@ -131,7 +136,7 @@ def build_models(cfg: Config):
                 trust_remote_code=cfg.trust_remote_code,
             )
         ).as_critic()
-    return policy, ref_model, reward_model, critic
+    return PPOModels(policy, ref_model, reward_model=reward_model, critic=critic)
 
 
 def build_trainer(
@@ -142,21 +147,13 @@ def build_trainer(
     if cfg.reward_fn is not None and reward_fn is None:
         reward_fn = load_reward_fn(cfg.reward_fn)
     seed_everything(cfg.seed, accelerator.process_index)
-    policy, ref_model, reward_model, critic = build_models(cfg)
-    if reward_model is not None:
-        reward_model.to(accelerator.device)
+    models = build_models(cfg)
+    if models.reward_model is not None:
+        models.reward_model.to(accelerator.device)
     if not cfg.use_lora:
-        ref_model.to(accelerator.device)
+        models.ref_model.to(accelerator.device)
     return PPOTrainer(
-        cfg,
-        accelerator=accelerator,
-        policy=policy,
-        ref_model=ref_model,
-        reward_model=reward_model,
-        critic=critic,
-        tokenizer=tokenizer,
-        prompts=prompts,
-        reward_fn=reward_fn,
+        cfg, accelerator=accelerator, models=models, tokenizer=tokenizer, prompts=prompts, reward_fn=reward_fn
     )
 
 
@@ -174,7 +171,7 @@ def run(cfg: Config) -> dict[str, float]:
     )
     prompts = load_prompts(cfg, tokenizer)  # validates the data before anything is written
     reward_fn = load_and_probe_reward_fn(cfg, tokenizer, prompts)  # a broken function stops the run here
-    eval_prompts, judge = load_eval_inputs(cfg)
+    eval_prompts, judge = load_heldout_inputs(cfg)
     if not is_off(cfg.reward_model_path):
         check_members_exist(cfg.reward_model_path)
     resume_from = last_checkpoint(out) if cfg.resume else None
@@ -266,15 +263,6 @@ def signed(x: float | None) -> str:
     return "n/a" if x is None else f"{x:+.3f}"
 
 
-def load_eval_inputs(cfg: Config):
-    """Held-out prompts (first eval_num_prompts) and the gold judge, or nothing when evaluation is off."""
-    if not cfg.eval_every or not cfg.eval_prompt_file:
-        return [], None
-    tokenizer = load_tokenizer(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
-    prompts = load_prompt_dataset(cfg.eval_prompt_file, tokenizer, **prompt_rules(cfg))["prompt"]
-    return list(prompts[: cfg.eval_num_prompts]), load_judge(cfg.gold_judge)
-
-
 def truncate_log(path: Path, step: int) -> None:
     """Drop log lines written after the checkpoint we resume from (they will be written again)."""
     if path.exists():
@@ -305,7 +293,7 @@ def log_samples(trainer: PPOTrainer, out: Path) -> None:
     queries = trainer.prompts[: cfg.num_log_samples]
     state = torch.get_rng_state()
     samples = trainer.generate(queries)
-    scores = trainer.score(samples)
+    scores = trainer.score(samples).scores  # (B,)
     torch.set_rng_state(state)  # logging must not change the training run's random stream
     if not trainer.accelerator.is_main_process:
         return
@@ -342,7 +330,7 @@ def save_final(trainer: PPOTrainer, cfg: Config, out: Path, final: dict) -> None
     folder in critic/), then metrics.json (last)."""
     accelerator = trainer.accelerator
     accelerator.wait_for_everyone()
-    if accelerator.is_fsdp2 or trainer.zero3:
+    if accelerator.is_fsdp2 or trainer.acc.zero3:
         save_final_gathered(trainer, out, final)
         return
     if not accelerator.is_main_process:
@@ -398,7 +386,7 @@ def save_final_gathered(trainer: PPOTrainer, out: Path, final: dict) -> None:
     folder and the value head. (LoRA and the separate critic are not supported there yet: `PPOTrainer`
     says so.)"""
     policy = trainer.unwrapped_policy
-    if trainer.zero3:
+    if trainer.acc.zero3:
         # DeepSpeed's consolidated 16-bit weights (the config's zero3_save_16bit_model), on rank 0 only
         state = trainer.accelerator.get_state_dict(trainer.policy)
     else:
@@ -435,47 +423,25 @@ def tied_duplicates(model: torch.nn.Module) -> list[str]:
 
 def evaluate_heldout(trainer: PPOTrainer, prompts: list[str], judge) -> dict[str, float]:
     """RM score, gold score, reward_fn score (unweighted; None without a reward_fn) and KL to the reference
-    on held-out prompts (fixed seed: every evaluation of the run samples with the same random numbers).
-    With a reward-model ensemble also each member's score (rm_score_member_<k>) and their disagreement
-    (rm_disagreement); rm_score is the combined one."""
-    lm = trainer.unwrapped_policy.lm
-    ref = lm if trainer.cfg.use_lora else trainer.ref_model.lm
-    with trainer.autocast(), trainer.gathered_for_generation(trainer.unwrapped_policy):
+    on held-out prompts (`evaluate.evaluate_policy`, with the run's sampling settings and scorer; fixed seed:
+    every evaluation of the run samples with the same random numbers), as a line of eval_log.jsonl
+    (`evaluate.heldout_record`; with a reward-model ensemble also each member's score and their
+    disagreement)."""
+    policy = trainer.unwrapped_policy
+    lm, cfg = policy.lm, trainer.cfg
+    reference = KLReference(lm, lm.disable_adapter) if cfg.use_lora else KLReference(trainer.ref_model.lm)
+    draws = PairedSampling(trainer.sampling, seed=cfg.seed, batch_size=cfg.rollout_batch_size)
+    with trainer.acc.autocast(), trainer.acc.gathered_for_generation(policy):
         result = evaluate_policy(
             policy=lm,
             tokenizer=trainer.tokenizer,
             prompts=prompts,
-            ref_model=ref,
-            ref_context=(lambda: lm.disable_adapter()) if trainer.cfg.use_lora else None,
-            reward_model=trainer.reward_model,
+            draws=draws,
+            scorer=trainer.scorer,
             judge=judge,
-            reward_fn=trainer.reward_fn,
-            seed=trainer.cfg.seed,
-            batch_size=trainer.cfg.rollout_batch_size,
-            max_new_tokens=trainer.cfg.max_new_tokens,
-            temperature=trainer.cfg.temperature,
-            top_k=trainer.cfg.top_k,
-            top_p=trainer.cfg.top_p,
-            stop_strings=trainer.cfg.stop_strings,
-            min_new_tokens=trainer.cfg.min_new_tokens,
+            reference=reference,
         )
-    members = {
-        key.removesuffix("_mean"): value
-        for key, value in result.items()
-        if key.startswith(("rm_score_member_", "rm_disagreement"))
-    }  # only with an ensemble
-    return {
-        "step": trainer.step,
-        "kl": result["kl_to_ref"],
-        "rm_score": result["rm_score_mean"],
-        **members,
-        "gold_score": result["gold_score_mean"],
-        "reward_fn": result["reward_fn_mean"],
-        "sentiment": result["sentiment_mean"],
-        "fluency_perplexity": result["fluency_perplexity"],
-        "eos_rate": result["eos_rate"],
-        "response_length": result["response_length_mean"],
-    }
+    return heldout_record(trainer.step, result)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -484,125 +450,42 @@ def evaluate_heldout(trainer: PPOTrainer, prompts: list[str], judge) -> dict[str
 
 
 def save_checkpoint(trainer: PPOTrainer, folder: Path) -> None:
-    """Atomically write everything needed to continue exactly: weights, optimiser, scheduler, RNG,
-    data position (the step) and the KL controller."""
-    trainer.accelerator.wait_for_everyone()
+    """Atomically write everything needed to continue exactly: the weights and optimiser state
+    (`PPOTrainer.save_model_state`: trainable weights on one process or DDP, every process's shards under
+    FSDP2 and DeepSpeed), the trainer's state (`PPOTrainer.state_dict`: the step, which fixes the data
+    position, the KL controller and the LR schedule) and every process's RNG state. Every process calls it;
+    the folder appears whole (renamed at the end)."""
+    accelerator = trainer.accelerator
+    accelerator.wait_for_everyone()
     rng_all = (
-        trainer.accelerator.gather_for_metrics([rng_state()], use_gather_object=True)
-        if trainer.accelerator.num_processes > 1
+        accelerator.gather_for_metrics([rng_state()], use_gather_object=True)
+        if accelerator.num_processes > 1
         else [rng_state()]
     )
-    if trainer.accelerator.is_fsdp2 or trainer.deepspeed:
-        save_sharded_checkpoint(trainer, folder, rng_all)
-        return
-    if trainer.accelerator.is_main_process:
-        from safetensors.torch import save_file
-
-        tmp = temp_dir_beside(folder)
-        trainable = {
-            n: p.detach().contiguous().cpu()
-            for n, p in trainer.unwrapped_policy.named_parameters()
-            if p.requires_grad
-        }
-        save_file(trainable, tmp / "policy_trainable.safetensors")
-        if trainer.critic is not None:
-            critic = {
-                n: p.detach().contiguous().cpu()
-                for n, p in trainer.accelerator.unwrap_model(trainer.critic).named_parameters()
-                if p.requires_grad
-            }
-            save_file(critic, tmp / "critic_trainable.safetensors")
-        torch.save(
-            {"optimizer": trainer.optimizer.state_dict(), "scheduler": trainer.scheduler.state_dict()},
-            tmp / "optimizer.pt",
-        )
-        torch.save(
-            {"step": trainer.step, "kl_ctl": trainer.kl_ctl.state_dict(), "rng": rng_all},
-            tmp / "trainer_state.pt",
-        )
-        (tmp / "step.json").write_text(json.dumps({"step": trainer.step}))
-        replace_dir(tmp, folder)
-    trainer.accelerator.wait_for_everyone()
-
-
-def save_sharded_checkpoint(trainer: PPOTrainer, folder: Path, rng_all: list) -> None:
-    """FSDP2 and DeepSpeed: each process writes its own shards, the main process the step, KL controller
-    and every process's RNG; the folder appears whole (renamed at the end).
-    - FSDP2: the policy and the optimiser state with torch's distributed checkpoint (`folder/sharded`,
-      loadable at another process count).
-    - DeepSpeed: accelerate's `save_state` (`folder/deepspeed`): the engine's own checkpoint on every
-      process (under ZeRO its partitions of the weights and of the optimiser state).
-    Both: the main process writes the LR scheduler (`scheduler.pt`; PPO steps it, not accelerate or the
-    engine)."""
-    accelerator = trainer.accelerator
     tmp = folder.with_name(f".{folder.name}.tmp")  # the same path on every process
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    if trainer.deepspeed:
-        accelerator.save_state(str(tmp / "deepspeed"))
-    else:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model_state, optimizer_state = get_state_dict(trainer.unwrapped_policy, trainer.optimizer.optimizer)
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(tmp / "sharded"))
+    trainer.save_model_state(tmp)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        torch.save({"scheduler": trainer.scheduler.state_dict()}, tmp / "scheduler.pt")
-        torch.save(
-            {"step": trainer.step, "kl_ctl": trainer.kl_ctl.state_dict(), "rng": rng_all},
-            tmp / "trainer_state.pt",
-        )
+        torch.save({**trainer.state_dict(), "rng": rng_all}, tmp / "trainer_state.pt")
         (tmp / "step.json").write_text(json.dumps({"step": trainer.step}))
         replace_dir(tmp, folder)
     accelerator.wait_for_everyone()
 
 
-def load_sharded_checkpoint(trainer: PPOTrainer, folder: Path) -> None:
-    if trainer.deepspeed:
-        # the engine's load_checkpoint on every process (its partitions)
-        trainer.accelerator.load_state(str(folder / "deepspeed"))
-    else:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        policy, optimizer = trainer.unwrapped_policy, trainer.optimizer.optimizer
-        model_state, optimizer_state = get_state_dict(policy, optimizer)
-        state = {"model": model_state, "optimizer": optimizer_state}
-        dcp.load(state, checkpoint_id=str(folder / "sharded"))
-        set_state_dict(
-            policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
-        )
-    trainer.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True)["scheduler"])
-
-
 def load_checkpoint(trainer: PPOTrainer, folder: Path) -> None:
-    if trainer.accelerator.is_fsdp2 or trainer.deepspeed:
-        load_sharded_checkpoint(trainer, folder)
-        load_trainer_state(trainer, folder)
-        return
-    trainable = load_file(folder / "policy_trainable.safetensors")
-    missing = trainer.unwrapped_policy.load_state_dict(trainable, strict=False)
-    if missing.unexpected_keys:
-        raise UserError(
-            f"checkpoint {folder} does not match the model: unexpected {missing.unexpected_keys[:3]}"
-        )
-    if trainer.critic is not None:
-        trainer.accelerator.unwrap_model(trainer.critic).load_state_dict(
-            load_file(folder / "critic_trainable.safetensors"), strict=False
-        )
-    opt = torch.load(folder / "optimizer.pt", weights_only=True, map_location="cpu")
-    trainer.optimizer.load_state_dict(opt["optimizer"])
-    trainer.scheduler.load_state_dict(opt["scheduler"])
-    load_trainer_state(trainer, folder)
-
-
-def load_trainer_state(trainer: PPOTrainer, folder: Path) -> None:
-    """The step (the data position), the KL controller and this process's RNG state."""
+    """What `save_checkpoint` wrote: the weights and optimiser state, the trainer's state and this process's
+    RNG state. A checkpoint written before issue 23 kept the LR schedule beside the optimiser state
+    (`optimizer.pt`, or `scheduler.pt` when sharded): it is read from there."""
+    trainer.load_model_state(folder)
     state = torch.load(folder / "trainer_state.pt", weights_only=True, map_location="cpu")
-    trainer.step = state["step"]
-    trainer.kl_ctl.load_state_dict(state["kl_ctl"])
+    if "scheduler" not in state:
+        old = folder / ("scheduler.pt" if (folder / "scheduler.pt").is_file() else "optimizer.pt")
+        state["scheduler"] = torch.load(old, weights_only=True, map_location="cpu")["scheduler"]
+    trainer.load_state_dict(state)
     set_rng_state(state["rng"][trainer.accelerator.process_index])
 
 

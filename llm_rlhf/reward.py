@@ -29,7 +29,7 @@ from peft import LoraConfig
 from trl import RewardConfig, RewardTrainer
 
 from llm_rlhf.baseline import fit_bow_baseline, pairwise_accuracy
-from llm_rlhf.config import format_config, help_field, require, save_config
+from llm_rlhf.config import help_field, require
 from llm_rlhf.data import load_preference_dataset, load_rows
 from llm_rlhf.errors import ConfigError, DataError, UserError
 from llm_rlhf.models import check_not_adapter_only, load_tokenizer
@@ -42,7 +42,15 @@ from llm_rlhf.reward_model import (
     save_reward_model,
     score_pairs,
 )
-from llm_rlhf.trainer_stage import SCHEDULERS, TrainerStageConfig, last_checkpoint, log_callback
+from llm_rlhf.trainer_stage import (
+    SCHEDULERS,
+    TrainerStageConfig,
+    check_reload,
+    last_checkpoint,
+    log_callback,
+    start_outputs,
+    training_metrics,
+)
 from llm_rlhf.utils import atomic_write_json, publish_files, seed_everything, temp_dir_beside
 
 
@@ -360,17 +368,6 @@ def normalize_and_evaluate(cfg: Config, reward_model: RewardModel, inputs: Input
     return metrics
 
 
-def _check_reload(saved: Path, reward_model: RewardModel, pairs, dtype: str) -> None:
-    """The folder must give the scores the trained model gives (no re-initialised head, no lost pad row)."""
-    n = min(8, len(pairs))
-    prompts, responses = list(pairs["prompt"])[:n], list(pairs["chosen"])[:n]
-    expected = score_pairs(reward_model, prompts, responses)
-    reloaded = load_reward_model(saved, dtype=dtype).to(next(reward_model.parameters()).device)
-    got = score_pairs(reloaded, prompts, responses)
-    if not torch.allclose(expected, got, atol=1e-3, rtol=1e-3):
-        raise RuntimeError(f"the saved reward model scores differently after reloading: {expected} vs {got}")
-
-
 def run(cfg: Config) -> dict[str, float]:
     """Validate inputs, train with RewardTrainer, normalise, evaluate (with the baseline), save, write metrics."""
     started = time.time()
@@ -391,9 +388,7 @@ def run(cfg: Config) -> dict[str, float]:
     trainer = build_trainer(cfg, inputs.model, tokenizer, train_dataset, eval_dataset)
     main = trainer.accelerator.is_main_process
     if main:
-        print(format_config(cfg), flush=True)
-        save_config(cfg, output_dir)
-        (output_dir / "metrics.json").unlink(missing_ok=True)  # a rerun is not done until it writes it again
+        start_outputs(cfg, output_dir)  # the first write: every input is valid by now
         lengths = sorted(
             len(ids) for ids in list(train_dataset["chosen_ids"]) + list(train_dataset["rejected_ids"])
         )
@@ -422,12 +417,13 @@ def run(cfg: Config) -> dict[str, float]:
         metrics = normalize_and_evaluate(cfg, reward_model, inputs)
         tmp = temp_dir_beside(output_dir / "final")
         save_reward_model(reward_model, tmp, merge_lora=cfg.merge_lora)
-        _check_reload(tmp, reward_model, inputs.eval, cfg.dtype)
+        check_reload(
+            reward_model, lambda: load_reward_model(tmp, dtype=cfg.dtype), score_pairs, inputs.eval,
+            what="the saved reward model scores differently", rtol=1e-3,
+        )  # fmt: skip
         publish_files(tmp, output_dir)
         metrics.update({
-            "train_loss": float(train_output.training_loss),
-            "train_runtime_s": float(train_output.metrics.get("train_runtime", float("nan"))),
-            "global_step": int(trainer.state.global_step),
+            **training_metrics(trainer, train_output),
             "train_pairs": len(train_dataset),
             "train_pairs_too_long": dropped,
             **({"train_pairs_distinct": len(set(resampled))} if resampled is not None else {}),

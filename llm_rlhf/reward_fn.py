@@ -11,7 +11,7 @@ named in a config as `reward_fn: SPEC`:
     path/to/file.py:callable   the file is loaded as a module (relative to the current directory)
 
 A class is built once with no arguments and its instances are called (a function that loads a classifier
-once, say). Where its score goes (`llm_rlhf.ppo.PPOTrainer.score`, and `llm-rlhf eval`):
+once, say). Where its score goes (`llm_rlhf.scoring.Scorer`: PPO, `llm-rlhf eval`, held-out evaluation):
 
     scores = rm_score + reward_fn_weight * reward_fn(prompts, responses)      (B,)
     rm_score = r_phi(x, y), normalised (0 when reward_model_path is null: the score is the function's alone)
@@ -32,21 +32,15 @@ Checks, each a one-line `UserError` naming the callable:
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import math
-import os
-import sys
 import traceback
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from llm_rlhf.config import split_callable_spec
+from llm_rlhf.callables import resolve_callable
 from llm_rlhf.data import adds_bos
 from llm_rlhf.errors import UserError
 
@@ -78,14 +72,6 @@ class RewardFn:
                 f"reward_fn '{self.spec}' raised {type(e).__name__}{': ' + message if message else ''}{where}"
             ) from e
         return check_scores(out, len(responses), self.spec)
-
-    def score_samples(self, samples, tokenizer) -> list[float]:
-        """The checked scores of a batch of sampled token ids (`rollout.Samples`: query, query_mask, response,
-        response_mask), decoded to the texts the function sees (`decode_texts`)."""
-        prompts, responses = decode_texts(
-            tokenizer, samples.query, samples.query_mask, samples.response, samples.response_mask
-        )
-        return self(prompts, responses)
 
 
 def check_scores(out: Any, n: int, spec: str) -> list[float]:
@@ -119,68 +105,10 @@ def check_scores(out: Any, n: int, spec: str) -> list[float]:
     return scores
 
 
-@contextmanager
-def current_directory_on_path():
-    """The current directory first on sys.path while importing (`python -m` puts it there, the `llm-rlhf`
-    entry point does not), so `my_rewards:fn` finds ./my_rewards.py either way."""
-    cwd = os.getcwd()
-    added = cwd not in sys.path and "" not in sys.path
-    if added:
-        sys.path.insert(0, cwd)
-    try:
-        yield
-    finally:
-        if added and cwd in sys.path:
-            sys.path.remove(cwd)
-
-
-def import_file(path: Path, spec: str):
-    """Load `path` (a .py file) as a module, once: registered under a private name, so a file called
-    e.g. `random.py` does not replace the standard module."""
-    digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
-    name = f"_llm_rlhf_reward_fn_{digest}_{path.stem}"
-    if name in sys.modules:
-        return sys.modules[name]
-    if not path.is_file():
-        raise UserError(f"reward_fn '{spec}': no such file '{path}'")
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as e:
-        del sys.modules[name]
-        raise UserError(f"reward_fn '{spec}': loading '{path}' raised {type(e).__name__}: {e}") from e
-    return module
-
-
 def load_reward_fn(spec: str) -> RewardFn:
-    """Resolve `reward_fn: SPEC` (see the module docstring) to a checked `RewardFn`."""
-    where, attr = split_callable_spec(spec, "reward_fn")
-    if where.endswith(".py") or "/" in where or os.sep in where:
-        obj: Any = import_file(Path(where), spec)
-    else:
-        try:
-            with current_directory_on_path():
-                obj = importlib.import_module(where)
-        except ImportError as e:
-            raise UserError(f"reward_fn '{spec}': cannot import module '{where}' ({e})") from None
-        except Exception as e:  # the module itself failed while importing
-            raise UserError(f"reward_fn '{spec}': importing '{where}' raised {type(e).__name__}: {e}") from e
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise UserError(f"reward_fn '{spec}': '{where}' has no attribute '{attr}'")
-        obj = getattr(obj, part)
-    if isinstance(obj, type):
-        try:
-            obj = obj()
-        except Exception as e:
-            raise UserError(
-                f"reward_fn '{spec}': building the class with no arguments raised {type(e).__name__}: {e}"
-            ) from e
-    if not callable(obj):
-        raise UserError(f"reward_fn '{spec}': {type(obj).__name__} is not callable")
-    return RewardFn(obj, spec)
+    """Resolve `reward_fn: SPEC` (see the module docstring; the rules of `callables.resolve_callable`, which
+    a `gold_judge` callable follows too) to a checked `RewardFn`."""
+    return RewardFn(resolve_callable(spec, "reward_fn"), spec)
 
 
 def probe(reward_fn: RewardFn, prompts: Sequence[str]) -> list[float]:

@@ -1,9 +1,12 @@
 """Sampling responses and the forwards over them, shared by PPO and evaluation.
 
+    Sampling        how responses are drawn (max_new_tokens, temperature, top_k, top_p, stop_strings,
+                    min_new_tokens): one value built from any stage's flat config (`Sampling.of(cfg)`)
     left_pad        token-id lists -> query, query_mask (B, P): every response starts at column P
-    sample          query -> `Samples`: responses from `generate`, cut after the first EOS or stop string,
-                    drawn from exactly softmax(logits / temperature) (top-k/top-p if asked, EOS masked before
-                    min_new_tokens; nothing from the checkpoint)
+    sample          the one sampler (PPO, evaluation, best-of-n, DPO's evaluation, SFT's samples):
+                    query + `Sampling` -> `Samples`: responses from `generate`, cut after the first EOS or stop
+                    string, drawn from exactly softmax(logits / temperature) (top-k/top-p if asked, EOS masked
+                    before min_new_tokens; nothing from the checkpoint), or greedy at temperature 0
     stop_string_ends  where each response's first stop string ends (a token-level cut of the decoded text;
                     the same test, `completes_stop_string`, stops `generate` through `StopStringsCriteria`)
     Rollout         `Samples` plus everything PPO computes on them (complete when built)
@@ -22,6 +25,7 @@ import dataclasses
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
@@ -158,6 +162,54 @@ def left_pad(queries: list[list[int]], pad_token_id: int, device=None) -> tuple[
     return query.to(device), query_mask.to(device)
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How responses are drawn: the one value every sampler takes (PPO's rollouts and held-out evaluation,
+    `llm-rlhf eval`, best-of-n and DPO's points in `compare`, SFT's samples), built from any stage's flat
+    config by `Sampling.of(cfg)`, so recipes stay flat and no key travels down the calls on its own.
+
+    max_new_tokens  the longest response, in tokens
+    temperature     softmax(logits / temperature); 0 = greedy (argmax, no random draw: SFT's
+                    `temperature: 0`; a greedy baseline response)
+    top_k, top_p    truncation of that distribution (0 and 1.0 = off; PPO requires off)
+    stop_strings    a response ends at the token completing the first of these in its text (kept)
+    min_new_tokens  EOS (and a stop string) cannot end a response before this many tokens
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop_strings: tuple[str, ...] = ()
+    min_new_tokens: int = 0
+
+    @classmethod
+    def of(cls, cfg: Any) -> Sampling:
+        """The settings of a flat config: its fields of these names (a stage without stop strings or
+        min_new_tokens, like SFT, gets the defaults: off)."""
+        values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls) if hasattr(cfg, f.name)}
+        if "stop_strings" in values:
+            values["stop_strings"] = tuple(values["stop_strings"])
+        return cls(**values)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def ends(self) -> dict[str, Any]:
+        """The settings that decide where a response ends, as config keys: the score reads a response up to
+        its end, so they are part of how a sample is scored (`scoring.scored_as`)."""
+        return {"stop_strings": list(self.stop_strings), "min_new_tokens": self.min_new_tokens}
+
+    def generate_kwargs(self) -> dict:
+        """`generate` kwargs for sampling from softmax(logits / temperature), truncated only by top_k (0 = off)
+        and top_p (1 = off): the explicit 0 matters, None would mean transformers' default top_k=50. Greedy:
+        do_sample off and nothing else."""
+        if self.greedy:
+            return {"do_sample": False}
+        return {"do_sample": True, "temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
+
+
 def check_generation_controls(cfg) -> None:
     """stop_strings and min_new_tokens of a PPO or evaluation config (ConfigError naming the key)."""
     require(
@@ -181,7 +233,7 @@ def generation_config_hidden(lm):
     model's may set repetition_penalty, no_repeat_ngram_size, top_k, min_p, ...) and then from its global
     defaults (top_k=50). Any of them would reshape the distribution the tokens are drawn from, while PPO's
     log-probs and KL are computed from the plain softmax(logits / temperature). So only the special-token
-    ids stay, and `sampling_settings` sets everything that shapes the distribution."""
+    ids stay, and `Sampling.generate_kwargs` sets everything that shapes the distribution."""
     inner = lm.get_base_model() if hasattr(lm, "get_base_model") else lm  # peft wraps the HF model
     saved = getattr(inner, "generation_config", None)
     if saved is None:  # not a transformers model: nothing to hide
@@ -194,12 +246,6 @@ def generation_config_hidden(lm):
         yield
     finally:
         inner.generation_config = saved
-
-
-def sampling_settings(*, temperature: float, top_k: int, top_p: float) -> dict:
-    """`generate` kwargs for sampling from softmax(logits / temperature), truncated only by top_k (0 = off)
-    and top_p (1 = off): the explicit 0 matters, None would mean transformers' default top_k=50."""
-    return {"do_sample": True, "temperature": temperature, "top_k": top_k, "top_p": top_p}
 
 
 def completes_stop_string(before: str, after: str, stop_strings) -> bool:
@@ -282,25 +328,21 @@ def sample(
     tokenizer,
     query: torch.Tensor,
     query_mask: torch.Tensor,
+    sampling: Sampling,
     *,
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    stop_strings=(),
-    min_new_tokens: int = 0,
-    pad_to_max_new_tokens: bool = False,
+    pad_to_max_new_tokens=False,
 ) -> Samples:
-    """y ~ pi(.|x) with the KV cache (HF derives the positions from the attention mask); stops at EOS,
-    which may be the first token unless min_new_tokens > 0: then EOS cannot be drawn at response positions
-    t < min_new_tokens (transformers' MinNewTokensLengthLogitsProcessor: the distribution is that of
+    """y ~ pi(.|x) with the KV cache (HF derives the positions from the attention mask), as `sampling` says;
+    stops at EOS, which may be the first token unless min_new_tokens > 0: then EOS cannot be drawn at response
+    positions t < min_new_tokens (transformers' MinNewTokensLengthLogitsProcessor: the distribution is that of
     `ppo_math.mask_eos_logits`, which every log-prob computation must apply too). A response also ends at
     the token completing its first stop string (`stop_string_ends`; none before min_new_tokens), cut after
     sampling: the kept tokens are draws of the same distribution, the tokens after the end are padding.
     pad_to_max_new_tokens: R = max_new_tokens even when every row ended early (the same shape on every
-    process). Draws from the current global RNG."""
+    process). Draws from the current global RNG (none when greedy)."""
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     criteria = StoppingCriteriaList()
+    stop_strings, min_new_tokens = sampling.stop_strings, sampling.min_new_tokens
     if stop_strings:
         criteria.append(
             StopStringsCriteria(
@@ -311,8 +353,8 @@ def sample(
         sequences = lm.generate(
             input_ids=query,
             attention_mask=query_mask,
-            **sampling_settings(temperature=temperature, top_k=top_k, top_p=top_p),
-            max_new_tokens=max_new_tokens,
+            **sampling.generate_kwargs(),
+            max_new_tokens=sampling.max_new_tokens,
             **({"min_new_tokens": min_new_tokens} if min_new_tokens > 0 else {}),
             stopping_criteria=criteria,
             eos_token_id=eos,
@@ -320,8 +362,9 @@ def sample(
             use_cache=True,
         )
     response = sequences[:, query.shape[1] :]  # (B, R)
-    if pad_to_max_new_tokens and response.shape[1] < max_new_tokens:  # generate stopped: every row ended
-        fill = response.new_full((response.shape[0], max_new_tokens - response.shape[1]), pad)
+    width = sampling.max_new_tokens
+    if pad_to_max_new_tokens and response.shape[1] < width:  # generate stopped: every row ended
+        fill = response.new_full((response.shape[0], width - response.shape[1]), pad)
         response = torch.cat([response, fill], dim=1)  # (B, max_new_tokens)
     eos_mask = ppo_math.response_mask_from_tokens(response=response, eos_token_id=eos)  # (B, R) up to EOS
     before_eos = eos_mask & (response != eos)  # (B, R): an EOS ends its response itself, whatever its text
@@ -338,24 +381,19 @@ def sample(
 
 
 def response_logprobs_and_values(
-    model,
-    samples: Samples,
-    temperature: float,
-    *,
-    entropy: str = "grad",
-    eos_token_id: int | None = None,
-    min_new_tokens: int = 0,
+    model, samples: Samples, sampling: Sampling, *, eos_token_id: int | None = None, entropy: str = "grad"
 ):
     """One forward of `models.PolicyWithValue` or `models.Reference` over query + response; outputs
-    aligned with the response tokens. With min_new_tokens > 0 the log-probs and the entropy are those of
-    the distribution the tokens were sampled from: EOS masked before response token min_new_tokens
-    (`ppo_math.mask_eos_logits`).
+    aligned with the response tokens. The log-probs and the entropy are those of the distribution `sampling`
+    drew the tokens from: softmax(logits / temperature), with EOS masked before response token
+    min_new_tokens when min_new_tokens > 0 (`ppo_math.mask_eos_logits`).
 
     The LM head runs only at the R positions whose logits are used (`logits_to_keep`), not at the query.
     entropy: "grad" (differentiable), "stats" (a metric only: no autograd graph over the (B, R, V)
     softmax) or "none" (not computed, None).
     Returns logprobs (B, R), values (B, R), entropy (B, R); values is None for a plain LM (reference).
     """
+    temperature = sampling.temperature
     P, R = samples.query.shape[1], samples.response.shape[1]
     # Positions P-1 .. P+R-2. A tensor, not `R + 1`: indexing gives a contiguous (B, R, H) copy, so the
     # LM head is one matmul (a strided slice sends frozen weights, LoRA's and the reference's, to bmm: 2x).
@@ -368,7 +406,9 @@ def response_logprobs_and_values(
     # `prepare` returns the policy's logits in float32 and the reference's stay bf16, and CPU autocast
     # runs log_softmax in the input's dtype, so without this KL != 0 at the first step (issue 13).
     logits = logits.float()
-    logits = ppo_math.mask_eos_logits(logits=logits, eos_token_id=eos_token_id, min_new_tokens=min_new_tokens)
+    logits = ppo_math.mask_eos_logits(
+        logits=logits, eos_token_id=eos_token_id, min_new_tokens=sampling.min_new_tokens
+    )
     logprobs = ppo_math.logprobs_from_logits(logits=logits, labels=samples.response, temperature=temperature)
     if entropy == "grad":
         entropy = ppo_math.entropy_from_logits(logits=logits, temperature=temperature)

@@ -24,11 +24,18 @@ from peft import LoraConfig, PeftModel
 from transformers.pytorch_utils import Conv1D
 from trl import SFTConfig, SFTTrainer
 
-from llm_rlhf.config import format_config, help_field, require, save_config
+from llm_rlhf.config import help_field, require
 from llm_rlhf.data import load_sft_dataset
 from llm_rlhf.models import load_causal_lm, load_tokenizer
-from llm_rlhf.rollout import encode_prompt, generation_config_hidden, left_pad, sampling_settings
-from llm_rlhf.trainer_stage import TrainerStageConfig, last_checkpoint, log_callback
+from llm_rlhf.rollout import Sampling, encode_prompt, left_pad, sample
+from llm_rlhf.trainer_stage import (
+    TrainerStageConfig,
+    final_eval,
+    last_checkpoint,
+    log_callback,
+    start_outputs,
+    training_metrics,
+)
 from llm_rlhf.utils import (
     atomic_write_json,
     atomic_write_text,
@@ -142,47 +149,37 @@ def build_trainer(cfg: Config, model, tokenizer, train_dataset, eval_dataset, ar
 
 
 @torch.no_grad()
-def sample_responses(model, tokenizer, prompts: list[str], *, max_new_tokens: int, temperature: float, top_k: int,
-                     top_p: float, batch_size: int = 32) -> list[dict]:  # fmt: skip
-    """Sample one response per prompt, batched with left padding.
+def sample_responses(
+    model, tokenizer, prompts: list[str], sampling: Sampling, batch_size: int = 32
+) -> list[dict]:
+    """Sample one response per prompt with `sampling` (greedy at temperature 0), batched with left padding,
+    by the sampler PPO and evaluation use (`rollout.sample`).
 
     Returns one dict per prompt: prompt, response (decoded, EOS not included), ended_with_eos (the model
     emitted EOS within max_new_tokens), num_tokens (response tokens before the EOS). An empty prompt
     starts from the BOS token (the EOS for GPT-2).
     """
     eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    sampling = (
-        sampling_settings(temperature=temperature, top_k=top_k, top_p=top_p)
-        if temperature > 0
-        else {"do_sample": False}
-    )
     results = []
     for i in range(0, len(prompts), batch_size):
         batch = prompts[i : i + batch_size]
         encoded = [encode_prompt(tokenizer, p) or [start] for p in batch]
-        input_ids, attention_mask = left_pad(encoded, pad, device)  # (B, T) each
-        width = input_ids.shape[1]
-        with generation_config_hidden(model):  # the same sampling as PPO and evaluation
-            output = model.generate(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                max_new_tokens=max_new_tokens,
-                eos_token_id=eos,
-                pad_token_id=pad,
-                **sampling,
-            )
-        for prompt, tokens in zip(batch, output[:, width:].tolist()):  # (B, new) response tokens only
-            n = tokens.index(eos) if eos in tokens else len(tokens)  # tokens after the EOS are padding
+        query, query_mask = left_pad(encoded, tokenizer.pad_token_id, device)  # (B, P) each
+        samples = sample(model, tokenizer, query, query_mask, sampling)
+        ended = samples.ended_with_eos(eos)  # (B,)
+        lengths = samples.response_mask.sum(-1) - ended.long()  # (B,) response tokens before the EOS
+        for prompt, tokens, n, done in zip(
+            batch, samples.response.tolist(), lengths.tolist(), ended.tolist()
+        ):
             results.append(
                 {
                     "prompt": prompt,
                     "response": tokenizer.decode(tokens[:n], skip_special_tokens=True),
-                    "ended_with_eos": n < len(tokens),
+                    "ended_with_eos": done,
                     "num_tokens": n,
                 }  # fmt: skip
             )
@@ -220,9 +217,7 @@ def run(cfg: Config) -> dict[str, float | None]:
     args = training_args(cfg)
     main = args.process_index == 0
     if main:
-        print(format_config(cfg), flush=True)
-        save_config(cfg, output_dir)  # the first write: every input is valid by now
-        (output_dir / "metrics.json").unlink(missing_ok=True)  # a rerun is not done until it writes it again
+        start_outputs(cfg, output_dir)  # the first write: every input is valid by now
     seed_everything(cfg.seed)
     trainer = build_trainer(cfg, model, tokenizer, train_dataset, eval_dataset, args)
     if main:
@@ -231,7 +226,7 @@ def run(cfg: Config) -> dict[str, float | None]:
         print(f"resuming from {checkpoint}", flush=True)
 
     train_output = trainer.train(resume_from_checkpoint=checkpoint)
-    eval_metrics = _final_eval(trainer)
+    eval_metrics = final_eval(trainer)
     trainer.accelerator.wait_for_everyone()
 
     metrics: dict[str, float | None] = {}
@@ -251,9 +246,7 @@ def run(cfg: Config) -> dict[str, float | None]:
             "eval_perplexity": math.exp(min(eval_loss, 50.0)),
             "eos_rate": sum(s["ended_with_eos"] for s in samples) / n if n else None,  # None: nothing sampled
             "mean_response_tokens": sum(s["num_tokens"] for s in samples) / n if n else None,
-            "train_loss": float(train_output.training_loss),
-            "train_runtime_s": float(train_output.metrics.get("train_runtime", float("nan"))),
-            "global_step": int(trainer.state.global_step),
+            **training_metrics(trainer, train_output),
             "train_examples": len(train_dataset),
             "eval_examples": len(eval_dataset),
             "trainable_parameters": trainable,
@@ -267,13 +260,6 @@ def run(cfg: Config) -> dict[str, float | None]:
     return metrics
 
 
-def _final_eval(trainer) -> dict[str, float]:
-    """The evaluation Trainer ran at the last step (eval_steps divides it, or the run ended), else a new one."""
-    last = trainer.state.log_history
-    done = [e for e in last if "eval_loss" in e and e.get("step") == trainer.state.global_step]
-    return done[-1] if done else trainer.evaluate()
-
-
 def _sample_eval_prompts(cfg: Config, model, tokenizer, eval_dataset) -> list[dict]:
     if cfg.num_samples == 0:
         return []
@@ -281,9 +267,8 @@ def _sample_eval_prompts(cfg: Config, model, tokenizer, eval_dataset) -> list[di
     random.Random(cfg.seed).shuffle(prompts)
     seed_everything(cfg.seed)
     return sample_responses(
-        model, tokenizer, prompts[: cfg.num_samples], max_new_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, batch_size=SAMPLE_BATCH_SIZE,
-    )  # fmt: skip
+        model, tokenizer, prompts[: cfg.num_samples], Sampling.of(cfg), batch_size=SAMPLE_BATCH_SIZE
+    )
 
 
 def _print_data_summary(trainer, tokenizer, cfg: Config) -> None:

@@ -1,6 +1,8 @@
 """What the stages built on a Hugging Face `Trainer` (SFT: TRL's SFTTrainer, RM: TRL's RewardTrainer, DPO:
 TRL's DPOTrainer) share: the config fields with their help, their checks, the training arguments, the LoRA
-arguments, the output-dir and checkpoint checks, and the log.jsonl callback.
+arguments, the output-dir and checkpoint checks, the log.jsonl callback, and the steps every stage's `run`
+takes alike: its first writes (`start_outputs`), the final evaluation (`final_eval`), the training figures
+of metrics.json (`training_metrics`) and the check that the saved folder reloads (`check_reload`).
 
 `TrainerStageConfig` is the base of `sft.Config`, `reward.Config` and `dpo.Config`; a stage re-declares a
 field only to change its default or its help. The user still sees one flat config per stage (YAML keys, `--key value`
@@ -14,10 +16,11 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
-from llm_rlhf.config import help_field, require
+from llm_rlhf.config import format_config, help_field, require, save_config
 from llm_rlhf.data import DATA_FORMATS
 from llm_rlhf.errors import ConfigError, UserError
 from llm_rlhf.models import check_local_folder
@@ -217,3 +220,45 @@ class JsonlLog(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs:
             append_jsonl(self.path, {"step": state.global_step, "epoch": state.epoch, **logs})
+
+
+# ---------------------------------------------------------------------------------------------------
+# What every stage's `run` does alike
+# ---------------------------------------------------------------------------------------------------
+
+
+def start_outputs(cfg, output_dir: Path) -> None:
+    """The first writes of a stage (main process), once every input is valid: print and save the resolved
+    config, and remove an earlier metrics.json: a rerun is not done until it writes it again."""
+    print(format_config(cfg), flush=True)
+    save_config(cfg, output_dir)
+    (output_dir / "metrics.json").unlink(missing_ok=True)
+
+
+def final_eval(trainer) -> dict[str, float]:
+    """The evaluation the Trainer ran at the last step (eval_steps divides it, or the run ended), else a new
+    one: eval_loss and the trainer's own eval_* figures."""
+    step = trainer.state.global_step
+    done = [e for e in trainer.state.log_history if "eval_loss" in e and e.get("step") == step]
+    return done[-1] if done else trainer.evaluate()
+
+
+def training_metrics(trainer, train_output) -> dict[str, float]:
+    """The training figures of a stage's metrics.json: the mean training loss, the runtime, the last step."""
+    return {
+        "train_loss": float(train_output.training_loss),
+        "train_runtime_s": float(train_output.metrics.get("train_runtime", float("nan"))),
+        "global_step": int(trainer.state.global_step),
+    }
+
+
+def check_reload(model, load, measure, pairs, *, what: str, rtol: float) -> None:
+    """The folder a stage saved must measure the first (up to 8) pairs as the trained model does: no lost
+    weight, head, pad row or adapter. `load()` reloads the folder; `measure(model, prompts, responses)` gives
+    one tensor (log-probs, scores); `what` says what differs in the RuntimeError."""
+    n = min(8, len(pairs))
+    prompts, responses = list(pairs["prompt"])[:n], list(pairs["chosen"])[:n]
+    expected = measure(model, prompts, responses)
+    got = measure(load().to(next(model.parameters()).device), prompts, responses)
+    if not torch.allclose(expected, got, atol=1e-3, rtol=rtol):
+        raise RuntimeError(f"{what} after reloading: {expected} vs {got}")

@@ -14,8 +14,10 @@ import pytest
 import torch
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.utils import DistributedType
+from helpers import one_update, ppo_config, ppo_trainer, record_raw_grads
 
 from llm_rlhf import ppo
+from llm_rlhf.accelerated import Accelerated, check_deepspeed_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "accelerate_configs"
 EXPECTED = {
@@ -60,13 +62,13 @@ def test_zero3_generation_gathers_the_policy_parameters(monkeypatch):
     fake.zero = SimpleNamespace(GatheredParameters=GatheredParameters)
     monkeypatch.setitem(sys.modules, "deepspeed", fake)
     trainer = fake_trainer(DistributedType.DEEPSPEED, zero_stage=3)
-    with ppo.PPOTrainer.gathered_for_generation(trainer, trainer.policy):
+    with Accelerated(trainer.accelerator).gathered_for_generation(trainer.policy):
         pass
     assert len(gathered) == 1 and gathered[0] == list(trainer.policy.lm.parameters())
 
     gathered.clear()
     trainer = fake_trainer(DistributedType.DEEPSPEED, zero_stage=2)  # ZeRO-2 keeps whole parameters
-    with ppo.PPOTrainer.gathered_for_generation(trainer, trainer.policy):
+    with Accelerated(trainer.accelerator).gathered_for_generation(trainer.policy):
         pass
     assert gathered == []
 
@@ -83,15 +85,47 @@ def test_fsdp_generation_summons_full_parameters(monkeypatch):
 
     monkeypatch.setattr(FullyShardedDataParallel, "summon_full_params", staticmethod(summon_full_params))
     trainer = fake_trainer(DistributedType.FSDP)
-    with ppo.PPOTrainer.gathered_for_generation(trainer, trainer.policy):
+    with Accelerated(trainer.accelerator).gathered_for_generation(trainer.policy):
         pass
     assert summoned == [(trainer.policy, False, True)]
 
 
-def test_ddp_generation_gathers_nothing():
-    trainer = fake_trainer(DistributedType.MULTI_GPU)
-    with ppo.PPOTrainer.gathered_for_generation(trainer, trainer.policy):
-        pass
+def test_ddp_generation_gathers_nothing(monkeypatch):
+    """DDP (and one process) keep whole parameters: no gather of any kind around generation, and the
+    generation inside runs on the policy as it is."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from llm_rlhf import accelerated
+
+    gathered = []
+
+    @contextmanager
+    def recording(kind, *args, **kwargs):
+        gathered.append(kind)
+        yield
+
+    fake = types.ModuleType("deepspeed")
+    fake.zero = SimpleNamespace(GatheredParameters=lambda *a, **kw: recording("zero3"))
+    monkeypatch.setitem(sys.modules, "deepspeed", fake)
+    monkeypatch.setattr(
+        FullyShardedDataParallel, "summon_full_params", staticmethod(lambda *a, **kw: recording("fsdp"))
+    )
+    monkeypatch.setattr(accelerated, "fsdp2_unsharded", lambda *a, **kw: recording("fsdp2"))
+    for kind in (DistributedType.MULTI_GPU, DistributedType.NO):
+        trainer = fake_trainer(kind)
+        before = trainer.policy.lm.weight.detach().clone()
+        with Accelerated(trainer.accelerator).gathered_for_generation(trainer.policy):
+            ran = trainer.policy.lm(torch.ones(1, 2))  # what generation would call
+        assert ran.shape == (1, 2) and torch.equal(trainer.policy.lm.weight, before)
+    assert gathered == []
+    # the recorders do record: the same call under ZeRO-3 and FSDP gathers
+    for trainer in (
+        fake_trainer(DistributedType.DEEPSPEED, zero_stage=3),
+        fake_trainer(DistributedType.FSDP),
+    ):
+        with Accelerated(trainer.accelerator).gathered_for_generation(trainer.policy):
+            pass
+    assert gathered == ["zero3", "fsdp"]
 
 
 # --- DeepSpeed: accumulation and the ratio guard, with the engine's step semantics ---------------
@@ -241,14 +275,13 @@ def as_deepspeed(trainer, monkeypatch, zero_stage: int = 2) -> StandInDeepSpeedE
 def test_deepspeed_accumulates_like_ddp(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch):
     """A minibatch of 8 as 4 micro-batches under the DeepSpeed engine: one engine step, from the same raw
     gradient as the plain one-process loop without accumulation."""
-    from test_ppo import make_cfg, one_update, record_raw_grads
 
     kw = dict(rollout_batch_size=8, mini_batch_size=8, ppo_epochs=1, max_grad_norm=1e9)
     plain = []
-    cfg = make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "plain", **kw)
+    cfg = ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "plain", **kw)
     one_update(cfg, lambda trainer: record_raw_grads(trainer, plain))
     engines = []
-    cfg = make_cfg(
+    cfg = ppo_config(
         tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "ds", gradient_accumulation_steps=4, **kw
     )
     one_update(cfg, lambda trainer: engines.append(as_deepspeed(trainer, monkeypatch)))
@@ -257,11 +290,9 @@ def test_deepspeed_accumulates_like_ddp(tiny_model_dir, tiny_rm_dir, prompt_file
 
 
 def test_deepspeed_ratio_guard_takes_no_step(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch):
-    from test_ppo import make_cfg, make_trainer
-
-    cfg = make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, gradient_accumulation_steps=2,
+    cfg = ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, gradient_accumulation_steps=2,
                    ratio_guard=0.5, lr_scheduler_type="linear")  # fmt: skip
-    trainer = make_trainer(cfg)
+    trainer = ppo_trainer(cfg)
     engine = as_deepspeed(trainer, monkeypatch)
     before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     metrics = trainer.ppo_step()  # rho == 1 > 0.5: every minibatch is skipped
@@ -278,9 +309,8 @@ def test_deepspeed_steps_the_lr_schedule_once_per_optimizer_step(
     """lr_scheduler_type: linear under DeepSpeed: the engine steps no torch LambdaLR, so PPO steps it after
     each engine step; one PPO step is 4 of the run's 8 optimiser steps (2 minibatches x 2 epochs, each of 2
     micro-batches), after which the optimiser's lr is half the initial one (it never moved, issue 13)."""
-    from test_ppo import make_cfg, make_trainer
 
-    cfg = make_cfg(
+    cfg = ppo_config(
         tiny_model_dir,
         tiny_rm_dir,
         prompt_file,
@@ -288,7 +318,7 @@ def test_deepspeed_steps_the_lr_schedule_once_per_optimizer_step(
         gradient_accumulation_steps=2,
         lr_scheduler_type="linear",
     )
-    trainer = make_trainer(cfg)
+    trainer = ppo_trainer(cfg)
     engine = as_deepspeed(trainer, monkeypatch)
     metrics = trainer.ppo_step()
     assert len(engine.raw_grads) == 4
@@ -306,9 +336,8 @@ def test_deepspeed_mixed_precision_first_step_kl_zero_ratio_one(
     the start (`prepare` returns the engine, which casts the model as DeepSpeed's does); one minibatch per
     step, so the step's ratio and approx-KL are those before any update."""
     from accelerate.scheduler import AcceleratedScheduler
-    from test_ppo import make_cfg, make_trainer
 
-    cfg = make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, mini_batch_size=8, ppo_epochs=1)
+    cfg = ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, mini_batch_size=8, ppo_epochs=1)
     original_init = ppo.PPOTrainer.__init__
 
     def init_under_deepspeed(self, cfg, *, accelerator, **models):
@@ -329,13 +358,13 @@ def test_deepspeed_mixed_precision_first_step_kl_zero_ratio_one(
         original_init(self, cfg, accelerator=accelerator, **models)
 
     monkeypatch.setattr(ppo.PPOTrainer, "__init__", init_under_deepspeed)
-    trainer = make_trainer(cfg, mixed_precision=mixed_precision)
+    trainer = ppo_trainer(cfg, mixed_precision=mixed_precision)
     assert isinstance(trainer.policy, StandInDeepSpeedEngine)
     first = trainer.ppo_step()
     assert len(trainer.policy.raw_grads) == 1  # the engine took the step
     assert first["objective/kl"] == 0.0
     assert first["policy/ratio"] == 1.0 and first["policy/approxkl"] == 0.0
-    for model in (trainer.unwrapped_policy, trainer.ref_model, trainer.reward_model):
+    for model in (trainer.unwrapped_policy, trainer.ref_model, trainer.scorer.reward_model):
         assert {p.dtype for p in model.parameters()} == {dtype}
     assert all(math.isfinite(first[k]) for k in ("loss/policy", "loss/value", "objective/scores"))
     assert trainer.ppo_step()["objective/kl"] != 0.0  # the policy moved and the KL sees it
@@ -349,30 +378,34 @@ def test_deepspeed_config_checks():
     plugin = SimpleNamespace(
         deepspeed_config={"gradient_accumulation_steps": "auto", "train_micro_batch_size_per_gpu": "auto"}
     )
-    ppo.check_deepspeed_config(plugin, sizes, critic=False)
+    micro = sizes.micro_batch_per_process
+    check_deepspeed_config(plugin, micro_batch_size=micro, critic=False)
     assert plugin.deepspeed_config == {"gradient_accumulation_steps": 1, "train_micro_batch_size_per_gpu": 2}
     with pytest.raises(UserError, match="gradient_accumulation_steps must be 1"):
-        ppo.check_deepspeed_config(
-            SimpleNamespace(deepspeed_config={"gradient_accumulation_steps": 4}), sizes, critic=False
+        check_deepspeed_config(
+            SimpleNamespace(deepspeed_config={"gradient_accumulation_steps": 4}),
+            micro_batch_size=micro,
+            critic=False,
         )
     with pytest.raises(UserError, match="not supported under DeepSpeed"):
-        ppo.check_deepspeed_config(plugin, sizes, critic=True)
+        check_deepspeed_config(plugin, micro_batch_size=micro, critic=True)
     with pytest.raises(UserError, match="must not define a scheduler"):
-        ppo.check_deepspeed_config(
-            SimpleNamespace(deepspeed_config={"scheduler": {"type": "WarmupLR"}}), sizes, critic=False
+        check_deepspeed_config(
+            SimpleNamespace(deepspeed_config={"scheduler": {"type": "WarmupLR"}}),
+            micro_batch_size=micro,
+            critic=False,
         )
     plugin.zero_stage = 3
-    ppo.check_deepspeed_config(plugin, sizes, critic=False, lora=False)
+    check_deepspeed_config(plugin, micro_batch_size=micro, critic=False, lora=False)
     with pytest.raises(UserError, match="use_lora is not supported under DeepSpeed ZeRO-3"):
-        ppo.check_deepspeed_config(plugin, sizes, critic=False, lora=True)
+        check_deepspeed_config(plugin, micro_batch_size=micro, critic=False, lora=True)
 
 
 def trained_zero3_trainer(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch):
     """One PPO step on one process, then the policy partitioned under the ZeRO-3 stand-in engine."""
-    from test_ppo import make_cfg, make_trainer
 
-    cfg = make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "run", lr_scheduler_type="linear")
-    trainer = make_trainer(cfg)
+    cfg = ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "run", lr_scheduler_type="linear")
+    trainer = ppo_trainer(cfg)
     trainer.ppo_step()
     return cfg, trainer, as_deepspeed(trainer, monkeypatch, zero_stage=3)
 

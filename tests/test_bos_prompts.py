@@ -3,9 +3,7 @@ tokenizer adds one (Llama-style tokenizers do; GPT-2's and SmolLM2's do not)."""
 
 from __future__ import annotations
 
-import torch
-from tokenizers import processors
-from transformers import LlamaConfig, LlamaForCausalLM
+from helpers import bos_model_dir, write_jsonl
 
 from llm_rlhf import dpo, ppo, ppo_run, sft
 from llm_rlhf.config import parse_config
@@ -13,29 +11,10 @@ from llm_rlhf.data import load_sft_dataset
 from llm_rlhf.evaluate import sample_batch
 from llm_rlhf.models import load_causal_lm, load_tokenizer
 from llm_rlhf.reward_model import encode_pair
-from llm_rlhf.rollout import encode_prompt
-from tests.conftest import build_tokenizer, write_jsonl
+from llm_rlhf.rollout import Sampling, encode_prompt
 
 PROMPTS = ["The film is", "A tedious, boring"]
 COMPLETIONS = [" a delight from start to finish.", " waste."]
-
-
-def bos_model_dir(folder):
-    """A tiny Llama whose tokenizer prepends <s> to every text, as Llama's does."""
-    tokenizer = build_tokenizer(folder)
-    tokenizer.add_special_tokens({"bos_token": "<s>"})
-    bos = tokenizer.convert_tokens_to_ids("<s>")
-    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", bos)]
-    )
-    tokenizer.save_pretrained(folder)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=64, bos_token_id=bos, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
-    return folder
 
 
 def test_every_stage_sees_the_bos(tmp_path):
@@ -85,14 +64,7 @@ def test_every_stage_sees_the_bos(tmp_path):
     # evaluation's queries (left-padded)
     tokenizer.pad_token = tokenizer.eos_token
     samples = sample_batch(
-        load_causal_lm(str(folder)),
-        tokenizer,
-        PROMPTS,
-        seed=0,
-        max_new_tokens=3,
-        temperature=1.0,
-        top_k=0,
-        top_p=1.0,
+        load_causal_lm(str(folder)), tokenizer, PROMPTS, Sampling(max_new_tokens=3), seed=0
     )
     for row, ids in enumerate(expected):
         query = samples.query[row][samples.query_mask[row].bool()].tolist()

@@ -11,19 +11,20 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from test_pipeline import pipeline_argv, run_pipeline
+from helpers import SENTIMENT_JUDGE, pipeline_argv, run_pipeline
 
 from llm_rlhf import compare, ppo_math
 from llm_rlhf.config import parse_config
 from llm_rlhf.errors import ConfigError, UserError
-from llm_rlhf.evaluate import sample_and_score
+from llm_rlhf.evaluate import PairedSampling, sample_and_score
 from llm_rlhf.gold import GoldJudge
 from llm_rlhf.models import freeze, load_causal_lm, load_tokenizer
 from llm_rlhf.reward_model import load_reward_model
+from llm_rlhf.rollout import Sampling
+from llm_rlhf.scoring import Scorer
 from llm_rlhf.utils import read_json
 
 REPO = Path(__file__).resolve().parent.parent
-SENTIMENT_JUDGE = str(REPO / "data" / "reviews" / "gold_judge.json")
 
 
 def test_best_of_n_points_are_the_expectations_over_the_samples(tiny_model_dir, tiny_rm_dir, prompt_file):
@@ -32,25 +33,25 @@ def test_best_of_n_points_are_the_expectations_over_the_samples(tiny_model_dir, 
     reward_model = freeze(load_reward_model(str(tiny_rm_dir)))
     judge = GoldJudge.load(SENTIMENT_JUDGE)
     prompts = [json.loads(line)["prompt"] for line in prompt_file.read_text().splitlines()][:3]
-    N, sampling = 8, dict(seed=3, batch_size=8, max_new_tokens=6)
+    N, draws = 8, PairedSampling(Sampling(max_new_tokens=6), seed=3, batch_size=8)
     points = compare.best_of_n_points(
         model,
         tokenizer,
         prompts,
-        reward_model=reward_model,
+        draws,
+        scorer=Scorer(reward_model),
         judge=judge,
         ns=[1, 2, 8],
         num_samples=N,
-        **sampling,
     )
     # The same samples, drawn again by the evaluation's own sampler with the same seeds.
     records = sample_and_score(
         model,
         tokenizer,
         [p for p in prompts for _ in range(N)],
-        reward_model=reward_model,
+        draws,
+        scorer=Scorer(reward_model),
         judge=judge,
-        **sampling,
     )
     rm = torch.tensor([r["rm_score"] for r in records]).view(3, N)
     gold = torch.tensor([r["gold_score"] for r in records]).view(3, N)
@@ -68,10 +69,11 @@ def test_best_of_n_points_are_the_expectations_over_the_samples(tiny_model_dir, 
     assert by_n[1]["rm_score"] <= by_n[2]["rm_score"] <= by_n[8]["rm_score"]
     with pytest.raises(ValueError, match="num_samples"):
         compare.best_of_n_points(
-            model, tokenizer, prompts, reward_model=reward_model, judge=judge, ns=[16], num_samples=N
+            model, tokenizer, prompts, draws, scorer=Scorer(reward_model), judge=judge, ns=[16], num_samples=N
         )
 
 
+@pytest.mark.slow
 def test_compare_stage_puts_ppo_dpo_and_best_of_n_on_one_plot(
     tmp_path, tiny_model_dir, sft_files, pref_files, prompt_file, monkeypatch, capsys
 ):

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import write_jsonl
+from helpers import flags, write_jsonl
 
 from llm_rlhf import cli, data
 from llm_rlhf.data import load_preference_dataset, load_prompt_dataset, load_rows, load_sft_dataset
@@ -233,12 +233,20 @@ def test_skip_long_leaves_out_long_prompts_and_prints_the_count(tokenizer, capsy
     assert capsys.readouterr().out == "", "nothing left out, nothing printed"
 
 
-def test_skip_long_off_is_an_error_naming_the_row(tokenizer):
+@pytest.mark.parametrize("rows", ["hh", "prompt"])
+def test_skip_long_off_is_an_error_naming_the_row(rows, tmp_path, tokenizer):
+    """A prompt longer than max_prompt_length, without skip_long: one line naming the file, the row, the
+    field and the length (an HH dialogue's prompt, and a plain prompt row)."""
+    if rows == "hh":
+        path, limit, row, tokens = HH_FILE, 62, 2, 88
+    else:
+        path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "The film is a delight from start to finish."}])
+        limit, row, tokens = 4, 1, 11
     with pytest.raises(DataError) as e:
-        load_prompt_dataset(HH_FILE, tokenizer, max_prompt_length=62)
+        load_prompt_dataset(path, tokenizer, max_prompt_length=limit)
     assert str(e.value) == (
-        f"{HH_FILE}, row 2, field 'prompt': 88 tokens is too long: the limit is max_prompt_length=62; "
-        "shorten the prompt or raise the limit"
+        f"{path}, row {row}, field 'prompt': {tokens} tokens is too long: the limit is "
+        f"max_prompt_length={limit}; shorten the prompt or raise the limit"
     )
 
 
@@ -318,7 +326,7 @@ def test_ppo_and_eval_read_their_prompt_files_with_the_stage_keys(tiny_model_dir
     eval_cfg = parse_config(evaluate.Config, [*keys, "--prompt_file", str(HH_FILE), "--num_prompts", "9"])
     loaders = {
         "ppo prompt_file": lambda cfg: ppo_run.load_prompts(cfg, tokenizer),
-        "ppo eval_prompt_file": lambda cfg: ppo_run.load_eval_inputs(cfg)[0],
+        "ppo eval_prompt_file": lambda cfg: evaluate.load_heldout_inputs(cfg)[0],
         "eval prompt_file": lambda cfg: evaluate.load_prompts(cfg, tokenizer),
     }
     skipped = f"{HH_FILE}: skipped 9 of 18 prompts that are too long: the limit is max_prompt_length=62\n"
@@ -463,16 +471,6 @@ def test_bad_preference_input(case, tmp_path, tokenizer):
     assert str(e.value) == message.format(f=path)
 
 
-def test_prompt_longer_than_max_prompt_length(tmp_path, tokenizer):
-    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "The film is a delight from start to finish."}])
-    with pytest.raises(DataError) as e:
-        load_prompt_dataset(path, tokenizer, max_prompt_length=4)
-    assert str(e.value) == (
-        f"{path}, row 1, field 'prompt': 11 tokens is too long: the limit is max_prompt_length=4; "
-        "shorten the prompt or raise the limit"
-    )
-
-
 def test_mixed_column_types_in_load_rows(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a"}, {"prompt": "b"}, {"prompt": 3}])
     with pytest.raises(DataError) as e:
@@ -512,26 +510,18 @@ def test_hub_dataset_rows_are_numbered(monkeypatch, tokenizer):
 # ---------------------------------------------------------------------------------------------------
 
 
+def sft_argv(model_dir, train_file, eval_file, out, **keys) -> list[str]:
+    """`sft` with its model, data files and output folder (and `keys`) as command-line flags."""
+    values = dict(model_name_or_path=model_dir, train_file=train_file, eval_file=eval_file, output_dir=out)
+    return ["sft", *flags({**values, **keys})]
+
+
 @pytest.mark.parametrize("case", ["missing field", "undecodable bytes", "prompt too long", "empty dataset"])
 def test_cli_bad_data_exits_2_and_writes_nothing(case, tmp_path, tiny_model_dir, sft_files, capsys):
     make, message = BAD_SFT[case]
     bad = make(tmp_path)
     out = tmp_path / "run"
-    code = cli.main(
-        [
-            "sft",
-            "--model_name_or_path",
-            str(tiny_model_dir),
-            "--train_file",
-            str(bad),
-            "--eval_file",
-            str(sft_files[1]),
-            "--output_dir",
-            str(out),
-            "--max_length",
-            "10",
-        ]  # fmt: skip
-    )
+    code = cli.main(sft_argv(tiny_model_dir, bad, sft_files[1], out, max_length=10))
     err = capsys.readouterr().err
     assert code == 2
     assert err == f"error: {message.format(f=bad)}\n"
@@ -557,20 +547,7 @@ def test_cli_subprocess_bad_row(tmp_path, tiny_model_dir, sft_files):
     bad = write_jsonl(tmp_path / "bad.jsonl", [GOOD, {"prompt": "The film", "completion": 3}])
     out = tmp_path / "run"
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "llm_rlhf",
-            "sft",
-            "--model_name_or_path",
-            str(tiny_model_dir),
-            "--train_file",
-            str(bad),
-            "--eval_file",
-            str(sft_files[1]),
-            "--output_dir",
-            str(out),
-        ],  # fmt: skip
+        [sys.executable, "-m", "llm_rlhf", *sft_argv(tiny_model_dir, bad, sft_files[1], out)],
         capture_output=True,
         text=True,
         timeout=120,

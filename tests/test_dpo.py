@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import launch
 
 from llm_rlhf import cli, dpo, pipeline, reward
 from llm_rlhf.config import parse_config
@@ -426,22 +427,14 @@ def test_recipe_parses_and_runs_a_few_steps(tmp_path, tiny_model_dir, pref_files
 def test_two_process_ddp_run_on_cpu(tmp_path, tiny_model_dir, pref_files):
     """`accelerate launch` with 2 processes trains one model with DDP (not two copies): 6 steps of 4 pairs
     per process cover 48 of the 40 training pairs, epoch 1.2."""
-    import os
-    import subprocess
-    import sys
-
     train, val = pref_files
     out = tmp_path / "dpo"
-    command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-        str(ROOT / "accelerate_configs" / "multi_gpu.yaml"), "--num_processes", "2", "-m", "llm_rlhf", "dpo",
+    launch([
+        "-m", "llm_rlhf", "dpo",
         "--model_name_or_path", str(tiny_model_dir), "--train_file", str(train), "--eval_file", str(val),
         "--output_dir", str(out), "--max_steps", "6", "--max_length", "32", "--per_device_train_batch_size", "4",
         "--eval_steps", "3", "--logging_steps", "3",
-    ]  # fmt: skip
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    ], 2)  # fmt: skip
     assert read_json(out / "metrics.json")["global_step"] == 6
     epochs = [json.loads(line)["epoch"] for line in (out / "log.jsonl").read_text().splitlines()]
     assert max(epochs) == pytest.approx(1.2)

@@ -8,15 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_model
+from helpers import SENTIMENT_JUDGE, build_model, eval_config
 
 from llm_rlhf import evaluate
 from llm_rlhf.errors import UserError
 from llm_rlhf.models import freeze, load_causal_lm, load_tokenizer
-
-REPO = Path(__file__).resolve().parent.parent
-SHIPPED_JUDGE = str(REPO / "data" / "reviews" / "gold_judge.json")
-
+from llm_rlhf.rollout import Sampling
+from llm_rlhf.scoring import Scorer
 
 # --- pure helpers ---------------------------------------------------------------------------------
 
@@ -52,21 +50,11 @@ def other_model_dir(tmp_path_factory) -> Path:
     return build_model(tmp_path_factory.mktemp("tiny_gpt2_other"), "gpt2", seed=1)
 
 
-def make_cfg(policy, baseline, prompt_file, out, **kw) -> evaluate.Config:
-    base = dict(
-        policy_path=str(policy), baseline_path=str(baseline), reward_model_path="none", gold_judge=SHIPPED_JUDGE,
-        prompt_file=str(prompt_file), num_prompts=12, max_new_tokens=6, batch_size=5, output_dir=str(out),
-        print_samples=2,
-    )  # fmt: skip
-    base.update(kw)
-    return evaluate.Config(**base)
-
-
 def test_policy_against_itself(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
     """Same model, paired seeds: identical samples, so KL is exactly 0 and both win rates exactly 0.5."""
     out = tmp_path / "eval"
     metrics = evaluate.run(
-        make_cfg(
+        eval_config(
             tiny_model_dir,
             tiny_model_dir,
             prompt_file,
@@ -94,12 +82,13 @@ def test_policy_against_itself(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_pat
     assert (out / "config.yaml").is_file()
 
 
+@pytest.mark.slow
 def test_different_policy_is_deterministic(tiny_model_dir, other_model_dir, prompt_file, tmp_path):
     """A policy that differs from the reference: KL > 0 on its samples, the baseline (= reference) has KL
     exactly 0, the KL at the sampling temperature is reported apart, and two runs agree exactly."""
     kw = dict(temperature=0.7, gold_judge="none", num_prompts=6, batch_size=3)
-    first = evaluate.run(make_cfg(other_model_dir, tiny_model_dir, prompt_file, tmp_path / "a", **kw))
-    second = evaluate.run(make_cfg(other_model_dir, tiny_model_dir, prompt_file, tmp_path / "b", **kw))
+    first = evaluate.run(eval_config(other_model_dir, tiny_model_dir, prompt_file, tmp_path / "a", **kw))
+    second = evaluate.run(eval_config(other_model_dir, tiny_model_dir, prompt_file, tmp_path / "b", **kw))
     first.pop("time_s"), second.pop("time_s")
     assert first == second
     assert (tmp_path / "a" / "samples.jsonl").read_text() == (tmp_path / "b" / "samples.jsonl").read_text()
@@ -110,7 +99,7 @@ def test_different_policy_is_deterministic(tiny_model_dir, other_model_dir, prom
     )
 
     reseeded = evaluate.run(
-        make_cfg(other_model_dir, tiny_model_dir, prompt_file, tmp_path / "c", seed=1, **kw)
+        eval_config(other_model_dir, tiny_model_dir, prompt_file, tmp_path / "c", seed=1, **kw)
     )
     assert (tmp_path / "c" / "samples.jsonl").read_text() != (tmp_path / "a" / "samples.jsonl").read_text()
     assert reseeded["kl_to_ref"] != first["kl_to_ref"]
@@ -124,7 +113,7 @@ def test_evaluate_policy_matches_the_command(
     from llm_rlhf.reward_model import load_reward_model
 
     metrics = evaluate.run(
-        make_cfg(
+        eval_config(
             other_model_dir,
             tiny_model_dir,
             prompt_file,
@@ -136,14 +125,15 @@ def test_evaluate_policy_matches_the_command(
     policy = load_causal_lm(str(other_model_dir))
     policy.train()
     prompts = evaluate.load_prompts(
-        make_cfg(other_model_dir, tiny_model_dir, prompt_file, tmp_path), tokenizer
+        eval_config(other_model_dir, tiny_model_dir, prompt_file, tmp_path), tokenizer
     )
     torch.manual_seed(123)
     state = torch.get_rng_state()
     result = evaluate.evaluate_policy(
-        policy=policy, tokenizer=tokenizer, prompts=prompts, ref_model=freeze(load_causal_lm(str(tiny_model_dir))),
-        reward_model=freeze(load_reward_model(str(tiny_rm_dir))), judge=GoldJudge.load(SHIPPED_JUDGE),
-        batch_size=5, max_new_tokens=6,
+        policy=policy, tokenizer=tokenizer, prompts=prompts,
+        draws=evaluate.PairedSampling(Sampling(max_new_tokens=6), seed=0, batch_size=5),
+        scorer=Scorer(freeze(load_reward_model(str(tiny_rm_dir)))), judge=GoldJudge.load(SENTIMENT_JUDGE),
+        reference=evaluate.KLReference(freeze(load_causal_lm(str(tiny_model_dir)))),
     )  # fmt: skip
     assert torch.equal(torch.get_rng_state(), state)
     assert policy.training  # restored
@@ -161,12 +151,14 @@ def test_evaluate_policy_matches_the_command(
 def test_bad_inputs_fail_before_anything_is_written(tiny_model_dir, prompt_file, tmp_path):
     out = tmp_path / "eval"
     with pytest.raises(UserError, match="num_prompts=99"):
-        evaluate.run(make_cfg(tiny_model_dir, tiny_model_dir, prompt_file, out, num_prompts=99))
+        evaluate.run(eval_config(tiny_model_dir, tiny_model_dir, prompt_file, out, num_prompts=99))
     with pytest.raises(UserError, match="gold_judge"):
-        evaluate.run(make_cfg(tiny_model_dir, tiny_model_dir, prompt_file, out, gold_judge="nope"))
+        evaluate.run(eval_config(tiny_model_dir, tiny_model_dir, prompt_file, out, gold_judge="nope"))
     with pytest.raises(UserError, match="reward model"):
         evaluate.run(
-            make_cfg(tiny_model_dir, tiny_model_dir, prompt_file, out, reward_model_path=str(tmp_path / "x"))
+            eval_config(
+                tiny_model_dir, tiny_model_dir, prompt_file, out, reward_model_path=str(tmp_path / "x")
+            )
         )
     assert not out.exists()
 
@@ -176,7 +168,7 @@ def test_cli_eval(tiny_model_dir, prompt_file, tmp_path):
 
     out = tmp_path / "eval"
     argv = ["eval", "--policy_path", str(tiny_model_dir), "--baseline_path", str(tiny_model_dir),
-            "--reward_model_path", "none", "--gold_judge", SHIPPED_JUDGE, "--prompt_file", str(prompt_file),
+            "--reward_model_path", "none", "--gold_judge", SENTIMENT_JUDGE, "--prompt_file", str(prompt_file),
             "--num_prompts", "4", "--max_new_tokens", "4", "--print_samples", "0", "--output_dir", str(out)]  # fmt: skip
     assert main(argv) == 0
     metrics = json.loads((out / "metrics.json").read_text())

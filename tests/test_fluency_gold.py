@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import build_model, write_jsonl
 
 from llm_rlhf import evaluate
 from llm_rlhf.errors import UserError
@@ -23,7 +24,6 @@ from llm_rlhf.gold import (
     judge_details,
     load_judge,
 )
-from tests.conftest import build_model, write_jsonl
 
 PROMPTS = ["The film is", "A", "", "This movie was so"]
 RESPONSES = [" a quiet and funny story.", " good movie", " The acting is bad.", ""]
@@ -147,6 +147,7 @@ def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_judge_command(tmp_path, tiny_model_dir):
     model_dir = tmp_path / "lm"
     model_dir.symlink_to(tiny_model_dir, target_is_directory=True)
@@ -206,6 +207,7 @@ def test_eval_reports_the_gold_parts(tmp_path, tiny_model_dir, prompt_file):
     assert metrics["sentiment_win_rate"] == pytest.approx(sum(wins) / len(wins))
 
 
+@pytest.mark.slow
 def test_gold_vs_policy_script(tmp_path, tiny_model_dir):
     """data/gold_vs_policy.py pairs each evaluation prompt with the real test sentence that opens with it
     and reports how often the gold, sentiment alone and fluency alone prefer the real continuation."""

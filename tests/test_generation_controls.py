@@ -17,6 +17,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import (
+    SENTIMENT_JUDGE,
+    bos_model_dir,
+    build_model,
+    launch,
+    naive_sample,
+    ppo_cli_args,
+    ppo_config,
+    ppo_trainer,
+    recording_rollouts,
+    write_jsonl,
+)
 from transformers import AutoModelForCausalLM
 
 from llm_rlhf import cli, evaluate, ppo, ppo_math, ppo_run
@@ -28,6 +40,7 @@ from llm_rlhf.models import Reference, freeze, load_causal_lm, load_tokenizer
 from llm_rlhf.reward_model import load_reward_model
 from llm_rlhf.rollout import (
     Samples,
+    Sampling,
     completes_stop_string,
     encode_prompt,
     left_pad,
@@ -35,13 +48,9 @@ from llm_rlhf.rollout import (
     sample,
     stop_string_ends,
 )
-from tests.conftest import build_model, write_jsonl
-from tests.test_bos_prompts import bos_model_dir
-from tests.test_multiprocess import launch, ppo_cli_args
-from tests.test_ppo import make_cfg, make_trainer
+from llm_rlhf.scoring import Scorer
 
 ROOT = Path(__file__).resolve().parents[1]
-SENTIMENT_JUDGE = str(ROOT / "data" / "reviews" / "gold_judge.json")
 STOPS = ["e", "a"]  # in about one token of five of the tiny tokenizer's: some responses stop, some do not
 PROMPTS = ["The film is", "A gorgeous", "It's a terrible movie", "The acting"]
 CHAT_TEMPLATE = (
@@ -180,11 +189,13 @@ def test_stop_strings_only_cut_the_draws(eos_prone_dir, min_new_tokens):
     lm, tokenizer = load_lm(eos_prone_dir)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     query, query_mask = left_pad([encode_prompt(tokenizer, p) for p in PROMPTS * 10], pad)  # (40, P)
-    kw = dict(max_new_tokens=10, temperature=1.0, top_k=0, top_p=1.0, min_new_tokens=min_new_tokens)
+    plain_sampling = Sampling(max_new_tokens=10, temperature=1.0, min_new_tokens=min_new_tokens)
     torch.manual_seed(0)
-    plain = sample(lm, tokenizer, query, query_mask, **kw)
+    plain = sample(lm, tokenizer, query, query_mask, plain_sampling)
     torch.manual_seed(0)
-    cut = sample(lm, tokenizer, query, query_mask, stop_strings=STOPS, **kw)
+    cut = sample(
+        lm, tokenizer, query, query_mask, dataclasses.replace(plain_sampling, stop_strings=tuple(STOPS))
+    )
     R = cut.response.shape[1]
     kinds = {"stop": 0, "eos": 0, "truncated": 0}
     for b in range(query.shape[0]):
@@ -205,41 +216,21 @@ def test_stop_strings_only_cut_the_draws(eos_prone_dir, min_new_tokens):
     assert kinds["stop"] > 0 and kinds["eos"] > 0, kinds  # the test has teeth
 
 
-def naive_min_new_tokens_sample(lm, query, *, steps, temperature, eos, pad, min_new_tokens):
-    """Token by token, no cache: x_t ~ softmax(z'_t / T) with z'_t[EOS] = -inf while t < min_new_tokens;
-    finished rows get pad (as HF)."""
-    seq, done, out = query.clone(), torch.zeros(query.shape[0], dtype=torch.bool), []
-    for t in range(steps):
-        logits = lm(seq).logits[:, -1].float()  # (B, V): the next-token logits
-        if t < min_new_tokens:
-            logits[:, eos] = -math.inf
-        token = torch.multinomial(torch.softmax(logits / temperature, dim=-1), num_samples=1).squeeze(1)
-        token = torch.where(done, torch.full_like(token, pad), token)
-        out.append(token)
-        seq = torch.cat([seq, token[:, None]], dim=1)
-        done |= token == eos
-        if done.all():
-            break
-    return torch.stack(out, dim=1)  # (B, steps or fewer)
-
-
 def test_min_new_tokens_draws_from_the_eos_masked_softmax(eos_prone_dir):
     lm, tokenizer = load_lm(eos_prone_dir)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     query, query_mask = left_pad([encode_prompt(tokenizer, "The film is")] * 64, pad)  # no padding
-    kw = dict(max_new_tokens=8, temperature=0.9, top_k=0, top_p=1.0)
+    free_sampling = Sampling(max_new_tokens=8, temperature=0.9, top_k=0, top_p=1.0)
     torch.manual_seed(5)
-    got = sample(lm, tokenizer, query, query_mask, min_new_tokens=3, **kw)
+    got = sample(lm, tokenizer, query, query_mask, dataclasses.replace(free_sampling, min_new_tokens=3))
     torch.manual_seed(5)
     with torch.no_grad():
-        expected = naive_min_new_tokens_sample(
-            lm, query, steps=8, temperature=0.9, eos=eos, pad=pad, min_new_tokens=3
-        )
+        expected = naive_sample(lm, query, steps=8, temperature=0.9, eos=eos, pad=pad, min_new_tokens=3)
     assert torch.equal(got.response[:, : expected.shape[1]], expected)
     assert got.response_mask.sum(-1).min() >= 3  # EOS no earlier than the third token
     assert got.ended_with_eos(eos).any()
     torch.manual_seed(5)
-    free = sample(lm, tokenizer, query, query_mask, **kw)
+    free = sample(lm, tokenizer, query, query_mask, free_sampling)
     assert free.response_mask.sum(-1).min() < 3  # without it some responses are shorter: the test has teeth
 
 
@@ -255,13 +246,13 @@ def test_ppo_logprobs_are_those_generate_sampled_from(
     """The real PPO rollout (`PPOTrainer.rollout`): its old log-probs, recomputed by the PPO forward on the cut
     responses, are the log-probs of the distribution `generate` drew each kept token from; the reference's
     equal them exactly at the first step (KL = 0); the RM scores each response as cut."""
-    cfg = make_cfg(eos_prone_dir, tiny_rm_dir, prompt_file, tmp_path, rollout_batch_size=16, mini_batch_size=8,
+    cfg = ppo_config(eos_prone_dir, tiny_rm_dir, prompt_file, tmp_path, rollout_batch_size=16, mini_batch_size=8,
                    max_new_tokens=10, temperature=0.8, stop_strings=stop_strings, min_new_tokens=min_new_tokens)  # fmt: skip
-    trainer = make_trainer(cfg)
+    trainer = ppo_trainer(cfg)
     eos = trainer.tokenizer.eos_token_id
     calls = record_generate_scores(trainer.unwrapped_policy.lm, monkeypatch)
     torch.manual_seed(0)
-    rollout = trainer.rollout(trainer.next_queries())
+    rollout, _ = trainer.rollout(trainer.next_queries())
     (scores,) = calls
     mask = rollout.response_mask
     T = len(scores)
@@ -276,7 +267,10 @@ def test_ppo_logprobs_are_those_generate_sampled_from(
     if min_new_tokens:
         # without the EOS mask the forward gives other log-probs where EOS was masked: the test has teeth
         unmasked = response_logprobs_and_values(
-            trainer.unwrapped_policy, rollout.trimmed(), cfg.temperature, entropy="none"
+            trainer.unwrapped_policy,
+            rollout.trimmed(),
+            Sampling(10, temperature=cfg.temperature),
+            entropy="none",
         )[0]  # (B, R')
         early = mask[:, :min_new_tokens]
         assert (unmasked[:, :min_new_tokens] - expected[:, :min_new_tokens])[early].abs().min() > 1e-3
@@ -299,7 +293,7 @@ def test_ppo_logprobs_are_those_generate_sampled_from(
             response = rollout.response[b, : lengths[b]][None]  # (1, L_b)
             alone = Samples(query=query, query_mask=torch.ones_like(query), response=response,
                             response_mask=torch.ones_like(response, dtype=torch.bool))  # fmt: skip
-            assert trainer.score(alone).item() == pytest.approx(rollout.scores[b].item(), abs=1e-5)
+            assert trainer.score(alone).scores.item() == pytest.approx(rollout.scores[b].item(), abs=1e-5)
 
 
 def test_ppo_steps_with_stop_strings_and_min_new_tokens(
@@ -308,21 +302,16 @@ def test_ppo_steps_with_stop_strings_and_min_new_tokens(
     """Two real PPO steps: finite metrics, KL = 0 and ratio = 1 before the first update (the same EOS mask in
     the rollout and the training forward), response_length and eos_rate those of the rollout, and the EOS
     trick treating a stop string as an end (no penalty) like an EOS."""
-    cfg = make_cfg(eos_prone_dir, tiny_rm_dir, prompt_file, tmp_path, rollout_batch_size=16, mini_batch_size=16,
+    cfg = ppo_config(eos_prone_dir, tiny_rm_dir, prompt_file, tmp_path, rollout_batch_size=16, mini_batch_size=16,
                    ppo_epochs=1, max_new_tokens=10, stop_strings=STOPS, min_new_tokens=2, eos_penalty=-3.0)  # fmt: skip
-    trainer = make_trainer(cfg)
+    trainer = ppo_trainer(cfg)
     eos = trainer.tokenizer.eos_token_id
-    rollouts, ended, rollout, shaped = [], [], trainer.rollout, ppo_math.shaped_rewards
-
-    def recording_rollout(*args, **kwargs):
-        rollouts.append(rollout(*args, **kwargs))
-        return rollouts[-1]
+    rollouts, ended, shaped = recording_rollouts(trainer), [], ppo_math.shaped_rewards
 
     def recording_shaped(**kw):
         ended.append(kw["ended_with_eos"])
         return shaped(**kw)
 
-    trainer.rollout = recording_rollout
     monkeypatch.setattr(ppo.ppo_math, "shaped_rewards", recording_shaped)
     metrics = [trainer.ppo_step() for _ in range(2)]
     assert metrics[0]["objective/kl"] == 0.0
@@ -354,20 +343,20 @@ def test_eval_scores_the_cut_responses(eos_prone_dir, tiny_model_dir, tiny_rm_di
         seen.extend(responses)
         return [float(len(r)) for r in responses]
 
-    kw = dict(
-        seed=3, max_new_tokens=10, temperature=1.0, top_k=0, top_p=1.0, stop_strings=STOPS, min_new_tokens=2
-    )
+    sampling = Sampling(max_new_tokens=10, temperature=1.0, stop_strings=tuple(STOPS), min_new_tokens=2)
     prompts = PROMPTS * 3
-    records = evaluate.sample_and_score(lm, tokenizer, prompts, ref_model=ref, reward_model=rm, judge=judge,
-                                        batch_size=len(prompts), **kw)  # fmt: skip
-    batch = evaluate.sample_batch(lm, tokenizer, prompts, **kw)  # the same draws (seed + batch 0)
+    draws = evaluate.PairedSampling(sampling, seed=3, batch_size=len(prompts))
+    records = evaluate.sample_and_score(lm, tokenizer, prompts, draws, scorer=Scorer(rm), judge=judge,
+                                        reference=evaluate.KLReference(ref))  # fmt: skip
+    batch = evaluate.sample_batch(lm, tokenizer, prompts, sampling, seed=3)  # the same draws (seed + batch 0)
     eos = tokenizer.eos_token_id
     assert seen == [r["response"] for r in records]
     assert any(batch.stopped) and not all(batch.stopped)
-    logprobs = response_logprobs_and_values(Reference(lm), batch, 1.0, entropy="none", eos_token_id=eos,
-                                            min_new_tokens=2)[0]  # fmt: skip
-    ref_logprobs = response_logprobs_and_values(Reference(ref), batch, 1.0, entropy="none", eos_token_id=eos,
-                                                min_new_tokens=2)[0]  # fmt: skip
+    at_one = dataclasses.replace(sampling, temperature=1.0)
+    logprobs = response_logprobs_and_values(Reference(lm), batch, at_one, eos_token_id=eos, entropy="none")[0]
+    ref_logprobs = response_logprobs_and_values(
+        Reference(ref), batch, at_one, eos_token_id=eos, entropy="none"
+    )[0]
     kl = ppo_math.masked_sum(logprobs - ref_logprobs, batch.response_mask, dim=-1)  # (B,)
     for b, record in enumerate(records):
         ids = batch.response[b][batch.response_mask[b]].tolist()
@@ -380,9 +369,7 @@ def test_eval_scores_the_cut_responses(eos_prone_dir, tiny_model_dir, tiny_rm_di
         query = batch.query[b][batch.query_mask[b].bool()][None]  # (1, P_b)
         alone = Samples(query=query, query_mask=torch.ones_like(query), response=torch.tensor([ids]),
                         response_mask=torch.ones((1, len(ids)), dtype=torch.bool))  # fmt: skip
-        assert record["rm_score"] == pytest.approx(
-            evaluate.reward_scores(rm, tokenizer, alone).item(), abs=1e-5
-        )
+        assert record["rm_score"] == pytest.approx(Scorer(rm)(alone, tokenizer).rm_score.item(), abs=1e-5)
         assert record["kl_to_ref"] == pytest.approx(kl[b].item(), abs=1e-4)
     summary = evaluate.summarize(records)
     assert summary["eos_rate"] == pytest.approx(float(batch.ended(eos).float().mean()))

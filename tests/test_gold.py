@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import SENTENCES
 
 from llm_rlhf.errors import UserError
 from llm_rlhf.gold import GoldJudge, call_judge, load_judge
@@ -69,7 +70,6 @@ def test_unknown_tf_is_an_error(tmp_path):
 @pytest.mark.parametrize("binary", [False, True])
 def test_scorer_reproduces_scikit_learn(binary):
     """The JSON judge is scikit-learn's TfidfVectorizer + Ridge, re-implemented: they must agree."""
-    from conftest import SENTENCES
     from sklearn.feature_extraction.text import TfidfVectorizer
     from sklearn.linear_model import Ridge
 

@@ -1,6 +1,6 @@
 """The package's import graph, read from the `import` statements (ast): it runs one way,
 
-    ppo_math -> models -> rollout / reward_model -> stages -> pipeline, cli
+    ppo_math -> models -> rollout / reward_model / accelerated -> scoring -> stages -> pipeline, cli
 
 with first-party imports at module top only. `python tests/test_imports.py` prints the graph.
 """
@@ -17,11 +17,12 @@ PACKAGE = Path(__file__).resolve().parent.parent / "llm_rlhf"
 # missing here gets the layer above its highest import (`layers`), so a new module has a place at once.
 LAYERS = {
     "errors": 0, "utils": 0, "ppo_math": 0,
-    "config": 1, "data": 1, "baseline": 1, "models": 1,
-    "rollout": 2, "reward_model": 2, "reward_fn": 2, "trainer_stage": 2, "gold": 2,
-    "sft": 3, "reward": 3, "dpo": 3, "ppo": 3, "evaluate": 3, "score": 3, "report": 3, "judge": 3,
-    "ppo_run": 4,  # the `llm-rlhf ppo` command: the trainer (ppo) and held-out evaluation (evaluate)
-    "compare": 5,  # `llm-rlhf compare`: PPO's held-out evaluation (ppo_run), DPO (dpo), best-of-n
+    "config": 1, "data": 1, "baseline": 1, "models": 1, "callables": 1,
+    "rollout": 2, "reward_model": 2, "reward_fn": 2, "trainer_stage": 2, "gold": 2, "accelerated": 2,
+    "scoring": 3,  # the one scorer: reward model or ensemble (reward_model) + reward function (reward_fn)
+    "sft": 4, "reward": 4, "dpo": 4, "ppo": 4, "evaluate": 4, "score": 4, "report": 4, "judge": 4,
+    "ppo_run": 5,  # the `llm-rlhf ppo` command: the trainer (ppo) and held-out evaluation (evaluate)
+    "compare": 5,  # `llm-rlhf compare`: a PPO run's settings (ppo), DPO (dpo), held-out evaluation (evaluate)
     "pipeline": 6, "cli": 6,
     "__main__": 7, "__init__": 7,
 }  # fmt: skip
@@ -116,8 +117,9 @@ def test_layering():
     assert ppo_math["top"] == [] and ppo_math["nested"] == []
     assert set(ppo_math["external"]) <= {"torch", "__future__"} | set(sys.stdlib_module_names)
     assert not set(graph["models"]["top"]) & (STAGES | {"rollout", "reward_model", "pipeline", "cli"})
-    for library in ("rollout", "reward_model"):
+    for library in ("rollout", "reward_model", "reward_fn", "accelerated", "scoring", "callables"):
         assert not set(graph[library]["top"]) & (STAGES | {"pipeline", "cli"}), library
+    assert "ppo_run" not in graph["compare"]["top"]  # compare reads a PPO run's files, not its command
     for stage in STAGES:
         assert not set(graph[stage]["top"]) & {"pipeline", "cli"}, stage
 

@@ -198,6 +198,7 @@ def unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+@pytest.mark.slow
 def test_a_missing_smollm2_folder_names_the_command_that_builds_it(tmp_path):
     """Every stage that takes a model path says, in one line, how to build the local SmolLM2 folder."""
     import subprocess

@@ -4,45 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import ROOT, launch, ppo_cli_args
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
-
-
-def launch(
-    args: list[str],
-    num_processes: int,
-    cwd: Path = ROOT,
-    timeout: int = 900,
-    config: str = "multi_gpu.yaml",
-    mixed_precision: str | None = None,
-) -> subprocess.CompletedProcess:
-    """`accelerate launch` as a user runs it: a config file (DDP by default), or a single CPU process.
-    `mixed_precision` overrides the config file's, as `accelerate launch --mixed_precision` does."""
-    if num_processes > 1:
-        head = [
-            "--config_file",
-            str(ROOT / "accelerate_configs" / config),
-            "--num_processes",
-            str(num_processes),
-        ]
-    else:
-        head = ["--cpu", "--num_processes", "1"]
-    if mixed_precision is not None:
-        head += ["--mixed_precision", mixed_precision]
-    # The scripts under tests/scripts import llm_rlhf: this checkout's, not another installed copy.
-    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": pythonpath}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *head, *args]
-    result = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-    return result
 
 
 def run_script(tiny_model_dir, tiny_rm_dir, prompt_file, out: Path, mode: str, num_processes: int) -> dict:
@@ -89,40 +56,6 @@ def test_rank_with_empty_or_truncated_responses_does_not_hang(
     result = run_script(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "deg.json", "degenerate", 2)
     assert len(result["metrics"]) == 2
     assert 0 < result["metrics"][0]["eos_rate"] < 1  # one rank all EOS at once, the other never
-
-
-def ppo_cli_args(tiny_model_dir, tiny_rm_dir, prompt_file, out: Path, steps: int) -> list[str]:
-    return [
-        "-m",
-        "llm_rlhf",
-        "ppo",
-        "--model_name_or_path",
-        str(tiny_model_dir),
-        "--reward_model_path",
-        str(tiny_rm_dir),
-        "--prompt_file",
-        str(prompt_file),
-        "--output_dir",
-        str(out),
-        "--steps",
-        str(steps),
-        "--rollout_batch_size",
-        "4",
-        "--mini_batch_size",
-        "2",
-        "--ppo_epochs",
-        "1",
-        "--max_new_tokens",
-        "6",
-        "--save_steps",
-        "1",
-        "--eval_every",
-        "0",
-        "--log_samples_every",
-        "0",
-        "--learning_rate",
-        "1e-3",
-    ]
 
 
 def linear_lr(steps: int, optimizer_steps_per_step: int = 2, learning_rate: float = 1e-3) -> list[float]:

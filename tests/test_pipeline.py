@@ -5,47 +5,17 @@ processes (DDP on this CPU, gloo)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from test_recipes import tiny_overrides
+from helpers import launch, pipeline_argv, run_pipeline
 
-from llm_rlhf import pipeline, ppo
-from llm_rlhf.config import parse_config
+from llm_rlhf import ppo
 from llm_rlhf.utils import read_json
 
 ROOT = Path(__file__).resolve().parents[1]
-CHAINED = {  # keys the pipeline sets itself (each stage reads the previous stage's folder)
-    "sft": ("output_dir",),
-    "rm": ("model_name_or_path", "output_dir"),
-    "ppo": ("model_name_or_path", "reward_model_path", "output_dir"),
-    "eval": ("policy_path", "baseline_path", "reward_model_path", "output_dir"),
-}
-
-
-def pipeline_argv(out: Path, model: Path, sft_files, pref_files, prompt_file, **extra) -> list[str]:
-    """The reviews pipeline recipe with a tiny model and small files swapped in on the command line."""
-    data = {"sft": sft_files[0], "prefs": pref_files[0], "prompts": prompt_file}
-    overrides = tiny_overrides(model, data, out, max_length=48)
-    overrides["ppo"].update(steps=4, save_steps=2, eval_every=2)
-    for stage, keys in CHAINED.items():
-        for key in keys:
-            del overrides[stage][key]
-    argv = ["--config", str(ROOT / "recipes" / "reviews" / "pipeline.yaml"), "--output_dir", str(out)]
-    for stage, values in overrides.items():
-        plain = {k: str(v) if isinstance(v, Path) else v for k, v in values.items()}
-        argv.append(f"--{stage}={yaml.safe_dump(plain, default_flow_style=True, width=10_000).strip()}")
-    for key, value in extra.items():
-        argv += [f"--{key}", value]
-    return argv
-
-
-def run_pipeline(argv: list[str]) -> dict:
-    return pipeline.run(parse_config(pipeline.Config, argv))
+pytestmark = pytest.mark.slow  # every test here runs the whole pipeline
 
 
 def ppo_steps(folder: Path) -> list[int]:
@@ -132,12 +102,7 @@ def test_pipeline_under_accelerate_launch_with_two_processes(
     outputs, the pipeline's own prints and files from the main process only."""
     out = tmp_path / "ddp"
     argv = pipeline_argv(out, tiny_model_dir, sft_files, pref_files, prompt_file, report="false")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "accelerate_configs" / "multi_gpu.yaml"), "--num_processes", "2",
-           "-m", "llm_rlhf", "pipeline", *argv]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    proc = launch(["-m", "llm_rlhf", "pipeline", *argv], 2)
     assert proc.stdout.count("== sft: running") == 1 and proc.stdout.count("== eval: running") == 1
     record = read_json(out / "pipeline.json")
     assert record.keys() == {"sft", "rm", "ppo", "eval"}

@@ -5,51 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
+import typing
 
 import pytest
 import torch
+from helpers import one_update, ppo_config, ppo_trainer, record_raw_grads, use_fixed_responses
 
 from llm_rlhf import ppo, ppo_run
-from llm_rlhf.models import load_tokenizer
 from llm_rlhf.rollout import Samples
-
-SENTIMENT_JUDGE = Path(__file__).resolve().parents[1] / "data" / "reviews" / "gold_judge.json"
-
-
-def make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, out, **kw) -> ppo.Config:
-    base = dict(
-        model_name_or_path=str(tiny_model_dir),
-        reward_model_path=str(tiny_rm_dir),
-        prompt_file=str(prompt_file),
-        output_dir=str(out),
-        steps=2,
-        rollout_batch_size=8,
-        mini_batch_size=4,
-        ppo_epochs=2,
-        max_new_tokens=8,
-        learning_rate=1e-3,
-        save_steps=0,
-        log_samples_every=0,
-        kl_target=1.0,
-        kl_horizon=100,
-        gold_judge=str(SENTIMENT_JUDGE),  # the default, gold.json, needs the 538 MB SmolLM2 folder
-    )
-    base.update(kw)
-    return ppo.Config(**base)
-
-
-def make_trainer(cfg: ppo.Config, mixed_precision: str = "no") -> ppo.PPOTrainer:
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)  # a fresh mixed_precision for each test
-    tokenizer = load_tokenizer(cfg.model_name_or_path, padding_side="left")
-    prompts = ppo_run.load_prompts(cfg, tokenizer)
-    return ppo_run.build_trainer(
-        cfg, Accelerator(cpu=True, mixed_precision=mixed_precision), tokenizer, prompts
-    )
-
 
 # --- pure helpers ------------------------------------------------------------------------------
 
@@ -87,10 +50,10 @@ def test_first_step_kl_zero_and_ratio_one(
 ):
     """mixed_precision bf16 (the sharded accelerate configs): `prepare` runs the policy under autocast,
     so the reference and the RM must run under it too."""
-    cfg = make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, use_lora=use_lora)
-    trainer = make_trainer(cfg, mixed_precision=mixed_precision)
+    cfg = ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, use_lora=use_lora)
+    trainer = ppo_trainer(cfg, mixed_precision=mixed_precision)
     assert trainer.accelerator.mixed_precision == mixed_precision
-    rollout = trainer.rollout(trainer.next_queries())
+    rollout, _ = trainer.rollout(trainer.next_queries())
     ref = trainer.reference_logprobs(rollout)
     kl = (rollout.logprobs - ref)[rollout.response_mask]
     assert torch.equal(kl, torch.zeros_like(kl))  # exactly 0: same weights, same code path
@@ -104,30 +67,30 @@ def test_first_step_kl_zero_and_ratio_one(
 
 def test_value_head_starts_at_zero_and_learns(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
     """Zero-initialised value head: V = 0 at every position of the first rollout; one step moves it."""
-    trainer = make_trainer(make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, ppo_epochs=1))
-    rollout = trainer.rollout(trainer.next_queries())
+    trainer = ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, ppo_epochs=1))
+    rollout, _ = trainer.rollout(trainer.next_queries())
     assert torch.equal(rollout.values, torch.zeros_like(rollout.values))
     trainer.ppo_step()
     assert trainer.unwrapped_policy.value_head.summary.weight.abs().sum() > 0
 
 
 def test_reference_bit_identical_after_steps(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
-    trainer = make_trainer(make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, steps=3))
+    trainer = ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, steps=3))
     before = {k: v.clone() for k, v in trainer.ref_model.state_dict().items()}
-    rm_before = {k: v.clone() for k, v in trainer.reward_model.state_dict().items()}
+    rm_before = {k: v.clone() for k, v in trainer.scorer.reward_model.state_dict().items()}
     assert trainer.ref_model.lm is not trainer.unwrapped_policy.lm
     for _ in range(3):
         trainer.ppo_step()
     for k, v in trainer.ref_model.state_dict().items():
         assert torch.equal(v, before[k]), k
-    for k, v in trainer.reward_model.state_dict().items():
+    for k, v in trainer.scorer.reward_model.state_dict().items():
         assert torch.equal(v, rm_before[k]), k
 
 
 def test_logprobs_and_values_independent_of_padding_and_batch(
     tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path
 ):
-    trainer = make_trainer(make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path))
+    trainer = ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path))
     tok = trainer.tokenizer
     q_short, q_long = tok("The film")["input_ids"], tok("It's a wonderful movie that")["input_ids"]
     r_short, r_long = tok(" is good")["input_ids"], tok(" everyone should see this one")["input_ids"]
@@ -161,7 +124,7 @@ def test_gradient_accumulation_equivalence(tiny_model_dir, tiny_rm_dir, prompt_f
     step or a clipped gradient would hide a wrong loss scale, issue 13), and the update."""
     results, grads = [], []
     for ga in (1, 8):
-        cfg = make_cfg(
+        cfg = ppo_config(
             tiny_model_dir,
             tiny_rm_dir,
             prompt_file,
@@ -183,19 +146,6 @@ def test_gradient_accumulation_equivalence(tiny_model_dir, tiny_rm_dir, prompt_f
         torch.testing.assert_close(results[0][k], results[1][k], atol=2e-5, rtol=1e-4, msg=k)
 
 
-def record_raw_grads(trainer: ppo.PPOTrainer, store: list) -> None:
-    """Append the flattened gradient of every trainable parameter to `store` at each optimiser step, as
-    it is before clipping (after DDP's all-reduce)."""
-    clip = trainer.accelerator.clip_grad_norm_
-
-    def recording(parameters, max_norm, *args, **kwargs):
-        parameters = list(parameters)
-        store.append(torch.cat([p.grad.detach().flatten().clone() for p in parameters]))
-        return clip(parameters, max_norm, *args, **kwargs)
-
-    trainer.accelerator.clip_grad_norm_ = recording
-
-
 @pytest.mark.parametrize("policy", ["gpt2", "llama"])
 def test_first_epoch_ratio_exactly_one_with_responses_that_end_early(
     tiny_model_dir, tiny_llama_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch, policy
@@ -204,9 +154,9 @@ def test_first_epoch_ratio_exactly_one_with_responses_that_end_early(
     before that update; responses ending at different positions give the micro-batches different trimmed
     widths (and the old log-probs must come from forwards of the same rows at the same widths)."""
     model_dir = tiny_model_dir if policy == "gpt2" else tiny_llama_dir
-    cfg = make_cfg(model_dir, tiny_rm_dir, prompt_file, tmp_path, rollout_batch_size=8, max_new_tokens=16,
+    cfg = ppo_config(model_dir, tiny_rm_dir, prompt_file, tmp_path, rollout_batch_size=8, max_new_tokens=16,
                    mini_batch_size=8, gradient_accumulation_steps=4, ppo_epochs=1)  # fmt: skip
-    trainer = make_trainer(cfg)
+    trainer = ppo_trainer(cfg)
     use_fixed_responses(trainer)
     ratios, policy_loss = [], ppo.ppo_math.policy_loss
 
@@ -224,33 +174,11 @@ def test_first_epoch_ratio_exactly_one_with_responses_that_end_early(
     assert torch.equal(ratio, torch.ones_like(ratio))
 
 
-def use_fixed_responses(trainer: ppo.PPOTrainer, seed: int = 7) -> None:
-    """Replace sampling by fixed responses to the trainer's own prompts: EOS at varied positions (rows
-    1, 2, 4, 5, 7 end early, the others never emit EOS), the same on every call."""
-    eos, pad, R = trainer.tokenizer.eos_token_id, trainer.tokenizer.pad_token_id, trainer.cfg.max_new_tokens
-
-    def fixed(queries):
-        from llm_rlhf import ppo_math
-        from llm_rlhf.rollout import left_pad
-
-        query, query_mask = left_pad(queries, pad)
-        response = torch.randint(5, 200, (len(queries), R), generator=torch.Generator().manual_seed(seed))
-        for i in range(len(queries)):
-            if i % 3:
-                response[i, i % R] = eos
-        mask = ppo_math.response_mask_from_tokens(response=response, eos_token_id=eos)
-        return Samples(
-            query=query, query_mask=query_mask, response=torch.where(mask, response, pad), response_mask=mask
-        )
-
-    trainer.generate = fixed
-
-
 def test_response_logprobs_sum_to_the_models_own_lm_loss(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
     """An independent check of the token alignment: the sum of a response's log-probs from the PPO
     forward (padded on both sides, batched with a longer row) equals minus the model's own shifted LM
     loss (transformers shifts the labels) on the unpadded query + response, times the response length."""
-    trainer = make_trainer(make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path))
+    trainer = ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path))
     tok, lm = trainer.tokenizer, trainer.unwrapped_policy.lm
     pairs = [
         (tok("The film")["input_ids"], tok(" is good")["input_ids"] + [tok.eos_token_id]),
@@ -277,8 +205,8 @@ def test_response_logprobs_sum_to_the_models_own_lm_loss(tiny_model_dir, tiny_rm
 
 @pytest.mark.parametrize("use_lora", [False, True])
 def test_every_trainable_parameter_changes(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, use_lora):
-    cfg = make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, use_lora=use_lora, steps=2)
-    trainer = make_trainer(cfg)
+    cfg = ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, use_lora=use_lora, steps=2)
+    trainer = ppo_trainer(cfg)
     before = {
         n: p.detach().clone() for n, p in trainer.unwrapped_policy.named_parameters() if p.requires_grad
     }
@@ -308,7 +236,7 @@ def test_every_trainable_parameter_changes(tiny_model_dir, tiny_rm_dir, prompt_f
 
 
 def test_lora_holds_one_copy_of_base_weights(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
-    trainer = make_trainer(make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, use_lora=True))
+    trainer = ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, use_lora=True))
     policy_ptrs = {p.data_ptr() for p in trainer.unwrapped_policy.parameters()}
     ref_ptrs = {p.data_ptr() for p in trainer.ref_model.parameters()}
     assert ref_ptrs <= policy_ptrs  # the reference owns no weights of its own
@@ -323,7 +251,7 @@ def test_run_writes_hf_folder_and_metrics(tiny_model_dir, tiny_rm_dir, prompt_fi
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "run"
-    final = ppo_run.run(make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, out, steps=3))
+    final = ppo_run.run(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, out, steps=3))
     metrics = json.loads((out / "metrics.json").read_text())
     for key in (
         "objective/scores",
@@ -343,11 +271,12 @@ def test_run_writes_hf_folder_and_metrics(tiny_model_dir, tiny_rm_dir, prompt_fi
     assert (out / "value_head.safetensors").exists() and (out / "config.yaml").exists()
 
 
+@pytest.mark.slow
 def test_kill_and_resume_matches_uninterrupted(
     tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch
 ):
     kw = dict(steps=4, save_steps=2, lr_scheduler_type="linear")
-    ppo_run.run(make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "a", **kw))
+    ppo_run.run(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "a", **kw))
 
     original = ppo.PPOTrainer.ppo_step
 
@@ -358,10 +287,10 @@ def test_kill_and_resume_matches_uninterrupted(
 
     monkeypatch.setattr(ppo.PPOTrainer, "ppo_step", dies_at_step_3)
     with pytest.raises(KeyboardInterrupt):
-        ppo_run.run(make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "b", **kw))
+        ppo_run.run(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "b", **kw))
     monkeypatch.setattr(ppo.PPOTrainer, "ppo_step", original)
     assert not (tmp_path / "b" / "metrics.json").exists()  # nothing final was written
-    ppo_run.run(make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "b", resume=True, **kw))
+    ppo_run.run(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "b", resume=True, **kw))
 
     def lines(d):
         return [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
@@ -374,28 +303,54 @@ def test_kill_and_resume_matches_uninterrupted(
                 assert mb[k] == pytest.approx(v, rel=1e-6, abs=1e-7, nan_ok=True), (ma["step"], k)
 
 
-def test_config_dataclass_is_flat():
+def test_config_dataclass_is_flat(tmp_path):
+    """One flat dataclass: every field is a scalar or a list of scalars (no nested config) with its help
+    text, and every one is reachable from the command line and from a YAML recipe: each set to a value
+    other than its default comes back as given, so any key of a recipe can be overridden by a flag."""
+    import yaml
+
+    from llm_rlhf.config import _base_types, parse_config
+
+    ONLY_VALUE = ("top_k", "top_p")  # PPO accepts one value of these (off), given explicitly here
+    hints = typing.get_type_hints(ppo.Config)
+    default = ppo.Config()
     for f in dataclasses.fields(ppo.Config):
         assert "help" in f.metadata and f.metadata["help"], f.name
-
-
-def one_update(cfg: ppo.PPOTrainer, hook=None) -> dict[str, torch.Tensor]:
-    """The parameters after one update on a fixed rollout with fixed advantages and returns."""
-    trainer = make_trainer(cfg)
-    torch.manual_seed(123)
-    rollout = trainer.rollout(trainer.next_queries())
-    adv = (
-        torch.randn(rollout.logprobs.shape, generator=torch.Generator().manual_seed(0))
-        * rollout.response_mask
-    )
-    returns = (
-        torch.randn(rollout.logprobs.shape, generator=torch.Generator().manual_seed(1))
-        * rollout.response_mask
-    )
-    if hook is not None:
-        hook(trainer)
-    trainer.train_on_rollout(rollout, adv, returns)
-    return {k: v.detach().clone() for k, v in trainer.unwrapped_policy.named_parameters()}
+        assert set(_base_types(hints[f.name])) <= {bool, int, float, str, list, type(None)}, f.name
+        assert not dataclasses.is_dataclass(getattr(default, f.name)), f.name
+    changed = {  # a value of each field's type, valid together, none equal to the default
+        "reward_model_path": ["a", "b"], "reward_fn": "m:f", "lora_target_modules": ["c_attn"],
+        "stop_strings": ["\n"], "eos_penalty": -1.0, "score_clip": 3.0, "target_approxkl": 0.5,
+        "eval_prompt_file": None, "data_format": "hh", "dtype": "bfloat16", "value_model": "reward",
+        "lr_scheduler_type": "linear", "kl_estimator": "k3", "kl_controller": "fixed", "report_to": "tensorboard",
+        "ensemble_combine": "min", "rollout_batch_size": 32, "mini_batch_size": 8, "min_new_tokens": 2,
+        **{key: getattr(default, key) for key in ONLY_VALUE},
+    }  # fmt: skip
+    for f in dataclasses.fields(ppo.Config):
+        value = getattr(default, f.name)
+        if f.name not in changed:
+            changed[f.name] = (
+                (not value)
+                if isinstance(value, bool)
+                else value + 1
+                if isinstance(value, (int, float))
+                else value + "x"
+            )
+    recipe = tmp_path / "ppo.yaml"
+    recipe.write_text(yaml.safe_dump(changed))
+    from_yaml = parse_config(ppo.Config, ["--config", str(recipe)])
+    flags = [
+        item
+        for key, value in changed.items()
+        for item in (
+            f"--{key}",
+            yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("\n...").strip(),
+        )
+    ]
+    from_flags = parse_config(ppo.Config, flags)
+    for key, value in changed.items():
+        assert getattr(from_yaml, key) == getattr(from_flags, key) == value, key
+        assert key in ONLY_VALUE or value != getattr(default, key), key
 
 
 def test_gradient_checkpointing_recomputes_and_gives_the_same_update(
@@ -412,7 +367,7 @@ def test_gradient_checkpointing_recomputes_and_gives_the_same_update(
 
     results = {}
     for ckpt in (False, True):
-        cfg = make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / str(ckpt), rollout_batch_size=8,
+        cfg = ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / str(ckpt), rollout_batch_size=8,
                        mini_batch_size=4, ppo_epochs=1, gradient_checkpointing=ckpt)  # fmt: skip
         results[ckpt] = one_update(cfg, count_block_forwards)
         results[f"calls_{ckpt}"] = calls["n"]
@@ -432,11 +387,11 @@ def test_bf16_autocast_trains_in_bf16_and_stays_close_to_fp32(
     def record_head_dtype(trainer):
         trainer.unwrapped_policy.lm.lm_head.register_forward_hook(lambda m, i, out: dtypes.append(out.dtype))
 
-    start = {k: v.detach().clone() for k, v in make_trainer(
-        make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "init")).unwrapped_policy.named_parameters()}  # fmt: skip
+    start = {k: v.detach().clone() for k, v in ppo_trainer(
+        ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "init")).unwrapped_policy.named_parameters()}  # fmt: skip
     updates = {}
     for bf16 in (False, True):
-        cfg = make_cfg(
+        cfg = ppo_config(
             tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / str(bf16), ppo_epochs=1, bf16=bf16
         )
         dtypes.clear()

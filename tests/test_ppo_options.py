@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from test_ppo import make_cfg, make_trainer, use_fixed_responses
+from helpers import ppo_config, ppo_trainer, recording_rollouts, use_fixed_responses
 
 from llm_rlhf import ppo, ppo_math, ppo_run
 from llm_rlhf.config import parse_config
@@ -16,20 +16,17 @@ from llm_rlhf.errors import ConfigError, NonFiniteError
 
 def recorded_step(trainer: ppo.PPOTrainer, monkeypatch) -> tuple[dict, dict]:
     """One ppo_step; returns its metrics and what it computed: the rollout and the rewards passed to GAE."""
-    seen, rollout, compute_gae = {}, trainer.rollout, ppo_math.compute_gae
-
-    def recording_rollout(*args, **kwargs):
-        seen["rollout"] = rollout(*args, **kwargs)
-        return seen["rollout"]
+    seen, rollouts, compute_gae = {}, recording_rollouts(trainer), ppo_math.compute_gae
 
     def recording_gae(**kw):
         seen["rewards"] = kw["rewards"]
         return compute_gae(**kw)
 
-    monkeypatch.setattr(trainer, "rollout", recording_rollout)
     monkeypatch.setattr(ppo_math, "compute_gae", recording_gae)
     metrics = trainer.ppo_step()
     monkeypatch.undo()
+    del trainer.rollout  # the trainer's own method again
+    seen["rollout"] = rollouts[-1]
     return metrics, seen
 
 
@@ -49,9 +46,9 @@ def test_kl_estimator_shapes_the_rewards(
 ):
     """Second step (the policy has moved): reward_t = -beta * KL_t (+ score at the last token), KL_t the
     chosen estimator written out per token; objective/kl is its sum over the response."""
-    cfg = make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, kl_estimator=estimator,
+    cfg = ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, kl_estimator=estimator,
                    kl_controller="fixed", init_kl_coef=0.5, learning_rate=1e-2)  # fmt: skip
-    trainer = make_trainer(cfg)
+    trainer = ppo_trainer(cfg)
     trainer.ppo_step()
     metrics, seen = recorded_step(trainer, monkeypatch)
     r, mask = seen["rollout"], seen["rollout"].response_mask
@@ -71,7 +68,7 @@ def test_kl_estimator_shapes_the_rewards(
 def test_eos_penalty_replaces_the_score_of_truncated_responses(
     tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch
 ):
-    trainer = make_trainer(make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, eos_penalty=-3.0))
+    trainer = ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, eos_penalty=-3.0))
     use_fixed_responses(trainer)
     _, seen = recorded_step(trainer, monkeypatch)  # first step: KL_t = 0, the rewards are the scores
     r = seen["rollout"]
@@ -84,7 +81,7 @@ def test_eos_penalty_replaces_the_score_of_truncated_responses(
 def test_score_clip_clips_the_scores_in_the_rewards(
     tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch
 ):
-    trainer = make_trainer(make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, score_clip=0.05))
+    trainer = ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, score_clip=0.05))
     _, seen = recorded_step(trainer, monkeypatch)
     scores = seen["rollout"].scores
     assert (scores.abs() > 0.05).any()
@@ -96,7 +93,7 @@ def test_score_clip_clips_the_scores_in_the_rewards(
 def test_whiten_rewards_scales_the_rewards_to_unit_std(
     tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch
 ):
-    trainer = make_trainer(make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, whiten_rewards=True))
+    trainer = ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, whiten_rewards=True))
     _, seen = recorded_step(trainer, monkeypatch)
     mask, rewards = seen["rollout"].response_mask, seen["rewards"]
     raw = torch.zeros_like(rewards)
@@ -121,8 +118,8 @@ def count_optimizer_steps(trainer: ppo.PPOTrainer) -> list[int]:
 def test_target_approxkl_stops_the_epochs(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, target):
     """2 epochs x 2 minibatches. The first minibatch comes before any update (approx-KL exactly 0, not
     above the target), the second after one: with a tiny target the epochs stop there."""
-    trainer = make_trainer(
-        make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, target_approxkl=target)
+    trainer = ppo_trainer(
+        ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, target_approxkl=target)
     )
     steps = count_optimizer_steps(trainer)
     metrics = trainer.ppo_step()
@@ -133,7 +130,7 @@ def test_target_approxkl_stops_the_epochs(tiny_model_dir, tiny_rm_dir, prompt_fi
 def test_ratio_guard_skips_every_update_and_reports_no_statistics(
     tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path
 ):
-    trainer = make_trainer(make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, ratio_guard=0.5))
+    trainer = ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, ratio_guard=0.5))
     before = {n: p.detach().clone() for n, p in trainer.unwrapped_policy.named_parameters()}
     steps = count_optimizer_steps(trainer)
     metrics = trainer.ppo_step()  # rho == 1 > 0.5 in every minibatch
@@ -147,10 +144,10 @@ def test_skipped_minibatch_is_left_out_of_the_statistics(tiny_model_dir, tiny_rm
     """The second minibatch's log-probs are pushed up by 5 nats (rho ~ 148 > ratio_guard = 10): it is
     skipped, the step's policy/ratio is the mean over the minibatches that were kept (issue 13), and the
     linear LR schedule advanced for the kept one only (1 of the run's 4 optimiser steps)."""
-    cfg = make_cfg(
+    cfg = ppo_config(
         tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, ppo_epochs=1, lr_scheduler_type="linear"
     )
-    trainer = make_trainer(cfg)
+    trainer = ppo_trainer(cfg)
     forward, calls = trainer.forward_policy, [0]
 
     def diverged_second_minibatch(samples, *, train=False):
@@ -169,6 +166,7 @@ def test_skipped_minibatch_is_left_out_of_the_statistics(tiny_model_dir, tiny_rm
     assert metrics["lr"] == pytest.approx(1e-3 * (1 - 1 / 4), rel=1e-12)
 
 
+@pytest.mark.slow
 def test_separate_critic_through_ppo_step_and_the_final_folder(
     tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path
 ):
@@ -176,7 +174,9 @@ def test_separate_critic_through_ppo_step_and_the_final_folder(
     trained, and the final folder holds it as a reward-model folder."""
     from llm_rlhf.reward_model import load_reward_model
 
-    cfg = make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "run", value_model="reward", steps=2)
+    cfg = ppo_config(
+        tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "run", value_model="reward", steps=2
+    )
     ppo_run.run(cfg)
     out = tmp_path / "run"
     assert not (out / "value_head.safetensors").exists()
@@ -185,11 +185,11 @@ def test_separate_critic_through_ppo_step_and_the_final_folder(
     assert "model.score.weight" in changed and len(changed) > len(list(rm.parameters())) // 2
     assert (critic.mean, critic.std) == (rm.mean, rm.std)
 
-    trainer = make_trainer(
-        make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "t", value_model="reward")
+    trainer = ppo_trainer(
+        ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "t", value_model="reward")
     )
     assert trainer.unwrapped_policy.value_head is None and trainer.critic is not None
-    rollout = trainer.rollout(trainer.next_queries())
+    rollout, _ = trainer.rollout(trainer.next_queries())
     with torch.no_grad():
         P = rollout.query.shape[1]
         values = trainer.critic(rollout.sequence, rollout.attention_mask)[:, P - 1 : -1]
@@ -221,7 +221,7 @@ def test_nan_scores_stop_the_run_before_a_checkpoint(
 
     monkeypatch.setattr(RewardModel, "score", nan_from_the_second_step)
     out = tmp_path / "run"
-    cfg = make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, out, steps=3, save_steps=1, eval_every=0)
+    cfg = ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, out, steps=3, save_steps=1, eval_every=0)
     with pytest.raises(NonFiniteError, match=r"^PPO step 2, rollout phase: non-finite scores \(3 entries\)"):
         ppo_run.run(cfg)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-1"]
@@ -231,7 +231,7 @@ def test_nan_scores_stop_the_run_before_a_checkpoint(
 
 
 def test_nan_loss_stops_before_the_update(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
-    trainer = make_trainer(make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path))
+    trainer = ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path))
     before = {n: p.detach().clone() for n, p in trainer.unwrapped_policy.named_parameters()}
     forward = trainer.forward_policy
 
@@ -249,11 +249,11 @@ def test_nan_loss_stops_before_the_update(tiny_model_dir, tiny_rm_dir, prompt_fi
 def test_a_global_batch_of_one_episode_is_rejected(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
     from llm_rlhf.errors import UserError
 
-    cfg = make_cfg(
+    cfg = ppo_config(
         tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, rollout_batch_size=1, mini_batch_size=1
     )
     with pytest.raises(UserError, match="at least 2 episodes"):
-        make_trainer(cfg)
+        ppo_trainer(cfg)
 
 
 @pytest.mark.parametrize(("key", "value"), [("top_k", 50), ("top_p", 0.9)])

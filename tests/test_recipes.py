@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_model
+from helpers import SENTIMENT_JUDGE, build_model, flags, tiny_overrides
 
 from llm_rlhf import cli, compare, dpo, evaluate, pipeline, ppo, reward, sft
 from llm_rlhf.config import parse_config
@@ -20,7 +20,6 @@ from llm_rlhf.utils import read_json
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
 HH_FIXTURE = Path(__file__).resolve().parent / "fixtures" / "hh_rlhf.jsonl"
-GOLD_JUDGE = ROOT / "data" / "reviews" / "gold_judge.json"
 CONFIGS = {"sft": sft.Config, "rm": reward.Config, "ppo": ppo.Config, "eval": evaluate.Config,
            "pipeline": pipeline.Config}  # fmt: skip
 OPTIONAL = {"dpo": dpo.Config, "compare": compare.Config}  # stage files only some recipes have (reviews)
@@ -112,35 +111,8 @@ def hh_model_dir(tmp_path_factory) -> Path:
     return build_model(tmp_path_factory.mktemp("tiny_gpt2_128"), "gpt2", n_positions=128)
 
 
-def flags(values: dict) -> list[str]:
-    return [item for key, value in values.items() for item in (f"--{key}", str(value))]
-
-
 def run_stage(stage: str, recipe: str, values: dict) -> None:
     assert cli.main([stage, "--config", str(RECIPES / recipe / f"{stage}.yaml"), *flags(values)]) == 0
-
-
-def tiny_overrides(model: Path, data: dict[str, Path], out: Path, *, max_length: int) -> dict[str, dict]:
-    """Per stage: the keys that swap in the tiny model, the small files and a budget of two steps.
-    Every other key (learning rates, LoRA, KL control, data_format, skip_long, ...) is the recipe's."""
-    return {
-        "sft": {"model_name_or_path": model, "train_file": data["sft"], "eval_file": data["sft"],
-                "output_dir": out / "sft", "max_length": max_length, "max_steps": 2,
-                "per_device_train_batch_size": 4, "warmup_ratio": 0, "logging_steps": 1, "eval_steps": 0,
-                "save_steps": 2, "num_samples": 2, "max_new_tokens": 4},
-        "rm": {"model_name_or_path": out / "sft", "train_file": data["prefs"], "eval_file": data["prefs"],
-               "test_file": data["prefs"], "output_dir": out / "rm", "max_length": max_length, "max_steps": 2,
-               "per_device_train_batch_size": 4, "warmup_ratio": 0, "logging_steps": 1, "eval_steps": 0,
-               "save_steps": 2, "normalization_samples": 8, "score_batch_size": 8},
-        "ppo": {"model_name_or_path": out / "sft", "reward_model_path": out / "rm", "prompt_file": data["prompts"],
-                "eval_prompt_file": data["prompts"], "gold_judge": GOLD_JUDGE, "eval_num_prompts": 2,
-                "output_dir": out / "ppo", "steps": 2, "rollout_batch_size": 4, "mini_batch_size": 2,
-                "gradient_accumulation_steps": 1, "ppo_epochs": 1, "max_new_tokens": 4, "save_steps": 0,
-                "log_samples_every": 0},
-        "eval": {"policy_path": out / "ppo", "baseline_path": out / "sft", "reward_model_path": out / "rm",
-                 "gold_judge": GOLD_JUDGE, "prompt_file": data["prompts"], "output_dir": out / "eval",
-                 "num_prompts": 4, "max_new_tokens": 4, "batch_size": 4},
-    }  # fmt: skip
 
 
 def assert_stage_outputs(out: Path) -> None:
@@ -166,6 +138,7 @@ def assert_stage_outputs(out: Path) -> None:
 
 
 @pytest.mark.parametrize("recipe", ["reviews", "gpt2-reviews"])
+@pytest.mark.slow
 def test_reviews_recipes_run_sft_rm_ppo(recipe, tmp_path, tiny_model_dir, sft_files, pref_files, prompt_file):
     data = {"sft": sft_files[0], "prefs": pref_files[0], "prompts": prompt_file}
     overrides = tiny_overrides(tiny_model_dir, data, tmp_path, max_length=48)
@@ -175,6 +148,7 @@ def test_reviews_recipes_run_sft_rm_ppo(recipe, tmp_path, tiny_model_dir, sft_fi
     assert read_json(tmp_path / "ppo" / "metrics.json")["step"] == 2
 
 
+@pytest.mark.slow
 def test_gpt2_hh_recipe_runs_on_hh_rows(tmp_path, hh_model_dir, capsys):
     """SFT on the chosen dialogues, the RM on the pairs, PPO and eval on the dialogue prompts, all from the
     same HH rows; in every stage the recipe's skip_long leaves out (and counts) the dialogues that are too
@@ -213,6 +187,7 @@ def test_gpt2_hh_recipe_runs_on_hh_rows(tmp_path, hh_model_dir, capsys):
     assert read_json(tmp_path / "eval" / "metrics.json")["num_prompts"] == 4  # of the 9 left
 
 
+@pytest.mark.slow
 def test_reviews_lora_pipeline(tmp_path, tiny_model_dir, sft_files, pref_files, prompt_file, monkeypatch):
     """The pipeline command on the LoRA recipe: the SFT adapter is merged into a plain folder, the RM is an
     adapter on that merged model, PPO's adapter sits on it too (so its reference is the SFT model)."""
@@ -247,6 +222,7 @@ def test_reviews_lora_pipeline(tmp_path, tiny_model_dir, sft_files, pref_files, 
     assert {"rm_win_rate", "gold_win_rate", "kl_to_ref"} <= eval_metrics.keys()
 
 
+@pytest.mark.slow
 def test_smollm2_recipe_runs_on_a_tiny_llama(tmp_path, tiny_llama_dir, sft_files, pref_files, prompt_file):
     """The SmolLM2 recipe (LoRA in every stage, a Llama model, the fluency-aware gold) on a tiny Llama: the
     gold's fluency LM is the tiny Llama too, as SmolLM2 is both the base and the gold's LM in the recipe."""
@@ -256,7 +232,7 @@ def test_smollm2_recipe_runs_on_a_tiny_llama(tmp_path, tiny_llama_dir, sft_files
     overrides = tiny_overrides(tiny_llama_dir, data, tmp_path, max_length=48)
     gold = tmp_path / "gold.json"
     gold.write_text(json.dumps({
-        "format": FLUENT_FORMAT, "sentiment_judge": str(GOLD_JUDGE), "fluency_model": str(tiny_llama_dir),
+        "format": FLUENT_FORMAT, "sentiment_judge": str(SENTIMENT_JUDGE), "fluency_model": str(tiny_llama_dir),
         "end_text": "\n", "fluency_weight": 5.0, "reference_nll": 4.6,
     }))  # fmt: skip
     overrides["ppo"]["gold_judge"] = overrides["eval"]["gold_judge"] = gold

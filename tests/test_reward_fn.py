@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,35 +13,26 @@ import numpy as np
 import pytest
 import reward_fns
 import torch
-from accelerate import Accelerator
-from accelerate.state import AcceleratorState
+from helpers import build_model, launch, ppo_cli_args, ppo_config, ppo_trainer
 
 from llm_rlhf import cli, evaluate, ppo, ppo_run
 from llm_rlhf.errors import ConfigError, UserError
 from llm_rlhf.models import load_tokenizer
 from llm_rlhf.reward_fn import PROBE_RESPONSES, RewardFn, check_scores, decode_texts, load_reward_fn, probe
 from llm_rlhf.reward_model import load_reward_model
+from llm_rlhf.scoring import Scorer
 
 ROOT = Path(__file__).resolve().parents[1]
 FILE_SPEC = "tests/reward_fns.py:keyword"  # the file form, relative to the repo root
 
 
+REWARD_FN_ONLY = dict(reward_fn="reward_fns:keyword", eval_every=0, gold_judge="none", kl_target=6.0,
+                      kl_horizon=10000)  # fmt: skip
+
+
 def ppo_cfg(model_dir, prompt_file, out, **kw) -> ppo.Config:
-    base = dict(
-        model_name_or_path=str(model_dir), reward_model_path=None, reward_fn="reward_fns:keyword",
-        prompt_file=str(prompt_file), output_dir=str(out), steps=2, rollout_batch_size=8, mini_batch_size=4,
-        ppo_epochs=2, max_new_tokens=8, learning_rate=1e-3, save_steps=0, log_samples_every=0, eval_every=0,
-        gold_judge="none",
-    )  # fmt: skip
-    base.update(kw)
-    return ppo.Config(**base)
-
-
-def make_trainer(cfg: ppo.Config) -> ppo.PPOTrainer:
-    AcceleratorState._reset_state(reset_partial_state=True)
-    tokenizer = load_tokenizer(cfg.model_name_or_path, padding_side="left")
-    prompts = ppo_run.load_prompts(cfg, tokenizer)
-    return ppo_run.build_trainer(cfg, Accelerator(cpu=True), tokenizer, prompts)
+    """`helpers.ppo_config` with no reward model: the keyword function alone scores (`kw` wins)."""
+    return ppo_config(model_dir, None, prompt_file, out, **{**REWARD_FN_ONLY, **kw})
 
 
 # --- loading and checking ------------------------------------------------------------------------
@@ -193,8 +182,8 @@ def test_tiny_policy_learns_a_keyword_reward(tiny_model_dir, prompt_file, tmp_pa
     count rises from ~0.7 to ~4 in 16 steps (seeds 0-4 all end at 4-6; the first 4 steps average <= 1.1)."""
     cfg = ppo_cfg(tiny_model_dir, prompt_file, tmp_path, steps=16, rollout_batch_size=16, mini_batch_size=8,
                   ppo_epochs=4, learning_rate=3e-3, kl_controller="fixed", init_kl_coef=0.01)  # fmt: skip
-    trainer = make_trainer(cfg)
-    assert trainer.reward_model is None
+    trainer = ppo_trainer(cfg)
+    assert trainer.scorer.reward_model is None
     history = [trainer.ppo_step() for _ in range(cfg.steps)]
     counts = [m["objective/reward_fn"] for m in history]
     assert all(m["objective/scores"] == pytest.approx(m["objective/reward_fn"], abs=1e-6) for m in history)
@@ -212,7 +201,7 @@ def test_combined_score_is_rm_plus_weighted_fn(
     weight = 0.5
     cfg = ppo_cfg(tiny_model_dir, prompt_file, tmp_path, reward_model_path=str(tiny_rm_dir),
                   reward_fn="reward_fns:length", reward_fn_weight=weight, steps=1)  # fmt: skip
-    trainer = make_trainer(cfg)
+    trainer = ppo_trainer(cfg)
     seen = {}
     rollout_fn, shaped = trainer.rollout, ppo.ppo_math.shaped_rewards
 
@@ -228,8 +217,8 @@ def test_combined_score_is_rm_plus_weighted_fn(
     monkeypatch.setattr(ppo.ppo_math, "shaped_rewards", recording_shaped)
     metrics = trainer.ppo_step()
 
-    rollout, tok = seen["rollout"], trainer.tokenizer
-    rm = evaluate.reward_scores(load_reward_model(str(tiny_rm_dir)), tok, rollout)  # (B,) an RM of its own
+    (rollout, _), tok = seen["rollout"], trainer.tokenizer
+    rm = Scorer(load_reward_model(str(tiny_rm_dir)))(rollout, tok).rm_score  # (B,) an RM of its own
     prompts = [
         tok.decode(q[m.bool()], skip_special_tokens=True) for q, m in zip(rollout.query, rollout.query_mask)
     ]
@@ -251,7 +240,7 @@ def test_score_clip_acts_on_the_sum(tiny_model_dir, prompt_file, tmp_path, monke
     """The function's score is clipped (score_clip) like an RM score: after the sum, before the rewards."""
     cfg = ppo_cfg(tiny_model_dir, prompt_file, tmp_path, reward_fn="reward_fns:length", reward_fn_weight=10.0,
                   score_clip=2.0, steps=1)  # fmt: skip
-    trainer = make_trainer(cfg)
+    trainer = ppo_trainer(cfg)
     seen, shaped = {}, ppo.ppo_math.shaped_rewards
 
     def recording_shaped(**kw):
@@ -312,10 +301,10 @@ def test_broken_function_stops_ppo_before_anything(tiny_model_dir, tiny_rm_dir, 
 def test_bad_scores_in_training_stop_before_the_update(tiny_model_dir, prompt_file, tmp_path):
     """A function that passes the probe and returns NaN on the first rollout: the one-line error at the score
     phase of step 1, before any parameter moves."""
-    trainer = make_trainer(
+    trainer = ppo_trainer(
         ppo_cfg(tiny_model_dir, prompt_file, tmp_path, reward_fn="reward_fns:NanAfterProbe")
     )
-    trainer.reward_fn.fn.calls = 1  # as if probed
+    trainer.scorer.reward_fn.fn.calls = 1  # as if probed
     before = {n: p.detach().clone() for n, p in trainer.unwrapped_policy.named_parameters()}
     with pytest.raises(UserError) as e:
         trainer.ppo_step()
@@ -351,7 +340,6 @@ def test_eval_with_reward_fn_only(tiny_model_dir, prompt_file, tmp_path, monkeyp
 
 
 def test_eval_reward_fn_beside_the_rm(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
-    from conftest import build_model
 
     other = build_model(tmp_path / "other", "gpt2", seed=1)
     cfg = evaluate.Config(policy_path=str(other), baseline_path=str(tiny_model_dir), reward_model_path=str(tiny_rm_dir),
@@ -390,28 +378,6 @@ def test_eval_bad_reward_fn_writes_nothing(tiny_model_dir, prompt_file, tmp_path
 # --- two processes ------------------------------------------------------------------------------------
 
 
-def accelerate_launch(args: list[str], num_processes: int = 2) -> subprocess.CompletedProcess:
-    """`accelerate launch` of `python -m llm_rlhf ...` from the repo root (DDP over gloo for 2 processes)."""
-    head = [
-        "--config_file",
-        str(ROOT / "accelerate_configs" / "multi_gpu.yaml"),
-        "--num_processes",
-        str(num_processes),
-    ]
-    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": pythonpath}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *head, "-m", "llm_rlhf", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-
-
-def ppo_args(model_dir, prompt_file, out, **kw) -> list[str]:
-    values = dict(model_name_or_path=model_dir, prompt_file=prompt_file, output_dir=out, steps=3,
-                  rollout_batch_size=4, mini_batch_size=2, ppo_epochs=1, max_new_tokens=6, save_steps=0,
-                  eval_every=0, log_samples_every=0, learning_rate=1e-3)  # fmt: skip
-    values.update(kw)
-    return ["ppo", *[item for key, value in values.items() for item in (f"--{key}", str(value))]]
-
-
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_two_processes_combined_score_and_a_failure_on_one_rank(
@@ -422,9 +388,8 @@ def test_two_processes_combined_score_and_a_failure_on_one_rank(
     only, at the first step: both processes stop with a one-line error (rank 1 its own, rank 0 naming the
     other process) instead of rank 0 waiting for ever."""
     out = tmp_path / "ok"
-    result = accelerate_launch(ppo_args(tiny_model_dir, prompt_file, out, reward_model_path=tiny_rm_dir,
-                                        reward_fn=FILE_SPEC, reward_fn_weight=0.5))  # fmt: skip
-    assert result.returncode == 0, result.stderr[-5000:]
+    launch(ppo_cli_args(tiny_model_dir, tiny_rm_dir, prompt_file, out, 3, save_steps=0, reward_fn=FILE_SPEC,
+                        reward_fn_weight=0.5))  # fmt: skip
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2, 3]
     for m in lines:
@@ -436,8 +401,8 @@ def test_two_processes_combined_score_and_a_failure_on_one_rank(
 
     bad = tmp_path / "bad"
     spec = "tests/reward_fns.py:WrongLengthOnRank1AfterProbe"
-    result = accelerate_launch(
-        ppo_args(tiny_model_dir, prompt_file, bad, reward_model_path="none", reward_fn=spec)
+    result = launch(
+        ppo_cli_args(tiny_model_dir, "none", prompt_file, bad, 3, save_steps=0, reward_fn=spec), check=False
     )
     assert result.returncode != 0
     for message in (  # each rank's one line (the two ranks' writes to stderr may interleave)

@@ -13,9 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import SENTENCES
-from test_evaluate import make_cfg as make_eval_cfg
-from test_ppo import make_cfg, make_trainer
+from helpers import (
+    SENTENCES,
+    eval_config,
+    launch,
+    pipeline_argv,
+    ppo_cli_args,
+    ppo_config,
+    ppo_trainer,
+    recording_rollouts,
+    train_tokenizer,
+)
 
 from llm_rlhf import cli, evaluate, pipeline, ppo, ppo_math, reward
 from llm_rlhf.config import parse_config
@@ -29,6 +37,7 @@ from llm_rlhf.reward_model import (
     load_reward_models,
     save_reward_model,
 )
+from llm_rlhf.scoring import scored_as
 from llm_rlhf.utils import read_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,22 +112,9 @@ def members(tiny_rm_dir, tmp_path_factory) -> list[str]:
 @pytest.fixture(scope="module")
 def other_tokenizer_member(tmp_path_factory) -> str:
     """An RM (random head) over a tokenizer of its own: another vocabulary than the tiny models'."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import GPT2Config, GPT2ForSequenceClassification, PreTrainedTokenizerFast
+    from transformers import GPT2Config, GPT2ForSequenceClassification
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(list(reversed(SENTENCES)) * 3, trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>", unk_token="<|endoftext|>"
-    )
+    tokenizer = train_tokenizer(list(reversed(SENTENCES)) * 3, vocab_size=300)
     torch.manual_seed(3)
     config = GPT2Config(
         vocab_size=len(tokenizer), n_positions=64, n_embd=16, n_layer=1, n_head=2, num_labels=1
@@ -175,28 +171,19 @@ def test_a_member_with_another_tokenizer_reads_the_text(tiny_rm_dir, other_token
 # ---------------------------------------------------------------------------------------------------
 
 
-def recording_rollouts(trainer: ppo.PPOTrainer) -> list:
-    """Keep every rollout the trainer builds (the real `rollout`, called as `ppo_step` calls it)."""
-    kept, real = [], trainer.rollout
-
-    def rollout(*args, **kwargs):
-        kept.append(real(*args, **kwargs))
-        return kept[-1]
-
-    trainer.rollout = rollout
-    return kept
-
-
 @pytest.mark.parametrize("mode", ["mean", "min", "uncertainty"])
 def test_ppo_step_with_an_ensemble_scores_and_logs_every_member(
     members, tiny_model_dir, prompt_file, tmp_path, mode
 ):
-    cfg = make_cfg(
+    cfg = ppo_config(
         tiny_model_dir, members[0], prompt_file, tmp_path, reward_model_path=members, ensemble_combine=mode,
         ensemble_uncertainty_coef=0.5, ppo_epochs=1,
     )  # fmt: skip
-    trainer = make_trainer(cfg)
-    assert isinstance(trainer.reward_model, RewardEnsemble) and len(trainer.reward_model.members) == 3
+    trainer = ppo_trainer(cfg)
+    assert (
+        isinstance(trainer.scorer.reward_model, RewardEnsemble)
+        and len(trainer.scorer.reward_model.members) == 3
+    )
     rollouts = recording_rollouts(trainer)
     metrics = trainer.ppo_step()
     rollout = rollouts[0]
@@ -217,15 +204,15 @@ def test_ppo_step_with_an_ensemble_scores_and_logs_every_member(
 def test_one_member_list_equals_one_reward_model_exactly(tiny_rm_dir, tiny_model_dir, prompt_file, tmp_path):
     """reward_model_path: [rm] goes through the ensemble code and gives the same PPO run as 'rm', bit for
     bit, in every mode; it logs the one member (equal to the score) and a disagreement of 0."""
-    single = make_trainer(make_cfg(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "a"))
+    single = ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "a"))
     plain = [single.ppo_step() for _ in range(2)]
-    listed = make_trainer(
-        make_cfg(
+    listed = ppo_trainer(
+        ppo_config(
             tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "b",
             reward_model_path=[str(tiny_rm_dir)], ensemble_combine="uncertainty", ensemble_uncertainty_coef=2.0,
         )
     )  # fmt: skip
-    assert isinstance(listed.reward_model, RewardEnsemble)
+    assert isinstance(listed.scorer.reward_model, RewardEnsemble)
     ensembled = [listed.ppo_step() for _ in range(2)]
     for a, b in zip(plain, ensembled):
         for key, value in a.items():
@@ -271,11 +258,11 @@ def test_ensemble_and_reward_fn_add_up_in_ppo(members, tiny_model_dir, prompt_fi
     import reward_fns
 
     weight = 0.5
-    cfg = make_cfg(
+    cfg = ppo_config(
         tiny_model_dir, members[0], prompt_file, tmp_path, reward_model_path=members, ensemble_combine="min",
         reward_fn="reward_fns:length", reward_fn_weight=weight, ppo_epochs=1,
     )  # fmt: skip
-    trainer = make_trainer(cfg)
+    trainer = ppo_trainer(cfg)
     rollouts, seen, shaped = recording_rollouts(trainer), {}, ppo_math.shaped_rewards
 
     def recording_shaped(**kw):
@@ -311,14 +298,14 @@ def test_eval_with_an_ensemble_reports_each_member_and_the_combined_score(
 ):
     kw = dict(gold_judge="none", num_prompts=6, batch_size=3)
     ensemble = evaluate.run(
-        make_eval_cfg(
+        eval_config(
             tiny_model_dir, tiny_model_dir, prompt_file, tmp_path / "ens", reward_model_path=members,
             ensemble_combine="uncertainty", ensemble_uncertainty_coef=0.5, **kw,
         )
     )  # fmt: skip
     for k, path in enumerate(members):  # each member's mean is that member's own evaluation
         alone = evaluate.run(
-            make_eval_cfg(
+            eval_config(
                 tiny_model_dir, tiny_model_dir, prompt_file, tmp_path / f"m{k}", reward_model_path=path, **kw
             )
         )
@@ -343,7 +330,7 @@ def test_eval_ensemble_and_reward_fn_add_up(members, tiny_model_dir, prompt_file
     import reward_fns
 
     metrics = evaluate.run(
-        make_eval_cfg(
+        eval_config(
             tiny_model_dir, tiny_model_dir, prompt_file, tmp_path / "e", reward_model_path=members[:2],
             ensemble_combine="mean", reward_fn="reward_fns:length", reward_fn_weight=2.0, gold_judge="none",
             num_prompts=6, batch_size=3,
@@ -484,8 +471,16 @@ def test_eval_scores_each_sweep_variant_as_its_ppo_did(tmp_path, monkeypatch):
     for run_cfg, expected_rm in ((single_run, single), (worst_run, members)):
         ppo_cfg, eval_cfg = pipeline.stage_config(run_cfg, "ppo"), pipeline.stage_config(run_cfg, "eval")
         assert ppo_cfg.reward_model_path == eval_cfg.reward_model_path == expected_rm
-        for key in pipeline.EVAL_FROM_PPO:
-            assert getattr(eval_cfg, key) == getattr(ppo_cfg, key), key
+        assert scored_as(eval_cfg) == scored_as(ppo_cfg)  # the scorer's keys and where responses end
+        assert set(scored_as(ppo_cfg)) >= {
+            "reward_model_path",
+            "ensemble_combine",
+            "ensemble_uncertainty_coef",
+            "reward_fn",
+            "reward_fn_weight",
+            "stop_strings",
+            "min_new_tokens",
+        }
     single_eval = pipeline.stage_config(single_run, "eval")
     assert (single_eval.reward_fn, single_eval.reward_fn_weight) == ("reward_fns:keyword", 0.5)
     assert (single_eval.stop_strings, single_eval.min_new_tokens) == (["."], 2)
@@ -517,13 +512,13 @@ def test_the_readme_command_sets_up_an_ensemble(tmp_path, monkeypatch):
         assert stage_cfg.reward_model_path == members and stage_cfg.ensemble_combine == "uncertainty", stage
 
 
+@pytest.mark.slow
 def test_pipeline_trains_the_members_and_chains_the_list(
     tmp_path, tiny_model_dir, sft_files, pref_files, prompt_file, monkeypatch, capsys
 ):
     """rm_members: 2 with rm_bootstrap through the whole pipeline: two RM folders (seeds s and s + 1, each on
     its own resample), PPO and eval on the ensemble (eval with PPO's combine), member curves in the report;
     a rerun skips both members."""
-    from test_pipeline import pipeline_argv
 
     monkeypatch.chdir(ROOT)
     out = tmp_path / "ens"
@@ -579,7 +574,6 @@ def test_ensemble_two_ranks_equals_one(members, tiny_model_dir, prompt_file, tmp
     """One PPO step of a fixed global rollout (tests/scripts/ppo_ranks.py) scored by a 3-member ensemble:
     every rank scores its own samples with every member, and the global member scores, disagreement,
     combined score, losses and the raw gradient equal those of one process."""
-    from test_multiprocess import launch
 
     script = ROOT / "tests" / "scripts" / "ppo_ranks.py"
 
@@ -607,7 +601,6 @@ def test_ensemble_two_ranks_equals_one(members, tiny_model_dir, prompt_file, tmp
 def test_ppo_command_with_an_ensemble_on_two_processes(members, tiny_model_dir, prompt_file, tmp_path):
     """`accelerate launch ... llm-rlhf ppo` with a 2-member ensemble: training steps, logged samples and the
     held-out evaluation (every process scores with every member; the main one writes) log the members."""
-    from test_multiprocess import launch, ppo_cli_args
 
     out = tmp_path / "run"
     args = ppo_cli_args(tiny_model_dir, members[0], prompt_file, out, 2)

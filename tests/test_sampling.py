@@ -7,33 +7,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import naive_sample
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from llm_rlhf.rollout import left_pad, sample
+from llm_rlhf.rollout import Sampling, left_pad, sample
 from llm_rlhf.sft import sample_responses
 
 HOSTILE = dict(
     repetition_penalty=3.0, no_repeat_ngram_size=1, top_k=3, top_p=0.3, min_p=0.2, typical_p=0.5,
     min_new_tokens=4, temperature=0.05, do_sample=False,
 )  # fmt: skip
-
-
-def naive_sample(
-    lm, query: torch.Tensor, *, steps: int, temperature: float, eos: int, pad: int
-) -> torch.Tensor:
-    """Token by token, no cache: x_t ~ multinomial(softmax(logits_t / T)); finished rows get pad (as HF)."""
-    seq, done, out = query.clone(), torch.zeros(query.shape[0], dtype=torch.bool), []
-    for _ in range(steps):
-        logits = lm(seq).logits[:, -1].float()  # (B, V): the next-token logits
-        probs = torch.softmax(logits / temperature, dim=-1)
-        token = torch.multinomial(probs, num_samples=1).squeeze(1)  # (B,)
-        token = torch.where(done, torch.full_like(token, pad), token)
-        out.append(token)
-        seq = torch.cat([seq, token[:, None]], dim=1)
-        done |= token == eos
-        if done.all():
-            break
-    return torch.stack(out, dim=1)  # (B, steps or fewer)
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
@@ -48,7 +31,8 @@ def test_sample_draws_from_the_plain_softmax(kind, tiny_model_dir, tiny_llama_di
     query, query_mask = left_pad([ids] * 64, tokenizer.pad_token_id)  # (64, P): no padding, same prompt
 
     torch.manual_seed(123)
-    got = sample(lm, tokenizer, query, query_mask, max_new_tokens=8, temperature=0.9, top_k=0, top_p=1.0)
+    sampling = Sampling(max_new_tokens=8, temperature=0.9, top_k=0, top_p=1.0)
+    got = sample(lm, tokenizer, query, query_mask, sampling)
     torch.manual_seed(123)
     with torch.no_grad():
         expected = naive_sample(
@@ -61,8 +45,7 @@ def test_sample_draws_from_the_plain_softmax(kind, tiny_model_dir, tiny_llama_di
 
     # the SFT stage's end-of-training samples use the same settings
     torch.manual_seed(123)
-    rows = sample_responses(lm, tokenizer, ["The film is"] * 64, max_new_tokens=8, temperature=0.9, top_k=0,
-                            top_p=1.0, batch_size=64)  # fmt: skip
+    rows = sample_responses(lm, tokenizer, ["The film is"] * 64, sampling, batch_size=64)
     eos = tokenizer.eos_token_id
     for row, tokens in zip(rows, expected.tolist()):
         n = tokens.index(eos) if eos in tokens else len(tokens)

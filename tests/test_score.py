@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import write_jsonl
+from helpers import write_jsonl
 
 from llm_rlhf.cli import main
 from llm_rlhf.reward_model import (

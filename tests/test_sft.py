@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import write_jsonl
+from helpers import launch, write_jsonl
 
 from llm_rlhf import cli, sft
 from llm_rlhf.config import parse_config
 from llm_rlhf.data import load_sft_dataset
 from llm_rlhf.models import load_causal_lm, load_tokenizer
+from llm_rlhf.rollout import Sampling
 from llm_rlhf.utils import read_json
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "reviews" / "sft.yaml"
@@ -85,9 +86,7 @@ def test_sample_responses_eos_rate_and_left_padding():
             return torch.cat([input_ids, new], dim=1)
 
     model = Stub()
-    out = sft.sample_responses(
-        model, Tok(), ["aa bbb", "c"], max_new_tokens=3, temperature=1.0, top_k=0, top_p=1.0
-    )
+    out = sft.sample_responses(model, Tok(), ["aa bbb", "c"], Sampling(max_new_tokens=3))
     assert model.seen == ([[2, 3], [0, 1]], [[1, 1], [0, 1]])  # left padding
     assert [(s["ended_with_eos"], s["num_tokens"], s["response"]) for s in out] == [
         (True, 1, "5"),
@@ -241,35 +240,12 @@ def test_resume_without_a_checkpoint_is_a_user_error(tmp_path, tiny_model_dir, s
 @pytest.mark.multiprocess
 def test_accelerate_launch_two_processes(tmp_path, tiny_model_dir, sft_files):
     """`accelerate launch` with the repo's DDP config: 2 CPU processes (gloo), one set of outputs."""
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parents[1]
     out = tmp_path / "run"
     argv = ["--model_name_or_path", str(tiny_model_dir), "--train_file", str(sft_files[0]), "--eval_file",
             str(sft_files[1]), "--output_dir", str(out), "--max_length", "32", "--max_steps", "4",
             "--per_device_train_batch_size", "4", "--save_steps", "2", "--eval_steps", "2", "--num_samples", "2",
             "--max_new_tokens", "4"]  # fmt: skip
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--config_file",
-            str(root / "accelerate_configs" / "multi_gpu.yaml"),
-            "--num_processes",
-            "2",
-            "-m",
-            "llm_rlhf",
-            "sft",
-            *argv,
-        ],  # fmt: skip
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=root,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    launch(["-m", "llm_rlhf", "sft", *argv], 2)
     metrics = read_json(out / "metrics.json")
     assert metrics["global_step"] == 4
     epochs = [

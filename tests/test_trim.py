@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from accelerate import Accelerator
+from helpers import ppo_config, ppo_trainer
 
-from llm_rlhf import ppo, ppo_math, ppo_run, reward_model
-from llm_rlhf.models import load_tokenizer
+from llm_rlhf import ppo, ppo_math, reward_model
 from llm_rlhf.rollout import Rollout, Samples, left_pad, pad_columns
 
 R = 12  # max_new_tokens; the longest real response below has 7 tokens
@@ -85,25 +84,10 @@ def test_trim_padding_columns_any_padding_side():
 
 
 def make_trainer(model_dir, rm_dir, prompt_file, out, **kw) -> ppo.PPOTrainer:
-    cfg = ppo.Config(
-        model_name_or_path=str(model_dir),
-        reward_model_path=str(rm_dir),
-        prompt_file=str(prompt_file),
-        output_dir=str(out),
-        steps=2,
-        rollout_batch_size=8,
-        mini_batch_size=4,
-        ppo_epochs=1,
-        max_new_tokens=R,
-        learning_rate=1e-2,
-        eval_every=0,
-        save_steps=0,
-        log_samples_every=0,
-        **kw,
-    )
-    tokenizer = load_tokenizer(cfg.model_name_or_path, padding_side="left")
-    prompts = ppo_run.load_prompts(cfg, tokenizer)
-    return ppo_run.build_trainer(cfg, Accelerator(cpu=True), tokenizer, prompts)
+    """The real trainer (`helpers.ppo_trainer`) of one PPO epoch over R new tokens, no held-out evaluation."""
+    cfg = ppo_config(model_dir, rm_dir, prompt_file, out, ppo_epochs=1, max_new_tokens=R, learning_rate=1e-2,
+                     eval_every=0, kl_target=6.0, kl_horizon=10000, **kw)  # fmt: skip
+    return ppo_trainer(cfg)
 
 
 def fixed_samples(trainer: ppo.PPOTrainer) -> Samples:
@@ -136,7 +120,7 @@ def rollout_with(trainer, samples, monkeypatch, trim=None, rm_trim=None) -> tupl
             m.setattr(reward_model, "trim_padding_columns", rm_trim)
         trainer.generate = lambda queries: samples
         try:
-            return trainer.rollout(trainer.next_queries()), widths
+            return trainer.rollout(trainer.next_queries())[0], widths
         finally:
             handle.remove()
             del trainer.generate
@@ -152,6 +136,7 @@ def assert_same_rollout(a: Rollout, b: Rollout) -> None:
 @pytest.mark.parametrize(
     "policy, value_model, use_lora", [("gpt2", "policy", False), ("llama", "reward", True)]
 )
+@pytest.mark.slow
 def test_trimmed_forwards_match_padded(
     policy,
     value_model,

@@ -23,8 +23,8 @@ def main() -> None:
     records = []
     original = ppo.PPOTrainer.rollout
 
-    def recorded(self, queries, *args, **kwargs):  # times, terms: as `ppo_step` passes them
-        rollout = original(self, queries, *args, **kwargs)
+    def recorded(self, queries, *args, **kwargs):  # times: as `ppo_step` passes it
+        rollout, scores = original(self, queries, *args, **kwargs)
         eos = self.tokenizer.eos_token_id
         records.append(
             {
@@ -37,7 +37,7 @@ def main() -> None:
                 "ended": rollout.ended(eos).tolist(),
             }
         )
-        return rollout
+        return rollout, scores
 
     ppo.PPOTrainer.rollout = recorded
     code = cli.main(args)

@@ -1,0 +1,167 @@
+"""The one scorer of sampled responses: what PPO adds at the last response token, and what `llm-rlhf eval`,
+PPO's held-out evaluation and `compare` (best-of-n, DPO's points) report, computed in one place, so the
+evaluation of a run scores exactly as its PPO did:
+
+    scores = rm_score + reward_fn_weight * reward_fn(prompts, responses)          (B,)
+
+    rm_score   r_phi(x, y), normalised with the RM's stored mean/std (`RewardModel.score`; an RM with
+               another vocabulary re-reads the text, `RewardModel.score_tokens`), or a reward-model ensemble's
+               combined score (`RewardEnsemble`: every member, then ensemble_combine); 0 without a reward model
+    reward_fn  a loaded `reward_fn.RewardFn` on the prompt and response texts, unweighted; without one the
+               scores are rm_score alone
+
+    Scorer        the reward model (or ensemble) and the reward function, loaded once; a call scores one batch
+    Scores        the scores and their parts: rm_score, reward_fn, each member's score and their disagreement
+    ScoreSettings the keys of a flat config that choose the scorer; `scored_as(cfg)` adds where a response
+                  ends (the RM scores the text up to its end): what an evaluation takes from the PPO run it
+                  judges (`pipeline.stage_config`)
+
+A scorer holds no collective: each process scores its own samples (PPO agrees across processes on a failed
+reward function itself, `PPOTrainer.score`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from llm_rlhf import ppo_math
+from llm_rlhf.callables import split_callable_spec
+from llm_rlhf.config import require
+from llm_rlhf.models import shares_vocab
+from llm_rlhf.reward_fn import RewardFn, decode_texts
+from llm_rlhf.reward_model import RewardEnsemble, check_ensemble_keys
+from llm_rlhf.rollout import Samples, Sampling
+
+
+@dataclass(frozen=True)
+class ScoreSettings:
+    """The keys that choose the scorer, as PPO's and evaluation's flat configs declare them (the help texts
+    are theirs): the reward model folder or an ensemble's list (None: no reward model), how an ensemble
+    combines, and the reward function with its weight."""
+
+    reward_model_path: str | list[str] | None
+    ensemble_combine: str = "mean"
+    ensemble_uncertainty_coef: float = 1.0
+    reward_fn: str | None = None
+    reward_fn_weight: float = 1.0
+
+    @classmethod
+    def of(cls, cfg: Any) -> ScoreSettings:
+        return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)})
+
+
+def check_score_keys(cfg: Any) -> None:
+    """The scorer's keys of a PPO or evaluation config (a ConfigError naming the key): the reward function's
+    form (imported when the stage starts, `load_reward_fn`), a finite weight, the ensemble keys."""
+    if cfg.reward_fn is not None:
+        split_callable_spec(cfg.reward_fn, "reward_fn")
+    require(math.isfinite(cfg.reward_fn_weight), "reward_fn_weight", "must be a finite number")
+    check_ensemble_keys(cfg)
+
+
+def scored_as(cfg: Any) -> dict[str, Any]:
+    """The keys of a flat config that decide the score of a sample: the scorer's (`ScoreSettings`) and where a
+    response ends (`Sampling.ends`), by name. An evaluation given these from a PPO run's config scores its
+    samples as that PPO run scored its rollouts."""
+    return {**dataclasses.asdict(ScoreSettings.of(cfg)), **Sampling.of(cfg).ends()}
+
+
+@dataclass
+class Scores:
+    """One batch's scores and their parts, aligned with its rows.
+
+    scores         (B,) float32: rm_score + reward_fn_weight * reward_fn (None when nothing scores)
+    rm_score       (B,) float32: the reward model's normalised score, an ensemble's combined (None: no RM)
+    reward_fn      (B,) float64: the reward function's numbers as it returned them, unweighted (None: none)
+    member_scores  (K, B) float32: each ensemble member's normalised score (None: not an ensemble)
+    disagreement   (B,) float32: the std across the members (`ppo_math.member_disagreement`; None likewise)
+    """
+
+    scores: torch.Tensor | None
+    rm_score: torch.Tensor | None = None
+    reward_fn: torch.Tensor | None = None
+    member_scores: torch.Tensor | None = None
+    disagreement: torch.Tensor | None = None
+
+    def terms(self) -> dict[str, torch.Tensor]:
+        """The parts PPO logs as objective/<name>, (B,) each: with an ensemble each member's score
+        (scores_member_<k>) and their disagreement (scores_disagreement); with a reward function the RM's
+        score (rm_score, when there is an RM) and the function's (reward_fn, in float32 as the scores add it)."""
+        out = {}
+        if self.member_scores is not None:
+            out.update({f"scores_member_{k}": s for k, s in enumerate(self.member_scores)})
+            out["scores_disagreement"] = self.disagreement
+        if self.reward_fn is not None:
+            if self.rm_score is not None:
+                out["rm_score"] = self.rm_score
+            out["reward_fn"] = self.reward_fn.float()
+        return out
+
+
+class Scorer:
+    """scores = rm_score + reward_fn_weight * reward_fn of sampled responses, and their parts (`Scores`).
+
+    reward_model: a frozen `RewardModel`, a `RewardEnsemble` or None; reward_fn: a loaded `RewardFn` or None.
+    rm_context: a context manager factory around the reward model's forwards (PPO: its autocast, so the RM
+    runs in the policy's precision; the reward function is not called inside it).
+    """
+
+    def __init__(
+        self,
+        reward_model=None,
+        reward_fn: RewardFn | None = None,
+        *,
+        reward_fn_weight: float = 1.0,
+        rm_context=nullcontext,
+    ):
+        self.reward_model, self.reward_fn = reward_model, reward_fn
+        self.reward_fn_weight, self.rm_context = reward_fn_weight, rm_context
+        self._vocab = (None, False)  # (the tokenizer last seen, whether a single RM shares its vocabulary)
+
+    @torch.no_grad()
+    def __call__(self, samples: Samples, tokenizer, prompts: list[str] | None = None) -> Scores:
+        """Scores of `samples`, written in `tokenizer`'s ids. The reward function sees the response text
+        without its EOS (`reward_fn.decode_texts`) and `prompts` when given (the caller's prompt strings), else
+        the prompt decoded from the query."""
+        rm = members = disagreement = None
+        if self.reward_model is not None:
+            with self.rm_context():
+                rm, members = self.rm_scores(samples, tokenizer)
+            if members is not None:
+                disagreement = ppo_math.member_disagreement(member_scores=members)  # (B,)
+        if self.reward_fn is None:
+            return Scores(scores=rm, rm_score=rm, member_scores=members, disagreement=disagreement)
+        fn = self.reward_fn_scores(samples, tokenizer, prompts)  # (B,) float64
+        base = rm if rm is not None else torch.zeros(fn.shape[0], device=fn.device)  # (B,)
+        scores = base + self.reward_fn_weight * fn.float()  # (B,) float32
+        return Scores(scores, rm_score=rm, reward_fn=fn, member_scores=members, disagreement=disagreement)
+
+    def rm_scores(self, samples: Samples, tokenizer) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """r_phi(x, y) normalised, (B,), and with an ensemble the members' scores (K, B) it combines
+        (`RewardEnsemble.combine`, ensemble_combine); the RM drops the columns that are padding in every row
+        before its forward (`reward_model.trim_padding_columns`)."""
+        sequence, mask = samples.sequence, samples.attention_mask  # (B, P + R) each
+        if isinstance(self.reward_model, RewardEnsemble):  # the ensemble decides for each member
+            members = self.reward_model.member_scores(sequence, mask, tokenizer)  # (K, B)
+            return self.reward_model.combine(members), members
+        if self._vocab[0] is not tokenizer:  # comparing vocabularies costs a dict walk: once per tokenizer
+            self._vocab = (tokenizer, shares_vocab(tokenizer, self.reward_model.tokenizer))
+        if self._vocab[1]:  # the usual case: the RM was trained from the SFT model
+            return self.reward_model.score(sequence, mask).float(), None
+        # Another tokenizer: decode and re-encode the way the RM was trained.
+        return self.reward_model.score_tokens(sequence, mask, tokenizer).float(), None
+
+    def reward_fn_scores(self, samples: Samples, tokenizer, prompts: list[str] | None) -> torch.Tensor:
+        """reward_fn(prompts, responses) of the samples, checked (`RewardFn`: one finite number per response,
+        else a one-line UserError naming it), unweighted: (B,) float64, the function's numbers exactly."""
+        decoded, responses = decode_texts(
+            tokenizer, samples.query, samples.query_mask, samples.response, samples.response_mask
+        )
+        values = self.reward_fn(decoded if prompts is None else prompts, responses)
+        return torch.tensor(values, dtype=torch.float64, device=samples.query.device)  # (B,)

@@ -1,0 +1,420 @@
+"""What the tests share, imported one way: `from helpers import ...` (pytest puts tests/ on the path, as for
+`conftest.py`; no test module imports another).
+
+    tiny models       SENTENCES, train_tokenizer / build_tokenizer (a byte-level BPE trained in-process),
+                      build_model (a tiny GPT-2 or Llama saved as an HF folder), bos_model_dir (a Llama whose
+                      tokenizer adds BOS), naive_sample (the sampling loop `rollout.sample` must equal)
+    files             write_jsonl, preference_rows, flags (a dict as command-line flags)
+    PPO               ppo_config (the one PPO config builder of the tests), ppo_trainer (a real trainer on one
+                      CPU process), recording_rollouts, record_raw_grads, one_update, use_fixed_responses,
+                      ppo_cli_args
+    evaluation        eval_config
+    pipeline          tiny_overrides (a recipe's stages on a tiny model), pipeline_argv, run_pipeline
+    processes         launch: the one way tests run `accelerate launch`
+
+Nothing here touches the network: tests load these folders through the same `from_pretrained` code that
+users run on `gpt2` or a local checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+SENTIMENT_JUDGE = str(
+    ROOT / "data" / "reviews" / "gold_judge.json"
+)  # gold.json needs the 538 MB SmolLM2 folder
+SENTENCES = [
+    "The film is a delight from start to finish.",
+    "The film is a dull and lifeless mess.",
+    "A gorgeous, moving and funny story.",
+    "A tedious, boring waste of time.",
+    "The acting is superb and the script is sharp.",
+    "The acting is wooden and the script is lazy.",
+    "It's a wonderful movie that everyone should see.",
+    "It's a terrible movie that nobody should see.",
+    "Great performances make this a joy to watch.",
+    "Bad writing makes this a chore to sit through.",
+]
+
+
+# --- files ---------------------------------------------------------------------------------------------
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def preference_rows() -> list[dict]:
+    """prompt/chosen/rejected pairs from SENTENCES: the positive sentence of each pair is chosen, the prompt
+    its first two words."""
+    rows = []
+    for good, bad in zip(SENTENCES[0::2], SENTENCES[1::2]):
+        gw, bw = good.split(" "), bad.split(" ")
+        rows.append(
+            {"prompt": " ".join(gw[:2]), "chosen": " " + " ".join(gw[2:]), "rejected": " " + " ".join(bw[2:])}
+        )
+    return rows
+
+
+def flags(values: dict) -> list[str]:
+    """{"steps": 2, ...} -> ["--steps", "2", ...]: config keys as a user types them."""
+    return [item for key, value in values.items() for item in (f"--{key}", str(value))]
+
+
+# --- tiny models -----------------------------------------------------------------------------------------
+
+
+def train_tokenizer(texts: list[str], vocab_size: int = 400):
+    """A byte-level BPE trained on `texts`, GPT-2 style: `<|endoftext|>` is bos/eos, no pad token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>", unk_token="<|endoftext|>"
+    )
+
+
+def build_tokenizer(folder: Path):
+    """The tiny models' tokenizer (`train_tokenizer` on SENTENCES), saved in `folder`."""
+    tokenizer = train_tokenizer(SENTENCES * 5)
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def build_model(folder: Path, kind: str = "gpt2", seed: int = 0, n_positions: int = 64) -> Path:
+    """A tiny randomly initialised causal LM plus the tokenizer, saved as an HF folder (safetensors)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tokenizer(folder)
+    torch.manual_seed(seed)
+    eos = tokenizer.eos_token_id
+    if kind == "gpt2":
+        config = GPT2Config(
+            vocab_size=len(tokenizer),
+            n_positions=n_positions,
+            n_embd=32,
+            n_layer=2,
+            n_head=2,
+            bos_token_id=eos,
+            eos_token_id=eos,
+        )
+        model = GPT2LMHeadModel(config)
+    elif kind == "llama":
+        config = LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=n_positions,
+            bos_token_id=eos,
+            eos_token_id=eos,
+            tie_word_embeddings=False,
+        )
+        model = LlamaForCausalLM(config)
+    else:
+        raise ValueError(kind)
+    model.generation_config.pad_token_id = eos
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def bos_model_dir(folder: Path) -> Path:
+    """A tiny Llama whose tokenizer prepends <s> to every text, as Llama's does."""
+    from tokenizers import processors
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tokenizer(folder)
+    tokenizer.add_special_tokens({"bos_token": "<s>"})
+    bos = tokenizer.convert_tokens_to_ids("<s>")
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", bos)]
+    )
+    tokenizer.save_pretrained(folder)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64, bos_token_id=bos, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def naive_sample(
+    lm, query: torch.Tensor, *, steps: int, temperature: float, eos: int, pad: int, min_new_tokens=0
+):
+    """Token by token, no cache: x_t ~ multinomial(softmax(z'_t / T)), z'_t the next-token logits with
+    z'_t[EOS] = -inf while t < min_new_tokens; finished rows get pad (as HF). The reference `rollout.sample`
+    must match draw for draw with the same random numbers. query: (B, P) unpadded -> (B, steps or fewer)."""
+    seq, done, out = query.clone(), torch.zeros(query.shape[0], dtype=torch.bool), []
+    with torch.no_grad():
+        for t in range(steps):
+            logits = lm(seq).logits[:, -1].float()  # (B, V): the next-token logits
+            if t < min_new_tokens:
+                logits[:, eos] = -math.inf
+            token = torch.multinomial(torch.softmax(logits / temperature, dim=-1), num_samples=1).squeeze(
+                1
+            )  # (B,)
+            token = torch.where(done, torch.full_like(token, pad), token)
+            out.append(token)
+            seq = torch.cat([seq, token[:, None]], dim=1)
+            done |= token == eos
+            if done.all():
+                break
+    return torch.stack(out, dim=1)  # (B, steps or fewer)
+
+
+# --- PPO -------------------------------------------------------------------------------------------------
+
+
+def ppo_config(model_dir, rm_dir, prompt_file, out, **kw):
+    """A PPO config for tiny-model runs: two steps of 8 episodes in minibatches of 4, 8 new tokens, no
+    checkpoints or logged samples; `rm_dir` None for no reward model (give a reward_fn then). `kw` wins."""
+    from llm_rlhf import ppo
+
+    base = dict(
+        model_name_or_path=str(model_dir),
+        reward_model_path=str(rm_dir) if rm_dir is not None else None,
+        prompt_file=str(prompt_file),
+        output_dir=str(out),
+        steps=2,
+        rollout_batch_size=8,
+        mini_batch_size=4,
+        ppo_epochs=2,
+        max_new_tokens=8,
+        learning_rate=1e-3,
+        save_steps=0,
+        log_samples_every=0,
+        kl_target=1.0,
+        kl_horizon=100,
+        gold_judge=SENTIMENT_JUDGE,
+    )
+    base.update(kw)
+    return ppo.Config(**base)
+
+
+def ppo_trainer(cfg, mixed_precision: str = "no"):
+    """The real trainer on one CPU process, built as `llm-rlhf ppo` builds it (`ppo_run.build_trainer`)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from llm_rlhf import ppo_run
+    from llm_rlhf.models import load_tokenizer
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # a fresh mixed_precision for each test
+    tokenizer = load_tokenizer(cfg.model_name_or_path, padding_side="left")
+    prompts = ppo_run.load_prompts(cfg, tokenizer)
+    return ppo_run.build_trainer(
+        cfg, Accelerator(cpu=True, mixed_precision=mixed_precision), tokenizer, prompts
+    )
+
+
+def recording_rollouts(trainer) -> list:
+    """Keep every rollout the trainer builds (the real `rollout`, called as `ppo_step` calls it)."""
+    kept, real = [], trainer.rollout
+
+    def rollout(*args, **kwargs):
+        out = real(*args, **kwargs)  # (rollout, scores)
+        kept.append(out[0])
+        return out
+
+    trainer.rollout = rollout
+    return kept
+
+
+def record_raw_grads(trainer, store: list) -> None:
+    """Append the flattened gradient of every trainable parameter to `store` at each optimiser step, as
+    it is before clipping (after DDP's all-reduce)."""
+    clip = trainer.accelerator.clip_grad_norm_
+
+    def recording(parameters, max_norm, *args, **kwargs):
+        parameters = list(parameters)
+        store.append(torch.cat([p.grad.detach().flatten().clone() for p in parameters]))
+        return clip(parameters, max_norm, *args, **kwargs)
+
+    trainer.accelerator.clip_grad_norm_ = recording
+
+
+def one_update(cfg, hook=None) -> dict[str, torch.Tensor]:
+    """The parameters after one update on a fixed rollout with fixed advantages and returns; `hook(trainer)`
+    runs before the update."""
+    trainer = ppo_trainer(cfg)
+    torch.manual_seed(123)
+    rollout, _ = trainer.rollout(trainer.next_queries())
+    adv = (
+        torch.randn(rollout.logprobs.shape, generator=torch.Generator().manual_seed(0))
+        * rollout.response_mask
+    )
+    returns = (
+        torch.randn(rollout.logprobs.shape, generator=torch.Generator().manual_seed(1))
+        * rollout.response_mask
+    )
+    if hook is not None:
+        hook(trainer)
+    trainer.train_on_rollout(rollout, adv, returns)
+    return {k: v.detach().clone() for k, v in trainer.unwrapped_policy.named_parameters()}
+
+
+def use_fixed_responses(trainer, seed: int = 7) -> None:
+    """Replace sampling by fixed responses to the trainer's own prompts: EOS at varied positions (rows
+    1, 2, 4, 5, 7 end early, the others never emit EOS), the same on every call."""
+    from llm_rlhf import ppo_math
+    from llm_rlhf.rollout import Samples, left_pad
+
+    eos, pad, R = trainer.tokenizer.eos_token_id, trainer.tokenizer.pad_token_id, trainer.cfg.max_new_tokens
+
+    def fixed(queries):
+        query, query_mask = left_pad(queries, pad)
+        response = torch.randint(5, 200, (len(queries), R), generator=torch.Generator().manual_seed(seed))
+        for i in range(len(queries)):
+            if i % 3:
+                response[i, i % R] = eos
+        mask = ppo_math.response_mask_from_tokens(response=response, eos_token_id=eos)
+        return Samples(
+            query=query, query_mask=query_mask, response=torch.where(mask, response, pad), response_mask=mask
+        )
+
+    trainer.generate = fixed
+
+
+def ppo_cli_args(model_dir, rm_dir, prompt_file, out: Path, steps: int, **kw) -> list[str]:
+    """`-m llm_rlhf ppo` with flags for a tiny run (rollouts of 4 per process, a checkpoint every step)."""
+    values = dict(model_name_or_path=model_dir, reward_model_path=rm_dir, prompt_file=prompt_file,
+                  output_dir=out, steps=steps, rollout_batch_size=4, mini_batch_size=2, ppo_epochs=1,
+                  max_new_tokens=6, save_steps=1, eval_every=0, log_samples_every=0, learning_rate="1e-3")  # fmt: skip
+    values.update(kw)
+    return ["-m", "llm_rlhf", "ppo", *flags(values)]
+
+
+# --- evaluation ------------------------------------------------------------------------------------------
+
+
+def eval_config(policy, baseline, prompt_file, out, **kw):
+    """An evaluation config for tiny models: 12 prompts in batches of 5, 6 new tokens, no reward model, the
+    sentiment-only gold judge. `kw` wins."""
+    from llm_rlhf import evaluate
+
+    base = dict(
+        policy_path=str(policy), baseline_path=str(baseline), reward_model_path="none",
+        gold_judge=SENTIMENT_JUDGE, prompt_file=str(prompt_file), num_prompts=12, max_new_tokens=6,
+        batch_size=5, output_dir=str(out), print_samples=2,
+    )  # fmt: skip
+    base.update(kw)
+    return evaluate.Config(**base)
+
+
+# --- the pipeline ----------------------------------------------------------------------------------------
+
+
+def tiny_overrides(model: Path, data: dict[str, Path], out: Path, *, max_length: int) -> dict[str, dict]:
+    """Per stage: the keys that swap in the tiny model, the small files and a budget of two steps.
+    Every other key (learning rates, LoRA, KL control, data_format, skip_long, ...) is the recipe's."""
+    return {
+        "sft": {"model_name_or_path": model, "train_file": data["sft"], "eval_file": data["sft"],
+                "output_dir": out / "sft", "max_length": max_length, "max_steps": 2,
+                "per_device_train_batch_size": 4, "warmup_ratio": 0, "logging_steps": 1, "eval_steps": 0,
+                "save_steps": 2, "num_samples": 2, "max_new_tokens": 4},
+        "rm": {"model_name_or_path": out / "sft", "train_file": data["prefs"], "eval_file": data["prefs"],
+               "test_file": data["prefs"], "output_dir": out / "rm", "max_length": max_length, "max_steps": 2,
+               "per_device_train_batch_size": 4, "warmup_ratio": 0, "logging_steps": 1, "eval_steps": 0,
+               "save_steps": 2, "normalization_samples": 8, "score_batch_size": 8},
+        "ppo": {"model_name_or_path": out / "sft", "reward_model_path": out / "rm", "prompt_file": data["prompts"],
+                "eval_prompt_file": data["prompts"], "gold_judge": SENTIMENT_JUDGE, "eval_num_prompts": 2,
+                "output_dir": out / "ppo", "steps": 2, "rollout_batch_size": 4, "mini_batch_size": 2,
+                "gradient_accumulation_steps": 1, "ppo_epochs": 1, "max_new_tokens": 4, "save_steps": 0,
+                "log_samples_every": 0},
+        "eval": {"policy_path": out / "ppo", "baseline_path": out / "sft", "reward_model_path": out / "rm",
+                 "gold_judge": SENTIMENT_JUDGE, "prompt_file": data["prompts"], "output_dir": out / "eval",
+                 "num_prompts": 4, "max_new_tokens": 4, "batch_size": 4},
+    }  # fmt: skip
+
+
+CHAINED = {  # keys the pipeline sets itself (each stage reads the previous stage's folder)
+    "sft": ("output_dir",),
+    "rm": ("model_name_or_path", "output_dir"),
+    "ppo": ("model_name_or_path", "reward_model_path", "output_dir"),
+    "eval": ("policy_path", "baseline_path", "reward_model_path", "output_dir"),
+}
+
+
+def pipeline_argv(out: Path, model: Path, sft_files, pref_files, prompt_file, **extra) -> list[str]:
+    """The reviews pipeline recipe with a tiny model and small files swapped in on the command line."""
+    data = {"sft": sft_files[0], "prefs": pref_files[0], "prompts": prompt_file}
+    overrides = tiny_overrides(model, data, out, max_length=48)
+    overrides["ppo"].update(steps=4, save_steps=2, eval_every=2)
+    for stage, keys in CHAINED.items():
+        for key in keys:
+            del overrides[stage][key]
+    argv = ["--config", str(ROOT / "recipes" / "reviews" / "pipeline.yaml"), "--output_dir", str(out)]
+    for stage, values in overrides.items():
+        plain = {k: str(v) if isinstance(v, Path) else v for k, v in values.items()}
+        argv.append(f"--{stage}={yaml.safe_dump(plain, default_flow_style=True, width=10_000).strip()}")
+    for key, value in extra.items():
+        argv += [f"--{key}", value]
+    return argv
+
+
+def run_pipeline(argv: list[str]) -> dict:
+    from llm_rlhf import pipeline
+    from llm_rlhf.config import parse_config
+
+    return pipeline.run(parse_config(pipeline.Config, argv))
+
+
+# --- processes -------------------------------------------------------------------------------------------
+
+
+def launch(
+    args: list[str],
+    num_processes: int = 2,
+    *,
+    config: str = "multi_gpu.yaml",
+    mixed_precision: str | None = None,
+    check: bool = True,
+) -> subprocess.CompletedProcess:
+    """`accelerate launch` as a user runs it, from the repo root: a config file of accelerate_configs/ (DDP by
+    default; on this CPU over gloo) with `num_processes`, or a single CPU process. `args`: a script and its
+    arguments, or `-m llm_rlhf <command> ...`. `mixed_precision` overrides the config file's, as
+    `accelerate launch --mixed_precision` does. check: the launch must succeed (else the returned process is
+    the caller's to judge)."""
+    if num_processes > 1:
+        head = [
+            "--config_file",
+            str(ROOT / "accelerate_configs" / config),
+            "--num_processes",
+            str(num_processes),
+        ]
+    else:
+        head = ["--cpu", "--num_processes", "1"]
+    if mixed_precision is not None:
+        head += ["--mixed_precision", mixed_precision]
+    # The processes import llm_rlhf: this checkout's, not another installed copy.
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": pythonpath}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *head, *args]
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    if check:
+        assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    return result
