@@ -90,11 +90,6 @@ class Accelerated:
         """DeepSpeed ZeRO-3: each process holds only its partition of every parameter."""
         return self.deepspeed and self.accelerator.state.deepspeed_plugin.zero_stage == 3
 
-    @property
-    def sharded(self) -> bool:
-        """Checkpoints are written by every process (FSDP2's shards, DeepSpeed's engine), not by the main one."""
-        return self.accelerator.is_fsdp2 or self.deepspeed
-
     # --- building ---------------------------------------------------------------------------------
 
     def prepare(self, policy, critic, optimizer, *, frozen: list, micro_batch_size: int, lora: bool):

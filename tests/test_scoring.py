@@ -1,0 +1,99 @@
+"""The values issue 23 introduced: `rollout.Sampling` (one value from any flat config), `scoring.Scorer` (the one
+scorer of PPO and evaluation), `scoring.scored_as`, `PPOTrainer.state_dict`, and the one callable resolver."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import ppo_config, ppo_trainer
+
+from llm_rlhf import evaluate, ppo, sft
+from llm_rlhf.callables import resolve_callable
+from llm_rlhf.errors import ConfigError, UserError
+from llm_rlhf.gold import load_judge
+from llm_rlhf.reward_fn import load_reward_fn
+from llm_rlhf.reward_model import load_reward_model
+from llm_rlhf.rollout import Sampling
+from llm_rlhf.scoring import Scorer, scored_as
+
+
+def test_sampling_of_any_flat_config():
+    """PPO's, evaluation's and SFT's configs give the same kind of value; a stage without stop strings or
+    min_new_tokens (SFT) gets them off; temperature 0 is greedy."""
+    cfg = ppo.Config(max_new_tokens=12, temperature=0.7, stop_strings=["\n"], min_new_tokens=2)
+    assert Sampling.of(cfg) == Sampling(12, temperature=0.7, stop_strings=("\n",), min_new_tokens=2)
+    assert Sampling.of(evaluate.Config(top_k=5, top_p=0.9)) == Sampling(32, top_k=5, top_p=0.9)
+    assert Sampling.of(sft.Config(temperature=0.0)) == Sampling(48, temperature=0.0)
+    assert Sampling(4).generate_kwargs() == {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+    assert Sampling(4, temperature=0.0).greedy and Sampling(4, temperature=0.0).generate_kwargs() == {
+        "do_sample": False
+    }
+    assert Sampling.of(cfg).ends() == {"stop_strings": ["\n"], "min_new_tokens": 2}
+
+
+def test_scored_as_names_every_key_that_decides_a_score():
+    cfg = ppo.Config(reward_model_path=["a", "b"], ensemble_combine="min", reward_fn="m:f", reward_fn_weight=0.5,
+                     stop_strings=["."], min_new_tokens=3)  # fmt: skip
+    assert scored_as(cfg) == {
+        "reward_model_path": ["a", "b"], "ensemble_combine": "min", "ensemble_uncertainty_coef": 1.0,
+        "reward_fn": "m:f", "reward_fn_weight": 0.5, "stop_strings": ["."], "min_new_tokens": 3,
+    }  # fmt: skip
+    eval_cfg = evaluate.Config(**scored_as(cfg))  # an evaluation given them scores as this PPO run
+    assert scored_as(eval_cfg) == scored_as(cfg)
+
+
+def test_ppo_and_evaluation_score_alike(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
+    """The trainer's scores of a rollout are a `Scorer`'s, built as evaluation builds it: rm_score +
+    reward_fn_weight * reward_fn, with the parts PPO logs in the order it logs them."""
+    cfg = ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, reward_fn="reward_fns:length",
+                     reward_fn_weight=0.5)  # fmt: skip
+    trainer = ppo_trainer(cfg)
+    samples = trainer.generate(trainer.next_queries())
+    got = trainer.score(samples)
+    alone = Scorer(
+        load_reward_model(str(tiny_rm_dir)), load_reward_fn("reward_fns:length"), reward_fn_weight=0.5
+    )
+    expected = alone(samples, trainer.tokenizer)
+    torch.testing.assert_close(got.scores, expected.scores, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got.scores, expected.rm_score + 0.5 * expected.reward_fn.float())
+    assert expected.reward_fn.dtype == torch.float64 and expected.reward_fn.std() > 0
+    assert list(got.terms()) == ["rm_score", "reward_fn"]
+    assert Scorer(load_reward_model(str(tiny_rm_dir)))(samples, trainer.tokenizer).terms() == {}
+
+
+def test_trainer_state_dict_round_trip(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
+    """state_dict holds the step, the KL controller and the LR schedule; load_state_dict puts them back."""
+    cfg = ppo_config(
+        tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, lr_scheduler_type="linear", ppo_epochs=1
+    )
+    trainer = ppo_trainer(cfg)
+    trainer.ppo_step()
+    state = trainer.state_dict()
+    assert set(state) == {"step", "kl_ctl", "scheduler"} and state["step"] == 1
+    saved = {k: v for k, v in state.items() if k != "scheduler"}, trainer.scheduler.get_last_lr()
+    trainer.ppo_step()
+    assert trainer.step == 2 and trainer.scheduler.get_last_lr() != saved[1]
+    trainer.load_state_dict(state)
+    assert (
+        {k: v for k, v in trainer.state_dict().items() if k != "scheduler"},
+        trainer.scheduler.get_last_lr(),
+    ) == saved
+
+
+def test_one_resolver_for_reward_functions_and_gold_judges(tmp_path, monkeypatch):
+    """reward_fn and a gold_judge callable follow the same rules: module:callable from the current directory,
+    path/to/file.py:callable, a class built with no arguments, one error line naming the key."""
+    (tmp_path / "judges_here.py").write_text(
+        "def length(prompts, responses):\n    return [float(len(r)) for r in responses]\n\n"
+        "class Broken:\n    def __init__(self):\n        raise TypeError('needs arguments')\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    assert load_judge("judges_here:length")(["p"], ["abc"]) == [3.0]
+    assert load_judge(f"{tmp_path / 'judges_here.py'}:length")(["p"], ["ab"]) == [2.0]
+    assert load_reward_fn("judges_here.py:length")(["p"], ["a"]) == [1.0]
+    with pytest.raises(UserError, match="^gold_judge 'judges_here:Broken': building the class"):
+        load_judge("judges_here:Broken")
+    with pytest.raises(ConfigError, match="^gold_judge 'nope': expected a judge JSON file"):
+        load_judge("nope")
+    with pytest.raises(UserError, match="^my_key 'judges_here:missing': 'judges_here' has no attribute"):
+        resolve_callable("judges_here:missing", "my_key")
