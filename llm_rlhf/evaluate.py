@@ -31,6 +31,8 @@ metrics.json (written last; `_baseline` keys hold the same figures for the basel
     response_length_mean   response tokens, the EOS included;  eos_rate: fraction of responses that stop
                       (with EOS or a stop string; not truncated at max_new_tokens)
     distinct_1, distinct_2  unique / total token n-grams over all responses (EOS excluded; Li et al. 2016)
+    char_run_rate, repeated_ngram_rate, empty_rate   fraction of responses with a run of one repeated
+                      character, a repeated word 3-gram, or no text (`llm_rlhf.hacking`: signs of reward hacking)
     *_stderr          standard error of the mean over the samples
 A null value means "not measured" (gold_judge none, reward_model_path none, reward_fn unset, or a baseline
 whose tokenizer differs from the reference's for kl_to_ref_baseline).
@@ -68,6 +70,7 @@ from llm_rlhf.config import format_config, help_field, is_off, require, save_con
 from llm_rlhf.data import DATA_FORMATS, load_prompt_dataset, prompt_rules
 from llm_rlhf.errors import UserError
 from llm_rlhf.gold import FluentGoldJudge, GoldJudge, judge_details, load_judge
+from llm_rlhf.hacking import degeneracy_rates
 from llm_rlhf.models import freeze, load_causal_lm, load_tokenizer, shares_vocab
 from llm_rlhf.reward_fn import load_reward_fn, probe
 from llm_rlhf.reward_model import RewardEnsemble, check_ensemble_keys, check_members_exist, load_reward_models
@@ -451,6 +454,7 @@ def summarize(records: list[dict[str, Any]], suffix: str = "") -> dict[str, floa
     out["eos_rate" + suffix] = mean_and_stderr([float(r["eos"]) for r in records])[0]
     out["distinct_1" + suffix] = distinct_n([r["response_ids"] for r in records], 1)
     out["distinct_2" + suffix] = distinct_n([r["response_ids"] for r in records], 2)
+    out.update(degeneracy_rates([r["response"] for r in records], suffix))  # issue 28: the hacking watch
     if records[0].get("rm_member_scores") is not None:  # an ensemble: each member, and their disagreement
         per_member = zip(*[r["rm_member_scores"] for r in records])  # K tuples of one score per sample
         for k, scores in enumerate(per_member):
@@ -477,6 +481,7 @@ def evaluate_policy(
     top_p: float = 1.0,
     stop_strings=(),
     min_new_tokens: int = 0,
+    samples_out: list[dict[str, Any]] | None = None,
 ) -> dict[str, float | None]:
     """Sample one response per prompt from `policy` and score it: for evaluation during training.
 
@@ -485,7 +490,9 @@ def evaluate_policy(
     `llm_rlhf.reward_model.RewardModel`; judge: any (prompts, responses) -> list[float]; reward_fn: a
     `llm_rlhf.reward_fn.RewardFn`. Each may be None to skip its metric. Deterministic for a given seed, and the global RNG is left untouched. The policy is put in
     eval mode for the call and restored. Returns `summarize`'s keys: gold_score_mean, rm_score_mean,
-    reward_fn_mean, kl_to_ref, kl_to_ref_at_temperature, response_length_mean, eos_rate, distinct_1, distinct_2 (+ stderrs).
+    reward_fn_mean, kl_to_ref, kl_to_ref_at_temperature, response_length_mean, eos_rate, distinct_1, distinct_2,
+    the degeneracy rates (+ stderrs). samples_out: a list that gets `sample_and_score`'s per-sample records
+    appended (PPO logs them for the report's reward-hacking watch); None = not kept.
     """
     was_training = policy.training
     policy.eval()
@@ -510,6 +517,8 @@ def evaluate_policy(
         )
     finally:
         policy.train(was_training)
+    if samples_out is not None:
+        samples_out.extend(records)
     return summarize(records)
 
 

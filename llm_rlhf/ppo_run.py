@@ -30,6 +30,7 @@ from llm_rlhf.data import load_prompt_dataset, prompt_rules
 from llm_rlhf.errors import UserError
 from llm_rlhf.evaluate import evaluate_policy
 from llm_rlhf.gold import load_judge
+from llm_rlhf.hacking import DEGENERACY_KEYS, heldout_sample_rows
 from llm_rlhf.models import (
     PolicyWithValue,
     Reference,
@@ -197,6 +198,7 @@ def run(cfg: Config) -> dict[str, float]:
             print(f"resumed from {resume_from} at step {trainer.step}")
             truncate_log(out / "metrics.jsonl", trainer.step)
             truncate_log(out / "eval_log.jsonl", trainer.step)
+            truncate_log(out / "eval_samples.jsonl", trainer.step)
 
     writer = make_writer(cfg, out) if accelerator.is_main_process else None
     history = (
@@ -209,9 +211,11 @@ def run(cfg: Config) -> dict[str, float]:
         # Every process evaluates (the same prompts and seed) and the main one writes: with sharded
         # parameters (ZeRO-3, FSDP) each forward is a collective that every process must enter (issue 13).
         if eval_prompts and trainer.step % cfg.eval_every == 0:
-            record = evaluate_heldout(trainer, eval_prompts, judge)
+            record, rows = evaluate_heldout(trainer, eval_prompts, judge)
             if accelerator.is_main_process:
                 append_jsonl(out / "eval_log.jsonl", record)
+                for row in rows:  # per sample: the report's reward-hacking watch ranks their proxy-gold gaps
+                    append_jsonl(out / "eval_samples.jsonl", row)
                 tqdm.write(
                     f"[eval step {trainer.step}] kl {record['kl']:.2f}  rm {signed(record['rm_score'])}  "
                     f"gold {signed(record['gold_score'])}"
@@ -433,11 +437,13 @@ def tied_duplicates(model: torch.nn.Module) -> list[str]:
     return [name for group in names.values() for name in group[1:]]
 
 
-def evaluate_heldout(trainer: PPOTrainer, prompts: list[str], judge) -> dict[str, float]:
+def evaluate_heldout(trainer: PPOTrainer, prompts: list[str], judge) -> tuple[dict[str, float], list[dict]]:
     """RM score, gold score, reward_fn score (unweighted; None without a reward_fn) and KL to the reference
     on held-out prompts (fixed seed: every evaluation of the run samples with the same random numbers).
     With a reward-model ensemble also each member's score (rm_score_member_<k>) and their disagreement
-    (rm_disagreement); rm_score is the combined one."""
+    (rm_disagreement); rm_score is the combined one. Also the degeneracy rates (`hacking.DEGENERACY_KEYS`).
+    Returns that record (a line of eval_log.jsonl) and the samples' rows (`hacking.heldout_sample_rows`)."""
+    samples: list[dict] = []
     lm = trainer.unwrapped_policy.lm
     ref = lm if trainer.cfg.use_lora else trainer.ref_model.lm
     with trainer.autocast(), trainer.gathered_for_generation(trainer.unwrapped_policy):
@@ -458,13 +464,14 @@ def evaluate_heldout(trainer: PPOTrainer, prompts: list[str], judge) -> dict[str
             top_p=trainer.cfg.top_p,
             stop_strings=trainer.cfg.stop_strings,
             min_new_tokens=trainer.cfg.min_new_tokens,
+            samples_out=samples,
         )
     members = {
         key.removesuffix("_mean"): value
         for key, value in result.items()
         if key.startswith(("rm_score_member_", "rm_disagreement"))
     }  # only with an ensemble
-    return {
+    record = {
         "step": trainer.step,
         "kl": result["kl_to_ref"],
         "rm_score": result["rm_score_mean"],
@@ -475,7 +482,11 @@ def evaluate_heldout(trainer: PPOTrainer, prompts: list[str], judge) -> dict[str
         "fluency_perplexity": result["fluency_perplexity"],
         "eos_rate": result["eos_rate"],
         "response_length": result["response_length_mean"],
+        **{key: result[key] for key in DEGENERACY_KEYS},
     }
+    return record, heldout_sample_rows(
+        samples, step=trainer.step, reward_fn_weight=trainer.cfg.reward_fn_weight
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from accelerate.state import AcceleratorState
 
 from llm_rlhf import cli, evaluate, ppo, ppo_run
 from llm_rlhf.errors import ConfigError, UserError
+from llm_rlhf.hacking import DEGENERACY_KEYS, degeneracy_rates
 from llm_rlhf.models import load_tokenizer
 from llm_rlhf.reward_fn import PROBE_RESPONSES, RewardFn, check_scores, decode_texts, load_reward_fn, probe
 from llm_rlhf.reward_model import load_reward_model
@@ -280,6 +281,15 @@ def test_run_with_reward_fn_only_writes_the_usual_outputs(tiny_model_dir, prompt
     assert len(lines) == 2 and all(0 <= m["objective/reward_fn"] <= 1 for m in lines)
     heldout = [json.loads(x) for x in (out / "eval_log.jsonl").read_text().splitlines()]
     assert len(heldout) == 3 and all(r["rm_score"] is None and 0 <= r["reward_fn"] <= 1 for r in heldout)
+    # each held-out sample, for the report's reward-hacking watch: the proxy is PPO's score (no RM: the
+    # weighted function), no gold; the degeneracy rates of each evaluation are those of its samples
+    rows = [json.loads(x) for x in (out / "eval_samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0] * 4 + [1] * 4 + [2] * 4
+    assert all(r["proxy"] == cfg.reward_fn_weight * float(r["response"].endswith("e")) for r in rows)
+    assert all(r["gold_score"] is None and r["reward_fn"] == float(r["response"].endswith("e")) for r in rows)
+    for record in heldout:
+        responses = [r["response"] for r in rows if r["step"] == record["step"]]
+        assert {k: record[k] for k in DEGENERACY_KEYS} == degeneracy_rates(responses)
     samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
     assert all(s["score"] == float(s["response"].endswith("e")) for s in samples)
     assert (out / "model.safetensors").is_file() and (out / "metrics.json").is_file()
