@@ -895,6 +895,11 @@ def section_ppo(page: Page, run: Run) -> None:
             "Periodic held-out evaluation during PPO. The RM (proxy) keeps rising with KL; when the gold "
             "score stops following it, the policy is exploiting the reward model.",
         )
+    elif run.eval_log:
+        page.add(
+            '<p class="note">The held-out evaluations during PPO (ppo/eval_log.jsonl) have no gold score or no KL '
+            "(e.g. gold_judge: none), so there is no gold-vs-proxy curve.</p>"
+        )
     elif config_value(run, "ppo", "eval_every") == 0:
         page.add(
             '<p class="note">Held-out evaluation during PPO was off in this run (ppo/config.yaml: eval_every: 0), '

@@ -175,8 +175,8 @@ def test_overoptimisation_curve_of_a_run_without_a_reward_model(tmp_path):
 
 
 def test_a_run_without_held_out_evaluation_says_how_to_get_the_curve(tmp_path):
-    """The default recipe runs PPO with eval_every: 0: the report says the curve was not asked for and how to
-    ask for it, instead of flagging a missing file."""
+    """A PPO run with eval_every: 0: the report says the curve was not asked for and how to ask for it, instead
+    of flagging a missing file."""
     run = make_run(tmp_path / "run")
     (run / "ppo" / "eval_log.jsonl").unlink()
     text = write_report(run).read_text(encoding="utf-8")
@@ -418,6 +418,13 @@ def test_hacking_watch_without_a_gold_says_there_is_no_gap(tmp_path):
         run / "eval" / "samples.jsonl",
         [{**r, "policy_gold_score": None, "baseline_gold_score": None} for r in rows],
     )
+    rows = [json.loads(line) for line in (run / "ppo" / "eval_log.jsonl").read_text().splitlines()]
+    _jsonl(
+        run / "ppo" / "eval_log.jsonl", [{**r, "gold_score": None} for r in rows]
+    )  # PPO's gold_judge: none
     text = write_report(run).read_text(encoding="utf-8")
     assert "no proxy−gold gap to rank" in text and '<table class="texts watch">' not in text
     assert '<table class="counters">' in text
+    assert (
+        "have no gold score or no KL" in text and 'class="missing"' not in text
+    )  # the log is there, not missing
