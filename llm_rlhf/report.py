@@ -962,7 +962,7 @@ class EvalRow:
 MEMBERS = "rm_score_member_*"  # stands for every ensemble member's row (`eval_groups`)
 EVAL_GROUPS: tuple[tuple[str, tuple[EvalRow, ...]], ...] = (
     ("Gold judge (stands in for people)", (
-        EvalRow("gold score", "gold_score_mean", "gold_stderr", "gold_win_rate", "gold_score"),
+        EvalRow("gold score", "gold_score_mean", "gold_score_stderr", "gold_win_rate", "gold_score"),
     )),
     ("Sentiment (the gold's sentiment part: predicted mean human rating)", (
         EvalRow("sentiment", "sentiment_mean", "sentiment_stderr", "sentiment_win_rate", "sentiment"),
@@ -1386,6 +1386,8 @@ def plot_degeneracy(eval_log: list[dict]):
         ax.set(title=f"Degenerate responses against {'step' if x_key == 'step' else 'KL'}", xlabel=xlabel,
                ylabel="fraction of held-out responses")  # fmt: skip
         if ax.lines:
+            top = max(max(line.get_ydata()) for line in ax.lines)
+            ax.set_ylim(0, max(0.05, 1.15 * top))  # fractions: from 0, and a flat 0 stays at the bottom
             ax.legend(loc="best")
         else:
             _no_data(ax)

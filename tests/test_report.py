@@ -31,16 +31,16 @@ EVAL_METRICS = {
     "gold_win_rate": 0.62, "gold_win_rate_stderr": 0.031, "sentiment_win_rate": 0.7, "sentiment_win_rate_stderr": 0.03,
     "rm_win_rate": 0.8, "rm_win_rate_stderr": 0.025, "reward_fn_win_rate": None, "reward_fn_win_rate_stderr": None,
     "combined_win_rate": None, "combined_win_rate_stderr": None,
-    "gold_score_mean": 0.3, "gold_stderr": 0.05, "sentiment_mean": 0.9, "sentiment_stderr": 0.06,
+    "gold_score_mean": 0.3, "gold_score_stderr": 0.05, "sentiment_mean": 0.9, "sentiment_stderr": 0.06,
     "rm_score_mean": 1.1, "rm_score_stderr": 0.1, "reward_fn_mean": None, "reward_fn_stderr": None,
-    "combined_score_mean": None, "combined_stderr": None, "kl_to_ref": 4.2, "kl_to_ref_stderr": 0.3,
+    "combined_score_mean": None, "combined_score_stderr": None, "kl_to_ref": 4.2, "kl_to_ref_stderr": 0.3,
     "kl_to_ref_at_temperature": 4.2, "kl_to_ref_at_temperature_stderr": 0.3, "fluency_perplexity": 61.0,
     "response_length_mean": 12.5, "eos_rate": 0.97, "distinct_1": 0.4, "distinct_2": 0.8,
     "char_run_rate": 0.125, "repeated_ngram_rate": 0.0625, "empty_rate": 0.0,
-    "gold_score_mean_baseline": 0.1, "gold_stderr_baseline": 0.04, "sentiment_mean_baseline": 0.5,
+    "gold_score_mean_baseline": 0.1, "gold_score_stderr_baseline": 0.04, "sentiment_mean_baseline": 0.5,
     "sentiment_stderr_baseline": 0.05, "rm_score_mean_baseline": -0.1, "rm_score_stderr_baseline": 0.1,
     "reward_fn_mean_baseline": None, "reward_fn_stderr_baseline": None, "combined_score_mean_baseline": None,
-    "combined_stderr_baseline": None, "kl_to_ref_baseline": 0.0, "kl_to_ref_stderr_baseline": 0.0,
+    "combined_score_stderr_baseline": None, "kl_to_ref_baseline": 0.0, "kl_to_ref_stderr_baseline": 0.0,
     "kl_to_ref_at_temperature_baseline": 0.0, "kl_to_ref_at_temperature_stderr_baseline": 0.0,
     "fluency_perplexity_baseline": 55.0, "response_length_mean_baseline": 11.0, "eos_rate_baseline": 0.98,
     "distinct_1_baseline": 0.45, "distinct_2_baseline": 0.85, "char_run_rate_baseline": 0.0,
@@ -428,3 +428,25 @@ def test_hacking_watch_without_a_gold_says_there_is_no_gap(tmp_path):
     assert (
         "have no gold score or no KL" in text and 'class="missing"' not in text
     )  # the log is there, not missing
+
+
+def test_the_evaluation_table_reads_the_keys_eval_writes():
+    """Every metric, baseline and standard-error key of the table's rows is one `evaluate.summarize` writes
+    (a renamed key would drop its row silently: rows without a value are left out)."""
+    from llm_rlhf import evaluate
+
+    record = {"prompt": "p", "response": " fine.", "response_ids": [1, 2], "length": 3, "eos": True,
+              "kl_to_ref": 0.1, "kl_to_ref_at_temperature": 0.1, "rm_score": 0.5, "rm_member_scores": [0.4, 0.6],
+              "rm_disagreement": 0.1, "gold_score": 0.2, "sentiment": 0.3, "fluency_nll": 4.0,
+              "fluency_perplexity": 54.6, "reward_fn": 1.0, "combined_score": 1.5}  # fmt: skip
+    written = {**evaluate.summarize([record, record]), **evaluate.summarize([record, record], "_baseline")}
+    for _, rows in report.EVAL_GROUPS:
+        for row in rows:
+            if (
+                row.key == report.MEMBERS
+            ):  # an ensemble of two: rm_score_member_0_mean, rm_score_member_1_mean
+                assert {"rm_score_member_0_mean", "rm_score_member_1_mean_baseline"} <= written.keys()
+                continue
+            assert row.key in written and row.key + "_baseline" in written, row.key
+            if row.stderr:
+                assert row.stderr in written and row.stderr + "_baseline" in written, row.stderr
