@@ -31,6 +31,8 @@ metrics.json (written last; `_baseline` keys hold the same figures for the basel
     response_length_mean   response tokens, the EOS included;  eos_rate: fraction of responses that stop
                       (with EOS or a stop string; not truncated at max_new_tokens)
     distinct_1, distinct_2  unique / total token n-grams over all responses (EOS excluded; Li et al. 2016)
+    char_run_rate, repeated_ngram_rate, empty_rate   fraction of responses with a run of one repeated
+                      character, a repeated word 3-gram, or no text (`llm_rlhf.hacking`: signs of reward hacking)
     *_stderr          standard error of the mean over the samples
 A null value means "not measured" (gold_judge none, reward_model_path none, reward_fn unset, or a baseline
 whose tokenizer differs from the reference's for kl_to_ref_baseline).
@@ -70,6 +72,7 @@ from llm_rlhf.config import format_config, help_field, is_off, require, save_con
 from llm_rlhf.data import DATA_FORMATS, load_prompt_dataset, prompt_rules
 from llm_rlhf.errors import UserError
 from llm_rlhf.gold import FluentGoldJudge, GoldJudge, judge_details, load_judge
+from llm_rlhf.hacking import DEGENERACY_KEYS, degeneracy_rates
 from llm_rlhf.models import freeze, load_causal_lm, load_tokenizer
 from llm_rlhf.reward_fn import load_reward_fn, probe
 from llm_rlhf.reward_model import RewardEnsemble, check_members_exist, load_reward_models
@@ -389,6 +392,7 @@ def summarize(records: list[dict[str, Any]], suffix: str = "") -> dict[str, floa
     out["eos_rate" + suffix] = mean_and_stderr([float(r["eos"]) for r in records])[0]
     out["distinct_1" + suffix] = distinct_n([r["response_ids"] for r in records], 1)
     out["distinct_2" + suffix] = distinct_n([r["response_ids"] for r in records], 2)
+    out.update(degeneracy_rates([r["response"] for r in records], suffix))  # issue 28: the hacking watch
     if records[0].get("rm_member_scores") is not None:  # an ensemble: each member, and their disagreement
         per_member = zip(*[r["rm_member_scores"] for r in records])  # K tuples of one score per sample
         for k, scores in enumerate(per_member):
@@ -398,7 +402,15 @@ def summarize(records: list[dict[str, Any]], suffix: str = "") -> dict[str, floa
 
 
 def evaluate_policy(
-    *, policy, tokenizer, prompts: list[str], draws: PairedSampling, scorer=None, judge=None, reference=None
+    *,
+    policy,
+    tokenizer,
+    prompts: list[str],
+    draws: PairedSampling,
+    scorer=None,
+    judge=None,
+    reference=None,
+    samples_out: list[dict[str, Any]] | None = None,
 ) -> dict[str, float | None]:
     """Sample one response per prompt from `policy` and score it: for evaluation during training.
 
@@ -408,7 +420,9 @@ def evaluate_policy(
     any (prompts, responses) -> list[float]. Each may be None to skip its metrics. Deterministic for a given
     seed, and the global RNG is left untouched. The policy is put in eval mode for the call and restored.
     Returns `summarize`'s keys: gold_score_mean, rm_score_mean, reward_fn_mean, combined_score_mean,
-    kl_to_ref, kl_to_ref_at_temperature, response_length_mean, eos_rate, distinct_1, distinct_2 (+ stderrs).
+    kl_to_ref, kl_to_ref_at_temperature, response_length_mean, eos_rate, distinct_1, distinct_2, the degeneracy rates
+    (+ stderrs). samples_out: a list that gets `sample_and_score`'s per-sample records appended (PPO logs them
+    for the report's reward-hacking watch); None = not kept.
     """
     was_training = policy.training
     policy.eval()
@@ -418,6 +432,8 @@ def evaluate_policy(
         )
     finally:
         policy.train(was_training)
+    if samples_out is not None:
+        samples_out.extend(records)
     return summarize(records)
 
 
@@ -435,7 +451,7 @@ def load_heldout_inputs(cfg) -> tuple[list[str], Any]:
 def heldout_record(step: int, result: dict[str, Any]) -> dict[str, Any]:
     """One line of PPO's eval_log.jsonl from `evaluate_policy`'s figures: step, kl, rm_score (with an ensemble
     also rm_score_member_<k> and rm_disagreement), gold_score, reward_fn (unweighted; None without one),
-    sentiment, fluency_perplexity, eos_rate, response_length."""
+    sentiment, fluency_perplexity, eos_rate, response_length and the degeneracy rates (`hacking.DEGENERACY_KEYS`)."""
     members = {
         key.removesuffix("_mean"): value
         for key, value in result.items()
@@ -452,6 +468,7 @@ def heldout_record(step: int, result: dict[str, Any]) -> dict[str, Any]:
         "fluency_perplexity": result["fluency_perplexity"],
         "eos_rate": result["eos_rate"],
         "response_length": result["response_length_mean"],
+        **{key: result[key] for key in DEGENERACY_KEYS},
     }
 
 

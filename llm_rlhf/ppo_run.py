@@ -35,6 +35,7 @@ from llm_rlhf.evaluate import (
     heldout_record,
     load_heldout_inputs,
 )
+from llm_rlhf.hacking import heldout_sample_rows
 from llm_rlhf.models import (
     PolicyWithValue,
     Reference,
@@ -194,6 +195,7 @@ def run(cfg: Config) -> dict[str, float]:
             print(f"resumed from {resume_from} at step {trainer.step}")
             truncate_log(out / "metrics.jsonl", trainer.step)
             truncate_log(out / "eval_log.jsonl", trainer.step)
+            truncate_log(out / "eval_samples.jsonl", trainer.step)
 
     writer = make_writer(cfg, out) if accelerator.is_main_process else None
     history = (
@@ -206,9 +208,11 @@ def run(cfg: Config) -> dict[str, float]:
         # Every process evaluates (the same prompts and seed) and the main one writes: with sharded
         # parameters (ZeRO-3, FSDP) each forward is a collective that every process must enter (issue 13).
         if eval_prompts and trainer.step % cfg.eval_every == 0:
-            record = evaluate_heldout(trainer, eval_prompts, judge)
+            record, rows = evaluate_heldout(trainer, eval_prompts, judge)
             if accelerator.is_main_process:
                 append_jsonl(out / "eval_log.jsonl", record)
+                for row in rows:  # per sample: the report's reward-hacking watch ranks their proxy-gold gaps
+                    append_jsonl(out / "eval_samples.jsonl", row)
                 tqdm.write(
                     f"[eval step {trainer.step}] kl {record['kl']:.2f}  rm {signed(record['rm_score'])}  "
                     f"gold {signed(record['gold_score'])}"
@@ -421,12 +425,14 @@ def tied_duplicates(model: torch.nn.Module) -> list[str]:
     return [name for group in names.values() for name in group[1:]]
 
 
-def evaluate_heldout(trainer: PPOTrainer, prompts: list[str], judge) -> dict[str, float]:
+def evaluate_heldout(trainer: PPOTrainer, prompts: list[str], judge) -> tuple[dict[str, float], list[dict]]:
     """RM score, gold score, reward_fn score (unweighted; None without a reward_fn) and KL to the reference
     on held-out prompts (`evaluate.evaluate_policy`, with the run's sampling settings and scorer; fixed seed:
     every evaluation of the run samples with the same random numbers), as a line of eval_log.jsonl
     (`evaluate.heldout_record`; with a reward-model ensemble also each member's score and their
-    disagreement)."""
+    disagreement, and the degeneracy rates), and the samples' rows for eval_samples.jsonl
+    (`hacking.heldout_sample_rows`: the report's reward-hacking watch)."""
+    samples: list[dict] = []
     policy = trainer.unwrapped_policy
     lm, cfg = policy.lm, trainer.cfg
     reference = KLReference(lm, lm.disable_adapter) if cfg.use_lora else KLReference(trainer.ref_model.lm)
@@ -440,8 +446,10 @@ def evaluate_heldout(trainer: PPOTrainer, prompts: list[str], judge) -> dict[str
             scorer=trainer.scorer,
             judge=judge,
             reference=reference,
+            samples_out=samples,
         )
-    return heldout_record(trainer.step, result)
+    rows = heldout_sample_rows(samples, step=trainer.step, reward_fn_weight=cfg.reward_fn_weight)
+    return heldout_record(trainer.step, result), rows
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,7 +11,9 @@ DIR/report/. What the report reads (any of it may be missing: that section says 
     DIR/sft/train_log.json   (or log.jsonl)   HF Trainer log history: SFT train / eval loss
     DIR/rm/train_log.json    (or log.jsonl)   RM loss, accuracy and margin
     DIR/ppo/metrics.jsonl    one line per PPO step;   DIR/ppo/samples.jsonl   logged responses
-    DIR/ppo/eval_log.jsonl   held-out kl, rm_score, gold_score during PPO (the over-optimisation curve)
+    DIR/ppo/eval_log.jsonl   held-out kl, rm_score, gold_score during PPO (the over-optimisation curve) and
+                             the degeneracy rates (`llm_rlhf.hacking`)
+    DIR/ppo/eval_samples.jsonl   each held-out sample's proxy and gold score (the reward-hacking watch)
     DIR/eval/metrics.json, DIR/eval/samples.jsonl    final policy vs baseline (SFT)
     DIR/compare/points.jsonl, DIR/compare/metrics.json   PPO, DPO and best-of-n: gold against KL (optional)
 
@@ -37,6 +39,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from llm_rlhf.hacking import DEGENERACY_KEYS, degeneracy_flags, degeneracy_rates, standardised_gaps
 from llm_rlhf.utils import atomic_write_text
 
 STAGES = ("sft", "rm", "ppo", "eval")
@@ -118,6 +121,7 @@ class Run:
     ppo_history: list[dict] | None = None
     ppo_samples: list[dict] | None = None
     eval_log: list[dict] | None = None
+    heldout_samples: list[dict] | None = None  # ppo/eval_samples.jsonl: every held-out evaluation's samples
     eval_samples: list[dict] | None = None
     compare_points: list[dict] | None = None  # DIR/compare (optional): the methods on one gold-vs-KL plot
     compare_metrics: dict | None = None
@@ -181,11 +185,21 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
     run.rm_log = trainer_log(run, "rm")
     run.ppo_history = run.jsonl("ppo/metrics.jsonl")
     run.ppo_samples = run.jsonl("ppo/samples.jsonl")
-    run.eval_log = run.jsonl("ppo/eval_log.jsonl")
+    run.eval_log = run.jsonl("ppo/eval_log.jsonl", note=not heldout_off(run))
+    run.heldout_samples = run.jsonl("ppo/eval_samples.jsonl", note=False)  # older runs did not write it
     run.eval_samples = run.jsonl("eval/samples.jsonl")
     run.compare_points = run.jsonl("compare/points.jsonl", note=False)
     run.compare_metrics = _dict(run.json("compare/metrics.json", note=False))
     return run
+
+
+def heldout_off(run: Run) -> bool:
+    """The PPO stage's config turned held-out evaluation off (eval_every: 0 or no eval_prompt_file): such a run
+    has no ppo/eval_log.jsonl to miss."""
+    config = yaml.safe_load(run.configs.get("ppo/config.yaml") or "") or {}
+    return isinstance(config, dict) and (
+        config.get("eval_every") == 0 or ("eval_prompt_file" in config and config["eval_prompt_file"] is None)
+    )
 
 
 def _dict(value: Any) -> dict | None:
@@ -664,7 +678,19 @@ h1 { margin-bottom: 0.2em; } h2 { border-bottom: 2px solid #ddd; padding-bottom:
 table { border-collapse: collapse; margin: 0.8em 0; font-size: 0.9em; }
 th, td { border: 1px solid #ddd; padding: 0.3em 0.6em; text-align: left; vertical-align: top; }
 th { background: #f0f0f0; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
-table.samples td { max-width: 32em; white-space: pre-wrap; word-break: break-word; }
+td { overflow-wrap: anywhere; } td.num { overflow-wrap: normal; white-space: nowrap; }
+tr.group th { background: #e9eef5; font-weight: 600; }
+.key { display: block; color: #888; font-size: 0.8em; font-family: ui-monospace, monospace; }
+table.eval td:first-child { min-width: 12em; }
+table.texts { width: 100%; table-layout: fixed; }
+table.texts td { white-space: pre-wrap; }
+table.pairs th { width: 50%; } tr.prompt td { background: #f7f7f7; font-style: italic; }
+table.ppo-samples th:nth-child(1) { width: 30%; } table.ppo-samples th:nth-child(3) { width: 6em; }
+table.watch tr:first-child th:nth-child(-n+3) { width: 5.5em; }
+.scores { display: block; color: #666; font-size: 0.85em; margin-top: 0.3em; white-space: normal; }
+.prompt-text { color: #777; } .empty { color: #999; font-style: italic; }
+.flag { color: #a15c00; background: #fff0d9; border-radius: 3px; padding: 0 0.3em; font-size: 0.8em;
+        white-space: nowrap; }
 img { max-width: 100%; height: auto; border: 1px solid #eee; }
 figure { margin: 1em 0; } figcaption { color: #666; font-size: 0.85em; }
 .note { color: #555; }
@@ -714,6 +740,8 @@ def table(header: list[str], rows: list[list[Any]], css_class: str = "") -> str:
     """Cells are formatted with `fmt` unless already a `Raw` HTML string; numbers right-aligned."""
 
     def cell(v: Any) -> str:
+        if isinstance(v, RawNumber):
+            return f'<td class="num">{v}</td>'
         if isinstance(v, Raw):
             return f"<td>{v}</td>"
         return f'<td class="num">{fmt(v)}</td>' if _num(v) is not None else f"<td>{fmt(v)}</td>"
@@ -728,17 +756,12 @@ class Raw(str):
     """HTML that a table cell shows as is."""
 
 
+class RawNumber(Raw):
+    """A number already formatted (e.g. a percentage): shown as is, aligned as a number."""
+
+
 def metrics_table(metrics: dict) -> str:
     return table(["metric", "value"], [[k, v] for k, v in metrics.items()])
-
-
-def samples_table(rows: list[dict], limit: int = SAMPLE_ROWS) -> str:
-    """Every key of the first `limit` rows becomes a column (in order of first appearance)."""
-    rows = rows[:limit]
-    columns: list[str] = []
-    for row in rows:
-        columns += [k for k in row if k not in columns]
-    return table(columns, [[row.get(c) for c in columns] for row in rows], css_class="samples")
 
 
 def _card(label: str, value: str, sub: str = "") -> str:
@@ -872,6 +895,11 @@ def section_ppo(page: Page, run: Run) -> None:
             "Periodic held-out evaluation during PPO. The RM (proxy) keeps rising with KL; when the gold "
             "score stops following it, the policy is exploiting the reward model.",
         )
+    elif run.eval_log:
+        page.add(
+            '<p class="note">The held-out evaluations during PPO (ppo/eval_log.jsonl) have no gold score or no KL '
+            "(e.g. gold_judge: none), so there is no gold-vs-proxy curve.</p>"
+        )
     elif config_value(run, "ppo", "eval_every") == 0:
         page.add(
             '<p class="note">Held-out evaluation during PPO was off in this run (ppo/config.yaml: eval_every: 0), '
@@ -884,7 +912,7 @@ def section_ppo(page: Page, run: Run) -> None:
         steps = sorted({s.get("step") for s in run.ppo_samples if _num(s.get("step")) is not None})
         for step in dict.fromkeys(steps[:1] + steps[-1:]):  # the first and the last logged step
             page.add(f"<h3>PPO samples at step {fmt(step)}</h3>")
-            page.add(samples_table([s for s in run.ppo_samples if s.get("step") == step], limit=10))
+            page.add(ppo_samples_table([s for s in run.ppo_samples if s.get("step") == step]))
     if run.metrics.get("ppo"):
         page.add(
             "<details><summary>Final PPO metrics</summary>", metrics_table(run.metrics["ppo"]), "</details>"
@@ -917,22 +945,497 @@ def gold_note(run: Run) -> str | None:
     return f"The gold ({spec}) reads fluency with {lm.name}, an LM that no stage of this run trained."
 
 
+@dataclass(frozen=True)
+class EvalRow:
+    """A row of the evaluation table: `key` in eval/metrics.json (the baseline's is key + "_baseline"), its
+    standard error `stderr` (+ "_baseline"), the win rate `win` (its standard error win + "_stderr"), and
+    `sample`, the eval/samples.jsonl field (policy_<sample>, baseline_<sample>) whose paired differences give
+    the standard error of the difference."""
+
+    label: str
+    key: str
+    stderr: str | None = None
+    win: str | None = None
+    sample: str | None = None
+
+
+MEMBERS = "rm_score_member_*"  # stands for every ensemble member's row (`eval_groups`)
+EVAL_GROUPS: tuple[tuple[str, tuple[EvalRow, ...]], ...] = (
+    ("Gold judge (stands in for people)", (
+        EvalRow("gold score", "gold_score_mean", "gold_score_stderr", "gold_win_rate", "gold_score"),
+    )),
+    ("Sentiment (the gold's sentiment part: predicted mean human rating)", (
+        EvalRow("sentiment", "sentiment_mean", "sentiment_stderr", "sentiment_win_rate", "sentiment"),
+    )),
+    ("Fluency (perplexity under the gold's LM; lower reads more fluent)", (
+        EvalRow("fluency perplexity", "fluency_perplexity"),
+    )),
+    ("Reward model, ensemble and reward function (the proxy PPO maximised)", (
+        EvalRow("RM score (normalised)", "rm_score_mean", "rm_score_stderr", "rm_win_rate", "rm_score"),
+        EvalRow("RM member", MEMBERS),
+        EvalRow("RM members' disagreement (std)", "rm_disagreement_mean"),
+        EvalRow("reward function", "reward_fn_mean", "reward_fn_stderr", "reward_fn_win_rate", "reward_fn"),
+        EvalRow("combined score (PPO's score)", "combined_score_mean", "combined_score_stderr",
+                "combined_win_rate", "combined_score"),
+    )),
+    ("KL to the reference (nats / response)", (
+        EvalRow("KL, temperature 1", "kl_to_ref", "kl_to_ref_stderr", sample="kl_to_ref"),
+        EvalRow("KL at the sampling temperature", "kl_to_ref_at_temperature", "kl_to_ref_at_temperature_stderr"),
+    )),
+    ("Length and EOS", (
+        EvalRow("response length (tokens, EOS included)", "response_length_mean", sample="length"),
+        EvalRow("EOS rate (responses that stop)", "eos_rate", sample="eos"),
+    )),
+    ("Diversity (unique / total token n-grams over all responses)", (
+        EvalRow("distinct-1", "distinct_1"),
+        EvalRow("distinct-2", "distinct_2"),
+    )),
+    ("Degeneracy (fraction of responses; signs of reward hacking)", (
+        EvalRow("a run of one character (4+)", "char_run_rate"),
+        EvalRow("a repeated word 3-gram", "repeated_ngram_rate"),
+        EvalRow("empty", "empty_rate"),
+    )),
+)  # fmt: skip
+
+
+def _sample_value(value: Any) -> float | None:
+    """A samples.jsonl field as a number: eos (a bool) counts 1 or 0."""
+    return float(value) if isinstance(value, bool) else _num(value)
+
+
+def paired_stderr(samples: list[dict] | None, field_name: str | None) -> float | None:
+    """Standard error of the mean paired difference policy_<field> - baseline_<field> over the samples
+    (sample std / sqrt(n)); None without at least two samples that hold both."""
+    if not samples or field_name is None:
+        return None
+    diffs = [
+        (_sample_value(s.get(f"policy_{field_name}")), _sample_value(s.get(f"baseline_{field_name}")))
+        for s in samples
+    ]
+    if len(diffs) < 2 or any(a is None or b is None for a, b in diffs):
+        return None
+    return float(np.std([a - b for a, b in diffs], ddof=1) / math.sqrt(len(diffs)))
+
+
+def eval_groups(metrics: dict, samples: list[dict] | None = None) -> list[tuple[str, list[dict]]]:
+    """The evaluation table's groups and rows, every row a dict: label, key, policy, baseline, difference,
+    diff_stderr, paired (whether diff_stderr comes from the paired samples), win, win_stderr. A row whose
+    policy and baseline are both absent (null: not measured) is left out, and so is a group with no row; the
+    KL at the sampling temperature is left out at temperature 1 (it is the KL above)."""
+    members = sorted(
+        (
+            k.removesuffix("_mean")
+            for k in metrics
+            if k.startswith("rm_score_member_") and k.endswith("_mean")
+        ),
+        key=lambda k: int(k.rsplit("_", 1)[1]),
+    )
+    groups = []
+    for title, specs in EVAL_GROUPS:
+        rows = []
+        for spec in specs:
+            if spec.key == MEMBERS:
+                expanded = [EvalRow(f"RM member {k.rsplit('_', 1)[1]}", f"{k}_mean") for k in members]
+            elif spec.key == "kl_to_ref_at_temperature" and _num(metrics.get("temperature")) == 1.0:
+                expanded = []
+            else:
+                expanded = [spec]
+            for row in expanded:
+                policy, baseline = _num(metrics.get(row.key)), _num(metrics.get(row.key + "_baseline"))
+                if policy is None and baseline is None:
+                    continue
+                both = policy is not None and baseline is not None
+                paired = paired_stderr(samples, row.sample) if both else None
+                se = [
+                    _num(metrics.get(f"{row.stderr}{s}")) if row.stderr else None for s in ("", "_baseline")
+                ]
+                unpaired = math.hypot(*se) if both and None not in se else None
+                rows.append({
+                    "label": row.label, "key": row.key, "policy": policy, "baseline": baseline,
+                    "difference": policy - baseline if both else None,
+                    "diff_stderr": paired if paired is not None else unpaired, "paired": paired is not None,
+                    "win": _num(metrics.get(row.win)) if row.win else None,
+                    "win_stderr": _num(metrics.get(f"{row.win}_stderr")) if row.win else None,
+                })  # fmt: skip
+        if rows:
+            groups.append((title, rows))
+    return groups
+
+
+def _cell(value: float | None, spec: str = ".4g", css: str = "num") -> str:
+    return f'<td class="{css}">{"–" if value is None else format(value, spec)}</td>'
+
+
+def eval_table(metrics: dict, samples: list[dict] | None) -> str:
+    """metric | policy | baseline | difference | ± stderr | win rate | ± stderr, one header row per group."""
+    head = "".join(
+        f"<th>{h}</th>"
+        for h in ("metric", "policy", "baseline", "difference", "± stderr", "win rate", "± stderr")
+    )
+    body = []
+    for title, rows in eval_groups(metrics, samples):
+        body.append(f'<tr class="group"><th colspan="7">{html.escape(title)}</th></tr>')
+        for r in rows:
+            stderr = _cell(r["diff_stderr"], ".2g")
+            if r["diff_stderr"] is not None and not r["paired"]:
+                stderr = stderr.replace("</td>", "†</td>")
+            body.append(
+                f'<tr><td>{html.escape(r["label"])}<span class="key">{html.escape(r["key"])}</span></td>'
+                + _cell(r["policy"]) + _cell(r["baseline"]) + _cell(r["difference"], "+.4g") + stderr
+                + _cell(r["win"], ".1%") + _cell(r["win_stderr"], ".1%") + "</tr>"
+            )  # fmt: skip
+    return f'<table class="eval">\n<tr>{head}</tr>\n' + "\n".join(body) + "\n</table>"
+
+
+VALIDITY_CHECKS = (  # (suffix of the validity keys, what the gold is asked to prefer)
+    ("shuffled", "the real sentence to its continuation's words shuffled"),
+    ("repeated", "the real sentence to its most positive word written four times"),
+    ("salad", "the real sentence to praise salad (its words shuffled, two praise words put in)"),
+)
+
+
+def validity_table(validity: dict) -> str:
+    """The fluency-aware gold's checks on held-out data (metrics.json: gold_judge_validity, from the judge
+    JSON; `data/make_gold.py`): how often the gold, and its sentiment part alone, prefer real sentences to
+    degenerate ones, and agree with people on pairs of real sentences."""
+    rows = []
+    for name, what in VALIDITY_CHECKS:
+        gold, sentiment = (
+            validity.get(f"gold_prefers_real_over_{name}"),
+            validity.get(f"sentiment_prefers_real_over_{name}"),
+        )
+        if _num(gold) is not None or _num(sentiment) is not None:
+            nll = validity.get(f"fluency_nll_{name}_median")
+            rows.append([f"prefers {what}", _pct(gold), _pct(sentiment), nll])
+    if _num(validity.get("gold_agrees_with_people")) is not None:
+        rows.append([
+            f"agrees with people on {validity.get('pairs', '')} pairs of real sentences",
+            _pct(validity.get("gold_agrees_with_people")), _pct(validity.get("sentiment_agrees_with_people")), None,
+        ])  # fmt: skip
+    if not rows:  # another judge's figures: as they are
+        return table(["figure", "value"], [[k, v] for k, v in validity.items()])
+    where = f"{validity.get('file', 'held-out data')}, {validity.get('sentences', '?')} sentences"
+    real = _num(validity.get("fluency_nll_real_median"))
+    header = ["the gold …", "gold", "sentiment part alone",
+              "median fluency NLL" + (f" (real sentences {real:.3g})" if real is not None else "")]  # fmt: skip
+    return (
+        f'<p class="meta">The gold\'s validity checks on held-out data ({html.escape(where)}):</p>'
+        + table(header, rows, css_class="validity")
+    )
+
+
+def _pct(value: Any) -> RawNumber | None:
+    return RawNumber(f"{value:.1%}") if _num(value) is not None else None
+
+
+def eval_meta(metrics: dict) -> str:
+    """One line: how many prompts and samples, the models compared, the temperature and seed, the gold."""
+    parts = []
+    if metrics.get("num_pairs") is not None:
+        parts.append(
+            f"{metrics.get('num_prompts')} held-out prompts × {metrics.get('samples_per_prompt')} "
+            f"= {metrics.get('num_pairs')} paired samples"
+        )
+    if metrics.get("policy_path"):
+        parts.append(f"policy {metrics['policy_path']} vs baseline {metrics.get('baseline_path')}")
+    for key, name in (("temperature", "temperature"), ("seed", "seed"), ("gold_judge", "gold judge")):
+        if metrics.get(key) is not None:
+            parts.append(f"{name} {metrics[key]}")
+    accuracy = _num(metrics.get("gold_judge_heldout_accuracy"))
+    if accuracy is not None:
+        parts.append(f"the gold's sentiment part: held-out accuracy {accuracy:.1%}")
+    return f'<p class="meta">{html.escape("; ".join(parts))}.</p>' if parts else ""
+
+
+def _scores_line(row: dict, who: str) -> str:
+    """The few scores that matter for one side of a sample: gold (and its parts), the proxy, length/EOS."""
+    items = []
+    for field_name, name, spec in (
+        ("gold_score", "gold", "+.2f"), ("sentiment", "sentiment", "+.2f"),
+        ("fluency_perplexity", "perplexity", ".3g"), ("rm_score", "RM", "+.2f"),
+        ("reward_fn", "reward fn", "+.3g"), ("combined_score", "PPO score", "+.2f"), ("kl_to_ref", "KL", ".2f"),
+    ):  # fmt: skip
+        value = _num(row.get(f"{who}_{field_name}"))
+        if value is not None:
+            items.append(f"{name} {format(value, spec)}")
+    length, eos = _num(row.get(f"{who}_length")), row.get(f"{who}_eos")
+    if length is not None:
+        items.append(f"{length:g} tokens" + (", no EOS" if eos is False else ""))
+    return f'<span class="scores">{html.escape(" · ".join(items))}</span>'
+
+
+def _text(value: Any) -> str:
+    """A response or prompt as it was written (whitespace kept by the CSS), escaped; an empty one marked."""
+    text = "" if value is None else str(value)
+    return html.escape(text) if text.strip() else '<span class="empty">(empty)</span>'
+
+
+def pair_samples_table(rows: list[dict], limit: int = SAMPLE_ROWS) -> str:
+    """Per held-out prompt: the prompt across the table, then the baseline's and the policy's responses side
+    by side, each with its few scores under it (every field stays in eval/samples.jsonl)."""
+    body = []
+    for row in rows[:limit]:
+        sample = f' <span class="key">sample {row["sample"]}</span>' if _num(row.get("sample")) else ""
+        body.append(f'<tr class="prompt"><td colspan="2">{_text(row.get("prompt"))}{sample}</td></tr>')
+        body.append(
+            "<tr>" + "".join(
+                f'<td><span class="response">{_text(row.get(f"{who}_response"))}</span>{_scores_line(row, who)}</td>'
+                for who in ("baseline", "policy")
+            ) + "</tr>"
+        )  # fmt: skip
+    return (
+        '<table class="texts pairs">\n<tr><th>SFT baseline</th><th>PPO policy</th></tr>\n'
+        + "\n".join(body)
+        + "\n</table>"
+    )
+
+
+def ppo_samples_table(rows: list[dict], limit: int = 10) -> str:
+    """PPO's logged samples (ppo/samples.jsonl): prompt, response, the score PPO gave it."""
+    body = [
+        f"<tr><td>{_text(r.get('query'))}</td><td>{_text(r.get('response'))}</td>{_cell(_num(r.get('score')), '+.3f')}</tr>"
+        for r in rows[:limit]
+    ]
+    return (
+        '<table class="texts ppo-samples">\n<tr><th>prompt</th><th>response</th><th>score</th></tr>\n'
+        + "\n".join(body)
+        + "\n</table>"
+    )
+
+
 def section_eval(page: Page, run: Run) -> None:
     page.add('<h2 id="eval">4. Evaluation: policy vs SFT baseline</h2>', _wall_time(run, "eval"))
     note = gold_note(run)
     if note:
         page.add(f'<p class="meta">{html.escape(note)}</p>')
-    if run.metrics.get("eval"):
-        page.add(metrics_table(run.metrics["eval"]))
+    metrics = run.metrics.get("eval")
+    if metrics:
+        page.add(eval_meta(metrics), eval_table(metrics, run.eval_samples))
+        page.add(
+            '<p class="meta">difference: policy − baseline. ± stderr: the standard error of the mean paired '
+            "difference over the samples (eval/samples.jsonl); † where the samples lack the figure: "
+            "sqrt(se_policy² + se_baseline²), as if unpaired. Win rate: the fraction of pairs in which the "
+            "policy's sample scores higher (ties count one half). Rows the run did not measure are left out.</p>"
+        )
+        validity = metrics.get("gold_judge_validity")
+        if isinstance(validity, dict) and validity:
+            page.add(validity_table(validity))
+        page.add(
+            "<details><summary>eval/metrics.json (raw)</summary>"
+            f"<pre>{html.escape(json.dumps(metrics, indent=1, default=str))}</pre></details>"
+        )
     else:
         page.missing(_skipped(run, "eval", ["eval/metrics.json"]))
     page.add("<h3>Before / after samples</h3>")
     if run.eval_samples:
         page.add(f'<p class="meta">First {min(SAMPLE_ROWS, len(run.eval_samples))} of {len(run.eval_samples)} '
-                 "held-out prompts: the SFT baseline's and the PPO policy's responses with their scores.</p>")  # fmt: skip
-        page.add(samples_table(run.eval_samples))
+                 "held-out samples: the SFT baseline's and the PPO policy's responses to the same prompt, with "
+                 "their scores (every field is in eval/samples.jsonl).</p>")  # fmt: skip
+        page.add(pair_samples_table(run.eval_samples))
     else:
         page.missing(_skipped(run, "eval", ["eval/samples.jsonl"]))
+
+
+# Reward-hacking watch: the samples the proxy likes far more than the gold, and the degeneracy counters
+
+WATCH_TOP = 3  # samples shown per evaluation
+WATCH_OPEN = 5  # evaluations shown open (the final and the latest PPO ones); the rest collapsed
+DEGENERACY_NAMES = {
+    "char_run_rate": "a run of one character (4+)",
+    "repeated_ngram_rate": "a repeated word 3-gram",
+    "empty_rate": "empty",
+}
+
+
+def watched_evaluations(run: Run) -> list[dict]:
+    """Every evaluation with per-sample scores, newest first: the final one (eval/samples.jsonl, the policy's
+    side), then PPO's held-out evaluations (ppo/eval_samples.jsonl), latest step first. Each is a dict: label,
+    kl, reference (what its gaps are standardised by), samples (dicts: prompt, response, proxy, gold, gap; gap
+    None without a gold or a proxy), proxy_mean, gold_mean and the degeneracy rates of its responses; the
+    final one also `baseline`, the same figures of the SFT baseline's samples.
+
+    The proxy is the score PPO maximised: the combined score with a reward function, else the RM's. The gap
+    is `hacking.standardised_gaps` against the SFT model's samples: the baseline's in the final evaluation,
+    PPO's step-0 evaluation (the policy is the SFT model then) for PPO's; the evaluation's own without them."""
+    out = []
+    if run.eval_samples:
+        rows = run.eval_samples
+        sides = {
+            who: (
+                [{"prompt": r.get("prompt"), "response": r.get(f"{who}_response")} for r in rows],
+                [_first(_num(r.get(f"{who}_combined_score")), _num(r.get(f"{who}_rm_score"))) for r in rows],
+                [_num(r.get(f"{who}_gold_score")) for r in rows],
+            )
+            for who in ("policy", "baseline")
+        }
+        baseline = sides["baseline"]
+        final = _watched("final evaluation", final_value(run, "eval", "kl_to_ref"), *sides["policy"],
+                         reference="the SFT baseline's samples", ref=baseline)  # fmt: skip
+        final["baseline"] = _watched("SFT baseline (final evaluation)", final_value(run, "eval", "kl_to_ref_baseline"),
+                                     *baseline, reference="its own samples", ref=baseline)  # fmt: skip
+        out.append(final)
+    by_step: dict[float, list[dict]] = {}
+    for r in run.heldout_samples or ():
+        if _num(r.get("step")) is not None:
+            by_step.setdefault(_num(r["step"]), []).append(r)
+    kl_at = {_num(r.get("step")): _num(r.get("kl")) for r in run.eval_log or ()}
+    start = by_step.get(0.0)
+    ref = (
+        (None, [_num(r.get("proxy")) for r in start], [_num(r.get("gold_score")) for r in start])
+        if start
+        else None
+    )
+    for step in sorted(by_step, reverse=True):
+        rows = by_step[step]
+        out.append(_watched(
+            f"PPO step {step:g}", kl_at.get(step),
+            [{"prompt": r.get("prompt"), "response": r.get("response")} for r in rows],
+            [_num(r.get("proxy")) for r in rows], [_num(r.get("gold_score")) for r in rows],
+            reference="the step-0 evaluation (the SFT model)", ref=ref,
+        ))  # fmt: skip
+    return out
+
+
+def _complete(values: list | None) -> list | None:
+    return values if values and None not in values else None
+
+
+def _watched(label: str, kl, samples: list[dict], proxy: list, gold: list, *, reference: str, ref) -> dict:
+    """One evaluation of `watched_evaluations`; ref: (samples, proxy, gold) of the reference set, or None."""
+    gaps = None
+    if _complete(proxy) and _complete(gold):
+        ref_proxy, ref_gold = (_complete(ref[1]), _complete(ref[2])) if ref else (None, None)
+        if ref_proxy is None or ref_gold is None:
+            ref_proxy = ref_gold = None
+            reference = "this evaluation's own samples"
+        gaps = standardised_gaps(proxy=proxy, gold=gold, ref_proxy=ref_proxy, ref_gold=ref_gold)
+    for i, sample in enumerate(samples):
+        sample.update(proxy=proxy[i], gold=gold[i], gap=gaps[i] if gaps else None)
+    return {
+        "label": label, "kl": kl, "reference": reference, "samples": samples,
+        "proxy_mean": float(np.mean(proxy)) if _complete(proxy) else None,
+        "gold_mean": float(np.mean(gold)) if _complete(gold) else None,
+        **degeneracy_rates([str(s["response"] or "") for s in samples]),
+    }  # fmt: skip
+
+
+def largest_gaps(evaluation: dict, k: int = WATCH_TOP) -> list[dict]:
+    """The k samples of an evaluation with the largest proxy−gold gap (none without gaps)."""
+    scored = [s for s in evaluation["samples"] if s["gap"] is not None]
+    return sorted(scored, key=lambda s: s["gap"], reverse=True)[:k]
+
+
+def _flags(text: str) -> str:
+    tripped = [name for name, on in degeneracy_flags(text).items() if on]
+    return "".join(f' <span class="flag">{html.escape(name.replace("_", " "))}</span>' for name in tripped)
+
+
+def watch_table(evaluations: list[dict]) -> str:
+    """Per evaluation (a header row), its WATCH_TOP samples with the largest gap: gap, proxy, gold, and the
+    prompt (grey) with the response and the degeneracy counters it trips."""
+    body = []
+    for ev in evaluations:
+        top = largest_gaps(ev)
+        if not top:
+            continue
+        kl = f" · KL {ev['kl']:.3g}" if ev["kl"] is not None else ""
+        body.append(
+            f'<tr class="group"><th colspan="4">{html.escape(ev["label"])}{kl} · {len(ev["samples"])} samples; '
+            f"standardised by {html.escape(ev['reference'])}</th></tr>"
+        )
+        for s in top:
+            body.append(
+                f"<tr>{_cell(s['gap'], '+.2f')}{_cell(s['proxy'], '+.3g')}{_cell(s['gold'], '+.3g')}"
+                f'<td><span class="prompt-text">{_text(s["prompt"])}</span>'
+                f'<span class="response">{_text(s["response"])}</span>{_flags(str(s["response"] or ""))}</td></tr>'
+            )  # fmt: skip
+    head = "<tr><th>gap (σ)</th><th>proxy</th><th>gold</th><th>prompt → response</th></tr>"
+    return f'<table class="texts watch">\n{head}\n' + "\n".join(body) + "\n</table>"
+
+
+def counters_table(evaluations: list[dict]) -> str:
+    """One row per evaluation, oldest first: KL, mean proxy and gold, the largest gap and the degeneracy rates."""
+    rows = []
+    oldest_first = [e for later in reversed(evaluations) for e in (later.get("baseline"), later) if e]
+    for ev in oldest_first:  # the SFT baseline's row just before the final evaluation's
+        top = largest_gaps(ev, 1)
+        rows.append([ev["label"], ev["kl"], ev["proxy_mean"], ev["gold_mean"], top[0]["gap"] if top else None,
+                     *[_pct(ev[k]) for k in DEGENERACY_KEYS]])  # fmt: skip
+    header = [
+        "evaluation",
+        "KL",
+        "proxy (mean)",
+        "gold (mean)",
+        "largest gap (σ)",
+        *DEGENERACY_NAMES.values(),
+    ]
+    return table(header, rows, css_class="counters")
+
+
+def plot_degeneracy(eval_log: list[dict]):
+    """The degeneracy rates of PPO's held-out evaluations against the step and against KL."""
+    fig, axes = _figure(1, 2, 12, 3.4)
+    for ax, x_key, xlabel in (
+        (axes[0, 0], "step", "PPO step"),
+        (axes[0, 1], "kl", "KL to reference (nats / response)"),
+    ):
+        for i, (key, name) in enumerate(DEGENERACY_NAMES.items()):
+            x, y = series(eval_log, key, x=x_key)
+            if len(x):
+                ax.plot(x, y, "o-", color=_color(i), markersize=3, label=name)
+        ax.set(title=f"Degenerate responses against {'step' if x_key == 'step' else 'KL'}", xlabel=xlabel,
+               ylabel="fraction of held-out responses")  # fmt: skip
+        if ax.lines:
+            top = max(max(line.get_ydata()) for line in ax.lines)
+            ax.set_ylim(0, max(0.05, 1.15 * top))  # fractions: from 0, and a flat 0 stays at the bottom
+            ax.legend(loc="best")
+        else:
+            _no_data(ax)
+    return fig
+
+
+def section_hacking(page: Page, run: Run) -> None:
+    page.add('<h2 id="hacking">5. Reward-hacking watch</h2>')
+    evaluations = watched_evaluations(run)
+    if not evaluations:
+        page.add(
+            '<p class="note">No evaluation with per-sample scores in this run (eval/samples.jsonl, '
+            "ppo/eval_samples.jsonl): nothing to watch.</p>"
+        )
+        return
+    page.add(
+        '<p class="meta">A policy that games its reward model writes what the proxy (the RM, or the combined '
+        "score PPO maximised) likes and people would not: padding, a phrase said again and again, nothing. "
+        "For each held-out evaluation, the samples the proxy likes most above the gold: gap = z(proxy) − "
+        "z(gold), each score in standard deviations of the SFT model's samples, so gaps grow across "
+        "evaluations when the proxy rises and the gold does not. Orange tags: the degeneracy counters a "
+        "response trips.</p>"
+    )
+    if not any(s["gap"] is not None for ev in evaluations for s in ev["samples"]):
+        page.add(
+            '<p class="note">This run has no gold score beside its proxy (gold_judge: none, or no proxy), so '
+            "there is no proxy−gold gap to rank and the task has no other held-out metric to hold the proxy "
+            "against; the degeneracy counters below still apply.</p>"
+        )
+    else:
+        shown = [ev for ev in evaluations if largest_gaps(ev)]
+        page.add(watch_table(shown[:WATCH_OPEN]))
+        if len(shown) > WATCH_OPEN:
+            page.add(
+                f"<details><summary>Earlier evaluations ({len(shown) - WATCH_OPEN})</summary>",
+                watch_table(shown[WATCH_OPEN:]),
+                "</details>",
+            )
+    page.add("<h3>Degeneracy counters</h3>")
+    if run.eval_log and any(_num(r.get("char_run_rate")) is not None for r in run.eval_log):
+        page.figure(
+            plot_degeneracy(run.eval_log),
+            "degeneracy",
+            "Degenerate responses against step and KL",
+            "PPO's held-out evaluations: the fraction of responses with a run of one character repeated 4 "
+            "or more times (not a space or a digit), a word 3-gram said twice, or no text.",
+        )
+    page.add(counters_table(evaluations))
 
 
 def section_methods(page: Page, run: Run) -> None:
@@ -940,7 +1443,7 @@ def section_methods(page: Page, run: Run) -> None:
     if not run.compare_points or not run.compare_metrics:
         return
     metrics = run.compare_metrics
-    page.add('<h2 id="compare">5. Methods compared: gold reward against KL</h2>', _wall_time(run, "compare"))
+    page.add('<h2 id="compare">6. Methods compared: gold reward against KL</h2>', _wall_time(run, "compare"))
     page.add(f'<p class="meta">{metrics.get("num_prompts")} held-out prompts (the PPO run\'s held-out set), '
              f"one gold judge ({html.escape(str(metrics.get('gold_judge')))}). Best-of-n's KL is the analytic "
              "log n − (n−1)/n; the KL measured on its samples is in the table.</p>")  # fmt: skip
@@ -990,11 +1493,19 @@ def build_run_page(run: Run, png_dir: Path) -> Page:
     page.add(headline_cards(run))
     page.add(
         '<nav><a href="#sft">SFT</a><a href="#rm">Reward model</a><a href="#ppo">PPO</a>'
-        '<a href="#eval">Evaluation</a><a href="#configs">Configs</a></nav>'
+        '<a href="#eval">Evaluation</a><a href="#hacking">Reward-hacking watch</a><a href="#configs">Configs</a></nav>'
     )
     if run.missing:
         page.missing("Not found in this run folder: " + ", ".join(run.missing))
-    for section in (section_sft, section_rm, section_ppo, section_eval, section_methods, section_configs):
+    for section in (
+        section_sft,
+        section_rm,
+        section_ppo,
+        section_eval,
+        section_hacking,
+        section_methods,
+        section_configs,
+    ):
         section(page, run)
     return page
 

@@ -25,6 +25,41 @@ def _jsonl(path: Path, rows: list[dict]) -> None:
     _write(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
+# eval/metrics.json of a run without a reward function or an ensemble (their keys null or absent), as
+# `llm-rlhf eval` writes it
+EVAL_METRICS = {
+    "gold_win_rate": 0.62, "gold_win_rate_stderr": 0.031, "sentiment_win_rate": 0.7, "sentiment_win_rate_stderr": 0.03,
+    "rm_win_rate": 0.8, "rm_win_rate_stderr": 0.025, "reward_fn_win_rate": None, "reward_fn_win_rate_stderr": None,
+    "combined_win_rate": None, "combined_win_rate_stderr": None,
+    "gold_score_mean": 0.3, "gold_score_stderr": 0.05, "sentiment_mean": 0.9, "sentiment_stderr": 0.06,
+    "rm_score_mean": 1.1, "rm_score_stderr": 0.1, "reward_fn_mean": None, "reward_fn_stderr": None,
+    "combined_score_mean": None, "combined_score_stderr": None, "kl_to_ref": 4.2, "kl_to_ref_stderr": 0.3,
+    "kl_to_ref_at_temperature": 4.2, "kl_to_ref_at_temperature_stderr": 0.3, "fluency_perplexity": 61.0,
+    "response_length_mean": 12.5, "eos_rate": 0.97, "distinct_1": 0.4, "distinct_2": 0.8,
+    "char_run_rate": 0.125, "repeated_ngram_rate": 0.0625, "empty_rate": 0.0,
+    "gold_score_mean_baseline": 0.1, "gold_score_stderr_baseline": 0.04, "sentiment_mean_baseline": 0.5,
+    "sentiment_stderr_baseline": 0.05, "rm_score_mean_baseline": -0.1, "rm_score_stderr_baseline": 0.1,
+    "reward_fn_mean_baseline": None, "reward_fn_stderr_baseline": None, "combined_score_mean_baseline": None,
+    "combined_score_stderr_baseline": None, "kl_to_ref_baseline": 0.0, "kl_to_ref_stderr_baseline": 0.0,
+    "kl_to_ref_at_temperature_baseline": 0.0, "kl_to_ref_at_temperature_stderr_baseline": 0.0,
+    "fluency_perplexity_baseline": 55.0, "response_length_mean_baseline": 11.0, "eos_rate_baseline": 0.98,
+    "distinct_1_baseline": 0.45, "distinct_2_baseline": 0.85, "char_run_rate_baseline": 0.0,
+    "repeated_ngram_rate_baseline": 0.0, "empty_rate_baseline": 0.0,
+    "num_prompts": 25, "samples_per_prompt": 1, "num_pairs": 25, "policy_path": "runs/x/ppo",
+    "baseline_path": "runs/x/sft", "reward_model_path": "runs/x/rm", "reward_fn": None, "reward_fn_weight": 1.0,
+    "gold_judge": "data/reviews/gold.json", "gold_judge_heldout_accuracy": 0.83,
+    "gold_judge_validity": {
+        "file": "data/reviews/gold_test.jsonl", "sentences": 1053, "gold_prefers_real_over_shuffled": 0.998,
+        "gold_prefers_real_over_repeated": 0.935, "gold_prefers_real_over_salad": 0.928,
+        "sentiment_prefers_real_over_shuffled": 0.504, "sentiment_prefers_real_over_repeated": 0.49,
+        "sentiment_prefers_real_over_salad": 0.016, "fluency_nll_real_median": 4.52,
+        "fluency_nll_shuffled_median": 7.88, "fluency_nll_repeated_median": 5.02, "fluency_nll_salad_median": 8.13,
+        "pairs": 884, "gold_agrees_with_people": 0.838, "sentiment_agrees_with_people": 0.862,
+    },
+    "temperature": 1.0, "seed": 0, "time_s": 20.0,
+}  # fmt: skip
+
+
 def make_run(run: Path, *, kl_coef: float = 0.1, steps: int = 12) -> Path:
     """Every file a finished pipeline run writes, with small fake logs."""
     sft_metrics = {"eval_loss": 2.1, "eval_perplexity": 8.17, "eos_rate": 0.97}
@@ -45,8 +80,7 @@ def make_run(run: Path, *, kl_coef: float = 0.1, steps: int = 12) -> Path:
             }
         )  # fmt: skip
     ppo_metrics = {**history[-1], "scores_first": 0.1, "scores_last": 0.1 * steps, "kl_last": history[-1]["objective/kl"], "kl_target": 6.0}  # fmt: skip
-    eval_metrics = {"gold_win_rate": 0.62, "rm_win_rate": 0.8, "kl_to_ref": 4.2, "gold_score_mean": 0.3,
-                    "rm_score_mean": 1.1, "baseline_gold_score_mean": 0.1, "distinct_1": 0.4}  # fmt: skip
+    eval_metrics = EVAL_METRICS
     _write(run / "pipeline.json", json.dumps({
         "sft": {"wall_time_s": 60.0, "metrics": sft_metrics}, "rm": {"wall_time_s": 30.0, "metrics": rm_metrics},
         "ppo": {"wall_time_s": 300.0, "metrics": ppo_metrics}, "eval": {"wall_time_s": 20.0, "metrics": eval_metrics},
@@ -89,8 +123,11 @@ def make_run(run: Path, *, kl_coef: float = 0.1, steps: int = 12) -> Path:
         {"step": s, "kl": 0.5 * s, "rm_score": 0.2 * s, "gold_score": 0.1 * s - 0.01 * s * s} for s in range(0, steps + 1, 3)
     ])  # fmt: skip
     _jsonl(run / "eval" / "samples.jsonl", [
-        {"prompt": f"Prompt number {i}", "policy_response": f" great movie {i}", "baseline_response": f" bad {i}",
-         "policy_gold": 0.9, "baseline_gold": 0.2, "policy_rm": 1.5, "baseline_rm": -0.3}
+        {"prompt": f"Prompt number {i}", "sample": 0, "policy_response": f" great movie {i}", "baseline_response": f" bad {i}",
+         "policy_gold_score": 0.9 - 0.01 * i, "baseline_gold_score": 0.2, "policy_rm_score": 1.5 + 0.02 * i,
+         "baseline_rm_score": -0.3 + 0.01 * i, "policy_reward_fn": None, "baseline_reward_fn": None,
+         "policy_combined_score": None, "baseline_combined_score": None, "policy_length": 4, "baseline_length": 3,
+         "policy_eos": True, "baseline_eos": i % 2 == 0}
         for i in range(25)
     ])  # fmt: skip
     return run
@@ -108,9 +145,10 @@ def test_single_run_report_is_self_contained(tmp_path):
     assert (
         'src="http' not in text and 'href="http' not in text and "<script" not in text and "<link" not in text
     )
-    # before/after samples: the first 20 of 25 rows, every key as a column
+    # before/after samples: the first 20 of 25 rows, the baseline's and the policy's response side by side
     assert "Prompt number 0" in text and "Prompt number 19" in text and "Prompt number 20" not in text
-    assert "<th>policy_gold</th>" in text and "<th>baseline_rm</th>" in text
+    assert "<th>SFT baseline</th><th>PPO policy</th>" in text and "<th>policy_gold_score</th>" not in text
+    assert "gold +0.90 · RM +1.50 · 4 tokens" in text and "3 tokens, no EOS" in text  # sample 0's scores
     # PPO samples of the first and the last logged step
     assert "The film q10" in text and "The film q121" in text
     # resolved configs, headline numbers, the missing-file note absent
@@ -137,8 +175,8 @@ def test_overoptimisation_curve_of_a_run_without_a_reward_model(tmp_path):
 
 
 def test_a_run_without_held_out_evaluation_says_how_to_get_the_curve(tmp_path):
-    """The default recipe runs PPO with eval_every: 0: the report says the curve was not asked for and how to
-    ask for it, instead of flagging a missing file."""
+    """A PPO run with eval_every: 0: the report says the curve was not asked for and how to ask for it, instead
+    of flagging a missing file."""
     run = make_run(tmp_path / "run")
     (run / "ppo" / "eval_log.jsonl").unlink()
     text = write_report(run).read_text(encoding="utf-8")
@@ -148,6 +186,9 @@ def test_a_run_without_held_out_evaluation_says_how_to_get_the_curve(tmp_path):
     text = write_report(run).read_text(encoding="utf-8")
     assert "Held-out evaluation during PPO was off in this run" in text and "eval_every: 10" in text
     assert "eval_log.jsonl (no over-optimisation curve)" not in text
+    assert (
+        'class="missing"' not in text
+    )  # nor in the warning box at the top: the run was not meant to have it
 
 
 @pytest.mark.slow
@@ -276,3 +317,136 @@ def test_rm_card_shows_the_test_pairs_when_the_stage_had_them(tmp_path):
     text = write_report(run).read_text(encoding="utf-8")
     assert "RM test accuracy" in text and "83.4%" in text and "81.2%" in text
     assert "RM eval accuracy" not in text
+
+
+def _between(text: str, start: str, end: str = "</table>") -> str:
+    """The part of text from the first `start` to the `end` after it."""
+    i = text.index(start)
+    return text[i : text.index(end, i)]
+
+
+def test_evaluation_table_is_grouped_and_leaves_out_what_was_not_measured(tmp_path):
+    run = make_run(tmp_path / "run")
+    text = write_report(run).read_text(encoding="utf-8")
+    table = _between(text, '<table class="eval">')
+    groups = [g.split("</th>")[0] for g in table.split('<tr class="group"><th colspan="7">')[1:]]
+    assert [g.split(" (")[0] for g in groups] == [
+        "Gold judge", "Sentiment", "Fluency", "Reward model, ensemble and reward function",
+        "KL to the reference", "Length and EOS", "Diversity", "Degeneracy",
+    ]  # fmt: skip
+    keys = [k.split("</span>")[0] for k in table.split('<span class="key">')[1:]]
+    assert keys == [
+        "gold_score_mean", "sentiment_mean", "fluency_perplexity", "rm_score_mean", "kl_to_ref",
+        "response_length_mean", "eos_rate", "distinct_1", "distinct_2", "char_run_rate", "repeated_ngram_rate",
+        "empty_rate",
+    ]  # fmt: skip
+    # null in metrics.json (no reward function), absent (no ensemble), or the same figure (temperature 1): no row
+    for unused in ("reward_fn", "combined", "rm_score_member", "rm_disagreement", "kl_to_ref_at_temperature"):
+        assert unused not in table, unused
+    # the gold row: policy, baseline, difference, the paired difference's stderr, the win rate and its stderr.
+    # samples.jsonl: policy gold 0.9 - 0.01 i, baseline 0.2 -> differences 0.7 - 0.01 i, i = 0..24
+    diffs = 0.7 - 0.01 * np.arange(25)
+    stderr = np.std(diffs, ddof=1) / 5
+    gold_row = _between(table, "gold score", "</tr>")
+    assert [c.split(">")[1] for c in gold_row.split("<td")[1:]] == [
+        "0.3</td", "0.1</td", "+0.2</td", f"{stderr:.2g}</td", "62.0%</td", "3.1%</td"
+    ]  # fmt: skip
+    (rows,) = [rows for title, rows in report.eval_groups(EVAL_METRICS, None) if title.startswith("Gold")]
+    assert (
+        rows[0]["diff_stderr"] == pytest.approx(np.hypot(0.05, 0.04)) and not rows[0]["paired"]
+    )  # no samples
+    # the gold's validity figures: a small table of their own; the raw metrics.json collapsed
+    validity = _between(text, '<table class="validity">')
+    assert "99.8%" in validity and "50.4%" in validity and "884 pairs" in validity and "83.8%" in validity
+    assert "gold_judge_validity" not in table and "<summary>eval/metrics.json (raw)</summary>" in text
+    # an ensemble with a reward function: each member, the disagreement and the function's rows in their group
+    metrics = {**EVAL_METRICS, "rm_score_member_1_mean": 1.2, "rm_score_member_1_mean_baseline": 0.0,
+               "rm_score_member_0_mean": 1.0, "rm_score_member_0_mean_baseline": 0.1, "rm_disagreement_mean": 0.3,
+               "rm_disagreement_mean_baseline": 0.2, "reward_fn_mean": 0.7, "reward_fn_mean_baseline": 0.4,
+               "reward_fn_win_rate": 0.66, "temperature": 0.7}  # fmt: skip
+    groups = dict(report.eval_groups(metrics, None))
+    rm_group = groups["Reward model, ensemble and reward function (the proxy PPO maximised)"]
+    assert [r["key"] for r in rm_group] == [
+        "rm_score_mean", "rm_score_member_0_mean", "rm_score_member_1_mean", "rm_disagreement_mean", "reward_fn_mean"
+    ]  # fmt: skip
+    assert rm_group[-1]["difference"] == pytest.approx(0.3) and rm_group[-1]["win"] == 0.66
+    kl_group = groups["KL to the reference (nats / response)"]
+    assert [r["key"] for r in kl_group] == ["kl_to_ref", "kl_to_ref_at_temperature"]  # sampled at 0.7: both
+
+
+def test_hacking_watch_lists_the_samples_with_the_largest_proxy_gold_gap(tmp_path):
+    """Held-out samples with known scores: at step 0 (the SFT model) proxy and gold are -1 or +1 (mean 0,
+    std 1), so at step 10 the standardised gap is proxy - gold; the padded response has the largest."""
+    run = make_run(tmp_path / "run")
+    padded = " it is..................... splendid cinema."
+    step0 = [{"step": 0, "prompt": f"Opening {i}", "response": f" fine {i}.", "proxy": (-1) ** i,
+              "gold_score": (-1) ** (i // 2), "kl_to_ref": 0.0} for i in range(8)]  # fmt: skip
+    step10 = [{"step": 10, "prompt": f"Opening {i}", "response": f" good {i}.", "proxy": 0.5 + 0.1 * i,
+               "gold_score": 0.4, "kl_to_ref": 2.0} for i in range(8)]  # fmt: skip
+    step10[3].update(response=padded, proxy=2.05, gold_score=-1.5)
+    _jsonl(run / "ppo" / "eval_samples.jsonl", step0 + step10)
+    _jsonl(run / "ppo" / "eval_log.jsonl", [
+        {"step": 0, "kl": 0.0, "rm_score": 0.0, "gold_score": 0.0, "char_run_rate": 0.0, "repeated_ngram_rate": 0.0, "empty_rate": 0.0},
+        {"step": 10, "kl": 2.0, "rm_score": 0.9, "gold_score": 0.1, "char_run_rate": 0.125, "repeated_ngram_rate": 0.0, "empty_rate": 0.0},
+    ])  # fmt: skip
+    text = write_report(run).read_text(encoding="utf-8")
+    watch = _between(text, '<table class="texts watch">')
+    sections = {
+        s.split("</th>")[0].split(" · ")[0]: s for s in watch.split('<tr class="group"><th colspan="4">')[1:]
+    }
+    assert list(sections) == ["final evaluation", "PPO step 10", "PPO step 0"]  # newest first
+    top = sections["PPO step 10"].split("<tr>")[1]  # its first sample row: the largest gap
+    assert '<td class="num">+3.55</td><td class="num">+2.05</td><td class="num">-1.5</td>' in top
+    assert padded in top and '<span class="flag">char run</span>' in top
+    assert "standardised by the step-0 evaluation (the SFT model)" in sections["PPO step 10"]
+    assert sections["PPO step 10"].count("<tr>") == report.WATCH_TOP
+    # the final evaluation: the policy's RM score rises (1.5 + 0.02 i) as its gold falls (0.9 - 0.01 i)
+    assert "Prompt number 24" in sections["final evaluation"].split("<tr>")[1]
+    # the degeneracy counters: drawn against step and KL, and tabulated per evaluation (the SFT baseline's too)
+    assert (run / "report" / "degeneracy.png").read_bytes().startswith(PNG_MAGIC)
+    counters = _between(text, '<table class="counters">')
+    assert [r.split("</td>")[0] for r in counters.split("<tr><td>")[1:]] == [
+        "PPO step 0", "PPO step 10", "SFT baseline (final evaluation)", "final evaluation"
+    ]  # fmt: skip
+    assert "12.5%" in _between(counters, "PPO step 10", "</tr>")  # 1 of 8 responses with a character run
+
+
+def test_hacking_watch_without_a_gold_says_there_is_no_gap(tmp_path):
+    run = make_run(tmp_path / "run")
+    rows = [json.loads(line) for line in (run / "eval" / "samples.jsonl").read_text().splitlines()]
+    _jsonl(
+        run / "eval" / "samples.jsonl",
+        [{**r, "policy_gold_score": None, "baseline_gold_score": None} for r in rows],
+    )
+    rows = [json.loads(line) for line in (run / "ppo" / "eval_log.jsonl").read_text().splitlines()]
+    _jsonl(
+        run / "ppo" / "eval_log.jsonl", [{**r, "gold_score": None} for r in rows]
+    )  # PPO's gold_judge: none
+    text = write_report(run).read_text(encoding="utf-8")
+    assert "no proxy−gold gap to rank" in text and '<table class="texts watch">' not in text
+    assert '<table class="counters">' in text
+    assert (
+        "have no gold score or no KL" in text and 'class="missing"' not in text
+    )  # the log is there, not missing
+
+
+def test_the_evaluation_table_reads_the_keys_eval_writes():
+    """Every metric, baseline and standard-error key of the table's rows is one `evaluate.summarize` writes
+    (a renamed key would drop its row silently: rows without a value are left out)."""
+    from llm_rlhf import evaluate
+
+    record = {"prompt": "p", "response": " fine.", "response_ids": [1, 2], "length": 3, "eos": True,
+              "kl_to_ref": 0.1, "kl_to_ref_at_temperature": 0.1, "rm_score": 0.5, "rm_member_scores": [0.4, 0.6],
+              "rm_disagreement": 0.1, "gold_score": 0.2, "sentiment": 0.3, "fluency_nll": 4.0,
+              "fluency_perplexity": 54.6, "reward_fn": 1.0, "combined_score": 1.5}  # fmt: skip
+    written = {**evaluate.summarize([record, record]), **evaluate.summarize([record, record], "_baseline")}
+    for _, rows in report.EVAL_GROUPS:
+        for row in rows:
+            if (
+                row.key == report.MEMBERS
+            ):  # an ensemble of two: rm_score_member_0_mean, rm_score_member_1_mean
+                assert {"rm_score_member_0_mean", "rm_score_member_1_mean_baseline"} <= written.keys()
+                continue
+            assert row.key in written and row.key + "_baseline" in written, row.key
+            if row.stderr:
+                assert row.stderr in written and row.stderr + "_baseline" in written, row.stderr

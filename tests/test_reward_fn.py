@@ -17,6 +17,7 @@ from helpers import build_model, launch, ppo_cli_args, ppo_config, ppo_trainer
 
 from llm_rlhf import cli, evaluate, ppo, ppo_run
 from llm_rlhf.errors import ConfigError, UserError
+from llm_rlhf.hacking import DEGENERACY_KEYS, degeneracy_rates
 from llm_rlhf.models import load_tokenizer
 from llm_rlhf.reward_fn import PROBE_RESPONSES, RewardFn, check_scores, decode_texts, load_reward_fn, probe
 from llm_rlhf.reward_model import load_reward_model
@@ -269,6 +270,15 @@ def test_run_with_reward_fn_only_writes_the_usual_outputs(tiny_model_dir, prompt
     assert len(lines) == 2 and all(0 <= m["objective/reward_fn"] <= 1 for m in lines)
     heldout = [json.loads(x) for x in (out / "eval_log.jsonl").read_text().splitlines()]
     assert len(heldout) == 3 and all(r["rm_score"] is None and 0 <= r["reward_fn"] <= 1 for r in heldout)
+    # each held-out sample, for the report's reward-hacking watch: the proxy is PPO's score (no RM: the
+    # weighted function), no gold; the degeneracy rates of each evaluation are those of its samples
+    rows = [json.loads(x) for x in (out / "eval_samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0] * 4 + [1] * 4 + [2] * 4
+    assert all(r["proxy"] == cfg.reward_fn_weight * float(r["response"].endswith("e")) for r in rows)
+    assert all(r["gold_score"] is None and r["reward_fn"] == float(r["response"].endswith("e")) for r in rows)
+    for record in heldout:
+        responses = [r["response"] for r in rows if r["step"] == record["step"]]
+        assert {k: record[k] for k in DEGENERACY_KEYS} == degeneracy_rates(responses)
     samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
     assert all(s["score"] == float(s["response"].endswith("e")) for s in samples)
     assert (out / "model.safetensors").is_file() and (out / "metrics.json").is_file()
@@ -432,7 +442,7 @@ def test_readme_example_runs(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path,
     tiny = {
         "ppo": dict(model_name_or_path=tiny_model_dir, reward_model_path=tiny_rm_dir, prompt_file=prompt_file,
                     steps=2, rollout_batch_size=4, mini_batch_size=2, ppo_epochs=1, max_new_tokens=6,
-                    save_steps=0, log_samples_every=0),
+                    save_steps=0, log_samples_every=0, eval_every=0),
         "eval": dict(policy_path=tmp_path / "ppo-1", baseline_path=tiny_model_dir, reward_model_path=tiny_rm_dir,
                      gold_judge="none", prompt_file=prompt_file, num_prompts=4, max_new_tokens=6,
                      output_dir=tmp_path / "eval"),
