@@ -811,8 +811,9 @@ def test_groups_are_consecutive_rows(estimator):
     within = torch.cat([p * k + torch.randperm(k, generator=generator) for p in range(num_prompts)])
     torch.testing.assert_close(GROUP_ESTIMATORS[estimator](scores[within], k), advantages[within], **TIGHT)
 
-    across = torch.arange(num_prompts * k).view(num_prompts, k).T.reshape(-1)  # row b = sample b % k of ...
-    regrouped = GROUP_ESTIMATORS[estimator](scores[across], k)  # ... prompt b // k: every group mixed
+    # Rows read column-wise (sample 0 of every prompt, then sample 1, ...): every new group mixes prompts.
+    across = torch.arange(num_prompts * k).view(num_prompts, k).T.reshape(-1)  # (B,)
+    regrouped = GROUP_ESTIMATORS[estimator](scores[across], k)
     assert not torch.allclose(regrouped, advantages[across])
 
     # The same scores read as 4 prompts of 3 samples are other groups, with other advantages.
@@ -931,9 +932,8 @@ def test_token_advantages_fill_the_response_and_nothing_else():
     expected = t64([[advantages[b].item() if mask[b, t] else 0.0 for t in range(6)] for b in range(4)])
     torch.testing.assert_close(spread, expected, **TIGHT)
     assert spread.shape == (4, 6) and not spread[~mask].any()
-    torch.testing.assert_close(
-        spread[0], t64([0.0, 0.0, 1.5, 1.5, 1.5, 0.0]), **TIGHT
-    )  # query | response | pad
+    # query | response | pad
+    torch.testing.assert_close(spread[0], t64([0.0, 0.0, 1.5, 1.5, 1.5, 0.0]), **TIGHT)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
