@@ -8,10 +8,22 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
-from helpers import ppo_config, ppo_trainer, record_raw_grads, recording_rollouts
+from helpers import (
+    ROOT,
+    SENTIMENT_JUDGE,
+    ppo_cli_args,
+    ppo_config,
+    ppo_trainer,
+    record_raw_grads,
+    recording_rollouts,
+)
 
 from llm_rlhf import ppo, ppo_math, ppo_run
 from llm_rlhf.errors import ConfigError
@@ -310,3 +322,127 @@ def test_remax_baseline_is_the_greedy_response(
     state = torch.get_rng_state()
     trainer.generate(trainer.next_queries(), sampling=trainer.greedy)
     assert torch.equal(torch.get_rng_state(), state)
+
+
+# --- exact resume after kill -9 -----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_grpo_killed_and_resumed_ends_bit_identical(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
+    """grpo, 2 prompts x 4 samples, held-out evaluation every 2 steps, a checkpoint every 2 steps. One run
+    goes 4 steps straight; another is killed with SIGKILL as step 4 starts (step 3 logged, the step-2
+    checkpoint on disk), then resumed with --resume true: its logs and its final weights are those of the
+    uninterrupted run, bit for bit (the same sampling stream, group by group, from the checkpoint's RNG)."""
+    from safetensors.torch import load_file
+
+    def command(out, *more, kill_at=None):
+        args = ppo_cli_args(tiny_model_dir, tiny_rm_dir, prompt_file, out, 4, advantage_estimator="grpo",
+                            samples_per_prompt=4, rollout_batch_size=2, mini_batch_size=4, save_steps=2,
+                            eval_every=2, eval_prompt_file=prompt_file, eval_num_prompts=4,
+                            gold_judge=SENTIMENT_JUDGE, lr_scheduler_type="linear")  # fmt: skip
+        if kill_at is not None:  # ["-m", "llm_rlhf", "ppo", ...] -> [kill_at_step.py, N, "ppo", ...]
+            args = [str(ROOT / "tests" / "scripts" / "kill_at_step.py"), str(kill_at), *args[2:]]
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONPATH": str(ROOT),
+        }
+        return subprocess.run([sys.executable, *args, *more], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=900)  # fmt: skip
+
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    subprocess_ok(command(straight))
+    crash = command(killed, kill_at=4)
+    assert crash.returncode == -signal.SIGKILL, crash.stderr[-2000:]
+    assert len((killed / "metrics.jsonl").read_text().splitlines()) == 3
+    assert sorted(p.name for p in (killed / "checkpoints").iterdir()) == ["step-2"]
+    assert not (killed / "metrics.json").exists()
+    resumed = subprocess_ok(command(killed, "--resume", "true"))
+    assert "resumed from" in resumed.stdout
+
+    for name in ("metrics.jsonl", "eval_log.jsonl"):
+        a, b = ([json.loads(x) for x in (d / name).read_text().splitlines()] for d in (straight, killed))
+        assert [m["step"] for m in b] == [m["step"] for m in a] and len(a) == (
+            4 if name == "metrics.jsonl" else 3
+        )
+        for ma, mb in zip(a, b):
+            assert {k: v for k, v in mb.items() if not k.startswith(("time/", "tokens_per_s"))} == {
+                k: v for k, v in ma.items() if not k.startswith(("time/", "tokens_per_s"))
+            }, ma["step"]
+    final_a, final_b = (load_file(d / "model.safetensors") for d in (straight, killed))
+    assert final_a.keys() == final_b.keys()
+    assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
+    initial = load_file(tiny_model_dir / "model.safetensors")
+    assert any(not torch.equal(final_a[k], initial[k]) for k in initial)
+    assert not (killed / "value_head.safetensors").exists()
+
+
+def subprocess_ok(result):
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+# --- what works with gae works with each estimator -----------------------------------------------------------
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("estimator", "setting"),
+    [("grpo", "lora_and_stop_strings"), ("dr_grpo", "chat_prompts"), ("rloo", "reward_fn_alone"),
+     ("reinforce_pp", "reward_model_and_reward_fn"), ("remax", "ensemble")],
+)  # fmt: skip
+def test_estimators_with_the_options_of_gae(
+    tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, estimator, setting
+):
+    """`llm-rlhf ppo`'s run, 2 steps with held-out evaluation before and after each: LoRA, stop strings and
+    min_new_tokens, chat `messages` prompts (the tokenizer's template), a reward function alone or added to
+    the RM's score, an RM ensemble; the final folder holds the policy and nothing of a value function."""
+    import shutil
+
+    from helpers import write_jsonl
+
+    from llm_rlhf.models import load_tokenizer
+
+    kw = {}
+    if setting == "lora_and_stop_strings":
+        kw = dict(use_lora=True, stop_strings=["e", "a"], min_new_tokens=2)
+    elif setting == "chat_prompts":
+        chat_model = tmp_path / "chat_model"
+        shutil.copytree(tiny_model_dir, chat_model)
+        tokenizer = load_tokenizer(str(chat_model))
+        tokenizer.chat_template = CHAT_TEMPLATE
+        tokenizer.save_pretrained(chat_model)
+        chats = [
+            [{"role": "user", "content": p}] for p in ("The film is", "A gorgeous", "The acting", "It's a")
+        ]
+        chat_file = write_jsonl(tmp_path / "chats.jsonl", [{"messages": m} for m in chats])
+        kw = dict(model_name_or_path=str(chat_model), eval_prompt_file=str(chat_file))
+        prompt_file = chat_file
+    elif setting == "reward_fn_alone":
+        kw = dict(reward_model_path=None, reward_fn="reward_fns:keyword")
+    elif setting == "reward_model_and_reward_fn":
+        kw = dict(reward_fn="reward_fns:length", reward_fn_weight=0.5)
+    else:
+        second = tmp_path / "member"
+        shutil.copytree(tiny_rm_dir, second)
+        kw = dict(reward_model_path=[str(tiny_rm_dir), str(second)], ensemble_combine="min")
+    out = tmp_path / "run"
+    kw = {"eval_prompt_file": str(prompt_file), **kw}
+    cfg = estimator_config(tiny_model_dir, tiny_rm_dir, prompt_file, out, estimator, eval_every=1,
+                           eval_num_prompts=4, **kw)  # fmt: skip
+    final = ppo_run.run(cfg)
+    assert final["step"] == 2 and not any(k.startswith("val/") for k in final)
+    assert len((out / "eval_log.jsonl").read_text().splitlines()) == 3  # steps 0, 1, 2
+    assert (out / "model.safetensors").is_file() and not (out / "value_head.safetensors").exists()
+    if setting == "lora_and_stop_strings":
+        assert (out / "adapter" / "adapter_config.json").is_file()
+    if setting in ("reward_fn_alone", "reward_model_and_reward_fn"):
+        assert "objective/reward_fn" in final
+    if setting == "ensemble":
+        assert "objective/scores_member_1" in final and "objective/greedy_scores" in final
