@@ -4,6 +4,8 @@
     python benchmarks/ppo_step.py --model gpt2 --lora --bf16           # GPT-2 124M shape, LoRA, bf16 autocast
     python benchmarks/ppo_step.py --model gpt2 --matrix --json out.json  # {full, LoRA} x {fp32, bf16}, one process each
     python benchmarks/ppo_step.py --value_model reward                  # the separate critic (from the RM)
+    python benchmarks/ppo_step.py --advantage-estimator grpo --samples-per-prompt 4 --rollout 8
+                                                    # critic-free: 8 prompts x 4 samples, no value head
     python benchmarks/ppo_step.py --model-dir data/smollm2-135m-instruct --lora   # any local causal LM
 
 Models are built from a config with random weights (never downloaded) and saved as HF folders in a
@@ -82,7 +84,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--n-embd", type=int)
     p.add_argument("--vocab-size", type=int)
     p.add_argument("--rollout", type=int, default=32, help="rollout_batch_size (prompts per step)")
-    p.add_argument("--mini-batch", type=int, default=16, help="mini_batch_size")
+    p.add_argument(
+        "--samples-per-prompt",
+        type=int,
+        default=1,
+        help="samples_per_prompt (a step holds rollout x this many episodes)",
+    )
+    p.add_argument(
+        "--advantage-estimator",
+        default="gae",
+        choices=("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "remax"),
+        help="advantage_estimator (the critic-free ones build no value head)",
+    )
+    p.add_argument("--mini-batch", type=int, default=16, help="mini_batch_size (episodes)")
     p.add_argument("--grad-accum", type=int, default=1, help="gradient_accumulation_steps")
     p.add_argument("--ppo-epochs", type=int, default=1)
     p.add_argument("--prompt-len", type=int, default=16, help="tokens per prompt (all prompts this long)")
@@ -501,6 +515,8 @@ def run_one(args) -> dict:
         output_dir=str(workdir / "out"),
         steps=total_steps,
         rollout_batch_size=args.rollout,
+        samples_per_prompt=args.samples_per_prompt,
+        advantage_estimator=args.advantage_estimator,
         mini_batch_size=args.mini_batch,
         gradient_accumulation_steps=args.grad_accum,
         ppo_epochs=args.ppo_epochs,
@@ -570,7 +586,9 @@ def run_one(args) -> dict:
     phase_s.pop("rollout_other", None)  # padding the queries, the response mask: counted in "other"
     phase_s["other"] = step_s - sum(phase_s.values())  # + shaped rewards, GAE, whitening, metrics
     tokens = {k: shapes.tokens(k) / n for k in ("old_logprobs_values", "reference", "reward_model", "update")}
-    tokens["generate"] = args.rollout * args.new_tokens  # at most: generate stops when every row has ended
+    # at most: generate stops when every row has ended (ReMax: + one greedy response per prompt)
+    greedy = args.rollout if args.advantage_estimator == "remax" else 0
+    tokens["generate"] = (args.rollout * args.samples_per_prompt + greedy) * args.new_tokens
     phases = {}
     for k, sec in phase_s.items():
         phases[k] = {
@@ -589,6 +607,8 @@ def run_one(args) -> dict:
             "vocab_size": config.vocab_size,
             "params": nets,
             "value_model": args.value_model,
+            "advantage_estimator": args.advantage_estimator,
+            "samples_per_prompt": args.samples_per_prompt,
             "rollout": args.rollout,
             "mini_batch": args.mini_batch,
             "grad_accum": args.grad_accum,
@@ -679,6 +699,11 @@ def label(r: dict) -> str:
         f"{c['model']} ({c['architecture']}) {'LoRA' if c['lora'] else 'full'} {'bf16' if c['bf16'] else 'fp32'}"
         + (" ckpt" if c["grad_ckpt"] else "")
         + (" + critic from the RM" if c["value_model"] == "reward" else "")
+        + (
+            f" {c['advantage_estimator']} k={c['samples_per_prompt']}"
+            if c.get("advantage_estimator", "gae") != "gae" or c.get("samples_per_prompt", 1) != 1
+            else ""
+        )
     )
 
 
@@ -687,7 +712,7 @@ def format_table(results: list[dict]) -> str:
     for r in results:
         c = r["config"]
         lines.append(
-            f"## {label(r)}: rollout {c['rollout']}, prompt {c['prompt_len']} + {c['new_tokens']} new tokens, "
+            f"## {label(r)}: rollout {c['rollout']} prompts x {c.get('samples_per_prompt', 1)}, prompt {c['prompt_len']} + {c['new_tokens']} new tokens, "
             f"minibatch {c['mini_batch']}, {c['ppo_epochs']} PPO epoch(s), {c['steps']} timed steps, "
             f"{c['threads']} threads, load {r['load_avg_1min']:.1f}, CPU utilisation "
             f"{r['cpu_time_during_steps']['utilization']:.2f} (sys {r['cpu_time_during_steps']['sys_s']:.1f} s); "

@@ -9,6 +9,11 @@ One PPO step (`ppo_step`) reads like the algorithm box of Ziegler et al. (2019) 
     -> GAE -> K epochs of clipped policy/value updates on shuffled minibatches
     -> KL controller update -> metrics
 
+`advantage_estimator` swaps GAE for a critic-free estimator (SPEC "Critic-free estimators": GRPO, Dr. GRPO,
+RLOO, REINFORCE++, ReMax) on the same rollout, KL, clipped update, processes and checkpoints: each prompt is
+sampled `samples_per_prompt` times (its group, consecutive rows on one process), no value head or critic
+is built, and the KL goes in the reward or, as k3 per token, in the loss (`kl_in_loss`).
+
 The math lives in `llm_rlhf.ppo_math` (torch only), sampling and the forwards over a rollout in
 `llm_rlhf.rollout`, the scores in `llm_rlhf.scoring`, and what each accelerate config (DeepSpeed, FSDP2,
 FSDP, mixed precision) needs of the models in `llm_rlhf.accelerated`; this module holds the config and the
@@ -20,6 +25,7 @@ under `accelerate launch` with several processes.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from contextlib import nullcontext
@@ -93,13 +99,42 @@ class Config:
     )
     value_model: str = help_field(
         "policy",
-        "Critic: 'policy' (value head on the policy trunk) or 'reward' (separate critic initialised from the reward model).",
+        "Critic of advantage_estimator gae: 'policy' (value head on the policy trunk) or 'reward' (separate "
+        "critic initialised from the reward model). The critic-free estimators build neither.",
+    )
+    advantage_estimator: str = help_field(
+        "gae",
+        "How the advantages are made (SPEC 'Critic-free estimators'): 'gae' (value head or critic, GAE, "
+        "advantages whitened), 'grpo' (score minus its group's mean, over the group's std; Shao et al. 2024), "
+        "'dr_grpo' (the same without the std; Liu et al. 2025), 'rloo' (score minus the mean of the group's "
+        "other samples; Ahmadian et al. 2024), 'reinforce_pp' (gamma = 1 returns of the per-token rewards, "
+        "whitened over the global batch; Hu 2025) or 'remax' (score minus the score of a greedy response to "
+        "the same prompt; Li et al. 2023). The critic-free ones train no value head and no critic.",
+    )
+    samples_per_prompt: int = help_field(
+        1,
+        "k: responses sampled for each prompt of a rollout, in consecutive rows (a rollout holds "
+        "rollout_batch_size * k episodes per process; a prompt's k samples, its group, stay on one process). "
+        "grpo, dr_grpo and rloo need k >= 2.",
+    )
+    kl_in_loss: bool | None = help_field(
+        None,
+        "Where the KL to the reference is penalised: true = in the loss, kl_coef * k3 per token (GRPO's form; "
+        "the rewards are the scores alone); false = in the reward, -kl_coef * KL_t per token with kl_estimator "
+        "(Ziegler et al.); null = each estimator's published form: in the loss for grpo and dr_grpo, in the "
+        "reward otherwise. Either way kl_coef is the KL controller's beta and the controller follows the "
+        "observed KL (objective/kl, kl_estimator).",
     )
     seed: int = help_field(0, "Random seed (each process adds its index).")
     # --- budget and batch sizes (per process)
     steps: int = help_field(40, "Number of PPO steps (rollout batches).")
-    rollout_batch_size: int = help_field(64, "Prompts per rollout batch, per process.")
-    mini_batch_size: int = help_field(16, "Episodes per optimiser step, per process.")
+    rollout_batch_size: int = help_field(
+        64, "Prompts per rollout batch, per process (each sampled samples_per_prompt times)."
+    )
+    mini_batch_size: int = help_field(
+        16,
+        "Episodes (responses) per optimiser step, per process: divides rollout_batch_size * samples_per_prompt.",
+    )
     gradient_accumulation_steps: int = help_field(
         1, "Micro-batches per minibatch (micro = mini_batch_size / this)."
     )
@@ -157,7 +192,9 @@ class Config:
         None, "EOS trick: score for responses that never emitted EOS nor a stop string (null = off)."
     )
     score_clip: float | None = help_field(None, "Clip RM scores to [-x, x] (null = off).")
-    whiten_rewards: bool = help_field(False, "Whiten the per-token rewards over the batch before GAE.")
+    whiten_rewards: bool = help_field(
+        False, "Whiten the per-token rewards over the batch before GAE (advantage_estimator gae only)."
+    )
     # --- PPO
     gamma: float = help_field(1.0, "Discount.")
     lam: float = help_field(0.95, "GAE lambda.")
@@ -207,10 +244,13 @@ class Config:
         require(self.data_format in DATA_FORMATS, "data_format", f"must be one of {', '.join(DATA_FORMATS)}")
         check_reward_keys(self)
         require(self.steps > 0, "steps", "must be > 0")
+        episodes = self.rollout_batch_size * self.samples_per_prompt
         require(
-            self.mini_batch_size > 0 and self.rollout_batch_size % self.mini_batch_size == 0,
+            self.mini_batch_size > 0 and episodes % self.mini_batch_size == 0,
             "mini_batch_size",
-            f"must divide rollout_batch_size ({self.rollout_batch_size})",
+            f"must divide rollout_batch_size ({self.rollout_batch_size})"
+            if self.samples_per_prompt == 1
+            else f"must divide the episodes of a rollout, rollout_batch_size * samples_per_prompt ({episodes})",
         )
         require(
             self.gradient_accumulation_steps > 0
@@ -243,6 +283,49 @@ class Config:
         require(0 < self.cliprange and 0 < self.cliprange_value, "cliprange", "clip ranges must be > 0")
         require(self.max_new_tokens > 0, "max_new_tokens", "must be > 0")
         check_generation_controls(self)
+        check_estimator_keys(self)
+        require(
+            not (self.whiten_rewards and self.critic_free),
+            "whiten_rewards",
+            "applies to advantage_estimator gae only (the critic-free estimators baseline or whiten the "
+            "advantages themselves)",
+        )
+
+    @property
+    def critic_free(self) -> bool:
+        """No value function: every estimator but gae."""
+        return self.advantage_estimator != "gae"
+
+    @property
+    def kl_penalty_in_loss(self) -> bool:
+        """Where the KL goes, kl_in_loss resolved: null = in the loss for grpo and dr_grpo (GRPO's published
+        form, Shao et al. 2024, eq. 3), in the reward for the others (Ziegler et al. 2019; RLOO, REINFORCE++
+        and ReMax put it there too). Not written back into the config: the saved config says what was given."""
+        if self.kl_in_loss is None:
+            return self.advantage_estimator in ("grpo", "dr_grpo")
+        return self.kl_in_loss
+
+
+def check_estimator_keys(cfg) -> None:
+    """advantage_estimator, samples_per_prompt and the critic: each a ConfigError naming its key."""
+    estimators = ppo_math.ADVANTAGE_ESTIMATORS
+    require(
+        cfg.advantage_estimator in estimators,
+        "advantage_estimator",
+        f"must be one of {', '.join(estimators)}",
+    )
+    require(cfg.samples_per_prompt >= 1, "samples_per_prompt", "must be >= 1")
+    require(
+        cfg.samples_per_prompt >= 2 or cfg.advantage_estimator not in ("grpo", "dr_grpo", "rloo"),
+        "samples_per_prompt",
+        f"must be >= 2 for advantage_estimator {cfg.advantage_estimator} (a group of one response has no baseline)",
+    )
+    require(
+        cfg.value_model == "policy" or cfg.advantage_estimator == "gae",
+        "value_model",
+        f"'{cfg.value_model}' trains a critic, which advantage_estimator {cfg.advantage_estimator} does not "
+        "use (only gae does): leave value_model at 'policy'",
+    )
 
 
 def check_reward_keys(cfg) -> None:
@@ -270,6 +353,8 @@ TRAIN_STATS = (
     "val/clipfrac",
     "policy/ratio",
 )  # token means over each global minibatch, averaged over the minibatches
+VALUE_STATS = ("loss/value", "val/clipfrac")  # not computed without a value function (critic-free estimators)
+KL_LOSS_STAT = "loss/kl"  # kl_coef * mean k3 over the minibatch's tokens, when the KL is in the loss
 
 
 @dataclass(frozen=True)
@@ -277,12 +362,15 @@ class BatchSizes:
     """The batch-size arithmetic of one PPO step, in one place (printed at start, tested)."""
 
     num_processes: int
-    rollout_per_process: int
+    samples_per_prompt: int
+    prompts_per_process: int  # rollout_batch_size
+    rollout_per_process: int  # episodes: prompts_per_process * samples_per_prompt
     mini_batch_per_process: int
     micro_batch_per_process: int
     gradient_accumulation_steps: int
     num_mini_batches: int  # optimiser steps per PPO epoch
     optimizer_steps_per_ppo_step: int
+    prompts_per_step: int  # global: what the prompt schedule advances by (`next_queries`)
     episodes_per_step: int  # global rollout batch: the n of the KL controller update
     total_episodes: int
 
@@ -295,18 +383,25 @@ def batch_sizes(
     ppo_epochs: int,
     steps: int,
     num_processes: int,
+    samples_per_prompt: int = 1,
 ) -> BatchSizes:
-    num_mini_batches = rollout_batch_size // mini_batch_size
+    """rollout_batch_size prompts per process, each sampled samples_per_prompt times: the rollout's episodes
+    per process; minibatches and micro-batches count episodes."""
+    episodes = rollout_batch_size * samples_per_prompt  # per process
+    num_mini_batches = episodes // mini_batch_size
     return BatchSizes(
         num_processes=num_processes,
-        rollout_per_process=rollout_batch_size,
+        samples_per_prompt=samples_per_prompt,
+        prompts_per_process=rollout_batch_size,
+        rollout_per_process=episodes,
         mini_batch_per_process=mini_batch_size,
         micro_batch_per_process=mini_batch_size // gradient_accumulation_steps,
         gradient_accumulation_steps=gradient_accumulation_steps,
         num_mini_batches=num_mini_batches,
         optimizer_steps_per_ppo_step=num_mini_batches * ppo_epochs,
-        episodes_per_step=rollout_batch_size * num_processes,
-        total_episodes=rollout_batch_size * num_processes * steps,
+        prompts_per_step=rollout_batch_size * num_processes,
+        episodes_per_step=episodes * num_processes,
+        total_episodes=episodes * num_processes * steps,
     )
 
 
@@ -347,6 +442,7 @@ class PPOTrainer:
             ppo_epochs=cfg.ppo_epochs,
             steps=cfg.steps,
             num_processes=accelerator.num_processes,
+            samples_per_prompt=cfg.samples_per_prompt,
         )
         if self.sizes.episodes_per_step < 2:
             raise UserError(
@@ -398,6 +494,12 @@ class PPOTrainer:
             rm_context=self.acc.autocast,
         )
         self.sampling = Sampling.of(cfg)
+        # ReMax's baseline response: the same settings, greedy (temperature 0: argmax, no random draw).
+        self.greedy = dataclasses.replace(self.sampling, temperature=0.0)
+        # The statistics of an update: no value loss without a value function, the KL loss when it is there.
+        self.train_stats = tuple(s for s in TRAIN_STATS if not (cfg.critic_free and s in VALUE_STATS)) + (
+            (KL_LOSS_STAT,) if cfg.kl_penalty_in_loss else ()
+        )
         self.kl_ctl = (
             ppo_math.AdaptiveKLController(cfg.init_kl_coef, cfg.kl_target, cfg.kl_horizon)
             if cfg.kl_controller == "adaptive"
@@ -434,45 +536,34 @@ class PPOTrainer:
     # --- the algorithm -------------------------------------------------------------------------
 
     def ppo_step(self) -> dict[str, float]:
-        """One PPO iteration (Ziegler et al. 2019, Algorithm 1; Stiennon et al. 2020, Appendix B)."""
+        """One PPO iteration (Ziegler et al. 2019, Algorithm 1; Stiennon et al. 2020, Appendix B); the
+        critic-free estimators (`advantage_estimator`) change only how the advantages are made."""
         cfg, times = self.cfg, {}
-        rollout, scores = self.rollout(self.next_queries(), times)  # y ~ pi_theta(.|x), logprobs, ref, scores
+        queries = self.next_queries()  # this process's prompts
+        rollout, scores = self.rollout(
+            self.in_groups(queries), times
+        )  # y ~ pi_theta(.|x), logprobs, ref, scores
+        greedy = (
+            self.rollout(queries, times, sampling=self.greedy) if cfg.advantage_estimator == "remax" else None
+        )
         self.check_finite(
             "rollout",
             scores=rollout.scores,
             logprobs=rollout.logprobs,
             ref_logprobs=rollout.ref_logprobs,
-            values=rollout.values,
+            **({"values": rollout.values} if rollout.values is not None else {}),
+            **({"greedy_scores": greedy[0].scores} if greedy is not None else {}),
         )
 
-        kl = ppo_math.kl_penalty(
-            logprobs=rollout.logprobs, ref_logprobs=rollout.ref_logprobs, estimator=cfg.kl_estimator
-        )
-        clipped = (
-            rollout.scores
-            if cfg.score_clip is None
-            else ppo_math.clip_scores(scores=rollout.scores, score_clip=cfg.score_clip)
-        )
-        rewards, non_score_reward = ppo_math.shaped_rewards(
-            scores=clipped,
-            kl=kl,
-            kl_coef=self.kl_ctl.value,
-            response_mask=rollout.response_mask,
-            eos_penalty=cfg.eos_penalty,
-            ended_with_eos=rollout.ended(self.tokenizer.eos_token_id)  # EOS or a stop string
-            if cfg.eos_penalty is not None
-            else None,
-        )
+        kl_coef = self.kl_ctl.value
+        rewards, kl = self.rewards(rollout, kl_coef)  # -beta*KL per token (unless in the loss) + score
         if cfg.whiten_rewards:
             rewards = self.whiten(rewards, rollout.response_mask, shift_mean=False)
-        advantages, returns = ppo_math.compute_gae(
-            rewards=rewards,
-            values=rollout.values,
-            response_mask=rollout.response_mask,
-            gamma=cfg.gamma,
-            lam=cfg.lam,
-        )
-        advantages = self.whiten(advantages, rollout.response_mask)
+        baseline = None
+        if greedy is not None:  # ReMax: the greedy response's reward, measured as the samples' are
+            greedy_rewards, _ = self.rewards(greedy[0], kl_coef)
+            baseline = ppo_math.masked_sum(greedy_rewards, greedy[0].response_mask, dim=-1)  # (P,)
+        advantages, returns = self.advantages(rollout, rewards, baseline)
 
         t = time.perf_counter()
         train_stats = self.train_on_rollout(rollout, advantages, returns)  # K epochs of minibatch updates
@@ -480,9 +571,11 @@ class PPOTrainer:
 
         kl_seq = ppo_math.sequence_kl(kl=kl, response_mask=rollout.response_mask)  # (B,)
         mean_kl = self.global_mean(kl_seq)
-        kl_coef = self.kl_ctl.value
         self.kl_ctl.update(mean_kl, self.sizes.episodes_per_step)  # n in episodes
         self.step += 1
+        # The KL penalty as the objective counts it, -beta * KL_t, wherever it is optimised (in the reward,
+        # or as k3 in the loss), so objective/rlhf_reward means the same for every estimator.
+        non_score_reward = torch.where(rollout.response_mask, -kl_coef * kl, 0)  # (B, R)
         metrics = self.metrics(
             rollout,
             kl_seq=kl_seq,
@@ -491,20 +584,98 @@ class PPOTrainer:
             returns=returns,
             times=times,
         )
+        if greedy is not None:
+            metrics["objective/greedy_scores"] = self.global_mean(greedy[0].scores.mean())
         return {**metrics, **train_stats, **self.score_term_means(scores)}
+
+    def rewards(self, rollout: Rollout, kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-token rewards of a rollout and its per-token KL (kl_estimator), both (B, R):
+
+            rewards_t = -kl_coef * KL_t + [t == last response token] * score      (`ppo_math.shaped_rewards`)
+
+        the score clipped (score_clip) and replaced for responses that did not end (eos_penalty); with the KL
+        in the loss (`Config.kl_penalty_in_loss`) the rewards hold the score alone."""
+        cfg = self.cfg
+        kl = ppo_math.kl_penalty(
+            logprobs=rollout.logprobs, ref_logprobs=rollout.ref_logprobs, estimator=cfg.kl_estimator
+        )
+        clipped = (
+            rollout.scores
+            if cfg.score_clip is None
+            else ppo_math.clip_scores(scores=rollout.scores, score_clip=cfg.score_clip)
+        )
+        rewards, _ = ppo_math.shaped_rewards(
+            scores=clipped,
+            kl=kl,
+            kl_coef=0.0 if cfg.kl_penalty_in_loss else kl_coef,
+            response_mask=rollout.response_mask,
+            eos_penalty=cfg.eos_penalty,
+            ended_with_eos=rollout.ended(self.tokenizer.eos_token_id)  # EOS or a stop string
+            if cfg.eos_penalty is not None
+            else None,
+        )
+        return rewards, kl
+
+    def advantages(
+        self, rollout: Rollout, rewards: torch.Tensor, baseline: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A_t for every response token, (B, R), from the per-token rewards (B, R), and the returns the value
+        loss fits (None without a value function), by `advantage_estimator`:
+
+            gae           GAE over the values, then whitened over the global batch
+            reinforce_pp  gamma = 1 returns, whitened over the global batch (`ppo_math.reinforce_pp_advantages`)
+            grpo, dr_grpo, rloo, remax   one advantage per response from its sequence reward
+                          r = sum_t rewards_t (the score, minus beta * KL when the KL is in the reward)
+                          against its group (`ppo_math`), the same on each of its tokens
+
+        The groups are this process's consecutive rows of k samples (`in_groups`): whole on this process, and
+        taken over the whole rollout before any minibatch, so neither the number of processes nor the
+        micro-batches change a group's statistics. baseline: ReMax's greedy sequence rewards, (P,)."""
+        cfg, mask = self.cfg, rollout.response_mask
+        estimator, k = cfg.advantage_estimator, cfg.samples_per_prompt
+        if estimator == "gae":
+            advantages, returns = ppo_math.compute_gae(
+                rewards=rewards, values=rollout.values, response_mask=mask, gamma=cfg.gamma, lam=cfg.lam
+            )
+            return self.whiten(advantages, mask), returns
+        if estimator == "reinforce_pp":
+            advantages, _ = ppo_math.reinforce_pp_advantages(
+                rewards=rewards, response_mask=mask, reduce_sum=self.reduce_sum
+            )
+            return advantages, None
+        scores = ppo_math.masked_sum(rewards, mask, dim=-1)  # (B,) the sequence rewards
+        if estimator in ("grpo", "dr_grpo"):
+            advantages = ppo_math.grpo_advantages(
+                scores=scores, samples_per_prompt=k, scale_by_std=estimator == "grpo"
+            )
+        elif estimator == "rloo":
+            advantages = ppo_math.rloo_advantages(scores=scores, samples_per_prompt=k)
+        else:
+            advantages = ppo_math.remax_advantages(
+                scores=scores, baseline_scores=baseline, samples_per_prompt=k
+            )
+        # Not whitened: each is already a baselined advantage, used as is by GRPO (Shao et al. 2024, sec.
+        # 4.1.2: the group-normalised reward is the advantage of every token), Dr. GRPO (Liu et al. 2025),
+        # RLOO (Ahmadian et al. 2024, eq. 6) and ReMax (Li et al. 2023, Algorithm 1). Whitening would also
+        # mix the groups' statistics with the batch's.
+        return ppo_math.token_advantages(advantages=advantages, response_mask=mask), None  # (B, R)
 
     # --- phases -------------------------------------------------------------------------------
 
     @torch.no_grad()
     def rollout(
-        self, queries: list[list[int]], times: dict[str, float] | None = None
+        self,
+        queries: list[list[int]],
+        times: dict[str, float] | None = None,
+        *,
+        sampling: Sampling | None = None,
     ) -> tuple[Rollout, Scores]:
         """The complete rollout of `queries`: samples, then the policy's old log-probs, values and entropy
         (one forward), the reference's log-probs and the scores (`score`), and the scores' parts. `times`, if
-        given, receives the seconds of "generate" (sampling and the policy forward) and "score" (reference
-        and scores)."""
+        given, adds the seconds of "generate" (sampling and the policy forward) and "score" (reference
+        and scores). sampling: `self.sampling` unless given (ReMax's greedy baseline: `self.greedy`)."""
         t0 = time.perf_counter()
-        samples = self.generate(queries)  # y ~ pi_theta(.|x)
+        samples = self.generate(queries, sampling=sampling)  # y ~ pi_theta(.|x)
         logprobs, values, entropy = self.in_chunks(self.forward_policy, samples)
         t1 = time.perf_counter()
         ref_logprobs = self.reference_logprobs(samples)  # log pi_ref(y_t|s_t)
@@ -518,32 +689,50 @@ class PPOTrainer:
             scores=scores.scores,
         )
         if times is not None:
-            times.update(generate=t1 - t0, score=time.perf_counter() - t1)
+            times["generate"] = times.get("generate", 0.0) + t1 - t0
+            times["score"] = times.get("score", 0.0) + time.perf_counter() - t1
         return rollout, scores
 
     def next_queries(self) -> list[list[int]]:
-        """This process's prompts for the current step: a seeded permutation per pass over the data.
+        """This process's prompts for the current step (rollout_batch_size of them): a seeded permutation per
+        pass over the data.
 
-        Global episode index e = step * episodes_per_step + process_index * rollout + i, so the data
-        position follows from the step alone (exact resume) and processes never share a prompt.
+        Global prompt index e = step * prompts_per_step + process_index * rollout_batch_size + i, so the data
+        position follows from the step alone (exact resume) and processes never share a prompt. Each prompt is
+        then sampled samples_per_prompt times on this process (`in_groups`).
         """
-        n, per_step = len(self.prompts), self.sizes.episodes_per_step
-        start = self.step * per_step + self.accelerator.process_index * self.cfg.rollout_batch_size
+        n, per_step = len(self.prompts), self.sizes.prompts_per_step
+        start = self.step * per_step + self.accelerator.process_index * self.sizes.prompts_per_process
         out = []
-        for e in range(start, start + self.cfg.rollout_batch_size):
+        for e in range(start, start + self.sizes.prompts_per_process):
             epoch, i = divmod(e, n)
             perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed * 100003 + epoch))
             out.append(self.prompts[perm[i]])
         return out
 
+    def in_groups(self, queries: list[list[int]]) -> list[list[int]]:
+        """Each query k = samples_per_prompt times in consecutive rows, the layout of `ppo_math.scores_by_prompt`:
+
+            queries   q0 q1             k = 3
+            rows      q0 q0 q0 q1 q1 q1      (row = prompt_index * k + sample_index)
+
+        A group is on one process and is sampled in one `generate` call; with k = 1 the queries themselves."""
+        return [q for q in queries for _ in range(self.cfg.samples_per_prompt)]
+
     @torch.no_grad()
-    def generate(self, queries: list[list[int]]) -> Samples:
-        """Sample responses with the KV cache from the global RNG; R = max_new_tokens on every process."""
+    def generate(self, queries: list[list[int]], sampling: Sampling | None = None) -> Samples:
+        """Sample responses with the KV cache from the global RNG (`self.sampling`, or `sampling`: greedy draws
+        no random number); R = max_new_tokens on every process."""
         query, query_mask = left_pad(queries, self.tokenizer.pad_token_id, self.device)  # (B, P) each
         policy = self.unwrapped_policy
         with self.acc.autocast(), self.acc.gathered_for_generation(policy):
             return sample(
-                policy.lm, self.tokenizer, query, query_mask, self.sampling, pad_to_max_new_tokens=True
+                policy.lm,
+                self.tokenizer,
+                query,
+                query_mask,
+                sampling or self.sampling,
+                pad_to_max_new_tokens=True,
             )
 
     def in_chunks(self, forward, samples: Samples):
@@ -555,10 +744,11 @@ class PPOTrainer:
         parts = [forward(samples.select(slice(i, i + n))) for i in range(0, samples.query.shape[0], n)]
         if isinstance(parts[0], torch.Tensor):
             return torch.cat(parts)  # (B, R)
-        return tuple(torch.cat(xs) for xs in zip(*parts))  # each (B, R)
+        return tuple(None if xs[0] is None else torch.cat(xs) for xs in zip(*parts))  # each (B, R) or None
 
     def forward_policy(self, samples: Samples, *, train: bool = False):
-        """log pi_theta(y_t|s_t), V(s_t), entropy for the response tokens: (B, R) each, 0 at padding.
+        """log pi_theta(y_t|s_t), V(s_t), entropy for the response tokens: (B, R) each, 0 at padding; V None
+        without a value function (the critic-free estimators).
 
         The forward runs on `samples.trimmed()`: the rows' longest real query and response, not the padding
         up to max_new_tokens (each rollout chunk and each shuffled micro-batch of every PPO epoch is trimmed
@@ -582,7 +772,7 @@ class PPOTrainer:
                 critic = self.critic if train else unwrap(self.critic)
                 P = samples.query.shape[1]
                 values = critic(samples.sequence, samples.attention_mask)[:, P - 1 : -1]  # (B, R')
-        return tuple(pad_columns(x.float(), R) for x in (logprobs, values, entropy))  # (B, R) each
+        return tuple(None if x is None else pad_columns(x.float(), R) for x in (logprobs, values, entropy))
 
     @torch.no_grad()
     def reference_logprobs(self, samples: Samples) -> torch.Tensor:
@@ -631,9 +821,13 @@ class PPOTrainer:
         return scores
 
     def train_on_rollout(
-        self, rollout: Rollout, advantages: torch.Tensor, returns: torch.Tensor
+        self, rollout: Rollout, advantages: torch.Tensor, returns: torch.Tensor | None
     ) -> dict[str, float]:
         """K epochs over shuffled minibatches; each minibatch is `gradient_accumulation_steps` micro-batches.
+
+        The loss of a micro-batch: the clipped policy loss, + vf_coef * the clipped value loss towards `returns`
+        with gae (the critic-free estimators have no value function: returns None), + kl_coef * mean k3 to the reference when the KL is in the loss
+        (`ppo_math.kl_loss`, beta of the rollout: the controller moves after the update), - ent_coef * entropy.
 
         Every loss is a token mean over the global minibatch: a micro-batch's masked mean is weighted by
         its share of the minibatch's tokens (times the number of processes, since DDP averages gradients),
@@ -648,6 +842,7 @@ class PPOTrainer:
         trimmed to the same widths, so rho == 1 exactly before the first update (SPEC); later epochs shuffle.
         """
         cfg, sizes = self.cfg, self.sizes
+        kl_coef = self.kl_ctl.value
         history, skipped, stopped_early = [], 0, False
         for epoch in range(cfg.ppo_epochs):
             order = (
@@ -658,7 +853,7 @@ class PPOTrainer:
             for mb in order.split(sizes.mini_batch_per_process):
                 mb_tokens = self.global_sum(rollout.response_mask[mb].sum())  # tokens in the global minibatch
                 self.optimizer.zero_grad(set_to_none=True)
-                totals = torch.zeros(len(TRAIN_STATS), device=self.device)
+                totals = torch.zeros(len(self.train_stats), device=self.device)
                 micro_batches = mb.split(sizes.micro_batch_per_process)
                 for i, mc in enumerate(micro_batches):
                     part = rollout.select(mc)
@@ -673,28 +868,41 @@ class PPOTrainer:
                             response_mask=mask,
                             cliprange=cfg.cliprange,
                         )
-                        vf_loss, vf = ppo_math.value_loss(
-                            values=values,
-                            old_values=part.values,
-                            returns=returns[mc],
-                            response_mask=mask,
-                            cliprange_value=cfg.cliprange_value,
-                        )
                         entropy = ppo_math.masked_mean(entropy, mask)
-                        loss = pg_loss + cfg.vf_coef * vf_loss - cfg.ent_coef * entropy
+                        loss = pg_loss
+                        parts = {
+                            "loss/policy": pg_loss,
+                            "policy/entropy": entropy,
+                            "policy/approxkl": pg.approxkl,
+                            "policy/clipfrac": pg.clipfrac,
+                            "policy/ratio": ppo_math.masked_mean(pg.ratio, mask),
+                        }
+                        if not cfg.critic_free:  # gae: the value head's or the critic's loss
+                            vf_loss, vf = ppo_math.value_loss(
+                                values=values,
+                                old_values=part.values,
+                                returns=returns[mc],
+                                response_mask=mask,
+                                cliprange_value=cfg.cliprange_value,
+                            )
+                            loss = loss + cfg.vf_coef * vf_loss
+                            parts.update({"loss/value": vf_loss, "val/clipfrac": vf.clipfrac})
+                        if cfg.kl_penalty_in_loss:
+                            kl_loss = ppo_math.kl_loss(
+                                logprobs=logprobs,
+                                ref_logprobs=part.ref_logprobs,
+                                response_mask=mask,
+                                kl_coef=kl_coef,
+                            )
+                            loss = loss + kl_loss
+                            parts[KL_LOSS_STAT] = kl_loss
+                        loss = loss - cfg.ent_coef * entropy
                         weight = mask.sum() * self.accelerator.num_processes / mb_tokens.clamp(min=1)
                         self.acc.backward(self.policy, loss * weight, last=last)
-                    parts = (
-                        pg_loss,
-                        vf_loss,
-                        entropy,
-                        pg.approxkl,
-                        pg.clipfrac,
-                        vf.clipfrac,
-                        ppo_math.masked_mean(pg.ratio, mask),
-                    )
-                    totals += torch.stack([v.detach().float() for v in parts]) * weight
-                stats = dict(zip(TRAIN_STATS, self.accelerator.reduce(totals, reduction="mean").tolist()))
+                    totals += torch.stack([parts[k].detach().float() for k in self.train_stats]) * weight
+                stats = dict(
+                    zip(self.train_stats, self.accelerator.reduce(totals, reduction="mean").tolist())
+                )
                 if not all(np.isfinite(list(stats.values()))):  # the same global numbers on every process
                     raise NonFiniteError(
                         f"PPO step {self.step + 1}, train phase (epoch {epoch + 1}): non-finite loss "
@@ -711,7 +919,7 @@ class PPOTrainer:
                     break
             if stopped_early:
                 break
-        out = {k: float(np.mean([h[k] for h in history])) if history else math.nan for k in TRAIN_STATS}
+        out = {k: float(np.mean([h[k] for h in history])) if history else math.nan for k in self.train_stats}
         out.update(
             {
                 "policy/skipped_minibatches": float(skipped),
@@ -742,8 +950,9 @@ class PPOTrainer:
     def metrics(
         self, rollout: Rollout, *, kl_seq, kl_coef, non_score_reward, returns, times
     ) -> dict[str, float]:
-        """The step's log line: objective/*, val/*, lengths, EOS rate and times, global over processes
-        (`ppo_step` adds the update's statistics and the scores' parts, `score_term_means`)."""
+        """The step's log line: objective/*, val/* (with a value function), lengths, EOS rate and times, global
+        over processes (`ppo_step` adds the update's statistics and the scores' parts, `score_term_means`).
+        non_score_reward: -beta * KL_t (B, R), the KL penalty of the objective wherever the KL is optimised."""
         mask = rollout.response_mask
         lengths = mask.sum(-1).float()  # (B,)
         non_score = ppo_math.masked_sum(non_score_reward, mask, dim=-1)  # (B,)
@@ -759,12 +968,8 @@ class PPOTrainer:
             "objective/non_score_reward": self.global_mean(non_score.mean()),
             "objective/rlhf_reward": self.global_mean((rollout.scores + non_score).mean()),
             "objective/entropy": self.global_mean(ppo_math.masked_sum(rollout.entropy, mask, dim=-1).mean()),
-            "val/explained_variance": float(
-                ppo_math.explained_variance(
-                    values=rollout.values, returns=returns, mask=mask, reduce_sum=self.reduce_sum
-                )
-            ),
-            "val/mean": self.global_mean(ppo_math.masked_mean(rollout.values, mask)),
+            **(self.value_metrics(rollout, returns) if rollout.values is not None else {}),
+            **(self.group_metrics(rollout) if self.cfg.samples_per_prompt > 1 else {}),
             "response_length": self.global_mean(lengths.mean()),
             "eos_rate": self.global_mean(rollout.ended(self.tokenizer.eos_token_id).float().mean()),
             "time/generate": times["generate"],
@@ -772,6 +977,31 @@ class PPOTrainer:
             "time/train": times["train"],
             "time/step": step_time,
             "tokens_per_s": float(tokens) / step_time,
+        }
+
+    def value_metrics(self, rollout: Rollout, returns: torch.Tensor) -> dict[str, float]:
+        """val/explained_variance and val/mean of the value function (gae), global over processes."""
+        mask = rollout.response_mask
+        return {
+            "val/explained_variance": float(
+                ppo_math.explained_variance(
+                    values=rollout.values, returns=returns, mask=mask, reduce_sum=self.reduce_sum
+                )
+            ),
+            "val/mean": self.global_mean(ppo_math.masked_mean(rollout.values, mask)),
+        }
+
+    def group_metrics(self, rollout: Rollout) -> dict[str, float]:
+        """With k > 1 samples per prompt: objective/group_scores_std, the std of the scores within a prompt's
+        group (n - 1), averaged over the groups of every process, and objective/groups_tied, the share of
+        groups whose k scores are all equal (GRPO, Dr. GRPO and RLOO give them no gradient)."""
+        grouped = ppo_math.scores_by_prompt(
+            scores=rollout.scores, samples_per_prompt=self.cfg.samples_per_prompt
+        )  # (P, k)
+        tied = (grouped == grouped[:, :1]).all(dim=1).float()  # (P,)
+        return {
+            "objective/group_scores_std": self.global_mean(grouped.std(dim=1, correction=1).mean()),
+            "objective/groups_tied": self.global_mean(tied.mean()),
         }
 
     def score_term_means(self, scores: Scores) -> dict[str, float]:

@@ -10,12 +10,15 @@ turns them into metrics. Shapes: B sequences, T positions, V vocabulary.
     scores            (B,)   one reward-model scalar per sequence
     rewards           (B, T) per-token reward after KL shaping
     advantages        (B, T) GAE advantages;  returns (B, T) = advantages + values
+                      (critic-free estimators give one advantage per sequence, (B,), until `token_advantages`)
     response_mask     (B, T) bool, True on response tokens that count (not query, not padding)
     kl_coef           beta, weight of the KL penalty
     cliprange         epsilon of the clipped policy objective
     cliprange_value   epsilon_v of the clipped value objective
     vf_coef           c1, weight of the value loss in the total loss (used by the caller)
     gamma, lam        discount and GAE lambda
+    samples_per_prompt  k, responses sampled per prompt; a rollout of P prompts holds B = P * k rows, each
+                      prompt's k responses in consecutive rows (row = prompt_index * k + sample_index)
 
 Masks are booleans and every masked reduction goes through `masked_sum` / `masked_mean`; values at
 masked-out positions never reach a result (outputs hold 0 there).
@@ -342,6 +345,174 @@ def compute_gae(
 
 
 # ---------------------------------------------------------------------------------------------
+# Critic-free estimators
+# ---------------------------------------------------------------------------------------------
+
+ADVANTAGE_ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "remax")
+
+
+def scores_by_prompt(*, scores: torch.Tensor, samples_per_prompt: int) -> torch.Tensor:
+    """The rollout's scores as one row per prompt: row p holds the k responses of prompt p.
+
+        sequence b = p * k + i   (prompt p, sample i)   ->   grouped[p, i]
+
+        scores    r0 r1 r2 r3 | r4 r5 r6 r7          k = 4, B = 8
+        grouped   [[r0, r1, r2, r3],
+                   [r4, r5, r6, r7]]
+
+    Every group statistic (mean, std, leave-one-out mean) is taken along dim 1, so a group is exactly the
+    k consecutive rows its prompt was sampled into; the caller gives each process whole groups, which makes
+    the statistics independent of the number of processes. scores: (B,) -> (P, k). Raises ValueError when
+    k does not divide B.
+    """
+    if scores.dim() != 1:
+        raise ValueError(
+            f"scores must be one value per sequence, shape (B,); got shape {tuple(scores.shape)}"
+        )
+    B, k = scores.shape[0], samples_per_prompt
+    if k < 1 or B % k != 0:
+        raise ValueError(
+            f"samples_per_prompt = {k} does not divide the batch of {B} sequences into whole groups"
+        )
+    return scores.reshape(B // k, k)  # (P, k)
+
+
+def _require_a_group(name: str, samples_per_prompt: int) -> None:
+    if samples_per_prompt < 2:
+        raise ValueError(
+            f"{name} needs samples_per_prompt >= 2 (got {samples_per_prompt}): "
+            "a group of one response has no baseline"
+        )
+
+
+def grpo_advantages(
+    *, scores: torch.Tensor, samples_per_prompt: int, scale_by_std: bool = True, eps: float = 1e-4
+) -> torch.Tensor:
+    """Group-relative advantage of each sequence (Shao et al. 2024, "DeepSeekMath", sec. 4.1.2, the
+    outcome-supervision form), scores r_1..r_k of one prompt's group:
+
+        A_i = (r_i - mean(r)) / (std(r) + eps)       std with n - 1 (Bessel), eps = 1e-4
+        A_i =  r_i - mean(r)                         scale_by_std=False: Dr. GRPO (Liu et al. 2025,
+                                                     "Understanding R1-Zero-Like Training")
+
+    Dr. GRPO drops the division because it up-weights the groups whose scores barely differ (too easy or
+    too hard prompts). A group of equal scores gets A = 0 either way. The vectorised form equals the loop
+
+        for p in range(P):
+            r = scores[p * k : (p + 1) * k]
+            mean = sum(r) / k
+            std = sqrt(sum((r_j - mean) ** 2 for r_j in r) / (k - 1))
+            for i in range(k):
+                advantages[p * k + i] = (r[i] - mean) / (std + eps)  if scale_by_std else  r[i] - mean
+
+    SPEC example, k = 4, r = (1, 0, 0, 3): GRPO (0, -0.7071, -0.7071, 1.4142), Dr. GRPO (0, -1, -1, 2).
+    scores: (B,), B = P * k, groups in consecutive rows (`scores_by_prompt`). Returns (B,); spread it over
+    the response with `token_advantages`. Raises ValueError for samples_per_prompt < 2.
+    """
+    _require_a_group("grpo_advantages", samples_per_prompt)
+    grouped = scores_by_prompt(scores=scores, samples_per_prompt=samples_per_prompt)  # (P, k)
+    centered = grouped - grouped.mean(dim=1, keepdim=True)  # (P, k)
+    if scale_by_std:
+        centered = centered / (grouped.std(dim=1, correction=1, keepdim=True) + eps)  # (P, k)
+    return centered.reshape(-1)  # (B,)
+
+
+def rloo_advantages(*, scores: torch.Tensor, samples_per_prompt: int) -> torch.Tensor:
+    """REINFORCE leave-one-out advantage (Kool et al. 2019, "Buy 4 REINFORCE samples, get a baseline for
+    free"; Ahmadian et al. 2024, "Back to Basics"): the baseline of sample i is the mean score of
+    the other k - 1 samples of its prompt, which does not depend on sample i, so the gradient stays
+    unbiased:
+
+        A_i = r_i - 1/(k - 1) * sum_{j != i} r_j   (= k/(k - 1) * (r_i - mean(r)))
+
+    The loop it replaces:
+
+        for p in range(P):
+            r = scores[p * k : (p + 1) * k]
+            for i in range(k):
+                advantages[p * k + i] = r[i] - sum(r[j] for j in range(k) if j != i) / (k - 1)
+
+    SPEC example, k = 4, r = (1, 0, 0, 3): A = (0, -1.3333, -1.3333, 2.6667).
+    scores: (B,), B = P * k, groups in consecutive rows (`scores_by_prompt`). Returns (B,).
+    Raises ValueError for samples_per_prompt < 2.
+    """
+    _require_a_group("rloo_advantages", samples_per_prompt)
+    grouped = scores_by_prompt(scores=scores, samples_per_prompt=samples_per_prompt)  # (P, k)
+    others = (grouped.sum(dim=1, keepdim=True) - grouped) / (samples_per_prompt - 1)  # (P, k) leave-one-out
+    return (grouped - others).reshape(-1)  # (B,)
+
+
+def remax_advantages(
+    *, scores: torch.Tensor, baseline_scores: torch.Tensor, samples_per_prompt: int
+) -> torch.Tensor:
+    """ReMax advantage (Li et al. 2023, "ReMax"): the baseline of a sampled response is the
+    score of the greedy response to the same prompt, generated and scored only for this:
+
+        A_{p,i} = r(y_{p,i}) - r(greedy_p)
+
+        for p in range(P):
+            for i in range(k):
+                advantages[p * k + i] = scores[p * k + i] - baseline_scores[p]
+
+    One greedy response per prompt, so one baseline score per prompt; with k = 1 (ReMax as published)
+    P = B. scores: (B,), B = P * k, groups in consecutive rows (`scores_by_prompt`); baseline_scores: (P,).
+    Returns (B,).
+    """
+    grouped = scores_by_prompt(scores=scores, samples_per_prompt=samples_per_prompt)  # (P, k)
+    if baseline_scores.shape != grouped.shape[:1]:
+        raise ValueError(
+            f"baseline_scores must hold one greedy score per prompt, shape ({grouped.shape[0]},); "
+            f"got shape {tuple(baseline_scores.shape)}"
+        )
+    return (grouped - baseline_scores.unsqueeze(1)).reshape(-1)  # (B,)
+
+
+def token_advantages(*, advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Spread one advantage per sequence over its response: every response token of sequence b gets
+    A_b (the whole response is one action, rewarded once), every other position 0.
+
+        advantages[b]      A_b
+        response_mask[b]   F  F  T    T    T    F          (query | response | pad)
+        result[b]          0  0  A_b  A_b  A_b  0
+
+    advantages: (B,); response_mask: (B, T) bool. Returns (B, T).
+    """
+    return torch.where(response_mask, advantages.unsqueeze(-1), 0)  # (B, T)
+
+
+def reinforce_pp_advantages(
+    *,
+    rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (Hu 2025, "REINFORCE++"): the discounted return with gamma = 1 of the per-token
+    rewards (KL-shaped, `shaped_rewards`), whitened over the whole batch instead of a critic's baseline:
+
+        G_t = sum_{t' >= t, response} r_t'                  (reverse cumulative sum over the response)
+        A_t = (G_t - mean(G)) / std(G)                      mean, unbiased std over all response tokens
+
+    The whitening is `masked_whiten`, with its `reduce_sum` for several processes (then the statistics are
+    those of the global batch). The cumulative sum equals the loop
+
+        for b in range(B):
+            running = 0.0
+            for t in reversed([t for t in range(T) if response_mask[b, t]]):
+                running = returns[b, t] = rewards[b, t] + running
+
+    SPEC example, the 3-token response with beta = 0.1: rewards (-0.06, 0.15, 5.00) -> returns
+    (5.09, 5.15, 5.00) -> advantages, whitened alone, (0.1325, 0.9272, -1.0596).
+    rewards: (B, T) float; response_mask: (B, T) bool. Returns (advantages, returns), both (B, T),
+    0 at masked-out positions. Raises ValueError for fewer than 2 response tokens in the batch.
+    """
+    kept = torch.where(response_mask, rewards, 0)  # (B, T) padding adds nothing to a sum
+    returns = kept.flip(-1).cumsum(-1).flip(-1)  # (B, T) G_t = sum_{t' >= t} r_t'
+    returns = torch.where(response_mask, returns, 0)  # (B, T)
+    advantages = masked_whiten(returns, response_mask, reduce_sum=reduce_sum)  # (B, T)
+    return advantages, returns
+
+
+# ---------------------------------------------------------------------------------------------
 # PPO losses
 # ---------------------------------------------------------------------------------------------
 
@@ -397,6 +568,24 @@ def policy_loss(
             approxkl=0.5 * masked_mean(log_ratio**2, response_mask),
         )
     return loss, stats
+
+
+def kl_loss(
+    *, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, response_mask: torch.Tensor, kl_coef: float
+) -> torch.Tensor:
+    """The KL to the reference as a loss term instead of a reward penalty (GRPO, Shao et al. 2024, eq. 4):
+
+        k3_t = exp(log q_t - log p_t) - (log q_t - log p_t) - 1      (`kl_penalty`, estimator "k3")
+        L_KL = kl_coef * masked_mean(k3_t)                            over the response tokens
+
+    with p the current policy (gradient through `logprobs`) and q the frozen reference, so
+    dk3_t / dlog p_t = 1 - exp(log q_t - log p_t): it pulls log p_t down where the policy is above the
+    reference and up where it is below. Added to the policy loss, with the same token-level mean.
+    SPEC example, log p = (-0.9, -2.5), log q = (-1.5, -1.0): k3 = (0.14881, 1.98169).
+    logprobs (with grad), ref_logprobs: (B, T); response_mask: (B, T) bool. Returns a scalar.
+    """
+    k3 = kl_penalty(logprobs=logprobs, ref_logprobs=ref_logprobs, estimator="k3")  # (B, T)
+    return kl_coef * masked_mean(k3, response_mask)
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """`llm-rlhf ppo`: the PPO stage as a command around `llm_rlhf.ppo.PPOTrainer`.
 
-    build the models (policy + value head, frozen reference, frozen RM, optional critic) and the trainer
+    build the models (policy + value head (gae), frozen reference, frozen RM, optional critic) and the trainer
     -> evaluate on held-out prompts -> loop: ppo_step, log (metrics.jsonl, samples, tensorboard/wandb),
        evaluate every eval_every steps, checkpoint every save_steps
-    -> save the policy (HF folder) and its value head or critic, then metrics.json (last: the stage is done)
+    -> save the policy (HF folder) and its value head or critic (none for the critic-free estimators), then
+       metrics.json (last: the stage is done)
 
 A checkpoint holds everything needed to continue exactly (`--resume true`): trainable weights, optimiser,
 scheduler, the step (which fixes the data position), the KL controller and every process's RNG state.
@@ -76,7 +77,7 @@ def load_prompts(cfg: Config, tokenizer) -> list[list[int]]:
 
 
 def build_models(cfg: Config) -> PPOModels:
-    """policy (+ value head unless a separate critic), reference, reward model (a `RewardEnsemble` when
+    """policy (+ value head with gae, unless a separate critic), reference, reward model (a `RewardEnsemble` when
     reward_model_path is a list, its members loaded once; None when reward_model_path is none) and optional
     critic (from the first member of an ensemble)."""
     lm = use_fused_gelu(
@@ -113,7 +114,10 @@ def build_models(cfg: Config) -> PPOModels:
         else lm.config.hidden_size
     )
     # With a separate critic the policy has no value head: every trainable parameter takes part in the loss.
-    value_head = ValueHead(hidden).to(next(lm.parameters()).dtype) if cfg.value_model == "policy" else None
+    # The critic-free estimators (advantage_estimator other than gae) have neither: no value function is
+    # built, trained, checkpointed or saved.
+    with_head = cfg.value_model == "policy" and not cfg.critic_free
+    value_head = ValueHead(hidden).to(next(lm.parameters()).dtype) if with_head else None
     policy = PolicyWithValue(lm, value_head)
     reward_model = None
     if not is_off(cfg.reward_model_path):  # none: the score is the reward_fn's alone
@@ -405,12 +409,13 @@ def save_final_gathered(trainer: PPOTrainer, out: Path, final: dict) -> None:
             lm_state.pop(name, None)
         policy.lm.save_pretrained(tmp, state_dict=lm_state, safe_serialization=True)
         trainer.tokenizer.save_pretrained(tmp)
-        head = {
-            k.removeprefix("value_head."): v.contiguous()
-            for k, v in state.items()
-            if k.startswith("value_head.")
-        }
-        save_file(head, tmp / "value_head.safetensors")
+        if policy.value_head is not None:
+            head = {
+                k.removeprefix("value_head."): v.contiguous()
+                for k, v in state.items()
+                if k.startswith("value_head.")
+            }
+            save_file(head, tmp / "value_head.safetensors")
         publish_files(tmp, out)
         write_final_metrics(out, final)
     trainer.accelerator.wait_for_everyone()

@@ -130,10 +130,11 @@ def pad_columns(x: torch.Tensor, width: int) -> torch.Tensor:
 @dataclass(kw_only=True)  # keyword-only: its fields follow Samples' `stopped`, which has a default
 class Rollout(Samples):
     """One PPO rollout batch: the samples and, aligned with the response tokens, the old policy's
-    logprobs, values and entropy, the reference's ref_logprobs: (B, R) each; the RM's scores: (B,)."""
+    logprobs, values and entropy, the reference's ref_logprobs: (B, R) each; the RM's scores: (B,).
+    values is None without a value function (PPO's critic-free advantage estimators)."""
 
     logprobs: torch.Tensor
-    values: torch.Tensor
+    values: torch.Tensor | None
     entropy: torch.Tensor
     ref_logprobs: torch.Tensor
     scores: torch.Tensor

@@ -279,13 +279,13 @@ def one_update(cfg, hook=None) -> dict[str, torch.Tensor]:
 
 def use_fixed_responses(trainer, seed: int = 7) -> None:
     """Replace sampling by fixed responses to the trainer's own prompts: EOS at varied positions (rows
-    1, 2, 4, 5, 7 end early, the others never emit EOS), the same on every call."""
+    1, 2, 4, 5, 7 end early, the others never emit EOS), the same on every call (whatever its `sampling`)."""
     from llm_rlhf import ppo_math
     from llm_rlhf.rollout import Samples, left_pad
 
     eos, pad, R = trainer.tokenizer.eos_token_id, trainer.tokenizer.pad_token_id, trainer.cfg.max_new_tokens
 
-    def fixed(queries):
+    def fixed(queries, sampling=None):
         query, query_mask = left_pad(queries, pad)
         response = torch.randint(5, 200, (len(queries), R), generator=torch.Generator().manual_seed(seed))
         for i in range(len(queries)):

@@ -1,5 +1,6 @@
 """benchmarks/ppo_step.py runs: a Llama folder with LoRA and the separate critic, a GPT-2 folder with the
-value head (one short step each on the tiny models), and its FLOP count follows the shapes that ran."""
+value head, a GPT-2 folder with ReMax and 2 samples per prompt (one short step each on the tiny models),
+and its FLOP count follows the shapes that ran."""
 
 from __future__ import annotations
 
@@ -22,7 +23,11 @@ def load_benchmark():
 
 @pytest.mark.parametrize(
     "policy, extra",
-    [("llama", ["--lora", "--value_model", "reward"]), ("gpt2", ["--prompt-file", "PROMPTS"])],
+    [
+        ("llama", ["--lora", "--value_model", "reward"]),
+        ("gpt2", ["--prompt-file", "PROMPTS"]),
+        ("gpt2", ["--advantage-estimator", "remax", "--samples-per-prompt", "2"]),
+    ],
 )
 def test_benchmark_runs_on_any_causal_lm_folder(
     policy, extra, tiny_model_dir, tiny_llama_dir, prompt_file, tmp_path, capsys
@@ -41,10 +46,14 @@ def test_benchmark_runs_on_any_causal_lm_folder(
     assert c["value_model"] == ("reward" if "--value_model" in extra else "policy")
     assert set(result["matmul_peak_gflops"]) == {"fp32"}  # no bf16 peak unless --bf16
     assert ("critic" in c["params"]) == (c["value_model"] == "reward")
+    k = 2 if "--samples-per-prompt" in extra else 1
+    assert (c["advantage_estimator"], c["samples_per_prompt"]) == (("remax", 2) if k == 2 else ("gae", 1))
     for phase in ("generate", "old_logprobs_values", "reference", "reward_model", "update"):
         assert result["phases"][phase]["seconds"] > 0, phase
     assert result["train_flops_per_step"] > 0 and 0 < result["mfu"]
-    assert 0 < result["tokens_per_step"]["update"] <= 4 * (16 + 4)  # 4 rows of at most prompt + response
+    assert (
+        0 < result["tokens_per_step"]["update"] <= 4 * k * (16 + 4)
+    )  # 4 * k rows of at most prompt + response
 
 
 def test_flops_count_the_shapes_that_ran():

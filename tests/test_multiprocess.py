@@ -50,6 +50,51 @@ def test_first_update_two_ranks_equals_one(tiny_model_dir, tiny_rm_dir, prompt_f
             assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
 
 
+def test_critic_free_estimators_two_ranks_equal_one(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
+    """grpo, dr_grpo, rloo (4 samples per prompt), reinforce_pp (2) and remax (1, with a greedy response per
+    prompt): the same global batch of 8 episodes on one process and on two, two steps each (the second
+    after the policy moved away from the reference: the KL in the loss for grpo and dr_grpo, in the reward
+    for the others). The raw gradient of every update and the steps' metrics are the same: a group's
+    statistics are over its own k samples whatever the number of processes (whole groups on each rank;
+    REINFORCE++'s whitening over the global batch)."""
+    import torch
+
+    one = run_script(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "one.json", "estimators", 1)
+    two = run_script(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "two.json", "estimators", 2)
+    assert (one["world"], two["world"]) == (1, 2)
+    assert set(one["runs"]) == set(two["runs"]) == {"grpo", "dr_grpo", "rloo", "reinforce_pp", "remax"}
+    for name, a in one["runs"].items():
+        b = two["runs"][name]
+        assert len(a["grads"]) == len(b["grads"]) == 2 and b["all_reduces"] > 0, name
+        assert torch.tensor(a["grads"][1]).abs().max() > 0, name
+        for step, (ga, gb) in enumerate(zip(a["grads"], b["grads"])):
+            # step 2 starts from weights one Adam step (lr 1e-2) apart by float rounding: |diff| < 1e-6 there
+            atol = 1e-7 if step == 0 else 1e-6
+            torch.testing.assert_close(
+                torch.tensor(gb), torch.tensor(ga), atol=atol, rtol=1e-4, msg=f"{name} step {step + 1}"
+            )
+        for m1, m2 in zip(a["metrics"], b["metrics"]):
+            assert not any(k.startswith("val/") or k == "loss/value" for k in m1), name
+            keys = [
+                "loss/policy",
+                "policy/entropy",
+                "objective/kl",
+                "objective/scores",
+                "objective/rlhf_reward",
+            ]
+            keys += ["response_length", "policy/approxkl", "objective/kl_coef"]
+            keys += [
+                k for k in ("loss/kl", "objective/greedy_scores", "objective/group_scores_std") if k in m1
+            ]
+            for key in keys:
+                assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), (name, m1["step"], key)
+        assert a["metrics"][1]["objective/kl"] != 0.0, name
+    assert (
+        "loss/kl" in one["runs"]["grpo"]["metrics"][1] and "loss/kl" not in one["runs"]["rloo"]["metrics"][1]
+    )
+    assert "objective/greedy_scores" in one["runs"]["remax"]["metrics"][0]
+
+
 def test_rank_with_empty_or_truncated_responses_does_not_hang(
     tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path
 ):
@@ -187,6 +232,42 @@ def test_fsdp2_ppo_with_two_ranks(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_
         initial["transformer.wte.weight"]
     )
     assert set(load_file(tmp_path / "a" / "value_head.safetensors")) == {"summary.weight", "summary.bias"}
+
+
+def test_fsdp2_grpo_with_two_ranks(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
+    """grpo (2 prompts x 2 samples per process) under fsdp.yaml on 2 CPU processes (the patch of
+    tests/scripts/fsdp2_on_cpu.py): sharded checkpoints without a value head, a resume that logs what the
+    uninterrupted run logged and saves the same weights, a final folder without value_head.safetensors."""
+    import torch
+    from safetensors.torch import load_file
+
+    script = str(ROOT / "tests" / "scripts" / "fsdp2_on_cpu.py")
+    extra = ["--advantage_estimator", "grpo", "--samples_per_prompt", "2", "--rollout_batch_size", "2"]
+    extra += ["--eval_every", "2", "--eval_prompt_file", str(prompt_file), "--eval_num_prompts", "4"]
+    extra += ["--gold_judge", "none"]
+
+    def run(out, steps, *more):
+        args = ppo_cli_args(tiny_model_dir, tiny_rm_dir, prompt_file, out, steps)[2:] + extra + list(more)
+        launch([script, *args], 2, config="fsdp.yaml")
+        return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+    a = run(tmp_path / "a", 3)
+    run(tmp_path / "b", 2)
+    assert (tmp_path / "b" / "checkpoints" / "step-1" / "sharded" / ".metadata").is_file()
+    b = run(tmp_path / "b", 3, "--resume", "true")
+    assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2, 3]
+    assert a[0]["objective/kl"] == 0.0 and a[-1]["episodes"] == 3 * 2 * 2 * 2
+    for ma, mb in zip(a, b):
+        assert not any(k.startswith("val/") or k == "loss/value" for k in ma) and "loss/kl" in ma
+        for k, v in ma.items():
+            if not k.startswith(("time/", "tokens_per_s")):
+                assert mb[k] == pytest.approx(v, rel=1e-5, abs=1e-6, nan_ok=True), (ma["step"], k)
+    final_a, final_b = (load_file(tmp_path / d / "model.safetensors") for d in ("a", "b"))
+    initial = load_file(tiny_model_dir / "model.safetensors")
+    assert final_a.keys() == initial.keys() and any(not torch.equal(final_a[k], initial[k]) for k in initial)
+    for k in initial:
+        torch.testing.assert_close(final_b[k], final_a[k], atol=1e-6, rtol=1e-5, msg=k)
+    assert not (tmp_path / "a" / "value_head.safetensors").exists()
 
 
 @pytest.mark.parametrize("mixed_precision", ["bf16", "no"])

@@ -318,13 +318,13 @@ def test_config_dataclass_is_flat(tmp_path):
         assert "help" in f.metadata and f.metadata["help"], f.name
         assert set(_base_types(hints[f.name])) <= {bool, int, float, str, list, type(None)}, f.name
         assert not dataclasses.is_dataclass(getattr(default, f.name)), f.name
-    changed = {  # a value of each field's type, valid together, none equal to the default
+    changed = {  # a value of each field's type, valid together, none equal to the default but the estimator's
         "reward_model_path": ["a", "b"], "reward_fn": "m:f", "lora_target_modules": ["c_attn"],
         "stop_strings": ["\n"], "eos_penalty": -1.0, "score_clip": 3.0, "target_approxkl": 0.5,
         "eval_prompt_file": None, "data_format": "hh", "dtype": "bfloat16", "value_model": "reward",
         "lr_scheduler_type": "linear", "kl_estimator": "k3", "kl_controller": "fixed", "report_to": "tensorboard",
         "ensemble_combine": "min", "rollout_batch_size": 32, "mini_batch_size": 8, "min_new_tokens": 2,
-        **{key: getattr(default, key) for key in ONLY_VALUE},
+        "advantage_estimator": "gae", "kl_in_loss": True, **{key: getattr(default, key) for key in ONLY_VALUE},
     }  # fmt: skip
     for f in dataclasses.fields(ppo.Config):
         value = getattr(default, f.name)
@@ -336,21 +336,34 @@ def test_config_dataclass_is_flat(tmp_path):
                 if isinstance(value, (int, float))
                 else value + "x"
             )
-    recipe = tmp_path / "ppo.yaml"
-    recipe.write_text(yaml.safe_dump(changed))
-    from_yaml = parse_config(ppo.Config, ["--config", str(recipe)])
-    flags = [
-        item
-        for key, value in changed.items()
-        for item in (
-            f"--{key}",
-            yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("\n...").strip(),
-        )
-    ]
-    from_flags = parse_config(ppo.Config, flags)
-    for key, value in changed.items():
-        assert getattr(from_yaml, key) == getattr(from_flags, key) == value, key
-        assert key in ONLY_VALUE or value != getattr(default, key), key
+    # A critic-free estimator trains no critic and whitens no rewards: its value in a config of its own.
+    critic_free = {
+        **changed,
+        "advantage_estimator": "remax",
+        "value_model": "policy",
+        "whiten_rewards": False,
+    }
+    for values in (changed, critic_free):
+        recipe = tmp_path / "ppo.yaml"
+        recipe.write_text(yaml.safe_dump(values))
+        from_yaml = parse_config(ppo.Config, ["--config", str(recipe)])
+        flags = [
+            item
+            for key, value in values.items()
+            for item in (
+                f"--{key}",
+                yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("\n...").strip(),
+            )
+        ]
+        from_flags = parse_config(ppo.Config, flags)
+        for key, value in values.items():
+            assert getattr(from_yaml, key) == getattr(from_flags, key) == value, key
+    for key in changed:  # each key set to another value than its default in one of the two
+        assert (
+            key in ONLY_VALUE
+            or getattr(default, key) != changed[key]
+            or getattr(default, key) != critic_free[key]
+        ), key
 
 
 def test_gradient_checkpointing_recomputes_and_gives_the_same_update(

@@ -17,6 +17,8 @@ from llm_rlhf.ppo_math import (
     compute_gae,
     entropy_from_logits,
     explained_variance,
+    grpo_advantages,
+    kl_loss,
     kl_penalty,
     logprobs_from_logits,
     masked_mean,
@@ -25,9 +27,14 @@ from llm_rlhf.ppo_math import (
     masked_whiten,
     policy_loss,
     ranking_to_pairs,
+    reinforce_pp_advantages,
+    remax_advantages,
     response_mask_from_tokens,
+    rloo_advantages,
+    scores_by_prompt,
     sequence_kl,
     shaped_rewards,
+    token_advantages,
     value_loss,
 )
 
@@ -655,3 +662,310 @@ def test_mask_eos_logits_hand_example_and_gradient():
     (logprobs.sum() + entropy.sum()).backward()
     assert torch.isfinite(logits.grad).all()
     assert logits.grad[0, :2, 2].abs().max() == 0  # the masked EOS entries get no gradient
+
+
+# ----------------------------------------------------------------------------------------------
+# Critic-free estimators
+# ----------------------------------------------------------------------------------------------
+
+SPEC_GROUP = [1.0, 0.0, 0.0, 3.0]  # SPEC "Critic-free estimators": the k = 4 scores of one prompt
+FOUR_DECIMALS = {"rtol": 0, "atol": 5e-5}
+
+GROUP_ESTIMATORS = {  # name -> advantages(scores, k), the group-relative ones
+    "grpo": lambda scores, k: grpo_advantages(scores=scores, samples_per_prompt=k),
+    "dr_grpo": lambda scores, k: grpo_advantages(scores=scores, samples_per_prompt=k, scale_by_std=False),
+    "rloo": lambda scores, k: rloo_advantages(scores=scores, samples_per_prompt=k),
+}
+
+
+def naive_group_advantages(scores: list[float], k: int, estimator: str, eps: float = 1e-4) -> torch.Tensor:
+    """The loops of the `grpo_advantages` and `rloo_advantages` docstrings, in plain python floats."""
+    advantages = [0.0] * len(scores)
+    for p in range(len(scores) // k):
+        r = scores[p * k : (p + 1) * k]
+        mean = sum(r) / k
+        std = math.sqrt(sum((r_j - mean) ** 2 for r_j in r) / (k - 1))
+        for i in range(k):
+            if estimator == "grpo":
+                advantages[p * k + i] = (r[i] - mean) / (std + eps)
+            elif estimator == "dr_grpo":
+                advantages[p * k + i] = r[i] - mean
+            else:
+                advantages[p * k + i] = r[i] - sum(r[j] for j in range(k) if j != i) / (k - 1)
+    return t64(advantages)
+
+
+def naive_reinforce_pp_returns(rewards, mask) -> torch.Tensor:
+    """The loop of the `reinforce_pp_advantages` docstring, in plain python floats."""
+    B, T = len(rewards), len(rewards[0])
+    returns = [[0.0] * T for _ in range(B)]
+    for b in range(B):
+        running = 0.0
+        for t in reversed([t for t in range(T) if mask[b][t]]):
+            running = returns[b][t] = rewards[b][t] + running
+    return t64(returns)
+
+
+@pytest.mark.parametrize(
+    ("estimator", "expected"),
+    [
+        pytest.param("dr_grpo", [0.0, -1.0, -1.0, 2.0], id="dr_grpo"),
+        pytest.param("rloo", [0.0, -1.3333, -1.3333, 2.6667], id="rloo"),
+    ],
+)
+def test_worked_example_group_advantages(estimator, expected):
+    advantages = GROUP_ESTIMATORS[estimator](t64(SPEC_GROUP), 4)
+    torch.testing.assert_close(advantages, t64(expected), **FOUR_DECIMALS)
+
+
+def test_worked_example_grpo():
+    """The SPEC's GRPO values are (r - mean) / std, std = sqrt(2) with n - 1; with the formula's eps = 1e-4 in
+    the denominator the last one rounds to 1.4141 instead of 1.4142, so the 4-decimal check is at eps = 0
+    and the default eps is checked against the closed form."""
+    scores = t64(SPEC_GROUP)
+    eps_free = grpo_advantages(scores=scores, samples_per_prompt=4, eps=0.0)
+    torch.testing.assert_close(eps_free, t64([0.0, -0.7071, -0.7071, 1.4142]), **FOUR_DECIMALS)
+
+    advantages = grpo_advantages(scores=scores, samples_per_prompt=4)  # eps = 1e-4
+    torch.testing.assert_close(advantages, t64([0.0, -1.0, -1.0, 2.0]) / (math.sqrt(2.0) + 1e-4), **TIGHT)
+
+
+def test_worked_example_reinforce_pp():
+    """From the log-probs of the 3-token example through the k1 reward shaping to REINFORCE++."""
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    kl = kl_penalty(logprobs=t64([LOGPROBS]), ref_logprobs=t64([REF_LOGPROBS]), estimator="k1")
+    rewards, _ = shaped_rewards(scores=t64([5.0]), kl=kl, kl_coef=0.1, response_mask=mask)
+    advantages, returns = reinforce_pp_advantages(rewards=rewards, response_mask=mask)
+    torch.testing.assert_close(returns, t64([[5.09, 5.15, 5.00]]), **TIGHT)
+    # masked_whiten's unbiased variance (n - 1) is the one the SPEC's numbers use; n would give
+    # (0.1622, 1.1355, -1.2978).
+    torch.testing.assert_close(advantages, t64([[0.1325, 0.9272, -1.0596]]), **FOUR_DECIMALS)
+
+
+def test_worked_example_k3_in_the_loss():
+    logprobs, ref_logprobs = t64([LOGPROBS]), t64([REF_LOGPROBS])
+    k3 = kl_penalty(logprobs=logprobs, ref_logprobs=ref_logprobs, estimator="k3")
+    written_out = torch.exp(ref_logprobs - logprobs) - (ref_logprobs - logprobs) - 1  # GRPO's form
+    torch.testing.assert_close(k3, written_out, **TIGHT)
+    torch.testing.assert_close(k3[0, :2], t64([0.14881, 1.98169]), rtol=0, atol=5e-6)
+
+    mask = torch.tensor([[True, True, False]])  # token 3 as padding: it must not count in the mean
+    loss = kl_loss(logprobs=logprobs, ref_logprobs=ref_logprobs, response_mask=mask, kl_coef=0.1)
+    torch.testing.assert_close(loss, 0.1 * (k3[0, 0] + k3[0, 1]) / 2, **TIGHT)
+
+
+def test_kl_loss_gradient_through_the_policy_logprobs():
+    generator = torch.Generator().manual_seed(0)
+    logprobs = torch.rand(5, 9, generator=generator, dtype=F64).mul(-6)
+    ref_logprobs = torch.rand(5, 9, generator=generator, dtype=F64).mul(-6)
+    mask = random_layout(generator, 5, 9)
+    kl_coef = 0.05
+
+    policy = logprobs.clone().requires_grad_()
+    kl_loss(logprobs=policy, ref_logprobs=ref_logprobs, response_mask=mask, kl_coef=kl_coef).backward()
+
+    formula = logprobs.clone().requires_grad_()
+    k3 = torch.exp(ref_logprobs - formula) - (ref_logprobs - formula) - 1  # (B, T)
+    (kl_coef * k3[mask].mean()).backward()
+    torch.testing.assert_close(policy.grad, formula.grad, **TIGHT)
+
+    analytic = kl_coef * (1 - torch.exp(ref_logprobs - logprobs)) / mask.sum()  # d/dlogp of k3, mean over n
+    torch.testing.assert_close(policy.grad, torch.where(mask, analytic, 0), **TIGHT)
+    assert not policy.grad[~mask].any()
+    # Above the reference the gradient step lowers log p, below it raises it.
+    assert (policy.grad[mask & (logprobs > ref_logprobs)] > 0).all()
+    assert (policy.grad[mask & (logprobs < ref_logprobs)] < 0).all()
+
+
+@pytest.mark.parametrize("estimator", sorted(GROUP_ESTIMATORS))
+@pytest.mark.parametrize(("num_prompts", "k"), [(1, 2), (5, 3), (7, 4), (3, 8)])
+def test_group_advantages_match_naive_loops(estimator, num_prompts, k):
+    generator = torch.Generator().manual_seed(num_prompts * 10 + k)
+    scores = torch.randn(num_prompts * k, generator=generator, dtype=F64) * 3 + 1
+    scores[:k] = 0.5  # one group where every response scored the same: all advantages 0, not NaN
+    advantages = GROUP_ESTIMATORS[estimator](scores, k)
+    expected = naive_group_advantages(scores.tolist(), k, estimator)
+    torch.testing.assert_close(advantages, expected, rtol=0, atol=1e-12)
+    assert not advantages[:k].any()
+
+
+def test_group_advantages_in_float32():
+    scores = torch.tensor([1.0, 0.0, 0.0, 3.0, 2.0, 2.5])
+    for name, estimator in GROUP_ESTIMATORS.items():
+        advantages = estimator(scores, 3)
+        assert advantages.dtype == torch.float32 and advantages.shape == (6,), name
+        torch.testing.assert_close(
+            advantages, naive_group_advantages(scores.tolist(), 3, name).float(), msg=name
+        )
+
+
+@pytest.mark.parametrize("estimator", sorted(GROUP_ESTIMATORS))
+def test_groups_are_consecutive_rows(estimator):
+    """A permutation inside each group permutes the advantages; moving rows between groups changes them,
+    so advantages taken over the wrong responses are caught."""
+    generator = torch.Generator().manual_seed(0)
+    k, num_prompts = 4, 3
+    scores = torch.randn(num_prompts * k, generator=generator, dtype=F64)
+    advantages = GROUP_ESTIMATORS[estimator](scores, k)
+
+    within = torch.cat([p * k + torch.randperm(k, generator=generator) for p in range(num_prompts)])
+    torch.testing.assert_close(GROUP_ESTIMATORS[estimator](scores[within], k), advantages[within], **TIGHT)
+
+    # Rows read column-wise (sample 0 of every prompt, then sample 1, ...): every new group mixes prompts.
+    across = torch.arange(num_prompts * k).view(num_prompts, k).T.reshape(-1)  # (B,)
+    regrouped = GROUP_ESTIMATORS[estimator](scores[across], k)
+    assert not torch.allclose(regrouped, advantages[across])
+
+    # The same scores read as 4 prompts of 3 samples are other groups, with other advantages.
+    assert not torch.allclose(GROUP_ESTIMATORS[estimator](scores, 3), advantages)
+
+
+@pytest.mark.parametrize("estimator", sorted(GROUP_ESTIMATORS))
+def test_group_advantages_ignore_a_constant_added_to_a_group(estimator):
+    generator = torch.Generator().manual_seed(1)
+    k, num_prompts = 4, 5
+    scores = torch.randn(num_prompts * k, generator=generator, dtype=F64)
+    shift = (torch.randn(num_prompts, generator=generator, dtype=F64) * 10).repeat_interleave(
+        k
+    )  # one per group
+    torch.testing.assert_close(
+        GROUP_ESTIMATORS[estimator](scores + shift, k),
+        GROUP_ESTIMATORS[estimator](scores, k),
+        rtol=0,
+        atol=1e-12,
+    )
+
+
+def test_dr_grpo_keeps_the_scale_that_grpo_divides_out():
+    """Scaling a group's scores by c scales Dr. GRPO's advantages by c; GRPO's are (r - mean) / (std + eps),
+    so they stay put up to eps, and are Dr. GRPO's divided by each group's std + eps."""
+    generator = torch.Generator().manual_seed(2)
+    k, num_prompts = 4, 3
+    scores = torch.randn(num_prompts * k, generator=generator, dtype=F64)
+    dr_grpo = grpo_advantages(scores=scores, samples_per_prompt=k, scale_by_std=False)
+    grpo = grpo_advantages(scores=scores, samples_per_prompt=k)
+
+    torch.testing.assert_close(
+        grpo_advantages(scores=7.0 * scores, samples_per_prompt=k, scale_by_std=False), 7.0 * dr_grpo, **TIGHT
+    )
+    torch.testing.assert_close(
+        grpo_advantages(scores=7.0 * scores, samples_per_prompt=k), grpo, rtol=1e-3, atol=0
+    )
+    torch.testing.assert_close(
+        grpo_advantages(scores=7.0 * scores, samples_per_prompt=k, eps=0.0),
+        grpo_advantages(scores=scores, samples_per_prompt=k, eps=0.0),
+        rtol=0,
+        atol=1e-12,
+    )
+    std = scores.view(num_prompts, k).std(dim=1).repeat_interleave(k)  # (B,) each row's group std, n - 1
+    torch.testing.assert_close(grpo, dr_grpo / (std + 1e-4), **TIGHT)
+
+
+def test_rloo_is_grpo_centering_scaled_by_k_over_k_minus_one():
+    generator = torch.Generator().manual_seed(3)
+    for k in (2, 3, 5):
+        scores = torch.randn(4 * k, generator=generator, dtype=F64)
+        centered = grpo_advantages(scores=scores, samples_per_prompt=k, scale_by_std=False)
+        torch.testing.assert_close(
+            rloo_advantages(scores=scores, samples_per_prompt=k), k / (k - 1) * centered, rtol=0, atol=1e-12
+        )
+
+
+@pytest.mark.parametrize("estimator", sorted(GROUP_ESTIMATORS))
+@pytest.mark.parametrize("k", [1, 0])
+def test_group_estimators_need_two_samples_per_prompt(estimator, k):
+    with pytest.raises(ValueError, match=r"samples_per_prompt >= 2 \(got -?\d+\)"):
+        GROUP_ESTIMATORS[estimator](t64([1.0, 2.0, 3.0, 4.0]), k)
+
+
+def test_scores_by_prompt_layout_and_errors():
+    scores = t64(range(8))
+    torch.testing.assert_close(
+        scores_by_prompt(scores=scores, samples_per_prompt=4), t64([[0, 1, 2, 3], [4, 5, 6, 7]]), **TIGHT
+    )
+    torch.testing.assert_close(
+        scores_by_prompt(scores=scores, samples_per_prompt=1), scores.view(8, 1), **TIGHT
+    )
+    with pytest.raises(ValueError, match="samples_per_prompt = 3 does not divide the batch of 8 sequences"):
+        scores_by_prompt(scores=scores, samples_per_prompt=3)
+    with pytest.raises(ValueError, match="samples_per_prompt = 0"):
+        scores_by_prompt(scores=scores, samples_per_prompt=0)
+    with pytest.raises(ValueError, match=r"shape \(B,\); got shape \(2, 4\)"):
+        scores_by_prompt(scores=scores.view(2, 4), samples_per_prompt=4)
+    with pytest.raises(ValueError, match="samples_per_prompt = 3 does not divide"):
+        grpo_advantages(scores=scores, samples_per_prompt=3)
+
+
+def test_remax_subtracts_the_greedy_score_of_the_same_prompt():
+    scores = t64([1.0, 0.0, 0.0, 3.0, 2.0, -1.0])  # 3 prompts x 2 samples
+    greedy = t64([0.5, 1.0, -2.0])
+    advantages = remax_advantages(scores=scores, baseline_scores=greedy, samples_per_prompt=2)
+    torch.testing.assert_close(advantages, t64([0.5, -0.5, -1.0, 2.0, 4.0, 1.0]), **TIGHT)
+
+    generator = torch.Generator().manual_seed(4)
+    scores, greedy = (
+        torch.randn(12, generator=generator, dtype=F64),
+        torch.randn(4, generator=generator, dtype=F64),
+    )
+    expected = t64([float(scores[p * 3 + i] - greedy[p]) for p in range(4) for i in range(3)])  # the loop
+    torch.testing.assert_close(
+        remax_advantages(scores=scores, baseline_scores=greedy, samples_per_prompt=3), expected, **TIGHT
+    )
+    # ReMax as published, one sample per prompt.
+    torch.testing.assert_close(
+        remax_advantages(scores=scores, baseline_scores=scores.flip(0), samples_per_prompt=1),
+        scores - scores.flip(0),
+        **TIGHT,
+    )
+
+
+def test_remax_baseline_must_be_one_score_per_prompt():
+    with pytest.raises(ValueError, match=r"one greedy score per prompt, shape \(3,\); got shape \(6,\)"):
+        remax_advantages(scores=t64(range(6)), baseline_scores=t64(range(6)), samples_per_prompt=2)
+
+
+def test_token_advantages_fill_the_response_and_nothing_else():
+    mask = padded_mask([(0, 2, 3), (1, 1, 1), (0, 0, 6), (2, 2, 0)], 6)  # the last row has no response
+    mask[2, 3] = False  # a hole inside a response
+    advantages = t64([1.5, -2.0, 0.25, 9.0])
+    spread = token_advantages(advantages=advantages, response_mask=mask)
+    expected = t64([[advantages[b].item() if mask[b, t] else 0.0 for t in range(6)] for b in range(4)])
+    torch.testing.assert_close(spread, expected, **TIGHT)
+    assert spread.shape == (4, 6) and not spread[~mask].any()
+    # query | response | pad
+    torch.testing.assert_close(spread[0], t64([0.0, 0.0, 1.5, 1.5, 1.5, 0.0]), **TIGHT)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_reinforce_pp_matches_naive_loop_on_padded_batches(seed):
+    generator = torch.Generator().manual_seed(seed)
+    B, T = 8, 12
+    rewards = torch.randn(B, T, generator=generator, dtype=F64)
+    mask = random_layout(generator, B, T)
+    mask[0, 4] = False  # a hole inside the full-width response
+    rewards_in_padding = torch.where(mask, rewards, torch.full_like(rewards, 1e6))  # must not leak in
+
+    advantages, returns = reinforce_pp_advantages(rewards=rewards_in_padding, response_mask=mask)
+    expected_returns = naive_reinforce_pp_returns(rewards.tolist(), mask.tolist())
+    torch.testing.assert_close(returns, expected_returns, rtol=0, atol=1e-12)
+    torch.testing.assert_close(advantages, masked_whiten(expected_returns, mask), rtol=0, atol=1e-12)
+    assert not advantages[~mask].any() and not returns[~mask].any()
+
+    # The same returns as GAE with gamma = lam = 1 and no critic (V = 0).
+    gae_advantages, _ = compute_gae(
+        rewards=rewards, values=torch.zeros_like(rewards), response_mask=mask, gamma=1.0, lam=1.0
+    )
+    torch.testing.assert_close(returns, gae_advantages, rtol=0, atol=1e-12)
+
+
+def test_reinforce_pp_whitens_over_the_global_batch():
+    """reduce_sum reaches the whitening: a stand-in for two processes holding the same rows (every sum
+    doubles) gives each the whitening of the batch of both, i.e. of the rows stacked twice."""
+    generator = torch.Generator().manual_seed(5)
+    rewards = torch.randn(6, 7, generator=generator, dtype=F64)
+    mask = random_layout(generator, 6, 7)
+    twice, _ = reinforce_pp_advantages(rewards=rewards.repeat(2, 1), response_mask=mask.repeat(2, 1))
+    advantages, _ = reinforce_pp_advantages(rewards=rewards, response_mask=mask, reduce_sum=lambda t: 2 * t)
+    torch.testing.assert_close(advantages, twice[:6], rtol=0, atol=1e-12)
+    alone, _ = reinforce_pp_advantages(rewards=rewards, response_mask=mask)
+    assert not torch.allclose(advantages, alone)  # n - 1 differs: the global statistics were used

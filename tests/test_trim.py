@@ -118,7 +118,7 @@ def rollout_with(trainer, samples, monkeypatch, trim=None, rm_trim=None) -> tupl
             m.setattr(Samples, "trimmed", trim)
         if rm_trim is not None:
             m.setattr(reward_model, "trim_padding_columns", rm_trim)
-        trainer.generate = lambda queries: samples
+        trainer.generate = lambda queries, sampling=None: samples
         try:
             return trainer.rollout(trainer.next_queries())[0], widths
         finally:

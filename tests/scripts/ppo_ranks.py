@@ -1,4 +1,4 @@
-"""Run under `accelerate launch` with 1 or 2 processes: one PPO step on a fixed global rollout.
+"""Run under `accelerate launch` with 1 or 2 processes: PPO steps on a fixed global rollout.
 
     python ppo_ranks.py MODEL_DIR RM_DIR PROMPT_FILE OUT_JSON MODE [ENSEMBLE_COMBINE]
 
@@ -8,10 +8,16 @@ RM_DIR may be several folders joined by commas: a reward-model ensemble, combine
 The global batch (8 episodes) is the same whatever the number of processes; each rank takes its
 contiguous slice. MODE "same": ordinary responses; MODE "accumulate": the same, each process's
 minibatch as micro-batches of one episode; MODE "degenerate": rank 0's responses are all empty (EOS at
-once) and the last rank's all truncated (no EOS), to check that no rank hangs.
-Writes the RAW gradient of the first update (flattened, after DDP's all-reduce, before clipping; clipping
-is off), the number of gradient all-reduces (DDP comm-hook calls; 0 with one process) and the step's
-metrics to OUT_JSON (main process).
+once) and the last rank's all truncated (no EOS), to check that no rank hangs. These write the RAW gradient
+of the first update (flattened, after DDP's all-reduce, before clipping; clipping is off), the number of
+gradient all-reduces (DDP comm-hook calls; 0 with one process) and the steps' metrics to OUT_JSON (main
+process).
+
+MODE "estimators": for each critic-free advantage estimator (ESTIMATORS: with its samples per prompt, so
+the 8 episodes are 8 / k prompts x k samples, a prompt's k samples in consecutive rows of one rank; ReMax
+also gets one fixed "greedy" response per prompt), a trainer is built and runs 2 steps (the second one
+after the policy moved: KL != 0, in the reward or in the loss as the estimator's default says); OUT_JSON
+holds, per estimator, the raw gradient of every update (one per step) and the steps' metrics.
 """
 
 from __future__ import annotations
@@ -25,19 +31,17 @@ from accelerate import Accelerator
 
 from llm_rlhf import ppo, ppo_math, ppo_run
 from llm_rlhf.models import load_tokenizer
-from llm_rlhf.rollout import Samples
+from llm_rlhf.rollout import Samples, left_pad
 from llm_rlhf.utils import use_cpu_ddp_without_gpus
 
 GLOBAL_BATCH, R = 8, 6
+ESTIMATORS = {"grpo": 4, "dr_grpo": 4, "rloo": 4, "reinforce_pp": 2, "remax": 1}  # samples per prompt
 
 
-def main() -> None:
-    model_dir, rm_dir, prompt_file, out_json, mode = sys.argv[1:6]
-    combine = sys.argv[6] if len(sys.argv) > 6 else "mean"
-    use_cpu_ddp_without_gpus()
-    accelerator = Accelerator()
+def run(accelerator, model_dir, rm_dir, prompt_file, mode, combine, estimator="gae", k=1) -> dict:
+    """Build a trainer (as `llm-rlhf ppo` does) whose rollouts are fixed, run its steps and record them."""
     world, rank = accelerator.num_processes, accelerator.process_index
-    local = GLOBAL_BATCH // world
+    local = GLOBAL_BATCH // world  # episodes per rank: whole groups (k divides it)
     cfg = ppo.Config(
         model_name_or_path=model_dir,
         reward_model_path=rm_dir.split(",") if "," in rm_dir else rm_dir,
@@ -46,7 +50,9 @@ def main() -> None:
         prompt_file=prompt_file,
         output_dir="unused",
         steps=2,
-        rollout_batch_size=local,
+        advantage_estimator=estimator,
+        samples_per_prompt=k,
+        rollout_batch_size=local // k,
         mini_batch_size=local,
         gradient_accumulation_steps=local if mode == "accumulate" else 1,
         max_grad_norm=1e9,
@@ -64,25 +70,25 @@ def main() -> None:
     trainer = ppo_run.build_trainer(cfg, accelerator, tokenizer, prompts)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
 
-    def fixed_rollout(_queries):
-        queries = prompts[:GLOBAL_BATCH]
-        g = torch.Generator().manual_seed(7)
-        responses = torch.randint(5, 200, (GLOBAL_BATCH, R), generator=g)
-        for i in range(GLOBAL_BATCH):  # EOS at varied positions; row 0 never stops
+    def fixed_rollout(_queries, sampling=None):
+        """The global batch's rows of this rank: prompt p's k samples in rows p*k .. p*k + k - 1; with
+        `sampling` greedy (ReMax's baseline), one fixed response per prompt instead."""
+        greedy = sampling is not None and sampling.greedy
+        per_prompt = 1 if greedy else k
+        queries = [q for q in prompts[: GLOBAL_BATCH // k] for _ in range(per_prompt)]
+        g = torch.Generator().manual_seed(8 if greedy else 7)
+        responses = torch.randint(5, 200, (len(queries), R), generator=g)
+        for i in range(len(queries)):  # EOS at varied positions; row 0 never stops
             if i % 3:
                 responses[i, 1 + i % (R - 1)] = eos
-        rows = list(range(rank * local, (rank + 1) * local))
+        n = len(queries) // world
+        rows = list(range(rank * n, (rank + 1) * n))
         if mode == "degenerate":
             if rank == 0:
                 responses[rows, 0] = eos  # every response on rank 0 is empty but for its EOS
             if rank == world - 1:
-                responses[rows] = torch.randint(5, 200, (local, R), generator=g)  # all truncated
-        mine = [queries[i] for i in rows]
-        P = max(len(q) for q in mine)
-        query = torch.full((local, P), pad)
-        query_mask = torch.zeros((local, P), dtype=torch.long)
-        for j, q in enumerate(mine):
-            query[j, P - len(q) :], query_mask[j, P - len(q) :] = torch.tensor(q), 1
+                responses[rows] = torch.randint(5, 200, (n, R), generator=g)  # all truncated
+        query, query_mask = left_pad([queries[i] for i in rows], pad)
         response = responses[rows]
         mask = ppo_math.response_mask_from_tokens(response=response, eos_token_id=eos)
         return Samples(
@@ -90,12 +96,11 @@ def main() -> None:
         )
 
     trainer.generate = fixed_rollout
-    first_grads, clip = [], accelerator.clip_grad_norm_
+    grads, clip = [], accelerator.clip_grad_norm_
 
-    def record_and_clip(parameters, max_norm, *args, **kwargs):  # the raw gradient of the first update
+    def record_and_clip(parameters, max_norm, *args, **kwargs):  # the raw gradient of each update
         parameters = list(parameters)
-        if not first_grads:
-            first_grads.append(torch.cat([p.grad.flatten() for p in parameters]))
+        grads.append(torch.cat([p.grad.flatten() for p in parameters]))
         return clip(parameters, max_norm, *args, **kwargs)
 
     accelerator.clip_grad_norm_ = record_and_clip
@@ -108,11 +113,31 @@ def main() -> None:
             return allreduce_hook(state, bucket)
 
         trainer.policy.register_comm_hook(None, counting_allreduce)
-    metrics = [trainer.ppo_step() for _ in range(2 if mode == "degenerate" else 1)]
+    steps = 2 if mode in ("degenerate", "estimators") else 1
+    metrics = [trainer.ppo_step() for _ in range(steps)]
+    accelerator.clip_grad_norm_ = clip
+    return {"grads": [g.tolist() for g in grads], "metrics": metrics, "all_reduces": all_reduces[0]}
+
+
+def main() -> None:
+    model_dir, rm_dir, prompt_file, out_json, mode = sys.argv[1:6]
+    combine = sys.argv[6] if len(sys.argv) > 6 else "mean"
+    use_cpu_ddp_without_gpus()
+    accelerator = Accelerator()
+    world = accelerator.num_processes
+    args = (accelerator, model_dir, rm_dir, prompt_file, mode, combine)
+    if mode == "estimators":
+        record = {"runs": {name: run(*args, estimator=name, k=k) for name, k in ESTIMATORS.items()}}
+    else:
+        result = run(*args)
+        record = {
+            "grads": result["grads"][0],
+            "metrics": result["metrics"],
+            "all_reduces": result["all_reduces"],
+        }
     if accelerator.is_main_process:
         with open(out_json, "w") as f:
-            record = {"world": world, "grads": first_grads[0].tolist(), "metrics": metrics}
-            json.dump({**record, "all_reduces": all_reduces[0]}, f)
+            json.dump({"world": world, **record}, f)
     accelerator.wait_for_everyone()
     if world > 1:
         # Leave without interpreter teardown: with the comm hook above registered in the C++ reducer, a rank

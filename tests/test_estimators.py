@@ -1,0 +1,479 @@
+"""The critic-free advantage estimators through the PPO stage (issue 24): grpo, dr_grpo, rloo, reinforce_pp
+and remax on the same rollout, KL, clipped update and checkpoints as gae; group sampling
+(samples_per_prompt), where the KL goes (kl_in_loss), ReMax's greedy baseline, no value function, and the
+config errors. The math itself is tested in tests/test_ppo_math.py; the two-process equivalence in
+tests/test_multiprocess.py."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import (
+    ROOT,
+    SENTIMENT_JUDGE,
+    ppo_cli_args,
+    ppo_config,
+    ppo_trainer,
+    record_raw_grads,
+    recording_rollouts,
+)
+
+from llm_rlhf import ppo, ppo_math, ppo_run
+from llm_rlhf.errors import ConfigError
+
+CRITIC_FREE = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "remax")
+K = {"grpo": 4, "dr_grpo": 4, "rloo": 4, "reinforce_pp": 2, "remax": 2}  # samples per prompt in these tests
+
+
+def estimator_config(tiny_model_dir, tiny_rm_dir, prompt_file, out, estimator, **kw):
+    """2 prompts x k samples per rollout (8 or 4 episodes), minibatches of 4 episodes."""
+    k = kw.pop("samples_per_prompt", K.get(estimator, 1))
+    base = dict(
+        advantage_estimator=estimator, samples_per_prompt=k, rollout_batch_size=8 // k, mini_batch_size=4
+    )
+    return ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, out, **{**base, **kw})
+
+
+# --- config ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("values", "key", "says"),
+    [
+        ({"advantage_estimator": "ppo"}, "advantage_estimator", "must be one of gae, grpo, dr_grpo"),
+        ({"advantage_estimator": "grpo"}, "samples_per_prompt", "must be >= 2 for advantage_estimator grpo"),
+        ({"advantage_estimator": "dr_grpo"}, "samples_per_prompt", "must be >= 2 for advantage_estimator dr_grpo"),
+        ({"advantage_estimator": "rloo"}, "samples_per_prompt", "must be >= 2 for advantage_estimator rloo"),
+        ({"samples_per_prompt": 0}, "samples_per_prompt", "must be >= 1"),
+        ({"advantage_estimator": "rloo", "samples_per_prompt": 2, "value_model": "reward"}, "value_model",
+         "'reward' trains a critic, which advantage_estimator rloo does not use"),
+        ({"advantage_estimator": "grpo", "samples_per_prompt": 4, "whiten_rewards": True}, "whiten_rewards",
+         "applies to advantage_estimator gae only"),
+        ({"samples_per_prompt": 3, "rollout_batch_size": 4, "mini_batch_size": 8}, "mini_batch_size",
+         r"must divide the episodes of a rollout, rollout_batch_size \* samples_per_prompt \(12\)"),
+    ],
+)  # fmt: skip
+def test_config_errors_name_the_key(values, key, says):
+    with pytest.raises(ConfigError, match=f"^config key '{key}': {says}"):
+        ppo.Config(**values)
+
+
+def test_a_group_that_fills_the_minibatch_is_accepted():
+    """mini_batch_size counts episodes: 4 prompts x 3 samples in minibatches of 6 (not a multiple of k)."""
+    cfg = ppo.Config(
+        samples_per_prompt=3, rollout_batch_size=4, mini_batch_size=6, advantage_estimator="rloo"
+    )
+    sizes = ppo.batch_sizes(rollout_batch_size=4, mini_batch_size=6, gradient_accumulation_steps=2, ppo_epochs=2,
+                            steps=5, num_processes=2, samples_per_prompt=cfg.samples_per_prompt)  # fmt: skip
+    assert (sizes.prompts_per_process, sizes.rollout_per_process, sizes.num_mini_batches) == (4, 12, 2)
+    assert (sizes.micro_batch_per_process, sizes.optimizer_steps_per_ppo_step) == (3, 4)
+    assert (sizes.prompts_per_step, sizes.episodes_per_step, sizes.total_episodes) == (8, 24, 120)
+
+
+@pytest.mark.parametrize(
+    ("estimator", "kl_in_loss", "in_loss"),
+    [("gae", None, False), ("grpo", None, True), ("dr_grpo", None, True), ("rloo", None, False),
+     ("reinforce_pp", None, False), ("remax", None, False), ("gae", True, True), ("grpo", False, False)],
+)  # fmt: skip
+def test_kl_placement_defaults_to_the_published_form(estimator, kl_in_loss, in_loss):
+    cfg = ppo.Config(advantage_estimator=estimator, samples_per_prompt=2, kl_in_loss=kl_in_loss)
+    assert cfg.kl_penalty_in_loss is in_loss
+    assert cfg.kl_in_loss is kl_in_loss  # resolved, not written back
+
+
+# --- every estimator trains the policy, and nothing else ---------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("estimator", CRITIC_FREE)
+def test_each_estimator_trains_every_parameter_without_a_value_function(
+    tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, estimator
+):
+    """Two steps through `llm-rlhf ppo`'s run (a checkpoint after the first): every trainable parameter
+    changes; no value head is built, logged, checkpointed or saved."""
+    out = tmp_path / "run"
+    cfg = estimator_config(
+        tiny_model_dir, tiny_rm_dir, prompt_file, out, estimator, save_steps=1, eval_every=0
+    )
+    trainer = ppo_trainer(cfg)
+    assert trainer.unwrapped_policy.value_head is None and trainer.critic is None
+    before = {
+        n: p.detach().clone() for n, p in trainer.unwrapped_policy.named_parameters() if p.requires_grad
+    }
+    metrics = [trainer.ppo_step() for _ in range(cfg.steps)]
+    unchanged = [n for n, p in trainer.unwrapped_policy.named_parameters() if torch.equal(p, before[n])]
+    assert before and not unchanged, unchanged
+    for m in metrics:
+        assert not [k for k in m if k.startswith("val/") or k == "loss/value"], m
+        assert ("loss/kl" in m) is cfg.kl_penalty_in_loss
+        assert m["episodes"] == m["step"] * 8
+        for key in (
+            "objective/scores",
+            "objective/kl",
+            "objective/kl_coef",
+            "loss/policy",
+            "policy/clipfrac",
+        ):
+            assert key in m
+    assert metrics[0]["objective/kl"] == 0.0  # policy == reference before the first update
+    assert metrics[1]["objective/kl"] != 0.0  # the policy moved
+    assert metrics[1]["objective/kl_coef"] != metrics[0]["objective/kl_coef"]  # the adaptive controller
+
+    ppo_run.run(cfg)  # the command: checkpoints and the final folder
+    assert not (out / "value_head.safetensors").exists() and not (out / "critic").exists()
+    from safetensors.torch import load_file
+
+    saved = load_file(out / "checkpoints" / "step-1" / "policy_trainable.safetensors")
+    assert saved and all(name.startswith("lm.") for name in saved)
+    logged = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(logged) == 2 and not any(k.startswith("val/") for k in logged[-1])
+
+
+# --- the advantages: each group's own samples, the rollout's rewards -------------------------------------
+
+
+def naive_advantages(
+    estimator: str, rewards: list[float], k: int, baseline: list[float] | None
+) -> list[float]:
+    """One advantage per response from the sequence rewards, group by group, written out (SPEC)."""
+    out = []
+    for p in range(len(rewards) // k):
+        r = rewards[p * k : (p + 1) * k]
+        mean = sum(r) / k
+        for i in range(k):
+            if estimator == "grpo":
+                std = (sum((x - mean) ** 2 for x in r) / (k - 1)) ** 0.5
+                out.append((r[i] - mean) / (std + 1e-4))
+            elif estimator == "dr_grpo":
+                out.append(r[i] - mean)
+            elif estimator == "rloo":
+                out.append(r[i] - sum(r[j] for j in range(k) if j != i) / (k - 1))
+            else:  # remax
+                out.append(r[i] - baseline[p])
+    return out
+
+
+def sequence_rewards(rollout, beta: float) -> list[float]:
+    """score - beta * sum_t (log pi - log pi_ref) over each response (the KL in the reward, k1)."""
+    kl = ((rollout.logprobs - rollout.ref_logprobs) * rollout.response_mask).double().sum(-1)
+    return (rollout.scores.double() - beta * kl).tolist()
+
+
+def recording_advantages(trainer) -> list:
+    """Keep the advantages (B, R) each `train_on_rollout` call is given."""
+    kept, real = [], trainer.train_on_rollout
+
+    def train_on_rollout(rollout, advantages, returns):
+        kept.append(advantages)
+        return real(rollout, advantages, returns)
+
+    trainer.train_on_rollout = train_on_rollout
+    return kept
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("estimator", CRITIC_FREE)
+def test_advantages_are_each_groups_own(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, estimator):
+    """3 prompts x 4 samples, in minibatches of 6 and micro-batches of 2 (neither a multiple of k = 4), on the
+    second step (the policy has moved: the sequence rewards hold -beta * KL, the KL in the reward): rows
+    p*k .. p*k + k - 1 hold prompt p, and the advantages `train_on_rollout` gets are the SPEC's formulas over
+    exactly those rows, written out group by group (ReMax: against the greedy response to prompt p, its
+    score and KL measured as the samples' are; REINFORCE++: gamma = 1 returns whitened over the batch)."""
+    k, beta = 4, 0.5
+    cfg = estimator_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, estimator, samples_per_prompt=k,
+                           rollout_batch_size=3, mini_batch_size=6, gradient_accumulation_steps=3,
+                           kl_in_loss=False, kl_controller="fixed", init_kl_coef=beta, learning_rate=1e-2)  # fmt: skip
+    trainer = ppo_trainer(cfg)
+    trainer.ppo_step()
+    queries = trainer.next_queries()
+    rollouts, advantages = recording_rollouts(trainer), recording_advantages(trainer)
+    trainer.ppo_step()
+    rollout, (given,) = rollouts[0], advantages
+    mask = rollout.response_mask
+    for row in range(len(queries) * k):
+        assert rollout.query[row][rollout.query_mask[row].bool()].tolist() == queries[row // k], row
+    if estimator == "reinforce_pp":
+        rewards = torch.zeros_like(rollout.logprobs, dtype=torch.float64)
+        for b in range(mask.shape[0]):
+            tokens = mask[b].nonzero().flatten().tolist()
+            for t in tokens:
+                rewards[b, t] = -beta * float(rollout.logprobs[b, t] - rollout.ref_logprobs[b, t])
+            rewards[b, tokens[-1]] += float(rollout.scores[b])
+        returns = rewards.flip(-1).cumsum(-1).flip(-1)[mask]  # every row's mask is a prefix
+        expected = torch.zeros_like(rewards)
+        expected[mask] = (returns - returns.mean()) / returns.std()
+        torch.testing.assert_close(given.double(), expected, atol=1e-4, rtol=1e-4)
+        return
+    baseline = None
+    if estimator == "remax":
+        greedy = rollouts[1]
+        assert greedy.query.shape[0] == len(queries)
+        for p, q in enumerate(queries):
+            assert greedy.query[p][greedy.query_mask[p].bool()].tolist() == q
+        baseline = sequence_rewards(greedy, beta)
+    rewards = sequence_rewards(rollout, beta)
+    assert len(set(round(r, 4) for r in rewards)) > len(queries), "the samples of a prompt differ"
+    expected = torch.tensor(naive_advantages(estimator, rewards, k, baseline), dtype=torch.float64)
+    torch.testing.assert_close(given.double(), torch.where(mask, expected[:, None], 0), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_micro_batches_not_aligned_with_groups_give_the_same_updates(
+    tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path
+):
+    """grpo, 3 prompts x 4 samples, minibatches of 12: one micro-batch, or 4 micro-batches of 3 that cut
+    every group. The raw gradients of both epochs (before clipping) are the same: the group statistics are
+    taken over the whole rollout before any minibatch."""
+    grads = {}
+    for ga in (1, 4):
+        cfg = estimator_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / str(ga), "grpo",
+                               samples_per_prompt=4, rollout_batch_size=3, mini_batch_size=12,
+                               gradient_accumulation_steps=ga, max_grad_norm=1e9, steps=1)  # fmt: skip
+        trainer = ppo_trainer(cfg)
+        grads[ga] = []
+        record_raw_grads(trainer, grads[ga])
+        trainer.ppo_step()
+    assert len(grads[1]) == len(grads[4]) == 2 and grads[1][0].abs().max() > 0
+    for a, b in zip(grads[1], grads[4]):
+        torch.testing.assert_close(b, a, atol=1e-7, rtol=1e-4)
+
+
+# --- where the KL goes --------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("estimator", ["gae", "rloo", "remax"])
+def test_kl_in_the_loss(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch, estimator):
+    """kl_in_loss true: the rewards hold the score alone (gae's GAE sees it at the last token, rloo's and
+    remax's advantages are those of the scores) and the loss adds beta * k3, beta being the controller's
+    value at the rollout; the controller still follows the observed KL (k1)."""
+    cfg = estimator_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, estimator, kl_in_loss=True,
+                           learning_rate=1e-2, init_kl_coef=0.3)  # fmt: skip
+    trainer = ppo_trainer(cfg)
+    first = trainer.ppo_step()
+    seen = {"kl_coef": [], "rewards": []}
+    kl_loss, shaped = ppo_math.kl_loss, ppo_math.shaped_rewards
+
+    def recording_kl_loss(**kw):
+        seen["kl_coef"].append(kw["kl_coef"])
+        return kl_loss(**kw)
+
+    def recording_shaped(**kw):
+        out = shaped(**kw)
+        seen["rewards"].append((kw, out[0]))
+        return out
+
+    monkeypatch.setattr(ppo_math, "kl_loss", recording_kl_loss)
+    monkeypatch.setattr(ppo_math, "shaped_rewards", recording_shaped)
+    rollouts = recording_rollouts(trainer)
+    second = trainer.ppo_step()
+    beta = second["objective/kl_coef"]
+    assert beta != first["objective/kl_coef"], "the adaptive controller moved after step 1"
+    assert second["objective/kl"] != 0.0 and second["loss/kl"] > 0.0
+    assert seen["kl_coef"] and set(seen["kl_coef"]) == {beta}
+    for (kw, rewards), rollout in zip(seen["rewards"], rollouts):
+        mask = rollout.response_mask
+        assert kw["kl_coef"] == 0.0
+        last = mask.sum(-1) - 1
+        expected = torch.zeros_like(rewards)
+        expected[torch.arange(len(last)), last] = rollout.scores
+        assert torch.equal(rewards, expected)
+    # logged as the objective with the KL penalised: -beta * KL per sequence
+    assert second["objective/non_score_reward"] == pytest.approx(-beta * second["objective/kl"], rel=1e-5)
+
+
+# --- ReMax's greedy baseline ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_remax_baseline_is_the_greedy_response(
+    tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch
+):
+    """Each step samples the rollout, then one greedy response per prompt (the same sampler at temperature 0,
+    which draws no random number, so the sampling stream is that of any other estimator): each of its tokens
+    is the argmax of the policy's next-token logits."""
+    from llm_rlhf.rollout import response_logits
+
+    cfg = estimator_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, "remax", max_new_tokens=6)
+    trainer = ppo_trainer(cfg)
+    calls, real_sample = [], ppo.sample
+
+    def counting(lm, tokenizer, query, query_mask, sampling, **kw):
+        calls.append((query.shape[0], sampling.temperature))
+        return real_sample(lm, tokenizer, query, query_mask, sampling, **kw)
+
+    monkeypatch.setattr(ppo, "sample", counting)
+    rollouts = recording_rollouts(trainer)
+    policy_at_rollout = copy.deepcopy(trainer.unwrapped_policy.lm)
+    metrics = trainer.ppo_step()
+    assert calls == [(8, 1.0), (4, 0.0)]
+    assert "objective/greedy_scores" in metrics
+    greedy = rollouts[1]
+    logits = response_logits(policy_at_rollout, greedy)  # (P, R, V)
+    mask = greedy.response_mask
+    assert torch.equal(logits.argmax(-1)[mask], greedy.response[mask])
+    state = torch.get_rng_state()
+    trainer.generate(trainer.next_queries(), sampling=trainer.greedy)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+# --- exact resume after kill -9 -----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_grpo_killed_and_resumed_ends_bit_identical(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
+    """grpo, 2 prompts x 4 samples, held-out evaluation every 2 steps, a checkpoint every 2 steps. One run
+    goes 4 steps straight; another is killed with SIGKILL as step 4 starts (step 3 logged, the step-2
+    checkpoint on disk), then resumed with --resume true: its logs and its final weights are those of the
+    uninterrupted run, bit for bit (the same sampling stream, group by group, from the checkpoint's RNG)."""
+    from safetensors.torch import load_file
+
+    def command(out, *more, kill_at=None):
+        args = ppo_cli_args(tiny_model_dir, tiny_rm_dir, prompt_file, out, 4, advantage_estimator="grpo",
+                            samples_per_prompt=4, rollout_batch_size=2, mini_batch_size=4, save_steps=2,
+                            eval_every=2, eval_prompt_file=prompt_file, eval_num_prompts=4,
+                            gold_judge=SENTIMENT_JUDGE, lr_scheduler_type="linear")  # fmt: skip
+        if kill_at is not None:  # ["-m", "llm_rlhf", "ppo", ...] -> [kill_at_step.py, N, "ppo", ...]
+            args = [str(ROOT / "tests" / "scripts" / "kill_at_step.py"), str(kill_at), *args[2:]]
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONPATH": str(ROOT),
+        }
+        return subprocess.run([sys.executable, *args, *more], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=900)  # fmt: skip
+
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    subprocess_ok(command(straight))
+    crash = command(killed, kill_at=4)
+    assert crash.returncode == -signal.SIGKILL, crash.stderr[-2000:]
+    assert len((killed / "metrics.jsonl").read_text().splitlines()) == 3
+    assert sorted(p.name for p in (killed / "checkpoints").iterdir()) == ["step-2"]
+    assert not (killed / "metrics.json").exists()
+    resumed = subprocess_ok(command(killed, "--resume", "true"))
+    assert "resumed from" in resumed.stdout
+
+    for name in ("metrics.jsonl", "eval_log.jsonl"):
+        a, b = ([json.loads(x) for x in (d / name).read_text().splitlines()] for d in (straight, killed))
+        assert [m["step"] for m in b] == [m["step"] for m in a] and len(a) == (
+            4 if name == "metrics.jsonl" else 3
+        )
+        for ma, mb in zip(a, b):
+            assert {k: v for k, v in mb.items() if not k.startswith(("time/", "tokens_per_s"))} == {
+                k: v for k, v in ma.items() if not k.startswith(("time/", "tokens_per_s"))
+            }, ma["step"]
+    final_a, final_b = (load_file(d / "model.safetensors") for d in (straight, killed))
+    assert final_a.keys() == final_b.keys()
+    assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
+    initial = load_file(tiny_model_dir / "model.safetensors")
+    assert any(not torch.equal(final_a[k], initial[k]) for k in initial)
+    assert not (killed / "value_head.safetensors").exists()
+
+
+def subprocess_ok(result):
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+# --- what works with gae works with each estimator -----------------------------------------------------------
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("estimator", "setting"),
+    [("grpo", "lora_and_stop_strings"), ("dr_grpo", "chat_prompts"), ("rloo", "reward_fn_alone"),
+     ("reinforce_pp", "reward_model_and_reward_fn"), ("remax", "ensemble")],
+)  # fmt: skip
+def test_estimators_with_the_options_of_gae(
+    tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, estimator, setting
+):
+    """`llm-rlhf ppo`'s run, 2 steps with held-out evaluation before and after each: LoRA, stop strings and
+    min_new_tokens, chat `messages` prompts (the tokenizer's template), a reward function alone or added to
+    the RM's score, an RM ensemble; the final folder holds the policy and nothing of a value function."""
+    import shutil
+
+    from helpers import write_jsonl
+
+    from llm_rlhf.models import load_tokenizer
+
+    kw = {}
+    if setting == "lora_and_stop_strings":
+        kw = dict(use_lora=True, stop_strings=["e", "a"], min_new_tokens=2)
+    elif setting == "chat_prompts":
+        chat_model = tmp_path / "chat_model"
+        shutil.copytree(tiny_model_dir, chat_model)
+        tokenizer = load_tokenizer(str(chat_model))
+        tokenizer.chat_template = CHAT_TEMPLATE
+        tokenizer.save_pretrained(chat_model)
+        chats = [
+            [{"role": "user", "content": p}] for p in ("The film is", "A gorgeous", "The acting", "It's a")
+        ]
+        chat_file = write_jsonl(tmp_path / "chats.jsonl", [{"messages": m} for m in chats])
+        kw = dict(model_name_or_path=str(chat_model), eval_prompt_file=str(chat_file))
+        prompt_file = chat_file
+    elif setting == "reward_fn_alone":
+        kw = dict(reward_model_path=None, reward_fn="reward_fns:keyword")
+    elif setting == "reward_model_and_reward_fn":
+        kw = dict(reward_fn="reward_fns:length", reward_fn_weight=0.5)
+    else:
+        second = tmp_path / "member"
+        shutil.copytree(tiny_rm_dir, second)
+        kw = dict(reward_model_path=[str(tiny_rm_dir), str(second)], ensemble_combine="min")
+    out = tmp_path / "run"
+    kw = {"eval_prompt_file": str(prompt_file), **kw}
+    cfg = estimator_config(tiny_model_dir, tiny_rm_dir, prompt_file, out, estimator, eval_every=1,
+                           eval_num_prompts=4, **kw)  # fmt: skip
+    final = ppo_run.run(cfg)
+    assert final["step"] == 2 and not any(k.startswith("val/") for k in final)
+    assert len((out / "eval_log.jsonl").read_text().splitlines()) == 3  # steps 0, 1, 2
+    assert (out / "model.safetensors").is_file() and not (out / "value_head.safetensors").exists()
+    if setting == "lora_and_stop_strings":
+        assert (out / "adapter" / "adapter_config.json").is_file()
+    if setting in ("reward_fn_alone", "reward_model_and_reward_fn"):
+        assert "objective/reward_fn" in final
+    if setting == "ensemble":
+        assert "objective/scores_member_1" in final and "objective/greedy_scores" in final
+
+
+# --- the README ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_readme_commands_run(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch):
+    """The README's "Critic-free estimators" section: each of its commands with the tiny models, small files and
+    a two-step budget put first on the command line (the README's own flags win)."""
+    from llm_rlhf import cli
+
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Critic-free estimators") :].split("\n## ")[0]
+    commands = [line.split() for line in section.split("```bash\n")[1].split("```")[0].splitlines()]
+    estimators = [c[c.index("--advantage_estimator") + 1] for c in commands]
+    assert estimators == ["grpo", "reinforce_pp", "rloo", "remax"]
+    monkeypatch.chdir(tmp_path)
+    tiny = dict(model_name_or_path=tiny_model_dir, reward_model_path=tiny_rm_dir, prompt_file=prompt_file, steps=2,
+                rollout_batch_size=4, mini_batch_size=4, ppo_epochs=1, max_new_tokens=6, save_steps=0,
+                log_samples_every=0)  # fmt: skip
+    first = [item for key, value in tiny.items() for item in (f"--{key}", str(value))]
+    for (_, stage, *flags), estimator in zip(commands, estimators):
+        flags = [f.replace("recipes/", str(ROOT / "recipes") + "/") for f in flags]
+        assert cli.main([stage, *first, *flags]) == 0, flags
+        out = tmp_path / flags[flags.index("--output_dir") + 1]
+        saved = (out / "config.yaml").read_text()
+        assert f"advantage_estimator: {estimator}" in saved
+        logged = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        k = 4 if "--samples_per_prompt" in flags else 1
+        assert logged[-1]["episodes"] == 2 * (16 if k == 4 else 4) * k
+        assert ("loss/kl" in logged[-1]) is (estimator in ("grpo", "rloo"))
