@@ -154,7 +154,9 @@ class Config:
     kl_target: float = help_field(6.0, "Adaptive controller: target per-sequence KL (nats).")
     kl_horizon: int = help_field(10000, "Adaptive controller: horizon in episodes.")
     eos_penalty: float | None = help_field(
-        None, "EOS trick: score for responses that never emitted EOS nor a stop string (null = off)."
+        None,
+        "EOS trick: score for responses that never emitted EOS nor a stop string (null = off; off by default:"
+        " such a response is scored as its text ending in the RM's EOS, README 'Generation controls').",
     )
     score_clip: float | None = help_field(None, "Clip RM scores to [-x, x] (null = off).")
     whiten_rewards: bool = help_field(False, "Whiten the per-token rewards over the batch before GAE.")
