@@ -286,10 +286,13 @@ def record_raw_grads(trainer, store: list) -> None:
     trainer.accelerator.clip_grad_norm_ = recording
 
 
-def one_update(cfg, hook=None) -> dict[str, torch.Tensor]:
+def one_update(cfg, hook=None, *, fixed_responses: bool = False) -> dict[str, torch.Tensor]:
     """The parameters after one update on a fixed rollout with fixed advantages and returns; `hook(trainer)`
-    runs before the update."""
+    runs before the update. fixed_responses: the rollout's responses are `use_fixed_responses`' (of
+    different lengths), not sampled."""
     trainer = ppo_trainer(cfg)
+    if fixed_responses:
+        use_fixed_responses(trainer)
     torch.manual_seed(123)
     rollout, _ = trainer.rollout(trainer.next_queries())
     adv = (
