@@ -3,12 +3,12 @@
 
     check_deepspeed_config   what the DeepSpeed config must say for PPO's own accumulation and LR schedule
     Accelerated              one accelerator's ways with the policy (and critic):
-        prepare              the checks of the distributed type, then `accelerator.prepare`; the frozen
+        prepare              the checks of the distributed type (FSDP1 rejected), then `accelerator.prepare`; the frozen
                              reference and RM cast to the dtype the policy computes in (FSDP2's param_dtype,
                              DeepSpeed's engine dtype); FSDP2's root set up
         autocast             bf16 autocast (`bf16`) or accelerate's (`mixed_precision`)
         checkpointing        gradient checkpointing for a training forward
-        gathered_for_generation  ZeRO-3 / FSDP2 / FSDP parameters gathered whole for `generate`
+        gathered_for_generation  ZeRO-3 / FSDP2 parameters gathered whole for `generate` (FSDP1 is rejected)
         accumulating         no gradient all-reduce before a minibatch's last micro-batch
         backward, clip_gradients, discard_gradients   what a DeepSpeed engine does itself
         save_model_state / load_model_state   the weights and optimiser state of a checkpoint: trainable
@@ -97,6 +97,13 @@ class Accelerated:
         distributed type; then the `frozen` models (the reference, the RM) in the dtype the policy computes in,
         and FSDP2's root set up. Returns (policy, critic, optimizer), critic None without one."""
         accelerator = self.accelerator
+        if accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
+            # FSDP1 (accelerate's default fsdp_version) would train, but checkpoints and the final save take
+            # the one-process branch on sharded weights (issue 29): reject it rather than save shards wrongly.
+            raise UserError(
+                "FSDP version 1 is not supported by PPO: set `fsdp_version: 2` under fsdp_config in the "
+                "accelerate config (see accelerate_configs/fsdp.yaml)"
+            )
         if accelerator.is_fsdp2 and (lora or critic is not None):
             raise UserError(
                 "FSDP2 runs full fine-tuning with the policy's value head; use_lora and value_model: reward are "
@@ -177,7 +184,7 @@ class Accelerated:
 
     @contextmanager
     def gathered_for_generation(self, policy):
-        """ZeRO-3 / FSDP shard parameters: gather them once for the many small forwards of generation
+        """ZeRO-3 / FSDP2 shard parameters: gather them once for the many small forwards of generation
         (each rank then generates on its own, so ranks that finish early wait for nobody). `policy`: the
         `PolicyWithValue` (unwrapped) whose `lm` generates."""
         accelerator = self.accelerator
@@ -192,13 +199,7 @@ class Accelerated:
         elif accelerator.is_fsdp2:
             with fsdp2_unsharded(policy):
                 yield
-        elif accelerator.distributed_type == DistributedType.FSDP:
-            # here, not at the top: torch.distributed is missing from some torch builds (macOS, Windows)
-            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-            with FSDP.summon_full_params(policy, writeback=False, recurse=True):
-                yield
-        else:
+        else:  # FSDP1 never gets here: `prepare` rejects it
             yield
 
     # --- updates ----------------------------------------------------------------------------------

@@ -30,4 +30,7 @@ class DataError(UserError):
 
 class NonFiniteError(UserError):
     """NaN or inf in a training run (scores, log-probs, values, the loss or the gradients); the message
-    names the step and the phase. Raised on every process at once, before anything is updated or saved."""
+    names the step and the phase. Raised on every process at once, before the failing minibatch updates
+    anything and before the PPO step's KL update, step count and checkpoint; in the train phase, earlier
+    minibatches of the same PPO step may already have updated the weights, and the message says how many
+    optimiser steps did (`ppo.what_was_updated`)."""

@@ -189,7 +189,9 @@ class Config:
     kl_target: float = help_field(6.0, "Adaptive controller: target per-sequence KL (nats).")
     kl_horizon: int = help_field(10000, "Adaptive controller: horizon in episodes.")
     eos_penalty: float | None = help_field(
-        None, "EOS trick: score for responses that never emitted EOS nor a stop string (null = off)."
+        None,
+        "EOS trick: score for responses that never emitted EOS nor a stop string (null = off; off by default:"
+        " such a response is scored as its text ending in the RM's EOS, README 'Generation controls').",
     )
     score_clip: float | None = help_field(None, "Clip RM scores to [-x, x] (null = off).")
     whiten_rewards: bool = help_field(
@@ -421,6 +423,28 @@ class PPOModels:
     ref_model: Any
     reward_model: Any = None
     critic: Any = None
+
+
+def what_was_updated(updates: int, *, this_step: bool) -> str:
+    """What a non-finite loss or gradient norm in the train phase leaves behind, for its error message.
+    `updates`: optimiser steps this PPO step took before the failing minibatch; `this_step`: the failing
+    minibatch's own step may have been applied (DeepSpeed's engine steps before the norm is read). Earlier
+    minibatches of the same PPO step have already moved the weights; the KL controller, the step count and
+    the checkpoints are updated only after a whole PPO step (issue 29)."""
+    own = (
+        "this minibatch's step may have been applied by the DeepSpeed engine"
+        if this_step
+        else ("this minibatch updated nothing")
+    )
+    if updates == 0:
+        return (
+            "nothing was updated" if not this_step else f"{own}; no earlier step of this PPO step was taken"
+        )
+    return (
+        f"{own}, but {updates} earlier optimiser step{'s' if updates > 1 else ''} of this PPO step already "
+        "updated the weights (and the LR schedule); the KL controller, the step count and the checkpoints "
+        "were not updated (the last checkpoint predates this PPO step)"
+    )
 
 
 class PPOTrainer:
@@ -754,7 +778,10 @@ class PPOTrainer:
         up to max_new_tokens (each rollout chunk and each shuffled micro-batch of every PPO epoch is trimmed
         to its own rows; the shape may differ between processes, DDP's collectives are on gradients).
         train=True goes through the DDP wrapper (gradients synchronised in backward); otherwise the
-        unwrapped module runs the same computation with no collectives, so any one process may call it.
+        unwrapped module runs the same computation without DDP's gradient hooks. It is not free of
+        collectives under sharding: under FSDP2 (`fully_shard` units) and DeepSpeed ZeRO-3 every forward
+        all-gathers the parameters, so every process must call it the same number of times (PPO does: the
+        rollout's chunks, `in_chunks`, and the micro-batches are the same count on every process).
         The log-probs are those of the distribution the tokens were drawn from (`self.sampling`: the
         temperature, EOS masked before min_new_tokens).
         """
@@ -906,14 +933,15 @@ class PPOTrainer:
                 if not all(np.isfinite(list(stats.values()))):  # the same global numbers on every process
                     raise NonFiniteError(
                         f"PPO step {self.step + 1}, train phase (epoch {epoch + 1}): non-finite loss "
-                        f"({', '.join(k for k, v in stats.items() if not np.isfinite(v))}); nothing was updated"
+                        f"({', '.join(k for k, v in stats.items() if not np.isfinite(v))}); "
+                        + what_was_updated(len(history), this_step=False)
                     )
                 if stats["policy/ratio"] > cfg.ratio_guard:  # a diverged minibatch: drop its update
                     self.acc.discard_gradients(self.policy, self.optimizer)
                     skipped += 1
                     continue
-                history.append(stats)
-                self.optimizer_step(epoch)
+                self.optimizer_step(epoch, updates=len(history))
+                history.append(stats)  # one entry per optimiser step taken
                 if cfg.target_approxkl is not None and stats["policy/approxkl"] > cfg.target_approxkl:
                     stopped_early = True
                     break
@@ -929,16 +957,17 @@ class PPOTrainer:
         )
         return out
 
-    def optimizer_step(self, epoch: int) -> None:
+    def optimizer_step(self, epoch: int, *, updates: int) -> None:
         """Clip the gradients, step the optimiser, then the LR schedule: once per optimiser step on every
         process, whatever their number. Under DeepSpeed the engine's step clips and steps the optimiser
-        (`Accelerated.clip_gradients`), and the gradient norm is checked after it."""
+        (`Accelerated.clip_gradients`), and the gradient norm is checked after it. `updates`: the optimiser
+        steps this PPO step has already taken (for the error message)."""
         deepspeed = self.acc.deepspeed
         grad_norm = self.acc.clip_gradients(self.policy, self.trainable_parameters(), self.cfg.max_grad_norm)
         if grad_norm is not None and not math.isfinite(float(grad_norm)):
             raise NonFiniteError(
-                f"PPO step {self.step + 1}, train phase (epoch {epoch + 1}): non-finite gradient norm"
-                + ("" if deepspeed else "; nothing was updated")
+                f"PPO step {self.step + 1}, train phase (epoch {epoch + 1}): non-finite gradient norm; "
+                + what_was_updated(updates, this_step=deepspeed)
             )
         if not deepspeed:
             self.optimizer.step()

@@ -11,6 +11,11 @@ What the model reads, and where the score lands (the same for training, `RewardM
     position_ids:     0  1  2  3  4  5   5   5                         0   0   0  1  2  3  4  5
     score read at:                   ^                                                         ^
 
+A sampled response that did not end with EOS (cut by a stop string, or truncated at max_new_tokens) is
+read the same way: the RM's EOS goes after its last kept token (`end_with_eos`, `RewardModel.score_samples`),
+so PPO, evaluation and best-of-n never ask the RM for a score at a token it was not trained to judge at
+(issue 29). `llm-rlhf score` reads prompt/response texts and appends EOS as training did (`encode_pairs`).
+
 `position_ids = cumsum(attention_mask) - 1` (clamped at 0), so left padding does not shift absolute
 positions (GPT-2 would otherwise read them from the padded index).
 
@@ -94,6 +99,31 @@ def trim_padding_columns(
     return input_ids[:, start:end], attention_mask[:, start:end]  # (B, T') each
 
 
+def end_with_eos(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, *, eos_token_id: int, finished: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row as the RM was trained to read text (`encode_pairs`): its real tokens, then the RM's EOS.
+    A finished row (its last real token is an EOS) gets that token set to `eos_token_id` (a no-op when the
+    ids agree); any other row (a response cut by a stop string, or truncated at max_new_tokens) gets
+    `eos_token_id` in the column after its last real token, so the score is read at an EOS, where the RM
+    learned to judge a whole response, not at whatever token the response stopped on (issue 29).
+    (B, T) each, finished (B,) bool -> (B, T + 1) each; one column is added so a full-width row fits.
+
+        stopped / truncated:  pad x x y y pad   ->  pad x x y y EOS pad
+        finished:             pad x x y EOS pad ->  pad x x y EOS pad pad
+        full width:           x   x y y y   y   ->  x   x y y y   y   EOS
+    """
+    B = input_ids.shape[0]
+    rows = torch.arange(B, device=input_ids.device)  # (B,)
+    last = last_token_index(attention_mask)  # (B,) the last real token of each row
+    ids = torch.cat([input_ids, input_ids.new_full((B, 1), eos_token_id)], dim=1)  # (B, T + 1)
+    mask = torch.cat([attention_mask, attention_mask.new_zeros((B, 1))], dim=1)  # (B, T + 1)
+    at = torch.where(finished, last, last + 1)  # (B,) where the EOS goes: on the old one, or after the end
+    ids[rows, at] = eos_token_id
+    mask[rows, at] = 1
+    return ids, mask
+
+
 def encode_pairs(tokenizer, prompts: list[str], responses: list[str]) -> list[list[int]]:
     """The token ids the RM scores: tokenizer(prompt + response), then EOS (unless the tokenizer added
     one). The same as TRL's RewardTrainer, which appends the EOS text to each response."""
@@ -138,6 +168,7 @@ class RewardModel(nn.Module):
         self.normalization = normalization
         self.mean = float(normalization["mean"]) if normalization else 0.0
         self.std = float(normalization["std"]) if normalization else 1.0
+        self._vocab = (None, False)  # (the tokenizer last seen, whether it shares this RM's vocabulary)
 
     def _trunk_and_head(self):
         """(transformer trunk, score head) of the sequence classifier, looking through a peft wrapper."""
@@ -170,26 +201,43 @@ class RewardModel(nn.Module):
         """Normalised scores (raw - mean) / std: (B,)."""
         return (self.forward(input_ids, attention_mask) - self.mean) / self.std
 
+    def score_samples(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, tokenizer) -> torch.Tensor:
+        """Normalised scores of sampled sequences (query | response | pad) written in `tokenizer`'s ids (a
+        policy's): (B,). Every row is read as the RM was trained to read text, ending with the RM's own EOS,
+        whether the response ended with EOS, was cut by a stop string or was truncated at max_new_tokens:
+        with the same vocabulary the ids go in with that EOS put at their end (`end_with_eos`); with another
+        the text is re-encoded (`score_tokens`). What PPO, evaluation and best-of-n score (`scoring.Scorer`)."""
+        if self._vocab[0] is not tokenizer:  # comparing vocabularies costs a dict walk: once per tokenizer
+            self._vocab = (tokenizer, shares_vocab(tokenizer, self.tokenizer))
+        if not self._vocab[1]:
+            return self.score_tokens(input_ids, attention_mask, tokenizer)
+        rows = torch.arange(input_ids.shape[0], device=input_ids.device)  # (B,)
+        finished = input_ids[rows, last_token_index(attention_mask)] == tokenizer.eos_token_id  # (B,)
+        ids, mask = end_with_eos(
+            input_ids, attention_mask, eos_token_id=self.tokenizer.eos_token_id, finished=finished
+        )  # (B, T + 1) each
+        return self.score(ids, mask)
+
     def score_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, tokenizer) -> torch.Tensor:
         """Normalised scores of sequences written in another tokenizer's ids (a policy's rollouts): (B,).
 
         Each row's unmasked tokens are decoded and re-encoded exactly as in training (`encode_pair`), so
         the RM sees the tokens it was trained on whatever the policy's tokenizer, BOS handling or
-        tokenization of sampled text. A row that ends with the policy's EOS is scored as finished (EOS
-        appended); a truncated row is scored at its last token, without an EOS.
+        tokenization of sampled text. Every row ends with the RM's EOS: a row that ends with the policy's
+        EOS loses it first, a response cut by a stop string or truncated is scored as the same text ending
+        there (issue 29: the RM never saw text that does not end in EOS).
         """
-        texts, finished = [], []
+        texts = []
         for ids, mask in zip(input_ids.tolist(), attention_mask.bool().tolist()):
             ids = [t for t, keep in zip(ids, mask) if keep]  # the row without its padding
-            finished.append(bool(ids) and ids[-1] == tokenizer.eos_token_id)
-            text = tokenizer.decode(ids[:-1] if finished[-1] else ids, clean_up_tokenization_spaces=False)
+            finished = bool(ids) and ids[-1] == tokenizer.eos_token_id
+            text = tokenizer.decode(ids[:-1] if finished else ids, clean_up_tokenization_spaces=False)
             bos = self.tokenizer.bos_token
             if bos and bos != self.tokenizer.eos_token and text.startswith(bos):
                 text = text[len(bos) :]  # the RM tokenizer adds its own BOS
             texts.append(text)
         encoded = encode_pairs(self.tokenizer, texts, [""] * len(texts))  # each ends with the RM's EOS
-        rows = [ids if done or len(ids) == 1 else ids[:-1] for ids, done in zip(encoded, finished)]
-        rm_ids, rm_mask = pad_right(rows, self.tokenizer.pad_token_id, device=input_ids.device)
+        rm_ids, rm_mask = pad_right(encoded, self.tokenizer.pad_token_id, device=input_ids.device)
         return self.score(rm_ids, rm_mask)
 
     def as_critic(self) -> RewardCritic:
@@ -347,18 +395,13 @@ class RewardEnsemble(nn.Module):
         self.members = nn.ModuleList(members)
         self.combine_mode, self.uncertainty_coef = combine, uncertainty_coef
         self.paths = list(paths) if paths is not None else None
-        self._vocab = (None, [])  # (the tokenizer last seen, whether each member shares its vocabulary)
 
     def member_scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, tokenizer) -> torch.Tensor:
-        """Normalised scores of every member: (B, T) ids of `tokenizer` and their mask -> (K, B) float32."""
-        if self._vocab[0] is not tokenizer:  # comparing vocabularies costs a dict walk: once per tokenizer
-            self._vocab = (tokenizer, [shares_vocab(tokenizer, m.tokenizer) for m in self.members])
-        rows = []
-        for member, shares in zip(self.members, self._vocab[1]):
-            if shares:
-                rows.append(member.score(input_ids, attention_mask).float())  # (B,)
-            else:
-                rows.append(member.score_tokens(input_ids, attention_mask, tokenizer).float())  # (B,)
+        """Normalised scores of every member: (B, T) ids of `tokenizer` and their mask -> (K, B) float32.
+        Each member reads every row ending with its own EOS (`RewardModel.score_samples`)."""
+        rows = [
+            m.score_samples(input_ids, attention_mask, tokenizer).float() for m in self.members
+        ]  # (B,) each
         return torch.stack(rows)  # (K, B)
 
     def combine(self, member_scores: torch.Tensor) -> torch.Tensor:

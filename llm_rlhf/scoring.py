@@ -4,9 +4,11 @@ evaluation of a run scores exactly as its PPO did:
 
     scores = rm_score + reward_fn_weight * reward_fn(prompts, responses)          (B,)
 
-    rm_score   r_phi(x, y), normalised with the RM's stored mean/std (`RewardModel.score`; an RM with
-               another vocabulary re-reads the text, `RewardModel.score_tokens`), or a reward-model ensemble's
-               combined score (`RewardEnsemble`: every member, then ensemble_combine); 0 without a reward model
+    rm_score   r_phi(x, y + EOS), normalised with the RM's stored mean/std (`RewardModel.score_samples`: every
+               response ends with the RM's own EOS, as in RM training, also one cut by a stop string or
+               truncated at max_new_tokens; an RM with another vocabulary re-reads the text,
+               `RewardModel.score_tokens`), or a reward-model ensemble's combined score (`RewardEnsemble`:
+               every member, then ensemble_combine); 0 without a reward model
     reward_fn  a loaded `reward_fn.RewardFn` on the prompt and response texts, unweighted; without one the
                scores are rm_score alone
 
@@ -33,7 +35,6 @@ import torch
 from llm_rlhf import ppo_math
 from llm_rlhf.callables import split_callable_spec
 from llm_rlhf.config import require
-from llm_rlhf.models import shares_vocab
 from llm_rlhf.reward_fn import RewardFn, decode_texts
 from llm_rlhf.reward_model import RewardEnsemble, check_ensemble_keys
 from llm_rlhf.rollout import Samples, Sampling
@@ -122,7 +123,6 @@ class Scorer:
     ):
         self.reward_model, self.reward_fn = reward_model, reward_fn
         self.reward_fn_weight, self.rm_context = reward_fn_weight, rm_context
-        self._vocab = (None, False)  # (the tokenizer last seen, whether a single RM shares its vocabulary)
 
     @torch.no_grad()
     def __call__(self, samples: Samples, tokenizer, prompts: list[str] | None = None) -> Scores:
@@ -144,18 +144,15 @@ class Scorer:
 
     def rm_scores(self, samples: Samples, tokenizer) -> tuple[torch.Tensor, torch.Tensor | None]:
         """r_phi(x, y) normalised, (B,), and with an ensemble the members' scores (K, B) it combines
-        (`RewardEnsemble.combine`, ensemble_combine); the RM drops the columns that are padding in every row
+        (`RewardEnsemble.combine`, ensemble_combine). Every response is read as the RM was trained to read
+        text, ending with the RM's own EOS, also one cut by a stop string or truncated at max_new_tokens
+        (`RewardModel.score_samples`, issue 29); the RM drops the columns that are padding in every row
         before its forward (`reward_model.trim_padding_columns`)."""
         sequence, mask = samples.sequence, samples.attention_mask  # (B, P + R) each
-        if isinstance(self.reward_model, RewardEnsemble):  # the ensemble decides for each member
+        if isinstance(self.reward_model, RewardEnsemble):  # each member reads the rows its own way
             members = self.reward_model.member_scores(sequence, mask, tokenizer)  # (K, B)
             return self.reward_model.combine(members), members
-        if self._vocab[0] is not tokenizer:  # comparing vocabularies costs a dict walk: once per tokenizer
-            self._vocab = (tokenizer, shares_vocab(tokenizer, self.reward_model.tokenizer))
-        if self._vocab[1]:  # the usual case: the RM was trained from the SFT model
-            return self.reward_model.score(sequence, mask).float(), None
-        # Another tokenizer: decode and re-encode the way the RM was trained.
-        return self.reward_model.score_tokens(sequence, mask, tokenizer).float(), None
+        return self.reward_model.score_samples(sequence, mask, tokenizer).float(), None
 
     def reward_fn_scores(self, samples: Samples, tokenizer, prompts: list[str] | None) -> torch.Tensor:
         """reward_fn(prompts, responses) of the samples, checked (`RewardFn`: one finite number per response,

@@ -4,6 +4,7 @@
     tiny models       SENTENCES, train_tokenizer / build_tokenizer (a byte-level BPE trained in-process),
                       build_model (a tiny GPT-2 or Llama saved as an HF folder), bos_model_dir (a Llama whose
                       tokenizer adds BOS), naive_sample (the sampling loop `rollout.sample` must equal)
+    scoring           eos_rows (stopped, truncated and finished responses as `Samples`), scores_alone
     files             write_jsonl, preference_rows, flags (a dict as command-line flags)
     PPO               ppo_config (the one PPO config builder of the tests), ppo_trainer (a real trainer on one
                       CPU process), recording_rollouts, record_raw_grads, one_update, use_fixed_responses,
@@ -189,6 +190,34 @@ def naive_sample(
 # --- PPO -------------------------------------------------------------------------------------------------
 
 
+def eos_rows(tokenizer):
+    """Three prompts and responses in `tokenizer`'s ids as one batch of `Samples` (queries left-padded,
+    responses right-padded): one cut by a stop string, one truncated at max_new_tokens (it fills every
+    response column), one that ended with EOS. Also each row's real tokens with EOS at the end."""
+    from llm_rlhf.rollout import Samples, left_pad
+
+    eos = tokenizer.eos_token_id
+    queries = [tokenizer(p)["input_ids"] for p in ("The film", "A gorgeous, moving", "It")]
+    responses = [
+        tokenizer(" is a dull mess.")["input_ids"],  # stopped at the stop string "."
+        tokenizer(" and funny, warm and true and")["input_ids"],  # truncated: the longest, fills R
+        tokenizer(" is fine")["input_ids"] + [eos],  # ended with EOS
+    ]
+    R = max(map(len, responses))
+    assert len(responses[1]) == R
+    query, query_mask = left_pad(queries, eos)  # (3, P) each
+    response = torch.tensor([r + [eos] * (R - len(r)) for r in responses])  # (3, R): padding is EOS
+    response_mask = torch.tensor([[True] * len(r) + [False] * (R - len(r)) for r in responses])  # (3, R)
+    samples = Samples(query, query_mask, response, response_mask, stopped=torch.tensor([True, False, False]))
+    with_eos = [q + r + ([] if r[-1] == eos else [eos]) for q, r in zip(queries, responses)]
+    return samples, with_eos
+
+
+def scores_alone(rm, rows: list[list[int]]) -> torch.Tensor:
+    """rm.score of each row alone (no padding at all): (B,)."""
+    return torch.cat([rm.score(torch.tensor([r]), torch.ones(1, len(r), dtype=torch.long)) for r in rows])
+
+
 def ppo_config(model_dir, rm_dir, prompt_file, out, **kw):
     """A PPO config for tiny-model runs: two steps of 8 episodes in minibatches of 4, 8 new tokens, no
     checkpoints or logged samples; `rm_dir` None for no reward model (give a reward_fn then). `kw` wins."""
@@ -257,10 +286,13 @@ def record_raw_grads(trainer, store: list) -> None:
     trainer.accelerator.clip_grad_norm_ = recording
 
 
-def one_update(cfg, hook=None) -> dict[str, torch.Tensor]:
+def one_update(cfg, hook=None, *, fixed_responses: bool = False) -> dict[str, torch.Tensor]:
     """The parameters after one update on a fixed rollout with fixed advantages and returns; `hook(trainer)`
-    runs before the update."""
+    runs before the update. fixed_responses: the rollout's responses are `use_fixed_responses`' (of
+    different lengths), not sampled."""
     trainer = ppo_trainer(cfg)
+    if fixed_responses:
+        use_fixed_responses(trainer)
     torch.manual_seed(123)
     rollout, _ = trainer.rollout(trainer.next_queries())
     adv = (

@@ -1,4 +1,4 @@
-"""Every accelerate config parses; the ZeRO-3 / FSDP parameter gathering around generation is taken."""
+"""Every accelerate config parses; the ZeRO-3 / FSDP2 parameter gathering around generation is taken; FSDP1 is rejected."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from helpers import one_update, ppo_config, ppo_trainer, record_raw_grads
 
 from llm_rlhf import ppo
 from llm_rlhf.accelerated import Accelerated, check_deepspeed_config
+from llm_rlhf.errors import UserError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "accelerate_configs"
 EXPECTED = {
@@ -73,28 +74,25 @@ def test_zero3_generation_gathers_the_policy_parameters(monkeypatch):
     assert gathered == []
 
 
-def test_fsdp_generation_summons_full_parameters(monkeypatch):
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    summoned = []
-
-    @contextmanager
-    def summon_full_params(module, writeback=True, recurse=True, **kwargs):
-        summoned.append((module, writeback, recurse))
-        yield
-
-    monkeypatch.setattr(FullyShardedDataParallel, "summon_full_params", staticmethod(summon_full_params))
-    trainer = fake_trainer(DistributedType.FSDP)
-    with Accelerated(trainer.accelerator).gathered_for_generation(trainer.policy):
-        pass
-    assert summoned == [(trainer.policy, False, True)]
+def test_fsdp1_is_rejected_in_one_line_naming_fsdp_version_2():
+    """accelerate's default FSDP plugin is version 1; PPO's checkpoints and final save handle FSDP2's shards
+    only, so FSDP1 stops before `accelerator.prepare` with one line naming the key to set (issue 29)."""
+    prepared = []
+    accelerator = SimpleNamespace(
+        distributed_type=DistributedType.FSDP, is_fsdp2=False, prepare=lambda *a: prepared.append(a)
+    )
+    with pytest.raises(UserError) as error:
+        Accelerated(accelerator).prepare(
+            torch.nn.Linear(2, 2), None, None, frozen=[], micro_batch_size=1, lora=False
+        )
+    assert "fsdp_version: 2" in str(error.value) and "\n" not in str(error.value) and prepared == []
+    # the accelerate config the project ships is FSDP2
+    assert load_config_from_file(str(CONFIGS / "fsdp.yaml")).fsdp_config["fsdp_version"] == 2
 
 
 def test_ddp_generation_gathers_nothing(monkeypatch):
     """DDP (and one process) keep whole parameters: no gather of any kind around generation, and the
     generation inside runs on the policy as it is."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
     from llm_rlhf import accelerated
 
     gathered = []
@@ -107,9 +105,6 @@ def test_ddp_generation_gathers_nothing(monkeypatch):
     fake = types.ModuleType("deepspeed")
     fake.zero = SimpleNamespace(GatheredParameters=lambda *a, **kw: recording("zero3"))
     monkeypatch.setitem(sys.modules, "deepspeed", fake)
-    monkeypatch.setattr(
-        FullyShardedDataParallel, "summon_full_params", staticmethod(lambda *a, **kw: recording("fsdp"))
-    )
     monkeypatch.setattr(accelerated, "fsdp2_unsharded", lambda *a, **kw: recording("fsdp2"))
     for kind in (DistributedType.MULTI_GPU, DistributedType.NO):
         trainer = fake_trainer(kind)
@@ -118,14 +113,11 @@ def test_ddp_generation_gathers_nothing(monkeypatch):
             ran = trainer.policy.lm(torch.ones(1, 2))  # what generation would call
         assert ran.shape == (1, 2) and torch.equal(trainer.policy.lm.weight, before)
     assert gathered == []
-    # the recorders do record: the same call under ZeRO-3 and FSDP gathers
-    for trainer in (
-        fake_trainer(DistributedType.DEEPSPEED, zero_stage=3),
-        fake_trainer(DistributedType.FSDP),
-    ):
-        with Accelerated(trainer.accelerator).gathered_for_generation(trainer.policy):
-            pass
-    assert gathered == ["zero3", "fsdp"]
+    # the recorder does record: the same call under ZeRO-3 gathers
+    trainer = fake_trainer(DistributedType.DEEPSPEED, zero_stage=3)
+    with Accelerated(trainer.accelerator).gathered_for_generation(trainer.policy):
+        pass
+    assert gathered == ["zero3"]
 
 
 # --- DeepSpeed: accumulation and the ratio guard, with the engine's step semantics ---------------

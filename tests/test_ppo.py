@@ -121,7 +121,9 @@ def test_logprobs_and_values_independent_of_padding_and_batch(
 
 def test_gradient_accumulation_equivalence(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
     """One minibatch of 8 == 8 accumulated micro-batches of 1: the RAW gradient before clipping (an Adam
-    step or a clipped gradient would hide a wrong loss scale, issue 13), and the update."""
+    step or a clipped gradient would hide a wrong loss scale, issue 13), and the update. The responses have
+    different lengths (2 to 8 tokens, `use_fixed_responses`), so averaging per micro-batch instead of per
+    token of the minibatch gives another gradient and fails this test (issue 29)."""
     results, grads = [], []
     for ga in (1, 8):
         cfg = ppo_config(
@@ -137,7 +139,9 @@ def test_gradient_accumulation_equivalence(tiny_model_dir, tiny_rm_dir, prompt_f
             max_grad_norm=1e9,
         )
         raw = []
-        results.append(one_update(cfg, lambda trainer, raw=raw: record_raw_grads(trainer, raw)))
+        results.append(
+            one_update(cfg, lambda trainer, raw=raw: record_raw_grads(trainer, raw), fixed_responses=True)
+        )
         assert len(raw) == 1, "one optimiser step"
         grads.append(raw[0])
     assert grads[0].abs().max() > 0

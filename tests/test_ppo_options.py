@@ -240,10 +240,40 @@ def test_nan_loss_stops_before_the_update(tiny_model_dir, tiny_rm_dir, prompt_fi
         return (logprobs * math.nan if train else logprobs), values, entropy
 
     trainer.forward_policy = nan_in_training
-    with pytest.raises(NonFiniteError, match=r"^PPO step 1, train phase \(epoch 1\): non-finite loss"):
+    with pytest.raises(
+        NonFiniteError, match=r"^PPO step 1, train phase \(epoch 1\): non-finite loss"
+    ) as error:
         trainer.ppo_step()
+    assert str(error.value).endswith("nothing was updated")
     for n, p in trainer.unwrapped_policy.named_parameters():
         assert torch.equal(p, before[n]), n
+
+
+def test_nan_loss_after_an_update_says_the_weights_moved(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
+    """A NaN in the second minibatch of a PPO step: the first minibatch's optimiser step has already moved
+    the weights, and the message says so (one optimiser step) instead of "nothing was updated" (issue 29)."""
+    trainer = ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path))
+    sizes = trainer.sizes
+    per_minibatch = sizes.mini_batch_per_process // sizes.micro_batch_per_process  # forwards per minibatch
+    assert sizes.rollout_per_process // sizes.mini_batch_per_process >= 2  # a second minibatch exists
+    before = {n: p.detach().clone() for n, p in trainer.unwrapped_policy.named_parameters()}
+    forward, calls = trainer.forward_policy, [0]
+
+    def nan_from_the_second_minibatch(samples, *, train=False):
+        logprobs, values, entropy = forward(samples, train=train)
+        calls[0] += train
+        return (logprobs * math.nan if calls[0] > per_minibatch else logprobs), values, entropy
+
+    trainer.forward_policy = nan_from_the_second_minibatch
+    with pytest.raises(
+        NonFiniteError, match=r"^PPO step 1, train phase \(epoch 1\): non-finite loss"
+    ) as error:
+        trainer.ppo_step()
+    message = str(error.value)
+    assert "nothing was updated" not in message and "1 earlier optimiser step of this PPO step" in message
+    assert "\n" not in message and trainer.step == 0  # the step count was not updated
+    moved = [n for n, p in trainer.unwrapped_policy.named_parameters() if not torch.equal(p, before[n])]
+    assert moved  # the message is true: the first minibatch did update the weights
 
 
 def test_a_global_batch_of_one_episode_is_rejected(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):

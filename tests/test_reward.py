@@ -199,7 +199,7 @@ def test_training_scores_and_loss_equal_the_reward_model(tmp_path, tiny_model_di
 
 def test_score_tokens_of_policy_rollouts_equal_score_pairs(tiny_model_dir):
     """PPO hands over query | response | pad in the SFT tokenizer's ids (pad == EOS, left-padded
-    queries): the RM scores them as it scores the texts."""
+    queries): the RM scores them as it scores the texts, a truncated one too (EOS appended, issue 29)."""
     from llm_rlhf.models import load_tokenizer
 
     rm = fresh_rm(tiny_model_dir)
@@ -214,12 +214,9 @@ def test_score_tokens_of_policy_rollouts_equal_score_pairs(tiny_model_dir):
         mask.append([0] * (Q - len(q)) + [1] * (len(q) + len(r)) + [0] * (R - len(r)))
     with torch.no_grad():
         got = rm.score_tokens(torch.tensor(ids), torch.tensor(mask), policy_tok)
-        finished = score_pairs(rm, ["The film"], [" is a dull mess."])  # EOS appended: a finished response
-        unfinished_ids = policy_tok("A gorgeous, moving and funny")["input_ids"]  # no EOS: cut at max tokens
-        unfinished = rm.score(
-            torch.tensor([unfinished_ids]), torch.ones(1, len(unfinished_ids), dtype=torch.long)
-        )
-    torch.testing.assert_close(got, torch.cat([finished, unfinished]), atol=1e-5, rtol=1e-5)
+        # EOS appended to both: a finished response, and one cut at max_new_tokens
+        expected = score_pairs(rm, ["The film", "A gorgeous, moving"], [" is a dull mess.", " and funny"])
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_critic_values_at_the_last_token_are_the_scores(tiny_model_dir):

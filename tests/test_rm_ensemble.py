@@ -15,6 +15,7 @@ import torch
 import yaml
 from helpers import (
     SENTENCES,
+    eos_rows,
     eval_config,
     launch,
     pipeline_argv,
@@ -22,6 +23,7 @@ from helpers import (
     ppo_config,
     ppo_trainer,
     recording_rollouts,
+    scores_alone,
     train_tokenizer,
 )
 
@@ -33,11 +35,14 @@ from llm_rlhf.reward_model import (
     RewardEnsemble,
     RewardModel,
     add_pad_token,
+    encode_pair,
+    end_with_eos,
+    last_token_index,
     load_reward_model,
     load_reward_models,
     save_reward_model,
 )
-from llm_rlhf.scoring import scored_as
+from llm_rlhf.scoring import Scorer, scored_as
 from llm_rlhf.utils import read_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,9 +132,16 @@ def other_tokenizer_member(tmp_path_factory) -> str:
 
 
 def separate_scores(paths: list[str], sequence: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Each member loaded alone by `load_reward_model` (its own normalisation) scoring the ids: (K, B)."""
+    """Each member loaded alone by `load_reward_model` (its own normalisation) scoring the ids, every row
+    ending with EOS (`end_with_eos`: a truncated response gets one, issue 29): (K, B)."""
+    scores = []
     with torch.no_grad():
-        return torch.stack([load_reward_model(p).score(sequence, mask) for p in paths])
+        for p in paths:
+            rm = load_reward_model(p)
+            eos = rm.tokenizer.eos_token_id
+            finished = sequence[torch.arange(len(sequence)), last_token_index(mask)] == eos  # (B,)
+            scores.append(rm.score(*end_with_eos(sequence, mask, eos_token_id=eos, finished=finished)))
+    return torch.stack(scores)
 
 
 def test_members_disagree_and_keep_their_own_normalisation(members, tiny_model_dir, prompt_file):
@@ -164,6 +176,28 @@ def test_a_member_with_another_tokenizer_reads_the_text(tiny_rm_dir, other_token
     torch.testing.assert_close(got[0], load_reward_model(tiny_rm_dir).score(ids, mask), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(got[1], other.score_tokens(ids, mask, tokenizer), atol=1e-6, rtol=1e-6)
     assert torch.equal(ensemble.combine(got), got.min(dim=0).values)
+
+
+def test_every_member_reads_a_stopped_or_truncated_response_ending_with_its_own_eos(
+    tiny_rm_dir, other_tokenizer_member, tiny_model_dir
+):
+    """Issue 29, for an RM with another vocabulary and for an ensemble: a response cut by a stop string or
+    truncated at max_new_tokens is scored as its text followed by the member's own EOS (the text re-encoded
+    by the member's tokenizer, as in RM training), through the one Scorer."""
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    same, other = load_reward_model(tiny_rm_dir), load_reward_model(other_tokenizer_member)
+    samples, with_eos = eos_rows(tokenizer)
+    texts = [tokenizer.decode(r[:-1], clean_up_tokenization_spaces=False) for r in with_eos]
+    other_rows = [encode_pair(other.tokenizer, t, "") for t in texts]  # each ends with the other RM's EOS
+    assert all(r[-1] == other.tokenizer.eos_token_id for r in other_rows)
+    with torch.no_grad():
+        expected = torch.stack([scores_alone(same, with_eos), scores_alone(other, other_rows)])  # (2, 3)
+    got = Scorer(other)(samples, tokenizer).scores  # an RM with another vocabulary alone
+    torch.testing.assert_close(got, expected[1], atol=1e-5, rtol=1e-5)
+    ensemble = load_reward_models([str(tiny_rm_dir), other_tokenizer_member], combine="mean")
+    scores = Scorer(ensemble)(samples, tokenizer)
+    torch.testing.assert_close(scores.member_scores, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(scores.scores, expected.mean(0), atol=1e-5, rtol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------------

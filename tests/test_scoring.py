@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ppo_config, ppo_trainer
+from helpers import eos_rows, ppo_config, ppo_trainer, scores_alone
 
 from llm_rlhf import evaluate, ppo, sft
 from llm_rlhf.callables import resolve_callable
 from llm_rlhf.errors import ConfigError, UserError
 from llm_rlhf.gold import load_judge
+from llm_rlhf.models import load_tokenizer
 from llm_rlhf.reward_fn import load_reward_fn
-from llm_rlhf.reward_model import load_reward_model
+from llm_rlhf.reward_model import encode_pair, end_with_eos, load_reward_model
 from llm_rlhf.rollout import Sampling
 from llm_rlhf.scoring import Scorer, scored_as
 
@@ -97,3 +98,40 @@ def test_one_resolver_for_reward_functions_and_gold_judges(tmp_path, monkeypatch
         load_judge("nope")
     with pytest.raises(UserError, match="^my_key 'judges_here:missing': 'judges_here' has no attribute"):
         resolve_callable("judges_here:missing", "my_key")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Issue 29: every response is scored ending with the RM's EOS, as the RM was trained to read text
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_end_with_eos_layout():
+    """A stopped or truncated row gets EOS after its last real token (a full-width row in the added
+    column); a finished row keeps its EOS in place (rewritten to the RM's id)."""
+    E, p = 9, 0
+    ids = torch.tensor([[p, 3, 4, 5, p], [p, 3, 4, 8, p], [3, 4, 5, 6, 7]])  # (3, 5)
+    mask = torch.tensor([[0, 1, 1, 1, 0], [0, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
+    got_ids, got_mask = end_with_eos(ids, mask, eos_token_id=E, finished=torch.tensor([False, True, False]))
+    assert got_ids.tolist() == [[p, 3, 4, 5, E, E], [p, 3, 4, E, p, E], [3, 4, 5, 6, 7, E]]
+    assert got_mask.tolist() == [[0, 1, 1, 1, 1, 0], [0, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]]
+
+
+def test_stopped_and_truncated_responses_are_scored_as_their_text_ending_in_eos(tiny_model_dir, tiny_rm_dir):
+    """The Scorer (PPO, eval, best-of-n) reads a response cut by a stop string, and one truncated at
+    max_new_tokens, as the same tokens followed by the RM's EOS, the only place the RM learned to score
+    text at; a response that ended with EOS is read as it is. Before issue 29 the first two were scored at
+    their last token (the stop token, or wherever max_new_tokens fell)."""
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    rm = load_reward_model(str(tiny_rm_dir))
+    samples, with_eos = eos_rows(tokenizer)
+    got = Scorer(rm)(samples, tokenizer).scores  # (3,)
+    with torch.no_grad():
+        expected = scores_alone(rm, with_eos)  # (3,)
+        at_last_token = rm.score(
+            samples.sequence, samples.attention_mask
+        )  # (3,) where the score used to be read
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert (got[:2] - at_last_token[:2]).abs().min() > 1e-3  # reading at the last token would fail this test
+    # `llm-rlhf score` reads the same texts, prompt + response, and appends EOS as RM training did
+    texts = [tokenizer.decode(r[:-1], clean_up_tokenization_spaces=False) for r in with_eos]
+    assert [encode_pair(rm.tokenizer, t, "") for t in texts] == with_eos
