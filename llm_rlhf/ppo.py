@@ -563,20 +563,23 @@ class PPOTrainer:
         """One PPO iteration (Ziegler et al. 2019, Algorithm 1; Stiennon et al. 2020, Appendix B); the
         critic-free estimators (`advantage_estimator`) change only how the advantages are made."""
         cfg, times = self.cfg, {}
-        queries = self.next_queries()  # this process's prompts
-        rollout, scores = self.rollout(
-            self.in_groups(queries), times
-        )  # y ~ pi_theta(.|x), logprobs, ref, scores
-        greedy = (
-            self.rollout(queries, times, sampling=self.greedy) if cfg.advantage_estimator == "remax" else None
-        )
+        queries = self.next_queries()  # this process's prompts, each sampled k times below
+        # y ~ pi_theta(.|x), logprobs (and values with gae), ref_logprobs, scores
+        rollout, scores = self.rollout(self.in_groups(queries), times)
+        greedy = None  # ReMax: one greedy response per prompt, its logprobs, ref_logprobs and scores
+        if cfg.advantage_estimator == "remax":
+            greedy, _ = self.rollout(queries, times, sampling=self.greedy)
         self.check_finite(
             "rollout",
             scores=rollout.scores,
             logprobs=rollout.logprobs,
             ref_logprobs=rollout.ref_logprobs,
             **({"values": rollout.values} if rollout.values is not None else {}),
-            **({"greedy_scores": greedy[0].scores} if greedy is not None else {}),
+            **(
+                {"greedy_scores": greedy.scores, "greedy_logprobs": greedy.logprobs}
+                if greedy is not None
+                else {}
+            ),
         )
 
         kl_coef = self.kl_ctl.value
@@ -585,8 +588,8 @@ class PPOTrainer:
             rewards = self.whiten(rewards, rollout.response_mask, shift_mean=False)
         baseline = None
         if greedy is not None:  # ReMax: the greedy response's reward, measured as the samples' are
-            greedy_rewards, _ = self.rewards(greedy[0], kl_coef)
-            baseline = ppo_math.masked_sum(greedy_rewards, greedy[0].response_mask, dim=-1)  # (P,)
+            greedy_rewards, _ = self.rewards(greedy, kl_coef)
+            baseline = ppo_math.masked_sum(greedy_rewards, greedy.response_mask, dim=-1)  # (P,)
         advantages, returns = self.advantages(rollout, rewards, baseline)
 
         t = time.perf_counter()
@@ -609,7 +612,7 @@ class PPOTrainer:
             times=times,
         )
         if greedy is not None:
-            metrics["objective/greedy_scores"] = self.global_mean(greedy[0].scores.mean())
+            metrics["objective/greedy_scores"] = self.global_mean(greedy.scores.mean())
         return {**metrics, **train_stats, **self.score_term_means(scores)}
 
     def rewards(self, rollout: Rollout, kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -679,9 +682,9 @@ class PPOTrainer:
                 scores=scores, baseline_scores=baseline, samples_per_prompt=k
             )
         # Not whitened: each is already a baselined advantage, used as is by GRPO (Shao et al. 2024, sec.
-        # 4.1.2: the group-normalised reward is the advantage of every token), Dr. GRPO (Liu et al. 2025),
-        # RLOO (Ahmadian et al. 2024, eq. 6) and ReMax (Li et al. 2023, Algorithm 1). Whitening would also
-        # mix the groups' statistics with the batch's.
+        # 4.1.2: the group-normalised reward is the advantage of every token), Dr. GRPO (Liu et al. 2025, which
+        # also drops GRPO's std), RLOO (Ahmadian et al. 2024) and ReMax (Li et al. 2023). Whitening over the
+        # batch would also mix every group's statistics with the others'.
         return ppo_math.token_advantages(advantages=advantages, response_mask=mask), None  # (B, R)
 
     # --- phases -------------------------------------------------------------------------------
@@ -852,9 +855,10 @@ class PPOTrainer:
     ) -> dict[str, float]:
         """K epochs over shuffled minibatches; each minibatch is `gradient_accumulation_steps` micro-batches.
 
-        The loss of a micro-batch: the clipped policy loss, + vf_coef * the clipped value loss towards `returns`
-        with gae (the critic-free estimators have no value function: returns None), + kl_coef * mean k3 to the reference when the KL is in the loss
-        (`ppo_math.kl_loss`, beta of the rollout: the controller moves after the update), - ent_coef * entropy.
+        The loss of a micro-batch: the clipped policy loss, + vf_coef * the clipped value loss towards
+        `returns` with gae (the critic-free estimators have no value function: returns None), + kl_coef * the
+        mean k3 to the reference when the KL is in the loss (`ppo_math.kl_loss`; beta of the rollout, the
+        controller moves after the update), - ent_coef * entropy.
 
         Every loss is a token mean over the global minibatch: a micro-batch's masked mean is weighted by
         its share of the minibatch's tokens (times the number of processes, since DDP averages gradients),
@@ -1023,7 +1027,8 @@ class PPOTrainer:
     def group_metrics(self, rollout: Rollout) -> dict[str, float]:
         """With k > 1 samples per prompt: objective/group_scores_std, the std of the scores within a prompt's
         group (n - 1), averaged over the groups of every process, and objective/groups_tied, the share of
-        groups whose k scores are all equal (GRPO, Dr. GRPO and RLOO give them no gradient)."""
+        groups whose k scores are all equal (with the KL in the loss, grpo, dr_grpo and rloo give their
+        responses a zero advantage: the group teaches nothing)."""
         grouped = ppo_math.scores_by_prompt(
             scores=rollout.scores, samples_per_prompt=self.cfg.samples_per_prompt
         )  # (P, k)

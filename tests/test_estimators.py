@@ -194,11 +194,15 @@ def test_advantages_are_each_groups_own(tiny_model_dir, tiny_rm_dir, prompt_file
     trainer.ppo_step()
     queries = trainer.next_queries()
     rollouts, advantages = recording_rollouts(trainer), recording_advantages(trainer)
-    trainer.ppo_step()
+    metrics = trainer.ppo_step()
     rollout, (given,) = rollouts[0], advantages
     mask = rollout.response_mask
     for row in range(len(queries) * k):
         assert rollout.query[row][rollout.query_mask[row].bool()].tolist() == queries[row // k], row
+    groups = [rollout.scores[p * k : (p + 1) * k] for p in range(len(queries))]
+    expected_std = sum(float(g.std()) for g in groups) / len(groups)
+    assert metrics["objective/group_scores_std"] == pytest.approx(expected_std, rel=1e-5)
+    assert metrics["objective/groups_tied"] == sum(bool((g == g[0]).all()) for g in groups) / len(groups)
     if estimator == "reinforce_pp":
         rewards = torch.zeros_like(rollout.logprobs, dtype=torch.float64)
         for b in range(mask.shape[0]):
