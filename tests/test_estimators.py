@@ -469,7 +469,7 @@ def test_readme_commands_run(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path,
     monkeypatch.chdir(tmp_path)
     tiny = dict(model_name_or_path=tiny_model_dir, reward_model_path=tiny_rm_dir, prompt_file=prompt_file, steps=2,
                 rollout_batch_size=4, mini_batch_size=4, ppo_epochs=1, max_new_tokens=6, save_steps=0,
-                log_samples_every=0)  # fmt: skip
+                log_samples_every=0, eval_every=0)  # fmt: skip
     first = [item for key, value in tiny.items() for item in (f"--{key}", str(value))]
     for (_, stage, *flags), estimator in zip(commands, estimators):
         flags = [f.replace("recipes/", str(ROOT / "recipes") + "/") for f in flags]
