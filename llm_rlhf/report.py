@@ -1405,7 +1405,8 @@ def section_hacking(page: Page, run: Run) -> None:
         return
     page.add(
         '<p class="meta">A policy that games its reward model writes what the proxy (the RM, or the combined '
-        "score PPO maximised) likes and people would not: padding, a phrase said again and again, nothing. "
+        "score PPO maximised) likes and people would not: padding, a phrase said again and again, nothing, or one "
+        "word the proxy overvalues put everywhere. "
         "For each held-out evaluation, the samples the proxy likes most above the gold: gap = z(proxy) − "
         "z(gold), each score in standard deviations of the SFT model's samples, so gaps grow across "
         "evaluations when the proxy rises and the gold does not. Orange tags: the degeneracy counters a "
@@ -1427,13 +1428,19 @@ def section_hacking(page: Page, run: Run) -> None:
                 "</details>",
             )
     page.add("<h3>Degeneracy counters</h3>")
-    if run.eval_log and any(_num(r.get("char_run_rate")) is not None for r in run.eval_log):
+    rates = [_num(r.get(k)) for r in run.eval_log or () for k in DEGENERACY_KEYS]
+    if any(rates):
         page.figure(
             plot_degeneracy(run.eval_log),
             "degeneracy",
             "Degenerate responses against step and KL",
             "PPO's held-out evaluations: the fraction of responses with a run of one character repeated 4 "
             "or more times (not a space or a digit), a word 3-gram said twice, or no text.",
+        )
+    elif any(rate is not None for rate in rates):  # a flat line at 0 says less than a sentence
+        page.add(
+            '<p class="note">No response of PPO\'s held-out evaluations tripped a counter (a run of one character '
+            "repeated 4 or more times, a word 3-gram said twice, no text): nothing to plot.</p>"
         )
     page.add(counters_table(evaluations))
 

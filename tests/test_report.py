@@ -409,6 +409,11 @@ def test_hacking_watch_lists_the_samples_with_the_largest_proxy_gold_gap(tmp_pat
         "PPO step 0", "PPO step 10", "SFT baseline (final evaluation)", "final evaluation"
     ]  # fmt: skip
     assert "12.5%" in _between(counters, "PPO step 10", "</tr>")  # 1 of 8 responses with a character run
+    # no response tripped a counter: a sentence instead of flat lines at 0
+    rows = [json.loads(line) for line in (run / "ppo" / "eval_log.jsonl").read_text().splitlines()]
+    _jsonl(run / "ppo" / "eval_log.jsonl", [{**r, "char_run_rate": 0.0} for r in rows])
+    text = write_report(run).read_text(encoding="utf-8")
+    assert "tripped a counter" in text and 'alt="Degenerate responses' not in text
 
 
 def test_hacking_watch_without_a_gold_says_there_is_no_gap(tmp_path):
