@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
-from llm_rlhf import ppo_math
+from llm_rlhf import fast_sampling, ppo_math
 from llm_rlhf.config import require
 from llm_rlhf.models import position_ids_from_mask
 
@@ -307,18 +307,26 @@ def sample(
                 tokenizer, stop_strings, prompt_length=query.shape[1], min_new_tokens=min_new_tokens
             )
         )
-    with generation_config_hidden(lm):
-        sequences = lm.generate(
-            input_ids=query,
-            attention_mask=query_mask,
-            **sampling_settings(temperature=temperature, top_k=top_k, top_p=top_p),
-            max_new_tokens=max_new_tokens,
-            **({"min_new_tokens": min_new_tokens} if min_new_tokens > 0 else {}),
+    # issue 26: a transformers LM samples through fast_sampling (generate's loop, the same distribution)
+    if fast_sampling.supports(lm):
+        sequences = fast_sampling.generate(
+            lm, query, query_mask, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+            top_p=top_p, min_new_tokens=min_new_tokens, eos_token_id=eos, pad_token_id=pad,
             stopping_criteria=criteria,
-            eos_token_id=eos,
-            pad_token_id=pad,
-            use_cache=True,
-        )
+        )  # fmt: skip
+    else:
+        with generation_config_hidden(lm):
+            sequences = lm.generate(
+                input_ids=query,
+                attention_mask=query_mask,
+                **sampling_settings(temperature=temperature, top_k=top_k, top_p=top_p),
+                max_new_tokens=max_new_tokens,
+                **({"min_new_tokens": min_new_tokens} if min_new_tokens > 0 else {}),
+                stopping_criteria=criteria,
+                eos_token_id=eos,
+                pad_token_id=pad,
+                use_cache=True,
+            )
     response = sequences[:, query.shape[1] :]  # (B, R)
     if pad_to_max_new_tokens and response.shape[1] < max_new_tokens:  # generate stopped: every row ended
         fill = response.new_full((response.shape[0], max_new_tokens - response.shape[1]), pad)

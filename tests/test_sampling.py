@@ -1,15 +1,25 @@
 """The sampled tokens come from exactly softmax(logits / temperature), the distribution whose log-probs
 PPO uses: a checkpoint's generation_config.json (repetition_penalty, top_k, min_new_tokens, ...) and
 transformers' own defaults (top_k=50) must not reshape it. Checked draw for draw against a naive loop
-that samples from the plain softmax with the same random numbers."""
+that samples from the plain softmax with the same random numbers, on every path `rollout.sample` takes:
+`generate` (torch.multinomial), and the fast path of issue 26 (`fast_sampling`: its own decode loop,
+inverse-CDF draws, LoRA merged and weights prepacked for decoding)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from llm_rlhf.rollout import left_pad, sample
+from llm_rlhf import fast_sampling
+from llm_rlhf.rollout import (
+    StopStringsCriteria,
+    generation_config_hidden,
+    left_pad,
+    sample,
+    sampling_settings,
+)
 from llm_rlhf.sft import sample_responses
 
 HOSTILE = dict(
@@ -18,15 +28,35 @@ HOSTILE = dict(
 )  # fmt: skip
 
 
+def multinomial_draw(probs: torch.Tensor) -> torch.Tensor:
+    """generate's draw: torch.multinomial (an exponential race over the vocabulary)."""
+    return torch.multinomial(probs, num_samples=1).squeeze(1)
+
+
+def naive_inverse_cdf_draw(probs: torch.Tensor) -> torch.Tensor:
+    """The fast path's draw the long way: one uniform u per row (the same random numbers as
+    `fast_sampling.draw_tokens`), then walk the vocabulary adding up probabilities until the running sum,
+    as a share of the total, passes u."""
+    u = torch.rand(probs.shape[0], 1, dtype=torch.float64)[:, 0].tolist()
+    tokens = []
+    for row, u_b in zip(probs.double().tolist(), u):
+        total, running = sum(row), 0.0
+        for i, p in enumerate(row):
+            running += p
+            if u_b < running / total:
+                tokens.append(i)
+                break
+    return torch.tensor(tokens)
+
+
 def naive_sample(
-    lm, query: torch.Tensor, *, steps: int, temperature: float, eos: int, pad: int
+    lm, query: torch.Tensor, *, steps: int, temperature: float, eos: int, pad: int, draw
 ) -> torch.Tensor:
-    """Token by token, no cache: x_t ~ multinomial(softmax(logits_t / T)); finished rows get pad (as HF)."""
+    """Token by token, no cache: x_t ~ draw(softmax(logits_t / T)); finished rows get pad (as HF)."""
     seq, done, out = query.clone(), torch.zeros(query.shape[0], dtype=torch.bool), []
     for _ in range(steps):
         logits = lm(seq).logits[:, -1].float()  # (B, V): the next-token logits
-        probs = torch.softmax(logits / temperature, dim=-1)
-        token = torch.multinomial(probs, num_samples=1).squeeze(1)  # (B,)
+        token = draw(torch.softmax(logits / temperature, dim=-1))  # (B,)
         token = torch.where(done, torch.full_like(token, pad), token)
         out.append(token)
         seq = torch.cat([seq, token[:, None]], dim=1)
@@ -36,14 +66,36 @@ def naive_sample(
     return torch.stack(out, dim=1)  # (B, steps or fewer)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_sample_draws_from_the_plain_softmax(kind, tiny_model_dir, tiny_llama_dir):
-    folder = tiny_model_dir if kind == "gpt2" else tiny_llama_dir
+def with_lora(lm):
+    """lm with a rank-4 LoRA on the attention projections, B drawn at random (peft starts it at zero, which
+    would make the adapter a no-op), as PPO holds it: unmerged, eval mode."""
+    targets = ["c_attn"] if lm.config.model_type == "gpt2" else ["q_proj", "v_proj"]
+    lm = get_peft_model(lm, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=targets))
+    torch.manual_seed(7)
+    for name, p in lm.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.3)
+    return lm.eval()
+
+
+def load(folder, lora: bool):
     lm = AutoModelForCausalLM.from_pretrained(folder).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     tokenizer.pad_token = tokenizer.eos_token
-    lm.generation_config = GenerationConfig(**HOSTILE, eos_token_id=tokenizer.eos_token_id)
-    saved = lm.generation_config.to_dict()
+    return (with_lora(lm) if lora else lm), tokenizer
+
+
+@pytest.mark.parametrize("path", ["generate", "fast"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "llama-lora"])
+def test_sample_draws_from_the_plain_softmax(kind, path, tiny_model_dir, tiny_llama_dir, monkeypatch):
+    folder = tiny_model_dir if kind == "gpt2" else tiny_llama_dir
+    lm, tokenizer = load(folder, lora=kind.endswith("lora"))
+    inner = lm.get_base_model() if kind.endswith("lora") else lm
+    inner.generation_config = GenerationConfig(**HOSTILE, eos_token_id=tokenizer.eos_token_id)
+    saved = inner.generation_config.to_dict()
+    params = {name: p.clone() for name, p in lm.state_dict().items()}
+    if path == "generate":
+        monkeypatch.setattr(fast_sampling, "supports", lambda lm: False)
     ids = tokenizer("The film is").input_ids
     query, query_mask = left_pad([ids] * 64, tokenizer.pad_token_id)  # (64, P): no padding, same prompt
 
@@ -52,14 +104,19 @@ def test_sample_draws_from_the_plain_softmax(kind, tiny_model_dir, tiny_llama_di
     torch.manual_seed(123)
     with torch.no_grad():
         expected = naive_sample(
-            lm, query, steps=8, temperature=0.9, eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id
-        )
+            lm, query, steps=8, temperature=0.9, eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id,
+            draw=multinomial_draw if path == "generate" else naive_inverse_cdf_draw,
+        )  # fmt: skip
     assert torch.equal(got.response[:, : expected.shape[1]], expected)
     # the test has teeth: the hostile settings would have given other tokens, and top_k=50 too
     assert len(set(got.response[:, 0].tolist())) > 3  # top_k=3 / greedy would allow at most 3
-    assert lm.generation_config.to_dict() == saved  # put back after sampling
+    assert inner.generation_config.to_dict() == saved  # put back after sampling
+    assert all(torch.equal(p, params[name]) for name, p in lm.state_dict().items())  # weights untouched
+    assert not any("forward" in vars(m) for m in lm.modules())  # every layer runs its own forward again
 
-    # the SFT stage's end-of-training samples use the same settings
+    if kind != "gpt2" or path != "generate":
+        return
+    # the SFT stage's end-of-training samples use the same settings (through `generate`)
     torch.manual_seed(123)
     rows = sample_responses(lm, tokenizer, ["The film is"] * 64, max_new_tokens=8, temperature=0.9, top_k=0,
                             top_p=1.0, batch_size=64)  # fmt: skip
@@ -69,3 +126,103 @@ def test_sample_draws_from_the_plain_softmax(kind, tiny_model_dir, tiny_llama_di
         assert row["num_tokens"] == n and row["response"] == tokenizer.decode(
             tokens[:n], skip_special_tokens=True
         )
+
+
+SETTINGS = {
+    "plain": dict(temperature=0.9, top_k=0, top_p=1.0, min_new_tokens=0),
+    "min_new_tokens": dict(temperature=1.0, top_k=0, top_p=1.0, min_new_tokens=3),
+    "top_k_top_p": dict(temperature=0.7, top_k=5, top_p=0.8, min_new_tokens=2),
+}
+
+
+@pytest.mark.parametrize("stops", [(), ("e", "a", "o", "i", "t", "n", "s", " ")], ids=["no-stop", "stops"])
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_decode_is_generate_step_for_step(kind, setting, stops, tiny_model_dir, tiny_llama_dir):
+    """`fast_sampling.decode` with generate's draw (torch.multinomial) returns exactly what `generate` returns
+    from the same random numbers: the same positions, masks, cache, logits processing (min_new_tokens,
+    temperature, top-k, top-p), padding after a row's end, stopping criteria, and early end of the loop."""
+    lm, tokenizer = load(tiny_model_dir if kind == "gpt2" else tiny_llama_dir, lora=False)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    ids = [tokenizer(p).input_ids for p in ["The film is", "A", "It was a great and", "Bad"] * 8]
+    query, query_mask = left_pad(ids, pad)  # (32, P): left padding of several widths
+    s = SETTINGS[setting]
+
+    def criteria():
+        kw = dict(prompt_length=query.shape[1], min_new_tokens=s["min_new_tokens"])
+        return [StopStringsCriteria(tokenizer, stops, **kw)] if stops else []
+
+    torch.manual_seed(5)
+    with generation_config_hidden(lm):
+        expected = lm.generate(
+            input_ids=query, attention_mask=query_mask, max_new_tokens=16, eos_token_id=eos, pad_token_id=pad,
+            **sampling_settings(temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"]),
+            **({"min_new_tokens": s["min_new_tokens"]} if s["min_new_tokens"] else {}),
+            stopping_criteria=criteria(), use_cache=True,
+        )  # fmt: skip
+    torch.manual_seed(5)
+    processors = fast_sampling.logits_processors(**s, prompt_length=query.shape[1], eos_token_id=eos)
+    got = fast_sampling.decode(lm, query, query_mask, max_new_tokens=16, logits_processor=processors,
+                               eos_token_id=eos, pad_token_id=pad, stopping_criteria=criteria(),
+                               draw=multinomial_draw)  # fmt: skip
+    assert torch.equal(got, expected)
+    if stops and setting == "plain":
+        assert got.shape[1] < query.shape[1] + 16  # every row ended early: the loop's early end is covered
+
+
+def test_draw_tokens_samples_the_categorical_distribution():
+    """Inverse-CDF draws: the frequencies of 400,000 draws match the probabilities (within 5 standard
+    errors), tokens of probability 0 never come, and draw_tokens agrees with the naive walk draw for draw."""
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.25, 0.125, 0.0625, 0.0625, 0.0])  # zeros first, inside and last
+    n = 400_000
+    torch.manual_seed(0)
+    tokens = fast_sampling.draw_tokens(probs.expand(n, -1))  # (n,)
+    freq = torch.bincount(tokens, minlength=len(probs)).double() / n
+    stderr = (probs.double() * (1 - probs.double()) / n).sqrt()
+    assert torch.all((freq - probs.double()).abs() <= 5 * stderr + 1e-12), freq
+    assert torch.all(freq[probs == 0] == 0)
+    logits = torch.randn(16, 50) * 3  # (16, 50): peaked and flat rows
+    logits[:, ::7] = -torch.inf  # masked tokens, as top-k / min_new_tokens make them
+    p = torch.softmax(logits, dim=-1)
+    torch.manual_seed(1)
+    fast = fast_sampling.draw_tokens(p)
+    torch.manual_seed(1)
+    assert torch.equal(fast, naive_inverse_cdf_draw(p))
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "gpt2-lora", "llama-lora", "llama-lora-off"])
+def test_decoding_weights_compute_the_same_layers_and_restore_them_bit_for_bit(
+    kind, tiny_model_dir, tiny_llama_dir
+):
+    """Inside `decoding_weights` the model computes the same logits up to float rounding (LoRA merged, weights
+    prepacked on CPU); after it, bit for bit the same parameters and the same outputs as before, and LoRA
+    layers are unmerged (peft's merge/unmerge round trip is not exact in floats; nothing is merged here)."""
+    lm, _ = load(tiny_model_dir if kind.startswith("gpt2") else tiny_llama_dir, lora="lora" in kind)
+    x = torch.randint(0, 300, (4, 9))
+    before = {name: p.clone() for name, p in lm.state_dict().items()}
+    with torch.no_grad():
+        if kind.endswith("off"):  # the reference: the same network with the adapter disabled
+            with lm.disable_adapter():
+                reference = lm(x).logits
+                with fast_sampling.decoding_weights(lm):
+                    inside = lm(x).logits
+            outside = lm(x).logits
+            assert not torch.allclose(
+                outside, reference, atol=1e-3
+            )  # the adapter matters: the test has teeth
+        else:
+            reference = lm(x).logits
+            with fast_sampling.decoding_weights(lm):
+                inside = lm(x).logits
+                replaced = [m for m in lm.modules() if "forward" in vars(m)]
+            outside = lm(x).logits
+            assert torch.equal(outside, reference)
+            expected = (
+                2 * 4 + 1 if kind.startswith("gpt2") else 2 * 7 + 1
+            )  # every linear layer and the LM head
+            assert len(replaced) == expected
+    torch.testing.assert_close(inside, reference, atol=1e-5, rtol=1e-5)
+    assert all(torch.equal(p, before[name]) for name, p in lm.state_dict().items())
+    assert not any("forward" in vars(m) for m in lm.modules())
+    if "lora" in kind:
+        assert not any(getattr(m, "merged", False) for m in lm.modules())
