@@ -46,6 +46,25 @@ CAN_PREPACK = hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(
 )
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor id from /proc/cpuinfo ("AuthenticAMD", "GenuineIntel"); "" where there is none."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+# Where prepacking is the default (`benchmarks/rollout.py --paths all`, issue 26): on AMD EPYC, F.linear's MKL
+# sgemm (tuned for Intel CPUs) runs a decode step's matmuls 1.7-2.5x slower than oneDNN's prepacked kernel; on
+# Intel Xeon the two were within noise of each other (better at batch 8 on SmolLM2, worse on the 4M model), and
+# other CPUs were not measured.
+PREPACK_BY_DEFAULT = CAN_PREPACK and cpu_vendor() == "AuthenticAMD"
+
+
 def is_lora_layer(module: nn.Module) -> bool:
     """A peft LoRA layer wrapping a linear layer (`peft.tuners.lora.Linear`)."""
     return hasattr(module, "lora_A") and hasattr(module, "base_layer") and hasattr(module, "get_delta_weight")
@@ -104,8 +123,8 @@ def decoding_weights(lm: nn.Module, *, prepack: bool | None = None, merge_lora: 
     its weight made for decoding (see the module docstring); on exit the layers run their own forwards
     again. The parameters are never written: the policy after sampling is bit for bit the policy before.
 
-    prepack: None = where it helps (CPU, float32 weights, autocast off: under autocast the layers keep
-    autocast's dtype); merge_lora: LoRA layers run from W + scaling * B A (one matmul instead of three).
+    prepack: None = where it was measured to help (an AMD CPU, float32 weights, autocast off: under autocast
+    the layers keep autocast's dtype; `PREPACK_BY_DEFAULT`); merge_lora: LoRA layers run from W + scaling * B A (one matmul instead of three).
     Layers that already carry a forward of their own (accelerate's hooks) are left alone. Meant for no-grad
     decoding: the copies are not part of the autograd graph of the parameters.
     """
@@ -113,7 +132,7 @@ def decoding_weights(lm: nn.Module, *, prepack: bool | None = None, merge_lora: 
     device = params[0].device if params else torch.device("cpu")
     if prepack is None:
         prepack = (
-            CAN_PREPACK
+            PREPACK_BY_DEFAULT
             and device.type == "cpu"
             and all(p.dtype == torch.float32 for p in params)
             and not torch.is_autocast_enabled("cpu")

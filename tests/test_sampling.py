@@ -7,6 +7,8 @@ inverse-CDF draws, LoRA merged and weights prepacked for decoding)."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -85,9 +87,11 @@ def load(folder, lora: bool):
     return (with_lora(lm) if lora else lm), tokenizer
 
 
-@pytest.mark.parametrize("path", ["generate", "fast"])
+@pytest.mark.parametrize("path", ["generate", "fast", "fast-prepacked"])
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "llama-lora"])
 def test_sample_draws_from_the_plain_softmax(kind, path, tiny_model_dir, tiny_llama_dir, monkeypatch):
+    """path: `generate`; the fast path with the weights as they are (the default on Intel CPUs); the fast path
+    with prepacked weights (the default on AMD CPUs), whatever CPU runs the test."""
     folder = tiny_model_dir if kind == "gpt2" else tiny_llama_dir
     lm, tokenizer = load(folder, lora=kind.endswith("lora"))
     inner = lm.get_base_model() if kind.endswith("lora") else lm
@@ -96,6 +100,9 @@ def test_sample_draws_from_the_plain_softmax(kind, path, tiny_model_dir, tiny_ll
     params = {name: p.clone() for name, p in lm.state_dict().items()}
     if path == "generate":
         monkeypatch.setattr(fast_sampling, "supports", lambda lm: False)
+    monkeypatch.setattr(
+        fast_sampling, "PREPACK_BY_DEFAULT", path == "fast-prepacked" and fast_sampling.CAN_PREPACK
+    )
     ids = tokenizer("The film is").input_ids
     query, query_mask = left_pad([ids] * 64, tokenizer.pad_token_id)  # (64, P): no padding, same prompt
 
@@ -190,39 +197,36 @@ def test_draw_tokens_samples_the_categorical_distribution():
     assert torch.equal(fast, naive_inverse_cdf_draw(p))
 
 
+@pytest.mark.parametrize("prepack", [True, False], ids=["prepacked", "unpacked"])
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "gpt2-lora", "llama-lora", "llama-lora-off"])
 def test_decoding_weights_compute_the_same_layers_and_restore_them_bit_for_bit(
-    kind, tiny_model_dir, tiny_llama_dir
+    kind, prepack, tiny_model_dir, tiny_llama_dir
 ):
     """Inside `decoding_weights` the model computes the same logits up to float rounding (LoRA merged, weights
-    prepacked on CPU); after it, bit for bit the same parameters and the same outputs as before, and LoRA
-    layers are unmerged (peft's merge/unmerge round trip is not exact in floats; nothing is merged here)."""
+    prepacked on CPU if asked); after it, bit for bit the same parameters and the same outputs as before, and
+    LoRA layers unmerged (peft's merge/unmerge round trip is not exact in floats; nothing is merged here).
+    kind "-off": inside the adapter's `disable_adapter()`, as the reference runs."""
+    if prepack and not fast_sampling.CAN_PREPACK:
+        pytest.skip("this torch build has no oneDNN prepacked linear")
     lm, _ = load(tiny_model_dir if kind.startswith("gpt2") else tiny_llama_dir, lora="lora" in kind)
     x = torch.randint(0, 300, (4, 9))
     before = {name: p.clone() for name, p in lm.state_dict().items()}
+    adapter_off = lm.disable_adapter if kind.endswith("off") else nullcontext
     with torch.no_grad():
-        if kind.endswith("off"):  # the reference: the same network with the adapter disabled
-            with lm.disable_adapter():
-                reference = lm(x).logits
-                with fast_sampling.decoding_weights(lm):
-                    inside = lm(x).logits
-            outside = lm(x).logits
-            assert not torch.allclose(
-                outside, reference, atol=1e-3
-            )  # the adapter matters: the test has teeth
-        else:
+        policy = lm(x).logits
+        with adapter_off():
             reference = lm(x).logits
-            with fast_sampling.decoding_weights(lm):
+            with fast_sampling.decoding_weights(lm, prepack=prepack):
                 inside = lm(x).logits
                 replaced = [m for m in lm.modules() if "forward" in vars(m)]
-            outside = lm(x).logits
-            assert torch.equal(outside, reference)
-            expected = (
-                2 * 4 + 1 if kind.startswith("gpt2") else 2 * 7 + 1
-            )  # every linear layer and the LM head
-            assert len(replaced) == expected
+            assert torch.equal(lm(x).logits, reference)
+        assert torch.equal(lm(x).logits, policy)
+    if kind.endswith("off"):
+        assert not torch.allclose(policy, reference, atol=1e-3)  # the adapter matters: the test has teeth
     torch.testing.assert_close(inside, reference, atol=1e-5, rtol=1e-5)
+    lora_layers = (2 if kind.startswith("gpt2") else 4) if "lora" in kind else 0  # c_attn / q_proj, v_proj
+    every_linear = 2 * 4 + 1 if kind.startswith("gpt2") else 2 * 7 + 1  # the LM head too
+    assert len(replaced) == (every_linear if prepack else lora_layers)
     assert all(torch.equal(p, before[name]) for name, p in lm.state_dict().items())
     assert not any("forward" in vars(m) for m in lm.modules())
-    if "lora" in kind:
-        assert not any(getattr(m, "merged", False) for m in lm.modules())
+    assert not any(getattr(m, "merged", False) for m in lm.modules())
