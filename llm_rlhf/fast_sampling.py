@@ -11,8 +11,11 @@
                            the model's parameters untouched (nothing is merged into them, nothing to unmerge)
 
 A decode step multiplies a few rows (the batch) by every weight of the model, so on a CPU it is bound by
-reading the weights, and `F.linear` re-packs each weight into the matmul kernel's blocked layout at every
-call: packing once per `sample` call reads each weight once per step (`benchmarks/rollout.py`).
+reading the weights, and `F.linear` (MKL's sgemm) re-packs each weight into the kernel's blocked layout at
+every call; oneDNN's kernel on weights packed once per `sample` call ran a step 1.0-2.3x faster on AMD EPYC
+and no faster on Intel Xeon (but at batch 8), so it is the default on AMD CPUs (`benchmarks/rollout.py`,
+`benchmarks/README.md`). The largest gain is the draw: `torch.multinomial` draws one exponential per
+vocabulary entry, `draw_tokens` one uniform per row.
 
 The tokens come from the same distribution: a merged or prepacked matmul computes the same sums as the
 unmerged `F.linear`, up to float rounding (another summation order), the same kind of difference as between
@@ -59,9 +62,8 @@ def cpu_vendor() -> str:
 
 
 # Where prepacking is the default (`benchmarks/rollout.py --paths all`, issue 26): on AMD EPYC, F.linear's MKL
-# sgemm (tuned for Intel CPUs) runs a decode step's matmuls 1.7-2.5x slower than oneDNN's prepacked kernel; on
-# Intel Xeon the two were within noise of each other (better at batch 8 on SmolLM2, worse on the 4M model), and
-# other CPUs were not measured.
+# sgemm (tuned for Intel CPUs) ran a decode step 1.0-2.3x slower than oneDNN's prepacked kernel; on Intel Xeon
+# prepacking helped only SmolLM2 at batch 8 and cost 5-40% elsewhere; other CPUs were not measured.
 PREPACK_BY_DEFAULT = CAN_PREPACK and cpu_vendor() == "AuthenticAMD"
 
 
@@ -73,11 +75,17 @@ def is_lora_layer(module: nn.Module) -> bool:
 def linear_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """(W, b) with module(x) = x W^T + b, W: (out, in), for nn.Linear and GPT-2's Conv1D (x W' + b, W' = W^T);
     None for any other module."""
-    if type(module) is nn.Linear:
-        return module.weight, module.bias
+    if type(module) not in (nn.Linear, Conv1D) or not is_whole(module.weight):
+        return None
     if type(module) is Conv1D:
         return module.weight.t(), module.bias  # Conv1D stores (in, out)
-    return None
+    return module.weight, module.bias
+
+
+def is_whole(weight: torch.Tensor) -> bool:
+    """A plain tensor holding the whole weight: not a shard (FSDP2's DTensor, ZeRO-3's empty placeholder outside
+    its gather), which keeps its own forward."""
+    return type(weight.data) is torch.Tensor and weight.numel() > 0
 
 
 def merged_lora_weight(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -123,10 +131,11 @@ def decoding_weights(lm: nn.Module, *, prepack: bool | None = None, merge_lora: 
     its weight made for decoding (see the module docstring); on exit the layers run their own forwards
     again. The parameters are never written: the policy after sampling is bit for bit the policy before.
 
-    prepack: None = where it was measured to help (an AMD CPU, float32 weights, autocast off: under autocast
-    the layers keep autocast's dtype; `PREPACK_BY_DEFAULT`); merge_lora: LoRA layers run from W + scaling * B A (one matmul instead of three).
-    Layers that already carry a forward of their own (accelerate's hooks) are left alone. Meant for no-grad
-    decoding: the copies are not part of the autograd graph of the parameters.
+    prepack: None = where it was measured to help (`PREPACK_BY_DEFAULT`: an AMD CPU) with float32 weights and
+    autocast off (under autocast the layers keep autocast's dtype). merge_lora: LoRA layers run from
+    W + scaling * B A (one matmul instead of three). Layers that already carry a forward of their own
+    (accelerate's hooks) or hold a shard of their weight are left alone. Meant for no-grad decoding: the
+    copies are not part of the autograd graph of the parameters.
     """
     params = list(lm.parameters())
     device = params[0].device if params else torch.device("cpu")
