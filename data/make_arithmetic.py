@@ -10,7 +10,7 @@ made by `llm_rlhf.arithmetic.make_splits` with the constants below: the problems
 module's `KINDS`, and its verifier (`--reward_fn llm_rlhf.arithmetic:reward`) reads the problem back from the
 prompt, so `answer` and `kind` are for people (per-kind accuracy, the before/after table), never for the
 reward. No problem is on both sides (3 + 4 and 4 + 3 are one problem); `data/arithmetic/README.md` has the
-mix, the verifier's rule and the instruct model's measured accuracy. Running it again writes the same bytes
+mix, the verifier's rule and the instruct model's baseline accuracy. Running it again writes the same bytes
 (`tests/test_arithmetic.py` compares a fresh run with the committed files).
 """
 
