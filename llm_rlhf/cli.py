@@ -60,6 +60,16 @@ def usage() -> str:
     return "\n".join(lines)
 
 
+def release_process_group() -> None:
+    """Destroy the process group that `accelerate launch` made, after a command finished on every process (each
+    stage ends at a barrier). Left to the interpreter's exit, gloo's teardown raced with it and sometimes aborted
+    a rank that had finished its work ("terminate called without an active exception"). Local: no collective."""
+    import torch.distributed as dist  # here: torch.distributed is missing from some torch builds
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -83,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         cfg = parse_config(module.Config, rest)
         module.run(cfg)
+        release_process_group()
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
