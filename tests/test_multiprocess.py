@@ -9,15 +9,50 @@ from pathlib import Path
 import pytest
 from helpers import ROOT, launch, ppo_cli_args
 
+SCRIPTS = ROOT / "tests" / "scripts"
+
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
-def run_script(tiny_model_dir, tiny_rm_dir, prompt_file, out: Path, mode: str, num_processes: int) -> dict:
-    script = ROOT / "tests" / "scripts" / "ppo_ranks.py"
-    launch(
-        [str(script), str(tiny_model_dir), str(tiny_rm_dir), str(prompt_file), str(out), mode], num_processes
-    )
+def run_script(
+    tiny_model_dir, tiny_rm_dir, prompt_file, out: Path, mode: str, num_processes: int, *, fsdp2: bool = False
+) -> dict:
+    """tests/scripts/ppo_ranks.py under DDP (multi_gpu.yaml) or, fsdp2, under fsdp.yaml through the patch of
+    tests/scripts/fsdp2_on_cpu.py, in fp32 (mixed_precision "no") so that it compares tightly."""
+    args = [
+        str(SCRIPTS / "ppo_ranks.py"),
+        str(tiny_model_dir),
+        str(tiny_rm_dir),
+        str(prompt_file),
+        str(out),
+        mode,
+    ]
+    if fsdp2:
+        launch(
+            [str(SCRIPTS / "fsdp2_on_cpu.py"), *args], num_processes, config="fsdp.yaml", mixed_precision="no"
+        )
+    else:
+        launch(args, num_processes)
     return json.loads(out.read_text())
+
+
+def assert_same_first_update(run: dict, one: dict) -> None:
+    """`run`'s raw gradient of the first update and its step's metrics are those of the 1-process `one`."""
+    import torch
+
+    torch.testing.assert_close(torch.tensor(run["grads"]), torch.tensor(one["grads"]), atol=1e-7, rtol=1e-4)
+    m1, m2 = one["metrics"][0], run["metrics"][0]
+    for key in (
+        "loss/policy",
+        "loss/value",
+        "policy/entropy",
+        "objective/kl",
+        "objective/scores",
+        "objective/non_score_reward",
+        "response_length",
+        "val/explained_variance",
+    ):
+        assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
 
 
 def test_first_update_two_ranks_equals_one(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
@@ -33,21 +68,29 @@ def test_first_update_two_ranks_equals_one(tiny_model_dir, tiny_rm_dir, prompt_f
     assert two["all_reduces"] > 0 and acc["all_reduces"] == two["all_reduces"]
     assert torch.tensor(one["grads"]).abs().max() > 0
     for run in (two, acc):
-        torch.testing.assert_close(
-            torch.tensor(run["grads"]), torch.tensor(one["grads"]), atol=1e-7, rtol=1e-4
-        )
-        m1, m2 = one["metrics"][0], run["metrics"][0]
-        for key in (
-            "loss/policy",
-            "loss/value",
-            "policy/entropy",
-            "objective/kl",
-            "objective/scores",
-            "objective/non_score_reward",
-            "response_length",
-            "val/explained_variance",
-        ):
-            assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
+        assert_same_first_update(run, one)
+
+
+def test_fsdp2_first_update_equals_one_process(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
+    """fsdp.yaml (FSDP2, fp32) on 2 CPU processes: the RAW gradient of the first update on the fixed global
+    batch, gathered whole from its shards, and the step's metrics are those of one process, with ordinary
+    minibatches and with accumulated micro-batches (FSDP2's reduce-scatter only at a minibatch's last one).
+    Adam and clipping hide a constant factor, so only the raw gradient shows a wrong scale under FSDP2
+    (issue 29: a 2x loss scale under FSDP2 alone passed the other FSDP2 tests)."""
+    import torch
+
+    one = run_script(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "one.json", "same", 1)
+    fsdp = run_script(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "fsdp.json", "same", 2, fsdp2=True)
+    acc = run_script(
+        tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "acc.json", "accumulate", 2, fsdp2=True
+    )
+    assert (one["world"], fsdp["world"], acc["world"]) == (1, 2, 2)
+    assert fsdp["distributed_type"] == acc["distributed_type"] == "FSDP"
+    full = len(one["grads"])
+    assert one["local_numel"] == full and fsdp["local_numel"] < full and acc["local_numel"] < full  # sharded
+    assert torch.tensor(one["grads"]).abs().max() > 0
+    for run in (fsdp, acc):
+        assert_same_first_update(run, one)
 
 
 def test_critic_free_estimators_two_ranks_equal_one(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
