@@ -11,7 +11,7 @@
                       ppo_cli_args
     evaluation        eval_config
     pipeline          tiny_overrides (a recipe's stages on a tiny model), pipeline_argv, run_pipeline
-    processes         launch: the one way tests run `accelerate launch`
+    processes         launch: the one way tests run `accelerate launch`; pairs_stage_on_two_processes (rm, dpo)
 
 Nothing here touches the network: tests load these folders through the same `from_pretrained` code that
 users run on `gpt2` or a local checkpoint.
@@ -450,3 +450,17 @@ def launch(
     if check:
         assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     return result
+
+
+def pairs_stage_on_two_processes(stage: str, model_dir: Path, pref_files, out: Path, *extra: str) -> None:
+    """`llm-rlhf STAGE` (a stage trained on `preference_rows` pairs: rm, dpo) from `model_dir` under `launch`
+    with 2 processes (DDP), `pref_files` = (train, eval), then the flags `extra`: 6 steps of 4 pairs per
+    process, evaluated and logged every 3 steps, into `out`. Asserts that it trained ONE model with DDP
+    (not two copies): 6 steps cover 48 of the 40 training pairs, epoch 1.2."""
+    train, val = pref_files
+    values = dict(model_name_or_path=model_dir, train_file=train, eval_file=val, output_dir=out, max_steps=6,
+                  max_length=32, per_device_train_batch_size=4, eval_steps=3, logging_steps=3)  # fmt: skip
+    launch(["-m", "llm_rlhf", stage, *flags(values), *extra], 2)
+    assert json.loads((out / "metrics.json").read_text())["global_step"] == 6
+    epochs = [json.loads(line)["epoch"] for line in (out / "log.jsonl").read_text().splitlines()]
+    assert math.isclose(max(epochs), 1.2, rel_tol=1e-6), epochs

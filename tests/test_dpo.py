@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import launch
+from helpers import pairs_stage_on_two_processes
 
 from llm_rlhf import cli, dpo, pipeline, reward
 from llm_rlhf.config import parse_config
@@ -426,15 +426,5 @@ def test_recipe_parses_and_runs_a_few_steps(tmp_path, tiny_model_dir, pref_files
 @pytest.mark.multiprocess
 def test_two_process_ddp_run_on_cpu(tmp_path, tiny_model_dir, pref_files):
     """`accelerate launch` with 2 processes trains one model with DDP (not two copies): 6 steps of 4 pairs
-    per process cover 48 of the 40 training pairs, epoch 1.2."""
-    train, val = pref_files
-    out = tmp_path / "dpo"
-    launch([
-        "-m", "llm_rlhf", "dpo",
-        "--model_name_or_path", str(tiny_model_dir), "--train_file", str(train), "--eval_file", str(val),
-        "--output_dir", str(out), "--max_steps", "6", "--max_length", "32", "--per_device_train_batch_size", "4",
-        "--eval_steps", "3", "--logging_steps", "3",
-    ], 2)  # fmt: skip
-    assert read_json(out / "metrics.json")["global_step"] == 6
-    epochs = [json.loads(line)["epoch"] for line in (out / "log.jsonl").read_text().splitlines()]
-    assert max(epochs) == pytest.approx(1.2)
+    per process cover 48 of the 40 training pairs, epoch 1.2 (asserted by the helper)."""
+    pairs_stage_on_two_processes("dpo", tiny_model_dir, pref_files, tmp_path / "dpo")

@@ -9,15 +9,50 @@ from pathlib import Path
 import pytest
 from helpers import ROOT, launch, ppo_cli_args
 
+SCRIPTS = ROOT / "tests" / "scripts"
+
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
-def run_script(tiny_model_dir, tiny_rm_dir, prompt_file, out: Path, mode: str, num_processes: int) -> dict:
-    script = ROOT / "tests" / "scripts" / "ppo_ranks.py"
-    launch(
-        [str(script), str(tiny_model_dir), str(tiny_rm_dir), str(prompt_file), str(out), mode], num_processes
-    )
+def run_script(
+    tiny_model_dir, tiny_rm_dir, prompt_file, out: Path, mode: str, num_processes: int, *, fsdp2: bool = False
+) -> dict:
+    """tests/scripts/ppo_ranks.py under DDP (multi_gpu.yaml) or, fsdp2, under fsdp.yaml through the patch of
+    tests/scripts/fsdp2_on_cpu.py, in fp32 (mixed_precision "no") so that it compares tightly."""
+    args = [
+        str(SCRIPTS / "ppo_ranks.py"),
+        str(tiny_model_dir),
+        str(tiny_rm_dir),
+        str(prompt_file),
+        str(out),
+        mode,
+    ]
+    if fsdp2:
+        launch(
+            [str(SCRIPTS / "fsdp2_on_cpu.py"), *args], num_processes, config="fsdp.yaml", mixed_precision="no"
+        )
+    else:
+        launch(args, num_processes)
     return json.loads(out.read_text())
+
+
+def assert_same_first_update(run: dict, one: dict) -> None:
+    """`run`'s raw gradient of the first update and its step's metrics are those of the 1-process `one`."""
+    import torch
+
+    torch.testing.assert_close(torch.tensor(run["grads"]), torch.tensor(one["grads"]), atol=1e-7, rtol=1e-4)
+    m1, m2 = one["metrics"][0], run["metrics"][0]
+    for key in (
+        "loss/policy",
+        "loss/value",
+        "policy/entropy",
+        "objective/kl",
+        "objective/scores",
+        "objective/non_score_reward",
+        "response_length",
+        "val/explained_variance",
+    ):
+        assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
 
 
 def test_first_update_two_ranks_equals_one(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
@@ -33,21 +68,29 @@ def test_first_update_two_ranks_equals_one(tiny_model_dir, tiny_rm_dir, prompt_f
     assert two["all_reduces"] > 0 and acc["all_reduces"] == two["all_reduces"]
     assert torch.tensor(one["grads"]).abs().max() > 0
     for run in (two, acc):
-        torch.testing.assert_close(
-            torch.tensor(run["grads"]), torch.tensor(one["grads"]), atol=1e-7, rtol=1e-4
-        )
-        m1, m2 = one["metrics"][0], run["metrics"][0]
-        for key in (
-            "loss/policy",
-            "loss/value",
-            "policy/entropy",
-            "objective/kl",
-            "objective/scores",
-            "objective/non_score_reward",
-            "response_length",
-            "val/explained_variance",
-        ):
-            assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
+        assert_same_first_update(run, one)
+
+
+def test_fsdp2_first_update_equals_one_process(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
+    """fsdp.yaml (FSDP2, fp32) on 2 CPU processes: the RAW gradient of the first update on the fixed global
+    batch, gathered whole from its shards, and the step's metrics are those of one process, with ordinary
+    minibatches and with accumulated micro-batches (FSDP2's reduce-scatter only at a minibatch's last one).
+    Adam and clipping hide a constant factor, so only the raw gradient shows a wrong scale under FSDP2
+    (issue 29: a 2x loss scale under FSDP2 alone passed the other FSDP2 tests)."""
+    import torch
+
+    one = run_script(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "one.json", "same", 1)
+    fsdp = run_script(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "fsdp.json", "same", 2, fsdp2=True)
+    acc = run_script(
+        tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "acc.json", "accumulate", 2, fsdp2=True
+    )
+    assert (one["world"], fsdp["world"], acc["world"]) == (1, 2, 2)
+    assert fsdp["distributed_type"] == acc["distributed_type"] == "FSDP"
+    full = len(one["grads"])
+    assert one["local_numel"] == full and fsdp["local_numel"] < full and acc["local_numel"] < full  # sharded
+    assert torch.tensor(one["grads"]).abs().max() > 0
+    for run in (fsdp, acc):
+        assert_same_first_update(run, one)
 
 
 def test_critic_free_estimators_two_ranks_equal_one(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
@@ -110,6 +153,46 @@ def linear_lr(steps: int, optimizer_steps_per_step: int = 2, learning_rate: floa
     return [learning_rate * (1 - k * optimizer_steps_per_step / total) for k in range(1, steps + 1)]
 
 
+def logged(out: Path) -> list[dict]:
+    """The metrics a PPO run wrote to `out`/metrics.jsonl, one dict per step."""
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_logs(a: list[dict], b: list[dict]) -> None:
+    """Run b (interrupted and resumed) logged, step by step, what the uninterrupted run a logged (timings
+    aside)."""
+    for ma, mb in zip(a, b):
+        for k, v in ma.items():
+            if not k.startswith(("time/", "tokens_per_s")):
+                assert mb[k] == pytest.approx(v, rel=1e-5, abs=1e-6, nan_ok=True), (ma["step"], k)
+
+
+def fsdp2_ppo(
+    tiny_model_dir, tiny_rm_dir, prompt_file, out: Path, steps: int, extra: list[str], **launch_kw
+) -> list[dict]:
+    """`llm-rlhf ppo` (ppo_cli_args, then `extra`) under fsdp.yaml on 2 CPU processes through the patch of
+    tests/scripts/fsdp2_on_cpu.py (accelerate enables FSDP only with an accelerator device); the metrics it
+    logged. `launch_kw`: e.g. mixed_precision, passed to `launch`."""
+    args = ppo_cli_args(tiny_model_dir, tiny_rm_dir, prompt_file, out, steps)[2:] + extra
+    launch([str(SCRIPTS / "fsdp2_on_cpu.py"), *args], 2, config="fsdp.yaml", **launch_kw)
+    return logged(out)
+
+
+def assert_same_final_weights(a: Path, b: Path, initial: Path) -> dict:
+    """The final policies in folders a and b (model.safetensors) have the initial model's tensors, a some
+    changed by training, b the same as a. Returns the initial state dict."""
+    import torch
+    from safetensors.torch import load_file
+
+    final_a, final_b = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    start = load_file(initial / "model.safetensors")
+    assert final_a.keys() == start.keys() == final_b.keys()
+    assert any(not torch.equal(final_a[k], start[k]) for k in start)
+    for k in start:
+        torch.testing.assert_close(final_b[k], final_a[k], atol=1e-6, rtol=1e-5, msg=k)
+    return start
+
+
 def test_linear_lr_two_ranks_equals_one(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
     """lr_scheduler_type: linear advances once per optimiser step on every process, whatever their number:
     the lr after each step on 2 processes is that of 1 process and the closed form. accelerate's scheduler
@@ -118,7 +201,7 @@ def test_linear_lr_two_ranks_equals_one(tiny_model_dir, tiny_rm_dir, prompt_file
     def logged_lr(out, num_processes):
         args = ppo_cli_args(tiny_model_dir, tiny_rm_dir, prompt_file, out, 3)
         launch(args + ["--lr_scheduler_type", "linear", "--save_steps", "0"], num_processes)
-        return [json.loads(x)["lr"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+        return [m["lr"] for m in logged(out)]
 
     one, two = logged_lr(tmp_path / "one", 1), logged_lr(tmp_path / "two", 2)
     assert one == pytest.approx(linear_lr(3), rel=1e-12, abs=1e-15)
@@ -133,16 +216,9 @@ def test_resume_with_two_ranks(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_pat
     launch(
         ppo_cli_args(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "b", 3) + ["--resume", "true"], 2
     )
-
-    def lines(d):
-        return [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
-
-    a, b = lines("a"), lines("b")
+    a, b = logged(tmp_path / "a"), logged(tmp_path / "b")
     assert [m["step"] for m in b] == [1, 2, 3]
-    for ma, mb in zip(a, b):
-        for k, v in ma.items():
-            if not k.startswith(("time/", "tokens_per_s")):
-                assert mb[k] == pytest.approx(v, rel=1e-5, abs=1e-6, nan_ok=True), (ma["step"], k)
+    assert_same_logs(a, b)
 
 
 def test_separate_critic_with_two_ranks(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
@@ -191,43 +267,25 @@ def test_every_rank_samples_for_logs_and_evaluation(tiny_model_dir, tiny_rm_dir,
 
 
 def test_fsdp2_ppo_with_two_ranks(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
-    """accelerate_configs/fsdp.yaml (FSDP2) on 2 CPU processes over gloo, with the one patch of
-    tests/scripts/fsdp2_on_cpu.py (accelerate enables FSDP only with an accelerator device): sampling,
-    logged samples, held-out evaluation, sharded checkpoints, a resume, and the final policy as one full HF
-    folder. The resumed run logs what the uninterrupted one logged and saves the same weights."""
+    """accelerate_configs/fsdp.yaml (FSDP2) on 2 CPU processes over gloo (`fsdp2_ppo`): sampling, logged
+    samples, held-out evaluation, sharded checkpoints, a resume, and the final policy as one full HF folder.
+    The resumed run logs what the uninterrupted one logged and saves the same weights."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    script = str(ROOT / "tests" / "scripts" / "fsdp2_on_cpu.py")
     extra = ["--eval_every", "2", "--eval_prompt_file", str(prompt_file), "--eval_num_prompts", "4"]
     extra += ["--log_samples_every", "2", "--gold_judge", "none"]
-
-    def run(out, steps, *more):
-        args = ppo_cli_args(tiny_model_dir, tiny_rm_dir, prompt_file, out, steps)[2:] + extra + list(more)
-        launch([script, *args], 2, config="fsdp.yaml")
-        return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-
-    a = run(tmp_path / "a", 3)
-    run(tmp_path / "b", 2)
+    a = fsdp2_ppo(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "a", 3, extra)
+    fsdp2_ppo(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "b", 2, extra)
     ckpt = tmp_path / "b" / "checkpoints" / "step-1"
     assert (ckpt / "sharded" / ".metadata").is_file() and len(list((ckpt / "sharded").glob("*.distcp"))) == 2
-    b = run(tmp_path / "b", 3, "--resume", "true")
+    b = fsdp2_ppo(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "b", 3, extra + ["--resume", "true"])
     assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2, 3]
     assert a[0]["objective/kl"] == 0.0
-    for ma, mb in zip(a, b):
-        for k, v in ma.items():
-            if not k.startswith(("time/", "tokens_per_s")):
-                assert mb[k] == pytest.approx(v, rel=1e-5, abs=1e-6, nan_ok=True), (ma["step"], k)
+    assert_same_logs(a, b)
     assert len((tmp_path / "a" / "eval_log.jsonl").read_text().splitlines()) == 2  # steps 0 and 2
     assert (tmp_path / "a" / "samples.jsonl").is_file()
-    final_a, final_b = (load_file(tmp_path / d / "model.safetensors") for d in ("a", "b"))
-    initial = load_file(tiny_model_dir / "model.safetensors")
-    assert final_a.keys() == initial.keys() == final_b.keys()
-    import torch
-
-    assert any(not torch.equal(final_a[k], initial[k]) for k in initial)
-    for k in initial:
-        torch.testing.assert_close(final_b[k], final_a[k], atol=1e-6, rtol=1e-5, msg=k)
+    initial = assert_same_final_weights(tmp_path / "a", tmp_path / "b", tiny_model_dir)
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "a").config.vocab_size == len(
         initial["transformer.wte.weight"]
     )
@@ -235,38 +293,22 @@ def test_fsdp2_ppo_with_two_ranks(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_
 
 
 def test_fsdp2_grpo_with_two_ranks(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
-    """grpo (2 prompts x 2 samples per process) under fsdp.yaml on 2 CPU processes (the patch of
-    tests/scripts/fsdp2_on_cpu.py): sharded checkpoints without a value head, a resume that logs what the
-    uninterrupted run logged and saves the same weights, a final folder without value_head.safetensors."""
-    import torch
-    from safetensors.torch import load_file
-
-    script = str(ROOT / "tests" / "scripts" / "fsdp2_on_cpu.py")
+    """grpo (2 prompts x 2 samples per process) under fsdp.yaml on 2 CPU processes (`fsdp2_ppo`): sharded
+    checkpoints without a value head, a resume that logs what the uninterrupted run logged and saves the
+    same weights, a final folder without value_head.safetensors."""
     extra = ["--advantage_estimator", "grpo", "--samples_per_prompt", "2", "--rollout_batch_size", "2"]
     extra += ["--eval_every", "2", "--eval_prompt_file", str(prompt_file), "--eval_num_prompts", "4"]
     extra += ["--gold_judge", "none"]
-
-    def run(out, steps, *more):
-        args = ppo_cli_args(tiny_model_dir, tiny_rm_dir, prompt_file, out, steps)[2:] + extra + list(more)
-        launch([script, *args], 2, config="fsdp.yaml")
-        return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-
-    a = run(tmp_path / "a", 3)
-    run(tmp_path / "b", 2)
+    a = fsdp2_ppo(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "a", 3, extra)
+    fsdp2_ppo(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "b", 2, extra)
     assert (tmp_path / "b" / "checkpoints" / "step-1" / "sharded" / ".metadata").is_file()
-    b = run(tmp_path / "b", 3, "--resume", "true")
+    b = fsdp2_ppo(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "b", 3, extra + ["--resume", "true"])
     assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2, 3]
     assert a[0]["objective/kl"] == 0.0 and a[-1]["episodes"] == 3 * 2 * 2 * 2
-    for ma, mb in zip(a, b):
-        assert not any(k.startswith("val/") or k == "loss/value" for k in ma) and "loss/kl" in ma
-        for k, v in ma.items():
-            if not k.startswith(("time/", "tokens_per_s")):
-                assert mb[k] == pytest.approx(v, rel=1e-5, abs=1e-6, nan_ok=True), (ma["step"], k)
-    final_a, final_b = (load_file(tmp_path / d / "model.safetensors") for d in ("a", "b"))
-    initial = load_file(tiny_model_dir / "model.safetensors")
-    assert final_a.keys() == initial.keys() and any(not torch.equal(final_a[k], initial[k]) for k in initial)
-    for k in initial:
-        torch.testing.assert_close(final_b[k], final_a[k], atol=1e-6, rtol=1e-5, msg=k)
+    for m in a:
+        assert not any(k.startswith("val/") or k == "loss/value" for k in m) and "loss/kl" in m
+    assert_same_logs(a, b)
+    assert_same_final_weights(tmp_path / "a", tmp_path / "b", tiny_model_dir)
     assert not (tmp_path / "a" / "value_head.safetensors").exists()
 
 
@@ -279,11 +321,10 @@ def test_fsdp2_first_step_kl_zero_ratio_one(
     reference and the RM, or KL != 0 and rho != 1 before the first update (issue 13). One minibatch per
     step, so step 1's ratio and approx-KL are those of the first minibatch, before any update. The linear LR
     schedule decays once per optimiser step here too (it is not accelerate's to step)."""
-    script = str(ROOT / "tests" / "scripts" / "fsdp2_on_cpu.py")
-    args = ppo_cli_args(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, 2)[2:]
-    args += ["--mini_batch_size", "4", "--save_steps", "0", "--lr_scheduler_type", "linear"]
-    launch([script, *args], 2, config="fsdp.yaml", mixed_precision=mixed_precision)
-    first, second = (json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines())
+    extra = ["--mini_batch_size", "4", "--save_steps", "0", "--lr_scheduler_type", "linear"]
+    first, second = fsdp2_ppo(
+        tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, 2, extra, mixed_precision=mixed_precision
+    )
     assert first["objective/kl"] == 0.0
     assert first["policy/ratio"] == 1.0 and first["policy/approxkl"] == 0.0
     assert first["policy/clipfrac"] == 0.0

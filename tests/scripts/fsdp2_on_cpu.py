@@ -8,11 +8,13 @@ accelerate built from the config file; everything else — the plugin, `prepare`
 (`fsdp2_prepare_model`: torch's `fully_shard` at each transformer block, the root), no_sync, gradient
 clipping, and our code — runs unpatched, over gloo on CPU.
 
-    python fsdp2_on_cpu.py ARGS...      (ARGS: what follows `-m llm_rlhf`)
+    python fsdp2_on_cpu.py ARGS...              (ARGS: what follows `-m llm_rlhf`)
+    python fsdp2_on_cpu.py SCRIPT.py ARGS...    (a test script, e.g. ppo_ranks.py, run as __main__)
 """
 
 from __future__ import annotations
 
+import runpy
 import sys
 
 import accelerate.state
@@ -38,4 +40,8 @@ def init_with_fsdp_on_cpu(self, *args, fsdp_plugin=None, **kwargs):
 accelerate.state.AcceleratorState.__init__ = init_with_fsdp_on_cpu
 
 if __name__ == "__main__":
-    sys.exit(cli.main(sys.argv[1:]))
+    if sys.argv[1].endswith(".py"):  # the script sees its own argv, as if launched itself
+        sys.argv = sys.argv[1:]
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    else:
+        sys.exit(cli.main(sys.argv[1:]))

@@ -10,8 +10,14 @@ contiguous slice. MODE "same": ordinary responses; MODE "accumulate": the same, 
 minibatch as micro-batches of one episode; MODE "degenerate": rank 0's responses are all empty (EOS at
 once) and the last rank's all truncated (no EOS), to check that no rank hangs. These write the RAW gradient
 of the first update (flattened, after DDP's all-reduce, before clipping; clipping is off), the number of
-gradient all-reduces (DDP comm-hook calls; 0 with one process) and the steps' metrics to OUT_JSON (main
-process).
+gradient all-reduces (DDP comm-hook calls; 0 with one process or under FSDP2) and the steps' metrics to
+OUT_JSON (main process).
+
+Under FSDP2 (`fsdp2_on_cpu.py ppo_ranks.py ARGS...`, accelerate_configs/fsdp.yaml) each gradient is a
+DTensor holding this rank's shard after the reduce-scatter: it is gathered whole (`full_tensor`, a
+collective every rank enters, as every rank clips) and flattened in the same parameter order as with one
+process. OUT_JSON also holds the distributed type and the main process's local gradient size (`local_numel`,
+smaller than the gathered one when the gradients really are sharded).
 
 MODE "estimators": for each critic-free advantage estimator (ESTIMATORS: with its samples per prompt, so
 the 8 episodes are 8 / k prompts x k samples, a prompt's k samples in consecutive rows of one rank; ReMax
@@ -96,16 +102,20 @@ def run(accelerator, model_dir, rm_dir, prompt_file, mode, combine, estimator="g
         )
 
     trainer.generate = fixed_rollout
-    grads, clip = [], accelerator.clip_grad_norm_
+    grads, clip, local_numel = [], accelerator.clip_grad_norm_, [0]
 
     def record_and_clip(parameters, max_norm, *args, **kwargs):  # the raw gradient of each update
         parameters = list(parameters)
-        grads.append(torch.cat([p.grad.flatten() for p in parameters]))
+        local_numel[0] = sum(
+            p.grad.to_local().numel() if sharded(p.grad) else p.grad.numel() for p in parameters
+        )
+        full = [p.grad.full_tensor() if sharded(p.grad) else p.grad for p in parameters]  # FSDP2: gathered
+        grads.append(torch.cat([g.flatten() for g in full]))
         return clip(parameters, max_norm, *args, **kwargs)
 
     accelerator.clip_grad_norm_ = record_and_clip
     all_reduces = [0]
-    if world > 1:
+    if world > 1 and not accelerator.is_fsdp2:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         def counting_allreduce(state, bucket):
@@ -116,7 +126,19 @@ def run(accelerator, model_dir, rm_dir, prompt_file, mode, combine, estimator="g
     steps = 2 if mode in ("degenerate", "estimators") else 1
     metrics = [trainer.ppo_step() for _ in range(steps)]
     accelerator.clip_grad_norm_ = clip
-    return {"grads": [g.tolist() for g in grads], "metrics": metrics, "all_reduces": all_reduces[0]}
+    return {
+        "grads": [g.tolist() for g in grads],
+        "metrics": metrics,
+        "all_reduces": all_reduces[0],
+        "local_numel": local_numel[0],
+    }
+
+
+def sharded(grad: torch.Tensor) -> bool:
+    """An FSDP2 gradient: a DTensor (this rank's shard of the whole)."""
+    from torch.distributed.tensor import DTensor  # here: torch.distributed is missing from some builds
+
+    return isinstance(grad, DTensor)
 
 
 def main() -> None:
@@ -134,6 +156,8 @@ def main() -> None:
             "grads": result["grads"][0],
             "metrics": result["metrics"],
             "all_reduces": result["all_reduces"],
+            "local_numel": result["local_numel"],
+            "distributed_type": accelerator.distributed_type.value,
         }
     if accelerator.is_main_process:
         with open(out_json, "w") as f:
