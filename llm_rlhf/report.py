@@ -488,11 +488,13 @@ def compare_panels(runs: list[Run]) -> tuple:
     return tuple(panel for panel in COMPARE_PANELS if any(_logged(run.ppo_history, panel[0]) for run in runs))
 
 
-def _panel_grid(panels: int, width: float, row_height: float):
-    """A figure of `panels` panels, 4 to a row, as many rows as they need; the unused cells of the last row
-    hidden. Returns (fig, the panels' axes in reading order)."""
-    nrows = max(1, math.ceil(panels / 4))
-    fig, axes = _figure(nrows, 4, width, row_height * nrows)
+def _panel_grid(panels: int, panel_width: float, row_height: float):
+    """A figure of `panels` panels in as few rows of at most 5 as hold them, the rows as even as they can be
+    (12 panels: 3 x 4; 10, a run without a value function: 2 x 5); the unused cells of the last row hidden.
+    Returns (fig, the panels' axes in reading order)."""
+    nrows = max(1, math.ceil(panels / 5))
+    ncols = max(1, math.ceil(panels / nrows))
+    fig, axes = _figure(nrows, ncols, panel_width * ncols, row_height * nrows)
     for ax in axes.flat[panels:]:
         ax.set_visible(False)
     return fig, list(axes.flat[:panels])
@@ -500,7 +502,7 @@ def _panel_grid(panels: int, width: float, row_height: float):
 
 def plot_ppo(history: list[dict], kl_target: float | None):
     panels = ppo_panels(history)
-    fig, axes = _panel_grid(len(panels), 16, 9.5 / 3)
+    fig, axes = _panel_grid(len(panels), 4, 9.5 / 3)
     for ax, (title, ylabel, keys, right) in zip(axes, panels):
         ax.set(title=title, xlabel="PPO step", ylabel=ylabel)
         if keys[0].startswith("time/"):
@@ -687,7 +689,7 @@ def plot_methods(points: list[dict], metrics: dict):
 
 def plot_compare_ppo(runs: list[Run]):
     panels = compare_panels(runs)
-    fig, axes = _panel_grid(len(panels), 16, 10 / 3)
+    fig, axes = _panel_grid(len(panels), 4, 10 / 3)
     for ax, (key, title, ylabel) in zip(axes, panels):
         ax.set(title=title, xlabel="PPO step", ylabel=ylabel)
         drawn = False
@@ -762,6 +764,8 @@ table.texts td { white-space: pre-wrap; }
 table.pairs th { width: 50%; } tr.prompt td { background: #f7f7f7; font-style: italic; }
 table.ppo-samples th:nth-child(1) { width: 30%; } table.ppo-samples th:nth-child(3) { width: 6em; }
 table.watch tr:first-child th:nth-child(-n+3) { width: 5.5em; }
+table.runs td:nth-child(-n+2) { white-space: nowrap; overflow-wrap: normal; }
+.wide { overflow-x: auto; }
 .scores { display: block; color: #666; font-size: 0.85em; margin-top: 0.3em; white-space: normal; }
 .prompt-text { color: #777; } .empty { color: #999; font-style: italic; }
 .flag { color: #a15c00; background: #fff0d9; border-radius: 3px; padding: 0 0.3em; font-size: 0.8em;
@@ -904,9 +908,9 @@ def estimator_card(run: Run) -> list[str]:
     if "ppo/config.yaml" not in run.configs:
         return []
     estimator = config_value(run, "ppo", "advantage_estimator") or "gae"
-    critic = "GAE over a value function" if estimator == "gae" else "critic-free: no value function"
+    critic = "GAE over a value function" if estimator == "gae" else "no value function"
     k = config_value(run, "ppo", "samples_per_prompt")
-    sub = f"{critic}; {k} samples per prompt" if k not in (None, 1) else critic
+    sub = f"{critic}; {k} samples / prompt" if k not in (None, 1) else critic
     return [_card("Advantage estimator", str(estimator), sub)]
 
 
@@ -1548,25 +1552,33 @@ def section_methods(page: Page, run: Run, number: str = "6. ") -> None:
              "log n − (n−1)/n; the KL measured on its samples is in the table.</p>")  # fmt: skip
     page.figure(plot_methods(run.compare_points, metrics), "methods",
                 "Gold and RM score against sqrt(KL): each RL run joined in step order, DPO and best-of-n by KL")  # fmt: skip
-    best = metrics.get("best") or {}
+    order = list(dict.fromkeys(p.get("method") for p in run.compare_points))  # metrics.json's keys are sorted
+    best = sorted((metrics.get("best") or {}).items(), key=lambda item: _rank(order, item[0]))
     page.add("<h3>Best gold of each method</h3>", table(
         ["method", "best gold score", "at KL", "point"],
-        [[method_label(m, metrics), b.get("gold_score"), b.get("kl"), b.get("label")] for m, b in best.items()],
+        [[method_label(m, metrics), b.get("gold_score"), b.get("kl"), b.get("label")] for m, b in best],
     ))  # fmt: skip
-    fits = metrics.get("fits") or {}
+    fits = sorted(
+        ((m, f) for m, f in (metrics.get("fits") or {}).items() if f), key=lambda item: _rank(order, item[0])
+    )
     page.add("<h3>Gao et al. (2022) law fits</h3>", table(
         ["method", "form (d = sqrt KL)", "α ± se", "β ± se", "R²", "points", "fit"],
         [[method_label(m, metrics),
           "d(α − β d)" if f["form"] == "bon" else "d(α − β log d)",
           f"{f['alpha']:.3f} ± {f['alpha_stderr']:.3f}", f"{f['beta']:.3f} ± {f['beta_stderr']:.3f}",
           f["r2"], f["num_points"], "poor" if f["poor"] else "good"]
-         for m, f in fits.items() if f],
-    ))  # fmt: skip
+         for m, f in fits],
+    ) if fits else '<p class="note">No law fitted: a fit needs 3 points with KL &gt; 0 and the SFT model\'s gold.</p>')  # fmt: skip
     rows = [[method_label(p["method"], metrics), p.get("label"), p.get("kl"), p.get("kl_measured"),
              p.get("rm_score"), p.get("gold_score"), p.get("fluency_perplexity")] for p in run.compare_points]  # fmt: skip
     page.add("<details><summary>Every point</summary>", table(
         ["method", "point", "KL", "KL measured (best-of-n)", "RM score", "gold score", "fluency perplexity"], rows
     ), "</details>")  # fmt: skip
+
+
+def _rank(order: list, method: str) -> int:
+    """Where `method` comes in `order` (the points' order: the RL runs, DPO, best-of-n); unknown ones last."""
+    return order.index(method) if method in order else len(order)
 
 
 def section_configs(page: Page, run: Run) -> None:
@@ -1651,7 +1663,9 @@ def build_compare_page(runs: list[Run], folder: Path, png_dir: Path) -> Page:
         rows.append(
             [link, run_estimator(run), *[final_value(run, stage, key) for stage, key in COMPARE_COLUMNS]]
         )
-    page.add(table(header, rows))
+    page.add(
+        '<div class="wide">', table(header, rows, css_class="runs"), "</div>"
+    )  # run, estimator: unbroken
     page.add(
         '<p class="meta">Win rates and scores from the final evaluation on held-out prompts (vs the SFT '
         "baseline); the ppo columns are the last PPO step's rollout statistics. estimator: the PPO stage's "
