@@ -266,7 +266,8 @@ def more_runs(cfg: Config, ppo_cfg) -> list[tuple[str, str, Any, list[dict[str, 
     for folder in cfg.more_ppo_dirs:
         run_cfg, log = ppo_settings(Path(folder))
         got = heldout_settings(run_cfg)
-        for key in (key for key in want if got[key] != want[key]):
+        key = next((key for key in want if got[key] != want[key]), None)
+        if key is not None:
             raise ConfigError(
                 f"config key 'more_ppo_dirs': '{folder}' has {key} {got[key]!r}, ppo_dir '{cfg.ppo_dir}' has "
                 f"{want[key]!r}: its held-out points would not be comparable"

@@ -663,9 +663,8 @@ def plot_methods(points: list[dict], metrics: dict):
     twin.set_ylabel("RM score, normalised (dashed)", color="0.4")
     for i, method in enumerate(dict.fromkeys(p.get("method") for p in points)):
         ps = [p for p in points if p.get("method") == method and _num(p.get("kl")) is not None]
-        if method not in rl_methods(
-            metrics
-        ):  # an RL run's points stay in step order: its path (KL is not monotone)
+        # an RL run's points stay in step order: its path along the run (KL is not monotone)
+        if method not in rl_methods(metrics):
             ps.sort(key=lambda p: p["kl"])
         if not ps:
             continue
@@ -1663,9 +1662,8 @@ def build_compare_page(runs: list[Run], folder: Path, png_dir: Path) -> Page:
         rows.append(
             [link, run_estimator(run), *[final_value(run, stage, key) for stage, key in COMPARE_COLUMNS]]
         )
-    page.add(
-        '<div class="wide">', table(header, rows, css_class="runs"), "</div>"
-    )  # run, estimator: unbroken
+    # the run and estimator cells unbroken (table.runs); a table wider than the page scrolls
+    page.add('<div class="wide">', table(header, rows, css_class="runs"), "</div>")
     page.add(
         '<p class="meta">Win rates and scores from the final evaluation on held-out prompts (vs the SFT '
         "baseline); the ppo columns are the last PPO step's rollout statistics. estimator: the PPO stage's "
