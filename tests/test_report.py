@@ -190,7 +190,7 @@ def test_a_critic_free_run_has_no_value_panels_and_names_its_estimator(tmp_path)
     assert report.run_estimator(gae) == "gae" and report.run_estimator(grpo) == "grpo, k = 4"
     text = write_report(grpo.path).read_text(encoding="utf-8")
     assert "Not drawn, nothing logged for them: Value loss, Explained variance of returns." in text
-    assert 'Advantage estimator</div><div class="value">grpo</div>' in text and "4 samples per prompt" in text
+    assert 'Advantage estimator</div><div class="value">grpo</div>' in text and "4 samples / prompt" in text
     text = write_report(gae.path).read_text(encoding="utf-8")
     assert "Not drawn" not in text and 'Advantage estimator</div><div class="value">gae</div>' in text
     # side by side: the value panels stay while one run has a value function, and go when none has
