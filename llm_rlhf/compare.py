@@ -7,7 +7,10 @@ and one RM, each a set of points (sqrt(KL to the SFT model), RM score, gold scor
 of the PPO run (its `eval_prompt_file`, first `eval_num_prompts`), sampled with its settings and seed:
 
     PPO        the held-out evaluations it logged along its run (DIR/ppo/eval_log.jsonl: run PPO with
-               eval_every > 0); KL = the k1 sequence estimate on the samples
+               eval_every > 0); KL = the k1 sequence estimate on the samples. Further RL runs from the same
+               SFT model (`more_ppo_dirs`: other advantage estimators, other KL settings) are methods of their
+               own, named by their folder, each with its own fit; they must have been evaluated on the same
+               held-out prompts, sampled the same way and judged by the same gold (a ConfigError otherwise)
     DPO        one DPO stage per beta in `dpo_betas` (TRL's DPOTrainer, `llm_rlhf.dpo`) on the RM's
                preference pairs, each evaluated like PPO's held-out evaluations
     best-of-n  see below
@@ -38,6 +41,7 @@ from accelerate import PartialState
 
 from llm_rlhf import dpo, ppo, ppo_math
 from llm_rlhf.config import format_config, help_field, load_yaml_config, require, save_config
+from llm_rlhf.data import prompt_rules
 from llm_rlhf.errors import ConfigError, UserError
 from llm_rlhf.evaluate import (
     KLReference,
@@ -141,6 +145,13 @@ class Config:
     best_of_n_samples: int = help_field(
         64, "N, responses sampled per prompt for every best-of-n point (>= max n)."
     )
+    more_ppo_dirs: list[str] = help_field(
+        [],
+        "Further RL runs from the same SFT model (other advantage estimators, other KL settings): each run's "
+        "held-out evaluations are a method of its own, named by its folder (a pipeline run's DIR/<name>/ppo: "
+        "<name>), with its own law fit. Each must share ppo_dir's held-out prompts, sampling settings, gold judge "
+        "and reference model.",
+    )
 
     def __post_init__(self):
         require(all(b > 0 for b in self.dpo_betas), "dpo_betas", "every beta must be > 0")
@@ -150,6 +161,14 @@ class Config:
             not self.best_of_n or max(self.best_of_n) <= self.best_of_n_samples,
             "best_of_n_samples",
             f"must be >= the largest n ({max(self.best_of_n, default=0)})",
+        )
+        names = [run_name(Path(d)) for d in self.more_ppo_dirs]
+        clash = [n for n in names if names.count(n) > 1 or n in METHODS]
+        require(
+            not clash,
+            "more_ppo_dirs",
+            f"the run name '{clash[0] if clash else ''}' is taken (a run is named by its folder; the methods "
+            f"{list(METHODS)} and every other run need their own name)",
         )
 
 
@@ -214,9 +233,83 @@ def law_fit(points: list[dict[str, Any]], origin: float, form: str) -> dict[str,
     }
 
 
+def run_name(ppo_dir: Path) -> str:
+    """What a PPO run is called on the plot: its folder's name, or for a pipeline run's stage folder
+    (DIR/<name>/ppo) the run's: <name>."""
+    return ppo_dir.parent.name if ppo_dir.name == "ppo" and ppo_dir.parent.name else ppo_dir.name
+
+
+def heldout_settings(cfg) -> dict[str, Any]:
+    """What makes two PPO runs' held-out points comparable: the same prompts (file, how many, how read), drawn
+    the same way (`Sampling`), judged by the same gold, the KL measured to the same reference. A path that
+    exists is compared resolved (runs/x and ./runs/x are one file)."""
+    settings = {
+        "eval_prompt_file": cfg.eval_prompt_file,
+        "eval_num_prompts": cfg.eval_num_prompts,
+        **prompt_rules(cfg),
+        **dataclasses.asdict(Sampling.of(cfg)),
+        "gold_judge": cfg.gold_judge,
+        "model_name_or_path": cfg.model_name_or_path,
+    }
+    return {
+        k: str(Path(v).resolve()) if isinstance(v, str) and Path(v).exists() else v
+        for k, v in settings.items()
+    }
+
+
+def more_runs(cfg: Config, ppo_cfg) -> list[tuple[str, str, Any, list[dict[str, Any]]]]:
+    """(name, folder, config, held-out log) of each run of `more_ppo_dirs`, checked against ppo_dir's settings: a run
+    evaluated on other prompts, sampled otherwise, judged by another gold or measured against another reference
+    is a ConfigError naming the setting (its points would not be comparable)."""
+    want = heldout_settings(ppo_cfg)
+    runs = []
+    for folder in cfg.more_ppo_dirs:
+        run_cfg, log = ppo_settings(Path(folder))
+        got = heldout_settings(run_cfg)
+        key = next((key for key in want if got[key] != want[key]), None)
+        if key is not None:
+            raise ConfigError(
+                f"config key 'more_ppo_dirs': '{folder}' has {key} {got[key]!r}, ppo_dir '{cfg.ppo_dir}' has "
+                f"{want[key]!r}: its held-out points would not be comparable"
+            )
+        runs.append((run_name(Path(folder)), folder, run_cfg, log))
+    return runs
+
+
+def rl_points(method: str, log: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """An RL run's points: its held-out evaluations along the run, in step order."""
+    return [
+        {"method": method, "label": f"step {r['step']}", **{k: r.get(k) for k in POINT_KEYS}} for r in log
+    ]
+
+
+def dpo_points(cfg: Config, dpo_cfgs: list, inputs: dict[str, Any]) -> list[dict[str, Any]]:
+    """One point per beta: DPO trained (or a finished run reused), then evaluated as PPO's held-out evaluations
+    are. `inputs`: the prompts, draws, scorer, judge and tokenizer every method is scored with."""
+    points = []
+    for beta, dpo_cfg in zip(cfg.dpo_betas, dpo_cfgs):
+        if not (Path(dpo_cfg.output_dir) / "metrics.json").exists():
+            print(f"== DPO beta {beta:g}: training in {dpo_cfg.output_dir}")
+            # resume only from a checkpoint: a run killed before its first save starts over
+            dpo.run(dataclasses.replace(dpo_cfg, resume=last_checkpoint(dpo_cfg.output_dir) is not None))
+        policy = freeze(load_causal_lm(dpo_cfg.output_dir))
+        result = evaluate_policy(
+            policy=policy, tokenizer=inputs["tokenizer"], prompts=inputs["prompts"], draws=inputs["draws"],
+            scorer=inputs["scorer"], judge=inputs["judge"], reference=KLReference(inputs["sft_model"]),
+        )  # fmt: skip
+        points.append({
+            "method": "dpo", "label": f"beta {beta:g}", "kl": result["kl_to_ref"], "rm_score": result["rm_score_mean"],
+            "gold_score": result["gold_score_mean"], "sentiment": result["sentiment_mean"],
+            "fluency_perplexity": result["fluency_perplexity"],
+        })  # fmt: skip
+        del policy
+    return points
+
+
 def run(cfg: Config) -> dict[str, Any]:
-    """PPO points from its log, DPO points (training each beta, or reusing a finished one), best-of-n points;
-    the fits and the best gold of each method; points.jsonl, config.yaml, metrics.json (last)."""
+    """PPO points from its log (and from each run of more_ppo_dirs), DPO points (training each beta, or reusing a
+    finished one), best-of-n points; the fits and the best gold of each method; points.jsonl, config.yaml,
+    metrics.json (last)."""
     started = time.time()
     if PartialState().num_processes > 1:
         raise UserError(
@@ -225,57 +318,27 @@ def run(cfg: Config) -> dict[str, Any]:
     print(format_config(cfg))
     out = Path(cfg.output_dir)
     ppo_cfg, ppo_log = ppo_settings(Path(cfg.ppo_dir))
-    dpo_cfgs = [dpo_config(cfg, beta) for beta in cfg.dpo_betas]  # every config checked before any work
+    # every RL run and DPO config checked before any work
+    rl_runs = [("ppo", cfg.ppo_dir, ppo_cfg, ppo_log), *more_runs(cfg, ppo_cfg)]
+    dpo_cfgs = [dpo_config(cfg, beta) for beta in cfg.dpo_betas]
     prompts, judge = load_heldout_inputs(ppo_cfg)  # PPO's held-out prompts and gold judge, as it loads them
-    tokenizer = load_tokenizer(cfg.sft_path)
     # sampled as PPO's held-out evaluation samples (its settings, seed and batches): responses end as in PPO
     draws = PairedSampling(Sampling.of(ppo_cfg), seed=ppo_cfg.seed, batch_size=ppo_cfg.rollout_batch_size)
-    sft_model = freeze(load_causal_lm(cfg.sft_path))
-    scorer = Scorer(freeze(load_reward_model(cfg.reward_model_path)))
+    inputs = {"tokenizer": load_tokenizer(cfg.sft_path), "prompts": prompts, "draws": draws, "judge": judge,
+              "sft_model": freeze(load_causal_lm(cfg.sft_path)),
+              "scorer": Scorer(freeze(load_reward_model(cfg.reward_model_path)))}  # fmt: skip
 
-    points: list[dict[str, Any]] = []
-    for r in ppo_log:
-        points.append({"method": "ppo", "label": f"step {r['step']}", **{k: r.get(k) for k in POINT_KEYS}})
-    for beta, dpo_cfg in zip(cfg.dpo_betas, dpo_cfgs):
-        if not (Path(dpo_cfg.output_dir) / "metrics.json").exists():
-            print(f"== DPO beta {beta:g}: training in {dpo_cfg.output_dir}")
-            # resume only from a checkpoint: a run killed before its first save starts over
-            dpo.run(dataclasses.replace(dpo_cfg, resume=last_checkpoint(dpo_cfg.output_dir) is not None))
-        policy = freeze(load_causal_lm(dpo_cfg.output_dir))
-        result = evaluate_policy(
-            policy=policy, tokenizer=tokenizer, prompts=prompts, draws=draws, scorer=scorer, judge=judge,
-            reference=KLReference(sft_model),
-        )  # fmt: skip
-        points.append({
-            "method": "dpo", "label": f"beta {beta:g}", "kl": result["kl_to_ref"], "rm_score": result["rm_score_mean"],
-            "gold_score": result["gold_score_mean"], "sentiment": result["sentiment_mean"],
-            "fluency_perplexity": result["fluency_perplexity"],
-        })  # fmt: skip
-        del policy
+    points = [p for method, _, _, log in rl_runs for p in rl_points(method, log)]
+    points += dpo_points(cfg, dpo_cfgs, inputs)
     if cfg.best_of_n:
         for p in best_of_n_points(
-            sft_model, tokenizer, prompts, draws, scorer=scorer, judge=judge, ns=cfg.best_of_n,
-            num_samples=cfg.best_of_n_samples,
+            inputs["sft_model"], inputs["tokenizer"], prompts, draws, scorer=inputs["scorer"], judge=judge,
+            ns=cfg.best_of_n, num_samples=cfg.best_of_n_samples,
         ):  # fmt: skip
             points.append({"method": "best_of_n", "label": f"n {p['n']}", **p})
-
-    origin = sft_origin(ppo_log)
-    by_method = {m: [p for p in points if p["method"] == m] for m in METHODS}
-    bon_origin = next((p["gold_score"] for p in by_method["best_of_n"] if p["n"] == 1), origin)
-    fits = {
-        "ppo": law_fit(by_method["ppo"], origin, "rl") if origin is not None else None,
-        "dpo": law_fit(by_method["dpo"], origin, "rl") if origin is not None else None,
-        "best_of_n": law_fit(by_method["best_of_n"], bon_origin, "bon") if bon_origin is not None else None,
-    }
-    best = {}
-    for method, ps in by_method.items():
-        if ps:
-            top = max(ps, key=lambda p: p["gold_score"])
-            best[method] = {"gold_score": top["gold_score"], "kl": top["kl"], "label": top["label"]}
     metrics = {
-        **{f"{method}_best_gold": b["gold_score"] for method, b in best.items()},
-        "best": best,
-        "fits": fits,
+        **summarise(points, {method: log for method, _, _, log in rl_runs}),
+        "runs": {method: run_record(folder, run_cfg) for method, folder, run_cfg, _ in rl_runs},
         "num_prompts": len(prompts),
         "gold_judge": ppo_cfg.gold_judge,
         "time_s": time.time() - started,
@@ -285,6 +348,39 @@ def run(cfg: Config) -> dict[str, Any]:
     atomic_write_json(out / "metrics.json", metrics)  # last: marks the stage done
     print(format_summary(metrics))
     return metrics
+
+
+def run_record(folder: str, run_cfg) -> dict[str, Any]:
+    """Which RL run a method is: its folder, its name and its estimator (the report's labels)."""
+    return {"ppo_dir": folder, "name": run_name(Path(folder)), "advantage_estimator": run_cfg.advantage_estimator,
+            "samples_per_prompt": run_cfg.samples_per_prompt}  # fmt: skip
+
+
+def summarise(points: list[dict[str, Any]], rl_logs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """The fits and the best gold of each method. Every law starts at the SFT model's gold (`sft_origin`): an RL
+    run's own step-0 evaluation (else ppo_dir's), DPO's that of ppo_dir, best-of-n's its n = 1 point."""
+    origin = sft_origin(rl_logs["ppo"])
+    methods = [*rl_logs, "dpo", "best_of_n"]
+    by_method = {m: [p for p in points if p["method"] == m] for m in methods}
+    origins = {m: origin if sft_origin(log) is None else sft_origin(log) for m, log in rl_logs.items()}
+    origins["dpo"] = origin
+    origins["best_of_n"] = next((p["gold_score"] for p in by_method["best_of_n"] if p["n"] == 1), origin)
+    fits = {
+        m: law_fit(by_method[m], origins[m], "bon" if m == "best_of_n" else "rl")
+        if origins[m] is not None
+        else None
+        for m in methods
+    }
+    best = {}
+    for method, ps in by_method.items():
+        if ps:
+            top = max(ps, key=lambda p: p["gold_score"])
+            best[method] = {"gold_score": top["gold_score"], "kl": top["kl"], "label": top["label"]}
+    return {
+        **{f"{method}_best_gold": b["gold_score"] for method, b in best.items()},
+        "best": best,
+        "fits": fits,
+    }
 
 
 METHODS = ("ppo", "dpo", "best_of_n")

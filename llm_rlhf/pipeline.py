@@ -12,6 +12,11 @@ overrides; the chaining keys are set here so each stage reads the previous stage
     DIR/compare <- DIR/sft, DIR/rm, DIR/ppo     (optional: PPO, DPO per beta and best-of-n on one gold-vs-KL
                                                 plot; PPO needs eval_every > 0)
 
+A sweep (`sweep: [{name: gae}, {name: grpo, advantage_estimator: grpo, samples_per_prompt: 4}]`): SFT, RM
+(and DPO) once in DIR, each variant's PPO and eval in DIR/<name>; with the compare stage, compare runs once
+after every variant, in DIR/compare, over all of them (DIR/<first>/ppo its ppo_dir, the other variants'
+PPO runs its more_ppo_dirs), so DPO and best-of-n are computed once and every variant is on one plot.
+
 A reward-model ensemble (`rm_members: K`): the RM stage runs K times, member 0 in DIR/rm and member k in
 DIR/rm-<k>, member k seeded with the RM seed + k (and with `rm_bootstrap`, trained on its own bootstrap
 resample of the pairs); PPO gets the list [DIR/rm, DIR/rm-1, ...] as reward_model_path. compare reads DIR/rm
@@ -99,7 +104,8 @@ class Config:
     sweep: list[dict] | None = help_field(
         None,
         "PPO variants sharing one SFT and RM: a list of {name: ..., <ppo key>: value, ...}; each runs PPO and "
-        "evaluation in DIR/<name>. E.g. no KL penalty vs fixed beta vs adaptive KL.",
+        "evaluation in DIR/<name>. E.g. no KL penalty vs fixed beta vs adaptive KL, or one advantage_estimator "
+        "each. With the compare stage, compare runs once in DIR/compare with every variant on its plot.",
     )
 
     def __post_init__(self):
@@ -240,7 +246,9 @@ def seed_run(cfg: Config, seed: int) -> Config:
 
 def sweep_runs(cfg: Config) -> list[Config]:
     """SFT and RM (and DPO) once in DIR; each PPO variant (and its evaluation) in DIR/<name>, whose sft/ and
-    rm/ are links to the shared ones (so every variant folder is a complete run for the report)."""
+    rm/ are links to the shared ones (so every variant folder is a complete run for the report). With the
+    compare stage, compare runs once, last, in DIR/compare, over every variant: the first variant's PPO run
+    is its ppo_dir, the others' are more_ppo_dirs (before any the `compare:` overrides name)."""
     out = Path(cfg.output_dir)
     shared = dataclasses.replace(
         cfg, stages=[s for s in cfg.stages if s in ("sft", "rm", "dpo")], sweep=None, report=False
@@ -253,13 +261,18 @@ def sweep_runs(cfg: Config) -> list[Config]:
             dataclasses.replace(
                 cfg,
                 output_dir=str(folder),
-                stages=[s for s in cfg.stages if s in ("ppo", "eval", "compare")],
+                stages=[s for s in cfg.stages if s in ("ppo", "eval")],
                 sweep=None,
                 report=False,
                 ppo=ppo,
                 shared_dir=str(out),
             )
         )
+    if "compare" in cfg.stages:
+        ppo_dirs = [str(out / variant["name"] / "ppo") for variant in cfg.sweep]
+        more = [*ppo_dirs[1:], *cfg.compare.get("more_ppo_dirs", [])]
+        compare_keys = {**cfg.compare, "ppo_dir": ppo_dirs[0], "more_ppo_dirs": more}
+        runs.append(dataclasses.replace(shared, stages=[*shared.stages, "compare"], compare=compare_keys))
     return runs
 
 

@@ -188,9 +188,14 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
     run.eval_log = run.jsonl("ppo/eval_log.jsonl", note=not heldout_off(run))
     run.heldout_samples = run.jsonl("ppo/eval_samples.jsonl", note=False)  # older runs did not write it
     run.eval_samples = run.jsonl("eval/samples.jsonl")
+    load_compare(run)
+    return run
+
+
+def load_compare(run: Run) -> None:
+    """DIR/compare's points and metrics (optional: a run or sweep with the compare stage)."""
     run.compare_points = run.jsonl("compare/points.jsonl", note=False)
     run.compare_metrics = _dict(run.json("compare/metrics.json", note=False))
-    return run
 
 
 def heldout_off(run: Run) -> bool:
@@ -293,6 +298,22 @@ def final_value(run: Run, stage: str, key: str) -> float | None:
 def config_value(run: Run, stage: str, key: str) -> Any:
     """A key of the stage's resolved config (`<stage>/config.yaml`), None when the file or key is absent."""
     return (yaml.safe_load(run.configs.get(f"{stage}/config.yaml") or "") or {}).get(key)
+
+
+def estimator_text(estimator: Any, samples_per_prompt: Any) -> str:
+    """How an RL run made its advantages: the advantage_estimator, with the group size when a prompt was
+    sampled more than once ("grpo, k = 4"). A config from before the key existed is gae."""
+    name = str(estimator or "gae")
+    return name if samples_per_prompt in (None, 1) else f"{name}, k = {samples_per_prompt}"
+
+
+def run_estimator(run: Run) -> str | None:
+    """The estimator of a run's PPO stage (`estimator_text`), None when the run has no ppo/config.yaml."""
+    if "ppo/config.yaml" not in run.configs:
+        return None
+    return estimator_text(
+        config_value(run, "ppo", "advantage_estimator"), config_value(run, "ppo", "samples_per_prompt")
+    )
 
 
 def fmt(value: Any) -> str:
@@ -448,9 +469,41 @@ def plot_rm(log: list[dict] | None, metrics: dict | None):
     return fig
 
 
+def _logged(history: list[dict] | None, key: str) -> bool:
+    return len(series(history, key)[0]) > 0
+
+
+def ppo_panels(history: list[dict]) -> tuple:
+    """The PPO_PANELS this run logged anything for: a critic-free estimator logs no loss/value or val/*, so its
+    report has no value-loss or explained-variance panel."""
+    return tuple(
+        panel
+        for panel in PPO_PANELS
+        if any(_logged(history, key) for key in (*panel[2], *(panel[3] or ())[:1]))
+    )
+
+
+def compare_panels(runs: list[Run]) -> tuple:
+    """The COMPARE_PANELS some run logged their key for (no value panels when no run has a value function)."""
+    return tuple(panel for panel in COMPARE_PANELS if any(_logged(run.ppo_history, panel[0]) for run in runs))
+
+
+def _panel_grid(panels: int, panel_width: float, row_height: float):
+    """A figure of `panels` panels in as few rows of at most 5 as hold them, the rows as even as they can be
+    (12 panels: 3 x 4; 10, a run without a value function: 2 x 5); the unused cells of the last row hidden.
+    Returns (fig, the panels' axes in reading order)."""
+    nrows = max(1, math.ceil(panels / 5))
+    ncols = max(1, math.ceil(panels / nrows))
+    fig, axes = _figure(nrows, ncols, panel_width * ncols, row_height * nrows)
+    for ax in axes.flat[panels:]:
+        ax.set_visible(False)
+    return fig, list(axes.flat[:panels])
+
+
 def plot_ppo(history: list[dict], kl_target: float | None):
-    fig, axes = _figure(3, 4, 16, 9.5)
-    for ax, (title, ylabel, keys, right) in zip(axes.flat, PPO_PANELS):
+    panels = ppo_panels(history)
+    fig, axes = _panel_grid(len(panels), 4, 9.5 / 3)
+    for ax, (title, ylabel, keys, right) in zip(axes, panels):
         ax.set(title=title, xlabel="PPO step", ylabel=ylabel)
         if keys[0].startswith("time/"):
             drawn = _time_panel(ax, history)
@@ -579,26 +632,48 @@ METHOD_NAMES = {
 }
 
 
-def plot_methods(points: list[dict], fits: dict):
+def rl_methods(metrics: dict) -> dict:
+    """compare's RL runs, method -> {name, ppo_dir, advantage_estimator, samples_per_prompt}: ppo_dir's run
+    ("ppo") and each of more_ppo_dirs (a compare from before `runs` was written: "ppo" alone)."""
+    runs = metrics.get("runs")
+    return runs if isinstance(runs, dict) else {"ppo": {}}
+
+
+def method_label(method: str, metrics: dict) -> str:
+    """A method as the plot and the tables name it: an RL run by its name and estimator ("PPO" when it is the
+    only one), DPO and best-of-n by METHOD_NAMES."""
+    runs = rl_methods(metrics)
+    run = runs.get(method)
+    if not isinstance(run, dict) or not run:
+        return METHOD_NAMES.get(method, method)
+    name = "PPO" if len(runs) == 1 else str(run.get("name") or method)
+    estimator = estimator_text(run.get("advantage_estimator"), run.get("samples_per_prompt"))
+    return f"{name} (along its run)" if name == estimator else f"{name} ({estimator}, along its run)"
+
+
+def plot_methods(points: list[dict], metrics: dict):
     """Gold (solid, left axis) and proxy RM score (dashed, right axis) against sqrt(KL), one colour per
-    method; Gao et al.'s fitted law dotted through the gold points."""
+    method (each RL run one); Gao et al.'s fitted law dotted through the gold points."""
+    fits = metrics.get("fits") or {}
     fig, axes = _figure(1, 1, 8, 4.8)
     ax = axes[0, 0]
     twin = _twin(ax, "0.4")
     ax.set(title="Gold reward against KL: which method buys the most gold per nat?",
            xlabel="sqrt(KL to the SFT model)   (sqrt nats)", ylabel="gold score (solid)")  # fmt: skip
     twin.set_ylabel("RM score, normalised (dashed)", color="0.4")
-    for i, method in enumerate(METHOD_NAMES):
+    for i, method in enumerate(dict.fromkeys(p.get("method") for p in points)):
         ps = [p for p in points if p.get("method") == method and _num(p.get("kl")) is not None]
-        if method != "ppo":  # PPO's points stay in step order: its path along the run (KL is not monotone)
+        # an RL run's points stay in step order: its path along the run (KL is not monotone)
+        if method not in rl_methods(metrics):
             ps.sort(key=lambda p: p["kl"])
         if not ps:
             continue
         d = np.sqrt(np.maximum([p["kl"] for p in ps], 0.0))
         color = _color(i)
-        ax.plot(d, [p["gold_score"] for p in ps], "o-", color=color, markersize=4, label=METHOD_NAMES[method])
+        ax.plot(d, [p["gold_score"] for p in ps], "o-", color=color, markersize=4,
+                label=method_label(method, metrics))  # fmt: skip
         twin.plot(d, [p["rm_score"] for p in ps], "--", color=color, linewidth=1)
-        fit = (fits or {}).get(method)
+        fit = fits.get(method)
         if fit:
             grid, curve = np.array(fit["curve"]).T  # compare's fitted law on sqrt(KL)
             ax.plot(grid, curve, ":", color=color, linewidth=1.5,
@@ -612,8 +687,9 @@ def plot_methods(points: list[dict], fits: dict):
 
 
 def plot_compare_ppo(runs: list[Run]):
-    fig, axes = _figure(3, 4, 16, 10)
-    for ax, (key, title, ylabel) in zip(axes.flat, COMPARE_PANELS):
+    panels = compare_panels(runs)
+    fig, axes = _panel_grid(len(panels), 4, 10 / 3)
+    for ax, (key, title, ylabel) in zip(axes, panels):
         ax.set(title=title, xlabel="PPO step", ylabel=ylabel)
         drawn = False
         for i, run in enumerate(runs):
@@ -687,6 +763,8 @@ table.texts td { white-space: pre-wrap; }
 table.pairs th { width: 50%; } tr.prompt td { background: #f7f7f7; font-style: italic; }
 table.ppo-samples th:nth-child(1) { width: 30%; } table.ppo-samples th:nth-child(3) { width: 6em; }
 table.watch tr:first-child th:nth-child(-n+3) { width: 5.5em; }
+table.runs td:nth-child(-n+2) { white-space: nowrap; overflow-wrap: normal; }
+.wide { overflow-x: auto; }
 .scores { display: block; color: #666; font-size: 0.85em; margin-top: 0.3em; white-space: normal; }
 .prompt-text { color: #777; } .empty { color: #999; font-style: italic; }
 .flag { color: #a15c00; background: #fff0d9; border-radius: 3px; padding: 0 0.3em; font-size: 0.8em;
@@ -805,6 +883,7 @@ def headline_cards(run: Run) -> str:
               f"bag-of-words baseline {_g(rm_base, '.1%')}, chance 50%" if rm_base is not None else "chance 50%"),
         _card("PPO RM score", f"{_g(first)} → {_g(last)}", "first → last step"),
         _card("PPO KL", _g(kl), f"target {_g(target)}, β = {_g(beta)}"),
+        *estimator_card(run),
         _card("Gold win rate", _g(gold, ".1%"),
               f"vs SFT; RM win rate {_g(rm_win, '.1%')}" if rm_win is not None else "vs SFT"),
     ]  # fmt: skip
@@ -821,6 +900,17 @@ def headline_cards(run: Run) -> str:
     if wall:
         cards.append(_card("Wall time", f"{wall / 60:.1f} min", "all stages"))
     return '<div class="cards">' + "".join(cards) + "</div>"
+
+
+def estimator_card(run: Run) -> list[str]:
+    """The card that says how the PPO stage made its advantages (none without a PPO config)."""
+    if "ppo/config.yaml" not in run.configs:
+        return []
+    estimator = config_value(run, "ppo", "advantage_estimator") or "gae"
+    critic = "GAE over a value function" if estimator == "gae" else "no value function"
+    k = config_value(run, "ppo", "samples_per_prompt")
+    sub = f"{critic}; {k} samples / prompt" if k not in (None, 1) else critic
+    return [_card("Advantage estimator", str(estimator), sub)]
 
 
 def _skipped(run: Run, stage: str, files: list[str]) -> str:
@@ -873,6 +963,9 @@ def section_ppo(page: Page, run: Run) -> None:
         caption = "β on the right axis of the KL panel, the KL target dashed."
         if len(run.ppo_history) > SMOOTH_ABOVE:
             caption += " Faint: raw values; solid: centred moving average over 5% of the steps."
+        left_out = [panel[0] for panel in PPO_PANELS if panel not in ppo_panels(run.ppo_history)]
+        if left_out:
+            caption += f" Not drawn, nothing logged for them: {', '.join(left_out)}."
         page.figure(
             plot_ppo(run.ppo_history, final_value(run, "ppo", "kl_target")), "ppo", "PPO curves", caption
         )
@@ -1445,36 +1538,46 @@ def section_hacking(page: Page, run: Run) -> None:
     page.add(counters_table(evaluations))
 
 
-def section_methods(page: Page, run: Run) -> None:
-    """Only for runs with a compare stage (`llm-rlhf compare`)."""
+def section_methods(page: Page, run: Run, number: str = "6. ") -> None:
+    """Only for runs with a compare stage (`llm-rlhf compare`); a sweep's compare page has it unnumbered."""
     if not run.compare_points or not run.compare_metrics:
         return
     metrics = run.compare_metrics
-    page.add('<h2 id="compare">6. Methods compared: gold reward against KL</h2>', _wall_time(run, "compare"))
-    page.add(f'<p class="meta">{metrics.get("num_prompts")} held-out prompts (the PPO run\'s held-out set), '
+    page.add(
+        f'<h2 id="compare">{number}Methods compared: gold reward against KL</h2>', _wall_time(run, "compare")
+    )
+    page.add(f'<p class="meta">{metrics.get("num_prompts")} held-out prompts (the PPO runs\' held-out set), '
              f"one gold judge ({html.escape(str(metrics.get('gold_judge')))}). Best-of-n's KL is the analytic "
              "log n − (n−1)/n; the KL measured on its samples is in the table.</p>")  # fmt: skip
-    page.figure(plot_methods(run.compare_points, metrics.get("fits") or {}), "methods",
-                "Gold and RM score against sqrt(KL): PPO joined in step order, DPO and best-of-n by KL")  # fmt: skip
-    best = metrics.get("best") or {}
+    page.figure(plot_methods(run.compare_points, metrics), "methods",
+                "Gold and RM score against sqrt(KL): each RL run joined in step order, DPO and best-of-n by KL")  # fmt: skip
+    order = list(dict.fromkeys(p.get("method") for p in run.compare_points))  # metrics.json's keys are sorted
+    best = sorted((metrics.get("best") or {}).items(), key=lambda item: _rank(order, item[0]))
     page.add("<h3>Best gold of each method</h3>", table(
         ["method", "best gold score", "at KL", "point"],
-        [[METHOD_NAMES.get(m, m), b.get("gold_score"), b.get("kl"), b.get("label")] for m, b in best.items()],
+        [[method_label(m, metrics), b.get("gold_score"), b.get("kl"), b.get("label")] for m, b in best],
     ))  # fmt: skip
-    fits = metrics.get("fits") or {}
+    fits = sorted(
+        ((m, f) for m, f in (metrics.get("fits") or {}).items() if f), key=lambda item: _rank(order, item[0])
+    )
     page.add("<h3>Gao et al. (2022) law fits</h3>", table(
         ["method", "form (d = sqrt KL)", "α ± se", "β ± se", "R²", "points", "fit"],
-        [[METHOD_NAMES.get(m, m),
+        [[method_label(m, metrics),
           "d(α − β d)" if f["form"] == "bon" else "d(α − β log d)",
           f"{f['alpha']:.3f} ± {f['alpha_stderr']:.3f}", f"{f['beta']:.3f} ± {f['beta_stderr']:.3f}",
           f["r2"], f["num_points"], "poor" if f["poor"] else "good"]
-         for m, f in fits.items() if f],
-    ))  # fmt: skip
-    rows = [[METHOD_NAMES.get(p["method"], p["method"]), p.get("label"), p.get("kl"), p.get("kl_measured"),
+         for m, f in fits],
+    ) if fits else '<p class="note">No law fitted: a fit needs 3 points with KL &gt; 0 and the SFT model\'s gold.</p>')  # fmt: skip
+    rows = [[method_label(p["method"], metrics), p.get("label"), p.get("kl"), p.get("kl_measured"),
              p.get("rm_score"), p.get("gold_score"), p.get("fluency_perplexity")] for p in run.compare_points]  # fmt: skip
     page.add("<details><summary>Every point</summary>", table(
         ["method", "point", "KL", "KL measured (best-of-n)", "RM score", "gold score", "fluency perplexity"], rows
     ), "</details>")  # fmt: skip
+
+
+def _rank(order: list, method: str) -> int:
+    """Where `method` comes in `order` (the points' order: the RL runs, DPO, best-of-n); unknown ones last."""
+    return order.index(method) if method in order else len(order)
 
 
 def section_configs(page: Page, run: Run) -> None:
@@ -1546,17 +1649,25 @@ def build_compare_page(runs: list[Run], folder: Path, png_dir: Path) -> Page:
     page = Page(png_dir)
     _header(page, f"RLHF runs side by side: {folder.resolve().name}", folder)
     page.add("<h2>Headline metrics</h2>")
-    header = ["run", *[f"{key} ({stage})" if stage == "ppo" else key for stage, key in COMPARE_COLUMNS]]
+    header = [
+        "run",
+        "estimator",
+        *[f"{key} ({stage})" if stage == "ppo" else key for stage, key in COMPARE_COLUMNS],
+    ]
     rows = []
     for run in runs:
         link = Raw(
             f'<a href="{html.escape(run.path.relative_to(folder).as_posix())}/report.html">{html.escape(run.name)}</a>'
         )
-        rows.append([link, *[final_value(run, stage, key) for stage, key in COMPARE_COLUMNS]])
-    page.add(table(header, rows))
+        rows.append(
+            [link, run_estimator(run), *[final_value(run, stage, key) for stage, key in COMPARE_COLUMNS]]
+        )
+    # the run and estimator cells unbroken (table.runs); a table wider than the page scrolls
+    page.add('<div class="wide">', table(header, rows, css_class="runs"), "</div>")
     page.add(
         '<p class="meta">Win rates and scores from the final evaluation on held-out prompts (vs the SFT '
-        "baseline); the ppo columns are the last PPO step's rollout statistics.</p>"
+        "baseline); the ppo columns are the last PPO step's rollout statistics. estimator: the PPO stage's "
+        "advantage_estimator, with k = samples_per_prompt when a prompt was sampled more than once.</p>"
     )
     diffs = config_differences(runs)
     if diffs:
@@ -1578,6 +1689,10 @@ def build_compare_page(runs: list[Run], folder: Path, png_dir: Path) -> Page:
         )
     else:
         page.missing("No run has ppo/eval_log.jsonl.")
+    shared = Run(path=folder, name=folder.resolve().name)  # a sweep's compare stage runs once, in DIR/compare
+    shared.pipeline = _dict(shared.json("pipeline.json", note=False))
+    load_compare(shared)
+    section_methods(page, shared, number="")
     notes = [f"{r.name}: {', '.join(r.missing)}" for r in runs if r.missing]
     if notes:
         page.add(

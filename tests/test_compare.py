@@ -3,6 +3,7 @@ against the samples it is built from."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -172,3 +173,50 @@ def test_compare_config_errors_name_the_key(tmp_path):
     (ppo_dir / "config.yaml").write_text("eval_every: 0\n")
     with pytest.raises(UserError, match="eval_every > 0"):
         compare.ppo_settings(ppo_dir)
+
+
+def _heldout_run(folder: Path, prompt_file: Path, **keys) -> Path:
+    """A finished PPO run as compare reads it: config.yaml (held-out evaluation on) and eval_log.jsonl."""
+    folder.mkdir(parents=True)
+    config = {"eval_every": 2, "eval_prompt_file": str(prompt_file), "eval_num_prompts": 2, **keys}
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    (folder / "eval_log.jsonl").write_text(json.dumps({"step": 0, "kl": 0.0, "gold_score": 0.1}) + "\n")
+    return folder
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("eval_num_prompts", 3), ("eval_prompt_file", "other"), ("temperature", 0.7), ("stop_strings", ["\n"]),
+     ("gold_judge", "sentiment"), ("max_prompt_length", 16)],
+)  # fmt: skip
+def test_more_ppo_dirs_must_be_evaluated_as_ppo_dir_is(tmp_path, prompt_file, key, value):
+    """A further run whose held-out points were drawn on other prompts, sampled otherwise or judged by another
+    gold is refused before anything is loaded, naming the key and the setting; one evaluated alike is taken."""
+    if value == "other":
+        value = str(shutil.copy(prompt_file, tmp_path / "other.jsonl"))
+    main = _heldout_run(tmp_path / "runs" / "gae" / "ppo", prompt_file)
+    alike = _heldout_run(tmp_path / "runs" / "grpo" / "ppo", prompt_file, advantage_estimator="rloo",
+                         samples_per_prompt=2, init_kl_coef=0.5)  # fmt: skip
+    differs = _heldout_run(tmp_path / "runs" / "rloo-x", prompt_file, **{key: value})
+    cfg = compare.Config(ppo_dir=str(main), more_ppo_dirs=[str(alike)], output_dir=str(tmp_path / "out"))
+    ppo_cfg, _ = compare.ppo_settings(main)
+    [(name, folder, run_cfg, log)] = compare.more_runs(cfg, ppo_cfg)
+    assert (name, folder, run_cfg.advantage_estimator, log[0]["gold_score"]) == (
+        "grpo",
+        str(alike),
+        "rloo",
+        0.1,
+    )
+    cfg = dataclasses.replace(cfg, more_ppo_dirs=[str(alike), str(differs)])
+    with pytest.raises(ConfigError, match=rf"'more_ppo_dirs': '{differs}' has {key} .*not be comparable"):
+        compare.run(cfg)
+    assert not (tmp_path / "out").exists()
+
+
+def test_more_ppo_dirs_need_names_of_their_own(tmp_path):
+    """A run is a method named by its folder: two runs of one name, or a run named like a method, would be
+    drawn as one."""
+    with pytest.raises(ConfigError, match="more_ppo_dirs.*'grpo' is taken"):
+        compare.Config(more_ppo_dirs=["a/grpo/ppo", "b/grpo"])
+    with pytest.raises(ConfigError, match="more_ppo_dirs.*'dpo' is taken"):
+        compare.Config(more_ppo_dirs=["runs/dpo"])

@@ -129,3 +129,60 @@ def test_a_stage_killed_before_its_first_checkpoint_starts_over(
         "== sft: interrupted earlier, no checkpoint to resume from; starting over" in capsys.readouterr().out
     )
     assert read_json(out / "sft" / "metrics.json")["global_step"] == 2
+
+
+def test_a_sweep_over_estimators_is_compared_in_one_report_and_one_compare(
+    tmp_path, tiny_model_dir, sft_files, pref_files, prompt_file, monkeypatch
+):
+    """`--sweep` over advantage estimators with the report and the compare stage: SFT and RM once, each
+    variant's PPO and eval in DIR/<name>; the grpo run has no value head and no value panels while the gae
+    run has both; the side-by-side table names each estimator; compare runs once, over both variants."""
+    from llm_rlhf import report
+
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "sweep"
+    variants = (
+        "[{name: gae}, {name: grpo, advantage_estimator: grpo, samples_per_prompt: 2, rollout_batch_size: 2}]"
+    )
+    argv = pipeline_argv(out, tiny_model_dir, sft_files, pref_files, prompt_file, sweep=variants)
+    compare_keys = {"dpo_betas": [], "best_of_n": [1, 2], "best_of_n_samples": 2}
+    argv += ["--stages", "[sft, rm, ppo, eval, compare]", "--compare", json.dumps(compare_keys)]
+    run_pipeline(argv)
+
+    assert (out / "gae" / "ppo" / "value_head.safetensors").is_file()
+    assert not (out / "grpo" / "ppo" / "value_head.safetensors").exists()
+    assert read_json(out / "grpo" / "eval" / "metrics.json")["gold_win_rate"] is not None
+    titles = {}
+    for name in ("gae", "grpo"):
+        run = report.load_run(out / name)
+        titles[name] = [panel[0] for panel in report.ppo_panels(run.ppo_history)]
+    assert {"Value loss", "Explained variance of returns"} <= set(titles["gae"])
+    assert titles["grpo"] == [
+        t for t in titles["gae"] if t not in ("Value loss", "Explained variance of returns")
+    ]
+    assert "Not drawn, nothing logged for them: Value loss" in (out / "grpo" / "report.html").read_text()
+    assert "Not drawn" not in (out / "gae" / "report.html").read_text()
+    html = (out / "report.html").read_text()
+    headline = html[html.index("<h2>Headline metrics</h2>") :]
+    headline = headline[: headline.index("</table>")]
+    rows = [row for row in headline.split("<tr>")[2:]]
+    assert [row.split("<td>")[2].split("</td>")[0] for row in rows] == ["gae", "grpo, k = 2"]
+
+    # compare: once, in DIR/compare, both variants' held-out evaluations as methods of their own
+    assert not (out / "gae" / "compare").exists() and not (out / "grpo" / "compare").exists()
+    points = [json.loads(line) for line in (out / "compare" / "points.jsonl").read_text().splitlines()]
+    for method, name in (("ppo", "gae"), ("grpo", "grpo")):
+        heldout = [
+            json.loads(line) for line in (out / name / "ppo" / "eval_log.jsonl").read_text().splitlines()
+        ]
+        assert [p["gold_score"] for p in points if p["method"] == method] == [
+            r["gold_score"] for r in heldout
+        ]
+    metrics = read_json(out / "compare" / "metrics.json")
+    assert (
+        metrics["runs"]["ppo"]["name"] == "gae" and metrics["runs"]["grpo"]["advantage_estimator"] == "grpo"
+    )
+    assert {"ppo", "grpo", "best_of_n"} <= metrics["best"].keys()
+    assert read_json(out / "pipeline.json")["compare"]["metrics"] == metrics
+    assert "Methods compared" in html and "grpo (grpo, k = 2, along its run)" in html
+    assert (out / "report" / "methods.png").is_file()

@@ -60,8 +60,12 @@ EVAL_METRICS = {
 }  # fmt: skip
 
 
-def make_run(run: Path, *, kl_coef: float = 0.1, steps: int = 12) -> Path:
-    """Every file a finished pipeline run writes, with small fake logs."""
+VALUE_KEYS = ("loss/value", "val/clipfrac", "val/explained_variance", "val/mean")  # gae alone logs these
+
+
+def make_run(run: Path, *, kl_coef: float = 0.1, steps: int = 12, estimator: str = "gae", k: int = 1) -> Path:
+    """Every file a finished pipeline run writes, with small fake logs. A critic-free `estimator` logs no
+    value statistics and its ppo/config.yaml names it (a gae run's config, as before the key existed, does not)."""
     sft_metrics = {"eval_loss": 2.1, "eval_perplexity": 8.17, "eos_rate": 0.97}
     rm_metrics = {"eval_accuracy": 0.71, "eval_margin": 0.9, "baseline_accuracy": 0.66, "score_mean": 0.1}
     history = []
@@ -79,6 +83,8 @@ def make_run(run: Path, *, kl_coef: float = 0.1, steps: int = 12) -> Path:
                 "policy/entropy": 2.5, "policy/ratio": 1.0, "lr": 1e-5,
             }
         )  # fmt: skip
+    if estimator != "gae":
+        history = [{k: v for k, v in row.items() if k not in VALUE_KEYS} for row in history]
     ppo_metrics = {**history[-1], "scores_first": 0.1, "scores_last": 0.1 * steps, "kl_last": history[-1]["objective/kl"], "kl_target": 6.0}  # fmt: skip
     eval_metrics = EVAL_METRICS
     _write(run / "pipeline.json", json.dumps({
@@ -99,9 +105,10 @@ def make_run(run: Path, *, kl_coef: float = 0.1, steps: int = 12) -> Path:
         _write(
             run / stage / "config.yaml", f"output_dir: {run / stage}\nseed: 0\nmarker_{stage}: yes-{stage}\n"
         )
-    _write(
-        run / "ppo" / "config.yaml", f"output_dir: {run / 'ppo'}\ninit_kl_coef: {kl_coef}\nkl_target: 6.0\n"
-    )
+    ppo_config = f"output_dir: {run / 'ppo'}\ninit_kl_coef: {kl_coef}\nkl_target: 6.0\n"
+    if estimator != "gae":
+        ppo_config += f"advantage_estimator: {estimator}\nsamples_per_prompt: {k}\n"
+    _write(run / "ppo" / "config.yaml", ppo_config)
     sft_log = [{"loss": 3.0 - 0.1 * s, "step": s, "learning_rate": 1e-4} for s in range(1, 11)]
     sft_log += [
         {"eval_loss": 2.5, "step": 5},
@@ -158,6 +165,39 @@ def test_single_run_report_is_self_contained(tmp_path):
     assert 'class="missing"' not in text
 
 
+VALUE_PANELS = ["Value loss", "Explained variance of returns"]
+
+
+def visible_titles(fig) -> list[str]:
+    return [ax.get_title() for ax in fig.axes if ax.get_visible() and ax.get_title()]
+
+
+def test_a_critic_free_run_has_no_value_panels_and_names_its_estimator(tmp_path):
+    """A grpo run logs no value statistics: its PPO figure leaves the value panels out (no empty "no data"
+    panels), the caption says which, and the card names the estimator; a gae run keeps every panel."""
+    gae = report.load_run(make_run(tmp_path / "gae"))
+    grpo = report.load_run(make_run(tmp_path / "grpo", estimator="grpo", k=4))
+    every = [panel[0] for panel in report.PPO_PANELS]
+    assert [panel[0] for panel in report.ppo_panels(gae.ppo_history)] == every
+    assert [panel[0] for panel in report.ppo_panels(grpo.ppo_history)] == [
+        t for t in every if t not in VALUE_PANELS
+    ]
+    with report._style():
+        assert visible_titles(report.plot_ppo(gae.ppo_history, 6.0)) == every
+        assert visible_titles(report.plot_ppo(grpo.ppo_history, 6.0)) == [
+            t for t in every if t not in VALUE_PANELS
+        ]
+    assert report.run_estimator(gae) == "gae" and report.run_estimator(grpo) == "grpo, k = 4"
+    text = write_report(grpo.path).read_text(encoding="utf-8")
+    assert "Not drawn, nothing logged for them: Value loss, Explained variance of returns." in text
+    assert 'Advantage estimator</div><div class="value">grpo</div>' in text and "4 samples / prompt" in text
+    text = write_report(gae.path).read_text(encoding="utf-8")
+    assert "Not drawn" not in text and 'Advantage estimator</div><div class="value">gae</div>' in text
+    # side by side: the value panels stay while one run has a value function, and go when none has
+    assert [p[1] for p in report.compare_panels([gae, grpo])] == [p[1] for p in report.COMPARE_PANELS]
+    assert "Value loss" not in [p[1] for p in report.compare_panels([grpo, grpo])]
+
+
 def test_overoptimisation_curve_of_a_run_without_a_reward_model(tmp_path):
     """A PPO run on a reward function alone logs rm_score null in its held-out evaluations: the gold is still
     drawn against KL (the rows were dropped, and the figure with them)."""
@@ -195,7 +235,7 @@ def test_a_run_without_held_out_evaluation_says_how_to_get_the_curve(tmp_path):
 def test_runs_side_by_side(tmp_path):
     sweep = tmp_path / "sweep"
     make_run(sweep / "kl_coef-0.02", kl_coef=0.02)
-    make_run(sweep / "kl_coef-0.2", kl_coef=0.2, steps=40)  # > 30 points: smoothed curves
+    make_run(sweep / "kl_coef-0.2", kl_coef=0.2, steps=40, estimator="rloo", k=2)  # > 30 points: smoothed
     assert [p.name for p in find_runs(sweep)] == ["kl_coef-0.02", "kl_coef-0.2"]
     # `llm-rlhf pipeline --sweep` also records the shared SFT and RM in the sweep folder's own pipeline.json:
     # still the variants are compared
@@ -216,6 +256,10 @@ def test_runs_side_by_side(tmp_path):
         "objective/kl_coef",
     ):
         assert column in text
+    headline = _between(text, "<h2>Headline metrics</h2>")
+    assert (
+        "<th>estimator</th>" in headline and "<td>gae</td>" in headline and "<td>rloo, k = 2</td>" in headline
+    )
     # the config key the runs differ in; output_dir (the run's own folder) is not a difference
     assert "ppo.init_kl_coef" in text and "ppo.output_dir" not in text
     for name in ("compare_ppo", "compare_overoptimisation"):
