@@ -69,8 +69,9 @@ def several_processes() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def leave_process(code: int, *, finished: bool) -> NoReturn:
-    """End a process of a data-parallel run with exit code `code` without the interpreter's finalization.
+def exit_process(code: int) -> NoReturn:
+    """End this process with exit code `code`: `sys.exit`, but a process of a data-parallel run ends without
+    the interpreter's finalization (`os._exit`).
 
     Why: gloo's C++ worker threads outlive the command and can need the GIL while the interpreter finalizes
     (to release a finished collective's tensors, pytorch PR #179291): that aborts the rank ("terminate called
@@ -81,14 +82,16 @@ def leave_process(code: int, *, finished: bool) -> NoReturn:
     `os._exit` skips finalization (and atexit handlers), so what they would do is done here: loggers
     closed (the stages close their own TensorBoard writers), wandb finished, stdout/stderr flushed.
 
-    finished: the command returned normally on this process; then every process meets at a barrier first,
-    so that none leaves while another still talks to it (after an error the others may never arrive)."""
+    After a success (code 0) every process meets at a barrier first, so that none leaves while another still
+    talks to it (after an error the others may never arrive)."""
     import logging
     import os
 
     import torch.distributed as dist
 
-    if finished:
+    if not several_processes():
+        sys.exit(code)
+    if code == 0:
         dist.barrier()
     wandb = sys.modules.get("wandb")  # only if the run imported it (report_to wandb)
     if wandb is not None and wandb.run is not None:
@@ -99,15 +102,15 @@ def leave_process(code: int, *, finished: bool) -> NoReturn:
     os._exit(code)
 
 
+def entry() -> NoReturn:
+    """The `llm-rlhf` command and `python -m llm_rlhf`: `main`, then the process ends with its code."""
+    exit_process(main())
+
+
 def main(argv: list[str] | None = None) -> int:
-    code = run_command(list(sys.argv[1:] if argv is None else argv))
-    if several_processes():
-        leave_process(code, finished=code == 0)
-    return code
-
-
-def run_command(argv: list[str]) -> int:
-    """Run `llm-rlhf ARGV...`; the exit code (0, or 2 for bad input, 130 when interrupted)."""
+    """Run `llm-rlhf ARGV...` (default: sys.argv) in this process; its exit code (0, 2 for bad input, 130 when
+    interrupted). It returns on every process: the `llm-rlhf` command (`entry`) then ends the process."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
         return 0
