@@ -223,7 +223,7 @@ def test_resume_with_two_ranks(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_pat
 
 def test_two_ranks_exit_cleanly_with_tensorboard_written(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
     """2 ranks with report_to tensorboard: every rank exits 0 without aborting in gloo's teardown at exit
-    (`cli.leave_process` skips the interpreter's finalization), and the TensorBoard events of every step are
+    (`cli.exit_process` skips the interpreter's finalization), and the TensorBoard events of every step are
     on disk with the values of metrics.jsonl although no exit handler runs (the run closes its writer)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
