@@ -1,5 +1,3 @@
-import sys
+from llm_rlhf.cli import entry
 
-from llm_rlhf.cli import main
-
-sys.exit(main())
+entry()

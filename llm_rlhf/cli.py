@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from typing import NoReturn
 
 from llm_rlhf.config import format_help, parse_config
 from llm_rlhf.errors import UserError
@@ -60,17 +61,55 @@ def usage() -> str:
     return "\n".join(lines)
 
 
-def release_process_group() -> None:
-    """Destroy the process group that `accelerate launch` made, after a command finished on every process (each
-    stage ends at a barrier). Left to the interpreter's exit, gloo's teardown raced with it and sometimes aborted
-    a rank that had finished its work ("terminate called without an active exception"). Local: no collective."""
+def several_processes() -> bool:
+    """True in a process of a data-parallel run (`accelerate launch` or torchrun with world size > 1) once its
+    process group exists; False for a single process, e.g. pytest calling `main` in its own process."""
     import torch.distributed as dist  # here: torch.distributed is missing from some torch builds
 
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def exit_process(code: int) -> NoReturn:
+    """End this process with exit code `code`: `sys.exit`, but a process of a data-parallel run ends without
+    the interpreter's finalization (`os._exit`).
+
+    Why: gloo's C++ worker threads outlive the command and can need the GIL while the interpreter finalizes
+    (to release a finished collective's tensors, pytorch PR #179291): that aborts the rank ("terminate called
+    without an active exception", exit -6) after it wrote everything (1 in 30 tiny two-process runs here).
+    `destroy_process_group()` does not end those threads: torch itself keeps the group alive
+    (torch.distributed.nn.functional's defaults bind `group.WORLD` when it is imported after the group
+    exists, as transformers' imports do; FSDP2's DeviceMesh stays in DTensor's sharding caches).
+    `os._exit` skips finalization (and atexit handlers), so what they would do is done here: loggers
+    closed (the stages close their own TensorBoard writers), wandb finished, stdout/stderr flushed.
+
+    After a success (code 0) every process meets at a barrier first, so that none leaves while another still
+    talks to it (after an error the others may never arrive)."""
+    import logging
+    import os
+
+    import torch.distributed as dist
+
+    if not several_processes():
+        sys.exit(code)
+    if code == 0:
+        dist.barrier()
+    wandb = sys.modules.get("wandb")  # only if the run imported it (report_to wandb)
+    if wandb is not None and wandb.run is not None:
+        wandb.finish(exit_code=code)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def entry() -> NoReturn:
+    """The `llm-rlhf` command and `python -m llm_rlhf`: `main`, then the process ends with its code."""
+    exit_process(main())
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run `llm-rlhf ARGV...` (default: sys.argv) in this process; its exit code (0, 2 for bad input, 130 when
+    interrupted). It returns on every process: the `llm-rlhf` command (`entry`) then ends the process."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
@@ -93,7 +132,6 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         cfg = parse_config(module.Config, rest)
         module.run(cfg)
-        release_process_group()
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

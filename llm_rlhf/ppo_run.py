@@ -201,7 +201,7 @@ def run(cfg: Config) -> dict[str, float]:
             truncate_log(out / "eval_log.jsonl", trainer.step)
             truncate_log(out / "eval_samples.jsonl", trainer.step)
 
-    writer = make_writer(cfg, out) if accelerator.is_main_process else None
+    log_metrics, close_writer = make_writer(cfg, out) if accelerator.is_main_process else (None, None)
     history = (
         [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         if resume_from is not None and (out / "metrics.jsonl").exists()
@@ -224,28 +224,32 @@ def run(cfg: Config) -> dict[str, float]:
                 )
         accelerator.wait_for_everyone()
 
-    if resume_from is None:
-        maybe_evaluate()
-    bar = tqdm(total=cfg.steps, initial=trainer.step, desc="ppo", disable=not accelerator.is_main_process)
-    while trainer.step < cfg.steps:
-        metrics = trainer.ppo_step()
-        history.append(metrics)
-        if accelerator.is_main_process:
-            append_jsonl(out / "metrics.jsonl", metrics)
-            if writer is not None:
-                writer(metrics)
-            bar.set_postfix(
-                score=f"{metrics['objective/scores']:.2f}",
-                kl=f"{metrics['objective/kl']:.2f}",
-                beta=f"{metrics['objective/kl_coef']:.3f}",
-            )
-            bar.update(1)
-        if cfg.log_samples_every and (trainer.step % cfg.log_samples_every == 0 or trainer.step == 1):
-            log_samples(trainer, out)  # on every process, like evaluation; the main one writes
-        maybe_evaluate()
-        if cfg.save_steps and trainer.step % cfg.save_steps == 0 and trainer.step < cfg.steps:
-            save_checkpoint(trainer, out / "checkpoints" / f"step-{trainer.step}")
-    bar.close()
+    try:
+        if resume_from is None:
+            maybe_evaluate()
+        bar = tqdm(total=cfg.steps, initial=trainer.step, desc="ppo", disable=not accelerator.is_main_process)
+        while trainer.step < cfg.steps:
+            metrics = trainer.ppo_step()
+            history.append(metrics)
+            if accelerator.is_main_process:
+                append_jsonl(out / "metrics.jsonl", metrics)
+                if log_metrics is not None:
+                    log_metrics(metrics)
+                bar.set_postfix(
+                    score=f"{metrics['objective/scores']:.2f}",
+                    kl=f"{metrics['objective/kl']:.2f}",
+                    beta=f"{metrics['objective/kl_coef']:.3f}",
+                )
+                bar.update(1)
+            if cfg.log_samples_every and (trainer.step % cfg.log_samples_every == 0 or trainer.step == 1):
+                log_samples(trainer, out)  # on every process, like evaluation; the main one writes
+            maybe_evaluate()
+            if cfg.save_steps and trainer.step % cfg.save_steps == 0 and trainer.step < cfg.steps:
+                save_checkpoint(trainer, out / "checkpoints" / f"step-{trainer.step}")
+        bar.close()
+    finally:
+        if close_writer is not None:
+            close_writer()  # writes the last steps' events, also when a step failed
 
     final = summarize(history, cfg)
     save_final(trainer, cfg, out, final)
@@ -316,21 +320,26 @@ def log_samples(trainer: PPOTrainer, out: Path) -> None:
 
 
 def make_writer(cfg: Config, out: Path):
+    """`report_to`'s logger as (log(metrics), close()); (None, None) for none. close() writes what is still
+    buffered: nothing else does in a data-parallel run, whose processes end without the interpreter's exit
+    handlers (`cli.exit_process`)."""
     if cfg.report_to == "tensorboard":
         from torch.utils.tensorboard import SummaryWriter  # optional dependency (the tensorboard extra)
 
         tb = SummaryWriter(str(out / "tensorboard"))
-        return lambda m: [
-            tb.add_scalar(k, v, m["step"])
-            for k, v in m.items()
-            if isinstance(v, (int, float)) and k != "step"
-        ]
+
+        def log(m: dict) -> None:
+            for k, v in m.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    tb.add_scalar(k, v, m["step"])
+
+        return log, tb.close
     if cfg.report_to == "wandb":
         import wandb  # optional dependency (the wandb extra)
 
-        wandb.init(project="llm_rlhf", config=dataclasses.asdict(cfg), dir=str(out))
-        return lambda m: wandb.log(m, step=m["step"])
-    return None
+        run = wandb.init(project="llm_rlhf", config=dataclasses.asdict(cfg), dir=str(out))
+        return (lambda m: run.log(m, step=m["step"])), run.finish
+    return None, None
 
 
 def save_final(trainer: PPOTrainer, cfg: Config, out: Path, final: dict) -> None:

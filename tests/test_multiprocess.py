@@ -221,6 +221,26 @@ def test_resume_with_two_ranks(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_pat
     assert_same_logs(a, b)
 
 
+def test_two_ranks_exit_cleanly_with_tensorboard_written(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
+    """2 ranks with report_to tensorboard: every rank exits 0 without aborting in gloo's teardown at exit
+    (`cli.exit_process` skips the interpreter's finalization), and the TensorBoard events of every step are
+    on disk with the values of metrics.jsonl although no exit handler runs (the run closes its writer)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "tb"
+    args = ppo_cli_args(
+        tiny_model_dir, tiny_rm_dir, prompt_file, out, 2, save_steps=0, report_to="tensorboard"
+    )
+    result = launch(args, 2)
+    assert "terminate called" not in result.stderr + result.stdout
+    events = EventAccumulator(str(out / "tensorboard")).Reload()
+    metrics = logged(out)
+    for key in ("objective/scores", "objective/kl", "loss/policy"):
+        scalars = events.Scalars(key)
+        assert [e.step for e in scalars] == [1, 2], key
+        assert [e.value for e in scalars] == pytest.approx([m[key] for m in metrics], rel=1e-5, abs=1e-7), key
+
+
 def test_separate_critic_with_two_ranks(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
     """value_model: reward under DDP: two minibatches per epoch (DDP's reducer fails on the second one when
     a parameter, e.g. an unused policy value head, took no part in the loss), a checkpoint, and the

@@ -32,7 +32,7 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
     out.mkdir(parents=True, exist_ok=True)
     (out / f"sample_calls_{rank}.json").write_text(json.dumps(calls[0]))
-    sys.exit(code)
+    cli.exit_process(code)  # after the file: a data-parallel process ends with os._exit
 
 
 if __name__ == "__main__":

@@ -44,4 +44,4 @@ if __name__ == "__main__":
         sys.argv = sys.argv[1:]
         runpy.run_path(sys.argv[0], run_name="__main__")
     else:
-        sys.exit(cli.main(sys.argv[1:]))
+        cli.exit_process(cli.main(sys.argv[1:]))

@@ -24,7 +24,7 @@ def main() -> None:
         return ppo_step(self)
 
     ppo.PPOTrainer.ppo_step = killed_at_step
-    sys.exit(cli.main(args))
+    cli.exit_process(cli.main(args))
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rollouts_{rank}.json").write_text(json.dumps(records))
-    sys.exit(code)
+    cli.exit_process(code)  # after the file: a data-parallel process ends with os._exit
 
 
 if __name__ == "__main__":
