@@ -45,6 +45,7 @@ from llm_rlhf.errors import ConfigError, UserError
 from llm_rlhf.models import Trained
 from llm_rlhf.reward_fn import RewardFn
 from llm_rlhf.reward_model import RewardModel
+from llm_rlhf.utils import use_cpu_ddp_without_gpus
 
 SFTConfig = sft.Config
 RMConfig = reward.Config
@@ -77,6 +78,7 @@ def train_sft(
     """`llm-rlhf sft`: model (trained in place) and its tokenizer in place of model_name_or_path; train_data,
     eval_data (prompt/completion dicts, chat `messages` rows, `text` rows) in place of train_file, eval_file.
     Returns the model as saved (merged with merge_lora), its tokenizer and metrics.json's figures."""
+    use_cpu_ddp_without_gpus()  # under `accelerate launch` on CPUs: one DDP run, as the command
     keys, model = _model_key("model_name_or_path", "model", model)
     keys, train_data = _data_key(keys, "train_file", "train_data", train_data)
     keys, eval_data = _data_key(keys, "eval_file", "eval_data", eval_data)
@@ -103,6 +105,7 @@ def train_reward_model(
     """`llm-rlhf rm`: preference pairs (prompt/chosen/rejected dicts, chosen/rejected dialogues, prompt +
     ranked) in place of train_file, eval_file, test_file. Returns the normalised `RewardModel` (what
     `train_ppo(reward_model=...)` takes), its tokenizer and metrics.json's figures."""
+    use_cpu_ddp_without_gpus()  # under `accelerate launch` on CPUs: one DDP run, as the command
     keys, train_data = _data_key({}, "train_file", "train_data", train_data)
     keys, eval_data = _data_key(keys, "eval_file", "eval_data", eval_data)
     keys, test_data = _data_key(keys, "test_file", "test_data", test_data)
@@ -132,6 +135,7 @@ def train_ppo(
     works), in place of the config's reward_fn; prompts (strings, chat `messages` lists, dicts, a Dataset)
     in place of prompt_file. Returns the policy's LM, its tokenizer, its value head (None without one) and
     metrics.json's figures."""
+    use_cpu_ddp_without_gpus()  # under `accelerate launch` on CPUs: one DDP run, as the command
     keys, policy = _model_key("model_name_or_path", "policy", policy)
     keys, reward_model = _reward_model_key(keys, reward_model)
     keys, reward_fn = _reward_fn_key(keys, reward_fn)
@@ -160,6 +164,7 @@ def run_eval(
     """`llm-rlhf eval`: policy and its tokenizer in place of policy_path (the baseline and the reference are
     the config's folders), reward_model, reward_fn and prompts as in `train_ppo`. Returns metrics.json's
     figures (None on all but the main process)."""
+    use_cpu_ddp_without_gpus()  # under `accelerate launch` on CPUs: one DDP run, as the command
     keys, policy = _model_key("policy_path", "policy", policy)
     keys, reward_model = _reward_model_key(keys, reward_model)
     keys, reward_fn = _reward_fn_key(keys, reward_fn)

@@ -215,6 +215,7 @@ def test_a_script_using_the_api_runs_on_two_processes(tiny_model_dir, prompt_fil
     launch([str(ROOT / "tests" / "scripts" / "api_ppo.py"), str(tiny_model_dir), str(prompt_file), str(out)])
     steps = read_jsonl(out / "metrics.jsonl")
     assert [m["step"] for m in steps] == [1, 2]
+    assert [m["episodes"] for m in steps] == [8, 16]  # one run of 2 x 4 episodes a step, not two runs of 4
     assert json.loads((out / "on_step.rank0.json").read_text()) == steps  # the main process's calls
     assert json.loads((out / "on_step.rank1.json").read_text()) == []  # none on the other process
     assert (out / "model.safetensors").is_file() and (out / "value_head.safetensors").is_file()
