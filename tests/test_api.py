@@ -31,7 +31,9 @@ def error_line(capsys, argv: list[str]) -> str:
 
 def without_times(rows: list[dict]) -> list[dict]:
     """Every logged figure but the clock's (time/*, tokens_per_s)."""
-    return [{k: v for k, v in row.items() if not (k.startswith("time/") or k.endswith("_per_s"))} for row in rows]
+    return [
+        {k: v for k, v in row.items() if not (k.startswith("time/") or k.endswith("_per_s"))} for row in rows
+    ]
 
 
 def read_jsonl(path: Path) -> list[dict]:
