@@ -67,67 +67,33 @@ __all__ = [
 
 
 def train_sft(
-    config: Any = None,
-    *,
-    model=None,
-    tokenizer=None,
-    train_data=None,
-    eval_data=None,
-    on_step: Callable[[dict], Any] | None = None,
+    config=None, *, model=None, tokenizer=None, train_data=None, eval_data=None, on_step=None
 ) -> Trained:
     """`llm-rlhf sft`: model (trained in place) and its tokenizer in place of model_name_or_path; train_data,
     eval_data (prompt/completion dicts, chat `messages` rows, `text` rows) in place of train_file, eval_file.
     Returns the model as saved (merged with merge_lora), its tokenizer and metrics.json's figures."""
-    use_cpu_ddp_without_gpus()  # under `accelerate launch` on CPUs: one DDP run, as the command
-    keys, model = _model_key("model_name_or_path", "model", model)
-    keys, train_data = _data_key(keys, "train_file", "train_data", train_data)
-    keys, eval_data = _data_key(keys, "eval_file", "eval_data", eval_data)
-    cfg = _config(SFTConfig, config, keys)
-    _check_dtype(cfg, model, "model")
-    return sft.train(
-        cfg,
-        model=model,
-        tokenizer=tokenizer,
-        train_data=train_data,
-        eval_data=eval_data,
-        callbacks=_log_callbacks(on_step),
+    places = {"model": "model_name_or_path", "train_data": "train_file", "eval_data": "eval_file"}
+    cfg, objects = _in_place_of(
+        SFTConfig, config, places, model=model, train_data=train_data, eval_data=eval_data
     )
+    return sft.train(cfg, tokenizer=tokenizer, callbacks=_log_callbacks(on_step), **objects)
 
 
 def train_reward_model(
-    config: Any = None,
-    *,
-    train_data=None,
-    eval_data=None,
-    test_data=None,
-    on_step: Callable[[dict], Any] | None = None,
+    config=None, *, train_data=None, eval_data=None, test_data=None, on_step=None
 ) -> Trained:
     """`llm-rlhf rm`: preference pairs (prompt/chosen/rejected dicts, chosen/rejected dialogues, prompt +
     ranked) in place of train_file, eval_file, test_file. Returns the normalised `RewardModel` (what
     `train_ppo(reward_model=...)` takes), its tokenizer and metrics.json's figures."""
-    use_cpu_ddp_without_gpus()  # under `accelerate launch` on CPUs: one DDP run, as the command
-    keys, train_data = _data_key({}, "train_file", "train_data", train_data)
-    keys, eval_data = _data_key(keys, "eval_file", "eval_data", eval_data)
-    keys, test_data = _data_key(keys, "test_file", "test_data", test_data)
-    cfg = _config(RMConfig, config, keys)
-    return reward.train(
-        cfg,
-        train_data=train_data,
-        eval_data=eval_data,
-        test_data=test_data,
-        callbacks=_log_callbacks(on_step),
+    places = {"train_data": "train_file", "eval_data": "eval_file", "test_data": "test_file"}
+    cfg, objects = _in_place_of(
+        RMConfig, config, places, train_data=train_data, eval_data=eval_data, test_data=test_data
     )
+    return reward.train(cfg, callbacks=_log_callbacks(on_step), **objects)
 
 
 def train_ppo(
-    config: Any = None,
-    *,
-    policy=None,
-    tokenizer=None,
-    reward_model=None,
-    reward_fn=None,
-    prompts=None,
-    on_step: Callable[[dict], Any] | None = None,
+    config=None, *, policy=None, tokenizer=None, reward_model=None, reward_fn=None, prompts=None, on_step=None
 ) -> Trained:
     """`llm-rlhf ppo`: policy (a causal LM, trained in place; the reference is a frozen copy of it as given)
     and its tokenizer in place of model_name_or_path; reward_model (a `RewardModel` or a list: an ensemble)
@@ -135,55 +101,63 @@ def train_ppo(
     works), in place of the config's reward_fn; prompts (strings, chat `messages` lists, dicts, a Dataset)
     in place of prompt_file. Returns the policy's LM, its tokenizer, its value head (None without one) and
     metrics.json's figures."""
-    use_cpu_ddp_without_gpus()  # under `accelerate launch` on CPUs: one DDP run, as the command
-    keys, policy = _model_key("model_name_or_path", "policy", policy)
-    keys, reward_model = _reward_model_key(keys, reward_model)
-    keys, reward_fn = _reward_fn_key(keys, reward_fn)
-    keys, prompts = _data_key(keys, "prompt_file", "prompts", prompts)
-    cfg = _config(PPOConfig, config, keys)
-    _check_dtype(cfg, policy, "policy")
-    if reward_model is not None and cfg.value_model == "reward":
+    cfg, objects = _policy_and_scorer(
+        PPOConfig, config, "model_name_or_path", policy, reward_model, reward_fn, prompts
+    )
+    if objects["reward_model"] is not None and cfg.value_model == "reward":
         raise ConfigError(
             "config key 'value_model': 'reward' loads the critic from reward_model_path; give the reward "
             "model as a folder there, not as an object"
         )
-    return ppo_run.train(
-        cfg,
-        policy=policy,
-        tokenizer=tokenizer,
-        reward_model=reward_model,
-        reward_fn=reward_fn,
-        prompts=prompts,
-        on_step=on_step,
-    )
+    return ppo_run.train(cfg, tokenizer=tokenizer, on_step=on_step, **objects)
 
 
 def run_eval(
-    config: Any = None, *, policy=None, tokenizer=None, reward_model=None, reward_fn=None, prompts=None
+    config=None, *, policy=None, tokenizer=None, reward_model=None, reward_fn=None, prompts=None
 ) -> dict[str, Any] | None:
     """`llm-rlhf eval`: policy and its tokenizer in place of policy_path (the baseline and the reference are
     the config's folders), reward_model, reward_fn and prompts as in `train_ppo`. Returns metrics.json's
     figures (None on all but the main process)."""
-    use_cpu_ddp_without_gpus()  # under `accelerate launch` on CPUs: one DDP run, as the command
-    keys, policy = _model_key("policy_path", "policy", policy)
-    keys, reward_model = _reward_model_key(keys, reward_model)
-    keys, reward_fn = _reward_fn_key(keys, reward_fn)
-    keys, prompts = _data_key(keys, "prompt_file", "prompts", prompts)
-    cfg = _config(EvalConfig, config, keys)
-    _check_dtype(cfg, policy, "policy")
-    return evaluate.run(
-        cfg,
-        policy=policy,
-        tokenizer=tokenizer,
-        reward_model=reward_model,
-        reward_fn=reward_fn,
-        prompts=prompts,
+    cfg, objects = _policy_and_scorer(
+        EvalConfig, config, "policy_path", policy, reward_model, reward_fn, prompts
     )
+    return evaluate.run(cfg, tokenizer=tokenizer, **objects)
 
 
 # ---------------------------------------------------------------------------------------------------
 # Objects in place of config keys
 # ---------------------------------------------------------------------------------------------------
+
+
+def _policy_and_scorer(cls, config, policy_key: str, policy, reward_model, reward_fn, prompts):
+    """`_in_place_of` for PPO and evaluation: a policy sampled on prompts, scored by RMs and a function."""
+    places = {"policy": policy_key, "reward_model": "reward_model_path", "reward_fn": "reward_fn",
+              "prompts": "prompt_file"}  # fmt: skip
+    arguments = dict(policy=policy, reward_model=reward_model, reward_fn=reward_fn, prompts=prompts)
+    return _in_place_of(cls, config, places, **arguments)
+
+
+def _in_place_of(
+    cls: type, config: Any, places: dict[str, str], **arguments: Any
+) -> tuple[Any, dict[str, Any]]:
+    """The config (`_config`) with each argument given set in the config key `places` names for it, and the
+    objects for the stage's `train` (None for an argument given as a path, or not given)."""
+    use_cpu_ddp_without_gpus()  # under `accelerate launch` on CPUs: one DDP run, as the command sets up
+    keys, objects = {}, {}
+    for name, value in arguments.items():
+        if name in ("model", "policy"):
+            described, objects[name] = _model_key(places[name], name, value)
+        elif name == "reward_model":
+            described, objects[name] = _reward_model_key(value)
+        elif name == "reward_fn":
+            described, objects[name] = _reward_fn_key(value)
+        else:
+            described, objects[name] = _data_key(places[name], name, value)
+        keys.update(described)
+    cfg = _config(cls, config, keys)
+    for name in ("model", "policy"):
+        _check_dtype(cfg, objects.get(name), name)
+    return cfg, objects
 
 
 def _config(cls: type, config: Any, keys: dict[str, Any]):
@@ -226,25 +200,22 @@ def _check_dtype(cfg, model, name: str) -> None:
         )
 
 
-def _data_key(keys: dict[str, Any], key: str, name: str, data) -> tuple[dict[str, Any], InMemory | None]:
+def _data_key(key: str, name: str, data) -> tuple[dict[str, Any], InMemory | None]:
     if data is None:
-        return keys, None
+        return {}, None
     if isinstance(data, (str, os.PathLike)):
-        return {**keys, key: os.fspath(data)}, None
-    return {**keys, key: f"<{name}>"}, InMemory(name, data)
+        return {key: os.fspath(data)}, None
+    return {key: f"<{name}>"}, InMemory(name, data)
 
 
-def _reward_model_key(keys: dict[str, Any], reward_model) -> tuple[dict[str, Any], Any]:
+def _reward_model_key(reward_model) -> tuple[dict[str, Any], Any]:
     """One `RewardModel` or a list of them (an ensemble); folders (strings) set reward_model_path."""
     if reward_model is None:
-        return keys, None
+        return {}, None
     members = reward_model if isinstance(reward_model, (list, tuple)) else [reward_model]
     if all(isinstance(m, (str, os.PathLike)) for m in members):
         paths = [os.fspath(m) for m in members]
-        return {
-            **keys,
-            "reward_model_path": paths if isinstance(reward_model, (list, tuple)) else paths[0],
-        }, None
+        return {"reward_model_path": paths if isinstance(reward_model, (list, tuple)) else paths[0]}, None
     for m in members:
         if not isinstance(m, RewardModel):
             raise UserError(
@@ -253,26 +224,26 @@ def _reward_model_key(keys: dict[str, Any], reward_model) -> tuple[dict[str, Any
             )
     if isinstance(reward_model, (list, tuple)):
         names = [f"<reward_model {k}>" for k in range(len(members))]
-        return {**keys, "reward_model_path": names}, list(members)
-    return {**keys, "reward_model_path": "<reward_model>"}, reward_model
+        return {"reward_model_path": names}, list(members)
+    return {"reward_model_path": "<reward_model>"}, reward_model
 
 
-def _reward_fn_key(keys: dict[str, Any], fn) -> tuple[dict[str, Any], RewardFn | None]:
+def _reward_fn_key(fn) -> tuple[dict[str, Any], RewardFn | None]:
     """A callable as the config's reward_fn: named `module:qualified_name` (a lambda `module:lambda`), the
     name its errors and the saved config give; a string is a spec as the command takes it."""
     if fn is None:
-        return keys, None
+        return {}, None
     if isinstance(fn, str):
-        return {**keys, "reward_fn": fn}, None
+        return {"reward_fn": fn}, None
     if not callable(fn):
         raise UserError(
             f"reward_fn: expected a callable (prompts, responses) -> list[float], got {type(fn).__name__}"
         )
     if isinstance(fn, RewardFn):
-        return {**keys, "reward_fn": fn.spec}, fn
+        return {"reward_fn": fn.spec}, fn
     name = re.sub(r"[^\w.]", "", getattr(fn, "__qualname__", type(fn).__qualname__))  # <lambda> -> lambda
     spec = f"{getattr(fn, '__module__', None) or 'python'}:{name}"
-    return {**keys, "reward_fn": spec}, RewardFn(fn, spec)
+    return {"reward_fn": spec}, RewardFn(fn, spec)
 
 
 class _OnLog(TrainerCallback):
