@@ -36,6 +36,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from peft import PeftModel
 from transformers import TrainerCallback
 
 from llm_rlhf import evaluate, ppo, ppo_run, reward, sft
@@ -156,7 +157,7 @@ def _in_place_of(
         keys.update(described)
     cfg = _config(cls, config, keys)
     for name in ("model", "policy"):
-        _check_dtype(cfg, objects.get(name), name)
+        _check_model(cfg, objects.get(name), name)
     return cfg, objects
 
 
@@ -187,11 +188,17 @@ def _model_key(key: str, name: str, model) -> tuple[dict[str, Any], Any]:
     return {key: f"<{name}>"}, model
 
 
-def _check_dtype(cfg, model, name: str) -> None:
+def _check_model(cfg, model, name: str) -> None:
     """A model object's weights in the config's dtype: the command loads them so, and transformers loads a
-    folder in the dtype its config.json names (float16 for some), which does not train on a CPU."""
+    folder in the dtype its config.json names (float16 for some), which does not train on a CPU. A peft model
+    trains its own adapter (the reference: the model with it), so use_lora, a new adapter, does not apply."""
     if model is None:
         return
+    if isinstance(model, PeftModel) and getattr(cfg, "use_lora", False):
+        raise ConfigError(
+            f"config key 'use_lora': the {name} already holds a peft adapter, which is trained as it is; "
+            "set use_lora: false"
+        )
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     if dtype != cfg.dtype:
         raise ConfigError(

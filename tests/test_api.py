@@ -144,6 +144,35 @@ def test_ppo_with_objects_calls_on_step_once_per_step(tiny_model_dir, tiny_rm_di
     )
 
 
+def test_ppo_trains_the_adapter_of_a_peft_policy(tiny_model_dir, prompt_file, tmp_path):
+    """A policy with a LoRA adapter: the adapter and the value head train, the base weights do not, and the
+    reference is the policy as given (KL 0 at the first step)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    lora = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True, task_type="CAUSAL_LM"
+    )
+    policy = get_peft_model(load_causal_lm(str(tiny_model_dir)), lora)
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    keys = {
+        **TINY_PPO,
+        "reward_model_path": None,
+        "prompt_file": str(prompt_file),
+        "output_dir": str(tmp_path / "p"),
+    }
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    with pytest.raises(ConfigError, match=r"^config key 'use_lora': the policy already holds a peft adapter"):
+        llm_rlhf.train_ppo(
+            {**keys, "use_lora": True}, policy=policy, tokenizer=tokenizer, reward_fn="reward_fns:length"
+        )
+    result = llm_rlhf.train_ppo(keys, policy=policy, tokenizer=tokenizer, reward_fn="reward_fns:length")
+    assert isinstance(result.model, PeftModel) and result.metrics["objective/kl"] != 0
+    assert read_jsonl(tmp_path / "p" / "metrics.jsonl")[0]["objective/kl"] == 0.0
+    changed = {k for k, v in policy.state_dict().items() if not torch.equal(before[k], v)}
+    assert changed and all("lora_" in k for k in changed)
+    assert {k for k in before if "lora_B" in k} <= changed
+
+
 def test_sft_on_dicts_with_on_step(tiny_model_dir, tmp_path):
     rows = [
         {"prompt": "the film was", "completion": " good and fun"},

@@ -1,6 +1,6 @@
 """The package's import graph, read from the `import` statements (ast): it runs one way,
 
-    ppo_math -> models -> rollout / reward_model / accelerated -> scoring -> stages -> pipeline, cli
+    ppo_math -> models -> rollout / reward_model / accelerated -> scoring -> stages -> api, pipeline, cli
 
 with first-party imports at module top only. `python tests/test_imports.py` prints the graph.
 """
