@@ -193,6 +193,35 @@ def test_sft_on_dicts_with_on_step(tiny_model_dir, tmp_path):
                            train_data=[rows[0], {"prompt": "x", "completion": None}])  # fmt: skip
 
 
+def test_reward_model_object_scores_as_its_folder(tiny_model_dir, prompt_file, tmp_path):
+    """train_reward_model on a list of pairs (on_step with its log lines); run_eval with the returned object
+    gives the metrics run_eval gives with the folder it saved, prompts given as a list of strings."""
+    from helpers import SENTIMENT_JUDGE, preference_rows
+
+    rows = preference_rows()
+    seen = []
+    rm = llm_rlhf.train_reward_model(
+        {"model_name_or_path": str(tiny_model_dir), "output_dir": str(tmp_path / "rm"), "max_steps": 2,
+         "per_device_train_batch_size": 4, "logging_steps": 1, "eval_steps": 0, "max_length": 48},
+        train_data=rows * 4, eval_data=rows, test_data=rows, on_step=seen.append,
+    )  # fmt: skip
+    assert [m["step"] for m in seen if "loss" in m] == [1, 2]
+    assert rm.metrics["train_pairs"] == 4 * len(rows) and rm.metrics["test_pairs"] == len(rows)
+    prompts = [json.loads(line)["prompt"] for line in prompt_file.read_text().splitlines()][:4]
+    keys = dict(policy_path=str(tiny_model_dir), baseline_path=str(tiny_model_dir), gold_judge=SENTIMENT_JUDGE,
+                num_prompts=4, max_new_tokens=6)  # fmt: skip
+    by_object = llm_rlhf.run_eval(
+        {**keys, "output_dir": str(tmp_path / "a")}, reward_model=rm.model, prompts=prompts
+    )
+    by_folder = llm_rlhf.run_eval(
+        {**keys, "output_dir": str(tmp_path / "b"), "reward_model_path": str(tmp_path / "rm")},
+        prompts=prompts,
+    )
+    assert by_object["rm_score_mean"] is not None
+    for key in ("rm_score_mean", "rm_win_rate", "gold_score_mean", "kl_to_ref"):
+        assert by_object[key] == by_folder[key], key
+
+
 # --- one code path: the command and the API give the same run ------------------------------------------------
 
 
