@@ -3,6 +3,7 @@ one exception type with the command's message, on_step, the README's example, tw
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -44,15 +45,25 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def test_public_names_are_the_stages():
-    from llm_rlhf import evaluate, ppo, ppo_run, reward, sft
+    from llm_rlhf import evaluate, ppo, reward, sft
 
     assert llm_rlhf.SFTConfig is sft.Config and llm_rlhf.RMConfig is reward.Config
     assert llm_rlhf.PPOConfig is ppo.Config and llm_rlhf.EvalConfig is evaluate.Config
     assert llm_rlhf.UserError is UserError
     assert set(cli.API.values()) <= set(llm_rlhf.__all__)
-    assert ppo_run.run.__doc__ and "train" in ppo_run.run.__doc__  # the command is `train` from the paths
     with pytest.raises(AttributeError):
         llm_rlhf.train_dpo  # noqa: B018
+
+
+@pytest.mark.parametrize("command", ["sft", "rm", "ppo", "eval"])
+def test_the_command_calls_the_api_with_its_config(command, monkeypatch):
+    from llm_rlhf import api
+
+    calls = []
+    monkeypatch.setattr(api, cli.API[command], lambda cfg: calls.append(cfg))
+    assert cli.main([command, "--seed", "7"]) == 0
+    stage = importlib.import_module(cli.COMMANDS[command][0])
+    assert len(calls) == 1 and type(calls[0]) is stage.Config and calls[0].seed == 7
 
 
 # --- errors: one type, the command's line ----------------------------------------------------------------
@@ -268,6 +279,7 @@ def test_readme_example_runs(tiny_model_dir, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_script_using_the_api_runs_on_two_processes(tiny_model_dir, prompt_file, tmp_path):
     """tests/scripts/api_ppo.py under `accelerate launch` with 2 processes (DDP over gloo): one PPO run whose
     rollouts are 2 x 4 episodes, on_step on the main process only, the same folder as the command writes."""
