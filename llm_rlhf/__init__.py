@@ -1,3 +1,20 @@
-"""llm_rlhf: the classic RLHF pipeline (SFT -> reward model -> PPO) on Hugging Face libraries."""
+"""llm_rlhf: the classic RLHF pipeline (SFT -> reward model -> PPO) on Hugging Face libraries.
+
+The Python API (`llm_rlhf.api`): `SFTConfig`, `RMConfig`, `PPOConfig`, `EvalConfig`, `train_sft`,
+`train_reward_model`, `train_ppo`, `run_eval`, `Trained` and `UserError`. They are imported on first use,
+so `import llm_rlhf` stays light (the stages import torch, transformers and TRL).
+"""
+
+import importlib
 
 __version__ = "0.1.0"
+
+API = ("SFTConfig", "RMConfig", "PPOConfig", "EvalConfig", "train_sft", "train_reward_model", "train_ppo",
+       "run_eval", "Trained", "UserError")  # fmt: skip
+__all__ = list(API)
+
+
+def __getattr__(name: str):
+    if name in API:
+        return getattr(importlib.import_module("llm_rlhf.api"), name)
+    raise AttributeError(f"module 'llm_rlhf' has no attribute '{name}'")

@@ -1,7 +1,9 @@
 """`llm-rlhf <command> [--config recipe.yaml] [--key value ...]`: one subcommand per stage.
 
 Every stage module exposes `Config` (a flat dataclass) and `run(cfg)`, and is imported only when its
-command runs (the stages import torch, transformers and TRL). Bad input (config, data,
+command runs (the stages import torch, transformers and TRL). The commands of the Python API (`API`: sft,
+rm, ppo, eval) build the config and call its function (`llm_rlhf.api`), so a script and the command run
+one code path. Bad input (config, data,
 paths) ends with one line `error: ...` on stderr and exit code 2, before any output is written.
 """
 
@@ -51,6 +53,9 @@ COMMANDS = {
         "Rebuild report.html of a pipeline run from its logs: llm-rlhf report DIR.",
     ),
 }
+
+
+API = {"sft": "train_sft", "rm": "train_reward_model", "ppo": "train_ppo", "eval": "run_eval"}
 
 
 def usage() -> str:
@@ -131,7 +136,10 @@ def main(argv: list[str] | None = None) -> int:
             print(format_help(module.Config))
             return 0
         cfg = parse_config(module.Config, rest)
-        module.run(cfg)
+        if name in API:
+            getattr(importlib.import_module("llm_rlhf.api"), API[name])(cfg)
+        else:
+            module.run(cfg)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import os
 import types
 import typing
 from pathlib import Path
@@ -136,6 +138,54 @@ def parse_config(cls: type[C], argv: list[str]) -> C:
         return cls(**values)
     except TypeError as e:  # a required field is missing
         raise ConfigError(str(e)) from None
+
+
+def checked_keywords(cls: type[C]) -> type[C]:
+    """Class decorator (above `@dataclasses.dataclass`): a config built in Python (`PPOConfig(steps=10)`, the
+    Python API) has its keys checked as a YAML recipe's are: an unknown key is a ConfigError naming the closest
+    valid one, and a value of another type is converted (`"1e-3"` -> 1e-3) or a ConfigError naming the key.
+    Values already of the field's type (a path object for a string) pass as they are."""
+    init = cls.__init__
+    valid = sorted(f.name for f in dataclasses.fields(cls))
+
+    @functools.wraps(init)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        hints = typing.get_type_hints(cls)
+        for key, value in kwargs.items():
+            if key not in hints or key not in valid:
+                raise ConfigError(f"config: unknown key '{key}'{_closest(key, valid)}")
+            kwargs[key] = _as_field_type(key, value, hints[key])
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
+
+
+def _as_field_type(key: str, value: Any, annotation: Any) -> Any:
+    allowed = _base_types(annotation)
+    if isinstance(value, os.PathLike) and str in allowed:
+        return os.fspath(value)
+    if isinstance(value, tuple) and list in allowed:
+        return list(value)
+    kinds = tuple(k for k in allowed if k is not type(None))
+    exact = isinstance(value, kinds) and not (
+        isinstance(value, bool) and bool not in allowed
+    )  # True is an int
+    return value if exact else _coerce(key, value, annotation, "config")
+
+
+def config_from(cls: type[C], config: Any) -> C:
+    """The Python API's `config` argument as a `cls`: an instance as it is, a mapping of keys (checked as
+    `checked_keywords` checks them), or the path of a YAML recipe (read as `--config` reads it)."""
+    if isinstance(config, cls):
+        return config
+    if isinstance(config, dict):
+        return cls(**config)
+    if isinstance(config, (str, os.PathLike)):
+        return parse_config(cls, ["--config", os.fspath(config)])
+    raise ConfigError(
+        f"config: expected a {cls.__name__}, a dict of keys or a YAML file, got {type(config).__name__}"
+    )
 
 
 def load_yaml_config(path: str | Path, valid: list[str]) -> dict[str, Any]:

@@ -31,6 +31,10 @@ Conventions:
 Bad input raises `DataError` naming the file, the row and the field. Rows are numbered from 1: for
 JSONL (and CSV) the row number is the line number in the file, for JSON arrays, Parquet and hub
 datasets it is the record's position.
+
+Data held in Python (the Python API: a `datasets.Dataset`, a list of dicts, a list of prompt strings or of
+chat `messages` lists) comes in as `InMemory(name, data)` wherever a loader takes a file: the same
+schemas and checks, the errors naming the argument (`prompts, row 3, field 'prompt'`) in place of a file.
 """
 
 from __future__ import annotations
@@ -79,6 +83,34 @@ class _Rows:
         for record in self.records:
             seen.update(dict.fromkeys(record))
         return list(seen)
+
+
+class InMemory:
+    """Rows held in Python, read by every loader as a file is: `name` (the API argument) stands for the file
+    in error messages, the rows are numbered from 1. `data`: a `datasets.Dataset`, a list of dicts, a list of
+    strings (prompts: one `prompt` each) or a list of chat `messages` lists (one `messages` each)."""
+
+    def __init__(self, name: str, data: Any):
+        if isinstance(data, Dataset):
+            data = data.to_list()
+        if not isinstance(data, (list, tuple)):
+            raise DataError(
+                f"expected a datasets.Dataset or a list of rows, got {type(data).__name__}", file=name
+            )
+        records = []
+        for row, item in enumerate(data, start=1):
+            if isinstance(item, str):
+                item = {"prompt": item}
+            elif isinstance(item, (list, tuple)):
+                item = {"messages": list(item)}
+            if not isinstance(item, dict):
+                raise DataError(
+                    f"expected a dict, a string or a list of messages, got {type(item).__name__}",
+                    file=name,
+                    row=row,
+                )
+            records.append(item)
+        self.name, self.records = name, records
 
 
 def _is_local(source: str) -> bool:
@@ -180,7 +212,12 @@ def _read_hub(source: str, split: str, name: str | None) -> _Rows:
     return _Rows(f"{source}[{split}]", records, list(range(1, len(records) + 1)))
 
 
-def _read(source: str | os.PathLike, split: str = "train", name: str | None = None) -> _Rows:
+def _read(source: str | os.PathLike | InMemory, split: str = "train", name: str | None = None) -> _Rows:
+    if isinstance(source, InMemory):
+        rows = _Rows(source.name, source.records, list(range(1, len(source.records) + 1)))
+        if not rows.records:
+            raise DataError("empty dataset: no rows", file=rows.file)
+        return rows
     source = str(source)
     if not _is_local(source):
         rows = _read_hub(source, split, name)

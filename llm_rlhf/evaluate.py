@@ -68,12 +68,12 @@ from accelerate import PartialState
 from tqdm.auto import tqdm
 
 from llm_rlhf import ppo_math
-from llm_rlhf.config import format_config, help_field, is_off, require, save_config
+from llm_rlhf.config import checked_keywords, format_config, help_field, is_off, require, save_config
 from llm_rlhf.data import DATA_FORMATS, load_prompt_dataset, prompt_rules
 from llm_rlhf.errors import UserError
 from llm_rlhf.gold import FluentGoldJudge, GoldJudge, judge_details, load_judge
 from llm_rlhf.hacking import DEGENERACY_KEYS, degeneracy_rates
-from llm_rlhf.models import freeze, load_causal_lm, load_tokenizer
+from llm_rlhf.models import freeze, load_causal_lm, load_tokenizer, tokenizer_or_load
 from llm_rlhf.reward_fn import load_reward_fn, probe
 from llm_rlhf.reward_model import RewardEnsemble, check_members_exist, load_reward_models
 from llm_rlhf.rollout import (
@@ -89,6 +89,7 @@ from llm_rlhf.scoring import Scorer, Scores, check_score_keys
 from llm_rlhf.utils import atomic_write_json, atomic_write_text
 
 
+@checked_keywords
 @dataclass
 class Config:
     # --- models
@@ -437,13 +438,13 @@ def evaluate_policy(
     return summarize(records)
 
 
-def load_heldout_inputs(cfg) -> tuple[list[str], Any]:
+def load_heldout_inputs(cfg, tokenizer=None) -> tuple[list[str], Any]:
     """A PPO config's held-out prompts (the first eval_num_prompts of eval_prompt_file) and its gold judge, or
     nothing when its held-out evaluation is off (eval_every 0 or no eval_prompt_file). `compare` reads a PPO
-    run's the same way."""
+    run's the same way. tokenizer: the policy's (chat prompts are rendered with it), else model_name_or_path's."""
     if not cfg.eval_every or not cfg.eval_prompt_file:
         return [], None
-    tokenizer = load_tokenizer(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
+    tokenizer = tokenizer or load_tokenizer(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
     prompts = load_prompt_dataset(cfg.eval_prompt_file, tokenizer, **prompt_rules(cfg))["prompt"]
     return list(prompts[: cfg.eval_num_prompts]), load_judge(cfg.gold_judge)
 
@@ -477,8 +478,9 @@ def heldout_record(step: int, result: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 
 
-def load_prompts(cfg: Config, tokenizer) -> list[str]:
-    prompts = list(load_prompt_dataset(cfg.prompt_file, tokenizer, **prompt_rules(cfg))["prompt"])
+def load_prompts(cfg: Config, tokenizer, prompts=None) -> list[str]:
+    """prompt_file's prompts, or `prompts` (`data.InMemory` rows) in its place; the first num_prompts."""
+    prompts = list(load_prompt_dataset(prompts or cfg.prompt_file, tokenizer, **prompt_rules(cfg))["prompt"])
     if cfg.num_prompts is not None:
         if cfg.num_prompts > len(prompts):
             raise UserError(
@@ -530,34 +532,45 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def run(cfg: Config) -> dict[str, Any] | None:
+def run(cfg: Config, **objects: Any) -> dict[str, Any] | None:
     """Load and check every input, sample both models with paired seeds, score, write the outputs.
 
-    Under `accelerate launch` with several processes the main process evaluates and the others wait
-    (the evaluation is small next to training, and one writer keeps the outputs whole)."""
+    objects (the Python API), each in place of a config key: policy and tokenizer (policy_path), reward_model
+    (a `RewardModel` or a list of them: reward_model_path), reward_fn (a `RewardFn`: reward_fn), prompts
+    (`data.InMemory` rows: prompt_file). Under `accelerate launch` with several processes the main process
+    evaluates and the others wait (the evaluation is small next to training, and one writer keeps the
+    outputs whole)."""
     state = PartialState()
     if not state.is_main_process:
         state.wait_for_everyone()
         return None
     try:
-        return _run(cfg)
+        return _run(cfg, **objects)
     finally:
         if state.num_processes > 1:
             state.wait_for_everyone()
 
 
-def _run(cfg: Config) -> dict[str, Any]:
+def _run(
+    cfg: Config, *, policy=None, tokenizer=None, reward_model=None, reward_fn=None, prompts=None
+) -> dict[str, Any]:
     started = time.time()
     print(format_config(cfg))
     judge = load_judge(cfg.gold_judge)
-    reward_fn = load_reward_fn(cfg.reward_fn) if cfg.reward_fn is not None else None
-    if not is_off(cfg.reward_model_path):  # one RM or an ensemble (a list): every folder, before any loads
+    if reward_fn is None and cfg.reward_fn is not None:
+        reward_fn = load_reward_fn(cfg.reward_fn)
+    if reward_model is None and not is_off(cfg.reward_model_path):  # every folder, before any loads
         check_members_exist(cfg.reward_model_path)
     reference_path = cfg.reference_path or cfg.baseline_path
     paths = list(
         dict.fromkeys([cfg.policy_path, cfg.baseline_path, reference_path])
     )  # one copy of each model
-    tokenizers = {p: load_tokenizer(p, trust_remote_code=cfg.trust_remote_code) for p in paths}
+    live = {cfg.policy_path: policy} if policy is not None else {}
+    tokenizers = {
+        p: load_tokenizer(p, trust_remote_code=cfg.trust_remote_code) for p in paths if p not in live
+    }
+    if policy is not None:
+        tokenizers[cfg.policy_path] = tokenizer_or_load(cfg, tokenizer, policy)
     tokenizer, baseline_tokenizer = tokenizers[cfg.policy_path], tokenizers[cfg.baseline_path]
     ref_vocab = tokenizers[reference_path].get_vocab()
     if tokenizer.get_vocab() != ref_vocab:
@@ -565,7 +578,7 @@ def _run(cfg: Config) -> dict[str, Any]:
             f"reference_path '{reference_path}': its tokenizer differs from the policy's; kl_to_ref needs the "
             "same token ids (set reference_path to the model the policy was trained from)"
         )
-    prompts = load_prompts(cfg, tokenizer)
+    prompts = load_prompts(cfg, tokenizer, prompts)
     if reward_fn is not None:  # checked on two real prompts before any model loads, as PPO does
         probe(reward_fn, prompts)
     rows = [(i, j) for i in range(len(prompts)) for j in range(cfg.samples_per_prompt)]  # (prompt, sample)
@@ -575,9 +588,16 @@ def _run(cfg: Config) -> dict[str, Any]:
     models = {
         p: freeze(load_causal_lm(p, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)).to(device)
         for p in paths
+        if p not in live
     }
-    reward_model = None
-    if not is_off(cfg.reward_model_path):
+    models.update({p: model.eval().to(device) for p, model in live.items()})  # sampled without gradients
+    if isinstance(reward_model, list):
+        reward_model = RewardEnsemble(
+            reward_model, combine=cfg.ensemble_combine, uncertainty_coef=cfg.ensemble_uncertainty_coef
+        )
+    if reward_model is not None:
+        freeze(reward_model.to(device))
+    elif not is_off(cfg.reward_model_path):
         reward_model = load_reward_models(
             cfg.reward_model_path,
             combine=cfg.ensemble_combine,

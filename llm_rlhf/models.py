@@ -6,7 +6,10 @@ the user's config turns it on.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -64,6 +67,37 @@ def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False, paddin
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = padding_side
     return tokenizer
+
+
+def tokenizer_or_load(cfg, tokenizer=None, model=None, *, padding_side: str = "right"):
+    """The tokenizer a stage works with: a copy of the caller's (the Python API), given the pad token and the
+    padding side `load_tokenizer` gives, else `cfg.model_name_or_path`'s. A model without its tokenizer is a
+    UserError: the token ids mean nothing without it."""
+    if tokenizer is None:
+        if model is not None:
+            raise UserError("tokenizer: a model passed as an object needs its tokenizer (tokenizer=...)")
+        return load_tokenizer(
+            cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code, padding_side=padding_side
+        )
+    if tokenizer.eos_token is None:
+        raise UserError("tokenizer: it has no EOS token; responses could never stop")
+    tokenizer = copy.deepcopy(tokenizer)  # the caller's keeps its own padding side
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = padding_side
+    return tokenizer
+
+
+@dataclasses.dataclass
+class Trained:
+    """What a stage returns to Python: the trained model (the policy's causal LM for PPO, a `RewardModel`
+    for the RM stage), its tokenizer, the value head where PPO trained one, and the stage's metrics (those
+    of metrics.json; empty on all but the main process)."""
+
+    model: Any
+    tokenizer: Any
+    metrics: dict[str, Any]
+    value_head: Any = None
 
 
 def shares_vocab(tokenizer, other_tokenizer) -> bool:

@@ -37,7 +37,7 @@ import torch
 
 from llm_rlhf import ppo_math
 from llm_rlhf.accelerated import Accelerated
-from llm_rlhf.config import help_field, is_off, require
+from llm_rlhf.config import checked_keywords, help_field, is_off, require
 from llm_rlhf.data import DATA_FORMATS
 from llm_rlhf.errors import NonFiniteError, UserError
 from llm_rlhf.rollout import (
@@ -53,6 +53,7 @@ from llm_rlhf.rollout import (
 from llm_rlhf.scoring import Scorer, Scores, check_score_keys
 
 
+@checked_keywords
 @dataclass
 class Config:
     # --- models and data

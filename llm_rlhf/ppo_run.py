@@ -12,6 +12,7 @@ scheduler, the step (which fixes the data position), the KL controller and every
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -40,16 +41,18 @@ from llm_rlhf.hacking import heldout_sample_rows
 from llm_rlhf.models import (
     PolicyWithValue,
     Reference,
+    Trained,
     ValueHead,
     check_not_adapter_only,
     freeze,
     load_causal_lm,
-    load_tokenizer,
+    tokenizer_or_load,
     use_fused_gelu,
 )
 from llm_rlhf.ppo import Config, PPOModels, PPOTrainer  # Config: the keys of `llm-rlhf ppo`
 from llm_rlhf.reward_fn import RewardFn, decode_texts, load_reward_fn, probe
 from llm_rlhf.reward_model import (
+    RewardEnsemble,
     check_members_exist,
     load_reward_model,
     load_reward_models,
@@ -71,18 +74,25 @@ from llm_rlhf.utils import (
 # ---------------------------------------------------------------------------------------------
 
 
-def load_prompts(cfg: Config, tokenizer) -> list[list[int]]:
-    ds = load_prompt_dataset(cfg.prompt_file, tokenizer, **prompt_rules(cfg))
+def load_prompts(cfg: Config, tokenizer, prompts=None) -> list[list[int]]:
+    """The training prompts as token ids: prompt_file's, or `prompts` (`data.InMemory` rows) in its place."""
+    ds = load_prompt_dataset(prompts or cfg.prompt_file, tokenizer, **prompt_rules(cfg))
     return [encode_prompt(tokenizer, p) for p in ds["prompt"]]  # with BOS where the tokenizer adds one
 
 
-def build_models(cfg: Config) -> PPOModels:
+def build_models(cfg: Config, *, policy=None, reward_model=None) -> PPOModels:
     """policy (+ value head with gae, unless a separate critic), reference, reward model (a `RewardEnsemble` when
     reward_model_path is a list, its members loaded once; None when reward_model_path is none) and optional
-    critic (from the first member of an ensemble)."""
-    lm = use_fused_gelu(
-        load_causal_lm(cfg.model_name_or_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
-    )
+    critic (from the first member of an ensemble).
+
+    policy: a loaded causal LM in place of model_name_or_path (trained in place; the reference is a frozen
+    copy of it as it is now); reward_model: a `RewardModel` or a list of them (an ensemble combined with the
+    config's ensemble keys) in place of reward_model_path (the Python API)."""
+    if policy is None:
+        policy = load_causal_lm(
+            cfg.model_name_or_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code
+        )
+    lm = use_fused_gelu(policy)
     if cfg.gradient_checkpointing:
         lm.gradient_checkpointing_enable()
     if cfg.use_lora:
@@ -96,13 +106,7 @@ def build_models(cfg: Config) -> PPOModels:
         lm = get_peft_model(lm, lora)
         ref_model = Reference(lm)  # the same network; reference_context() disables the adapter
     else:
-        ref_lm = freeze(
-            use_fused_gelu(
-                load_causal_lm(
-                    cfg.model_name_or_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code
-                )
-            )
-        )
+        ref_lm = freeze(copy.deepcopy(lm))  # the policy before any update: the same weights, its own memory
         assert ref_lm is not lm and all(
             a.data_ptr() != b.data_ptr() for a, b in zip(ref_lm.parameters(), lm.parameters())
         )
@@ -119,8 +123,13 @@ def build_models(cfg: Config) -> PPOModels:
     with_head = cfg.value_model == "policy" and not cfg.critic_free
     value_head = ValueHead(hidden).to(next(lm.parameters()).dtype) if with_head else None
     policy = PolicyWithValue(lm, value_head)
-    reward_model = None
-    if not is_off(cfg.reward_model_path):  # none: the score is the reward_fn's alone
+    if isinstance(reward_model, list):
+        reward_model = RewardEnsemble(
+            reward_model, combine=cfg.ensemble_combine, uncertainty_coef=cfg.ensemble_uncertainty_coef
+        )
+    if reward_model is not None:
+        reward_model = freeze(reward_model)
+    elif not is_off(cfg.reward_model_path):  # none: the score is the reward_fn's alone
         reward_model = freeze(
             use_fused_gelu(
                 load_reward_models(
@@ -145,14 +154,21 @@ def build_models(cfg: Config) -> PPOModels:
 
 
 def build_trainer(
-    cfg: Config, accelerator, tokenizer, prompts: list[list[int]], reward_fn: RewardFn | None = None
+    cfg: Config,
+    accelerator,
+    tokenizer,
+    prompts: list[list[int]],
+    reward_fn: RewardFn | None = None,
+    *,
+    policy=None,
+    reward_model=None,
 ) -> PPOTrainer:
-    """The models and the trainer. reward_fn: `cfg.reward_fn` already loaded (`run` loads and probes it
-    first), else loaded here."""
+    """The models and the trainer. reward_fn: `cfg.reward_fn` already loaded (`train` loads and probes it
+    first), else loaded here; policy, reward_model: objects in place of the config's folders (`build_models`)."""
     if cfg.reward_fn is not None and reward_fn is None:
         reward_fn = load_reward_fn(cfg.reward_fn)
     seed_everything(cfg.seed, accelerator.process_index)
-    models = build_models(cfg)
+    models = build_models(cfg, policy=policy, reward_model=reward_model)
     if models.reward_model is not None:
         models.reward_model.to(accelerator.device)
     if not cfg.use_lora:
@@ -168,16 +184,39 @@ def last_checkpoint(output_dir: Path) -> Path | None:
 
 
 def run(cfg: Config) -> dict[str, float]:
+    """`llm-rlhf ppo`: `train` from the config's paths; returns the final metrics."""
+    return train(cfg).metrics
+
+
+def train(
+    cfg: Config,
+    *,
+    policy=None,
+    tokenizer=None,
+    reward_model=None,
+    reward_fn: RewardFn | None = None,
+    prompts=None,
+    on_step=None,
+) -> Trained:
+    """The PPO stage: check every input, build the models and the trainer, run the loop, save.
+
+    policy, tokenizer: a loaded causal LM (trained in place) and its tokenizer, in place of
+    model_name_or_path; reward_model: a `RewardModel` or a list of them, in place of reward_model_path;
+    reward_fn: a `RewardFn` in place of importing cfg.reward_fn; prompts: `data.InMemory` rows in place of
+    prompt_file; on_step: called on the main process with each step's metrics (the line of metrics.jsonl).
+    Returns the policy's LM, its tokenizer, its value head (None for the critic-free estimators or a
+    separate critic) and the final metrics (metrics.json's)."""
     accelerator = Accelerator()
     out = Path(cfg.output_dir)
-    check_not_adapter_only(cfg.model_name_or_path)
-    tokenizer = load_tokenizer(
-        cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code, padding_side="left"
-    )
-    prompts = load_prompts(cfg, tokenizer)  # validates the data before anything is written
-    reward_fn = load_and_probe_reward_fn(cfg, tokenizer, prompts)  # a broken function stops the run here
-    eval_prompts, judge = load_heldout_inputs(cfg)
-    if not is_off(cfg.reward_model_path):
+    if policy is None:
+        check_not_adapter_only(cfg.model_name_or_path)
+    tokenizer = tokenizer_or_load(cfg, tokenizer, policy, padding_side="left")
+    prompts = load_prompts(cfg, tokenizer, prompts)  # validates the data before anything is written
+    reward_fn = load_and_probe_reward_fn(
+        cfg, tokenizer, prompts, reward_fn
+    )  # a broken one stops the run here
+    eval_prompts, judge = load_heldout_inputs(cfg, tokenizer)
+    if reward_model is None and not is_off(cfg.reward_model_path):
         check_members_exist(cfg.reward_model_path)
     resume_from = last_checkpoint(out) if cfg.resume else None
     if cfg.resume and resume_from is None and accelerator.is_main_process:
@@ -187,7 +226,9 @@ def run(cfg: Config) -> dict[str, float]:
             f"output_dir '{out}' already holds a PPO run; pass --resume true or choose another output_dir"
         )
 
-    trainer = build_trainer(cfg, accelerator, tokenizer, prompts, reward_fn)
+    trainer = build_trainer(
+        cfg, accelerator, tokenizer, prompts, reward_fn, policy=policy, reward_model=reward_model
+    )
     if accelerator.is_main_process:
         print(format_config(cfg))
         print("batch sizes:", dataclasses.asdict(trainer.sizes))
@@ -235,6 +276,8 @@ def run(cfg: Config) -> dict[str, float]:
                 append_jsonl(out / "metrics.jsonl", metrics)
                 if log_metrics is not None:
                     log_metrics(metrics)
+                if on_step is not None:
+                    on_step(dict(metrics))
                 bar.set_postfix(
                     score=f"{metrics['objective/scores']:.2f}",
                     kl=f"{metrics['objective/kl']:.2f}",
@@ -253,17 +296,20 @@ def run(cfg: Config) -> dict[str, float]:
 
     final = summarize(history, cfg)
     save_final(trainer, cfg, out, final)
-    return final
+    policy = trainer.unwrapped_policy
+    return Trained(model=policy.lm, tokenizer=tokenizer, metrics=final, value_head=policy.value_head)
 
 
-def load_and_probe_reward_fn(cfg: Config, tokenizer, prompts: list[list[int]]) -> RewardFn | None:
+def load_and_probe_reward_fn(
+    cfg: Config, tokenizer, prompts: list[list[int]], reward_fn: RewardFn | None = None
+) -> RewardFn | None:
     """`cfg.reward_fn` imported and called once (`reward_fn.probe`) on the first two training prompts, as
     text as training decodes them (`reward_fn.decode_texts`), with dummy responses: before any model is
     loaded or any output written. Every process probes on the same inputs, so a deterministic function
     fails on all of them alike. None without a reward_fn."""
-    if cfg.reward_fn is None:
+    if reward_fn is None and cfg.reward_fn is None:
         return None
-    reward_fn = load_reward_fn(cfg.reward_fn)
+    reward_fn = reward_fn or load_reward_fn(cfg.reward_fn)
     query, query_mask = left_pad(prompts[:2], tokenizer.pad_token_id)  # (2, P) each
     no_response = torch.zeros((query.shape[0], 0), dtype=torch.bool)  # (2, 0)
     texts, _ = decode_texts(tokenizer, query, query_mask, no_response.long(), no_response)

@@ -29,10 +29,10 @@ from peft import LoraConfig
 from trl import RewardConfig, RewardTrainer
 
 from llm_rlhf.baseline import fit_bow_baseline, pairwise_accuracy
-from llm_rlhf.config import help_field, require
+from llm_rlhf.config import checked_keywords, help_field, require
 from llm_rlhf.data import load_preference_dataset, load_rows
 from llm_rlhf.errors import ConfigError, DataError, UserError
-from llm_rlhf.models import check_not_adapter_only, load_tokenizer
+from llm_rlhf.models import Trained, check_not_adapter_only, load_tokenizer
 from llm_rlhf.reward_model import (
     RewardModel,
     add_pad_token,
@@ -54,6 +54,7 @@ from llm_rlhf.trainer_stage import (
 from llm_rlhf.utils import atomic_write_json, publish_files, seed_everything, temp_dir_beside
 
 
+@checked_keywords
 @dataclasses.dataclass
 class Config(TrainerStageConfig):
     """The RM stage's keys: the shared ones of `TrainerStageConfig` (optimiser, LoRA, logging and
@@ -165,9 +166,11 @@ class Config(TrainerStageConfig):
 # ---------------------------------------------------------------------------------------------------
 
 
-def _margins(cfg: Config, num_pairs: int) -> list[float]:
-    """The `margin` column of train_file, one float per pair (only files with one pair per row)."""
-    rows = load_rows(cfg.train_file, split=cfg.train_split)
+def _margins(cfg: Config, num_pairs: int, source=None) -> list[float]:
+    """The `margin` column of train_file (or of `source`, rows held in Python), one float per pair (only files
+    with one pair per row)."""
+    source = source or cfg.train_file
+    rows = load_rows(source, split=cfg.train_split)
     if "margin" not in rows.column_names or "ranked" in rows.column_names or len(rows) != num_pairs:
         raise ConfigError(
             f"config key 'margin': {cfg.margin} needs a numeric `margin` column in train_file, one pair per row "
@@ -177,7 +180,10 @@ def _margins(cfg: Config, num_pairs: int) -> list[float]:
     for i, value in enumerate(rows["margin"], start=1):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise DataError(
-                f"expected a finite number, got {value!r:.40}", file=cfg.train_file, row=i, field="margin"
+                f"expected a finite number, got {value!r:.40}",
+                file=getattr(source, "name", source),
+                row=i,
+                field="margin",
             )
         values.append(cfg.margin * float(value))
     return values
@@ -223,8 +229,9 @@ class Inputs:
     margins: list[float] | None
 
 
-def load_inputs(cfg: Config) -> Inputs:
-    """Tokenizer (with its pad token), the three pair sets and the model, all checked."""
+def load_inputs(cfg: Config, *, train_data=None, eval_data=None, test_data=None) -> Inputs:
+    """Tokenizer (with its pad token), the three pair sets and the model, all checked. train_data, eval_data,
+    test_data: `data.InMemory` rows in place of train_file, eval_file, test_file."""
     cfg.check_outputs()
     hint = " (train it with `llm-rlhf sft`)" if cfg.model_name_or_path.rstrip("/").endswith("sft") else ""
     cfg.check_model_path(hint)
@@ -232,10 +239,11 @@ def load_inputs(cfg: Config) -> Inputs:
     tokenizer = load_tokenizer(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
     load = load_preference_dataset
     rules = {"max_length": cfg.max_length, "data_format": cfg.data_format, "skip_long": cfg.skip_long}
-    train = load(cfg.train_file, tokenizer, split=cfg.train_split, **rules)
-    val = load(cfg.eval_file, tokenizer, split=cfg.eval_split, **rules)
-    test = load(cfg.test_file, tokenizer, split=cfg.eval_split, **rules) if cfg.test_file else None
-    margins = _margins(cfg, len(train)) if cfg.margin > 0 else None
+    train = load(train_data or cfg.train_file, tokenizer, split=cfg.train_split, **rules)
+    val = load(eval_data or cfg.eval_file, tokenizer, split=cfg.eval_split, **rules)
+    test_source = test_data or cfg.test_file
+    test = load(test_source, tokenizer, split=cfg.eval_split, **rules) if test_source else None
+    margins = _margins(cfg, len(train), train_data) if cfg.margin > 0 else None
     # Local folders by absolute path: a LoRA adapter records its base model's path in adapter_config.json.
     name = cfg.model_name_or_path
     name = os.path.abspath(os.path.expanduser(name)) if os.path.isdir(os.path.expanduser(name)) else name
@@ -369,9 +377,18 @@ def normalize_and_evaluate(cfg: Config, reward_model: RewardModel, inputs: Input
 
 
 def run(cfg: Config) -> dict[str, float]:
-    """Validate inputs, train with RewardTrainer, normalise, evaluate (with the baseline), save, write metrics."""
+    """`llm-rlhf rm`: `train` from the config's paths; returns the metrics (empty on all but the main process)."""
+    return train(cfg).metrics
+
+
+def train(cfg: Config, *, train_data=None, eval_data=None, test_data=None, callbacks=()) -> Trained:
+    """Validate inputs, train with RewardTrainer, normalise, evaluate (with the baseline), save, write metrics.
+
+    train_data, eval_data, test_data: `data.InMemory` pairs in place of the config's files; callbacks: more
+    transformers `TrainerCallback`s. Returns the trained `RewardModel` (normalised; on the main process,
+    None elsewhere), its tokenizer and the metrics."""
     started = time.time()
-    inputs = load_inputs(cfg)
+    inputs = load_inputs(cfg, train_data=train_data, eval_data=eval_data, test_data=test_data)
     tokenizer, output_dir = inputs.tokenizer, Path(cfg.output_dir)
     train_dataset, dropped = _tokenize(inputs.train, tokenizer, cfg.max_length, inputs.margins)
     eval_dataset, eval_dropped = _tokenize(inputs.eval, tokenizer, cfg.max_length)
@@ -386,6 +403,8 @@ def run(cfg: Config) -> dict[str, float]:
 
     seed_everything(cfg.seed)
     trainer = build_trainer(cfg, inputs.model, tokenizer, train_dataset, eval_dataset)
+    for callback in callbacks:
+        trainer.add_callback(callback)
     main = trainer.accelerator.is_main_process
     if main:
         start_outputs(cfg, output_dir)  # the first write: every input is valid by now
@@ -411,6 +430,7 @@ def run(cfg: Config) -> dict[str, float]:
     trainer.accelerator.wait_for_everyone()
 
     metrics: dict[str, float] = {}
+    reward_model = None
     if main:
         model = trainer.accelerator.unwrap_model(trainer.model)
         reward_model = RewardModel(model, tokenizer).eval()
@@ -433,4 +453,4 @@ def run(cfg: Config) -> dict[str, float]:
         print(json.dumps(metrics, indent=2), flush=True)
         atomic_write_json(output_dir / "metrics.json", metrics)  # last: marks the stage done
     trainer.accelerator.wait_for_everyone()
-    return metrics
+    return Trained(model=reward_model, tokenizer=tokenizer, metrics=metrics)

@@ -24,9 +24,9 @@ from peft import LoraConfig, PeftModel
 from transformers.pytorch_utils import Conv1D
 from trl import SFTConfig, SFTTrainer
 
-from llm_rlhf.config import help_field, require
+from llm_rlhf.config import checked_keywords, help_field, require
 from llm_rlhf.data import load_sft_dataset
-from llm_rlhf.models import load_causal_lm, load_tokenizer
+from llm_rlhf.models import Trained, load_causal_lm, tokenizer_or_load
 from llm_rlhf.rollout import Sampling, encode_prompt, left_pad, sample
 from llm_rlhf.trainer_stage import (
     TrainerStageConfig,
@@ -47,6 +47,7 @@ from llm_rlhf.utils import (
 SAMPLE_BATCH_SIZE = 32  # generation batch for the eos_rate samples (larger batches were slower on CPU)
 
 
+@checked_keywords
 @dataclasses.dataclass
 class Config(TrainerStageConfig):
     """The SFT stage's keys: the shared ones of `TrainerStageConfig` (optimiser, LoRA, logging and
@@ -91,15 +92,20 @@ class Config(TrainerStageConfig):
         require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
 
 
-def load_inputs(cfg: Config):
-    """Tokenizer, datasets and model, all checked; returns (tokenizer, model, train_dataset, eval_dataset)."""
+def load_inputs(cfg: Config, *, model=None, tokenizer=None, train_data=None, eval_data=None):
+    """Tokenizer, datasets and model, all checked; returns (tokenizer, model, train_dataset, eval_dataset).
+    A model and its tokenizer, or data held in Python (`data.InMemory`), stand in for the config's paths."""
     cfg.check_outputs()
-    cfg.check_model_path()
-    tokenizer = load_tokenizer(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
+    if model is None:
+        cfg.check_model_path()
+    tokenizer = tokenizer_or_load(cfg, tokenizer, model)
     rules = {"max_length": cfg.max_length, "data_format": cfg.data_format, "skip_long": cfg.skip_long}
-    train = load_sft_dataset(cfg.train_file, tokenizer, split=cfg.train_split, **rules)
-    val = load_sft_dataset(cfg.eval_file, tokenizer, split=cfg.eval_split, **rules)
-    model = load_causal_lm(cfg.model_name_or_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
+    train = load_sft_dataset(train_data or cfg.train_file, tokenizer, split=cfg.train_split, **rules)
+    val = load_sft_dataset(eval_data or cfg.eval_file, tokenizer, split=cfg.eval_split, **rules)
+    if model is None:
+        model = load_causal_lm(
+            cfg.model_name_or_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code
+        )
     return tokenizer, model, train, val
 
 
@@ -208,9 +214,23 @@ def _save_final_model(model, tokenizer, folder: Path, *, merge: bool):
 
 
 def run(cfg: Config) -> dict[str, float | None]:
-    """Validate inputs, train with SFTTrainer, evaluate, save the model, sample, write metrics.json."""
+    """`llm-rlhf sft`: `train` from the config's paths; returns the metrics (empty on all but the main process)."""
+    return train(cfg).metrics
+
+
+def train(
+    cfg: Config, *, model=None, tokenizer=None, train_data=None, eval_data=None, callbacks=()
+) -> Trained:
+    """Validate inputs, train with SFTTrainer, evaluate, save the model, sample, write metrics.json.
+
+    model, tokenizer: a loaded causal LM (a peft model trains its adapter) and its tokenizer, in place of
+    model_name_or_path (the model is trained in place); train_data, eval_data: `data.InMemory` rows in place
+    of train_file, eval_file; callbacks: more transformers `TrainerCallback`s. Returns the trained model (as
+    saved: merged when merge_lora), its tokenizer and the metrics."""
     started = time.time()
-    tokenizer, model, train_dataset, eval_dataset = load_inputs(cfg)
+    tokenizer, model, train_dataset, eval_dataset = load_inputs(
+        cfg, model=model, tokenizer=tokenizer, train_data=train_data, eval_data=eval_data
+    )
     output_dir = Path(cfg.output_dir)
     checkpoint = last_checkpoint(output_dir) if cfg.resume else None
 
@@ -220,6 +240,8 @@ def run(cfg: Config) -> dict[str, float | None]:
         start_outputs(cfg, output_dir)  # the first write: every input is valid by now
     seed_everything(cfg.seed)
     trainer = build_trainer(cfg, model, tokenizer, train_dataset, eval_dataset, args)
+    for callback in callbacks:
+        trainer.add_callback(callback)
     if main:
         _print_data_summary(trainer, tokenizer, cfg)
     if main and checkpoint:
@@ -230,8 +252,8 @@ def run(cfg: Config) -> dict[str, float | None]:
     trainer.accelerator.wait_for_everyone()
 
     metrics: dict[str, float | None] = {}
+    model = trainer.accelerator.unwrap_model(trainer.model)
     if main:
-        model = trainer.accelerator.unwrap_model(trainer.model)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         tmp = temp_dir_beside(output_dir / "final")  # inside output_dir: moving files out of it is atomic
         model = _save_final_model(model, tokenizer, tmp, merge=cfg.merge_lora)  # sample from what was saved
@@ -257,7 +279,7 @@ def run(cfg: Config) -> dict[str, float | None]:
         print(json.dumps(metrics, indent=2), flush=True)
         atomic_write_json(output_dir / "metrics.json", metrics)  # last: marks the stage done
     trainer.accelerator.wait_for_everyone()
-    return metrics
+    return Trained(model=model, tokenizer=tokenizer, metrics=metrics)
 
 
 def _sample_eval_prompts(cfg: Config, model, tokenizer, eval_dataset) -> list[dict]:

@@ -1,6 +1,6 @@
 """The package's import graph, read from the `import` statements (ast): it runs one way,
 
-    ppo_math -> models -> rollout / reward_model / accelerated -> scoring -> stages -> pipeline, cli
+    ppo_math -> models -> rollout / reward_model / accelerated -> scoring -> stages -> api, pipeline, cli
 
 with first-party imports at module top only. `python tests/test_imports.py` prints the graph.
 """
@@ -23,6 +23,7 @@ LAYERS = {
     "sft": 4, "reward": 4, "dpo": 4, "ppo": 4, "evaluate": 4, "score": 4, "report": 4, "judge": 4,
     "ppo_run": 5,  # the `llm-rlhf ppo` command: the trainer (ppo) and held-out evaluation (evaluate)
     "compare": 5,  # `llm-rlhf compare`: a PPO run's settings (ppo), DPO (dpo), held-out evaluation (evaluate)
+    "api": 6,  # the Python API: one function per stage (sft, reward, ppo_run, evaluate)
     "pipeline": 6, "cli": 6,
     "__main__": 7, "__init__": 7,
 }  # fmt: skip

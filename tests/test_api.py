@@ -1,0 +1,297 @@
+"""The Python API (`llm_rlhf.api`, issue 27): the same code path as the commands, objects in place of paths,
+one exception type with the command's message, on_step, the README's example, two processes."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ROOT, launch, write_jsonl
+from safetensors.torch import load_file
+
+import llm_rlhf
+from llm_rlhf import cli
+from llm_rlhf.errors import ConfigError, DataError, UserError
+from llm_rlhf.models import load_causal_lm, load_tokenizer
+
+TINY_PPO = dict(steps=2, rollout_batch_size=4, mini_batch_size=2, ppo_epochs=1, max_new_tokens=6, save_steps=0,
+                eval_every=0, log_samples_every=0, learning_rate=1e-3)  # fmt: skip
+
+
+def error_line(capsys, argv: list[str]) -> str:
+    """What `llm-rlhf ARGV` prints after `error: ` (exit code 2)."""
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0].removeprefix("error: ")
+
+
+def without_times(rows: list[dict]) -> list[dict]:
+    """Every logged figure but the clock's (time/*, tokens_per_s)."""
+    return [
+        {k: v for k, v in row.items() if not (k.startswith("time/") or k.endswith("_per_s"))} for row in rows
+    ]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# --- the public names ------------------------------------------------------------------------------------
+
+
+def test_public_names_are_the_stages():
+    from llm_rlhf import evaluate, ppo, reward, sft
+
+    assert llm_rlhf.SFTConfig is sft.Config and llm_rlhf.RMConfig is reward.Config
+    assert llm_rlhf.PPOConfig is ppo.Config and llm_rlhf.EvalConfig is evaluate.Config
+    assert llm_rlhf.UserError is UserError
+    assert set(cli.API.values()) <= set(llm_rlhf.__all__)
+    with pytest.raises(AttributeError):
+        llm_rlhf.train_dpo  # noqa: B018
+
+
+@pytest.mark.parametrize("command", ["sft", "rm", "ppo", "eval"])
+def test_the_command_calls_the_api_with_its_config(command, monkeypatch):
+    from llm_rlhf import api
+
+    calls = []
+    monkeypatch.setattr(api, cli.API[command], lambda cfg: calls.append(cfg))
+    assert cli.main([command, "--seed", "7"]) == 0
+    stage = importlib.import_module(cli.COMMANDS[command][0])
+    assert len(calls) == 1 and type(calls[0]) is stage.Config and calls[0].seed == 7
+
+
+# --- errors: one type, the command's line ----------------------------------------------------------------
+
+
+def test_bad_key_and_value_raise_the_commands_message(capsys):
+    with pytest.raises(ConfigError) as bad_value:
+        llm_rlhf.PPOConfig(steps=0)
+    assert str(bad_value.value) == error_line(capsys, ["ppo", "--steps", "0"])
+    with pytest.raises(ConfigError) as bad_key:
+        llm_rlhf.train_ppo({"stpes": 3})
+    assert str(bad_key.value) == "config: unknown key 'stpes'; did you mean 'steps'?"
+    assert (
+        error_line(capsys, ["ppo", "--stpes", "3"])
+        == "command line: unknown key 'stpes'; did you mean 'steps'?"
+    )
+    with pytest.raises(ConfigError, match=r"^config: 'max_steps' = 'four' is not a valid int$"):
+        llm_rlhf.SFTConfig(max_steps="four")
+    assert llm_rlhf.SFTConfig(learning_rate="1e-3").learning_rate == 1e-3  # converted as a YAML value is
+
+
+def test_bad_data_row_raises_the_commands_message(tiny_model_dir, tmp_path, capsys):
+    rows = [{"prompt": "the film"}, {"prompt": 7}]
+    bad = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    keys = dict(model_name_or_path=str(tiny_model_dir), reward_model_path="none", reward_fn="reward_fns:length",
+                output_dir=str(tmp_path / "out"), **TINY_PPO)  # fmt: skip
+    command = error_line(capsys, ["ppo", *[f"--{k}={v}" for k, v in keys.items()], "--prompt_file", str(bad)])
+    with pytest.raises(DataError) as api:
+        llm_rlhf.train_ppo(keys, prompts=rows)
+    assert str(api.value) == command.replace(str(bad), "prompts")
+    assert str(api.value).startswith("prompts, row 2, field 'prompt': ")
+    assert not (tmp_path / "out").exists()  # stopped before anything was written
+
+
+def test_a_broken_reward_function_stops_before_training(tiny_model_dir, tmp_path):
+    name = "test_api:test_a_broken_reward_function_stops_before_training.locals.lambda"  # the lambda's own
+    with pytest.raises(
+        UserError, match=rf"^reward_fn '{name}' raised ZeroDivisionError: division by zero \(test_api"
+    ):
+        llm_rlhf.train_ppo(
+            {**TINY_PPO, "reward_model_path": None, "output_dir": str(tmp_path / "out")},
+            policy=str(tiny_model_dir), prompts=["the film", "a plot"],
+            reward_fn=lambda prompts, responses: [1 / 0 for _ in responses],
+        )  # fmt: skip
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_model_in_another_dtype_is_a_config_error(tiny_model_dir, tmp_path):
+    half = load_causal_lm(str(tiny_model_dir), dtype="bfloat16")
+    with pytest.raises(
+        ConfigError, match=r"^config key 'dtype': is float32 but the model's weights are bfloat16"
+    ):
+        llm_rlhf.train_sft(
+            {"output_dir": str(tmp_path)}, model=half, tokenizer=load_tokenizer(str(tiny_model_dir))
+        )
+
+
+# --- objects in place of paths, on_step ---------------------------------------------------------------------
+
+
+def test_ppo_with_objects_calls_on_step_once_per_step(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
+    """A loaded policy, a reward model object and a lambda beside it, prompts as chat-free strings: the run
+    logs and saves as the command does, and on_step sees each step's line of metrics.jsonl once."""
+    from llm_rlhf.reward_model import load_reward_model
+
+    prompts = [json.loads(line)["prompt"] for line in prompt_file.read_text().splitlines()]
+    policy = load_causal_lm(str(tiny_model_dir))
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    seen = []
+    result = llm_rlhf.train_ppo(
+        {**TINY_PPO, "output_dir": str(tmp_path / "ppo")},
+        policy=policy, tokenizer=load_tokenizer(str(tiny_model_dir)),
+        reward_model=[load_reward_model(tiny_rm_dir), load_reward_model(tiny_rm_dir)],
+        reward_fn=lambda prompts, responses: [len(r) / 10 for r in responses], prompts=prompts,
+        on_step=seen.append,
+    )  # fmt: skip
+    logged = read_jsonl(tmp_path / "ppo" / "metrics.jsonl")
+    assert [m["step"] for m in seen] == [1, 2] and seen == logged
+    assert "objective/scores_member_1" in logged[0] and "objective/reward_fn" in logged[0]
+    assert result.model is policy  # trained in place
+    assert any(not torch.equal(before[k], v) for k, v in policy.state_dict().items())
+    head = load_file(tmp_path / "ppo" / "value_head.safetensors")
+    assert all(torch.equal(head[k], v) for k, v in result.value_head.state_dict().items())
+    assert result.metrics == json.loads((tmp_path / "ppo" / "metrics.json").read_text())
+    saved = (tmp_path / "ppo" / "config.yaml").read_text()
+    assert (
+        "reward_fn: test_api:test_ppo_with_objects_calls_on_step_once_per_step.locals.lambda" in saved
+        and "model_name_or_path: <policy>" in saved
+    )
+
+
+def test_ppo_trains_the_adapter_of_a_peft_policy(tiny_model_dir, prompt_file, tmp_path):
+    """A policy with a LoRA adapter: the adapter and the value head train, the base weights do not, and the
+    reference is the policy as given (KL 0 at the first step)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    lora = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True, task_type="CAUSAL_LM"
+    )
+    policy = get_peft_model(load_causal_lm(str(tiny_model_dir)), lora)
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    keys = {
+        **TINY_PPO,
+        "reward_model_path": None,
+        "prompt_file": str(prompt_file),
+        "output_dir": str(tmp_path / "p"),
+    }
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    with pytest.raises(ConfigError, match=r"^config key 'use_lora': the policy already holds a peft adapter"):
+        llm_rlhf.train_ppo(
+            {**keys, "use_lora": True}, policy=policy, tokenizer=tokenizer, reward_fn="reward_fns:length"
+        )
+    result = llm_rlhf.train_ppo(keys, policy=policy, tokenizer=tokenizer, reward_fn="reward_fns:length")
+    assert isinstance(result.model, PeftModel) and result.metrics["objective/kl"] != 0
+    assert read_jsonl(tmp_path / "p" / "metrics.jsonl")[0]["objective/kl"] == 0.0
+    changed = {k for k, v in policy.state_dict().items() if not torch.equal(before[k], v)}
+    assert changed and all("lora_" in k for k in changed)
+    assert {k for k in before if "lora_B" in k} <= changed
+
+
+def test_sft_on_dicts_with_on_step(tiny_model_dir, tmp_path):
+    rows = [
+        {"prompt": "the film was", "completion": " good and fun"},
+        {"prompt": "a plot", "completion": " that bored"},
+    ]
+    seen = []
+    result = llm_rlhf.train_sft(
+        {"output_dir": str(tmp_path / "sft"), "max_steps": 3, "per_device_train_batch_size": 2, "logging_steps": 1,
+         "eval_steps": 0, "num_samples": 2, "max_new_tokens": 4, "max_length": 32},
+        model=str(tiny_model_dir), train_data=rows * 4, eval_data=rows, on_step=seen.append,
+    )  # fmt: skip
+    losses = [m for m in seen if "loss" in m]
+    assert [m["step"] for m in losses] == [1, 2, 3]
+    assert losses == [m for m in read_jsonl(tmp_path / "sft" / "log.jsonl") if "loss" in m]
+    assert result.metrics["global_step"] == 3 and result.metrics["train_examples"] == 8
+    with pytest.raises(DataError, match=r"^train_data, row 2, field 'completion': "):
+        llm_rlhf.train_sft({"output_dir": str(tmp_path / "bad")}, model=str(tiny_model_dir),
+                           train_data=[rows[0], {"prompt": "x", "completion": None}])  # fmt: skip
+
+
+def test_reward_model_object_scores_as_its_folder(tiny_model_dir, prompt_file, tmp_path):
+    """train_reward_model on a list of pairs (on_step with its log lines); run_eval with the returned object
+    gives the metrics run_eval gives with the folder it saved, prompts given as a list of strings."""
+    from helpers import SENTIMENT_JUDGE, preference_rows
+
+    rows = preference_rows()
+    seen = []
+    rm = llm_rlhf.train_reward_model(
+        {"model_name_or_path": str(tiny_model_dir), "output_dir": str(tmp_path / "rm"), "max_steps": 2,
+         "per_device_train_batch_size": 4, "logging_steps": 1, "eval_steps": 0, "max_length": 48},
+        train_data=rows * 4, eval_data=rows, test_data=rows, on_step=seen.append,
+    )  # fmt: skip
+    assert [m["step"] for m in seen if "loss" in m] == [1, 2]
+    assert rm.metrics["train_pairs"] == 4 * len(rows) and rm.metrics["test_pairs"] == len(rows)
+    prompts = [json.loads(line)["prompt"] for line in prompt_file.read_text().splitlines()][:4]
+    keys = dict(policy_path=str(tiny_model_dir), baseline_path=str(tiny_model_dir), gold_judge=SENTIMENT_JUDGE,
+                num_prompts=4, max_new_tokens=6)  # fmt: skip
+    by_object = llm_rlhf.run_eval(
+        {**keys, "output_dir": str(tmp_path / "a")}, reward_model=rm.model, prompts=prompts
+    )
+    by_folder = llm_rlhf.run_eval(
+        {**keys, "output_dir": str(tmp_path / "b"), "reward_model_path": str(tmp_path / "rm")},
+        prompts=prompts,
+    )
+    assert by_object["rm_score_mean"] is not None
+    for key in ("rm_score_mean", "rm_win_rate", "gold_score_mean", "kl_to_ref"):
+        assert by_object[key] == by_folder[key], key
+
+
+# --- one code path: the command and the API give the same run ------------------------------------------------
+
+
+def test_cli_and_api_give_the_same_ppo_run(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
+    keys = dict(model_name_or_path=str(tiny_model_dir), reward_model_path=str(tiny_rm_dir),
+                prompt_file=str(prompt_file), **TINY_PPO)  # fmt: skip
+    argv = ["ppo", *[f"--{k}={v}" for k, v in keys.items()], "--output_dir", str(tmp_path / "cli")]
+    assert cli.main(argv) == 0
+    llm_rlhf.train_ppo({**keys, "output_dir": str(tmp_path / "api")})
+    objects = dict(policy=load_causal_lm(str(tiny_model_dir)), tokenizer=load_tokenizer(str(tiny_model_dir)))
+    llm_rlhf.train_ppo({**keys, "output_dir": str(tmp_path / "objects")}, **objects)
+    runs = [tmp_path / name for name in ("cli", "api", "objects")]
+    logs = [without_times(read_jsonl(run / "metrics.jsonl")) for run in runs]
+    assert logs[0] == logs[1] == logs[2] and len(logs[0]) == 2
+    for name in ("model.safetensors", "value_head.safetensors"):
+        weights = [load_file(run / name) for run in runs]
+        assert all(torch.equal(weights[0][k], w[k]) for w in weights[1:] for k in weights[0]), name
+
+
+# --- the README's example, two processes -----------------------------------------------------------------
+
+
+def test_readme_example_runs(tiny_model_dir, tmp_path, monkeypatch):
+    """The README's "From Python" code block, as written, with the tiny GPT-2 for the repository's base model
+    and the output folder in tmp_path."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## From Python") :].split("\n## ")[0]
+    code = section.split("```python\n")[1].split("```")[0]
+    for path in ('"data/reviews/base_model"', '"runs/api"', '"data/reviews/gold_judge.json"'):
+        assert path in code
+    code = code.replace('"data/reviews/base_model"', repr(str(tiny_model_dir))).replace(
+        '"runs/api"', repr(str(tmp_path / "api"))
+    )
+    monkeypatch.chdir(ROOT)  # data/reviews/gold_judge.json, as the README runs from the repository root
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    assert (
+        len(scope["scores"]) == 2 and scope["ppo"].value_head is not None and scope["grpo"].value_head is None
+    )
+    assert scope["metrics"] == json.loads((tmp_path / "api" / "eval" / "metrics.json").read_text())
+    for stage in ("sft", "ppo", "grpo", "eval"):
+        assert (tmp_path / "api" / stage / "metrics.json").is_file(), stage
+    assert "advantage_estimator: grpo" in (tmp_path / "api" / "grpo" / "config.yaml").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_script_using_the_api_runs_on_two_processes(tiny_model_dir, prompt_file, tmp_path):
+    """tests/scripts/api_ppo.py under `accelerate launch` with 2 processes (DDP over gloo): one PPO run whose
+    rollouts are 2 x 4 episodes, on_step on the main process only, the same folder as the command writes."""
+    out = tmp_path / "ppo"
+    launch([str(ROOT / "tests" / "scripts" / "api_ppo.py"), str(tiny_model_dir), str(prompt_file), str(out)])
+    steps = read_jsonl(out / "metrics.jsonl")
+    assert [m["step"] for m in steps] == [1, 2]
+    assert [m["episodes"] for m in steps] == [8, 16]  # one run of 2 x 4 episodes a step, not two runs of 4
+    assert json.loads((out / "on_step.rank0.json").read_text()) == steps  # the main process's calls
+    assert json.loads((out / "on_step.rank1.json").read_text()) == []  # none on the other process
+    assert (out / "model.safetensors").is_file() and (out / "value_head.safetensors").is_file()
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
