@@ -294,7 +294,7 @@ def dpo_points(cfg: Config, dpo_cfgs: list, inputs: dict[str, Any]) -> list[dict
             dpo.run(dataclasses.replace(dpo_cfg, resume=last_checkpoint(dpo_cfg.output_dir) is not None))
         policy = freeze(load_causal_lm(dpo_cfg.output_dir))
         result = evaluate_policy(
-            policy=policy, tokenizer=inputs["tokenizer"], prompts=inputs["prompts"], draws=inputs["draws"],
+            policy, inputs["tokenizer"], inputs["prompts"], inputs["draws"],
             scorer=inputs["scorer"], judge=inputs["judge"], reference=KLReference(inputs["sft_model"]),
         )  # fmt: skip
         points.append({

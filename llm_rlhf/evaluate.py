@@ -403,11 +403,11 @@ def summarize(records: list[dict[str, Any]], suffix: str = "") -> dict[str, floa
 
 
 def evaluate_policy(
-    *,
     policy,
     tokenizer,
     prompts: list[str],
     draws: PairedSampling,
+    *,
     scorer=None,
     judge=None,
     reference=None,

@@ -598,20 +598,9 @@ class PPOTrainer:
         times["train"] = time.perf_counter() - t
 
         kl_seq = ppo_math.sequence_kl(kl=kl, response_mask=rollout.response_mask)  # (B,)
-        mean_kl = self.global_mean(kl_seq)
-        self.kl_ctl.update(mean_kl, self.sizes.episodes_per_step)  # n in episodes
+        self.kl_ctl.update(self.global_mean(kl_seq), self.sizes.episodes_per_step)  # n in episodes
         self.step += 1
-        # The KL penalty as the objective counts it, -beta * KL_t, wherever it is optimised (in the reward,
-        # or as k3 in the loss), so objective/rlhf_reward means the same for every estimator.
-        non_score_reward = torch.where(rollout.response_mask, -kl_coef * kl, 0)  # (B, R)
-        metrics = self.metrics(
-            rollout,
-            kl_seq=kl_seq,
-            kl_coef=kl_coef,
-            non_score_reward=non_score_reward,
-            returns=returns,
-            times=times,
-        )
+        metrics = self.metrics(rollout, kl=kl, kl_coef=kl_coef, returns=returns, times=times)
         if greedy is not None:
             metrics["objective/greedy_scores"] = self.global_mean(greedy.scores.mean())
         return {**metrics, **train_stats, **self.score_term_means(scores)}
@@ -981,14 +970,16 @@ class PPOTrainer:
 
     # --- the step's log line ------------------------------------------------------------------
 
-    def metrics(
-        self, rollout: Rollout, *, kl_seq, kl_coef, non_score_reward, returns, times
-    ) -> dict[str, float]:
+    def metrics(self, rollout: Rollout, *, kl, kl_coef, returns, times) -> dict[str, float]:
         """The step's log line: objective/*, val/* (with a value function), lengths, EOS rate and times, global
         over processes (`ppo_step` adds the update's statistics and the scores' parts, `score_term_means`).
-        non_score_reward: -beta * KL_t (B, R), the KL penalty of the objective wherever the KL is optimised."""
+        kl: the per-token KL_t (B, R) of `rewards`; objective/non_score_reward is the KL penalty as the
+        objective counts it, -beta * KL_t, wherever it is optimised (in the reward, or as k3 in the loss), so
+        objective/rlhf_reward means the same for every estimator."""
         mask = rollout.response_mask
         lengths = mask.sum(-1).float()  # (B,)
+        kl_seq = ppo_math.sequence_kl(kl=kl, response_mask=mask)  # (B,)
+        non_score_reward = torch.where(mask, -kl_coef * kl, 0)  # (B, R)
         non_score = ppo_math.masked_sum(non_score_reward, mask, dim=-1)  # (B,)
         tokens = self.global_sum(lengths.sum())
         step_time = sum(times.values())

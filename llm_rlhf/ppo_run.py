@@ -499,15 +499,9 @@ def evaluate_heldout(trainer: PPOTrainer, prompts: list[str], judge) -> tuple[di
     draws = PairedSampling(trainer.sampling, seed=cfg.seed, batch_size=cfg.rollout_batch_size)
     with trainer.acc.autocast(), trainer.acc.gathered_for_generation(policy):
         result = evaluate_policy(
-            policy=lm,
-            tokenizer=trainer.tokenizer,
-            prompts=prompts,
-            draws=draws,
-            scorer=trainer.scorer,
-            judge=judge,
-            reference=reference,
+            lm, trainer.tokenizer, prompts, draws, scorer=trainer.scorer, judge=judge, reference=reference,
             samples_out=samples,
-        )
+        )  # fmt: skip
     rows = heldout_sample_rows(samples, step=trainer.step, reward_fn_weight=cfg.reward_fn_weight)
     return heldout_record(trainer.step, result), rows
 
