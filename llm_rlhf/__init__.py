@@ -1,8 +1,8 @@
 """llm_rlhf: the classic RLHF pipeline (SFT -> reward model -> PPO) on Hugging Face libraries.
 
 The Python API (`llm_rlhf.api`): `SFTConfig`, `RMConfig`, `PPOConfig`, `EvalConfig`, `train_sft`,
-`train_reward_model`, `train_ppo`, `run_eval`, `Trained` and `UserError`. They are imported on first use,
-so `import llm_rlhf` stays light (the stages import torch, transformers and TRL).
+`train_reward_model`, `train_ppo`, `run_eval`, `Trained`, `UserError` and `exit_process`. They are imported on
+first use, so `import llm_rlhf` stays light (the stages import torch, transformers and TRL).
 """
 
 import importlib
@@ -10,7 +10,7 @@ import importlib
 __version__ = "0.1.0"
 
 API = ("SFTConfig", "RMConfig", "PPOConfig", "EvalConfig", "train_sft", "train_reward_model", "train_ppo",
-       "run_eval", "Trained", "UserError")  # fmt: skip
+       "run_eval", "Trained", "UserError", "exit_process")  # fmt: skip
 __all__ = list(API)
 
 

@@ -46,7 +46,10 @@ from llm_rlhf.errors import ConfigError, UserError
 from llm_rlhf.models import Trained
 from llm_rlhf.reward_fn import RewardFn
 from llm_rlhf.reward_model import RewardModel
-from llm_rlhf.utils import use_cpu_ddp_without_gpus
+from llm_rlhf.utils import (
+    exit_process,  # noqa: F401  (public: the end of a script under accelerate launch)
+    use_cpu_ddp_without_gpus,
+)
 
 SFTConfig = sft.Config
 RMConfig = reward.Config

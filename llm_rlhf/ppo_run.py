@@ -368,7 +368,7 @@ def log_samples(trainer: PPOTrainer, out: Path) -> None:
 def make_writer(cfg: Config, out: Path):
     """`report_to`'s logger as (log(metrics), close()); (None, None) for none. close() writes what is still
     buffered: nothing else does in a data-parallel run, whose processes end without the interpreter's exit
-    handlers (`cli.exit_process`)."""
+    handlers (`utils.exit_process`)."""
     if cfg.report_to == "tensorboard":
         from torch.utils.tensorboard import SummaryWriter  # optional dependency (the tensorboard extra)
 

@@ -6,9 +6,10 @@ import json
 import os
 import random
 import shutil
+import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 
 def seed_everything(seed: int, process_index: int = 0) -> int:
@@ -103,3 +104,43 @@ def use_cpu_ddp_without_gpus() -> None:
 
         os.environ.setdefault("ACCELERATE_USE_CPU", "true")
         PartialState(cpu=os.environ["ACCELERATE_USE_CPU"].lower() in ("1", "true", "yes"))
+
+
+def several_processes() -> bool:
+    """True in a process of a data-parallel run (`accelerate launch` or torchrun with world size > 1) once its
+    process group exists; False for a single process, e.g. pytest calling `main` in its own process."""
+    import torch.distributed as dist  # here: torch.distributed is missing from some torch builds
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def exit_process(code: int) -> NoReturn:
+    """End this process with exit code `code`: `sys.exit`, but a process of a data-parallel run ends without
+    the interpreter's finalization (`os._exit`).
+
+    Why: gloo's C++ worker threads outlive the command and can need the GIL while the interpreter finalizes
+    (to release a finished collective's tensors, pytorch PR #179291): that aborts the rank ("terminate called
+    without an active exception", exit -6) after it wrote everything (1 in 30 tiny two-process runs here).
+    `destroy_process_group()` does not end those threads: torch itself keeps the group alive
+    (torch.distributed.nn.functional's defaults bind `group.WORLD` when it is imported after the group
+    exists, as transformers' imports do; FSDP2's DeviceMesh stays in DTensor's sharding caches).
+    `os._exit` skips finalization (and atexit handlers), so what they would do is done here: loggers
+    closed (the stages close their own TensorBoard writers), wandb finished, stdout/stderr flushed.
+
+    After a success (code 0) every process meets at a barrier first, so that none leaves while another still
+    talks to it (after an error the others may never arrive)."""
+    import logging
+
+    import torch.distributed as dist
+
+    if not several_processes():
+        sys.exit(code)
+    if code == 0:
+        dist.barrier()
+    wandb = sys.modules.get("wandb")  # only if the run imported it (report_to wandb)
+    if wandb is not None and wandb.run is not None:
+        wandb.finish(exit_code=code)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

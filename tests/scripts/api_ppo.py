@@ -15,7 +15,7 @@ from pathlib import Path
 
 from accelerate import PartialState
 
-from llm_rlhf import train_ppo
+from llm_rlhf import exit_process, train_ppo
 
 model_dir, prompt_file, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
 prompts = [json.loads(line)["prompt"] for line in prompt_file.read_text().splitlines()]
@@ -29,3 +29,4 @@ result = train_ppo(
 state = PartialState()
 assert state.num_processes == 2, state.num_processes
 (out / f"on_step.rank{state.process_index}.json").write_text(json.dumps(seen))
+exit_process(0)  # as the commands end (README, "From Python")
