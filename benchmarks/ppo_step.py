@@ -15,7 +15,8 @@ With --model-dir the policy is that folder (any causal-LM architecture) and the 
 trunk with a fresh score head (`AutoModelForSequenceClassification`), as `llm-rlhf rm` starts from the
 SFT model. The trainer is built by `llm_rlhf.ppo_run.build_trainer`, as `llm-rlhf ppo` does.
 
-Per phase (generate = `policy.lm.generate` only; old log-probs and values = the policy forward after it;
+Per phase (generate = the sampler only: `fast_sampling.generate`, or `policy.lm.generate` for a model it does
+not support; old log-probs and values = the policy forward after it;
 reference; reward model; update = `train_on_rollout`): seconds, tokens per second, share of the step.
 The phases are timed by wrapping the trainer's methods here; ppo.py is not changed for it.
 
@@ -52,11 +53,14 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from llm_rlhf import fast_sampling  # noqa: E402
 
 # The reviews task's base model (data/make_base_model.py defaults) and GPT-2 124M (GPT2Config() defaults).
 SHAPES = {
@@ -448,22 +452,25 @@ def compare_generation(trainer, args, device, reps: int) -> dict:
         bare_tokens += query.shape[0] * (out.shape[1] - query.shape[1])
 
         steps = {}
-        inner = lm.generate
 
-        def counting_generate(*a, inner=inner, steps=steps, **kw):
-            seq = inner(*a, **kw)
-            steps["n"] = seq.shape[1] - kw["input_ids"].shape[1]
-            return seq
+        def counting(inner, steps=steps):  # the sampler returns (B, P + n): n steps ran
+            def sampler(*a, **kw):
+                seq = inner(*a, **kw)
+                steps["n"] = seq.shape[1] - query.shape[1]
+                return seq
 
-        lm.generate = counting_generate
+            return sampler
+
         trainer.forward_policy = lambda part, **kw: (torch.zeros(part.response.shape),) * 3  # generation only
         torch.manual_seed(rep)
         sync(device)
         t = time.perf_counter()
-        try:
-            trainer.generate(queries)
+        try:  # the sampler `rollout.sample` runs: fast_sampling's, or `generate` for a model it does not support
+            with mock.patch.object(fast_sampling, "generate", counting(fast_sampling.generate)):
+                with mock.patch.object(lm, "generate", counting(lm.generate)):
+                    trainer.generate(queries)
         finally:
-            lm.generate, trainer.forward_policy = inner, forward_policy
+            trainer.forward_policy = forward_policy
         sync(device)
         roll_s += time.perf_counter() - t
         roll_tokens += query.shape[0] * steps["n"]
@@ -562,7 +569,8 @@ def run_one(args) -> dict:
     step_seconds, lengths = [], []
     usage0 = resource.getrusage(resource.RUSAGE_SELF)
     shapes.on = True
-    with RssSampler() as rss:
+    sampler = timer.wrap(fast_sampling.generate, lambda *a, **kw: "generate")  # what `rollout.sample` runs
+    with RssSampler() as rss, mock.patch.object(fast_sampling, "generate", sampler):
         for _ in range(args.steps):
             sync(device)
             t = time.perf_counter()

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
-from llm_rlhf import ppo_math
+from llm_rlhf import fast_sampling, ppo_math
 from llm_rlhf.config import require
 from llm_rlhf.models import position_ids_from_mask
 
@@ -333,7 +333,10 @@ def sample(
     *,
     pad_to_max_new_tokens=False,
 ) -> Samples:
-    """y ~ pi(.|x) with the KV cache (HF derives the positions from the attention mask), as `sampling` says;
+    """y ~ pi(.|x) with the KV cache, as `sampling` says: a transformers LM through `fast_sampling.generate`
+    (generate's loop with one uniform per token and LoRA merged for decoding: the same distribution, another
+    random stream than `generate`'s), anything else through its own `generate`; the positions count real
+    tokens only, from the attention mask. It
     stops at EOS, which may be the first token unless min_new_tokens > 0: then EOS cannot be drawn at response
     positions t < min_new_tokens (transformers' MinNewTokensLengthLogitsProcessor: the distribution is that of
     `ppo_math.mask_eos_logits`, which every log-prob computation must apply too). A response also ends at
@@ -350,18 +353,23 @@ def sample(
                 tokenizer, stop_strings, prompt_length=query.shape[1], min_new_tokens=min_new_tokens
             )
         )
-    with generation_config_hidden(lm):
-        sequences = lm.generate(
-            input_ids=query,
-            attention_mask=query_mask,
-            **sampling.generate_kwargs(),
-            max_new_tokens=sampling.max_new_tokens,
-            **({"min_new_tokens": min_new_tokens} if min_new_tokens > 0 else {}),
-            stopping_criteria=criteria,
-            eos_token_id=eos,
-            pad_token_id=pad,
-            use_cache=True,
+    if fast_sampling.supports(lm):  # issue 26: generate's loop, the same distribution, faster
+        sequences = fast_sampling.generate(
+            lm, query, query_mask, sampling, eos_token_id=eos, pad_token_id=pad, stopping_criteria=criteria
         )
+    else:
+        with generation_config_hidden(lm):
+            sequences = lm.generate(
+                input_ids=query,
+                attention_mask=query_mask,
+                **sampling.generate_kwargs(),
+                max_new_tokens=sampling.max_new_tokens,
+                **({"min_new_tokens": min_new_tokens} if min_new_tokens > 0 else {}),
+                stopping_criteria=criteria,
+                eos_token_id=eos,
+                pad_token_id=pad,
+                use_cache=True,
+            )
     response = sequences[:, query.shape[1] :]  # (B, R)
     width = sampling.max_new_tokens
     if pad_to_max_new_tokens and response.shape[1] < width:  # generate stopped: every row ended

@@ -163,21 +163,50 @@ def bos_model_dir(folder: Path) -> Path:
     return folder
 
 
+def multinomial_draw(probs: torch.Tensor) -> torch.Tensor:
+    """generate's draw from probs (B, V): torch.multinomial (an exponential race over the vocabulary). (B,)"""
+    return torch.multinomial(probs, num_samples=1).squeeze(1)
+
+
+def naive_inverse_cdf_draw(probs: torch.Tensor) -> torch.Tensor:
+    """The fast path's draw (`fast_sampling.draw_tokens`) the long way: one uniform u per row (the same random
+    numbers), then walk the vocabulary adding up probabilities until the running sum, as a share of the
+    total, passes u. probs (B, V) -> (B,)."""
+    u = torch.rand(probs.shape[0], 1, dtype=torch.float64)[:, 0].tolist()
+    tokens = []
+    for row, u_b in zip(probs.double().tolist(), u):
+        total, running = sum(row), 0.0
+        for i, p in enumerate(row):
+            running += p
+            if u_b < running / total:
+                tokens.append(i)
+                break
+    return torch.tensor(tokens)
+
+
 def naive_sample(
-    lm, query: torch.Tensor, *, steps: int, temperature: float, eos: int, pad: int, min_new_tokens=0
+    lm,
+    query: torch.Tensor,
+    *,
+    steps: int,
+    temperature: float,
+    eos: int,
+    pad: int,
+    min_new_tokens=0,
+    draw=naive_inverse_cdf_draw,
 ):
-    """Token by token, no cache: x_t ~ multinomial(softmax(z'_t / T)), z'_t the next-token logits with
+    """Token by token, no cache: x_t ~ draw(softmax(z'_t / T)), z'_t the next-token logits with
     z'_t[EOS] = -inf while t < min_new_tokens; finished rows get pad (as HF). The reference `rollout.sample`
-    must match draw for draw with the same random numbers. query: (B, P) unpadded -> (B, steps or fewer)."""
+    must match draw for draw with the same random numbers: `naive_inverse_cdf_draw` for its fast path (what
+    it runs on every transformers LM), `multinomial_draw` for `generate`. query: (B, P) unpadded ->
+    (B, steps or fewer)."""
     seq, done, out = query.clone(), torch.zeros(query.shape[0], dtype=torch.bool), []
     with torch.no_grad():
         for t in range(steps):
             logits = lm(seq).logits[:, -1].float()  # (B, V): the next-token logits
             if t < min_new_tokens:
                 logits[:, eos] = -math.inf
-            token = torch.multinomial(torch.softmax(logits / temperature, dim=-1), num_samples=1).squeeze(
-                1
-            )  # (B,)
+            token = draw(torch.softmax(logits / temperature, dim=-1))  # (B,)
             token = torch.where(done, torch.full_like(token, pad), token)
             out.append(token)
             seq = torch.cat([seq, token[:, None]], dim=1)

@@ -1,6 +1,7 @@
 """benchmarks/ppo_step.py runs: a Llama folder with LoRA and the separate critic, a GPT-2 folder with the
 value head, a GPT-2 folder with ReMax and 2 samples per prompt (one short step each on the tiny models),
-and its FLOP count follows the shapes that ran."""
+and its FLOP count follows the shapes that ran.
+benchmarks/rollout.py runs every sampling path on the tiny models and counts the roofline's weights."""
 
 from __future__ import annotations
 
@@ -70,3 +71,62 @@ def test_flops_count_the_shapes_that_ran():
     assert log.flops("update", {"lm": lora}) == (
         4 * 100 * 16 + 4 * 10 * 8 + 6 * 7 * 16 + 12 * 2 * 4 * (2 * 25 + 2 * 9)
     )
+
+
+def test_rollout_benchmark_prints_the_ratio_to_the_roofline(tiny_model_dir, tiny_llama_dir, tmp_path, capsys):
+    """benchmarks/rollout.py on the tiny models (the tiny Llama standing in for SmolLM2, with its LoRA): every
+    path of the ablation samples, and each row has a positive step time, tokens/s and roofline ratio."""
+    spec = importlib.util.spec_from_file_location("rollout_benchmark", ROOT / "benchmarks" / "rollout.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "rollout.json"
+    args = ["--reviews-dir", str(tiny_model_dir), "--smollm2-dir", str(tiny_llama_dir), "--batches", "2,3"]
+    args += [
+        "--new-tokens",
+        "4",
+        "--reps",
+        "1",
+        "--peak-size",
+        "64",
+        "--bandwidth-mib",
+        "4",
+        "--paths",
+        "all",
+    ]
+    result = bench.main(args + ["--lora-r", "2", "--json", str(out)])
+    assert json.loads(out.read_text())["models"] == json.loads(json.dumps(result["models"]))
+    printed = capsys.readouterr().out
+    assert "| measured / roofline |" in printed
+    assert [m["model"] for m in result["models"]] == ["reviews", "smollm2", "smollm2-lora"]
+    assert "LoRA r=2" in result["models"][2]["source"] and "random" not in result["models"][1]["source"]
+    assert result["models"][2]["matmul_weights"] > result["models"][1]["matmul_weights"]  # the adapters count
+    for m in result["models"]:
+        for batch, entry in m["batches"].items():
+            assert entry["roofline_ms"] > 0 and entry["flops_per_step"] > 0 and entry["bytes_per_step"] > 0
+            assert list(entry["paths"]) == list(bench.ABLATION)
+            for path, p in entry["paths"].items():
+                assert p["ms_per_step"] > 0 and p["tokens_per_s"] > 0 and p["ratio_to_roofline"] > 0, (
+                    batch,
+                    path,
+                )
+                assert f"| {m['model']} | {batch} | {path} |" in printed
+
+
+def test_rollout_roofline_counts_the_matmul_weights(tiny_llama_dir):
+    """N counts every linear weight once (the tied LM head too); the roofline is the larger of the two bounds."""
+    from transformers import AutoModelForCausalLM
+
+    spec = importlib.util.spec_from_file_location("rollout_benchmark", ROOT / "benchmarks" / "rollout.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    lm = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    c = lm.config
+    d, kv = c.hidden_size, c.num_key_value_heads * c.head_dim
+    per_layer = d * d * 2 + 2 * d * kv + 3 * d * c.intermediate_size  # q, o; k, v; gate, up, down
+    N = c.num_hidden_layers * per_layer + c.vocab_size * d
+    assert bench.matmul_weights(lm) == N
+    roof = bench.roofline_seconds(lm, batch=4, length=10, peak=1e9, bandwidth=1e9)
+    flops = 2 * N * 4 + 4 * c.num_hidden_layers * d * 10 * 4
+    nbytes = 4 * N + 8 * c.num_hidden_layers * kv * 10 * 4
+    assert (roof["flops"], roof["bytes"]) == (flops, nbytes)
+    assert roof["seconds"] == max(flops, nbytes) / 1e9

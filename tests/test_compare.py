@@ -116,7 +116,8 @@ def test_compare_stage_puts_ppo_dpo_and_best_of_n_on_one_plot(
         run = folder / f"dpo-beta-{beta:g}"
         assert yaml.safe_load((run / "config.yaml").read_text())["beta"] == beta
         assert read_json(run / "metrics.json")["global_step"] == 2
-        assert point["kl"] > 0 and math.isfinite(point["gold_score"])
+        # kl is a k1 estimate on a few samples of a model two steps away from the SFT model: either sign
+        assert point["kl"] != 0 and math.isfinite(point["kl"]) and math.isfinite(point["gold_score"])
     # best-of-n: n = 1 is the SFT model; the RM score rises with n (the same samples, the best kept)
     bon = by_method["best_of_n"]
     assert [p["n"] for p in bon] == [1, 2, 3, 4] and bon[0]["kl"] == 0.0

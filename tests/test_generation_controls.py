@@ -4,7 +4,7 @@ in sampling, PPO (one process and two), evaluation and the judge.
 The invariant behind the first two: the sampled tokens come from the distribution whose log-probs PPO uses.
 A stop string only cuts a response after sampling (the kept tokens are the draws made without it); under
 min_new_tokens EOS cannot be drawn early, and every log-prob computation masks it the same way. Both are
-checked against what `generate` itself sampled from (its processed scores), not against our own forward.
+checked against what the sampler itself drew from (its processed scores), not against our own forward.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from helpers import (
     bos_model_dir,
     build_model,
     launch,
+    multinomial_draw,
+    naive_inverse_cdf_draw,
     naive_sample,
     ppo_cli_args,
     ppo_config,
@@ -31,7 +33,7 @@ from helpers import (
 )
 from transformers import AutoModelForCausalLM
 
-from llm_rlhf import cli, evaluate, ppo, ppo_math, ppo_run
+from llm_rlhf import cli, evaluate, fast_sampling, ppo, ppo_math, ppo_run
 from llm_rlhf.config import parse_config, save_config
 from llm_rlhf.data import load_prompt_dataset
 from llm_rlhf.errors import ConfigError
@@ -113,22 +115,27 @@ def naive_end(tokenizer, ids: list[int], stop_strings, min_new_tokens: int = 0) 
     return None
 
 
-def record_generate_scores(lm, monkeypatch) -> list:
-    """Make `lm.generate` also keep its processed scores: per step, the (B, V) logits it sampled from, after
-    every logits processor (min_new_tokens) and the temperature. Returns the list each call appends to."""
-    calls, original = [], lm.generate
+def record_sampled_scores(monkeypatch) -> list:
+    """Make the sampler (`fast_sampling.generate`, what `rollout.sample` runs) also keep what it drew each
+    token from: per step, the (B, V) probabilities after every logits processor (min_new_tokens) and the
+    temperature, as log-probabilities (logits of the same softmax). Returns the list each call appends to."""
+    calls, generate, draw = [], fast_sampling.generate, fast_sampling.draw_tokens
 
-    def generate(*args, **kwargs):
-        out = original(*args, **kwargs, output_scores=True, return_dict_in_generate=True)
-        calls.append(out.scores)
-        return out.sequences
+    def recording_generate(*args, **kwargs):
+        calls.append([])
+        return generate(*args, **kwargs)
 
-    monkeypatch.setattr(lm, "generate", generate)
+    def recording_draw(probs):
+        calls[-1].append(probs.log())  # (B, V)
+        return draw(probs)
+
+    monkeypatch.setattr(fast_sampling, "generate", recording_generate)
+    monkeypatch.setattr(fast_sampling, "draw_tokens", recording_draw)
     return calls
 
 
 def sampled_logprobs(scores, response: torch.Tensor) -> torch.Tensor:
-    """log p(y_t) under the distribution `generate` drew token t from: (B, T), T = the steps it ran."""
+    """log p(y_t) under the distribution the sampler drew token t from: (B, T), T = the steps it ran."""
     logp = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in scores], dim=1)  # (B, T, V)
     return logp.gather(-1, response[:, : logp.shape[1], None]).squeeze(-1)  # (B, T)
 
@@ -216,7 +223,12 @@ def test_stop_strings_only_cut_the_draws(eos_prone_dir, min_new_tokens):
     assert kinds["stop"] > 0 and kinds["eos"] > 0, kinds  # the test has teeth
 
 
-def test_min_new_tokens_draws_from_the_eos_masked_softmax(eos_prone_dir):
+@pytest.mark.parametrize("path", ["generate", "fast"])
+def test_min_new_tokens_draws_from_the_eos_masked_softmax(eos_prone_dir, path, monkeypatch):
+    """On both sampling paths (`tests/test_sampling.py`): generate's multinomial draws, the fast path's
+    inverse-CDF draws."""
+    if path == "generate":
+        monkeypatch.setattr(fast_sampling, "supports", lambda lm: False)
     lm, tokenizer = load_lm(eos_prone_dir)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     query, query_mask = left_pad([encode_prompt(tokenizer, "The film is")] * 64, pad)  # no padding
@@ -225,7 +237,10 @@ def test_min_new_tokens_draws_from_the_eos_masked_softmax(eos_prone_dir):
     got = sample(lm, tokenizer, query, query_mask, dataclasses.replace(free_sampling, min_new_tokens=3))
     torch.manual_seed(5)
     with torch.no_grad():
-        expected = naive_sample(lm, query, steps=8, temperature=0.9, eos=eos, pad=pad, min_new_tokens=3)
+        expected = naive_sample(
+            lm, query, steps=8, temperature=0.9, eos=eos, pad=pad, min_new_tokens=3,
+            draw=multinomial_draw if path == "generate" else naive_inverse_cdf_draw,
+        )  # fmt: skip
     assert torch.equal(got.response[:, : expected.shape[1]], expected)
     assert got.response_mask.sum(-1).min() >= 3  # EOS no earlier than the third token
     assert got.ended_with_eos(eos).any()
@@ -244,13 +259,13 @@ def test_ppo_logprobs_are_those_generate_sampled_from(
     eos_prone_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch, stop_strings, min_new_tokens
 ):
     """The real PPO rollout (`PPOTrainer.rollout`): its old log-probs, recomputed by the PPO forward on the cut
-    responses, are the log-probs of the distribution `generate` drew each kept token from; the reference's
+    responses, are the log-probs of the distribution the sampler drew each kept token from; the reference's
     equal them exactly at the first step (KL = 0); the RM scores each response as cut."""
     cfg = ppo_config(eos_prone_dir, tiny_rm_dir, prompt_file, tmp_path, rollout_batch_size=16, mini_batch_size=8,
                    max_new_tokens=10, temperature=0.8, stop_strings=stop_strings, min_new_tokens=min_new_tokens)  # fmt: skip
     trainer = ppo_trainer(cfg)
     eos = trainer.tokenizer.eos_token_id
-    calls = record_generate_scores(trainer.unwrapped_policy.lm, monkeypatch)
+    calls = record_sampled_scores(monkeypatch)
     torch.manual_seed(0)
     rollout, _ = trainer.rollout(trainer.next_queries())
     (scores,) = calls

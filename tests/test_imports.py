@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "llm_rlhf"
 # missing here gets the layer above its highest import (`layers`), so a new module has a place at once.
 LAYERS = {
     "errors": 0, "utils": 0, "ppo_math": 0, "hacking": 0, "arithmetic": 0,  # hacking, arithmetic: stdlib only
-    "config": 1, "data": 1, "baseline": 1, "models": 1, "callables": 1,
+    "config": 1, "data": 1, "baseline": 1, "models": 1, "callables": 1, "fast_sampling": 1,
     "rollout": 2, "reward_model": 2, "reward_fn": 2, "trainer_stage": 2, "gold": 2, "accelerated": 2,
     "scoring": 3,  # the one scorer: reward model or ensemble (reward_model) + reward function (reward_fn)
     "sft": 4, "reward": 4, "dpo": 4, "ppo": 4, "evaluate": 4, "score": 4, "report": 4, "judge": 4,

@@ -1,16 +1,22 @@
 """The sampled tokens come from exactly softmax(logits / temperature), the distribution whose log-probs
 PPO uses: a checkpoint's generation_config.json (repetition_penalty, top_k, min_new_tokens, ...) and
 transformers' own defaults (top_k=50) must not reshape it. Checked draw for draw against a naive loop
-that samples from the plain softmax with the same random numbers."""
+that samples from the plain softmax with the same random numbers, on every path `rollout.sample` takes:
+`generate` (torch.multinomial), and the fast path of issue 26 (`fast_sampling`: its own decode loop,
+inverse-CDF draws, LoRA merged and weights prepacked for decoding)."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
-from helpers import naive_sample
+from helpers import multinomial_draw, naive_inverse_cdf_draw, naive_sample
+from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from llm_rlhf.rollout import Sampling, left_pad, sample
+from llm_rlhf import fast_sampling
+from llm_rlhf.rollout import Sampling, StopStringsCriteria, generation_config_hidden, left_pad, sample
 from llm_rlhf.sft import sample_responses
 
 HOSTILE = dict(
@@ -19,14 +25,41 @@ HOSTILE = dict(
 )  # fmt: skip
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_sample_draws_from_the_plain_softmax(kind, tiny_model_dir, tiny_llama_dir):
-    folder = tiny_model_dir if kind == "gpt2" else tiny_llama_dir
+def with_lora(lm):
+    """lm with a rank-4 LoRA on the attention projections, B drawn at random (peft starts it at zero, which
+    would make the adapter a no-op), as PPO holds it: unmerged, eval mode."""
+    targets = ["c_attn"] if lm.config.model_type == "gpt2" else ["q_proj", "v_proj"]
+    lm = get_peft_model(lm, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=targets))
+    torch.manual_seed(7)
+    for name, p in lm.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.3)
+    return lm.eval()
+
+
+def load(folder, lora: bool):
     lm = AutoModelForCausalLM.from_pretrained(folder).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     tokenizer.pad_token = tokenizer.eos_token
-    lm.generation_config = GenerationConfig(**HOSTILE, eos_token_id=tokenizer.eos_token_id)
-    saved = lm.generation_config.to_dict()
+    return (with_lora(lm) if lora else lm), tokenizer
+
+
+@pytest.mark.parametrize("path", ["generate", "fast", "fast-prepacked"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "llama-lora"])
+def test_sample_draws_from_the_plain_softmax(kind, path, tiny_model_dir, tiny_llama_dir, monkeypatch):
+    """path: `generate`; the fast path with the weights as they are (the default on Intel CPUs); the fast path
+    with prepacked weights (the default on AMD CPUs), whatever CPU runs the test."""
+    folder = tiny_model_dir if kind == "gpt2" else tiny_llama_dir
+    lm, tokenizer = load(folder, lora=kind.endswith("lora"))
+    inner = lm.get_base_model() if kind.endswith("lora") else lm
+    inner.generation_config = GenerationConfig(**HOSTILE, eos_token_id=tokenizer.eos_token_id)
+    saved = inner.generation_config.to_dict()
+    params = {name: p.clone() for name, p in lm.state_dict().items()}
+    if path == "generate":
+        monkeypatch.setattr(fast_sampling, "supports", lambda lm: False)
+    monkeypatch.setattr(
+        fast_sampling, "PREPACK_BY_DEFAULT", path == "fast-prepacked" and fast_sampling.CAN_PREPACK
+    )
     ids = tokenizer("The film is").input_ids
     query, query_mask = left_pad([ids] * 64, tokenizer.pad_token_id)  # (64, P): no padding, same prompt
 
@@ -36,14 +69,19 @@ def test_sample_draws_from_the_plain_softmax(kind, tiny_model_dir, tiny_llama_di
     torch.manual_seed(123)
     with torch.no_grad():
         expected = naive_sample(
-            lm, query, steps=8, temperature=0.9, eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id
-        )
+            lm, query, steps=8, temperature=0.9, eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id,
+            draw=multinomial_draw if path == "generate" else naive_inverse_cdf_draw,
+        )  # fmt: skip
     assert torch.equal(got.response[:, : expected.shape[1]], expected)
     # the test has teeth: the hostile settings would have given other tokens, and top_k=50 too
     assert len(set(got.response[:, 0].tolist())) > 3  # top_k=3 / greedy would allow at most 3
-    assert lm.generation_config.to_dict() == saved  # put back after sampling
+    assert inner.generation_config.to_dict() == saved  # put back after sampling
+    assert all(torch.equal(p, params[name]) for name, p in lm.state_dict().items())  # weights untouched
+    assert not any("forward" in vars(m) for m in lm.modules())  # every layer runs its own forward again
 
-    # the SFT stage's end-of-training samples use the same settings
+    if kind != "gpt2" or path != "fast":
+        return
+    # the SFT stage's end-of-training samples use the same settings (through the same sampler)
     torch.manual_seed(123)
     rows = sample_responses(lm, tokenizer, ["The film is"] * 64, sampling, batch_size=64)
     eos = tokenizer.eos_token_id
@@ -52,3 +90,101 @@ def test_sample_draws_from_the_plain_softmax(kind, tiny_model_dir, tiny_llama_di
         assert row["num_tokens"] == n and row["response"] == tokenizer.decode(
             tokens[:n], skip_special_tokens=True
         )
+
+
+SETTINGS = {
+    "plain": dict(temperature=0.9, top_k=0, top_p=1.0, min_new_tokens=0),
+    "min_new_tokens": dict(temperature=1.0, top_k=0, top_p=1.0, min_new_tokens=3),
+    "top_k_top_p": dict(temperature=0.7, top_k=5, top_p=0.8, min_new_tokens=2),
+    "greedy": dict(temperature=0, top_k=0, top_p=1.0, min_new_tokens=2),  # ReMax's baseline response
+}
+
+
+@pytest.mark.parametrize("stops", [(), ("e", "a", "o", "i", "t", "n", "s", " ")], ids=["no-stop", "stops"])
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_decode_is_generate_step_for_step(kind, setting, stops, tiny_model_dir, tiny_llama_dir):
+    """`fast_sampling.decode` with generate's draw (torch.multinomial) returns exactly what `generate` returns
+    from the same random numbers: the same positions, masks, cache, logits processing (min_new_tokens,
+    temperature, top-k, top-p), padding after a row's end, stopping criteria, and early end of the loop."""
+    lm, tokenizer = load(tiny_model_dir if kind == "gpt2" else tiny_llama_dir, lora=False)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    ids = [tokenizer(p).input_ids for p in ["The film is", "A", "It was a great and", "Bad"] * 8]
+    query, query_mask = left_pad(ids, pad)  # (32, P): left padding of several widths
+    s = SETTINGS[setting]
+
+    def criteria():
+        kw = dict(prompt_length=query.shape[1], min_new_tokens=s["min_new_tokens"])
+        return [StopStringsCriteria(tokenizer, stops, **kw)] if stops else []
+
+    torch.manual_seed(5)
+    with generation_config_hidden(lm):
+        expected = lm.generate(
+            input_ids=query, attention_mask=query_mask, max_new_tokens=16, eos_token_id=eos, pad_token_id=pad,
+            **Sampling(16, temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"]).generate_kwargs(),
+            **({"min_new_tokens": s["min_new_tokens"]} if s["min_new_tokens"] else {}),
+            stopping_criteria=criteria(), use_cache=True,
+        )  # fmt: skip
+    torch.manual_seed(5)
+    processors = fast_sampling.logits_processors(**s, prompt_length=query.shape[1], eos_token_id=eos)
+    got = fast_sampling.decode(lm, query, query_mask, max_new_tokens=16, logits_processor=processors,
+                               eos_token_id=eos, pad_token_id=pad, stopping_criteria=criteria(),
+                               draw=multinomial_draw if s["temperature"] else None)  # fmt: skip
+    assert torch.equal(got, expected)
+    if stops and setting == "plain":
+        assert got.shape[1] < query.shape[1] + 16  # every row ended early: the loop's early end is covered
+
+
+def test_draw_tokens_samples_the_categorical_distribution():
+    """Inverse-CDF draws: the frequencies of 400,000 draws match the probabilities (within 5 standard
+    errors), tokens of probability 0 never come, and draw_tokens agrees with the naive walk draw for draw."""
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.25, 0.125, 0.0625, 0.0625, 0.0])  # zeros first, inside and last
+    n = 400_000
+    torch.manual_seed(0)
+    tokens = fast_sampling.draw_tokens(probs.expand(n, -1))  # (n,)
+    freq = torch.bincount(tokens, minlength=len(probs)).double() / n
+    stderr = (probs.double() * (1 - probs.double()) / n).sqrt()
+    assert torch.all((freq - probs.double()).abs() <= 5 * stderr + 1e-12), freq
+    assert torch.all(freq[probs == 0] == 0)
+    logits = torch.randn(16, 50) * 3  # (16, 50): peaked and flat rows
+    logits[:, ::7] = -torch.inf  # masked tokens, as top-k / min_new_tokens make them
+    p = torch.softmax(logits, dim=-1)
+    torch.manual_seed(1)
+    fast = fast_sampling.draw_tokens(p)
+    torch.manual_seed(1)
+    assert torch.equal(fast, naive_inverse_cdf_draw(p))
+
+
+@pytest.mark.parametrize("prepack", [True, False], ids=["prepacked", "unpacked"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "gpt2-lora", "llama-lora", "llama-lora-off"])
+def test_decoding_weights_compute_the_same_layers_and_restore_them_bit_for_bit(
+    kind, prepack, tiny_model_dir, tiny_llama_dir
+):
+    """Inside `decoding_weights` the model computes the same logits up to float rounding (LoRA merged, weights
+    prepacked on CPU if asked); after it, bit for bit the same parameters and the same outputs as before, and
+    LoRA layers unmerged (peft's merge/unmerge round trip is not exact in floats; nothing is merged here).
+    kind "-off": inside the adapter's `disable_adapter()`, as the reference runs."""
+    if prepack and not fast_sampling.CAN_PREPACK:
+        pytest.skip("this torch build has no oneDNN prepacked linear")
+    lm, _ = load(tiny_model_dir if kind.startswith("gpt2") else tiny_llama_dir, lora="lora" in kind)
+    x = torch.randint(0, 300, (4, 9))
+    before = {name: p.clone() for name, p in lm.state_dict().items()}
+    adapter_off = lm.disable_adapter if kind.endswith("off") else nullcontext
+    with torch.no_grad():
+        policy = lm(x).logits
+        with adapter_off():
+            reference = lm(x).logits
+            with fast_sampling.decoding_weights(lm, prepack=prepack):
+                inside = lm(x).logits
+                replaced = [m for m in lm.modules() if "forward" in vars(m)]
+            assert torch.equal(lm(x).logits, reference)
+        assert torch.equal(lm(x).logits, policy)
+    if kind.endswith("off"):
+        assert not torch.allclose(policy, reference, atol=1e-3)  # the adapter matters: the test has teeth
+    torch.testing.assert_close(inside, reference, atol=1e-5, rtol=1e-5)
+    lora_layers = (2 if kind.startswith("gpt2") else 4) if "lora" in kind else 0  # c_attn / q_proj, v_proj
+    every_linear = 2 * 4 + 1 if kind.startswith("gpt2") else 2 * 7 + 1  # the LM head too
+    assert len(replaced) == (every_linear if prepack else lora_layers)
+    assert all(torch.equal(p, before[name]) for name, p in lm.state_dict().items())
+    assert not any("forward" in vars(m) for m in lm.modules())
+    assert not any(getattr(m, "merged", False) for m in lm.modules())

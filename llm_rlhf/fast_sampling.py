@@ -1,0 +1,318 @@
+"""Sampling at the machine's limit, from the same distribution (issue 26).
+
+    generate(lm, query, query_mask, sampling, ...)  what `rollout.sample` runs: `decode` inside `decoding_weights`
+    decode              the KV-cached sampling loop of `generate` (transformers' own logits processors, the
+                        same positions, masks and cache), with one uniform per row and token (`draw_tokens`)
+                        instead of `torch.multinomial`'s exponential per vocabulary entry
+    draw_tokens         inverse-CDF sampling from probs (B, V): exactly Categorical(probs)
+    decoding_weights(lm)   inside: every linear layer of `lm` runs from a copy of its weight made for decoding
+                           - a LoRA layer from its merged weight W + scaling * B A (one matmul instead of three),
+                           - on CPU, in float32, from a copy prepacked for the matmul library,
+                           the model's parameters untouched (nothing is merged into them, nothing to unmerge)
+
+A decode step multiplies a few rows (the batch) by every weight of the model, so on a CPU it is bound by
+reading the weights, and `F.linear` (MKL's sgemm) re-packs each weight into the kernel's blocked layout at
+every call; oneDNN's kernel on weights packed once per `sample` call ran a step 1.0-2.3x faster on AMD EPYC
+and no faster on Intel Xeon (but at batch 8), so it is the default on AMD CPUs (`benchmarks/rollout.py`,
+`benchmarks/README.md`). The largest gain is the draw: `torch.multinomial` draws one exponential per
+vocabulary entry, `draw_tokens` one uniform per row.
+
+The tokens come from the same distribution: a merged or prepacked matmul computes the same sums as the
+unmerged `F.linear`, up to float rounding (another summation order), the same kind of difference as between
+the KV-cached decode and the full forward that PPO's log-probs come from. The log-probs, the KL and the
+ratio are computed after sampling by the unchanged forwards, so KL = 0 and ratio = 1 at the first step hold
+exactly, and `tests/test_sampling.py` checks the draws against a naive loop draw for draw.
+"""
+
+from __future__ import annotations
+
+import inspect
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from transformers import (
+    DynamicCache,
+    LogitsProcessorList,
+    MinNewTokensLengthLogitsProcessor,
+    PreTrainedModel,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+from transformers.pytorch_utils import Conv1D
+
+# Prepacked float32 linear on CPU: oneDNN's blocked weight layout (what torch.compile's CPU backend uses when
+# it freezes weights). Missing from some torch builds: then the weights stay as they are.
+CAN_PREPACK = hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(
+    torch.ops.mkldnn, "_linear_pointwise"
+)
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor id from /proc/cpuinfo ("AuthenticAMD", "GenuineIntel"); "" where there is none."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+# Where prepacking is the default (`benchmarks/rollout.py --paths all`, issue 26): on AMD EPYC, F.linear's MKL
+# sgemm (tuned for Intel CPUs) ran a decode step 1.0-2.3x slower than oneDNN's prepacked kernel; on Intel Xeon
+# prepacking helped only SmolLM2 at batch 8 and cost 5-40% elsewhere; other CPUs were not measured.
+PREPACK_BY_DEFAULT = CAN_PREPACK and cpu_vendor() == "AuthenticAMD"
+
+
+def is_lora_layer(module: nn.Module) -> bool:
+    """A peft LoRA layer wrapping a linear layer (`peft.tuners.lora.Linear`)."""
+    return hasattr(module, "lora_A") and hasattr(module, "base_layer") and hasattr(module, "get_delta_weight")
+
+
+def linear_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(W, b) with module(x) = x W^T + b, W: (out, in), for nn.Linear and GPT-2's Conv1D (x W' + b, W' = W^T);
+    None for any other module."""
+    if type(module) not in (nn.Linear, Conv1D) or not is_whole(module.weight):
+        return None
+    if type(module) is Conv1D:
+        return module.weight.t(), module.bias  # Conv1D stores (in, out)
+    return module.weight, module.bias
+
+
+def is_whole(weight: torch.Tensor) -> bool:
+    """A plain tensor holding the whole weight: not a shard (FSDP2's DTensor, ZeRO-3's empty placeholder outside
+    its gather), which keeps its own forward."""
+    return type(weight.data) is torch.Tensor and weight.numel() > 0
+
+
+def merged_lora_weight(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(W + sum_a scaling_a * B_a A_a, b) for a LoRA layer whose forward is x W^T + b + sum_a scaling_a *
+    (x A_a^T) B_a^T, the sum over its active adapters (peft's `get_delta_weight`, in W's (out, in) layout);
+    the base weight W alone while its adapters are disabled. None where the forward is anything else: an
+    adapter with a variant (DoRA), a bias on B, dropout that is on, adapters merged into the weights already,
+    a base layer that is not a plain linear layer; such a layer keeps its own forward."""
+    base = layer.base_layer
+    if linear_weight(base) is None or layer.merged:
+        return None
+    if layer.disable_adapters:
+        return linear_weight(base)
+    active = [a for a in layer.active_adapters if a in layer.lora_A]
+    for a in active:
+        dropout = layer.lora_dropout[a]
+        if (
+            a in getattr(layer, "lora_variant", {})
+            or layer.use_dora.get(a, False)
+            or layer.lora_B[a].bias is not None
+            or (dropout.training and not isinstance(dropout, nn.Identity))
+        ):
+            return None
+    weight = base.weight  # in the base layer's layout, as peft's delta: (in, out) for Conv1D (fan_in_fan_out)
+    for a in active:
+        weight = weight + layer.get_delta_weight(a).to(weight.dtype)
+    return (weight.t() if type(base) is Conv1D else weight), base.bias  # (out, in)
+
+
+def linear_forward(weight: torch.Tensor, bias: torch.Tensor | None, *, prepack: bool):
+    """x -> x W^T + b, from W prepacked once for oneDNN (CPU float32) or from W as it is."""
+    if not prepack:
+        return lambda x, *args, **kwargs: nn.functional.linear(x, weight, bias)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+    return lambda x, *args, **kwargs: torch.ops.mkldnn._linear_pointwise(
+        x.contiguous(), packed, bias, "none", [], ""
+    )  # fmt: skip
+
+
+@contextmanager
+def decoding_weights(lm: nn.Module, *, prepack: bool | None = None, merge_lora: bool = True):
+    """Inside the context every linear layer of `lm` (LoRA layers merged) computes x W^T + b from a copy of
+    its weight made for decoding (see the module docstring); on exit the layers run their own forwards
+    again. The parameters are never written: the policy after sampling is bit for bit the policy before.
+
+    prepack: None = where it was measured to help (`PREPACK_BY_DEFAULT`: an AMD CPU) with float32 weights and
+    autocast off (under autocast the layers keep autocast's dtype). merge_lora: LoRA layers run from
+    W + scaling * B A (one matmul instead of three). Layers that already carry a forward of their own
+    (accelerate's hooks) or hold a shard of their weight are left alone. Meant for no-grad decoding: the
+    copies are not part of the autograd graph of the parameters.
+    """
+    params = list(lm.parameters())
+    device = params[0].device if params else torch.device("cpu")
+    if prepack is None:
+        prepack = (
+            PREPACK_BY_DEFAULT
+            and device.type == "cpu"
+            and all(p.dtype == torch.float32 for p in params)
+            and not torch.is_autocast_enabled("cpu")
+        )
+    replaced = []
+    skip = set()
+    with torch.no_grad():
+        for module in lm.modules():
+            if "forward" in vars(module) or id(module) in skip:
+                continue
+            if is_lora_layer(module):
+                weight_bias = merged_lora_weight(module) if merge_lora else None
+                # the adapters' own small linear layers stay as they are; the base layer too if merged (unused)
+                inner = [module.lora_A, module.lora_B] + (
+                    [module.base_layer] if weight_bias is not None else []
+                )
+                skip.update(id(m) for part in inner for m in part.modules())
+            else:
+                weight_bias = linear_weight(module) if prepack else None
+            if weight_bias is None:
+                continue
+            module.forward = linear_forward(*weight_bias, prepack=prepack)
+            replaced.append(module)
+    try:
+        yield
+    finally:
+        for module in replaced:
+            del module.forward  # the class's forward again
+
+
+def draw_tokens(probs: torch.Tensor) -> torch.Tensor:
+    """One token per row of probs (B, V) (rows sum to 1 up to rounding, zeros allowed), by inverse CDF:
+
+        c_i = (p_0 + ... + p_i) / (p_0 + ... + p_{V-1})    (float64; c_{V-1} = 1 exactly)
+        u ~ U[0, 1),  token = the first i with u < c_i        =>  P(token = i) = c_i - c_{i-1} = p_i / sum(p)
+
+    exactly the categorical distribution that `torch.multinomial(probs, 1)` samples (a token of probability
+    0 is never drawn), from B uniforms instead of the B * V exponentials of multinomial's exponential race,
+    which cost more than the matmuls of a decode step of a 4M-weight model and a quarter of SmolLM2's at
+    batch 32 (`benchmarks/rollout.py`). The uniforms come from the default generator of probs' device.
+    Returns (B,) long."""
+    cdf = probs.double().cumsum(-1)  # (B, V)
+    cdf = cdf / cdf[:, -1:]  # (B, V): x / x = 1 exactly in the last column, so some c_i > u for every u < 1
+    u = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device)  # (B, 1)
+    return torch.searchsorted(cdf, u, right=True).squeeze(1)  # (B,): first i with c_i > u
+
+
+def logits_processors(
+    *,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    min_new_tokens: int,
+    prompt_length: int,
+    eos_token_id: int,
+    device=None,
+) -> LogitsProcessorList:
+    """transformers' own processors, in the order `generate` applies them (min_new_tokens, then temperature,
+    top_k, top_p), each only where `generate` would add it, so `decode` reshapes the logits as `generate` did
+    with `Sampling.generate_kwargs`. Greedy (temperature 0): min_new_tokens only, as `generate` without
+    sampling."""
+    out = LogitsProcessorList()
+    if min_new_tokens > 0:
+        out.append(
+            MinNewTokensLengthLogitsProcessor(prompt_length, min_new_tokens, eos_token_id, device=device)
+        )
+    if temperature == 0:
+        return out
+    if temperature != 1.0:
+        out.append(TemperatureLogitsWarper(temperature))
+    if top_k != 0:
+        out.append(TopKLogitsWarper(top_k=top_k, min_tokens_to_keep=1))
+    if top_p < 1.0:
+        out.append(TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1))
+    return out
+
+
+def supports(lm) -> bool:
+    """Whether `decode` can run `lm`: a transformers causal LM (or a peft model around one) whose forward takes
+    position ids and a KV cache. Anything else samples through its own `generate`."""
+    inner = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+    if not isinstance(inner, PreTrainedModel) or inner.config.is_encoder_decoder:
+        return False
+    params = inspect.signature(inner.forward).parameters
+    return "position_ids" in params and ("cache" in params or "past_key_values" in params)
+
+
+@torch.no_grad()
+def decode(
+    lm,
+    query: torch.Tensor,
+    query_mask: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    logits_processor: LogitsProcessorList,
+    eos_token_id: int,
+    pad_token_id: int,
+    stopping_criteria=(),
+    draw=draw_tokens,
+) -> torch.Tensor:
+    """`generate`'s sampling loop on left-padded queries (B, P), step for step: the prefill over the query with
+    positions counting real tokens only, then one token per step with the KV cache, the attention mask grown
+    by a column of ones and the position by one; logits of the last position in float32 -> logits_processor
+    -> softmax -> draw (B,) tokens (draw None: greedy, the argmax of the processed logits, no random number);
+    rows that ended get pad_token_id; a row ends at EOS or where a stopping
+    criterion says so, and the loop ends when every row has ended or after max_new_tokens tokens.
+    With draw = `torch.multinomial(probs, 1)[:, 0]` it returns what `generate` returns from the same random
+    numbers (`tests/test_sampling.py`). Returns sequences (B, P + R), R <= max_new_tokens."""
+    inner = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+    params = inspect.signature(inner.forward).parameters
+    cache_key = "cache" if "cache" in params else "past_key_values"  # transformers >= 5.2x names it `cache`
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in params else {}  # the LM head at the last position
+    B, P = query.shape
+    sequences = torch.full((B, P + max_new_tokens), pad_token_id, dtype=query.dtype, device=query.device)
+    sequences[:, :P] = query  # (B, P + max_new_tokens)
+    mask = query_mask.long()  # (B, P + t): grows by one column per token
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # (B, P): generate's, real tokens counted
+    unfinished = torch.ones(B, dtype=torch.bool, device=query.device)  # (B,)
+    kwargs = {cache_key: DynamicCache(config=inner.config), "use_cache": True, **keep}
+    inputs = query
+    for t in range(max_new_tokens):
+        out = lm(input_ids=inputs, attention_mask=mask, position_ids=positions, **kwargs)
+        logits = out.logits[:, -1].to(dtype=torch.float32, copy=True)  # (B, V): the next token's logits
+        scores = logits_processor(sequences[:, : P + t], logits)  # (B, V)
+        token = scores.argmax(-1) if draw is None else draw(torch.softmax(scores, dim=-1))  # (B,)
+        token = torch.where(unfinished, token, pad_token_id)  # (B,): padding after a row's end
+        sequences[:, P + t] = token
+        unfinished &= token != eos_token_id
+        for criterion in stopping_criteria:
+            unfinished &= ~criterion(sequences[:, : P + t + 1], scores)
+        if not unfinished.any():
+            return sequences[:, : P + t + 1]
+        inputs = token[:, None]  # (B, 1)
+        mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)  # (B, P + t + 1)
+        positions = positions[:, -1:] + 1  # (B, 1): the new token's position
+    return sequences
+
+
+def generate(
+    lm,
+    query: torch.Tensor,
+    query_mask: torch.Tensor,
+    sampling,
+    *,
+    eos_token_id: int,
+    pad_token_id: int,
+    stopping_criteria=(),
+) -> torch.Tensor:
+    """Sequences (B, P + R) drawn as `sampling` (a `rollout.Sampling`) says: from softmax(logits / temperature)
+    (top-k/top-p if asked, EOS masked before min_new_tokens), or greedy at temperature 0: `decode` with
+    transformers' processors, inside `decoding_weights`. What `rollout.sample` runs when `supports(lm)`;
+    nothing of the checkpoint's generation_config is read."""
+    processors = logits_processors(
+        temperature=sampling.temperature,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p,
+        min_new_tokens=sampling.min_new_tokens,
+        prompt_length=query.shape[1],
+        eos_token_id=eos_token_id,
+        device=query.device,
+    )
+    with decoding_weights(lm):
+        return decode(
+            lm,
+            query,
+            query_mask,
+            max_new_tokens=sampling.max_new_tokens,
+            logits_processor=processors,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            stopping_criteria=stopping_criteria,
+            # looked up per call: a test may record the distributions drawn from
+            draw=None if sampling.temperature == 0 else draw_tokens,
+        )
