@@ -245,8 +245,14 @@ def test_micro_batches_not_aligned_with_groups_give_the_same_updates(
         record_raw_grads(trainer, grads[ga])
         trainer.ppo_step()
     assert len(grads[1]) == len(grads[4]) == 2 and grads[1][0].abs().max() > 0
-    for a, b in zip(grads[1], grads[4]):
-        torch.testing.assert_close(b, a, atol=1e-7, rtol=1e-4)
+    (a1, a2), (b1, b2) = grads[1], grads[4]
+    torch.testing.assert_close(b1, a1, atol=1e-7, rtol=1e-4)  # the same weights: float32 summation order only
+    # The second epoch's weights come from an Adam step on those first gradients, which differ by the summation
+    # order of 1 vs 4 micro-batches (~2e-8 here); Adam divides by sqrt(v), so a weight whose gradient is tiny
+    # moves by a step of full size either way and the rounding difference grows: compare the second gradients
+    # to their own scale (1e-5 of the largest entry, ~1e-6 here; a group statistic over the wrong responses
+    # changes entries by their own size, median ~4e-4).
+    torch.testing.assert_close(b2, a2, atol=1e-5 * float(a2.abs().max()), rtol=1e-4)
 
 
 # --- where the KL goes --------------------------------------------------------------------------------------
