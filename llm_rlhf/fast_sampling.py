@@ -234,22 +234,34 @@ def decode(
     lm,
     query: torch.Tensor,
     query_mask: torch.Tensor,
+    sampling,
     *,
-    max_new_tokens: int,
-    logits_processor: LogitsProcessorList,
     eos_token_id: int,
     pad_token_id: int,
     stopping_criteria=(),
     draw=draw_tokens,
 ) -> torch.Tensor:
-    """`generate`'s sampling loop on left-padded queries (B, P), step for step: the prefill over the query with
-    positions counting real tokens only, then one token per step with the KV cache, the attention mask grown
-    by a column of ones and the position by one; logits of the last position in float32 -> logits_processor
-    -> softmax -> draw (B,) tokens (draw None: greedy, the argmax of the processed logits, no random number);
-    rows that ended get pad_token_id; a row ends at EOS or where a stopping
-    criterion says so, and the loop ends when every row has ended or after max_new_tokens tokens.
+    """`generate`'s sampling loop on left-padded queries (B, P), step for step, as `sampling` (a
+    `rollout.Sampling`) says: the prefill over the query with positions counting real tokens only, then one
+    token per step with the KV cache, the attention mask grown by a column of ones and the position by one;
+    logits of the last position in float32 -> transformers' processors (`logits_processors`) -> softmax ->
+    draw (B,) tokens (greedy at temperature 0: the argmax of the processed logits, no random number, `draw`
+    unused); rows that ended get pad_token_id; a row ends at EOS or where a stopping criterion says so, and
+    the loop ends when every row has ended or after sampling.max_new_tokens tokens.
     With draw = `torch.multinomial(probs, 1)[:, 0]` it returns what `generate` returns from the same random
     numbers (`tests/test_sampling.py`). Returns sequences (B, P + R), R <= max_new_tokens."""
+    logits_processor = logits_processors(
+        temperature=sampling.temperature,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p,
+        min_new_tokens=sampling.min_new_tokens,
+        prompt_length=query.shape[1],
+        eos_token_id=eos_token_id,
+        device=query.device,
+    )
+    max_new_tokens = sampling.max_new_tokens
+    if sampling.temperature == 0:
+        draw = None  # greedy: the argmax of the processed logits, no random number
     inner = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
     params = inspect.signature(inner.forward).parameters
     cache_key = "cache" if "cache" in params else "past_key_values"  # transformers >= 5.2x names it `cache`
@@ -291,28 +303,17 @@ def generate(
     stopping_criteria=(),
 ) -> torch.Tensor:
     """Sequences (B, P + R) drawn as `sampling` (a `rollout.Sampling`) says: from softmax(logits / temperature)
-    (top-k/top-p if asked, EOS masked before min_new_tokens), or greedy at temperature 0: `decode` with
-    transformers' processors, inside `decoding_weights`. What `rollout.sample` runs when `supports(lm)`;
-    nothing of the checkpoint's generation_config is read."""
-    processors = logits_processors(
-        temperature=sampling.temperature,
-        top_k=sampling.top_k,
-        top_p=sampling.top_p,
-        min_new_tokens=sampling.min_new_tokens,
-        prompt_length=query.shape[1],
-        eos_token_id=eos_token_id,
-        device=query.device,
-    )
+    (top-k/top-p if asked, EOS masked before min_new_tokens), or greedy at temperature 0: `decode` inside
+    `decoding_weights`. What `rollout.sample` runs when `supports(lm)`; nothing of the checkpoint's
+    generation_config is read."""
     with decoding_weights(lm):
         return decode(
             lm,
             query,
             query_mask,
-            max_new_tokens=sampling.max_new_tokens,
-            logits_processor=processors,
+            sampling,
             eos_token_id=eos_token_id,
             pad_token_id=pad_token_id,
             stopping_criteria=stopping_criteria,
-            # looked up per call: a test may record the distributions drawn from
-            draw=None if sampling.temperature == 0 else draw_tokens,
+            draw=draw_tokens,  # looked up per call: a test may record the distributions drawn from
         )

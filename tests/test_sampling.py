@@ -126,10 +126,8 @@ def test_decode_is_generate_step_for_step(kind, setting, stops, tiny_model_dir, 
             stopping_criteria=criteria(), use_cache=True,
         )  # fmt: skip
     torch.manual_seed(5)
-    processors = fast_sampling.logits_processors(**s, prompt_length=query.shape[1], eos_token_id=eos)
-    got = fast_sampling.decode(lm, query, query_mask, max_new_tokens=16, logits_processor=processors,
-                               eos_token_id=eos, pad_token_id=pad, stopping_criteria=criteria(),
-                               draw=multinomial_draw if s["temperature"] else None)  # fmt: skip
+    got = fast_sampling.decode(lm, query, query_mask, Sampling(16, **s), eos_token_id=eos, pad_token_id=pad,
+                               stopping_criteria=criteria(), draw=multinomial_draw)  # fmt: skip
     assert torch.equal(got, expected)
     if stops and setting == "plain":
         assert got.shape[1] < query.shape[1] + 16  # every row ended early: the loop's early end is covered
