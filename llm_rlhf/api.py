@@ -47,7 +47,7 @@ from llm_rlhf.models import Trained
 from llm_rlhf.reward_fn import RewardFn
 from llm_rlhf.reward_model import RewardModel
 from llm_rlhf.utils import (
-    exit_process,  # noqa: F401  (public: the end of a script under accelerate launch)
+    exit_process,  # public: the end of a script under accelerate launch (README, "From Python")
     use_cpu_ddp_without_gpus,
 )
 
@@ -63,6 +63,7 @@ __all__ = [
     "SFTConfig",
     "Trained",
     "UserError",
+    "exit_process",
     "run_eval",
     "train_ppo",
     "train_reward_model",
