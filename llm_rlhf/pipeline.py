@@ -28,6 +28,11 @@ reward_fn_weight, and where a response ends, stop_strings and min_new_tokens), s
 on one member of an ensemble, or with a reward function, is evaluated on that score; `eval:` overrides still
 win.
 
+Only the stages of the run are chained: without `sft` in `stages` PPO (and RM, DPO, compare) start from
+their recipes' model_name_or_path, without `rm` PPO scores with its recipe's reward_model_path and reward_fn,
+and evaluation's baseline is then PPO's starting model (e.g. `stages: [ppo, eval]`: PPO straight from an
+instruct model with a rule as the reward, the instruct model the reference and the baseline).
+
 A stage whose folder holds `metrics.json` is finished and skipped; a stage folder without it was
 interrupted and is resumed. `DIR/pipeline.json` records each stage's wall time and headline metrics.
 """
@@ -88,6 +93,9 @@ class Config:
     shared_dir: str | None = help_field(
         None, "Internal to sweeps: the folder whose sft/ and rm/ this run links to."
     )
+    shared_stages: list[str] = help_field(
+        [], "Internal to sweeps: the stages of the shared run (which of sft/ and rm/ exist to link to)."
+    )
     rm_members: int = help_field(
         1,
         "Reward models to train (an ensemble): member 0 in DIR/rm, member k in DIR/rm-<k> with the RM seed + k; "
@@ -128,35 +136,41 @@ def rm_member_dirs(folder: Path, rm_members: int) -> list[Path]:
     return [folder / "rm"] + [folder / f"rm-{k}" for k in range(1, rm_members)]
 
 
-def chained_paths(out: Path, shared: Path | None = None, rm_members: int = 1) -> dict[str, dict[str, Any]]:
+def chained_paths(
+    out: Path, shared: Path | None = None, rm_members: int = 1, upstream: tuple[str, ...] = ("sft", "rm")
+) -> dict[str, dict[str, Any]]:
     """The keys that connect the stages: each reads the previous stage's output folder (a sweep variant
     reads the SFT and RM of the shared folder). With rm_members > 1, PPO and eval read the list of the
-    members' folders."""
+    members' folders. upstream: which of sft and rm the run has; a stage it lacks chains nothing (the
+    reading stages keep their recipes' keys)."""
     base = shared or out
     members = [str(p) for p in rm_member_dirs(base, rm_members)]
     reward_model_path = members[0] if rm_members == 1 else members
+    from_sft = {"model_name_or_path": str(base / "sft")} if "sft" in upstream else {}
+    from_rm = {"reward_model_path": reward_model_path} if "rm" in upstream else {}
     return {
         "sft": {"output_dir": str(out / "sft")},
-        "rm": {"model_name_or_path": str(base / "sft"), "output_dir": str(out / "rm")},
-        "ppo": {
-            "model_name_or_path": str(base / "sft"),
-            "reward_model_path": reward_model_path,
-            "output_dir": str(out / "ppo"),
-        },
+        "rm": {**from_sft, "output_dir": str(out / "rm")},
+        "ppo": {**from_sft, **from_rm, "output_dir": str(out / "ppo")},
         "eval": {
             "policy_path": str(out / "ppo"),
-            "baseline_path": str(base / "sft"),
-            "reward_model_path": reward_model_path,
+            **({"baseline_path": str(base / "sft")} if "sft" in upstream else {}),
+            **from_rm,
             "output_dir": str(out / "eval"),
         },
-        "dpo": {"model_name_or_path": str(base / "sft"), "output_dir": str(out / "dpo")},
+        "dpo": {**from_sft, "output_dir": str(out / "dpo")},
         "compare": {
-            "sft_path": str(base / "sft"),
-            "reward_model_path": str(base / "rm"),
+            **({"sft_path": str(base / "sft")} if "sft" in upstream else {}),
+            **({"reward_model_path": str(base / "rm")} if "rm" in upstream else {}),
             "ppo_dir": str(out / "ppo"),
             "output_dir": str(out / "compare"),
         },
     }
+
+
+def upstream_stages(cfg: Config) -> tuple[str, ...]:
+    """Which of sft and rm feed this run's later stages: its own, or for a sweep variant the shared run's."""
+    return tuple(s for s in ("sft", "rm") if s in cfg.stages or s in cfg.shared_stages)
 
 
 def stage_config(cfg: Config, stage: str) -> Any:
@@ -166,9 +180,13 @@ def stage_config(cfg: Config, stage: str) -> Any:
     recipe = getattr(cfg, f"{stage}_config")
     values: dict[str, Any] = load_yaml_config(recipe, valid) if recipe else {}
     shared = Path(cfg.shared_dir) if cfg.shared_dir else None
-    values.update(chained_paths(Path(cfg.output_dir), shared, cfg.rm_members)[stage])
+    upstream = upstream_stages(cfg)
+    values.update(chained_paths(Path(cfg.output_dir), shared, cfg.rm_members, upstream)[stage])
     if stage == "eval":  # the policy is judged by the score PPO maximised, on responses cut as PPO cut them
-        values.update(scored_as(stage_config(cfg, "ppo")))
+        ppo_cfg = stage_config(cfg, "ppo")
+        values.update(scored_as(ppo_cfg))
+        if "sft" not in upstream:  # no SFT stage: the policy is compared with the model PPO started from
+            values["baseline_path"] = ppo_cfg.model_name_or_path
     if stage == "dpo":  # the preference pairs the RM stage trains on (its recipe and overrides)
         values.update(rm_pairs(cfg))
     overrides = getattr(cfg, stage)
@@ -253,7 +271,7 @@ def sweep_runs(cfg: Config) -> list[Config]:
     shared = dataclasses.replace(
         cfg, stages=[s for s in cfg.stages if s in ("sft", "rm", "dpo")], sweep=None, report=False
     )
-    runs = [shared]
+    runs = [shared] if shared.stages else []  # e.g. `stages: [ppo, eval]`: nothing shared to run first
     for variant in cfg.sweep:
         ppo = {**cfg.ppo, **{k: v for k, v in variant.items() if k != "name"}}
         folder = out / variant["name"]
@@ -266,6 +284,7 @@ def sweep_runs(cfg: Config) -> list[Config]:
                 report=False,
                 ppo=ppo,
                 shared_dir=str(out),
+                shared_stages=shared.stages,
             )
         )
     if "compare" in cfg.stages:
@@ -294,10 +313,11 @@ def run_one(cfg: Config) -> dict[str, Any]:
     record_path = out / "pipeline.json"
     record = json.loads(record_path.read_text()) if record_path.exists() else {}
     if (
-        cfg.shared_dir and state.is_main_process
+        cfg.shared_stages and state.is_main_process
     ):  # a sweep variant: link the shared SFT and RM stages into this run folder
         shared_record = json.loads((Path(cfg.shared_dir) / "pipeline.json").read_text())
-        for stage in ("sft", *(p.name for p in rm_member_dirs(out, cfg.rm_members))):
+        rm_dirs = [p.name for p in rm_member_dirs(out, cfg.rm_members)] if "rm" in cfg.shared_stages else []
+        for stage in ["sft"] * ("sft" in cfg.shared_stages) + rm_dirs:
             link = out / stage
             if not link.exists():
                 link.symlink_to(Path("..") / stage, target_is_directory=True)

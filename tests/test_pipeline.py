@@ -186,3 +186,50 @@ def test_a_sweep_over_estimators_is_compared_in_one_report_and_one_compare(
     assert read_json(out / "pipeline.json")["compare"]["metrics"] == metrics
     assert "Methods compared" in html and "grpo (grpo, k = 2, along its run)" in html
     assert (out / "report" / "methods.png").is_file()
+
+
+def test_stages_without_sft_and_rm_start_ppo_from_its_recipe_model_and_score_with_a_rule(
+    tmp_path, tiny_model_dir, sft_files, pref_files, prompt_file, monkeypatch
+):
+    """`stages: [ppo, eval]` (a sweep of two estimators): nothing is chained from SFT or RM folders that the run
+    does not make. PPO starts from the model its recipe names, scores with the reward function alone, and
+    evaluation compares the policy with that starting model (also the KL reference); no sft/ or rm/ folder
+    or link is made."""
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "rule"
+    argv = pipeline_argv(out, tiny_model_dir, sft_files, pref_files, prompt_file, report="false")
+    start = {
+        "model_name_or_path": str(tiny_model_dir),
+        "reward_model_path": "none",
+        "reward_fn": "reward_fns:length",
+    }
+    variants = (
+        "[{name: gae}, {name: rloo, advantage_estimator: rloo, samples_per_prompt: 2, rollout_batch_size: 2}]"
+    )
+    argv = [a if not a.startswith("--ppo=") else a[:-1] + ", " + json.dumps(start)[1:] for a in argv]
+    argv += ["--stages", "[ppo, eval]", "--sweep", variants]
+    records = run_pipeline(argv)
+
+    assert not (out / "sft").exists() and not (out / "rm").exists()
+    for name in ("gae", "rloo"):
+        run = out / name
+        assert sorted(p.name for p in run.iterdir()) == [
+            "eval",
+            "pipeline.json",
+            "pipeline_config.yaml",
+            "ppo",
+        ]
+        ppo_cfg = yaml.safe_load((run / "ppo" / "config.yaml").read_text())
+        assert ppo_cfg["model_name_or_path"] == str(tiny_model_dir)
+        assert ppo_cfg["reward_model_path"] in (None, "none") and ppo_cfg["reward_fn"] == "reward_fns:length"
+        eval_cfg = yaml.safe_load((run / "eval" / "config.yaml").read_text())
+        assert eval_cfg["policy_path"] == str(run / "ppo") and eval_cfg["baseline_path"] == str(
+            tiny_model_dir
+        )
+        assert (
+            eval_cfg["reward_model_path"] in (None, "none") and eval_cfg["reward_fn"] == "reward_fns:length"
+        )
+        metrics = records[str(run)]["eval"]["metrics"]
+        assert metrics["reference_path"] == str(tiny_model_dir) and metrics["rm_win_rate"] is None
+        assert metrics["reward_fn_mean"] is not None and metrics["kl_to_ref_baseline"] == 0.0
+    assert set(records) == {str(out / "gae"), str(out / "rloo")}, "no shared run: nothing is shared"
