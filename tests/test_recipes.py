@@ -27,11 +27,46 @@ NAMES = sorted(p.name for p in RECIPES.iterdir() if p.is_dir())
 YAMLS = sorted(RECIPES.glob("*/*.yaml"))
 
 
-def test_the_recipes_are_the_documented_five():
-    assert NAMES == ["gpt2-hh", "gpt2-reviews", "reviews", "reviews-lora", "smollm2-reviews"]
+RULE_RECIPES = ["smollm2-arithmetic"]  # stages [ppo, eval]: RL from a rule, straight from an instruct model
+CHAINED_RECIPES = [name for name in NAMES if name not in RULE_RECIPES]  # sft -> rm -> ppo -> eval
+
+
+def test_the_recipes_are_the_documented_six():
+    assert NAMES == [
+        "gpt2-hh",
+        "gpt2-reviews",
+        "reviews",
+        "reviews-lora",
+        "smollm2-arithmetic",
+        "smollm2-reviews",
+    ]
     for name in NAMES:
         files = {p.name for p in (RECIPES / name).iterdir()}
-        assert {"sft.yaml", "rm.yaml", "ppo.yaml", "eval.yaml", "pipeline.yaml", "README.md"} <= files, name
+        stages = parse_config(pipeline.Config, ["--config", str(RECIPES / name / "pipeline.yaml")]).stages
+        assert {f"{stage}.yaml" for stage in stages} | {"pipeline.yaml", "README.md"} <= files, name
+        assert (stages == ["ppo", "eval"]) == (name in RULE_RECIPES), name
+
+
+def test_the_rule_recipe_evaluates_against_its_starting_model_with_its_verifier(monkeypatch):
+    """smollm2-arithmetic has no SFT or RM stage: PPO starts from the instruct model, scores with the verifier
+    alone, and both the eval file and the pipeline compare the policy with that model on the same score."""
+    monkeypatch.chdir(ROOT)
+    folder = RECIPES / "smollm2-arithmetic"
+    ppo_cfg = parse_config(ppo.Config, ["--config", str(folder / "ppo.yaml")])
+    eval_cfg = parse_config(evaluate.Config, ["--config", str(folder / "eval.yaml")])
+    piped = pipeline.stage_config(
+        parse_config(pipeline.Config, ["--config", str(folder / "pipeline.yaml")]), "eval"
+    )
+    verifier = "llm_rlhf.arithmetic:reward"
+    assert ppo_cfg.reward_fn == ppo_cfg.accuracy_fn == verifier and ppo_cfg.reward_model_path in (
+        None,
+        "none",
+    )
+    for cfg in (eval_cfg, piped):
+        assert cfg.policy_path == ppo_cfg.output_dir and cfg.baseline_path == ppo_cfg.model_name_or_path
+        assert cfg.reward_fn == cfg.accuracy_fn == verifier and cfg.reward_model_path in (None, "none")
+        assert cfg.reference_path is None, "the KL is to the baseline: the instruct model PPO started from"
+    assert piped.output_dir == eval_cfg.output_dir
 
 
 @pytest.mark.parametrize("path", YAMLS, ids=lambda p: f"{p.parent.name}/{p.name}")
@@ -43,7 +78,7 @@ def test_every_recipe_parses(path, monkeypatch):
             pipeline.stage_config(cfg, stage)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", CHAINED_RECIPES)
 def test_the_stage_files_of_a_recipe_chain(name):
     """Run one stage at a time (no pipeline) and each still reads the previous stage's output folder."""
     folder = RECIPES / name
@@ -245,3 +280,41 @@ def test_smollm2_recipe_runs_on_a_tiny_llama(tmp_path, tiny_llama_dir, sft_files
         assert eval_metrics[key] is not None, key
     heldout = [json.loads(line) for line in (tmp_path / "ppo" / "eval_log.jsonl").read_text().splitlines()]
     assert heldout and all(r["fluency_perplexity"] > 1 for r in heldout)
+
+
+@pytest.mark.slow
+def test_the_rule_recipe_runs_through_the_pipeline_on_a_tiny_chat_llama(tmp_path, monkeypatch):
+    """`llm-rlhf pipeline --config recipes/smollm2-arithmetic/pipeline.yaml` with a tiny Llama (a chat template
+    of its own) in place of SmolLM2, two steps and a few held-out problems: the committed arithmetic prompts
+    are rendered and verified, the held-out evaluations and the eval stage report accuracy, and the eval
+    baseline is the starting model (its KL to itself 0)."""
+    from transformers import AutoTokenizer
+
+    monkeypatch.chdir(ROOT)
+    model = build_model(tmp_path / "tiny_chat_llama", "llama", n_positions=160)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    tokenizer.save_pretrained(model)
+    out = tmp_path / "run"
+    ppo_keys = {"model_name_or_path": str(model), "steps": 2, "rollout_batch_size": 2, "mini_batch_size": 4,
+                "max_prompt_length": 128, "max_new_tokens": 4, "eval_every": 1, "eval_num_prompts": 3,
+                "save_steps": 0, "log_samples_every": 0}  # fmt: skip
+    eval_keys = {"num_prompts": 3, "samples_per_prompt": 2, "max_prompt_length": 128, "max_new_tokens": 4}
+    argv = ["--config", str(RECIPES / "smollm2-arithmetic" / "pipeline.yaml"), "--output_dir", str(out),
+            "--ppo", json.dumps(ppo_keys), "--eval", json.dumps(eval_keys)]  # fmt: skip
+    pipeline.run(parse_config(pipeline.Config, argv))
+
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["eval", "ppo", "report"]
+    heldout = [json.loads(line) for line in (out / "ppo" / "eval_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in heldout] == [0, 1, 2]
+    for record in heldout:
+        assert 0.0 <= record["accuracy"] <= 1.0 and 0.0 <= record["accuracy_greedy"] <= 1.0
+    metrics = read_json(out / "eval" / "metrics.json")
+    assert metrics["baseline_path"] == str(model) and metrics["kl_to_ref_baseline"] == 0.0
+    assert metrics["accuracy_fn"] == "llm_rlhf.arithmetic:reward" and metrics["num_pairs"] == 6
+    for key in ("accuracy", "accuracy_greedy", "accuracy_baseline", "accuracy_greedy_baseline"):
+        assert 0.0 <= metrics[key] <= 1.0, key
+    assert (out / "report.html").is_file()
