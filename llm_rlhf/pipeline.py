@@ -168,7 +168,8 @@ def stage_config(cfg: Config, stage: str) -> Any:
     shared = Path(cfg.shared_dir) if cfg.shared_dir else None
     values.update(chained_paths(Path(cfg.output_dir), shared, cfg.rm_members)[stage])
     if stage == "eval":  # the policy is judged by the score PPO maximised, on responses cut as PPO cut them
-        values.update(scored_as(stage_config(cfg, "ppo")))
+        ppo_cfg = stage_config(cfg, "ppo")
+        values.update(scored_as(ppo_cfg), accuracy_fn=ppo_cfg.accuracy_fn)  # and by PPO's verifier
     if stage == "dpo":  # the preference pairs the RM stage trains on (its recipe and overrides)
         values.update(rm_pairs(cfg))
     overrides = getattr(cfg, stage)
