@@ -25,8 +25,8 @@ alone.
 Evaluation scores the policy as its PPO stage did: eval takes the keys that decide a sample's score from PPO's
 resolved config (`scoring.scored_as`: the scorer's keys, reward_model_path, the ensemble keys, reward_fn and
 reward_fn_weight, and where a response ends, stop_strings and min_new_tokens), so a sweep variant that trains
-on one member of an ensemble, or with a reward function, is evaluated on that score; `eval:` overrides still
-win.
+on one member of an ensemble, or with a reward function, is evaluated on that score; it takes PPO's verifier
+(accuracy_fn) too; `eval:` overrides still win.
 
 A stage whose folder holds `metrics.json` is finished and skipped; a stage folder without it was
 interrupted and is resumed. `DIR/pipeline.json` records each stage's wall time and headline metrics.
