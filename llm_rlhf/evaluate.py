@@ -33,13 +33,26 @@ metrics.json (written last; `_baseline` keys hold the same figures for the basel
     distinct_1, distinct_2  unique / total token n-grams over all responses (EOS excluded; Li et al. 2016)
     char_run_rate, repeated_ngram_rate, empty_rate   fraction of responses with a run of one repeated
                       character, a repeated word 3-gram, or no text (`llm_rlhf.hacking`: signs of reward hacking)
-    *_stderr          standard error of the mean over the samples
-A null value means "not measured" (gold_judge none, reward_model_path none, reward_fn unset, or a baseline
-whose tokenizer differs from the reference's for kl_to_ref_baseline).
+    accuracy          with a verifier (`--accuracy_fn module:callable`, e.g. llm_rlhf.arithmetic:reward: the
+                      reward-function interface, every score 1.0 = correct or 0.0 = wrong): its mean over the
+                      samples drawn as configured (samples_per_prompt per prompt, temperature, ...)
+    accuracy_greedy   its mean over one greedy response per prompt (temperature 0: the argmax at every token, in
+                      the same batches, ending at EOS / stop_strings / max_new_tokens, min_new_tokens applied;
+                      no random draw, so the same whatever the seed)
+    accuracy_stderr, accuracy_greedy_stderr   their standard errors over the PROMPTS: each prompt's samples
+                      averaged first, then sd (n - 1) / sqrt(n) over the n prompts (a prompt's samples are not
+                      independent draws of the task; `mean_and_stderr_over_prompts`)
+    accuracy_fn       the verifier's spec (null: off, and every accuracy key null)
+    *_stderr          (the others) standard error of the mean over the samples
+A null value means "not measured" (gold_judge none, reward_model_path none, reward_fn or accuracy_fn unset, or
+a baseline whose tokenizer differs from the reference's for kl_to_ref_baseline).
 
-samples.jsonl: one line per (prompt, sample): prompt, sample, then policy_<key> and baseline_<key> for
-response, gold_score, sentiment, fluency_perplexity, rm_score, kl_to_ref, length, eos; the first few are
-printed as a table. Also
+samples.jsonl: one line per (prompt, sample), prompt-major: prompt, sample, then policy_<key> and
+baseline_<key> for response, gold_score, sentiment, fluency_perplexity, rm_score, kl_to_ref, length, eos and
+correct (the verifier's 1.0 / 0.0 on that sample; null without accuracy_fn), then policy_greedy_response,
+policy_greedy_correct, baseline_greedy_response, baseline_greedy_correct: the prompt's one greedy response
+per model and its verdict, the same on each of the prompt's sample lines (null without accuracy_fn); the
+first few are printed as a table. Also
 config.yaml (the resolved config). Nothing is written before every input (config, judge, prompts,
 models) has been loaded and checked.
 
@@ -55,9 +68,11 @@ already-loaded policy and returns the summary figures (`heldout_record`: a line 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,13 +83,14 @@ from accelerate import PartialState
 from tqdm.auto import tqdm
 
 from llm_rlhf import ppo_math
+from llm_rlhf.callables import split_callable_spec
 from llm_rlhf.config import checked_keywords, format_config, help_field, is_off, require, save_config
 from llm_rlhf.data import DATA_FORMATS, load_prompt_dataset, prompt_rules
 from llm_rlhf.errors import UserError
 from llm_rlhf.gold import FluentGoldJudge, GoldJudge, judge_details, load_judge
 from llm_rlhf.hacking import DEGENERACY_KEYS, degeneracy_rates
 from llm_rlhf.models import freeze, load_causal_lm, load_tokenizer, tokenizer_or_load
-from llm_rlhf.reward_fn import load_reward_fn, probe
+from llm_rlhf.reward_fn import RewardFn, load_reward_fn, probe
 from llm_rlhf.reward_model import RewardEnsemble, check_members_exist, load_reward_models
 from llm_rlhf.rollout import (
     Samples,
@@ -121,6 +137,13 @@ class Config:
     )
     reward_fn_weight: float = help_field(
         1.0, "Its weight in combined_score = rm_score + reward_fn_weight * reward_fn (PPO's score)."
+    )
+    accuracy_fn: str | None = help_field(
+        None,
+        "A verifier: 'module:callable' or 'path/to/file.py:callable' with the reward-function interface "
+        "(prompts, responses) -> list of 1.0 (correct) / 0.0 (wrong), e.g. llm_rlhf.arithmetic:reward. When set, "
+        "evaluation reports accuracy: sampled (the mean over the samples drawn as configured) and greedy (one "
+        "greedy response per prompt, temperature 0 / argmax), with standard errors over the prompts; null = off.",
     )
     gold_judge: str = help_field(
         "data/reviews/gold.json",
@@ -177,6 +200,8 @@ class Config:
     def __post_init__(self):
         require(self.data_format in DATA_FORMATS, "data_format", f"must be one of {', '.join(DATA_FORMATS)}")
         check_score_keys(self)  # the reward function's form only: `run` imports it
+        if self.accuracy_fn is not None:  # its form only: `run` imports it
+            split_callable_spec(self.accuracy_fn, "accuracy_fn")
         require(
             self.num_prompts is None or self.num_prompts > 0, "num_prompts", "must be > 0 (or null for all)"
         )
@@ -228,6 +253,19 @@ def mean_and_stderr(values: list[float]) -> tuple[float, float]:
     return mean, math.sqrt(var / n)
 
 
+def mean_and_stderr_over_prompts(values: list[float], samples_per_prompt: int) -> tuple[float, float]:
+    """Mean and standard error with each prompt counted once: `values` holds samples_per_prompt consecutive
+    values per prompt (prompt-major, as `llm-rlhf eval` lays out its samples). Each prompt's values are
+    averaged first, m_i = mean_j values[i, j], then `mean_and_stderr` over the n prompts: sd(m, n - 1) / sqrt(n).
+    The mean is the mean over all values; the stderr is not the one over the samples, which would count a
+    prompt's samples as independent draws of the task (they share the prompt: an easy problem is easy for all)."""
+    k = samples_per_prompt
+    if k < 1 or not values or len(values) % k:
+        raise ValueError(f"{len(values)} values are not whole groups of samples_per_prompt={k}")
+    per_prompt = [sum(values[i : i + k]) / k for i in range(0, len(values), k)]  # (n,) m_i
+    return mean_and_stderr(per_prompt)
+
+
 # ---------------------------------------------------------------------------------------------
 # Sampling and scoring
 # ---------------------------------------------------------------------------------------------
@@ -241,6 +279,12 @@ class PairedSampling:
     sampling: Sampling
     seed: int = 0
     batch_size: int = 32
+
+    def greedy(self) -> PairedSampling:
+        """The same batches and ends (EOS, stop_strings, min_new_tokens, max_new_tokens), decoded greedily:
+        temperature 0, the argmax at every token (`rollout.Sampling`), no random draw, so the same responses
+        whatever the seed."""
+        return dataclasses.replace(self, sampling=dataclasses.replace(self.sampling, temperature=0.0))
 
 
 @dataclass(frozen=True)
@@ -311,6 +355,7 @@ def sample_and_score(
     scorer: Scorer | None = None,
     judge=None,
     reference: KLReference | None = None,
+    verifier: RewardFn | None = None,
     progress: str | None = None,
 ) -> list[dict[str, Any]]:
     """One record per prompt: prompt, response (text; a stop string that ended it is kept, as the RM scored
@@ -322,7 +367,8 @@ def sample_and_score(
     prompt and the response text) and combined_score (rm_score + reward_fn_weight * reward_fn, the score PPO
     maximises; None without a reward function), then gold_score (None without `judge`) and sentiment,
     fluency_nll, fluency_perplexity (None unless the judge reports them, as the fluency-aware gold does; see
-    `llm_rlhf.gold.judge_details`). Batch b is sampled with seed + b (`PairedSampling`)."""
+    `llm_rlhf.gold.judge_details`), then correct: the `verifier`'s verdict on the prompt and the response text,
+    1.0 or 0.0 (None without a verifier: `accuracy_fn`). Batch b is sampled with seed + b (`PairedSampling`)."""
     if not prompts:
         raise ValueError("no prompts to sample")
     sampling = draws.sampling
@@ -362,13 +408,57 @@ def sample_and_score(
                     "sentiment": None,
                     "fluency_nll": None,
                     "fluency_perplexity": None,
+                    "correct": None,
                 }
             )
+    texts = [r["prompt"] for r in records], [r["response"] for r in records]
     if judge is not None:
-        parts = judge_details(judge, [r["prompt"] for r in records], [r["response"] for r in records])
+        parts = judge_details(judge, *texts)
         for i, record in enumerate(records):
             record.update({key: values[i] for key, values in parts.items() if key in record})
+    if verifier is not None:  # one checked call: every verdict 1.0 or 0.0 (`load_verifier`)
+        for record, verdict in zip(records, verifier(*texts)):
+            record["correct"] = verdict
     return records
+
+
+def greedy_records(model, tokenizer, prompts: list[str], draws: PairedSampling, verifier: RewardFn):
+    """One greedy response per prompt (`PairedSampling.greedy`: the argmax at every token, in draws' batches,
+    ending as draws' responses end), with the verifier's verdict: `sample_and_score`'s records, `correct` set
+    and nothing else scored."""
+    return sample_and_score(model, tokenizer, prompts, draws.greedy(), verifier=verifier)
+
+
+ACCURACY_KEYS = ("accuracy", "accuracy_stderr", "accuracy_greedy", "accuracy_greedy_stderr")
+
+
+def accuracy_figures(
+    sampled: list[dict[str, Any]],
+    greedy: list[dict[str, Any]] | None,
+    *,
+    samples_per_prompt: int = 1,
+    suffix: str = "",
+) -> dict[str, float | None]:
+    """`ACCURACY_KEYS` (+ suffix) from the verdicts (`correct`) of one model's records: accuracy, the mean over
+    the sampled records (samples_per_prompt consecutive records per prompt), accuracy_greedy the mean over the
+    greedy records (one per prompt), each with its standard error over the prompts
+    (`mean_and_stderr_over_prompts`). All None when greedy is None (no verifier: not measured)."""
+    if greedy is None:
+        return {key + suffix: None for key in ACCURACY_KEYS}
+    accuracy, stderr = mean_and_stderr_over_prompts([r["correct"] for r in sampled], samples_per_prompt)
+    accuracy_greedy, greedy_stderr = mean_and_stderr_over_prompts([r["correct"] for r in greedy], 1)
+    figures = (accuracy, stderr, accuracy_greedy, greedy_stderr)
+    return {key + suffix: value for key, value in zip(ACCURACY_KEYS, figures)}
+
+
+def load_verifier(spec: str, prompts: Sequence[str]) -> RewardFn:
+    """`accuracy_fn: SPEC` loaded as a reward function is (`reward_fn.load_reward_fn`: its errors name
+    accuracy_fn, and every score must be 1.0 or 0.0) and probed the same way (`reward_fn.probe`, on the first
+    two prompts with dummy responses): a broken verifier, or one that grades, stops the run with one line
+    before any model loads."""
+    verifier = load_reward_fn(spec, key="accuracy_fn", binary=True)
+    probe(verifier, prompts)
+    return verifier
 
 
 def summarize(records: list[dict[str, Any]], suffix: str = "") -> dict[str, float | None]:
@@ -411,6 +501,7 @@ def evaluate_policy(
     scorer=None,
     judge=None,
     reference=None,
+    verifier: RewardFn | None = None,
     samples_out: list[dict[str, Any]] | None = None,
 ) -> dict[str, float | None]:
     """Sample one response per prompt from `policy` and score it: for evaluation during training.
@@ -422,20 +513,32 @@ def evaluate_policy(
     seed, and the global RNG is left untouched. The policy is put in eval mode for the call and restored.
     Returns `summarize`'s keys: gold_score_mean, rm_score_mean, reward_fn_mean, combined_score_mean,
     kl_to_ref, kl_to_ref_at_temperature, response_length_mean, eos_rate, distinct_1, distinct_2, the degeneracy rates
-    (+ stderrs). samples_out: a list that gets `sample_and_score`'s per-sample records appended (PPO logs them
-    for the report's reward-hacking watch); None = not kept.
+    (+ stderrs), and `ACCURACY_KEYS`: with a `verifier` (a loaded `accuracy_fn`, `load_verifier`) accuracy, the
+    verifier's mean over these samples, and accuracy_greedy over one more, greedy response per prompt
+    (`greedy_records`; no random draw), each with its stderr over the prompts; None without one. samples_out:
+    a list that gets `sample_and_score`'s per-sample records appended (PPO logs them for the report's
+    reward-hacking watch); None = not kept.
     """
     was_training = policy.training
     policy.eval()
+    prompts = list(prompts)
     try:
         records = sample_and_score(
-            policy, tokenizer, list(prompts), draws, scorer=scorer, judge=judge, reference=reference
+            policy,
+            tokenizer,
+            prompts,
+            draws,
+            scorer=scorer,
+            judge=judge,
+            reference=reference,
+            verifier=verifier,
         )
+        greedy = greedy_records(policy, tokenizer, prompts, draws, verifier) if verifier is not None else None
     finally:
         policy.train(was_training)
     if samples_out is not None:
         samples_out.extend(records)
-    return summarize(records)
+    return {**summarize(records), **accuracy_figures(records, greedy)}
 
 
 def load_heldout_inputs(cfg, tokenizer=None) -> tuple[list[str], Any]:
@@ -452,7 +555,9 @@ def load_heldout_inputs(cfg, tokenizer=None) -> tuple[list[str], Any]:
 def heldout_record(step: int, result: dict[str, Any]) -> dict[str, Any]:
     """One line of PPO's eval_log.jsonl from `evaluate_policy`'s figures: step, kl, rm_score (with an ensemble
     also rm_score_member_<k> and rm_disagreement), gold_score, reward_fn (unweighted; None without one),
-    sentiment, fluency_perplexity, eos_rate, response_length and the degeneracy rates (`hacking.DEGENERACY_KEYS`)."""
+    sentiment, fluency_perplexity, eos_rate, response_length, the degeneracy rates (`hacking.DEGENERACY_KEYS`)
+    and accuracy, accuracy_stderr, accuracy_greedy, accuracy_greedy_stderr (`ACCURACY_KEYS`; None without an
+    accuracy_fn)."""
     members = {
         key.removesuffix("_mean"): value
         for key, value in result.items()
@@ -470,6 +575,7 @@ def heldout_record(step: int, result: dict[str, Any]) -> dict[str, Any]:
         "eos_rate": result["eos_rate"],
         "response_length": result["response_length_mean"],
         **{key: result[key] for key in DEGENERACY_KEYS},
+        **{key: result[key] for key in ACCURACY_KEYS},
     }
 
 
@@ -502,15 +608,27 @@ SAMPLE_KEYS = (
     "kl_to_ref",
     "length",
     "eos",
+    "correct",
 )
 
 
-def sample_row(prompt: str, sample: int, policy: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any]:
+def sample_row(
+    prompt: str,
+    sample: int,
+    policy: dict[str, Any],
+    baseline: dict[str, Any],
+    greedy: tuple[dict[str, Any] | None, dict[str, Any] | None] = (None, None),
+) -> dict[str, Any]:
     """One line of samples.jsonl, flat (one column per key in a table): prompt, sample, then
-    policy_<key> and baseline_<key> side by side for response, gold_score, rm_score, kl_to_ref, length, eos."""
+    policy_<key> and baseline_<key> side by side for `SAMPLE_KEYS` (response, gold_score, rm_score, kl_to_ref,
+    length, eos, correct, ...), then <who>_greedy_response and <who>_greedy_correct from the (policy,
+    baseline) greedy records of the prompt (None without them)."""
     row: dict[str, Any] = {"prompt": prompt, "sample": sample}
     for key in SAMPLE_KEYS:
         row[f"policy_{key}"], row[f"baseline_{key}"] = policy[key], baseline[key]
+    for who, record in zip(("policy", "baseline"), greedy):
+        row[f"{who}_greedy_response"] = record["response"] if record is not None else None
+        row[f"{who}_greedy_correct"] = record["correct"] if record is not None else None
     return row
 
 
@@ -520,15 +638,23 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     def num(x):
         return "  n/a" if x is None else f"{x:+.2f}"
 
+    def verdict(x):
+        return "" if x is None else "  correct" if x else "  wrong"
+
     lines = []
     for row in rows:
         lines.append(f"prompt: {row['prompt']!r}")
         for who in ("policy", "baseline"):
-            gold, rm, fn, response = (
-                row[f"{who}_{k}"] for k in ("gold_score", "rm_score", "reward_fn", "response")
+            gold, rm, fn, correct, response = (
+                row[f"{who}_{k}"] for k in ("gold_score", "rm_score", "reward_fn", "correct", "response")
             )
             fn_text = f"  fn {num(fn)}" if fn is not None else ""
-            lines.append(f"  {who:<8} gold {num(gold)}  rm {num(rm)}{fn_text}  {response!r}")
+            lines.append(
+                f"  {who:<8} gold {num(gold)}  rm {num(rm)}{fn_text}{verdict(correct)}  {response!r}"
+            )
+            if row.get(f"{who}_greedy_response") is not None:
+                greedy, correct = row[f"{who}_greedy_response"], row[f"{who}_greedy_correct"]
+                lines.append(f"  {'':<8} greedy{verdict(correct)}  {greedy!r}")
     return "\n".join(lines)
 
 
@@ -581,6 +707,7 @@ def _run(
     prompts = load_prompts(cfg, tokenizer, prompts)
     if reward_fn is not None:  # checked on two real prompts before any model loads, as PPO does
         probe(reward_fn, prompts)
+    verifier = load_verifier(cfg.accuracy_fn, prompts) if cfg.accuracy_fn is not None else None
     rows = [(i, j) for i in range(len(prompts)) for j in range(cfg.samples_per_prompt)]  # (prompt, sample)
     row_prompts = [prompts[i] for i, _ in rows]
 
@@ -610,7 +737,7 @@ def _run(
 
     scorer = Scorer(reward_model, reward_fn, reward_fn_weight=cfg.reward_fn_weight)  # as PPO scores
     draws = PairedSampling(Sampling.of(cfg), seed=cfg.seed, batch_size=cfg.batch_size)
-    measures = dict(scorer=scorer, judge=judge)
+    measures = dict(scorer=scorer, judge=judge, verifier=verifier)
     reference = KLReference(models[reference_path])
     policy = sample_and_score(
         models[cfg.policy_path],
@@ -631,6 +758,13 @@ def _run(
         progress="baseline",
         **measures,
     )
+    greedy: dict[str, list | None] = {"policy": None, "baseline": None}  # one greedy response per prompt
+    if verifier is not None:
+        for who, path, tok in (
+            ("policy", cfg.policy_path, tokenizer),
+            ("baseline", cfg.baseline_path, baseline_tokenizer),
+        ):
+            greedy[who] = greedy_records(models[path], tok, prompts, draws, verifier)
 
     metrics: dict[str, Any] = {}
     for key in ("gold_score", "sentiment", "rm_score", "reward_fn", "combined_score"):
@@ -641,6 +775,9 @@ def _run(
         metrics[f"{name}_win_rate_stderr"] = mean_and_stderr(win_points(a, b))[1] if measured else None
     metrics.update(summarize(policy))
     metrics.update(summarize(baseline, suffix="_baseline"))
+    k = cfg.samples_per_prompt
+    metrics.update(accuracy_figures(policy, greedy["policy"], samples_per_prompt=k))
+    metrics.update(accuracy_figures(baseline, greedy["baseline"], samples_per_prompt=k, suffix="_baseline"))
     sentiment_judge = judge.sentiment if isinstance(judge, FluentGoldJudge) else judge
     heldout = sentiment_judge.info.get("heldout", {}) if isinstance(sentiment_judge, GoldJudge) else {}
     metrics.update(
@@ -662,6 +799,7 @@ def _run(
             ),
             "reward_fn": cfg.reward_fn,
             "reward_fn_weight": cfg.reward_fn_weight,
+            "accuracy_fn": cfg.accuracy_fn,
             "gold_judge": cfg.gold_judge,
             "gold_judge_heldout_accuracy": heldout.get("accuracy"),
             "gold_judge_validity": judge.info.get("validity") if isinstance(judge, FluentGoldJudge) else None,
@@ -671,7 +809,11 @@ def _run(
         }
     )
 
-    samples = [sample_row(prompts[i], j, p, b) for (i, j), p, b in zip(rows, policy, baseline)]
+    greedy_of = [  # (policy, baseline) greedy record of prompt i
+        (greedy["policy"][i], greedy["baseline"][i]) if verifier is not None else (None, None)
+        for i in range(len(prompts))
+    ]
+    samples = [sample_row(prompts[i], j, p, b, greedy_of[i]) for (i, j), p, b in zip(rows, policy, baseline)]
     if cfg.print_samples:
         print(format_table(samples[: cfg.print_samples]))
     print(format_metrics(metrics))
@@ -720,4 +862,11 @@ def format_metrics(metrics: dict[str, Any]) -> str:
         lines.append(
             f"{key:<24}{num(metrics[key]):>10}" + (f"  (+/- {stderr:.4f})" if stderr is not None else "")
         )
+    if metrics.get("accuracy") is not None:  # the verifier's (accuracy_fn), stderr over the prompts
+        for key in ("accuracy", "accuracy_greedy"):
+            stderrs = [metrics[key + "_stderr" + suffix] for suffix in ("", "_baseline")]
+            lines.append(
+                f"{key:<24}{num(metrics[key]):>10}{num(metrics[key + '_baseline']):>10}"
+                f"  (+/- {stderrs[0]:.4f} / {stderrs[1]:.4f})"
+            )
     return "\n".join(lines)

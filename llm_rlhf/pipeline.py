@@ -25,8 +25,8 @@ alone.
 Evaluation scores the policy as its PPO stage did: eval takes the keys that decide a sample's score from PPO's
 resolved config (`scoring.scored_as`: the scorer's keys, reward_model_path, the ensemble keys, reward_fn and
 reward_fn_weight, and where a response ends, stop_strings and min_new_tokens), so a sweep variant that trains
-on one member of an ensemble, or with a reward function, is evaluated on that score; `eval:` overrides still
-win.
+on one member of an ensemble, or with a reward function, is evaluated on that score; it takes PPO's verifier
+(accuracy_fn) too; `eval:` overrides still win.
 
 Only the stages of the run are chained: without `sft` in `stages` PPO (and RM, DPO, compare) start from
 their recipes' model_name_or_path, without `rm` PPO scores with its recipe's reward_model_path and reward_fn,
@@ -184,7 +184,7 @@ def stage_config(cfg: Config, stage: str) -> Any:
     values.update(chained_paths(Path(cfg.output_dir), shared, cfg.rm_members, upstream)[stage])
     if stage == "eval":  # the policy is judged by the score PPO maximised, on responses cut as PPO cut them
         ppo_cfg = stage_config(cfg, "ppo")
-        values.update(scored_as(ppo_cfg))
+        values.update(scored_as(ppo_cfg), accuracy_fn=ppo_cfg.accuracy_fn)  # and by PPO's verifier
         if "sft" not in upstream:  # no SFT stage: the policy is compared with the model PPO started from
             values["baseline_path"] = ppo_cfg.model_name_or_path
     if stage == "dpo":  # the preference pairs the RM stage trains on (its recipe and overrides)

@@ -37,6 +37,7 @@ import torch
 
 from llm_rlhf import ppo_math
 from llm_rlhf.accelerated import Accelerated
+from llm_rlhf.callables import split_callable_spec
 from llm_rlhf.config import checked_keywords, help_field, is_off, require
 from llm_rlhf.data import DATA_FORMATS
 from llm_rlhf.errors import NonFiniteError, UserError
@@ -236,6 +237,14 @@ class Config:
         "data/reviews/gold.json",
         "Gold judge for held-out evaluation: a judge JSON (gold.json: sentiment and fluency), module:callable, or none.",
     )
+    accuracy_fn: str | None = help_field(
+        None,
+        "A verifier: 'module:callable' or 'path/to/file.py:callable' with the reward-function interface "
+        "(prompts, responses) -> list of 1.0 (correct) / 0.0 (wrong), e.g. llm_rlhf.arithmetic:reward; when set, "
+        "held-out evaluation (eval_every > 0) reports accuracy in eval_log.jsonl: sampled (the mean over the "
+        "samples drawn as configured) and greedy (one greedy response per prompt, temperature 0 / argmax), "
+        "with standard errors; the pipeline's eval stage takes it too. null = off.",
+    )
     # --- logging and checkpoints
     log_samples_every: int = help_field(10, "Log a few sampled responses every N steps.")
     num_log_samples: int = help_field(3, "How many samples to log.")
@@ -246,6 +255,8 @@ class Config:
     def __post_init__(self):
         require(self.data_format in DATA_FORMATS, "data_format", f"must be one of {', '.join(DATA_FORMATS)}")
         check_reward_keys(self)
+        if self.accuracy_fn is not None:  # its form only: imported when the stage starts
+            split_callable_spec(self.accuracy_fn, "accuracy_fn")
         require(self.steps > 0, "steps", "must be > 0")
         episodes = self.rollout_batch_size * self.samples_per_prompt
         require(

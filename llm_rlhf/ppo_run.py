@@ -36,6 +36,7 @@ from llm_rlhf.evaluate import (
     evaluate_policy,
     heldout_record,
     load_heldout_inputs,
+    load_verifier,
 )
 from llm_rlhf.hacking import heldout_sample_rows
 from llm_rlhf.models import (
@@ -216,6 +217,9 @@ def train(
         cfg, tokenizer, prompts, reward_fn
     )  # a broken one stops the run here
     eval_prompts, judge = load_heldout_inputs(cfg, tokenizer)
+    verifier = (  # accuracy on the held-out prompts: loaded and probed before any model, as the reward_fn
+        load_verifier(cfg.accuracy_fn, eval_prompts) if eval_prompts and cfg.accuracy_fn is not None else None
+    )
     if reward_model is None and not is_off(cfg.reward_model_path):
         check_members_exist(cfg.reward_model_path)
     resume_from = last_checkpoint(out) if cfg.resume else None
@@ -253,7 +257,7 @@ def train(
         # Every process evaluates (the same prompts and seed) and the main one writes: with sharded
         # parameters (ZeRO-3, FSDP) each forward is a collective that every process must enter (issue 13).
         if eval_prompts and trainer.step % cfg.eval_every == 0:
-            record, rows = evaluate_heldout(trainer, eval_prompts, judge)
+            record, rows = evaluate_heldout(trainer, eval_prompts, judge, verifier)
             if accelerator.is_main_process:
                 append_jsonl(out / "eval_log.jsonl", record)
                 for row in rows:  # per sample: the report's reward-hacking watch ranks their proxy-gold gaps
@@ -262,6 +266,11 @@ def train(
                     f"[eval step {trainer.step}] kl {record['kl']:.2f}  rm {signed(record['rm_score'])}  "
                     f"gold {signed(record['gold_score'])}"
                     + (f"  reward_fn {signed(record['reward_fn'])}" if cfg.reward_fn is not None else "")
+                    + (
+                        f"  accuracy {record['accuracy']:.3f} (greedy {record['accuracy_greedy']:.3f})"
+                        if verifier is not None
+                        else ""
+                    )
                 )
         accelerator.wait_for_everyone()
 
@@ -485,13 +494,16 @@ def tied_duplicates(model: torch.nn.Module) -> list[str]:
     return [name for group in names.values() for name in group[1:]]
 
 
-def evaluate_heldout(trainer: PPOTrainer, prompts: list[str], judge) -> tuple[dict[str, float], list[dict]]:
+def evaluate_heldout(
+    trainer: PPOTrainer, prompts: list[str], judge, verifier: RewardFn | None = None
+) -> tuple[dict[str, float], list[dict]]:
     """RM score, gold score, reward_fn score (unweighted; None without a reward_fn) and KL to the reference
     on held-out prompts (`evaluate.evaluate_policy`, with the run's sampling settings and scorer; fixed seed:
-    every evaluation of the run samples with the same random numbers), as a line of eval_log.jsonl
-    (`evaluate.heldout_record`; with a reward-model ensemble also each member's score and their
-    disagreement, and the degeneracy rates), and the samples' rows for eval_samples.jsonl
-    (`hacking.heldout_sample_rows`: the report's reward-hacking watch)."""
+    every evaluation of the run samples with the same random numbers, in a fork of the RNG), as a line of
+    eval_log.jsonl (`evaluate.heldout_record`; with a reward-model ensemble also each member's score and their
+    disagreement, and the degeneracy rates; with a verifier, the loaded accuracy_fn, the accuracy of these
+    samples and of one greedy response per prompt, which draws no random number), and the samples' rows for
+    eval_samples.jsonl (`hacking.heldout_sample_rows`: the report's reward-hacking watch)."""
     samples: list[dict] = []
     policy = trainer.unwrapped_policy
     lm, cfg = policy.lm, trainer.cfg
@@ -500,7 +512,7 @@ def evaluate_heldout(trainer: PPOTrainer, prompts: list[str], judge) -> tuple[di
     with trainer.acc.autocast(), trainer.acc.gathered_for_generation(policy):
         result = evaluate_policy(
             lm, trainer.tokenizer, prompts, draws, scorer=trainer.scorer, judge=judge, reference=reference,
-            samples_out=samples,
+            verifier=verifier, samples_out=samples,
         )  # fmt: skip
     rows = heldout_sample_rows(samples, step=trainer.step, reward_fn_weight=cfg.reward_fn_weight)
     return heldout_record(trainer.step, result), rows

@@ -28,6 +28,11 @@ Checks, each a one-line `UserError` naming the callable:
   and the line of the function that raised it;
 - `probe`: one call on the first two prompts of the run with two dummy responses, before any model is
   loaded or any output written, so a broken function stops the run at once instead of at the first step.
+
+A verifier (`accuracy_fn: SPEC`, the held-out accuracy of `llm-rlhf eval` and PPO's held-out evaluation) is a
+reward function of the same interface and rules whose every score is 1.0 (correct) or 0.0 (wrong):
+`load_reward_fn(spec, key="accuracy_fn", binary=True)`, whose errors name `accuracy_fn`, and any other value
+(0.5, 2.0) is one more error line: the accuracy of a graded score means nothing.
 """
 
 from __future__ import annotations
@@ -50,11 +55,19 @@ PROBE_RESPONSES = ("", " and it was good.")  # an empty response (EOS at once) a
 class RewardFn:
     """A loaded reward function: `self(prompts, responses)` calls it and checks what comes back.
 
-    fn: the user's callable; spec: how the config named it (every error message names it).
+    fn: the user's callable; spec: how the config named it and key: the config key that named it (every error
+    message starts "<key> '<spec>'"); binary: a verifier, every score must be 1.0 or 0.0 (`check_binary`).
     """
 
-    def __init__(self, fn: Callable[[list[str], list[str]], Any], spec: str):
-        self.fn, self.spec = fn, spec
+    def __init__(
+        self,
+        fn: Callable[[list[str], list[str]], Any],
+        spec: str,
+        *,
+        key: str = "reward_fn",
+        binary: bool = False,
+    ):
+        self.fn, self.spec, self.key, self.binary = fn, spec, key, binary
 
     def __repr__(self) -> str:
         return f"RewardFn('{self.spec}')"
@@ -69,13 +82,14 @@ class RewardFn:
             where = f" ({Path(frames[-1].filename).name}:{frames[-1].lineno})" if len(frames) > 1 else ""
             message = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise UserError(
-                f"reward_fn '{self.spec}' raised {type(e).__name__}{': ' + message if message else ''}{where}"
+                f"{self.key} '{self.spec}' raised {type(e).__name__}{': ' + message if message else ''}{where}"
             ) from e
-        return check_scores(out, len(responses), self.spec)
+        scores = check_scores(out, len(responses), self.spec, key=self.key)
+        return check_binary(scores, self.spec, key=self.key) if self.binary else scores
 
 
-def check_scores(out: Any, n: int, spec: str) -> list[float]:
-    """`out` as n finite floats, or a one-line UserError naming `spec` (and the first bad index).
+def check_scores(out: Any, n: int, spec: str, *, key: str = "reward_fn") -> list[float]:
+    """`out` as n finite floats, or a one-line UserError naming `key`, `spec` (and the first bad index).
 
     Accepted: a list, tuple, numpy array or 1-D tensor of numbers (python, numpy or 0-d tensor scalars)."""
     if isinstance(out, torch.Tensor):
@@ -84,11 +98,10 @@ def check_scores(out: Any, n: int, spec: str) -> list[float]:
         out = out.tolist()
     if isinstance(out, (str, bytes, dict)) or not isinstance(out, Sequence):
         raise UserError(
-            f"reward_fn '{spec}' returned {type(out).__name__}; expected a list of {n} numbers, "
-            "one per response"
+            f"{key} '{spec}' returned {type(out).__name__}; expected a list of {n} numbers, one per response"
         )
     if len(out) != n:
-        raise UserError(f"reward_fn '{spec}' returned {len(out)} scores for {n} responses")
+        raise UserError(f"{key} '{spec}' returned {len(out)} scores for {n} responses")
     scores = []
     for i, value in enumerate(out):
         try:
@@ -97,18 +110,31 @@ def check_scores(out: Any, n: int, spec: str) -> list[float]:
             score = float(value)
         except (TypeError, ValueError):
             raise UserError(
-                f"reward_fn '{spec}': score {i} is {value!r} ({type(value).__name__}), not a number"
+                f"{key} '{spec}': score {i} is {value!r} ({type(value).__name__}), not a number"
             ) from None
         if not math.isfinite(score):
-            raise UserError(f"reward_fn '{spec}': score {i} is {score} (NaN or infinite)")
+            raise UserError(f"{key} '{spec}': score {i} is {score} (NaN or infinite)")
         scores.append(score)
     return scores
 
 
-def load_reward_fn(spec: str) -> RewardFn:
-    """Resolve `reward_fn: SPEC` (see the module docstring; the rules of `callables.resolve_callable`, which
-    a `gold_judge` callable follows too) to a checked `RewardFn`."""
-    return RewardFn(resolve_callable(spec, "reward_fn"), spec)
+def check_binary(scores: list[float], spec: str, *, key: str = "accuracy_fn") -> list[float]:
+    """A verifier's scores, each 1.0 (correct) or 0.0 (wrong), or a one-line UserError naming `key`, `spec`,
+    the first other value and its index."""
+    for i, score in enumerate(scores):
+        if score not in (0.0, 1.0):
+            raise UserError(
+                f"{key} '{spec}': score {i} is {score!r}; a verifier returns 1.0 (correct) or 0.0 (wrong) "
+                "(the accuracy of a graded score is meaningless)"
+            )
+    return scores
+
+
+def load_reward_fn(spec: str, *, key: str = "reward_fn", binary: bool = False) -> RewardFn:
+    """Resolve `<key>: SPEC` (see the module docstring; the rules of `callables.resolve_callable`, which
+    a `gold_judge` callable follows too) to a checked `RewardFn`. binary: a verifier (`accuracy_fn`), whose
+    every score must be 1.0 or 0.0."""
+    return RewardFn(resolve_callable(spec, key), spec, key=key, binary=binary)
 
 
 def probe(reward_fn: RewardFn, prompts: Sequence[str]) -> list[float]:

@@ -1,5 +1,6 @@
 """Rule-based reward functions for tests/test_reward_fn.py, named in configs as `reward_fns:<name>` (tests/
-is on the python path under pytest) or `tests/reward_fns.py:<name>` (the file, from the repo root)."""
+is on the python path under pytest) or `tests/reward_fns.py:<name>` (the file, from the repo root); and
+verifiers for tests/test_accuracy.py (`accuracy_fn`: 1.0 correct, 0.0 wrong)."""
 
 from __future__ import annotations
 
@@ -71,3 +72,14 @@ class WrongLengthOnRank1AfterProbe:
         self.calls += 1
         n = len(responses) - (self.calls > 1 and os.environ.get("RANK") == "1")
         return [0.0] * n
+
+
+def even_length(prompts: list[str], responses: list[str]) -> list[float]:
+    """A verifier: "correct" (1.0) when the response has an even number of characters, else 0.0 (a tiny
+    random model gets some of each)."""
+    return [float(len(r) % 2 == 0) for r in responses]
+
+
+def half(prompts: list[str], responses: list[str]) -> list[float]:
+    """Not a verifier: a graded score, 0.5 for every response."""
+    return [0.5 for _ in responses]

@@ -342,14 +342,16 @@ def test_grpo_killed_and_resumed_ends_bit_identical(tiny_model_dir, tiny_rm_dir,
     """grpo, 2 prompts x 4 samples, held-out evaluation every 2 steps, a checkpoint every 2 steps. One run
     goes 4 steps straight; another is killed with SIGKILL as step 4 starts (step 3 logged, the step-2
     checkpoint on disk), then resumed with --resume true: its logs and its final weights are those of the
-    uninterrupted run, bit for bit (the same sampling stream, group by group, from the checkpoint's RNG)."""
+    uninterrupted run, bit for bit (the same sampling stream, group by group, from the checkpoint's RNG), the
+    held-out accuracy (accuracy_fn, with its greedy pass) included."""
     from safetensors.torch import load_file
 
     def command(out, *more, kill_at=None):
         args = ppo_cli_args(tiny_model_dir, tiny_rm_dir, prompt_file, out, 4, advantage_estimator="grpo",
                             samples_per_prompt=4, rollout_batch_size=2, mini_batch_size=4, save_steps=2,
                             eval_every=2, eval_prompt_file=prompt_file, eval_num_prompts=4,
-                            gold_judge=SENTIMENT_JUDGE, lr_scheduler_type="linear")  # fmt: skip
+                            gold_judge=SENTIMENT_JUDGE, lr_scheduler_type="linear",
+                            accuracy_fn="tests/reward_fns.py:even_length")  # fmt: skip
         if kill_at is not None:  # ["-m", "llm_rlhf", "ppo", ...] -> [kill_at_step.py, N, "ppo", ...]
             args = [str(ROOT / "tests" / "scripts" / "kill_at_step.py"), str(kill_at), *args[2:]]
         env = {
@@ -376,6 +378,7 @@ def test_grpo_killed_and_resumed_ends_bit_identical(tiny_model_dir, tiny_rm_dir,
         assert [m["step"] for m in b] == [m["step"] for m in a] and len(a) == (
             4 if name == "metrics.jsonl" else 3
         )
+        assert name == "metrics.jsonl" or all(m["accuracy_greedy"] is not None for m in a)
         for ma, mb in zip(a, b):
             assert {k: v for k, v in mb.items() if not k.startswith(("time/", "tokens_per_s"))} == {
                 k: v for k, v in ma.items() if not k.startswith(("time/", "tokens_per_s"))

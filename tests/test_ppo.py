@@ -323,7 +323,7 @@ def test_config_dataclass_is_flat(tmp_path):
         assert set(_base_types(hints[f.name])) <= {bool, int, float, str, list, type(None)}, f.name
         assert not dataclasses.is_dataclass(getattr(default, f.name)), f.name
     changed = {  # a value of each field's type, valid together, none equal to the default but the estimator's
-        "reward_model_path": ["a", "b"], "reward_fn": "m:f", "lora_target_modules": ["c_attn"],
+        "reward_model_path": ["a", "b"], "reward_fn": "m:f", "accuracy_fn": "m:g", "lora_target_modules": ["c_attn"],
         "stop_strings": ["\n"], "eos_penalty": -1.0, "score_clip": 3.0, "target_approxkl": 0.5,
         "eval_prompt_file": None, "data_format": "hh", "dtype": "bfloat16", "value_model": "reward",
         "lr_scheduler_type": "linear", "kl_estimator": "k3", "kl_controller": "fixed", "report_to": "tensorboard",
