@@ -11,16 +11,22 @@ DIR/report/. What the report reads (any of it may be missing: that section says 
     DIR/sft/train_log.json   (or log.jsonl)   HF Trainer log history: SFT train / eval loss
     DIR/rm/train_log.json    (or log.jsonl)   RM loss, accuracy and margin
     DIR/ppo/metrics.jsonl    one line per PPO step;   DIR/ppo/samples.jsonl   logged responses
-    DIR/ppo/eval_log.jsonl   held-out kl, rm_score, gold_score during PPO (the over-optimisation curve) and
-                             the degeneracy rates (`llm_rlhf.hacking`)
+    DIR/ppo/eval_log.jsonl   held-out kl, rm_score, gold_score during PPO (the over-optimisation curve), the
+                             degeneracy rates (`llm_rlhf.hacking`) and, on a task with a verifier, accuracy
+                             (sampled and greedy, with standard errors): accuracy against step and KL
     DIR/ppo/eval_samples.jsonl   each held-out sample's proxy and gold score (the reward-hacking watch)
-    DIR/eval/metrics.json, DIR/eval/samples.jsonl    final policy vs baseline (SFT)
+    DIR/eval/metrics.json, DIR/eval/samples.jsonl    final policy vs baseline (SFT; the starting model of a
+                             run without an SFT stage); with a verifier, held-out accuracy and each sample's
+                             correctness
     DIR/compare/points.jsonl, DIR/compare/metrics.json   PPO, DPO and best-of-n: gold against KL (optional)
 
 When DIR holds several runs, DIR/report.html overlays their PPO curves (legend = folder name),
 tabulates their headline metrics and the config keys in which they differ, and draws gold and
-proxy reward against KL for each, so one sees what the KL penalty buys; each run gets its own
-report.html as well. matplotlib is imported only here (an optional dependency of the core).
+proxy reward against KL for each, so one sees what the KL penalty buys, and, with a verifier, every run's
+held-out accuracy against step and KL (a sweep of estimators, or of seeds: one curve per run, no average);
+each run gets its own report.html as well. A stage that pipeline_config.yaml's `stages` leaves out (PPO
+straight from an instruct model: `stages: [ppo, eval]`) gets one line saying so, and its files are not
+missing. matplotlib is imported only here (an optional dependency of the core).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from llm_rlhf.config import is_off
 from llm_rlhf.hacking import DEGENERACY_KEYS, degeneracy_flags, degeneracy_rates, standardised_gaps
 from llm_rlhf.utils import atomic_write_text
 
@@ -82,8 +89,11 @@ COMPARE_PANELS = (
     ("time/step", "Time per step", "seconds"),
 )
 
-# Headline columns of the side-by-side table: (stage whose final metrics hold it, key).
+# Headline columns of the side-by-side table: (stage whose final metrics hold it, key); a column no run has a
+# value for is left out (`compare_columns`).
 COMPARE_COLUMNS = (
+    ("eval", "accuracy"),
+    ("eval", "accuracy_greedy"),
     ("eval", "gold_win_rate"),
     ("eval", "sentiment_win_rate"),
     ("eval", "fluency_perplexity"),
@@ -98,6 +108,10 @@ COMPARE_COLUMNS = (
 )
 
 SMOOTH_ABOVE = 30  # more points than this: raw line faint, a centred moving average on top
+
+# Held-out accuracy on a task with a verifier (issue 25): (key, what it is). The key's standard error is
+# key + "_stderr"; in eval/metrics.json the baseline's are key + "_baseline" and key + "_stderr_baseline".
+ACCURACY_KINDS = (("accuracy", "sampled"), ("accuracy_greedy", "greedy"))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -189,7 +203,15 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
     run.heldout_samples = run.jsonl("ppo/eval_samples.jsonl", note=False)  # older runs did not write it
     run.eval_samples = run.jsonl("eval/samples.jsonl")
     load_compare(run)
+    # a stage the run left out (`stages: [ppo, eval]`) has no files to miss; an unreadable one is still named
+    run.missing = [m for m in run.missing if planned(run, m.split("/")[0]) or "(unreadable" in m]
     return run
+
+
+def planned(run: Run, stage: str) -> bool:
+    """Whether `stage` is part of the run: in pipeline_config.yaml's `stages`, or anything when that is unknown
+    (and anything that is not a stage, like pipeline.json)."""
+    return run.stages_planned is None or stage not in STAGES or stage in run.stages_planned
 
 
 def load_compare(run: Run) -> None:
@@ -305,6 +327,13 @@ def estimator_text(estimator: Any, samples_per_prompt: Any) -> str:
     sampled more than once ("grpo, k = 4"). A config from before the key existed is gae."""
     name = str(estimator or "gae")
     return name if samples_per_prompt in (None, 1) else f"{name}, k = {samples_per_prompt}"
+
+
+def without_reward_model(run: Run) -> bool:
+    """PPO scored without a reward model: its resolved config says reward_model_path: none (a config without
+    the key is not evidence of that)."""
+    config = yaml.safe_load(run.configs.get("ppo/config.yaml") or "") or {}
+    return isinstance(config, dict) and "reward_model_path" in config and is_off(config["reward_model_path"])
 
 
 def run_estimator(run: Run) -> str | None:
@@ -625,6 +654,118 @@ def plot_overoptimisation(eval_log: list[dict]):
     return fig
 
 
+def accuracy_logged(eval_log: list[dict] | None) -> bool:
+    """Whether PPO's held-out evaluations measured accuracy (a task with a verifier)."""
+    return any(_logged(eval_log, key) for key, _ in ACCURACY_KINDS)
+
+
+def accuracy_points(eval_log: list[dict] | None, key: str, x: str = "step"):
+    """(step, x, accuracy, stderr) arrays of the held-out evaluations with a number under x and key, in step
+    order (against KL as well: the curve is the run's path, and KL need not grow at every evaluation); stderr
+    is NaN where the row has none."""
+    rows = sorted(
+        (r for r in eval_log or () if _num(r.get(x)) is not None and _num(r.get(key)) is not None),
+        key=lambda r: _num(r.get("step")) or 0,
+    )
+    return tuple(
+        np.array([_num(r.get(k)) for r in rows], dtype=float) for k in ("step", x, key, f"{key}_stderr")
+    )
+
+
+def _accuracy_curve(
+    ax, eval_log, key: str, x: str, *, color, label: str, linestyle="-", marker="o", band: float = 0.12
+) -> bool:
+    """One accuracy curve: against the step with ± one standard error shaded (opacity `band`), against KL
+    with it as bars (a band would fold back where KL falls between evaluations)."""
+    _, xs, y, se = accuracy_points(eval_log, key, x)
+    if not len(xs):
+        return False
+    style = {"color": color, "label": label, "linestyle": linestyle, "marker": marker, "markersize": 3}
+    if x == "step":
+        ax.plot(xs, y, **style)
+        ax.fill_between(xs, y - se, y + se, color=color, alpha=band, linewidth=0)  # NaN stderr: no band there
+    else:
+        ax.errorbar(xs, y, yerr=np.nan_to_num(se), capsize=2, elinewidth=0.8, **style)
+    return True
+
+
+def _accuracy_axes(ax, x: str, title: str, drawn: bool) -> None:
+    """Accuracy from 0% to 100% on every panel, so runs and panels read on one scale."""
+    from matplotlib.ticker import PercentFormatter  # optional, heavy: only when drawing
+
+    ax.set(title=title, xlabel="PPO step" if x == "step" else "KL to reference (nats / response)")
+    if not drawn:
+        _no_data(ax)
+        return
+    ax.set(ylabel="held-out accuracy", ylim=(-0.02, 1.02))
+    ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+
+
+def plot_accuracy(eval_log: list[dict]):
+    """PPO's held-out accuracy, sampled and greedy, against the step (left) and against KL (right)."""
+    fig, axes = _figure(1, 2, 12, 3.8)
+    for ax, x in zip(axes[0], ("step", "kl")):
+        drawn = [
+            _accuracy_curve(ax, eval_log, key, x, color=_color(i), label=kind, marker="os"[i])
+            for i, (key, kind) in enumerate(ACCURACY_KINDS)
+        ]
+        _accuracy_axes(ax, x, f"Held-out accuracy against {'step' if x == 'step' else 'KL'}", any(drawn))
+        if x == "kl" and any(drawn):  # where the path starts and ends
+            key = ACCURACY_KINDS[0][0] if drawn[0] else ACCURACY_KINDS[1][0]
+            step, kl, y, _ = accuracy_points(eval_log, key, "kl")
+            for i in {0, len(kl) - 1}:
+                ax.annotate(
+                    f"step {step[i]:g}",
+                    (kl[i], y[i]),
+                    textcoords="offset points",
+                    xytext=(4, -10),
+                    fontsize=7,
+                )
+        _legend(ax)
+    return fig
+
+
+def run_styles(runs: list[Run]) -> list[tuple]:
+    """(colour, line style) of each run's accuracy curves: a colour per run; but where runs repeat an advantage
+    estimator (its seeds) and there is more than one estimator, a colour per estimator and a line style per run
+    within it, so four estimators x three seeds read as four colours."""
+    estimators = [run_estimator(run) for run in runs]
+    distinct = list(dict.fromkeys(estimators))
+    if len(distinct) in (1, len(runs)):
+        return [(_color(i), "-") for i in range(len(runs))]
+    styles = []
+    for i, estimator in enumerate(estimators):
+        repeat = estimators[:i].count(estimator)
+        styles.append((_color(distinct.index(estimator)), ("-", "--", ":", "-.")[repeat % 4]))
+    return styles
+
+
+def plot_compare_accuracy(runs: list[Run]):
+    """Every run's held-out accuracy against step (left) and KL (right), one curve per run (no average over
+    seeds: each seed is a run); a row per kind some run measured (sampled, greedy)."""
+    from matplotlib.lines import Line2D  # optional, heavy: only when drawing
+
+    kinds = [(key, kind) for key, kind in ACCURACY_KINDS if any(_logged(r.eval_log, key) for r in runs)]
+    styles = run_styles(runs)
+    fig, axes = _figure(len(kinds), 2, 12, 3.8 * len(kinds))
+    for row, (key, kind) in zip(axes, kinds):
+        for ax, x in zip(row, ("step", "kl")):
+            drawn = [  # fainter bands than one run's: many overlap
+                _accuracy_curve(ax, r.eval_log, key, x, color=c, label=r.name, linestyle=ls, band=0.06)
+                for r, (c, ls) in zip(runs, styles)
+            ]
+            _accuracy_axes(
+                ax, x, f"Held-out accuracy, {kind}, against {'step' if x == 'step' else 'KL'}", any(drawn)
+            )
+    colors = list(dict.fromkeys(c for c, _ in styles))
+    # the legend filled column by column, a colour's runs together: with equal groups, a column per estimator
+    order = sorted(range(len(runs)), key=lambda i: colors.index(styles[i][0]))
+    handles = [Line2D([], [], color=styles[i][0], linestyle=styles[i][1], label=runs[i].name) for i in order]
+    ncols = len(colors) if len(colors) < len(runs) else min(len(runs), 6)
+    fig.legend(handles=handles, loc="outside upper center", ncols=ncols)
+    return fig
+
+
 METHOD_NAMES = {
     "ppo": "PPO (along its run)",
     "dpo": "DPO (β sweep)",
@@ -767,6 +908,8 @@ table.runs td:nth-child(-n+2) { white-space: nowrap; overflow-wrap: normal; }
 .wide { overflow-x: auto; }
 .scores { display: block; color: #666; font-size: 0.85em; margin-top: 0.3em; white-space: normal; }
 .prompt-text { color: #777; } .empty { color: #999; font-style: italic; }
+.ok { color: #1a7f37; font-weight: 600; } .wrong { color: #b42318; font-weight: 600; }
+.greedy { display: block; margin-top: 0.4em; padding-top: 0.3em; border-top: 1px dashed #ddd; }
 .flag { color: #a15c00; background: #fff0d9; border-radius: 3px; padding: 0 0.3em; font-size: 0.8em;
         white-space: nowrap; }
 img { max-width: 100%; height: auto; border: 1px solid #eee; }
@@ -877,15 +1020,20 @@ def headline_cards(run: Run) -> str:
         for e in (run.pipeline or {}).values()
         if isinstance(e, dict)
     )
+    no_rm = without_reward_model(run)
+    accuracy = accuracy_cards(run)  # with no gold, held-out accuracy takes the gold win rate's place
     cards = [
-        _card("SFT EOS rate", _g(sft_eos, ".1%"), "responses that stop"),
-        _card(f"RM {rm_split} accuracy", _g(rm_acc, ".1%"),
-              f"bag-of-words baseline {_g(rm_base, '.1%')}, chance 50%" if rm_base is not None else "chance 50%"),
-        _card("PPO RM score", f"{_g(first)} → {_g(last)}", "first → last step"),
+        *([_card("SFT EOS rate", _g(sft_eos, ".1%"), "responses that stop")] if planned(run, "sft") else []),
+        *([_card(f"RM {rm_split} accuracy", _g(rm_acc, ".1%"),
+                 f"bag-of-words baseline {_g(rm_base, '.1%')}, chance 50%" if rm_base is not None else "chance 50%")]
+          if planned(run, "rm") else []),
+        _card("PPO score" if no_rm else "PPO RM score", f"{_g(first)} → {_g(last)}",
+              "first → last step" + ("; the reward function's (no reward model)" if no_rm else "")),
         _card("PPO KL", _g(kl), f"target {_g(target)}, β = {_g(beta)}"),
         *estimator_card(run),
-        _card("Gold win rate", _g(gold, ".1%"),
-              f"vs SFT; RM win rate {_g(rm_win, '.1%')}" if rm_win is not None else "vs SFT"),
+        *accuracy,
+        *([] if accuracy and gold is None else [_card("Gold win rate", _g(gold, ".1%"),
+            f"vs SFT; RM win rate {_g(rm_win, '.1%')}" if rm_win is not None else "vs SFT")]),
     ]  # fmt: skip
     sentiment = final_value(run, "eval", "sentiment_win_rate")
     fluency = final_value(run, "eval", "fluency_perplexity")
@@ -902,6 +1050,49 @@ def headline_cards(run: Run) -> str:
     return '<div class="cards">' + "".join(cards) + "</div>"
 
 
+def _pm(value: float | None, stderr: float | None) -> str:
+    """A fraction as a percentage, ± its standard error when there is one: "62.5% ± 4.0%"."""
+    return _g(value, ".1%") + ("" if value is None or stderr is None else f" ± {stderr:.1%}")
+
+
+def accuracy_cards(run: Run) -> list[str]:
+    """Held-out accuracy, sampled and greedy: the final evaluation's policy vs baseline (eval/metrics.json), ±
+    standard errors; without it, PPO's first → last held-out evaluation (ppo/eval_log.jsonl). None measured
+    (a task without a verifier): no card."""
+    cards = []
+    for key, kind in ACCURACY_KINDS:
+        policy = final_value(run, "eval", key)
+        if policy is not None:
+            baseline = _pm(
+                final_value(run, "eval", f"{key}_baseline"),
+                final_value(run, "eval", f"{key}_stderr_baseline"),
+            )
+            cards.append(
+                _card(
+                    f"Held-out accuracy, {kind}",
+                    _pm(policy, final_value(run, "eval", f"{key}_stderr")),
+                    f"policy; {baseline_name(run)} {baseline}",
+                )
+            )
+            continue
+        step, _, y, se = accuracy_points(run.eval_log, key)
+        if len(step):
+            cards.append(
+                _card(
+                    f"Held-out accuracy, {kind}",
+                    f"{y[0]:.1%} → {y[-1]:.1%}",
+                    f"PPO's evaluations, step {step[0]:g} → {step[-1]:g}; ± {_g(_num(se[-1]), '.1%')} last",
+                )
+            )
+    return cards
+
+
+def baseline_name(run: Run) -> str:
+    """What the evaluation compares the policy with: the SFT model, or the model PPO started from when the
+    run has no SFT stage (`stages: [ppo, eval]`)."""
+    return "SFT baseline" if planned(run, "sft") else "starting model"
+
+
 def estimator_card(run: Run) -> list[str]:
     """The card that says how the PPO stage made its advantages (none without a PPO config)."""
     if "ppo/config.yaml" not in run.configs:
@@ -915,11 +1106,29 @@ def estimator_card(run: Run) -> list[str]:
 
 def _skipped(run: Run, stage: str, files: list[str]) -> str:
     """Why a section has no data: the stage was not part of the run, or which files are missing."""
-    if run.stages_planned is not None and stage not in run.stages_planned:
+    if not planned(run, stage):
         return (
             f"The {stage} stage is not part of this run (pipeline_config.yaml stages: {run.stages_planned})."
+            + _instead(run, stage)
         )
     return "Missing: " + ", ".join(f"{run.name}/{f}" for f in files) + " — section skipped."
+
+
+def _instead(run: Run, stage: str) -> str:
+    """What took the place of a stage the run left out: the model PPO started from, the score it maximised."""
+    if stage == "sft" and config_value(run, "ppo", "model_name_or_path"):
+        return f" PPO started from {config_value(run, 'ppo', 'model_name_or_path')}, also its reference."
+    if stage == "rm" and without_reward_model(run) and config_value(run, "ppo", "reward_fn"):
+        return f" PPO's score is the reward function {config_value(run, 'ppo', 'reward_fn')} alone."
+    return ""
+
+
+def skip_section(page: Page, run: Run, stage: str, files: list[str]) -> None:
+    """A section without data: one grey line when its stage is not part of the run, else the missing files."""
+    if planned(run, stage):
+        page.missing(_skipped(run, stage, files))
+    else:
+        page.add(f'<p class="note">{html.escape(_skipped(run, stage, files))}</p>')
 
 
 def _wall_time(run: Run, stage: str) -> str:
@@ -935,7 +1144,7 @@ def section_sft(page: Page, run: Run) -> None:
             plot_sft(run.sft_log), "sft_loss", "SFT loss", "Next-token loss on the completion tokens only."
         )
     else:
-        page.missing(_skipped(run, "sft", ["sft/train_log.json (no loss curve)"]))
+        skip_section(page, run, "sft", ["sft/train_log.json (no loss curve)"])
     if run.metrics.get("sft"):
         page.add(metrics_table(run.metrics["sft"]))
 
@@ -952,7 +1161,7 @@ def section_rm(page: Page, run: Run) -> None:
         if not run.rm_log:
             page.missing("Missing: rm/train_log.json — only the final evaluation is plotted.")
     else:
-        page.missing(_skipped(run, "rm", ["rm/train_log.json", "rm/metrics.json"]))
+        skip_section(page, run, "rm", ["rm/train_log.json", "rm/metrics.json"])
     if run.metrics.get("rm"):
         page.add(metrics_table(run.metrics["rm"]))
 
@@ -978,9 +1187,46 @@ def section_ppo(page: Page, run: Run) -> None:
                 "(ppo/config.yaml: ensemble_combine), and the std across the members, averaged over the batch.",
             )
     else:
-        page.missing(_skipped(run, "ppo", ["ppo/metrics.jsonl (no PPO curves)"]))
+        skip_section(page, run, "ppo", ["ppo/metrics.jsonl (no PPO curves)"])
+    gold, accuracy = bool(run.eval_log and len(_eval_points(run.eval_log)[0])), accuracy_logged(run.eval_log)
+    if accuracy:
+        section_accuracy(page, run, gold)
+    if gold or not accuracy:  # with accuracy and no gold, the accuracy curves stand alone
+        section_overoptimisation(page, run, gold)
+    if run.ppo_samples:
+        steps = sorted({s.get("step") for s in run.ppo_samples if _num(s.get("step")) is not None})
+        for step in dict.fromkeys(steps[:1] + steps[-1:]):  # the first and the last logged step
+            page.add(f"<h3>PPO samples at step {fmt(step)}</h3>")
+            page.add(ppo_samples_table([s for s in run.ppo_samples if s.get("step") == step]))
+    if run.metrics.get("ppo"):
+        page.add(
+            "<details><summary>Final PPO metrics</summary>", metrics_table(run.metrics["ppo"]), "</details>"
+        )
+
+
+def section_accuracy(page: Page, run: Run, gold: bool) -> None:
+    """PPO's held-out accuracy (a task with a verifier) against step and KL."""
+    page.add("<h3>Held-out accuracy against step and KL</h3>")
+    verifier = (run.metrics.get("eval") or {}).get("accuracy_fn") or config_value(run, "ppo", "reward_fn")
+    caption = (
+        "PPO's held-out evaluations (ppo/eval_log.jsonl; step 0 is the model PPO started from): the accuracy of "
+        "the run's sampling and of one greedy response per prompt, ± one standard error (shaded; bars against "
+        "KL). Right: the same against KL to the reference on the held-out samples, joined in step order: what "
+        "each nat away from the reference buys in held-out accuracy."
+    )
+    if not gold:
+        caption += (
+            " This run has no gold judge: held-out accuracy"
+            + (f", checked by the verifier {verifier}," if verifier else "")
+            + " is its held-out metric."
+        )
+    page.figure(plot_accuracy(run.eval_log), "accuracy", "Held-out accuracy against step and KL", caption)
+
+
+def section_overoptimisation(page: Page, run: Run, gold: bool) -> None:
+    """Gold and proxy reward against KL over PPO's held-out evaluations, or why there is no such curve."""
     page.add("<h3>Over-optimisation: gold and proxy reward against KL</h3>")
-    if run.eval_log and len(_eval_points(run.eval_log)[0]):
+    if gold:
         page.figure(
             plot_overoptimisation(run.eval_log),
             "overoptimisation",
@@ -1000,16 +1246,7 @@ def section_ppo(page: Page, run: Run) -> None:
             '<code>--ppo "{eval_every: 10}"</code> in the pipeline) to draw it.</p>'
         )
     else:
-        page.missing(_skipped(run, "ppo", ["ppo/eval_log.jsonl (no over-optimisation curve)"]))
-    if run.ppo_samples:
-        steps = sorted({s.get("step") for s in run.ppo_samples if _num(s.get("step")) is not None})
-        for step in dict.fromkeys(steps[:1] + steps[-1:]):  # the first and the last logged step
-            page.add(f"<h3>PPO samples at step {fmt(step)}</h3>")
-            page.add(ppo_samples_table([s for s in run.ppo_samples if s.get("step") == step]))
-    if run.metrics.get("ppo"):
-        page.add(
-            "<details><summary>Final PPO metrics</summary>", metrics_table(run.metrics["ppo"]), "</details>"
-        )
+        skip_section(page, run, "ppo", ["ppo/eval_log.jsonl (no over-optimisation curve)"])
 
 
 def gold_note(run: Run) -> str | None:
@@ -1054,6 +1291,11 @@ class EvalRow:
 
 MEMBERS = "rm_score_member_*"  # stands for every ensemble member's row (`eval_groups`)
 EVAL_GROUPS: tuple[tuple[str, tuple[EvalRow, ...]], ...] = (
+    ("Held-out accuracy (a task with a verifier: the fraction of responses it scores correct)", (
+        EvalRow("accuracy, sampled (the run's sampling)", "accuracy", "accuracy_stderr", sample="correct"),
+        EvalRow("accuracy, greedy (one response per prompt)", "accuracy_greedy", "accuracy_greedy_stderr",
+                sample="greedy_correct"),
+    )),
     ("Gold judge (stands in for people)", (
         EvalRow("gold score", "gold_score_mean", "gold_score_stderr", "gold_win_rate", "gold_score"),
     )),
@@ -1098,13 +1340,15 @@ def _sample_value(value: Any) -> float | None:
 
 def paired_stderr(samples: list[dict] | None, field_name: str | None) -> float | None:
     """Standard error of the mean paired difference policy_<field> - baseline_<field> over the samples
-    (sample std / sqrt(n)); None without at least two samples that hold both."""
+    (sample std / sqrt(n)); None without at least two samples that hold both. A sample that holds neither is
+    no pair (the greedy response is on a prompt's first sample alone); one that holds one side alone gives None."""
     if not samples or field_name is None:
         return None
     diffs = [
         (_sample_value(s.get(f"policy_{field_name}")), _sample_value(s.get(f"baseline_{field_name}")))
         for s in samples
     ]
+    diffs = [pair for pair in diffs if pair != (None, None)]
     if len(diffs) < 2 or any(a is None or b is None for a, b in diffs):
         return None
     return float(np.std([a - b for a, b in diffs], ddof=1) / math.sqrt(len(diffs)))
@@ -1237,11 +1481,22 @@ def eval_meta(metrics: dict) -> str:
     accuracy = _num(metrics.get("gold_judge_heldout_accuracy"))
     if accuracy is not None:
         parts.append(f"the gold's sentiment part: held-out accuracy {accuracy:.1%}")
+    if metrics.get("accuracy_fn"):
+        parts.append(f"accuracy checked by {metrics['accuracy_fn']}")
     return f'<p class="meta">{html.escape("; ".join(parts))}.</p>' if parts else ""
 
 
+def _verdict(value: Any) -> str:
+    """A sample's correctness (a verifier's 1.0 or 0.0) as a tag; none when the sample was not checked."""
+    correct = _sample_value(value)
+    if correct is None:
+        return ""
+    return '<span class="ok">✓ correct</span>' if correct > 0 else '<span class="wrong">✗ incorrect</span>'
+
+
 def _scores_line(row: dict, who: str) -> str:
-    """The few scores that matter for one side of a sample: gold (and its parts), the proxy, length/EOS."""
+    """The few scores that matter for one side of a sample: whether it is correct (a task with a verifier),
+    gold (and its parts), the proxy, length/EOS."""
     items = []
     for field_name, name, spec in (
         ("gold_score", "gold", "+.2f"), ("sentiment", "sentiment", "+.2f"),
@@ -1254,7 +1509,8 @@ def _scores_line(row: dict, who: str) -> str:
     length, eos = _num(row.get(f"{who}_length")), row.get(f"{who}_eos")
     if length is not None:
         items.append(f"{length:g} tokens" + (", no EOS" if eos is False else ""))
-    return f'<span class="scores">{html.escape(" · ".join(items))}</span>'
+    verdict = _verdict(row.get(f"{who}_correct"))
+    return f'<span class="scores">{verdict}{" · " if verdict and items else ""}{html.escape(" · ".join(items))}</span>'
 
 
 def _text(value: Any) -> str:
@@ -1263,21 +1519,36 @@ def _text(value: Any) -> str:
     return html.escape(text) if text.strip() else '<span class="empty">(empty)</span>'
 
 
-def pair_samples_table(rows: list[dict], limit: int = SAMPLE_ROWS) -> str:
+def _greedy(row: dict, who: str) -> str:
+    """One side's greedy response to the prompt and whether it is correct (eval/samples.jsonl holds it on a
+    prompt's first sample alone: nothing on the others)."""
+    response = row.get(f"{who}_greedy_response")
+    if response is None:
+        return ""
+    verdict = _verdict(row.get(f"{who}_greedy_correct"))
+    return (
+        f'<span class="greedy"><span class="key">greedy</span>{_text(response)}'
+        f'{f"""<span class="scores">{verdict}</span>""" if verdict else ""}</span>'
+    )
+
+
+def pair_samples_table(rows: list[dict], limit: int = SAMPLE_ROWS, baseline: str = "SFT baseline") -> str:
     """Per held-out prompt: the prompt across the table, then the baseline's and the policy's responses side
-    by side, each with its few scores under it (every field stays in eval/samples.jsonl)."""
+    by side, each with its few scores under it and, where there is one, its greedy response (every field stays
+    in eval/samples.jsonl)."""
     body = []
     for row in rows[:limit]:
         sample = f' <span class="key">sample {row["sample"]}</span>' if _num(row.get("sample")) else ""
         body.append(f'<tr class="prompt"><td colspan="2">{_text(row.get("prompt"))}{sample}</td></tr>')
         body.append(
             "<tr>" + "".join(
-                f'<td><span class="response">{_text(row.get(f"{who}_response"))}</span>{_scores_line(row, who)}</td>'
+                f'<td><span class="response">{_text(row.get(f"{who}_response"))}</span>{_scores_line(row, who)}'
+                f"{_greedy(row, who)}</td>"
                 for who in ("baseline", "policy")
             ) + "</tr>"
         )  # fmt: skip
     return (
-        '<table class="texts pairs">\n<tr><th>SFT baseline</th><th>PPO policy</th></tr>\n'
+        f'<table class="texts pairs">\n<tr><th>{html.escape(baseline[:1].upper() + baseline[1:])}</th><th>PPO policy</th></tr>\n'
         + "\n".join(body)
         + "\n</table>"
     )
@@ -1297,7 +1568,10 @@ def ppo_samples_table(rows: list[dict], limit: int = 10) -> str:
 
 
 def section_eval(page: Page, run: Run) -> None:
-    page.add('<h2 id="eval">4. Evaluation: policy vs SFT baseline</h2>', _wall_time(run, "eval"))
+    page.add(f'<h2 id="eval">4. Evaluation: policy vs {baseline_name(run)}</h2>', _wall_time(run, "eval"))
+    if not planned(run, "eval") and not run.metrics.get("eval") and not run.eval_samples:
+        skip_section(page, run, "eval", [])
+        return
     note = gold_note(run)
     if note:
         page.add(f'<p class="meta">{html.escape(note)}</p>')
@@ -1322,9 +1596,9 @@ def section_eval(page: Page, run: Run) -> None:
     page.add("<h3>Before / after samples</h3>")
     if run.eval_samples:
         page.add(f'<p class="meta">First {min(SAMPLE_ROWS, len(run.eval_samples))} of {len(run.eval_samples)} '
-                 "held-out samples: the SFT baseline's and the PPO policy's responses to the same prompt, with "
-                 "their scores (every field is in eval/samples.jsonl).</p>")  # fmt: skip
-        page.add(pair_samples_table(run.eval_samples))
+                 f"held-out samples: the {baseline_name(run)}'s and the PPO policy's responses to the same prompt, "
+                 "with their scores (every field is in eval/samples.jsonl).</p>")  # fmt: skip
+        page.add(pair_samples_table(run.eval_samples, baseline=baseline_name(run)))
     else:
         page.missing(_skipped(run, "eval", ["eval/samples.jsonl"]))
 
@@ -1364,7 +1638,7 @@ def watched_evaluations(run: Run) -> list[dict]:
         baseline = sides["baseline"]
         final = _watched("final evaluation", final_value(run, "eval", "kl_to_ref"), *sides["policy"],
                          reference="the SFT baseline's samples", ref=baseline)  # fmt: skip
-        final["baseline"] = _watched("SFT baseline (final evaluation)", final_value(run, "eval", "kl_to_ref_baseline"),
+        final["baseline"] = _watched(f"{baseline_name(run)} (final evaluation)", final_value(run, "eval", "kl_to_ref_baseline"),
                                      *baseline, reference="its own samples", ref=baseline)  # fmt: skip
         out.append(final)
     by_step: dict[float, list[dict]] = {}
@@ -1508,8 +1782,13 @@ def section_hacking(page: Page, run: Run) -> None:
     if not any(s["gap"] is not None for ev in evaluations for s in ev["samples"]):
         page.add(
             '<p class="note">This run has no gold score beside its proxy (gold_judge: none, or no proxy), so '
-            "there is no proxy−gold gap to rank and the task has no other held-out metric to hold the proxy "
-            "against; the degeneracy counters below still apply.</p>"
+            "there is no proxy−gold gap to rank and "
+            + (
+                "the held-out accuracy (sections 3 and 4) is what to hold the proxy against"
+                if accuracy_logged(run.eval_log) or accuracy_cards(run)
+                else "the task has no other held-out metric to hold the proxy against"
+            )
+            + "; the degeneracy counters below still apply.</p>"
         )
     else:
         shown = [ev for ev in evaluations if largest_gaps(ev)]
@@ -1645,29 +1924,65 @@ def config_differences(runs: list[Run]) -> list[tuple[str, list[Any]]]:
     ]
 
 
+def compare_columns(runs: list[Run]) -> list[tuple[str, str]]:
+    """The COMPARE_COLUMNS some run has a value for (no accuracy columns for a task without a verifier)."""
+    return [
+        (stage, key)
+        for stage, key in COMPARE_COLUMNS
+        if any(final_value(r, stage, key) is not None for r in runs)
+    ]
+
+
+def column_value(run: Run, stage: str, key: str) -> Any:
+    """A cell of the side-by-side table: the final value; an accuracy as a percentage ± its standard error."""
+    value = final_value(run, stage, key)
+    if key in dict(ACCURACY_KINDS) and value is not None:
+        return RawNumber(html.escape(_pm(value, final_value(run, stage, f"{key}_stderr"))))
+    return value
+
+
+def compare_accuracy(page: Page, runs: list[Run]) -> None:
+    """Every run's held-out accuracy against step and KL on one figure (a task with a verifier)."""
+    page.add("<h2>Held-out accuracy against step and KL</h2>")
+    grouped = len({c for c, _ in run_styles(runs)}) < len(runs)
+    page.figure(
+        plot_compare_accuracy(runs),
+        "compare_accuracy",
+        "Held-out accuracy of every run against step and KL",
+        "PPO's held-out evaluations (ppo/eval_log.jsonl) of each run, ± one standard error (shaded; bars "
+        "against KL); every run is its own curve (seeds too: nothing is averaged)."
+        + (
+            " One colour per advantage estimator, a line style per run with it."
+            if grouped
+            else " One colour per run."
+        ),
+    )
+
+
 def build_compare_page(runs: list[Run], folder: Path, png_dir: Path) -> Page:
     page = Page(png_dir)
     _header(page, f"RLHF runs side by side: {folder.resolve().name}", folder)
     page.add("<h2>Headline metrics</h2>")
-    header = [
-        "run",
-        "estimator",
-        *[f"{key} ({stage})" if stage == "ppo" else key for stage, key in COMPARE_COLUMNS],
-    ]
+    columns = compare_columns(runs)
+    header = ["run", "estimator", *[f"{key} ({stage})" if stage == "ppo" else key for stage, key in columns]]
     rows = []
     for run in runs:
         link = Raw(
             f'<a href="{html.escape(run.path.relative_to(folder).as_posix())}/report.html">{html.escape(run.name)}</a>'
         )
-        rows.append(
-            [link, run_estimator(run), *[final_value(run, stage, key) for stage, key in COMPARE_COLUMNS]]
-        )
+        rows.append([link, run_estimator(run), *[column_value(run, stage, key) for stage, key in columns]])
     # the run and estimator cells unbroken (table.runs); a table wider than the page scrolls
     page.add('<div class="wide">', table(header, rows, css_class="runs"), "</div>")
     page.add(
         '<p class="meta">Win rates and scores from the final evaluation on held-out prompts (vs the SFT '
         "baseline); the ppo columns are the last PPO step's rollout statistics. estimator: the PPO stage's "
-        "advantage_estimator, with k = samples_per_prompt when a prompt was sampled more than once.</p>"
+        "advantage_estimator, with k = samples_per_prompt when a prompt was sampled more than once."
+        + (
+            " accuracy: the final evaluation's held-out accuracy ± its standard error."
+            if ("eval", "accuracy") in columns or ("eval", "accuracy_greedy") in columns
+            else ""
+        )
+        + "</p>"
     )
     diffs = config_differences(runs)
     if diffs:
@@ -1679,16 +1994,24 @@ def build_compare_page(runs: list[Run], folder: Path, png_dir: Path) -> Page:
                     "One colour per run; dashed lines in the KL panel are each run's KL target.")  # fmt: skip
     else:
         page.missing("No run has ppo/metrics.jsonl.")
-    page.add("<h2>What the KL penalty buys: gold and proxy reward against KL</h2>")
+    accuracy = any(accuracy_logged(r.eval_log) for r in runs)
+    if accuracy:
+        compare_accuracy(page, runs)
     if any(r.eval_log and len(_eval_points(r.eval_log)[0]) for r in runs):
+        page.add("<h2>What the KL penalty buys: gold and proxy reward against KL</h2>")
         page.figure(
             plot_compare_overoptimisation(runs),
             "compare_overoptimisation",
             "Gold and proxy reward against KL per run",
             "Top: all runs overlaid. Below: each run, proxy (RM) score on the left axis, gold score on the right.",
         )
-    else:
-        page.missing("No run has ppo/eval_log.jsonl.")
+    elif not accuracy:  # with accuracy and no gold, the accuracy curves stand alone
+        page.add("<h2>What the KL penalty buys: gold and proxy reward against KL</h2>")
+        page.missing(
+            "No run's held-out evaluations (ppo/eval_log.jsonl) have a gold score and a KL."
+            if any(r.eval_log for r in runs)
+            else "No run has ppo/eval_log.jsonl."
+        )
     shared = Run(path=folder, name=folder.resolve().name)  # a sweep's compare stage runs once, in DIR/compare
     shared.pipeline = _dict(shared.json("pipeline.json", note=False))
     load_compare(shared)
