@@ -9,16 +9,20 @@
 | function             | config      | the command it is | objects it takes in place of config keys             |
 |----------------------|-------------|-------------------|------------------------------------------------------|
 | `train_sft`          | `SFTConfig` | `llm-rlhf sft`    | model + tokenizer, train_data, eval_data               |
-| `train_reward_model` | `RMConfig`  | `llm-rlhf rm`     | train_data, eval_data, test_data                       |
+| `train_reward_model` | `RMConfig`  | `llm-rlhf rm`     | model (a causal LM or a `RewardModel`) + tokenizer, train_data, eval_data, test_data |
 | `train_ppo`          | `PPOConfig` | `llm-rlhf ppo`    | policy + tokenizer, reward_model (one or a list), reward_fn, prompts |
-| `run_eval`           | `EvalConfig`| `llm-rlhf eval`   | policy + tokenizer, reward_model, reward_fn, prompts    |
+| `run_eval`           | `EvalConfig`| `llm-rlhf eval`   | policy + tokenizer, baseline (+ baseline_tokenizer), reference, reward_model, reward_fn, prompts |
 
 `config` is a config object, a dict of its keys, or the path of a YAML recipe; the keys, their defaults and
 their checks are the command's (`llm-rlhf <command> --help`). The command builds its config and calls the
 same function (`llm_rlhf.cli`), so both give the same results. Each object stands in for the config key it
-replaces, and the saved config.yaml names it: `<policy>`, `<train_data>`, a function as `module:name`. Data is a `datasets.Dataset` or a list of rows
+replaces, and the saved config.yaml names it: `<policy>`, `<train_data>`, a function as `module:name`. Such a
+config runs again once a path replaces each `<...>` (until then the command, or a function not given that
+object, stops with a ConfigError naming the key). Data is a `datasets.Dataset` or a list of rows
 (dicts in any schema the files accept; prompts also as plain strings or chat `messages` lists), checked
-row by row as a file is. A path (a string) is accepted wherever an object is.
+row by row as a file is. A path (a string) is accepted wherever an object is. `train_sft` and `train_ppo`
+train the model they are given in place; `train_reward_model` builds the reward model on a copy of its
+weights (a peft model's adapter merged in); `run_eval` samples its models in eval mode.
 
 Every bad config key, value, path or data row raises `llm_rlhf.errors.UserError` (a `ConfigError` or
 `DataError` for keys and rows) with the one line the command prints after `error:`. Training writes the
@@ -40,7 +44,7 @@ from peft import PeftModel
 from transformers import TrainerCallback
 
 from llm_rlhf import evaluate, ppo, ppo_run, reward, sft
-from llm_rlhf.config import config_from, load_yaml_config
+from llm_rlhf.config import check_not_placeholder, config_from, load_yaml_config, placeholder
 from llm_rlhf.data import InMemory
 from llm_rlhf.errors import ConfigError, UserError
 from llm_rlhf.models import Trained
@@ -55,6 +59,8 @@ SFTConfig = sft.Config
 RMConfig = reward.Config
 PPOConfig = ppo.Config
 EvalConfig = evaluate.Config
+
+MODELS = ("model", "policy", "baseline", "reference")  # the arguments that take a model (or its folder)
 
 __all__ = [
     "EvalConfig",
@@ -81,20 +87,29 @@ def train_sft(
     cfg, objects = _in_place_of(
         SFTConfig, config, places, model=model, train_data=train_data, eval_data=eval_data
     )
+    _check_one_adapter(cfg, objects["model"], "model")
     return sft.train(cfg, tokenizer=tokenizer, callbacks=_log_callbacks(on_step), **objects)
 
 
 def train_reward_model(
-    config=None, *, train_data=None, eval_data=None, test_data=None, on_step=None
+    config=None, *, model=None, tokenizer=None, train_data=None, eval_data=None, test_data=None, on_step=None
 ) -> Trained:
-    """`llm-rlhf rm`: preference pairs (prompt/chosen/rejected dicts, chosen/rejected dialogues, prompt +
-    ranked) in place of train_file, eval_file, test_file. Returns the normalised `RewardModel` (what
-    `train_ppo(reward_model=...)` takes), its tokenizer and metrics.json's figures."""
-    places = {"train_data": "train_file", "eval_data": "eval_file", "test_data": "test_file"}
-    cfg, objects = _in_place_of(
-        RMConfig, config, places, train_data=train_data, eval_data=eval_data, test_data=test_data
-    )
-    return reward.train(cfg, callbacks=_log_callbacks(on_step), **objects)
+    """`llm-rlhf rm`: model, a causal LM (a peft model: its adapter merged, as `llm-rlhf rm` needs the SFT
+    folder merged) or a `RewardModel` to train further, and its tokenizer (a `RewardModel`'s own by default)
+    in place of model_name_or_path; the reward model is built on a copy of its weights, so `model` stays as it
+    is. Preference pairs (prompt/chosen/rejected dicts, chosen/rejected dialogues, prompt + ranked) in place of
+    train_file, eval_file, test_file. Returns the normalised `RewardModel` (what `train_ppo(reward_model=...)`
+    takes), its tokenizer and metrics.json's figures."""
+    places = {"model": "model_name_or_path", "train_data": "train_file", "eval_data": "eval_file",
+              "test_data": "test_file"}  # fmt: skip
+    arguments = dict(model=model, train_data=train_data, eval_data=eval_data, test_data=test_data)
+    cfg, objects = _in_place_of(RMConfig, config, places, **arguments)
+    if objects["model"] is not None and cfg.use_lora and not cfg.merge_lora:
+        raise ConfigError(
+            "config key 'merge_lora': a LoRA reward model on a model object must be saved merged (an adapter "
+            "folder names the folder of its base model, and the object has none); set merge_lora: true"
+        )
+    return reward.train(cfg, tokenizer=tokenizer, callbacks=_log_callbacks(on_step), **objects)
 
 
 def train_ppo(
@@ -109,6 +124,7 @@ def train_ppo(
     cfg, objects = _policy_and_scorer(
         PPOConfig, config, "model_name_or_path", policy, reward_model, reward_fn, prompts
     )
+    _check_one_adapter(cfg, objects["policy"], "policy")
     if objects["reward_model"] is not None and cfg.value_model == "reward":
         raise ConfigError(
             "config key 'value_model': 'reward' loads the critic from reward_model_path; give the reward "
@@ -118,15 +134,32 @@ def train_ppo(
 
 
 def run_eval(
-    config=None, *, policy=None, tokenizer=None, reward_model=None, reward_fn=None, prompts=None
+    config=None,
+    *,
+    policy=None,
+    tokenizer=None,
+    baseline=None,
+    baseline_tokenizer=None,
+    reference=None,
+    reward_model=None,
+    reward_fn=None,
+    prompts=None,
 ) -> dict[str, Any] | None:
-    """`llm-rlhf eval`: policy and its tokenizer in place of policy_path (the baseline and the reference are
-    the config's folders), reward_model, reward_fn and prompts as in `train_ppo`. Returns metrics.json's
-    figures (None on all but the main process)."""
+    """`llm-rlhf eval`: causal LMs in place of folders: policy and its tokenizer (policy_path), baseline
+    (baseline_path) with baseline_tokenizer (default: the policy's, for a baseline of the policy's vocabulary,
+    as an SFT model and its PPO policy are), reference (reference_path; it shares the policy's tokenizer, as
+    kl_to_ref needs); without a reference the baseline is the reference, as without reference_path. They are
+    sampled in eval mode and otherwise left as they are. reward_model, reward_fn and prompts as in
+    `train_ppo`. Returns metrics.json's figures (None on all but the main process)."""
+    if baseline_tokenizer is not None and (baseline is None or isinstance(baseline, (str, os.PathLike))):
+        raise UserError(
+            "baseline_tokenizer: it goes with a baseline object (a folder holds its own tokenizer)"
+        )
     cfg, objects = _policy_and_scorer(
-        EvalConfig, config, "policy_path", policy, reward_model, reward_fn, prompts
-    )
-    return evaluate.run(cfg, tokenizer=tokenizer, **objects)
+        EvalConfig, config, "policy_path", policy, reward_model, reward_fn, prompts,
+        baseline=("baseline_path", baseline), reference=("reference_path", reference),
+    )  # fmt: skip
+    return evaluate.run(cfg, tokenizer=tokenizer, baseline_tokenizer=baseline_tokenizer, **objects)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -134,11 +167,14 @@ def run_eval(
 # ---------------------------------------------------------------------------------------------------
 
 
-def _policy_and_scorer(cls, config, policy_key: str, policy, reward_model, reward_fn, prompts):
-    """`_in_place_of` for PPO and evaluation: a policy sampled on prompts, scored by RMs and a function."""
+def _policy_and_scorer(cls, config, policy_key: str, policy, reward_model, reward_fn, prompts, **models):
+    """`_in_place_of` for PPO and evaluation: a policy sampled on prompts, scored by RMs and a function.
+    models: more models, name=(config key, model) (evaluation's baseline and reference)."""
     places = {"policy": policy_key, "reward_model": "reward_model_path", "reward_fn": "reward_fn",
               "prompts": "prompt_file"}  # fmt: skip
+    places.update({name: key for name, (key, _) in models.items()})
     arguments = dict(policy=policy, reward_model=reward_model, reward_fn=reward_fn, prompts=prompts)
+    arguments.update({name: model for name, (_, model) in models.items()})
     return _in_place_of(cls, config, places, **arguments)
 
 
@@ -150,7 +186,7 @@ def _in_place_of(
     use_cpu_ddp_without_gpus()  # under `accelerate launch` on CPUs: one DDP run, as the command sets up
     keys, objects = {}, {}
     for name, value in arguments.items():
-        if name in ("model", "policy"):
+        if name in MODELS:
             described, objects[name] = _model_key(places[name], name, value)
         elif name == "reward_model":
             described, objects[name] = _reward_model_key(value)
@@ -160,8 +196,8 @@ def _in_place_of(
             described, objects[name] = _data_key(places[name], name, value)
         keys.update(described)
     cfg = _config(cls, config, keys)
-    for name in ("model", "policy"):
-        _check_model(cfg, objects.get(name), name)
+    for name in MODELS:
+        _check_dtype(cfg, objects.get(name), name)
     return cfg, objects
 
 
@@ -171,15 +207,21 @@ def _config(cls: type, config: Any, keys: dict[str, Any]):
     objects (no reward_model_path, a reward_fn object) passes."""
     if config is None:
         config = {}
+    where = os.fspath(config) if isinstance(config, (str, os.PathLike)) else "config"
     if isinstance(config, (str, os.PathLike)):
         config = load_yaml_config(config, [f.name for f in dataclasses.fields(cls)])
     if not keys:
-        return config_from(cls, config)
-    if isinstance(config, cls):
-        return dataclasses.replace(config, **keys)
-    if isinstance(config, dict):
-        return cls(**{**config, **keys})
-    return config_from(cls, config)  # the one error for any other type
+        cfg = config_from(cls, config)
+    elif isinstance(config, cls):
+        cfg = dataclasses.replace(config, **keys)
+    elif isinstance(config, dict):
+        cfg = cls(**{**config, **keys})
+    else:
+        cfg = config_from(cls, config)  # the one error for any other type
+    for field in dataclasses.fields(cls):  # a saved config.yaml run again: its objects must be given again
+        if field.name not in keys:
+            check_not_placeholder(field.name, getattr(cfg, field.name), where)
+    return cfg
 
 
 def _model_key(key: str, name: str, model) -> tuple[dict[str, Any], Any]:
@@ -189,20 +231,25 @@ def _model_key(key: str, name: str, model) -> tuple[dict[str, Any], Any]:
         return {}, None
     if isinstance(model, (str, os.PathLike)):
         return {key: os.fspath(model)}, None
-    return {key: f"<{name}>"}, model
+    return {key: placeholder(name)}, model
 
 
-def _check_model(cfg, model, name: str) -> None:
-    """A model object's weights in the config's dtype: the command loads them so, and transformers loads a
-    folder in the dtype its config.json names (float16 for some), which does not train on a CPU. A peft model
-    trains its own adapter (the reference: the model with it), so use_lora, a new adapter, does not apply."""
-    if model is None:
-        return
-    if isinstance(model, PeftModel) and getattr(cfg, "use_lora", False):
+def _check_one_adapter(cfg, model, name: str) -> None:
+    """A peft model trains its own adapter (PPO's reference: the model without it), so use_lora, a new
+    adapter, does not apply. (The reward model merges one: `train_reward_model`.)"""
+    if isinstance(model, PeftModel) and cfg.use_lora:
         raise ConfigError(
             f"config key 'use_lora': the {name} already holds a peft adapter, which is trained as it is; "
             "set use_lora: false"
         )
+
+
+def _check_dtype(cfg, model, name: str) -> None:
+    """A model object's weights in the config's dtype: the command loads its folders so (transformers would
+    load a folder in the dtype its config.json names, float16 for some, which does not train on a CPU), and an
+    object must give what its folder gives."""
+    if model is None:
+        return
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     if dtype != cfg.dtype:
         raise ConfigError(
@@ -234,9 +281,9 @@ def _reward_model_key(reward_model) -> tuple[dict[str, Any], Any]:
                 f"got {type(m).__name__}"
             )
     if isinstance(reward_model, (list, tuple)):
-        names = [f"<reward_model {k}>" for k in range(len(members))]
+        names = [placeholder(f"reward_model {k}") for k in range(len(members))]
         return {"reward_model_path": names}, list(members)
-    return {"reward_model_path": "<reward_model>"}, reward_model
+    return {"reward_model_path": placeholder("reward_model")}, reward_model
 
 
 def _reward_fn_key(fn) -> tuple[dict[str, Any], RewardFn | None]:

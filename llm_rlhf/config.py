@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import functools
 import os
+import re
 import types
 import typing
 from pathlib import Path
@@ -134,10 +135,36 @@ def parse_config(cls: type[C], argv: list[str]) -> C:
         values[key] = yaml.safe_load(raw) if raw != "" else ""
     where = {k: (config_path if k not in flags else "command line") for k in values}
     values = {k: _coerce(k, v, hints[k], where[k]) for k, v in values.items()}
+    for key, value in values.items():
+        check_not_placeholder(key, value, where[key])
     try:
         return cls(**values)
     except TypeError as e:  # a required field is missing
         raise ConfigError(str(e)) from None
+
+
+# What a config saved by the Python API holds where an object stood in for a path (a key `*_path`, `*_file`):
+# `<policy>`, `<train_data>`, `<reward_model 1>` (`placeholder`). No path is written so.
+PLACEHOLDER = re.compile(r"<[a-z_]+(?: \d+)?>")
+
+
+def placeholder(name: str) -> str:
+    """The config value that names an object given to the Python API in place of a path: `<name>`."""
+    return f"<{name}>"
+
+
+def check_not_placeholder(key: str, value: Any, where: str) -> None:
+    """A path key's value (or list member) that is a `placeholder` is a ConfigError naming the key: the
+    config.yaml of a Python API run cannot hold the object, so a path must replace it before the config runs
+    again. Other keys may hold such text (a stop string `<end_of_turn>`)."""
+    if not key.endswith(("_path", "_file")):  # model_name_or_path, policy_path, train_file, prompt_file, ...
+        return
+    for member in value if isinstance(value, list) else [value]:
+        if isinstance(member, str) and PLACEHOLDER.fullmatch(member):
+            raise ConfigError(
+                f"{where}: '{key}' is '{member}', which held a live object in the Python API (a "
+                "config.yaml cannot store it); replace it with a path"
+            )
 
 
 def checked_keywords(cls: type[C]) -> type[C]:

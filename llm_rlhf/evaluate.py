@@ -89,7 +89,7 @@ from llm_rlhf.data import DATA_FORMATS, load_prompt_dataset, prompt_rules
 from llm_rlhf.errors import UserError
 from llm_rlhf.gold import FluentGoldJudge, GoldJudge, judge_details, load_judge
 from llm_rlhf.hacking import DEGENERACY_KEYS, degeneracy_rates
-from llm_rlhf.models import freeze, load_causal_lm, load_tokenizer, tokenizer_or_load
+from llm_rlhf.models import check_embeddings, freeze, load_causal_lm, load_tokenizer, tokenizer_or_load
 from llm_rlhf.reward_fn import RewardFn, load_reward_fn, probe
 from llm_rlhf.reward_model import RewardEnsemble, check_members_exist, load_reward_models
 from llm_rlhf.rollout import (
@@ -661,7 +661,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 def run(cfg: Config, **objects: Any) -> dict[str, Any] | None:
     """Load and check every input, sample both models with paired seeds, score, write the outputs.
 
-    objects (the Python API), each in place of a config key: policy and tokenizer (policy_path), reward_model
+    objects (the Python API), each in place of a config key: policy and tokenizer (policy_path), baseline and
+    baseline_tokenizer (baseline_path), reference (reference_path; the policy's tokenizer), reward_model
     (a `RewardModel` or a list of them: reward_model_path), reward_fn (a `RewardFn`: reward_fn), prompts
     (`data.InMemory` rows: prompt_file). Under `accelerate launch` with several processes the main process
     evaluates and the others wait (the evaluation is small next to training, and one writer keeps the
@@ -678,7 +679,16 @@ def run(cfg: Config, **objects: Any) -> dict[str, Any] | None:
 
 
 def _run(
-    cfg: Config, *, policy=None, tokenizer=None, reward_model=None, reward_fn=None, prompts=None
+    cfg: Config,
+    *,
+    policy=None,
+    tokenizer=None,
+    baseline=None,
+    baseline_tokenizer=None,
+    reference=None,
+    reward_model=None,
+    reward_fn=None,
+    prompts=None,
 ) -> dict[str, Any]:
     started = time.time()
     print(format_config(cfg))
@@ -691,12 +701,22 @@ def _run(
     paths = list(
         dict.fromkeys([cfg.policy_path, cfg.baseline_path, reference_path])
     )  # one copy of each model
-    live = {cfg.policy_path: policy} if policy is not None else {}
+    given = ((cfg.policy_path, policy), (cfg.baseline_path, baseline), (reference_path, reference))
+    live = {p: model for p, model in given if model is not None}  # objects of the Python API
     tokenizers = {
         p: load_tokenizer(p, trust_remote_code=cfg.trust_remote_code) for p in paths if p not in live
     }
     if policy is not None:
         tokenizers[cfg.policy_path] = tokenizer_or_load(cfg, tokenizer, policy)
+    if baseline is not None and baseline_tokenizer is not None:
+        tokenizers[cfg.baseline_path] = tokenizer_or_load(cfg, baseline_tokenizer, baseline)
+    for p, name, model, hint in (
+        (cfg.baseline_path, "baseline", baseline, "give the baseline's own as baseline_tokenizer"),
+        (reference_path, "reference", reference, "kl_to_ref needs a reference of the policy's tokenizer"),
+    ):
+        if model is not None and p not in tokenizers:  # the policy's, as for the SFT model of a PPO policy
+            tokenizers[p] = tokenizers[cfg.policy_path]
+            check_embeddings(model, tokenizers[p], name, hint)
     tokenizer, baseline_tokenizer = tokenizers[cfg.policy_path], tokenizers[cfg.baseline_path]
     ref_vocab = tokenizers[reference_path].get_vocab()
     if tokenizer.get_vocab() != ref_vocab:

@@ -88,6 +88,18 @@ def tokenizer_or_load(cfg, tokenizer=None, model=None, *, padding_side: str = "r
     return tokenizer
 
 
+def check_embeddings(model, tokenizer, what: str, hint: str) -> None:
+    """A model given another's tokenizer (the Python API: a baseline or a reference reads the policy's token
+    ids) needs an embedding row for each of its ids; a UserError naming `what`, with `hint`, when it has fewer.
+    (Equal counts do not prove equal vocabularies; fewer rows prove different ones.)"""
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > rows:
+        raise UserError(
+            f"{what}: its embeddings have {rows} rows, fewer than the {len(tokenizer)} tokens of the policy's "
+            f"tokenizer; {hint}"
+        )
+
+
 @dataclasses.dataclass
 class Trained:
     """What a stage returns to Python: the trained model (the policy's causal LM for PPO, a `RewardModel`

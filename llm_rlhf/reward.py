@@ -32,7 +32,7 @@ from llm_rlhf.baseline import fit_bow_baseline, pairwise_accuracy
 from llm_rlhf.config import checked_keywords, help_field, require
 from llm_rlhf.data import load_preference_dataset, load_rows
 from llm_rlhf.errors import ConfigError, DataError, UserError
-from llm_rlhf.models import Trained, check_not_adapter_only, load_tokenizer
+from llm_rlhf.models import Trained, check_not_adapter_only, tokenizer_or_load
 from llm_rlhf.reward_model import (
     RewardModel,
     add_pad_token,
@@ -41,6 +41,7 @@ from llm_rlhf.reward_model import (
     load_sequence_classifier,
     save_reward_model,
     score_pairs,
+    sequence_classifier_from,
 )
 from llm_rlhf.trainer_stage import (
     SCHEDULERS,
@@ -229,14 +230,20 @@ class Inputs:
     margins: list[float] | None
 
 
-def load_inputs(cfg: Config, *, train_data=None, eval_data=None, test_data=None) -> Inputs:
-    """Tokenizer (with its pad token), the three pair sets and the model, all checked. train_data, eval_data,
-    test_data: `data.InMemory` rows in place of train_file, eval_file, test_file."""
+def load_inputs(
+    cfg: Config, *, model=None, tokenizer=None, train_data=None, eval_data=None, test_data=None
+) -> Inputs:
+    """Tokenizer (with its pad token), the three pair sets and the model, all checked. model, tokenizer: a
+    loaded causal LM (or `RewardModel`, whose tokenizer is the default) in place of model_name_or_path;
+    train_data, eval_data, test_data: `data.InMemory` rows in place of train_file, eval_file, test_file."""
     cfg.check_outputs()
-    hint = " (train it with `llm-rlhf sft`)" if cfg.model_name_or_path.rstrip("/").endswith("sft") else ""
-    cfg.check_model_path(hint)
-    check_not_adapter_only(cfg.model_name_or_path)
-    tokenizer = load_tokenizer(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
+    if isinstance(model, RewardModel):  # trained further, as a reward model folder is
+        model, tokenizer = model.model, tokenizer if tokenizer is not None else model.tokenizer
+    if model is None:
+        hint = " (train it with `llm-rlhf sft`)" if cfg.model_name_or_path.rstrip("/").endswith("sft") else ""
+        cfg.check_model_path(hint)
+        check_not_adapter_only(cfg.model_name_or_path)
+    tokenizer = tokenizer_or_load(cfg, tokenizer, model)
     load = load_preference_dataset
     rules = {"max_length": cfg.max_length, "data_format": cfg.data_format, "skip_long": cfg.skip_long}
     train = load(train_data or cfg.train_file, tokenizer, split=cfg.train_split, **rules)
@@ -244,13 +251,16 @@ def load_inputs(cfg: Config, *, train_data=None, eval_data=None, test_data=None)
     test_source = test_data or cfg.test_file
     test = load(test_source, tokenizer, split=cfg.eval_split, **rules) if test_source else None
     margins = _margins(cfg, len(train), train_data) if cfg.margin > 0 else None
-    # Local folders by absolute path: a LoRA adapter records its base model's path in adapter_config.json.
-    name = cfg.model_name_or_path
-    name = os.path.abspath(os.path.expanduser(name)) if os.path.isdir(os.path.expanduser(name)) else name
     seed_everything(cfg.seed)  # the score head is initialised at load time
-    model = load_sequence_classifier(
-        name, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code, need_head=False
-    )
+    if model is not None:
+        model = sequence_classifier_from(model, dtype=cfg.dtype)
+    else:
+        # Local folders by absolute path: a LoRA adapter records its base model's path in adapter_config.json.
+        name = cfg.model_name_or_path
+        name = os.path.abspath(os.path.expanduser(name)) if os.path.isdir(os.path.expanduser(name)) else name
+        model = load_sequence_classifier(
+            name, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code, need_head=False
+        )
     add_pad_token(model, tokenizer)
     return Inputs(tokenizer, model, train, val, test, margins)
 
@@ -381,14 +391,20 @@ def run(cfg: Config) -> dict[str, float]:
     return train(cfg).metrics
 
 
-def train(cfg: Config, *, train_data=None, eval_data=None, test_data=None, callbacks=()) -> Trained:
+def train(
+    cfg: Config, *, model=None, tokenizer=None, train_data=None, eval_data=None, test_data=None, callbacks=()
+) -> Trained:
     """Validate inputs, train with RewardTrainer, normalise, evaluate (with the baseline), save, write metrics.
 
+    model, tokenizer: a loaded causal LM (a peft model's adapter merged) or `RewardModel` and its tokenizer,
+    in place of model_name_or_path; the reward model trains a copy of its weights (`sequence_classifier_from`).
     train_data, eval_data, test_data: `data.InMemory` pairs in place of the config's files; callbacks: more
     transformers `TrainerCallback`s. Returns the trained `RewardModel` (normalised; on the main process,
     None elsewhere), its tokenizer and the metrics."""
     started = time.time()
-    inputs = load_inputs(cfg, train_data=train_data, eval_data=eval_data, test_data=test_data)
+    inputs = load_inputs(
+        cfg, model=model, tokenizer=tokenizer, train_data=train_data, eval_data=eval_data, test_data=test_data
+    )
     tokenizer, output_dir = inputs.tokenizer, Path(cfg.output_dir)
     train_dataset, dropped = _tokenize(inputs.train, tokenizer, cfg.max_length, inputs.margins)
     eval_dataset, eval_dropped = _tokenize(inputs.eval, tokenizer, cfg.max_length)

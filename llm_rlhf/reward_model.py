@@ -42,6 +42,7 @@ folder or a list of folders as `reward_model_path`.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import os
 from pathlib import Path
@@ -51,7 +52,7 @@ from peft import PeftConfig, PeftModel
 from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import AutoModelForSequenceClassification
+from transformers import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING, AutoModelForSequenceClassification
 from transformers.utils import logging as hf_logging
 
 from llm_rlhf import ppo_math
@@ -313,6 +314,30 @@ def load_sequence_classifier(name_or_path: str, *, dtype: str, trust_remote_code
             f"'{name_or_path}' has no trained score head (is it a causal-LM folder?); train one with `llm-rlhf rm`"
         )
     return model
+
+
+def sequence_classifier_from(model, *, dtype: str):
+    """`load_sequence_classifier` for a model already loaded (the Python API): a sequence classifier with one
+    label holding a copy of `model`'s weights, built as from the folder it would have been saved to. A causal
+    LM drops its LM head and gets a new score head (drawn from the RNG as the folder's load draws it); a
+    sequence classifier (a reward model's) keeps its score head. A peft model's adapter is merged into the
+    copy. `model` itself is left as it is: the reward model trains its own weights."""
+    weights = copy.deepcopy(model)
+    if isinstance(weights, PeftModel):
+        weights = weights.merge_and_unload()
+    config = copy.deepcopy(weights.config)
+    config.num_labels = 1  # what `from_pretrained(folder, num_labels=1)` sets
+    try:
+        model_class = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING[type(config)]
+    except KeyError:
+        raise UserError(
+            f"model: transformers has no sequence-classification class for {type(config).__name__}; give the "
+            "model as a folder (model_name_or_path)"
+        ) from None
+    with _quiet_transformers():  # the load report: lm_head unexpected, score missing (new)
+        return model_class.from_pretrained(
+            None, config=config, state_dict=weights.state_dict(), dtype=torch_dtype(dtype)
+        )
 
 
 def load_reward_model(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, launch, write_jsonl
+from helpers import ROOT, launch, preference_rows, write_jsonl
 from safetensors.torch import load_file
 
 import llm_rlhf
@@ -233,6 +233,231 @@ def test_reward_model_object_scores_as_its_folder(tiny_model_dir, prompt_file, t
         assert by_object[key] == by_folder[key], key
 
 
+# --- models as objects where the command takes folders: the same results -------------------------------------
+
+TINY_RM = dict(max_steps=2, per_device_train_batch_size=4, logging_steps=1, eval_steps=0, max_length=48,
+               test_file=None)  # fmt: skip
+
+
+def without_runtimes(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if not k.endswith("runtime_s")}
+
+
+def same_weights(folder_a: Path, folder_b: Path, name: str = "model.safetensors") -> bool:
+    a, b = load_file(folder_a / name), load_file(folder_b / name)
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def lora_policy(tiny_model_dir):
+    """The tiny GPT-2 with a LoRA adapter whose B matrices are not zero, so merging it changes the weights."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True, task_type="CAUSAL_LM"
+    )
+    torch.manual_seed(3)  # lora_A's initialisation: each call builds the same model
+    model = get_peft_model(load_causal_lm(str(tiny_model_dir)), lora)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["causal_lm", "peft", "use_lora", "reward_model"])
+def test_reward_model_on_a_model_object_equals_its_folder(kind, tiny_model_dir, tiny_rm_dir, tmp_path):
+    """train_reward_model(model=...) trains what model_name_or_path=<the folder of that model> trains: the same
+    saved weights and metrics. A causal LM (the score head drawn as from the folder), a peft model (its adapter
+    merged; the folder: the merged model saved), a new LoRA adapter on it (saved merged), a RewardModel trained
+    further. The object given is left as it was."""
+    from peft import PeftModel
+
+    from llm_rlhf.reward_model import load_reward_model
+
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    keys, folder = dict(TINY_RM), tiny_model_dir
+    if kind == "causal_lm":
+        model = load_causal_lm(str(tiny_model_dir))
+    elif kind == "peft":
+        model = lora_policy(tiny_model_dir)
+        folder = tmp_path / "merged"  # what `llm-rlhf sft --merge_lora true` would have saved
+        copy = lora_policy(tiny_model_dir).merge_and_unload()
+        copy.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    elif kind == "use_lora":
+        model = load_causal_lm(str(tiny_model_dir))
+        keys.update(use_lora=True, merge_lora=True, lora_target_modules=["c_attn"], learning_rate=1e-2)
+    else:
+        model, tokenizer, folder = load_reward_model(tiny_rm_dir), None, tiny_rm_dir
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    data = dict(train_data=preference_rows() * 4, eval_data=preference_rows())
+
+    by_folder = llm_rlhf.train_reward_model(
+        {**keys, "model_name_or_path": str(folder), "output_dir": str(tmp_path / "folder")}, **data
+    )
+    by_object = llm_rlhf.train_reward_model(
+        {**keys, "output_dir": str(tmp_path / "object")}, model=model, tokenizer=tokenizer, **data
+    )
+    assert same_weights(tmp_path / "folder", tmp_path / "object")
+    assert without_runtimes(by_object.metrics) == without_runtimes(by_folder.metrics)
+    assert by_object.metrics["train_loss"] > 0 and by_object.metrics["global_step"] == 2
+    trains_all = by_object.metrics["trainable_parameters"] == sum(
+        p.numel() for p in by_object.model.parameters()
+    )
+    assert trains_all == (kind != "use_lora")  # with use_lora: the adapter and the score head
+    scores = [r.model(*r.tokenizer(["The film is good"], return_tensors="pt").values()) for r in (by_folder,
+              by_object)]  # fmt: skip
+    assert torch.equal(*scores)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # trained a copy
+    assert isinstance(model, PeftModel) == (kind == "peft")  # the caller's adapter is not merged away
+    assert "model_name_or_path: <model>" in (tmp_path / "object" / "config.yaml").read_text()
+
+
+def test_reward_model_object_with_an_unmerged_lora_is_a_config_error(tiny_model_dir, tmp_path):
+    with pytest.raises(ConfigError, match=r"^config key 'merge_lora': a LoRA reward model on a model object"):
+        llm_rlhf.train_reward_model(
+            {**TINY_RM, "use_lora": True, "output_dir": str(tmp_path / "rm")},
+            model=load_causal_lm(str(tiny_model_dir)), tokenizer=load_tokenizer(str(tiny_model_dir)),
+            train_data=preference_rows(), eval_data=preference_rows(),
+        )  # fmt: skip
+    assert not (tmp_path / "rm").exists()
+
+
+@pytest.fixture()
+def eval_models(tiny_model_dir, tmp_path) -> tuple[Path, Path, Path]:
+    """A policy, a baseline and a reference: three tiny GPT-2s of one tokenizer with different weights."""
+    from helpers import build_model
+
+    return tiny_model_dir, build_model(tmp_path / "baseline", seed=1), build_model(tmp_path / "ref", seed=2)
+
+
+def eval_keys(policy: Path, prompt_file: Path) -> dict:
+    from helpers import SENTIMENT_JUDGE
+
+    return dict(policy_path=str(policy), reward_model_path=None, gold_judge=SENTIMENT_JUDGE,
+                prompt_file=str(prompt_file), num_prompts=6, max_new_tokens=6, print_samples=0)  # fmt: skip
+
+
+def without_paths(metrics: dict) -> dict:
+    """Every figure of an evaluation but its time and the model paths (folders or `<baseline>`)."""
+    return {k: v for k, v in metrics.items() if k != "time_s" and not k.endswith("_path")}
+
+
+def test_eval_baseline_and_reference_objects_equal_their_folders(eval_models, prompt_file, tmp_path):
+    """run_eval(baseline=..., reference=...) gives the metrics of baseline_path / reference_path: the baseline
+    with the policy's tokenizer or with its own (baseline_tokenizer); without a reference the baseline is it."""
+    policy, baseline, ref = eval_models
+    keys = eval_keys(policy, prompt_file)
+    by_folder = llm_rlhf.run_eval(
+        {
+            **keys,
+            "baseline_path": str(baseline),
+            "reference_path": str(ref),
+            "output_dir": str(tmp_path / "f"),
+        }
+    )
+    by_objects = llm_rlhf.run_eval(
+        {**keys, "output_dir": str(tmp_path / "o")},
+        baseline=load_causal_lm(str(baseline)), reference=load_causal_lm(str(ref)),
+    )  # fmt: skip
+    own_tokenizer = llm_rlhf.run_eval(
+        {**keys, "reference_path": str(ref), "output_dir": str(tmp_path / "t")},
+        baseline=load_causal_lm(str(baseline)), baseline_tokenizer=load_tokenizer(str(baseline)),
+    )  # fmt: skip
+    assert 0 not in (
+        by_folder["kl_to_ref"],
+        by_folder["kl_to_ref_baseline"],
+    )  # three models (k1: either sign)
+    assert by_folder["gold_win_rate"] not in (None, 0.5)
+    assert without_paths(by_objects) == without_paths(by_folder)
+    assert without_paths(own_tokenizer) == without_paths(by_folder)
+    assert (by_objects["baseline_path"], by_objects["reference_path"]) == ("<baseline>", "<reference>")
+    assert read_jsonl(tmp_path / "o" / "samples.jsonl") == read_jsonl(tmp_path / "f" / "samples.jsonl")
+
+    alone = llm_rlhf.run_eval(
+        {**keys, "output_dir": str(tmp_path / "a")}, baseline=load_causal_lm(str(baseline))
+    )
+    assert alone["reference_path"] == "<baseline>" and alone["kl_to_ref_baseline"] == 0.0  # its own reference
+    assert alone["gold_win_rate"] == by_folder["gold_win_rate"]
+
+
+def test_eval_model_objects_that_cannot_read_the_policys_ids(eval_models, prompt_file, tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    policy, _, _ = eval_models
+    keys = {**eval_keys(policy, prompt_file), "output_dir": str(tmp_path / "e")}
+    small = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=64, n_embd=8, n_layer=1, n_head=1))
+    rows = len(load_tokenizer(str(policy)))
+    with pytest.raises(UserError, match=rf"^baseline: its embeddings have 16 rows, fewer than the {rows} tokens "
+                       r"of the policy's tokenizer; give the baseline's own as baseline_tokenizer$"):  # fmt: skip
+        llm_rlhf.run_eval(keys, baseline=small)
+    with pytest.raises(
+        UserError, match=r"^reference: its embeddings have 16 rows.*needs a reference of the "
+    ):
+        llm_rlhf.run_eval({**keys, "baseline_path": str(policy)}, reference=small)
+    with pytest.raises(UserError, match=r"^baseline_tokenizer: it goes with a baseline object"):
+        llm_rlhf.run_eval(keys, baseline_tokenizer=load_tokenizer(str(policy)))
+    assert not (tmp_path / "e").exists()
+
+
+# --- a config.yaml of the Python API names its objects: the command says to replace them ---------------------
+
+
+def test_a_saved_config_with_objects_runs_again_once_paths_replace_them(
+    eval_models, prompt_file, tmp_path, capsys
+):
+    """An evaluation with a baseline object saves `baseline_path: <baseline>`: the command stops on it with one
+    line naming the key (not "no such folder" from deep inside), so does the API without that object, and the
+    API runs the saved config again with the object given again; a reward-model list names each member."""
+    import yaml
+
+    from llm_rlhf.config import parse_config
+
+    policy, baseline, _ = eval_models
+    first = llm_rlhf.run_eval(
+        {**eval_keys(policy, prompt_file), "output_dir": str(tmp_path / "first")},
+        baseline=load_causal_lm(str(baseline)),
+    )  # fmt: skip
+    capsys.readouterr()  # the evaluation's progress bars
+    saved = tmp_path / "first" / "config.yaml"
+    values = yaml.safe_load(saved.read_text())
+    assert values["baseline_path"] == "<baseline>"
+    held = (
+        "which held a live object in the Python API (a config.yaml cannot store it); replace it with a path"
+    )
+    assert error_line(capsys, ["eval", "--config", str(saved)]) == (
+        f"{saved}: 'baseline_path' is '<baseline>', {held}"
+    )
+    with pytest.raises(ConfigError) as api:
+        llm_rlhf.run_eval(saved)
+    assert str(api.value) == f"{saved}: 'baseline_path' is '<baseline>', {held}"
+    values["output_dir"] = str(tmp_path / "again")
+    again = tmp_path / "again.yaml"
+    again.write_text(yaml.safe_dump(values))
+    rerun = llm_rlhf.run_eval(again, baseline=load_causal_lm(str(baseline)))
+    assert without_paths(rerun) == without_paths(first)
+    argv = [
+        "eval",
+        "--config",
+        str(saved),
+        "--baseline_path",
+        str(baseline),
+        "--output_dir",
+        str(tmp_path / "cli"),
+    ]
+    assert cli.main(argv) == 0
+    assert without_paths(json.loads((tmp_path / "cli" / "metrics.json").read_text())) == without_paths(first)
+
+    capsys.readouterr()
+    ensemble = tmp_path / "ppo.yaml"
+    ensemble.write_text(yaml.safe_dump({"reward_model_path": ["<reward_model 0>", "<reward_model 1>"]}))
+    assert error_line(capsys, ["ppo", "--config", str(ensemble)]) == (
+        f"{ensemble}: 'reward_model_path' is '<reward_model 0>', {held}"
+    )
+    stop = parse_config(llm_rlhf.EvalConfig, ["--stop_strings", '["<|im_end|>", "<end_of_turn>"]'])
+    assert stop.stop_strings == ["<|im_end|>", "<end_of_turn>"]  # only path keys hold placeholders
+
+
 # --- one code path: the command and the API give the same run ------------------------------------------------
 
 
@@ -273,9 +498,11 @@ def test_readme_example_runs(tiny_model_dir, tmp_path, monkeypatch):
         len(scope["scores"]) == 2 and scope["ppo"].value_head is not None and scope["grpo"].value_head is None
     )
     assert scope["metrics"] == json.loads((tmp_path / "api" / "eval" / "metrics.json").read_text())
-    for stage in ("sft", "ppo", "grpo", "eval"):
+    for stage in ("sft", "rm", "ppo", "grpo", "eval"):
         assert (tmp_path / "api" / stage / "metrics.json").is_file(), stage
     assert "advantage_estimator: grpo" in (tmp_path / "api" / "grpo" / "config.yaml").read_text()
+    assert "reward_model_path: <reward_model>" in (tmp_path / "api" / "ppo" / "config.yaml").read_text()
+    assert "model_name_or_path: <model>" in (tmp_path / "api" / "rm" / "config.yaml").read_text()
 
 
 @pytest.mark.slow
