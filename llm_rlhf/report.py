@@ -322,6 +322,13 @@ def config_value(run: Run, stage: str, key: str) -> Any:
     return (yaml.safe_load(run.configs.get(f"{stage}/config.yaml") or "") or {}).get(key)
 
 
+def kl_target(run: Run) -> float | None:
+    """The PPO run's KL target; None with a fixed beta (`kl_controller: fixed`), where nothing aims at it."""
+    if config_value(run, "ppo", "kl_controller") == "fixed":
+        return None
+    return final_value(run, "ppo", "kl_target")
+
+
 def estimator_text(estimator: Any, samples_per_prompt: Any) -> str:
     """How an RL run made its advantages: the advantage_estimator, with the group size when a prompt was
     sampled more than once ("grpo, k = 4"). A config from before the key existed is gae."""
@@ -839,7 +846,7 @@ def plot_compare_ppo(runs: list[Run]):
                 continue
             _line(ax, x, y, label=run.name, color=_color(i))
             drawn = True
-            target = final_value(run, "ppo", "kl_target")
+            target = kl_target(run)
             if key == "objective/kl" and target is not None:
                 ax.axhline(target, color=_color(i), linestyle="--", linewidth=1)
         if not drawn:
@@ -1012,7 +1019,7 @@ def headline_cards(run: Run) -> str:
         first = _num(run.ppo_history[0].get("objective/scores"))
     last = _first(final_value(run, "ppo", "scores_last"), final_value(run, "ppo", "objective/scores"))
     kl = _first(final_value(run, "ppo", "kl_last"), final_value(run, "ppo", "objective/kl"))
-    target = final_value(run, "ppo", "kl_target")
+    target = kl_target(run)
     beta = final_value(run, "ppo", "objective/kl_coef")
     gold, rm_win = final_value(run, "eval", "gold_win_rate"), final_value(run, "eval", "rm_win_rate")
     wall = sum(
@@ -1029,7 +1036,7 @@ def headline_cards(run: Run) -> str:
           if planned(run, "rm") else []),
         _card("PPO score" if no_rm else "PPO RM score", f"{_g(first)} → {_g(last)}",
               "first → last step" + ("; the reward function's (no reward model)" if no_rm else "")),
-        _card("PPO KL", _g(kl), f"target {_g(target)}, β = {_g(beta)}"),
+        _card("PPO KL", _g(kl), f"target {_g(target)}, β = {_g(beta)}" if target is not None else f"fixed β = {_g(beta)}"),
         *estimator_card(run),
         *accuracy,
         *([] if accuracy and gold is None else [_card("Gold win rate", _g(gold, ".1%"),
@@ -1169,15 +1176,16 @@ def section_rm(page: Page, run: Run) -> None:
 def section_ppo(page: Page, run: Run) -> None:
     page.add('<h2 id="ppo">3. PPO</h2>', _wall_time(run, "ppo"))
     if run.ppo_history:
-        caption = "β on the right axis of the KL panel, the KL target dashed."
+        target = kl_target(run)
+        caption = "β on the right axis of the KL panel" + (
+            ", the KL target dashed." if target is not None else "."
+        )
         if len(run.ppo_history) > SMOOTH_ABOVE:
             caption += " Faint: raw values; solid: centred moving average over 5% of the steps."
         left_out = [panel[0] for panel in PPO_PANELS if panel not in ppo_panels(run.ppo_history)]
         if left_out:
             caption += f" Not drawn, nothing logged for them: {', '.join(left_out)}."
-        page.figure(
-            plot_ppo(run.ppo_history, final_value(run, "ppo", "kl_target")), "ppo", "PPO curves", caption
-        )
+        page.figure(plot_ppo(run.ppo_history, target), "ppo", "PPO curves", caption)
         if ensemble_members(run.ppo_history):
             page.figure(
                 plot_ensemble(run.ppo_history),

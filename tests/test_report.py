@@ -792,3 +792,23 @@ def test_a_sweep_of_estimators_and_seeds_draws_every_accuracy_curve(tmp_path):
             np.testing.assert_allclose(y, np.minimum(1.0, start + lift * np.array([0, 4, 8, 12])))
         assert drawn["gae-s0"].get_color() == drawn["gae-s1"].get_color() != drawn["grpo-s0"].get_color()
         assert drawn["gae-s0"].get_linestyle() != drawn["gae-s1"].get_linestyle()
+
+
+def test_a_fixed_beta_run_shows_no_kl_target(tmp_path):
+    """With `kl_controller: fixed` nothing aims at kl_target (its default is still in the config): the KL card
+    says "fixed β" and the KL panel draws no target line; an adaptive run keeps both."""
+    adaptive = make_run(tmp_path / "adaptive")
+    fixed = make_run(tmp_path / "fixed")
+    config = fixed / "ppo" / "config.yaml"
+    config.write_text(config.read_text() + "kl_controller: fixed\n")
+    assert report.kl_target(report.load_run(adaptive)) == 6.0
+    assert report.kl_target(report.load_run(fixed)) is None
+    report.write_report(adaptive)
+    report.write_report(fixed)
+    adaptive_html, fixed_html = ((run / "report.html").read_text() for run in (adaptive, fixed))
+    assert "target 6, β = 0.1" in adaptive_html and "the KL target dashed" in adaptive_html
+    assert (
+        "fixed β = 0.1" in fixed_html
+        and "target 6" not in fixed_html
+        and "KL target dashed" not in fixed_html
+    )
