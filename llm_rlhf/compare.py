@@ -323,7 +323,7 @@ def run(cfg: Config) -> dict[str, Any]:
     dpo_cfgs = [dpo_config(cfg, beta) for beta in cfg.dpo_betas]
     prompts, judge = load_heldout_inputs(ppo_cfg)  # PPO's held-out prompts and gold judge, as it loads them
     # sampled as PPO's held-out evaluation samples (its settings, seed and batches): responses end as in PPO
-    draws = PairedSampling(Sampling.of(ppo_cfg), seed=ppo_cfg.seed, batch_size=ppo_cfg.rollout_batch_size)
+    draws = PairedSampling(Sampling.of(ppo_cfg), seed=ppo_cfg.seed, batch_size=ppo_cfg.heldout_batch_size)
     inputs = {"tokenizer": load_tokenizer(cfg.sft_path), "prompts": prompts, "draws": draws, "judge": judge,
               "sft_model": freeze(load_causal_lm(cfg.sft_path)),
               "scorer": Scorer(freeze(load_reward_model(cfg.reward_model_path)))}  # fmt: skip

@@ -233,6 +233,12 @@ class Config:
         10, "Evaluate on held-out prompts every N steps, and before the first (0 = off)."
     )
     eval_num_prompts: int = help_field(64, "How many held-out prompts each evaluation samples.")
+    eval_batch_size: int | None = help_field(
+        None,
+        "Held-out prompts sampled together (null = rollout_batch_size). Batch b is drawn after seeding with "
+        "seed + b, so the batch size fixes the evaluation's random draws, and its logits its peak memory: set it "
+        "to evaluate runs of different rollout shapes with the same draws.",
+    )
     gold_judge: str = help_field(
         "data/reviews/gold.json",
         "Gold judge for held-out evaluation: a judge JSON (gold.json: sentiment and fluency), module:callable, or none.",
@@ -258,6 +264,7 @@ class Config:
         if self.accuracy_fn is not None:  # its form only: imported when the stage starts
             split_callable_spec(self.accuracy_fn, "accuracy_fn")
         require(self.steps > 0, "steps", "must be > 0")
+        require(self.eval_batch_size is None or self.eval_batch_size > 0, "eval_batch_size", "must be > 0 or null")
         episodes = self.rollout_batch_size * self.samples_per_prompt
         require(
             self.mini_batch_size > 0 and episodes % self.mini_batch_size == 0,
@@ -304,6 +311,11 @@ class Config:
             "applies to advantage_estimator gae only (the critic-free estimators baseline or whiten the "
             "advantages themselves)",
         )
+
+    @property
+    def heldout_batch_size(self) -> int:
+        """Prompts per batch of the held-out evaluation: eval_batch_size, null = rollout_batch_size."""
+        return self.eval_batch_size or self.rollout_batch_size
 
     @property
     def critic_free(self) -> bool:

@@ -508,7 +508,7 @@ def evaluate_heldout(
     policy = trainer.unwrapped_policy
     lm, cfg = policy.lm, trainer.cfg
     reference = KLReference(lm, lm.disable_adapter) if cfg.use_lora else KLReference(trainer.ref_model.lm)
-    draws = PairedSampling(trainer.sampling, seed=cfg.seed, batch_size=cfg.rollout_batch_size)
+    draws = PairedSampling(trainer.sampling, seed=cfg.seed, batch_size=cfg.heldout_batch_size)
     with trainer.acc.autocast(), trainer.acc.gathered_for_generation(policy):
         result = evaluate_policy(
             lm, trainer.tokenizer, prompts, draws, scorer=trainer.scorer, judge=judge, reference=reference,

@@ -213,6 +213,32 @@ def test_ppo_eval_log_has_accuracy_and_training_is_unchanged(tiny_model_dir, pro
         }
 
 
+def test_eval_batch_size_gives_runs_of_other_rollout_shapes_the_same_heldout_draws(
+    tiny_model_dir, prompt_file, tmp_path
+):
+    """The step-0 evaluation (policy == the initial model) of two runs with 8 and 4 prompts a rollout: the same
+    samples and figures with eval_batch_size 3 (batches of 3 drawn after seeding with seed + b), and without it
+    other samples (batches of rollout_batch_size). eval_batch_size is checked when the config is built."""
+    kw = dict(reward_fn="reward_fns:length", steps=1, eval_every=1, eval_prompt_file=str(prompt_file),
+              eval_num_prompts=6, accuracy_fn=EVEN)  # fmt: skip
+    for name, rollout, eval_batch in [("r8", 8, 3), ("r4", 4, 3), ("r8-own", 8, None), ("r4-own", 4, None)]:
+        cfg = ppo_config(tiny_model_dir, None, prompt_file, tmp_path / name, rollout_batch_size=rollout,
+                         eval_batch_size=eval_batch, **kw)  # fmt: skip
+        assert cfg.heldout_batch_size == (eval_batch or rollout)
+        ppo_run.run(cfg)
+
+    def step0(name):
+        record = read_jsonl(tmp_path / name / "eval_log.jsonl")[0]
+        samples = [s["response"] for s in read_jsonl(tmp_path / name / "eval_samples.jsonl") if s["step"] == 0]
+        return samples, record
+
+    assert step0("r8") == step0("r4")
+    assert step0("r8-own")[0] != step0("r4-own")[0]
+    assert step0("r8")[0] != step0("r8-own")[0]
+    with pytest.raises(ConfigError, match="eval_batch_size"):
+        ppo_config(tiny_model_dir, None, prompt_file, tmp_path / "bad", eval_batch_size=0, **kw)
+
+
 # --- the pipeline ------------------------------------------------------------------------------------------
 
 
