@@ -189,6 +189,11 @@ class Config:
         "EOS cannot be sampled before this many response tokens, and a stop string completed before then is "
         "ignored (0 = off); set the PPO run's. The KL uses the same EOS-masked distribution.",
     )
+    sampling_dtype: str = help_field(
+        "float32",
+        "The dtype of the linear layers while sampling: float32 | bfloat16. "
+        "float32 samples the models' own distributions (up to float rounding); bfloat16 (an opt-in) another one, from bfloat16 copies of the linear layers; set the PPO run's.",
+    )
     batch_size: int = help_field(
         32, "Prompts per generate call (the same batches for both models: part of the pairing)."
     )

@@ -66,6 +66,11 @@ def cpu_vendor() -> str:
 # prepacking helped only SmolLM2 at batch 8 and cost 5-40% elsewhere; other CPUs were not measured.
 PREPACK_BY_DEFAULT = CAN_PREPACK and cpu_vendor() == "AuthenticAMD"
 
+# sampling_dtype -> the dtype of the decoding copies of the linear layers (None: the weights' own). bfloat16 is
+# an opt-in: its logits differ from the policy's, so the tokens come from another distribution than the one
+# PPO's log-probs describe; PPO logs the gap per token (objective/kl_sampler).
+SAMPLING_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
+
 
 def is_lora_layer(module: nn.Module) -> bool:
     """A peft LoRA layer wrapping a linear layer (`peft.tuners.lora.Linear`)."""
@@ -115,8 +120,14 @@ def merged_lora_weight(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | N
     return (weight.t() if type(base) is Conv1D else weight), base.bias  # (out, in)
 
 
-def linear_forward(weight: torch.Tensor, bias: torch.Tensor | None, *, prepack: bool):
-    """x -> x W^T + b, from W prepacked once for oneDNN (CPU float32) or from W as it is."""
+def linear_forward(
+    weight: torch.Tensor, bias: torch.Tensor | None, *, prepack: bool, dtype: torch.dtype | None = None
+):
+    """x -> x W^T + b, from W prepacked once for oneDNN (CPU float32), from a copy of W and b in `dtype`
+    (x cast to it, the output cast back to x's dtype), or from W as it is."""
+    if dtype is not None and dtype != weight.dtype:
+        low_weight, low_bias = weight.to(dtype), None if bias is None else bias.to(dtype)
+        return lambda x, *args, **kwargs: nn.functional.linear(x.to(dtype), low_weight, low_bias).to(x.dtype)
     if not prepack:
         return lambda x, *args, **kwargs: nn.functional.linear(x, weight, bias)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
@@ -126,19 +137,28 @@ def linear_forward(weight: torch.Tensor, bias: torch.Tensor | None, *, prepack: 
 
 
 @contextmanager
-def decoding_weights(lm: nn.Module, *, prepack: bool | None = None, merge_lora: bool = True):
+def decoding_weights(
+    lm: nn.Module, *, prepack: bool | None = None, merge_lora: bool = True, dtype: torch.dtype | None = None
+):
     """Inside the context every linear layer of `lm` (LoRA layers merged) computes x W^T + b from a copy of
     its weight made for decoding (see the module docstring); on exit the layers run their own forwards
     again. The parameters are never written: the policy after sampling is bit for bit the policy before.
 
     prepack: None = where it was measured to help (`PREPACK_BY_DEFAULT`: an AMD CPU) with float32 weights and
     autocast off (under autocast the layers keep autocast's dtype). merge_lora: LoRA layers run from
-    W + scaling * B A (one matmul instead of three). Layers that already carry a forward of their own
+    W + scaling * B A (one matmul instead of three). dtype (e.g. torch.bfloat16; None = the weights' own):
+    every linear layer runs from a copy of its (merged) weight in that dtype, its input cast to it and its
+    output cast back (prepacking off): lower-precision sampling, which changes the distribution sampled from
+    (the opt-in `sampling_dtype`). Layers that already carry a forward of their own
     (accelerate's hooks) or hold a shard of their weight are left alone. Meant for no-grad decoding: the
     copies are not part of the autograd graph of the parameters.
     """
     params = list(lm.parameters())
     device = params[0].device if params else torch.device("cpu")
+    if dtype is not None and all(p.dtype == dtype for p in params):
+        dtype = None  # the weights' own dtype: nothing to cast
+    if dtype is not None:
+        prepack = False  # oneDNN's prepacked kernel is the float32 one
     if prepack is None:
         prepack = (
             PREPACK_BY_DEFAULT
@@ -160,10 +180,10 @@ def decoding_weights(lm: nn.Module, *, prepack: bool | None = None, merge_lora: 
                 )
                 skip.update(id(m) for part in inner for m in part.modules())
             else:
-                weight_bias = linear_weight(module) if prepack else None
+                weight_bias = linear_weight(module) if prepack or dtype is not None else None
             if weight_bias is None:
                 continue
-            module.forward = linear_forward(*weight_bias, prepack=prepack)
+            module.forward = linear_forward(*weight_bias, prepack=prepack, dtype=dtype)
             replaced.append(module)
     try:
         yield
@@ -240,6 +260,7 @@ def decode(
     pad_token_id: int,
     stopping_criteria=(),
     draw=draw_tokens,
+    token_logprobs: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`generate`'s sampling loop on left-padded queries (B, P), step for step, as `sampling` (a
     `rollout.Sampling`) says: the prefill over the query with positions counting real tokens only, then one
@@ -249,7 +270,10 @@ def decode(
     unused); rows that ended get pad_token_id; a row ends at EOS or where a stopping criterion says so, and
     the loop ends when every row has ended or after sampling.max_new_tokens tokens.
     With draw = `torch.multinomial(probs, 1)[:, 0]` it returns what `generate` returns from the same random
-    numbers (`tests/test_sampling.py`). Returns sequences (B, P + R), R <= max_new_tokens."""
+    numbers (`tests/test_sampling.py`). token_logprobs: a list that gets, per step t, the (B,) log-probability of
+    each row's drawn token under the distribution it was drawn from, log softmax(processed logits)[token]
+    (0 for rows that had ended; nothing when greedy): the sampler's log q(y_t), which a lower-precision
+    sampler makes differ from the policy's log-probs. Returns sequences (B, P + R), R <= max_new_tokens."""
     logits_processor = logits_processors(
         temperature=sampling.temperature,
         top_k=sampling.top_k,
@@ -279,6 +303,9 @@ def decode(
         logits = out.logits[:, -1].to(dtype=torch.float32, copy=True)  # (B, V): the next token's logits
         scores = logits_processor(sequences[:, : P + t], logits)  # (B, V)
         token = scores.argmax(-1) if draw is None else draw(torch.softmax(scores, dim=-1))  # (B,)
+        if token_logprobs is not None and draw is not None:
+            drawn = torch.log_softmax(scores, dim=-1).gather(-1, token[:, None])[:, 0]  # (B,) log q(y_t)
+            token_logprobs.append(torch.where(unfinished, drawn, 0.0))
         token = torch.where(unfinished, token, pad_token_id)  # (B,): padding after a row's end
         sequences[:, P + t] = token
         unfinished &= token != eos_token_id
@@ -301,12 +328,14 @@ def generate(
     eos_token_id: int,
     pad_token_id: int,
     stopping_criteria=(),
+    token_logprobs: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Sequences (B, P + R) drawn as `sampling` (a `rollout.Sampling`) says: from softmax(logits / temperature)
     (top-k/top-p if asked, EOS masked before min_new_tokens), or greedy at temperature 0: `decode` inside
-    `decoding_weights`. What `rollout.sample` runs when `supports(lm)`; nothing of the checkpoint's
-    generation_config is read."""
-    with decoding_weights(lm):
+    `decoding_weights`, its linear layers in `sampling.sampling_dtype` (`SAMPLING_DTYPES`). What
+    `rollout.sample` runs when `supports(lm)`; nothing of the checkpoint's generation_config is read.
+    token_logprobs: as `decode`'s."""
+    with decoding_weights(lm, dtype=SAMPLING_DTYPES[sampling.sampling_dtype]):
         return decode(
             lm,
             query,
@@ -316,4 +345,5 @@ def generate(
             pad_token_id=pad_token_id,
             stopping_criteria=stopping_criteria,
             draw=draw_tokens,  # looked up per call: a test may record the distributions drawn from
+            token_logprobs=token_logprobs,
         )

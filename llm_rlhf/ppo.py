@@ -184,6 +184,11 @@ class Config:
         "EOS cannot be sampled before this many response tokens, and a stop string completed before then is "
         "ignored (0 = off). PPO's log-probs are those of the same EOS-masked distribution.",
     )
+    sampling_dtype: str = help_field(
+        "float32",
+        "The dtype of the linear layers while sampling: float32 | bfloat16. "
+        "float32 samples the policy's own distribution (up to float rounding); bfloat16, an opt-in, samples from copies of the linear layers in bfloat16: faster where bf16 matmuls are (GPUs, CPUs with AMX), but another distribution than the one PPO's log-probs describe, the gap logged per token as objective/kl_sampler.",
+    )
     # --- rewards and KL
     kl_estimator: str = help_field("k1", "Per-token KL estimator in the reward: k1 | k3 | abs | mse.")
     kl_controller: str = help_field("adaptive", "'adaptive' (Ziegler et al. 2019) or 'fixed'.")
@@ -1018,6 +1023,7 @@ class PPOTrainer:
             "objective/entropy": self.global_mean(ppo_math.masked_sum(rollout.entropy, mask, dim=-1).mean()),
             **(self.value_metrics(rollout, returns) if rollout.values is not None else {}),
             **(self.group_metrics(rollout) if self.cfg.samples_per_prompt > 1 else {}),
+            **(self.sampler_metrics(rollout, tokens) if rollout.sampler_logprobs is not None else {}),
             "response_length": self.global_mean(lengths.mean()),
             "eos_rate": self.global_mean(rollout.ended(self.tokenizer.eos_token_id).float().mean()),
             "time/generate": times["generate"],
@@ -1038,6 +1044,15 @@ class PPOTrainer:
             ),
             "val/mean": self.global_mean(ppo_math.masked_mean(rollout.values, mask)),
         }
+
+    def sampler_metrics(self, rollout: Rollout, tokens: torch.Tensor) -> dict[str, float]:
+        """objective/kl_sampler: KL(q || pi_theta) per response token between the sampler's distribution q
+        and the policy's, estimated on the sampled tokens (y_t ~ q) as the global mean of
+        log q(y_t|s_t) - log pi_theta(y_t|s_t) (the old log-probs). ~1e-7 in float32 (q differs from
+        pi_theta by float rounding only); with sampling_dtype bfloat16 the price of the faster sampler: the
+        tokens come from q, while the ratio and the KL to the reference are computed under pi_theta."""
+        gap = ppo_math.masked_sum(rollout.sampler_logprobs - rollout.logprobs, rollout.response_mask)  # ()
+        return {"objective/kl_sampler": float(self.global_sum(gap)) / max(float(tokens), 1.0)}
 
     def group_metrics(self, rollout: Rollout) -> dict[str, float]:
         """With k > 1 samples per prompt: objective/group_scores_std, the std of the scores within a prompt's

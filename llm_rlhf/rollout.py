@@ -32,6 +32,7 @@ from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaLis
 
 from llm_rlhf import fast_sampling, ppo_math
 from llm_rlhf.config import require
+from llm_rlhf.errors import UserError
 from llm_rlhf.models import position_ids_from_mask
 
 
@@ -48,7 +49,9 @@ class Samples:
 
     query, query_mask: (B, P) long; response: (B, R) long; response_mask: (B, R) bool; stopped: (B,) bool,
     True where a stop string ended the response, False where an EOS did or nothing did (None: sampled
-    without stop strings, as False).
+    without stop strings, as False). sampler_logprobs: (B, R) float, the sampler's own log q(y_t) of each
+    response token, 0 at padding (None when greedy or sampled by `generate`): q is the policy's distribution
+    up to float rounding in float32, another one with `sampling_dtype: bfloat16`.
     """
 
     query: torch.Tensor
@@ -56,6 +59,7 @@ class Samples:
     response: torch.Tensor
     response_mask: torch.Tensor
     stopped: torch.Tensor | None = None
+    sampler_logprobs: torch.Tensor | None = None
 
     @property
     def sequence(self) -> torch.Tensor:
@@ -175,6 +179,8 @@ class Sampling:
     top_k, top_p    truncation of that distribution (0 and 1.0 = off; PPO requires off)
     stop_strings    a response ends at the token completing the first of these in its text (kept)
     min_new_tokens  EOS (and a stop string) cannot end a response before this many tokens
+    sampling_dtype  the dtype of the decoder's linear layers while sampling: float32 (the policy's own
+                    distribution, up to float rounding) or bfloat16 (an opt-in: another distribution)
     """
 
     max_new_tokens: int
@@ -183,6 +189,7 @@ class Sampling:
     top_p: float = 1.0
     stop_strings: tuple[str, ...] = ()
     min_new_tokens: int = 0
+    sampling_dtype: str = "float32"
 
     @classmethod
     def of(cls, cfg: Any) -> Sampling:
@@ -219,6 +226,11 @@ def check_generation_controls(cfg) -> None:
         "must be a list of non-empty strings",
     )
     require(cfg.min_new_tokens >= 0, "min_new_tokens", "must be >= 0 (0 = off)")
+    require(
+        cfg.sampling_dtype in fast_sampling.SAMPLING_DTYPES,
+        "sampling_dtype",
+        f"must be one of {', '.join(fast_sampling.SAMPLING_DTYPES)}",
+    )
     require(
         cfg.min_new_tokens <= cfg.max_new_tokens,
         "min_new_tokens",
@@ -353,9 +365,16 @@ def sample(
                 tokenizer, stop_strings, prompt_length=query.shape[1], min_new_tokens=min_new_tokens
             )
         )
+    token_logprobs: list[torch.Tensor] = []  # (B,) per step: the sampler's log q(y_t)
     if fast_sampling.supports(lm):  # issue 26: generate's loop, the same distribution, faster
         sequences = fast_sampling.generate(
-            lm, query, query_mask, sampling, eos_token_id=eos, pad_token_id=pad, stopping_criteria=criteria
+            lm, query, query_mask, sampling, eos_token_id=eos, pad_token_id=pad, stopping_criteria=criteria,
+            token_logprobs=token_logprobs,
+        )  # fmt: skip
+    elif sampling.sampling_dtype != "float32":
+        raise UserError(
+            f"sampling_dtype {sampling.sampling_dtype}: lower-precision sampling needs the fast sampler, which "
+            f"runs transformers causal LMs; {type(lm).__name__} samples through its own generate (use float32)"
         )
     else:
         with generation_config_hidden(lm):
@@ -380,12 +399,17 @@ def sample(
     stops = stop_string_ends(tokenizer, response, before_eos, stop_strings, min_new_tokens=min_new_tokens)
     response_mask = ppo_math.response_mask_from_tokens(response=response, eos_token_id=eos, stops=stops)
     response = torch.where(response_mask, response, pad)  # (B, R) padding after the first EOS or stop
+    sampler_logprobs = None
+    if token_logprobs:
+        sampler_logprobs = pad_columns(torch.stack(token_logprobs, dim=1), response.shape[1])  # (B, R)
+        sampler_logprobs = torch.where(response_mask, sampler_logprobs, 0.0)
     return Samples(
         query=query,
         query_mask=query_mask,
         response=response,
         response_mask=response_mask,
         stopped=(stops & response_mask).any(-1),  # (B,)
+        sampler_logprobs=sampler_logprobs,
     )
 
 

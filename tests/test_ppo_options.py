@@ -292,3 +292,21 @@ def test_ppo_refuses_truncated_sampling(key, value):
     one (and a token outside the reference's kept set has infinite KL): PPO refuses them by name."""
     with pytest.raises(ConfigError, match=f"^config key '{key}': must be"):
         parse_config(ppo.Config, [f"--{key}", str(value)])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sampling_dtype_logs_the_gap_between_sampler_and_policy(
+    tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch, dtype
+):
+    """sampling_dtype: the rollout is drawn by the sampler in that dtype; objective/kl_sampler is the mean
+    over response tokens of log q(y_t) - log pi_theta(y_t), ~0 in float32, bfloat16's rounding otherwise;
+    the old log-probs stay the float32 policy's, so the first step still has KL = 0 to the reference."""
+    cfg = ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, sampling_dtype=dtype)
+    trainer = ppo_trainer(cfg)
+    metrics, seen = recorded_step(trainer, monkeypatch)
+    r, mask = seen["rollout"], seen["rollout"].response_mask
+    expected = (r.sampler_logprobs - r.logprobs)[mask].double().mean().item()
+    assert metrics["objective/kl_sampler"] == pytest.approx(expected, rel=1e-4, abs=1e-9)
+    assert metrics["objective/kl"] == 0.0
+    gap = (r.sampler_logprobs - r.logprobs)[mask].abs().max()
+    assert gap < 1e-4 if dtype == "float32" else gap > 1e-3

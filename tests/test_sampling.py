@@ -186,3 +186,106 @@ def test_decoding_weights_compute_the_same_layers_and_restore_them_bit_for_bit(
     assert all(torch.equal(p, before[name]) for name, p in lm.state_dict().items())
     assert not any("forward" in vars(m) for m in lm.modules())
     assert not any(getattr(m, "merged", False) for m in lm.modules())
+
+
+# --- lower-precision sampling, the opt-in (issue 26) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["gpt2-lora", "llama-lora"])
+def test_bfloat16_decoding_weights_compute_every_linear_in_bfloat16_and_restore_them(
+    kind, tiny_model_dir, tiny_llama_dir
+):
+    """dtype=bfloat16: every linear layer (LoRA layers merged, the LM head too) runs from a bfloat16 copy of
+    its weight, so the logits move by bfloat16 rounding (more than float32's, less than the adapter's effect);
+    on exit the parameters and outputs are bit for bit the ones before."""
+    lm, _ = load(tiny_model_dir if kind.startswith("gpt2") else tiny_llama_dir, lora=True)
+    x = torch.randint(0, 300, (4, 9))
+    before = {name: p.clone() for name, p in lm.state_dict().items()}
+    with torch.no_grad():
+        policy = lm(x).logits
+        with fast_sampling.decoding_weights(lm, dtype=torch.bfloat16):
+            inside = lm(x).logits
+            replaced = [m for m in lm.modules() if "forward" in vars(m)]
+        assert torch.equal(lm(x).logits, policy)
+        with lm.disable_adapter():
+            reference = lm(x).logits
+    every_linear = 2 * 4 + 1 if kind.startswith("gpt2") else 2 * 7 + 1  # the LM head too
+    assert len(replaced) == every_linear and inside.dtype == torch.float32
+    gap = (inside - policy).abs().max()
+    assert 1e-4 < gap < 0.1 * (policy - reference).abs().max()  # bfloat16's rounding, not the adapter's size
+    assert all(torch.equal(p, before[name]) for name, p in lm.state_dict().items())
+    assert not any("forward" in vars(m) for m in lm.modules())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sampler_logprobs_are_the_log_probs_the_tokens_were_drawn_with(dtype, tiny_llama_dir):
+    """`Samples.sampler_logprobs`: log q(y_t) of every drawn token (0 at padding). In float32 q is the policy's
+    distribution (the PPO forward's log-probs agree to float rounding); in bfloat16 the draws are those of the
+    bfloat16 model's softmax (a naive loop inside the same bfloat16 weights, draw for draw), and its log-probs
+    differ from the float32 policy's by more than rounding."""
+    from llm_rlhf.models import Reference
+    from llm_rlhf.rollout import response_logprobs_and_values
+
+    lm, tokenizer = load(tiny_llama_dir, lora=True)
+    ids = [tokenizer(p).input_ids for p in ["The film is", "A", "It was a great and", "Bad"] * 8]
+    query, query_mask = left_pad(ids, tokenizer.pad_token_id)  # (32, P)
+    sampling = Sampling(max_new_tokens=8, temperature=0.9, min_new_tokens=2, sampling_dtype=dtype)
+    torch.manual_seed(11)
+    got = sample(lm, tokenizer, query, query_mask, sampling)
+    assert got.sampler_logprobs.shape == got.response.shape
+    assert torch.all(got.sampler_logprobs[~got.response_mask] == 0)
+    assert torch.all(got.sampler_logprobs[got.response_mask] < 0)
+    with torch.no_grad():
+        logprobs, _, _ = response_logprobs_and_values(
+            Reference(lm), got, sampling, eos_token_id=tokenizer.eos_token_id, entropy="none"
+        )
+    gap = (got.sampler_logprobs - logprobs)[got.response_mask].abs().max()
+    if dtype == "float32":
+        assert gap < 1e-4
+        return
+    assert gap > 1e-3
+    one = [tokenizer("The film is").input_ids] * 64  # unpadded: the naive loop's input
+    q, qm = left_pad(one, tokenizer.pad_token_id)
+    torch.manual_seed(5)
+    fast = sample(lm, tokenizer, q, qm, Sampling(max_new_tokens=8, temperature=0.9, sampling_dtype=dtype))
+    torch.manual_seed(5)
+    with fast_sampling.decoding_weights(lm, dtype=torch.bfloat16):
+        expected = naive_sample(lm, q, steps=8, temperature=0.9, eos=tokenizer.eos_token_id,
+                                pad=tokenizer.pad_token_id)  # fmt: skip
+    assert torch.equal(fast.response[:, : expected.shape[1]], expected)
+
+
+def test_bfloat16_sampling_needs_the_fast_sampler(tiny_model_dir, monkeypatch):
+    from llm_rlhf import evaluate, ppo
+    from llm_rlhf.errors import ConfigError, UserError
+
+    lm, tokenizer = load(tiny_model_dir, lora=False)
+    monkeypatch.setattr(fast_sampling, "supports", lambda lm: False)
+    query, query_mask = left_pad([tokenizer("The film is").input_ids], tokenizer.pad_token_id)
+    with pytest.raises(UserError, match="^sampling_dtype bfloat16: lower-precision sampling needs the fast"):
+        sample(lm, tokenizer, query, query_mask, Sampling(max_new_tokens=4, sampling_dtype="bfloat16"))
+    for config in (ppo.Config, evaluate.Config):
+        with pytest.raises(ConfigError, match="sampling_dtype': must be one of float32, bfloat16"):
+            config(sampling_dtype="float16")
+
+
+def test_evaluation_samples_both_models_in_the_sampling_dtype(tiny_model_dir, prompt_file, tmp_path, monkeypatch):
+    """llm-rlhf eval's sampling_dtype reaches the sampler: every sampling call of the policy and the baseline
+    runs inside decoding_weights with that dtype (float32: the weights' own, None)."""
+    from helpers import eval_config
+
+    from llm_rlhf import evaluate
+
+    seen, real = [], fast_sampling.decoding_weights
+
+    def recording(lm, **kw):
+        seen.append(kw.get("dtype"))
+        return real(lm, **kw)
+
+    monkeypatch.setattr(fast_sampling, "decoding_weights", recording)
+    for dtype, expected in [("bfloat16", torch.bfloat16), ("float32", None)]:
+        seen.clear()
+        out = tmp_path / dtype
+        evaluate.run(eval_config(tiny_model_dir, tiny_model_dir, prompt_file, out, sampling_dtype=dtype))
+        assert (out / "metrics.json").is_file()
+        assert len(seen) >= 2 * 3 and set(seen) == {expected}  # 12 prompts in batches of 5, two models
