@@ -16,11 +16,16 @@ and with `--paths all` the steps between them, each adding one idea to the path 
     loop             `fast_sampling.decode` with generate's draw (torch.multinomial), the weights as they are
     loop+draw        + inverse-CDF draws (`fast_sampling.draw_tokens`)
     loop+draw+merge  + LoRA merged into a copy of the weights (`decoding_weights(prepack=False)`)
+    fast-bf16        the fast path with `sampling_dtype: bfloat16` (the opt-in: every linear layer from a
+                     bfloat16 copy; another distribution, so its KL to the policy is printed too)
 
 Per path: ms per decode step (the median interval between the starts of consecutive forwards of the model,
 so one step = drawing a token + the forward that feeds it back; the prefill is left out; no warm-up call,
 the median is robust to the first steps), and tokens per second of the whole `sample` call (B * new tokens /
-wall time, prefill and set-up included; the best of the timed calls).
+wall time, prefill and set-up included; the best of the timed calls). On the paths that record the sampler's
+log-probs (fast, fast-bf16), also the sampler-vs-policy KL per token of the last call: the mean over the
+sampled tokens of log q(y_t) - log pi(y_t), pi from the float32 forward PPO computes its log-probs with
+(`rollout.response_logprobs_and_values`); ~1e-7 for fp32 sampling.
 
 The roofline of one decode step at batch B, with N = the weights of every matmul (the LM head included, tied
 or not; LoRA's adapters included), L = the sequence length at the step:
@@ -55,12 +60,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from llm_rlhf import fast_sampling  # noqa: E402
-from llm_rlhf.rollout import Sampling, sample  # noqa: E402
+from llm_rlhf.models import Reference  # noqa: E402
+from llm_rlhf.rollout import Sampling, response_logprobs_and_values, sample  # noqa: E402
 
 MODELS = ("reviews", "smollm2", "smollm2-lora")
 PATHS = ("generate", "fast")
 # The ideas of issue 26 one at a time (`--paths all`), each path adding one to the one before it.
-ABLATION = ("generate", "loop", "loop+draw", "loop+draw+merge", "fast")
+ABLATION = ("generate", "loop", "loop+draw", "loop+draw+merge", "fast", "fast-bf16")
 # SmolLM2-135M-Instruct's config.json (the architecture; no weights), for a clone without the folder.
 SMOLLM2_CONFIG = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=576, intermediate_size=1536,
@@ -196,26 +202,44 @@ class Tokens:
 def on_path(path: str):
     """A context in which `rollout.sample` runs `path` (module docstring)."""
     multinomial = lambda probs: torch.multinomial(probs, num_samples=1).squeeze(1)  # noqa: E731
-    as_they_are = lambda lm: nullcontext()  # noqa: E731
-    merge_only = lambda lm, original=fast_sampling.decoding_weights: original(lm, prepack=False)  # noqa: E731
+    as_they_are = lambda lm, **kw: nullcontext()  # noqa: E731
+    merge_only = lambda lm, original=fast_sampling.decoding_weights, **kw: original(lm, prepack=False)  # noqa: E731
     patches = {
         "generate": {"supports": lambda lm: False},
         "loop": {"draw_tokens": multinomial, "decoding_weights": as_they_are},
         "loop+draw": {"decoding_weights": as_they_are},
         "loop+draw+merge": {"decoding_weights": merge_only},
         "fast": {},
+        "fast-bf16": {},
     }[path]
     return mock.patch.multiple(fast_sampling, **patches) if patches else nullcontext()
 
 
 def sample_once(lm, tokens, query, path: str, new_tokens: int, clock: StepClock) -> dict:
-    """One `rollout.sample` call on `path`; its wall time, decode-step intervals and response width."""
+    """One `rollout.sample` call on `path`; its wall time, decode-step intervals, response width and samples."""
     clock.starts.clear()
+    sampling = Sampling(
+        max_new_tokens=new_tokens, sampling_dtype="bfloat16" if path == "fast-bf16" else "float32"
+    )
     with on_path(path):
         t = time.perf_counter()
-        out = sample(lm, tokens, query, torch.ones_like(query), Sampling(max_new_tokens=new_tokens))
+        out = sample(lm, tokens, query, torch.ones_like(query), sampling)
         wall = time.perf_counter() - t
-    return {"wall": wall, "steps": clock.step_seconds(), "width": out.response.shape[1]}
+    return {"wall": wall, "steps": clock.step_seconds(), "width": out.response.shape[1], "samples": out,
+            "sampling": sampling}  # fmt: skip
+
+
+def sampler_kl(lm, tokens, run: dict) -> float | None:
+    """KL(q || pi) per token of one call's samples: mean over response tokens of log q(y_t) - log pi(y_t), q the
+    sampler's (`Samples.sampler_logprobs`), pi the float32 forward's; None where the path records no q."""
+    samples = run["samples"]
+    if samples.sampler_logprobs is None:
+        return None
+    logprobs, _, _ = response_logprobs_and_values(
+        Reference(lm), samples, run["sampling"], eos_token_id=tokens.eos_token_id, entropy="none"
+    )
+    mask = samples.response_mask
+    return float((samples.sampler_logprobs - logprobs)[mask].double().mean())
 
 
 def bench_model(name: str, args, *, peak: float, bandwidth: float) -> dict:
@@ -244,7 +268,8 @@ def bench_model(name: str, args, *, peak: float, bandwidth: float) -> dict:
                 step = statistics.median(s for r in rs for s in r["steps"])
                 new = max(batch * r["width"] / r["wall"] for r in rs)  # the best call: the first one warms up
                 entry["paths"][path] = {"ms_per_step": 1000 * step, "tokens_per_s": new,
-                                        "ratio_to_roofline": step / roof["seconds"]}  # fmt: skip
+                                        "ratio_to_roofline": step / roof["seconds"],
+                                        "kl_sampler_per_token": sampler_kl(lm, tokens, rs[-1])}  # fmt: skip
             result["batches"][batch] = entry
             print(format_rows(name, batch, entry), flush=True)
     return result
@@ -253,9 +278,10 @@ def bench_model(name: str, args, *, peak: float, bandwidth: float) -> dict:
 def format_rows(name: str, batch: int, entry: dict) -> str:
     rows = []
     for path, p in entry["paths"].items():
+        kl = "-" if p["kl_sampler_per_token"] is None else f"{p['kl_sampler_per_token']:.1e}"
         rows.append(
             f"| {name} | {batch} | {path} | {p['ms_per_step']:.1f} | {p['tokens_per_s']:,.0f} | "
-            f"{entry['roofline_ms']:.1f} ({entry['bound']}) | **{p['ratio_to_roofline']:.2f}** |"
+            f"{entry['roofline_ms']:.1f} ({entry['bound']}) | **{p['ratio_to_roofline']:.2f}** | {kl} |"
         )
     return "\n".join(rows)
 
@@ -275,9 +301,10 @@ def main(argv=None) -> dict:
         f"prompt {args.prompt_len} + {args.new_tokens} new tokens, {args.reps} timed calls per path\n"
     )
     print(
-        "| model | batch | path | ms / decode step | tokens/s | roofline ms (bound) | measured / roofline |"
+        "| model | batch | path | ms / decode step | tokens/s | roofline ms (bound) | measured / roofline "
+        "| KL(sampler, policy) / token |"
     )
-    print("|---|---:|---|---:|---:|---:|---:|")
+    print("|---|---:|---|---:|---:|---:|---:|---:|")
     results = [bench_model(name, args, peak=peak, bandwidth=bandwidth) for name in args.models.split(",")]
     for r in results:
         print(f"\n{r['model']}: {r['source']}, {r['matmul_weights'] / 1e6:.1f}M matmul weights")

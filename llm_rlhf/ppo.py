@@ -269,7 +269,9 @@ class Config:
         if self.accuracy_fn is not None:  # its form only: imported when the stage starts
             split_callable_spec(self.accuracy_fn, "accuracy_fn")
         require(self.steps > 0, "steps", "must be > 0")
-        require(self.eval_batch_size is None or self.eval_batch_size > 0, "eval_batch_size", "must be > 0 or null")
+        require(
+            self.eval_batch_size is None or self.eval_batch_size > 0, "eval_batch_size", "must be > 0 or null"
+        )
         episodes = self.rollout_batch_size * self.samples_per_prompt
         require(
             self.mini_batch_size > 0 and episodes % self.mini_batch_size == 0,

@@ -229,7 +229,9 @@ def test_eval_batch_size_gives_runs_of_other_rollout_shapes_the_same_heldout_dra
 
     def step0(name):
         record = read_jsonl(tmp_path / name / "eval_log.jsonl")[0]
-        samples = [s["response"] for s in read_jsonl(tmp_path / name / "eval_samples.jsonl") if s["step"] == 0]
+        samples = [
+            s["response"] for s in read_jsonl(tmp_path / name / "eval_samples.jsonl") if s["step"] == 0
+        ]
         return samples, record
 
     assert step0("r8") == step0("r4")

@@ -110,6 +110,9 @@ def test_rollout_benchmark_prints_the_ratio_to_the_roofline(tiny_model_dir, tiny
                     path,
                 )
                 assert f"| {m['model']} | {batch} | {path} |" in printed
+            kl = {path: p["kl_sampler_per_token"] for path, p in entry["paths"].items()}
+            assert kl["generate"] is None and abs(kl["fast"]) < 1e-4  # float32: the policy's distribution
+            assert isinstance(kl["fast-bf16"], float) and kl["fast-bf16"] != kl["fast"]
 
 
 def test_rollout_roofline_counts_the_matmul_weights(tiny_llama_dir):

@@ -269,7 +269,9 @@ def test_bfloat16_sampling_needs_the_fast_sampler(tiny_model_dir, monkeypatch):
             config(sampling_dtype="float16")
 
 
-def test_evaluation_samples_both_models_in_the_sampling_dtype(tiny_model_dir, prompt_file, tmp_path, monkeypatch):
+def test_evaluation_samples_both_models_in_the_sampling_dtype(
+    tiny_model_dir, prompt_file, tmp_path, monkeypatch
+):
     """llm-rlhf eval's sampling_dtype reaches the sampler: every sampling call of the policy and the baseline
     runs inside decoding_weights with that dtype (float32: the weights' own, None)."""
     from helpers import eval_config
