@@ -1981,10 +1981,15 @@ def build_compare_page(runs: list[Run], folder: Path, png_dir: Path) -> Page:
         rows.append([link, run_estimator(run), *[column_value(run, stage, key) for stage, key in columns]])
     # the run and estimator cells unbroken (table.runs); a table wider than the page scrolls
     page.add('<div class="wide">', table(header, rows, css_class="runs"), "</div>")
+    baselines = sorted({baseline_name(run) for run in runs})  # "SFT baseline" and/or "starting model"
+    evaluated = (
+        f"Win rates and scores from the final evaluation on held-out prompts (vs the {' or '.join(baselines)}). "
+        if any(stage == "eval" for stage, _ in columns)
+        else ""
+    )  # no eval column (runs without the eval stage): nothing to say about it
     page.add(
-        '<p class="meta">Win rates and scores from the final evaluation on held-out prompts (vs the SFT '
-        "baseline); the ppo columns are the last PPO step's rollout statistics. estimator: the PPO stage's "
-        "advantage_estimator, with k = samples_per_prompt when a prompt was sampled more than once."
+        f'<p class="meta">{evaluated}The ppo columns are the last PPO step\'s rollout statistics. estimator: '
+        "the PPO stage's advantage_estimator, with k = samples_per_prompt when a prompt was sampled more than once."
         + (
             " accuracy: the final evaluation's held-out accuracy ± its standard error."
             if ("eval", "accuracy") in columns or ("eval", "accuracy_greedy") in columns

@@ -267,6 +267,7 @@ def test_runs_side_by_side(tmp_path):
     # no verifier: no accuracy column or figure (the columns no run has a value for are left out)
     assert "accuracy" not in headline and not (sweep / "report" / "compare_accuracy.png").exists()
     assert 'src="http' not in text
+    assert "final evaluation on held-out prompts (vs the SFT baseline). The ppo columns" in text
 
 
 def test_missing_files_are_named_not_fatal(tmp_path):
@@ -774,6 +775,7 @@ def test_a_sweep_of_estimators_and_seeds_draws_every_accuracy_curve(tmp_path):
     assert "One colour per advantage estimator" in text and 'class="missing"' not in text
     headline = _between(text, "<h2>Headline metrics</h2>")
     assert "<th>accuracy</th><th>accuracy_greedy</th>" in headline and headline.count("87.5% ± 12.5%") == 4
+    assert "(vs the starting model)" in text and "SFT baseline" not in text  # stages [ppo, eval]: no SFT
     for empty in ("gold_win_rate", "rm_win_rate", "sentiment_win_rate", "fluency_perplexity"):
         assert f"<th>{empty}</th>" not in headline, empty
     runs = [report.load_run(sweep / name, name=name) for name in lifts]
