@@ -89,7 +89,14 @@ from llm_rlhf.data import DATA_FORMATS, load_prompt_dataset, prompt_rules
 from llm_rlhf.errors import UserError
 from llm_rlhf.gold import FluentGoldJudge, GoldJudge, judge_details, load_judge
 from llm_rlhf.hacking import DEGENERACY_KEYS, degeneracy_rates
-from llm_rlhf.models import check_embeddings, freeze, load_causal_lm, load_tokenizer, tokenizer_or_load
+from llm_rlhf.models import (
+    check_embeddings,
+    check_positions,
+    freeze,
+    load_causal_lm,
+    load_tokenizer,
+    tokenizer_or_load,
+)
 from llm_rlhf.reward_fn import RewardFn, load_reward_fn, probe
 from llm_rlhf.reward_model import RewardEnsemble, check_members_exist, load_reward_models
 from llm_rlhf.rollout import (
@@ -743,6 +750,9 @@ def _run(
         if p not in live
     }
     models.update({p: model.eval().to(device) for p, model in live.items()})  # sampled without gradients
+    longest = max(len(encode_prompt(tokenizer, p)) for p in prompts)
+    for p in (cfg.policy_path, cfg.baseline_path):
+        check_positions(models[p], longest, cfg.max_new_tokens, f"'{p}'")
     if isinstance(reward_model, list):
         reward_model = RewardEnsemble(
             reward_model, combine=cfg.ensemble_combine, uncertainty_coef=cfg.ensemble_uncertainty_coef

@@ -16,7 +16,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.activations import GELUTanh, NewGELUActivation
 
-from llm_rlhf.errors import UserError
+from llm_rlhf.errors import ConfigError, UserError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -110,6 +110,26 @@ class Trained:
     tokenizer: Any
     metrics: dict[str, Any]
     value_head: Any = None
+
+
+def max_positions(model) -> int | None:
+    """The longest sequence the model's config allows: n_positions (GPT-2's learned position table has no row
+    beyond it) or max_position_embeddings; None where the config names neither."""
+    config = getattr(model, "config", None)
+    return getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+
+
+def check_positions(model, longest_prompt: int, max_new_tokens: int, what: str) -> None:
+    """The longest prompt plus max_new_tokens fits the model's positions (`max_positions`): a ConfigError naming
+    max_new_tokens before any sampling, not an index error in the middle of a run (GPT-2) or responses past the
+    positions the model was trained on (rotary models)."""
+    limit = max_positions(model)
+    if limit is not None and longest_prompt + max_new_tokens > limit:
+        raise ConfigError(
+            f"config key 'max_new_tokens': the longest prompt ({longest_prompt} tokens) + max_new_tokens "
+            f"({max_new_tokens}) = {longest_prompt + max_new_tokens} exceeds the {limit} positions of {what}; "
+            "lower max_new_tokens or max_prompt_length"
+        )
 
 
 def shares_vocab(tokenizer, other_tokenizer) -> bool:

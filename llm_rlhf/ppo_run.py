@@ -45,6 +45,7 @@ from llm_rlhf.models import (
     Trained,
     ValueHead,
     check_not_adapter_only,
+    check_positions,
     freeze,
     load_causal_lm,
     tokenizer_or_load,
@@ -233,6 +234,8 @@ def train(
     trainer = build_trainer(
         cfg, accelerator, tokenizer, prompts, reward_fn, policy=policy, reward_model=reward_model
     )
+    longest = max([len(q) for q in prompts] + [len(encode_prompt(tokenizer, p)) for p in eval_prompts])
+    check_positions(trainer.unwrapped_policy.lm, longest, cfg.max_new_tokens, "the policy")
     if accelerator.is_main_process:
         print(format_config(cfg))
         print("batch sizes:", dataclasses.asdict(trainer.sizes))

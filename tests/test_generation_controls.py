@@ -21,6 +21,7 @@ from helpers import (
     SENTIMENT_JUDGE,
     bos_model_dir,
     build_model,
+    eval_config,
     launch,
     multinomial_draw,
     naive_inverse_cdf_draw,
@@ -31,7 +32,7 @@ from helpers import (
     recording_rollouts,
     write_jsonl,
 )
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llm_rlhf import cli, evaluate, fast_sampling, ppo, ppo_math, ppo_run
 from llm_rlhf.config import parse_config, save_config
@@ -639,3 +640,31 @@ def test_the_readme_example_is_a_valid_config(config, tmp_path):
     recipe.write_text(block)
     cfg = parse_config(config, ["--config", str(recipe)])
     assert (cfg.stop_strings, cfg.min_new_tokens) == (["\n\nHuman:"], 4)
+
+
+def test_a_response_that_would_run_past_the_models_positions_is_a_config_error(
+    tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path
+):
+    """The tiny GPT-2 has 64 positions: the longest prompt plus max_new_tokens beyond them stops PPO and eval
+    with one line naming max_new_tokens and the sum, before anything is written (GPT-2 would fail with an index
+    error in the middle of sampling); at the limit both run."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts = [json.loads(line)["prompt"] for line in prompt_file.read_text().splitlines()]
+    longest = max(len(encode_prompt(tokenizer, p)) for p in prompts)
+    too_many = 64 - longest + 1
+    says = (
+        rf"^config key 'max_new_tokens': the longest prompt \({longest} tokens\) \+ max_new_tokens "
+        rf"\({too_many}\) = 65 exceeds the 64 positions of"
+    )
+    kw = dict(max_new_tokens=too_many, eval_every=0)  # the training prompts only
+    out = tmp_path / "ppo"
+    with pytest.raises(ConfigError, match=says + " the policy; lower max_new_tokens or max_prompt_length$"):
+        ppo_run.run(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, out, **kw))
+    assert not out.exists()
+    out = tmp_path / "eval"
+    with pytest.raises(ConfigError, match=says):
+        evaluate.run(eval_config(tiny_model_dir, tiny_model_dir, prompt_file, out, max_new_tokens=too_many,
+                                 num_prompts=len(prompts)))  # fmt: skip
+    assert not out.exists()
+    kw.update(max_new_tokens=too_many - 1, steps=1)  # at the limit: it runs
+    ppo_run.run(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "at-limit", **kw))
