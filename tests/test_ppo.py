@@ -328,7 +328,8 @@ def test_config_dataclass_is_flat(tmp_path):
         "eval_prompt_file": None, "data_format": "hh", "dtype": "bfloat16", "value_model": "reward",
         "lr_scheduler_type": "linear", "kl_estimator": "k3", "kl_controller": "fixed", "report_to": "tensorboard",
         "ensemble_combine": "min", "rollout_batch_size": 32, "mini_batch_size": 8, "min_new_tokens": 2,
-        "advantage_estimator": "gae", "kl_in_loss": True, **{key: getattr(default, key) for key in ONLY_VALUE},
+        "advantage_estimator": "gae", "kl_in_loss": True, "eval_batch_size": 16, "sampling_dtype": "bfloat16",
+        **{key: getattr(default, key) for key in ONLY_VALUE},
     }  # fmt: skip
     for f in dataclasses.fields(ppo.Config):
         value = getattr(default, f.name)
