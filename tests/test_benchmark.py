@@ -133,3 +133,17 @@ def test_rollout_roofline_counts_the_matmul_weights(tiny_llama_dir):
     nbytes = 4 * N + 8 * c.num_hidden_layers * kv * 10 * 4
     assert (roof["flops"], roof["bytes"]) == (flops, nbytes)
     assert roof["seconds"] == max(flops, nbytes) / 1e9
+
+
+def test_prompt_grouping_benchmark_times_each_way(tiny_llama_dir, prompt_file, capsys):
+    """benchmarks/prompt_grouping.py on the tiny Llama: every way of batching is timed on every repetition."""
+    spec = importlib.util.spec_from_file_location(
+        "prompt_grouping", ROOT / "benchmarks" / "prompt_grouping.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = ["--model-dir", str(tiny_llama_dir), "--prompt-file", str(prompt_file), "--prompts", "6"]
+    seconds = bench.main(args + ["--groups", "3", "--new-tokens", "3", "--reps", "2", "--threads", "1"])
+    assert list(seconds) == ["one batch", "sorted, one batch", "sorted, 3 batches"]
+    assert all(len(s) == 2 and min(s) > 0 for s in seconds.values())
+    assert "6 prompts of" in capsys.readouterr().out
