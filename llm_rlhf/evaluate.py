@@ -199,7 +199,8 @@ class Config:
     sampling_dtype: str = help_field(
         "float32",
         "The dtype of the linear layers while sampling: float32 | bfloat16. "
-        "float32 samples the models' own distributions (up to float rounding); bfloat16 (an opt-in) another one, from bfloat16 copies of the linear layers; set the PPO run's.",
+        "float32 samples the models' own distributions (up to float rounding); bfloat16 (an opt-in) another "
+        "one, from bfloat16 copies of the linear layers; set the PPO run's.",
     )
     batch_size: int = help_field(
         32, "Prompts per generate call (the same batches for both models: part of the pairing)."

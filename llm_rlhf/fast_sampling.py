@@ -271,7 +271,7 @@ def decode(
     the loop ends when every row has ended or after sampling.max_new_tokens tokens.
     With draw = `torch.multinomial(probs, 1)[:, 0]` it returns what `generate` returns from the same random
     numbers (`tests/test_sampling.py`). token_logprobs: a list that gets, per step t, the (B,) log-probability of
-    each row's drawn token under the distribution it was drawn from, log softmax(processed logits)[token]
+    each row's drawn token under the distribution it was drawn from, log of softmax(processed logits)[token]
     (0 for rows that had ended; nothing when greedy): the sampler's log q(y_t), which a lower-precision
     sampler makes differ from the policy's log-probs. Returns sequences (B, P + R), R <= max_new_tokens."""
     logits_processor = logits_processors(
@@ -302,10 +302,15 @@ def decode(
         out = lm(input_ids=inputs, attention_mask=mask, position_ids=positions, **kwargs)
         logits = out.logits[:, -1].to(dtype=torch.float32, copy=True)  # (B, V): the next token's logits
         scores = logits_processor(sequences[:, : P + t], logits)  # (B, V)
-        token = scores.argmax(-1) if draw is None else draw(torch.softmax(scores, dim=-1))  # (B,)
-        if token_logprobs is not None and draw is not None:
-            drawn = torch.log_softmax(scores, dim=-1).gather(-1, token[:, None])[:, 0]  # (B,) log q(y_t)
-            token_logprobs.append(torch.where(unfinished, drawn, 0.0))
+        if draw is None:
+            token = scores.argmax(-1)  # (B,)
+        else:
+            probs = torch.softmax(scores, dim=-1)  # (B, V)
+            token = draw(probs)  # (B,)
+            if token_logprobs is not None:  # log q(y_t) from the probabilities drawn from (each > 0)
+                token_logprobs.append(
+                    torch.where(unfinished, probs.gather(-1, token[:, None])[:, 0].log(), 0.0)
+                )
         token = torch.where(unfinished, token, pad_token_id)  # (B,): padding after a row's end
         sequences[:, P + t] = token
         unfinished &= token != eos_token_id

@@ -187,7 +187,10 @@ class Config:
     sampling_dtype: str = help_field(
         "float32",
         "The dtype of the linear layers while sampling: float32 | bfloat16. "
-        "float32 samples the policy's own distribution (up to float rounding); bfloat16, an opt-in, samples from copies of the linear layers in bfloat16: faster where bf16 matmuls are (GPUs, CPUs with AMX), but another distribution than the one PPO's log-probs describe, the gap logged per token as objective/kl_sampler.",
+        "float32 samples the policy's own distribution (up to float rounding); bfloat16, an opt-in, samples "
+        "from copies of the linear layers in bfloat16: faster where bf16 matmuls are (GPUs, CPUs with AMX), "
+        "but another distribution than the one PPO's log-probs describe, the gap logged per token as "
+        "objective/kl_sampler.",
     )
     # --- rewards and KL
     kl_estimator: str = help_field("k1", "Per-token KL estimator in the reward: k1 | k3 | abs | mse.")
