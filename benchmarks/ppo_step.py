@@ -107,6 +107,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=32, help="max_new_tokens")
     p.add_argument("--lora", action="store_true", help="use_lora (r=16, peft default target modules)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast")
+    p.add_argument(
+        "--sampling-dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="sampling_dtype (bfloat16: the opt-in lower-precision sampler)",
+    )
     p.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing")
     p.add_argument(
         "--value_model",
@@ -532,6 +538,7 @@ def run_one(args) -> dict:
         max_new_tokens=args.new_tokens,
         use_lora=args.lora,
         bf16=args.bf16,
+        sampling_dtype=args.sampling_dtype,
         gradient_checkpointing=args.grad_ckpt,
         value_model=args.value_model,
         eval_every=0,
@@ -626,6 +633,7 @@ def run_one(args) -> dict:
             "new_tokens": args.new_tokens,
             "lora": args.lora,
             "bf16": args.bf16,
+            "sampling_dtype": args.sampling_dtype,
             "grad_ckpt": args.grad_ckpt,
             "threads": args.threads,
             "steps": n,
@@ -706,6 +714,7 @@ def label(r: dict) -> str:
     return (
         f"{c['model']} ({c['architecture']}) {'LoRA' if c['lora'] else 'full'} {'bf16' if c['bf16'] else 'fp32'}"
         + (" ckpt" if c["grad_ckpt"] else "")
+        + (" sampling bf16" if c.get("sampling_dtype") == "bfloat16" else "")
         + (" + critic from the RM" if c["value_model"] == "reward" else "")
         + (
             f" {c['advantage_estimator']} k={c['samples_per_prompt']}"

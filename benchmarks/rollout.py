@@ -39,7 +39,8 @@ written), both timed by this script (best of repeats, before the models run). ra
 the limit). The models: `--reviews-dir` (the reviews task's 4M GPT-2, committed in data/), `--smollm2-dir`
 (SmolLM2-135M-Instruct, `python data/make_smollm2.py`; when the folder is missing, a model of its config with
 random weights, which runs the same matmuls: the table says which), and SmolLM2 with a rank-16 LoRA on q_proj
-and v_proj (peft, unmerged, eval mode: as PPO holds it).
+and v_proj (peft, unmerged, eval mode: as PPO holds it). `--device cuda` runs the models, the peak matmul
+and the copy on a GPU (the decode-step clock waits for the GPU's queued work at each step).
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=24)
     p.add_argument("--reps", type=int, default=2, help="timed `sample` calls per model, batch and path")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument(
+        "--device", default="cpu", help="where the models, the peak matmul and the copy run (cpu, cuda)"
+    )
     p.add_argument("--reviews-dir", default=str(REPO / "data" / "reviews" / "base_model"))
     p.add_argument("--smollm2-dir", default=str(REPO / "data" / "smollm2-135m-instruct"))
     p.add_argument("--lora-r", type=int, default=16)
@@ -98,34 +102,45 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def matmul_peak(n: int, seconds: float = 1.0) -> float:
-    """FLOP/s of an fp32 n x n @ n x n matmul (2 n^3 FLOPs), best of the timings in `seconds`."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously; a CPU has nothing to wait for)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_peak(n: int, seconds: float = 1.0, device: torch.device = torch.device("cpu")) -> float:
+    """FLOP/s of an fp32 n x n @ n x n matmul (2 n^3 FLOPs), best of the timings in `seconds` (on CUDA in
+    torch's default precision for fp32 matmuls: TF32 off)."""
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     torch.mm(a, b)  # warm-up
+    synchronize(device)
     best, start = float("inf"), time.perf_counter()
     while time.perf_counter() - start < seconds:
         t = time.perf_counter()
         torch.mm(a, b)
+        synchronize(device)
         best = min(best, time.perf_counter() - t)
     return 2 * n**3 / best
 
 
-def copy_bandwidth(mib: int, repeats: int = 5) -> float:
+def copy_bandwidth(mib: int, repeats: int = 5, device: torch.device = torch.device("cpu")) -> float:
     """Bytes/s of copying an fp32 buffer of `mib` MiB into another (bytes read + bytes written), best of
     `repeats`."""
-    a = torch.ones(mib * 2**20 // 4)
+    a = torch.ones(mib * 2**20 // 4, device=device)
     b = torch.empty_like(a)
     b.copy_(a)  # warm-up: the pages exist
+    synchronize(device)
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
         b.copy_(a)
+        synchronize(device)
         best = min(best, time.perf_counter() - t)
     return 2 * a.numel() * 4 / best
 
 
 def build_model(name: str, args):
-    """(lm, description) in eval mode, fp32."""
+    """(lm, description) in eval mode, fp32, on the CPU (`bench_model` moves it to --device)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     if name == "reviews":
@@ -179,11 +194,17 @@ def roofline_seconds(lm, *, batch: int, length: int, peak: float, bandwidth: flo
 
 
 class StepClock:
-    """Start times of every forward of `module` (a pre-hook), to time decode steps inside `sample`."""
+    """Start times of every forward of `module` (a pre-hook), to time decode steps inside `sample`; on CUDA
+    each after the work queued before it has finished, so an interval is a step's device time, not its launch."""
 
-    def __init__(self, module):
+    def __init__(self, module, device: torch.device = torch.device("cpu")):
         self.starts: list[float] = []
-        self.handle = module.register_forward_pre_hook(lambda *_: self.starts.append(time.perf_counter()))
+        self.device = device
+        self.handle = module.register_forward_pre_hook(lambda *_: self.tick())
+
+    def tick(self) -> None:
+        synchronize(self.device)
+        self.starts.append(time.perf_counter())
 
     def step_seconds(self) -> list[float]:
         """Intervals between consecutive forward starts after the first (the prefill): one per decode step."""
@@ -222,8 +243,10 @@ def sample_once(lm, tokens, query, path: str, new_tokens: int, clock: StepClock)
         max_new_tokens=new_tokens, sampling_dtype="bfloat16" if path == "fast-bf16" else "float32"
     )
     with on_path(path):
+        synchronize(query.device)
         t = time.perf_counter()
         out = sample(lm, tokens, query, torch.ones_like(query), sampling)
+        synchronize(query.device)
         wall = time.perf_counter() - t
     return {"wall": wall, "steps": clock.step_seconds(), "width": out.response.shape[1], "samples": out,
             "sampling": sampling}  # fmt: skip
@@ -243,9 +266,11 @@ def sampler_kl(lm, tokens, run: dict) -> float | None:
 
 
 def bench_model(name: str, args, *, peak: float, bandwidth: float) -> dict:
+    device = torch.device(args.device)
     lm, source = build_model(name, args)
+    lm = lm.to(device)
     inner = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
-    clock = StepClock(inner)
+    clock = StepClock(inner, device)
     tokens = Tokens(inner)
     paths = list(ABLATION) if args.paths == "all" else args.paths.split(",")
     vocab = inner.config.vocab_size
@@ -253,7 +278,7 @@ def bench_model(name: str, args, *, peak: float, bandwidth: float) -> dict:
     with torch.no_grad():
         for batch in [int(b) for b in args.batches.split(",")]:
             g = torch.Generator().manual_seed(batch)
-            query = torch.randint(0, vocab, (batch, args.prompt_len), generator=g)  # (B, P) random ids
+            query = torch.randint(0, vocab, (batch, args.prompt_len), generator=g).to(device)  # (B, P) ids
             runs = {path: [] for path in paths}
             for rep in range(args.reps):  # alternated, so both paths see the same load
                 for path in paths if rep % 2 == 0 else paths[::-1]:
@@ -291,12 +316,14 @@ def main(argv=None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    peak = matmul_peak(args.peak_size)
-    bandwidth = copy_bandwidth(args.bandwidth_mib)
+    device = torch.device(args.device)
+    peak = matmul_peak(args.peak_size, device=device)
+    bandwidth = copy_bandwidth(args.bandwidth_mib, device=device)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} threads"
     for path in ABLATION if args.paths == "all" else args.paths.split(","):
         on_path(path)  # an unknown path fails here, not after minutes
     print(
-        f"# rollout benchmark: {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.1f}; fp32 matmul peak "
+        f"# rollout benchmark: {where}, load {os.getloadavg()[0]:.1f}; fp32 matmul peak "
         f"{peak / 1e9:.1f} GFLOP/s ({args.peak_size}^3), copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write); "
         f"prompt {args.prompt_len} + {args.new_tokens} new tokens, {args.reps} timed calls per path\n"
     )
@@ -310,6 +337,7 @@ def main(argv=None) -> dict:
         print(f"\n{r['model']}: {r['source']}, {r['matmul_weights'] / 1e6:.1f}M matmul weights")
     out = {
         "threads": torch.get_num_threads(),
+        "device": where,
         "matmul_peak_gflops": peak / 1e9,
         "copy_bandwidth_gb_s": bandwidth / 1e9,
         "config": vars(args),

@@ -1,7 +1,8 @@
 """benchmarks/ppo_step.py runs: a Llama folder with LoRA and the separate critic, a GPT-2 folder with the
 value head, a GPT-2 folder with ReMax and 2 samples per prompt (one short step each on the tiny models),
 and its FLOP count follows the shapes that ran.
-benchmarks/rollout.py runs every sampling path on the tiny models and counts the roofline's weights."""
+benchmarks/rollout.py runs every sampling path on the tiny models and counts the roofline's weights;
+benchmarks/static_cache.py draws the same tokens with a static cache and a compiled step."""
 
 from __future__ import annotations
 
@@ -149,3 +150,17 @@ def test_prompt_grouping_benchmark_times_each_way(tiny_llama_dir, prompt_file, c
     assert list(seconds) == ["one batch", "sorted, one batch", "sorted, 3 batches"]
     assert all(len(s) == 2 and min(s) > 0 for s in seconds.values())
     assert "6 prompts of" in capsys.readouterr().out
+
+
+def test_static_cache_benchmark_draws_the_same_tokens_in_every_mode(tiny_llama_dir, capsys):
+    """benchmarks/static_cache.py on the tiny Llama with its LoRA: the dynamic cache, the static cache and the
+    compiled static-cache step draw the same tokens from the same seeds, and each mode is timed."""
+    spec = importlib.util.spec_from_file_location("static_cache", ROOT / "benchmarks" / "static_cache.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = ["--model", "smollm2-lora", "--smollm2-dir", str(tiny_llama_dir), "--lora-r", "2"]
+    results = bench.main(args + ["--batches", "2,3", "--new-tokens", "5", "--calls", "2"])
+    assert [(r["batch"], r["mode"]) for r in results] == [(b, m) for b in (2, 3) for m in bench.MODES]
+    assert all(r["ms_per_forward"] > 0 and r["first_call_s"] > 0 for r in results)
+    assert [r["tokens_equal"] for r in results if r["mode"] != "eager-dynamic"] == ["True"] * 4
+    assert "| 3 | compiled-static |" in capsys.readouterr().out
