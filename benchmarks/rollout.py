@@ -65,6 +65,7 @@ from llm_rlhf.models import Reference  # noqa: E402
 from llm_rlhf.rollout import Sampling, response_logprobs_and_values, sample  # noqa: E402
 
 MODELS = ("reviews", "smollm2", "smollm2-lora")
+CPU = torch.device("cpu")
 PATHS = ("generate", "fast")
 # The ideas of issue 26 one at a time (`--paths all`), each path adding one to the one before it.
 ABLATION = ("generate", "loop", "loop+draw", "loop+draw+merge", "fast", "fast-bf16")
@@ -108,7 +109,7 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def matmul_peak(n: int, seconds: float = 1.0, device: torch.device = torch.device("cpu")) -> float:
+def matmul_peak(n: int, seconds: float = 1.0, device: torch.device = CPU) -> float:
     """FLOP/s of an fp32 n x n @ n x n matmul (2 n^3 FLOPs), best of the timings in `seconds` (on CUDA in
     torch's default precision for fp32 matmuls: TF32 off)."""
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
@@ -123,7 +124,7 @@ def matmul_peak(n: int, seconds: float = 1.0, device: torch.device = torch.devic
     return 2 * n**3 / best
 
 
-def copy_bandwidth(mib: int, repeats: int = 5, device: torch.device = torch.device("cpu")) -> float:
+def copy_bandwidth(mib: int, repeats: int = 5, device: torch.device = CPU) -> float:
     """Bytes/s of copying an fp32 buffer of `mib` MiB into another (bytes read + bytes written), best of
     `repeats`."""
     a = torch.ones(mib * 2**20 // 4, device=device)
@@ -197,7 +198,7 @@ class StepClock:
     """Start times of every forward of `module` (a pre-hook), to time decode steps inside `sample`; on CUDA
     each after the work queued before it has finished, so an interval is a step's device time, not its launch."""
 
-    def __init__(self, module, device: torch.device = torch.device("cpu")):
+    def __init__(self, module, device: torch.device = CPU):
         self.starts: list[float] = []
         self.device = device
         self.handle = module.register_forward_pre_hook(lambda *_: self.tick())
@@ -319,7 +320,9 @@ def main(argv=None) -> dict:
     device = torch.device(args.device)
     peak = matmul_peak(args.peak_size, device=device)
     bandwidth = copy_bandwidth(args.bandwidth_mib, device=device)
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} threads"
+    where = (
+        torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} threads"
+    )
     for path in ABLATION if args.paths == "all" else args.paths.split(","):
         on_path(path)  # an unknown path fails here, not after minutes
     print(

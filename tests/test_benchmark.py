@@ -153,8 +153,8 @@ def test_prompt_grouping_benchmark_times_each_way(tiny_llama_dir, prompt_file, c
 
 
 def test_static_cache_benchmark_draws_the_same_tokens_in_every_mode(tiny_llama_dir, capsys):
-    """benchmarks/static_cache.py on the tiny Llama with its LoRA: the dynamic cache, the static cache and the
-    compiled static-cache step draw the same tokens from the same seeds, and each mode is timed."""
+    """benchmarks/static_cache.py on the tiny Llama with its LoRA: the static cache and the compiled static-cache
+    step give the dynamic cache's logits up to float rounding when fed the same tokens, and each mode is timed."""
     spec = importlib.util.spec_from_file_location("static_cache", ROOT / "benchmarks" / "static_cache.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -162,5 +162,10 @@ def test_static_cache_benchmark_draws_the_same_tokens_in_every_mode(tiny_llama_d
     results = bench.main(args + ["--batches", "2,3", "--new-tokens", "5", "--calls", "2"])
     assert [(r["batch"], r["mode"]) for r in results] == [(b, m) for b in (2, 3) for m in bench.MODES]
     assert all(r["ms_per_forward"] > 0 and r["first_call_s"] > 0 for r in results)
-    assert [r["tokens_equal"] for r in results if r["mode"] != "eager-dynamic"] == ["True"] * 4
+    for r in results:
+        assert r["draws"] == r["batch"] * 5 and 0 <= r["draws_differing"] <= r["draws"]
+        if r["mode"] == "eager-dynamic":  # the reference itself
+            assert r["draws_differing"] == 0 and r["max_logit_difference"] == 0.0
+        else:  # the same distribution: rounding, not a wrong position, mask or cache slot (those differ by O(1))
+            assert r["max_logit_difference"] < 1e-5, r  # rounding: ~5e-8 here; a position off by one: ~5e-4
     assert "| 3 | compiled-static |" in capsys.readouterr().out
