@@ -113,6 +113,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=("float32", "bfloat16"),
         help="sampling_dtype (bfloat16: the opt-in lower-precision sampler)",
     )
+    p.add_argument(
+        "--sampling-compile",
+        action="store_true",
+        help="sampling_compile (decode steps compiled, static cache)",
+    )
     p.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing")
     p.add_argument(
         "--value_model",
@@ -539,6 +544,7 @@ def run_one(args) -> dict:
         use_lora=args.lora,
         bf16=args.bf16,
         sampling_dtype=args.sampling_dtype,
+        sampling_compile=args.sampling_compile,
         gradient_checkpointing=args.grad_ckpt,
         value_model=args.value_model,
         eval_every=0,
@@ -634,6 +640,7 @@ def run_one(args) -> dict:
             "lora": args.lora,
             "bf16": args.bf16,
             "sampling_dtype": args.sampling_dtype,
+            "sampling_compile": args.sampling_compile,
             "grad_ckpt": args.grad_ckpt,
             "threads": args.threads,
             "steps": n,
@@ -715,6 +722,7 @@ def label(r: dict) -> str:
         f"{c['model']} ({c['architecture']}) {'LoRA' if c['lora'] else 'full'} {'bf16' if c['bf16'] else 'fp32'}"
         + (" ckpt" if c["grad_ckpt"] else "")
         + (" sampling bf16" if c.get("sampling_dtype") == "bfloat16" else "")
+        + (" sampling compiled" if c.get("sampling_compile") else "")
         + (" + critic from the RM" if c["value_model"] == "reward" else "")
         + (
             f" {c['advantage_estimator']} k={c['samples_per_prompt']}"

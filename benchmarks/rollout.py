@@ -18,6 +18,9 @@ and with `--paths all` the steps between them, each adding one idea to the path 
     loop+draw+merge  + LoRA merged into a copy of the weights (`decoding_weights(prepack=False)`)
     fast-bf16        the fast path with `sampling_dtype: bfloat16` (the opt-in: every linear layer from a
                      bfloat16 copy; another distribution, so its KL to the policy is printed too)
+    fast-compiled    the fast path with `sampling_compile: true` (the opt-in: decode steps with a static KV
+                     cache through torch.compile, CUDA graphs on a GPU; the first call compiles, which the
+                     median step leaves out)
 
 Per path: ms per decode step (the median interval between the starts of consecutive forwards of the model,
 so one step = drawing a token + the forward that feeds it back; the prefill is left out; no warm-up call,
@@ -68,7 +71,7 @@ MODELS = ("reviews", "smollm2", "smollm2-lora")
 CPU = torch.device("cpu")
 PATHS = ("generate", "fast")
 # The ideas of issue 26 one at a time (`--paths all`), each path adding one to the one before it.
-ABLATION = ("generate", "loop", "loop+draw", "loop+draw+merge", "fast", "fast-bf16")
+ABLATION = ("generate", "loop", "loop+draw", "loop+draw+merge", "fast", "fast-bf16", "fast-compiled")
 # SmolLM2-135M-Instruct's config.json (the architecture; no weights), for a clone without the folder.
 SMOLLM2_CONFIG = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=576, intermediate_size=1536,
@@ -233,6 +236,7 @@ def on_path(path: str):
         "loop+draw+merge": {"decoding_weights": merge_only},
         "fast": {},
         "fast-bf16": {},
+        "fast-compiled": {},
     }[path]
     return mock.patch.multiple(fast_sampling, **patches) if patches else nullcontext()
 
@@ -241,9 +245,22 @@ def sample_once(lm, tokens, query, path: str, new_tokens: int, clock: StepClock)
     """One `rollout.sample` call on `path`; its wall time, decode-step intervals, response width and samples."""
     clock.starts.clear()
     sampling = Sampling(
-        max_new_tokens=new_tokens, sampling_dtype="bfloat16" if path == "fast-bf16" else "float32"
+        max_new_tokens=new_tokens,
+        sampling_dtype="bfloat16" if path == "fast-bf16" else "float32",
+        sampling_compile=path == "fast-compiled",
     )
-    with on_path(path):
+    compiled = fast_sampling.compiled_step
+
+    def timed_step(model):  # the compiled steps call the model's forward function: no module hook sees them
+        step = compiled(model)
+
+        def run(*args, **kwargs):
+            clock.tick()
+            return step(*args, **kwargs)
+
+        return run
+
+    with on_path(path), mock.patch.object(fast_sampling, "compiled_step", timed_step):
         synchronize(query.device)
         t = time.perf_counter()
         out = sample(lm, tokens, query, torch.ones_like(query), sampling)

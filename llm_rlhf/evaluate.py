@@ -202,6 +202,11 @@ class Config:
         "float32 samples the models' own distributions (up to float rounding); bfloat16 (an opt-in) another "
         "one, from bfloat16 copies of the linear layers; set the PPO run's.",
     )
+    sampling_compile: bool = help_field(
+        False,
+        "Decode steps with a static KV cache through torch.compile (CUDA graphs on a GPU): the same "
+        "distribution, faster on a GPU after a compilation per batch shape; slower on CPUs.",
+    )
     batch_size: int = help_field(
         32, "Prompts per generate call (the same batches for both models: part of the pairing)."
     )

@@ -181,6 +181,8 @@ class Sampling:
     min_new_tokens  EOS (and a stop string) cannot end a response before this many tokens
     sampling_dtype  the dtype of the decoder's linear layers while sampling: float32 (the policy's own
                     distribution, up to float rounding) or bfloat16 (an opt-in: another distribution)
+    sampling_compile  decode steps with a static KV cache through torch.compile (CUDA graphs on a GPU): the
+                    same distribution, an opt-in for GPUs (`fast_sampling.compiled_step`)
     """
 
     max_new_tokens: int
@@ -190,6 +192,7 @@ class Sampling:
     stop_strings: tuple[str, ...] = ()
     min_new_tokens: int = 0
     sampling_dtype: str = "float32"
+    sampling_compile: bool = False
 
     @classmethod
     def of(cls, cfg: Any) -> Sampling:
@@ -230,6 +233,12 @@ def check_generation_controls(cfg) -> None:
         cfg.sampling_dtype in fast_sampling.SAMPLING_DTYPES,
         "sampling_dtype",
         f"must be one of {', '.join(fast_sampling.SAMPLING_DTYPES)}",
+    )
+    require(isinstance(cfg.sampling_compile, bool), "sampling_compile", "must be true or false")
+    require(
+        not (cfg.sampling_compile and cfg.sampling_dtype != "float32"),
+        "sampling_compile",
+        "compiles the model's own float32 layers: use it with sampling_dtype float32",
     )
     require(
         cfg.min_new_tokens <= cfg.max_new_tokens,
@@ -375,6 +384,11 @@ def sample(
         raise UserError(
             f"sampling_dtype {sampling.sampling_dtype}: lower-precision sampling needs the fast sampler, which "
             f"runs transformers causal LMs; {type(lm).__name__} samples through its own generate (use float32)"
+        )
+    elif sampling.sampling_compile:
+        raise UserError(
+            f"sampling_compile: compiled decode steps need the fast sampler, which runs transformers causal "
+            f"LMs; {type(lm).__name__} samples through its own generate (set sampling_compile false)"
         )
     else:
         with generation_config_hidden(lm):

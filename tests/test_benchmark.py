@@ -113,6 +113,7 @@ def test_rollout_benchmark_prints_the_ratio_to_the_roofline(tiny_model_dir, tiny
                 assert f"| {m['model']} | {batch} | {path} |" in printed
             kl = {path: p["kl_sampler_per_token"] for path, p in entry["paths"].items()}
             assert kl["generate"] is None and abs(kl["fast"]) < 1e-4  # float32: the policy's distribution
+            assert abs(kl["fast-compiled"]) < 1e-4  # compiled steps: the same distribution
             assert isinstance(kl["fast-bf16"], float) and kl["fast-bf16"] != kl["fast"]
 
 
