@@ -247,7 +247,9 @@ def heldout_settings(cfg) -> dict[str, Any]:
         "eval_prompt_file": cfg.eval_prompt_file,
         "eval_num_prompts": cfg.eval_num_prompts,
         **prompt_rules(cfg),
-        **dataclasses.asdict(Sampling.of(cfg)),
+        **{  # sampling_compile: how the decode steps run, not what they draw
+            k: v for k, v in dataclasses.asdict(Sampling.of(cfg)).items() if k != "sampling_compile"
+        },
         "gold_judge": cfg.gold_judge,
         "model_name_or_path": cfg.model_name_or_path,
     }

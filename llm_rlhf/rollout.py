@@ -234,7 +234,6 @@ def check_generation_controls(cfg) -> None:
         "sampling_dtype",
         f"must be one of {', '.join(fast_sampling.SAMPLING_DTYPES)}",
     )
-    require(isinstance(cfg.sampling_compile, bool), "sampling_compile", "must be true or false")
     require(
         not (cfg.sampling_compile and cfg.sampling_dtype != "float32"),
         "sampling_compile",

@@ -192,12 +192,13 @@ def _heldout_run(folder: Path, prompt_file: Path, **keys) -> Path:
 )  # fmt: skip
 def test_more_ppo_dirs_must_be_evaluated_as_ppo_dir_is(tmp_path, prompt_file, key, value):
     """A further run whose held-out points were drawn on other prompts, sampled otherwise or judged by another
-    gold is refused before anything is loaded, naming the key and the setting; one evaluated alike is taken."""
+    gold is refused before anything is loaded, naming the key and the setting; one evaluated alike is taken
+    (another estimator, KL coefficient or sampling_compile: how the steps run, not what they draw)."""
     if value == "other":
         value = str(shutil.copy(prompt_file, tmp_path / "other.jsonl"))
     main = _heldout_run(tmp_path / "runs" / "gae" / "ppo", prompt_file)
     alike = _heldout_run(tmp_path / "runs" / "grpo" / "ppo", prompt_file, advantage_estimator="rloo",
-                         samples_per_prompt=2, init_kl_coef=0.5)  # fmt: skip
+                         samples_per_prompt=2, init_kl_coef=0.5, sampling_compile=True)  # fmt: skip
     differs = _heldout_run(tmp_path / "runs" / "rloo-x", prompt_file, **{key: value})
     cfg = compare.Config(ppo_dir=str(main), more_ppo_dirs=[str(alike)], output_dir=str(tmp_path / "out"))
     ppo_cfg, _ = compare.ppo_settings(main)

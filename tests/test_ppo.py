@@ -329,6 +329,7 @@ def test_config_dataclass_is_flat(tmp_path):
         "lr_scheduler_type": "linear", "kl_estimator": "k3", "kl_controller": "fixed", "report_to": "tensorboard",
         "ensemble_combine": "min", "rollout_batch_size": 32, "mini_batch_size": 8, "min_new_tokens": 2,
         "advantage_estimator": "gae", "kl_in_loss": True, "eval_batch_size": 16, "sampling_dtype": "bfloat16",
+        "sampling_compile": False,  # compiled steps sample float32 only: set in the critic-free config below
         **{key: getattr(default, key) for key in ONLY_VALUE},
     }  # fmt: skip
     for f in dataclasses.fields(ppo.Config):
@@ -347,6 +348,8 @@ def test_config_dataclass_is_flat(tmp_path):
         "advantage_estimator": "remax",
         "value_model": "policy",
         "whiten_rewards": False,
+        "sampling_compile": True,
+        "sampling_dtype": "float32",
     }
     for values in (changed, critic_free):
         recipe = tmp_path / "ppo.yaml"

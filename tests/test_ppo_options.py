@@ -294,6 +294,31 @@ def test_ppo_refuses_truncated_sampling(key, value):
         parse_config(ppo.Config, [f"--{key}", str(value)])
 
 
+def test_sampling_compile_samples_the_policys_distribution_through_compiled_steps(
+    tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch
+):
+    """sampling_compile: the rollout's decode steps run through the compiled step, and the tokens still come
+    from the policy's distribution: the sampler's log-probs equal the PPO forward's to float rounding
+    (objective/kl_sampler ~0), and the first step has KL = 0 to the reference."""
+    from llm_rlhf import fast_sampling
+
+    calls, real = [], fast_sampling.compiled_step
+
+    def recording(model):
+        calls.append(model)
+        return real(model)
+
+    monkeypatch.setattr(fast_sampling, "compiled_step", recording)
+    cfg = ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, sampling_compile=True)
+    trainer = ppo_trainer(cfg)
+    metrics, seen = recorded_step(trainer, monkeypatch)
+    r, mask = seen["rollout"], seen["rollout"].response_mask
+    assert len(calls) == 1 and calls[0] is trainer.unwrapped_policy.lm  # the policy's own model, compiled
+    assert (r.sampler_logprobs - r.logprobs)[mask].abs().max() < 1e-4
+    assert abs(metrics["objective/kl_sampler"]) < 1e-5
+    assert metrics["objective/kl"] == 0.0
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_sampling_dtype_logs_the_gap_between_sampler_and_policy(
     tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch, dtype

@@ -3,7 +3,8 @@ PPO uses: a checkpoint's generation_config.json (repetition_penalty, top_k, min_
 transformers' own defaults (top_k=50) must not reshape it. Checked draw for draw against a naive loop
 that samples from the plain softmax with the same random numbers, on every path `rollout.sample` takes:
 `generate` (torch.multinomial), and the fast path of issue 26 (`fast_sampling`: its own decode loop,
-inverse-CDF draws, LoRA merged and weights prepacked for decoding)."""
+inverse-CDF draws, LoRA merged and weights prepacked for decoding; or, with sampling_compile, its decode steps
+compiled with a static KV cache)."""
 
 from __future__ import annotations
 
@@ -44,11 +45,12 @@ def load(folder, lora: bool):
     return (with_lora(lm) if lora else lm), tokenizer
 
 
-@pytest.mark.parametrize("path", ["generate", "fast", "fast-prepacked"])
+@pytest.mark.parametrize("path", ["generate", "fast", "fast-prepacked", "fast-compiled"])
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "llama-lora"])
 def test_sample_draws_from_the_plain_softmax(kind, path, tiny_model_dir, tiny_llama_dir, monkeypatch):
     """path: `generate`; the fast path with the weights as they are (the default on Intel CPUs); the fast path
-    with prepacked weights (the default on AMD CPUs), whatever CPU runs the test."""
+    with prepacked weights (the default on AMD CPUs), whatever CPU runs the test; the fast path with its decode
+    steps compiled (sampling_compile)."""
     folder = tiny_model_dir if kind == "gpt2" else tiny_llama_dir
     lm, tokenizer = load(folder, lora=kind.endswith("lora"))
     inner = lm.get_base_model() if kind.endswith("lora") else lm
@@ -64,7 +66,9 @@ def test_sample_draws_from_the_plain_softmax(kind, path, tiny_model_dir, tiny_ll
     query, query_mask = left_pad([ids] * 64, tokenizer.pad_token_id)  # (64, P): no padding, same prompt
 
     torch.manual_seed(123)
-    sampling = Sampling(max_new_tokens=8, temperature=0.9, top_k=0, top_p=1.0)
+    sampling = Sampling(
+        max_new_tokens=8, temperature=0.9, top_k=0, top_p=1.0, sampling_compile=path == "fast-compiled"
+    )
     got = sample(lm, tokenizer, query, query_mask, sampling)
     torch.manual_seed(123)
     with torch.no_grad():
@@ -131,6 +135,59 @@ def test_decode_is_generate_step_for_step(kind, setting, stops, tiny_model_dir, 
     assert torch.equal(got, expected)
     if stops and setting == "plain":
         assert got.shape[1] < query.shape[1] + 16  # every row ended early: the loop's early end is covered
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_compiled_decode_is_generate_step_for_step(kind, tiny_model_dir, tiny_llama_dir):
+    """compile_steps: the prompts left-padded to the bucket, a static KV cache and the compiled step give what
+    `generate` gives from the same random numbers, with left padding of several widths, EOS masked before
+    min_new_tokens (the processor counts the real prompt width) and stop strings (read past the prompt), and
+    the prompt's padding is gone from what is returned."""
+    lm, tokenizer = load(tiny_model_dir if kind == "gpt2" else tiny_llama_dir, lora=False)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    ids = [tokenizer(p).input_ids for p in ["The film is", "A", "It was a great and", "Bad"] * 8]
+    query, query_mask = left_pad(ids, pad)  # (32, P), P < PROMPT_BUCKET
+    stops = ("e", "a", "o", "i", "t", "n", "s", " ")
+    s = SETTINGS["min_new_tokens"]
+
+    def criteria():
+        return [StopStringsCriteria(tokenizer, stops, prompt_length=query.shape[1], min_new_tokens=3)]
+
+    torch.manual_seed(5)
+    with generation_config_hidden(lm):
+        expected = lm.generate(
+            input_ids=query, attention_mask=query_mask, max_new_tokens=16, eos_token_id=eos, pad_token_id=pad,
+            **Sampling(16, temperature=1.0).generate_kwargs(), min_new_tokens=3, stopping_criteria=criteria(),
+            use_cache=True,
+        )  # fmt: skip
+    torch.manual_seed(5)
+    got = fast_sampling.decode(lm, query, query_mask, Sampling(16, **s), eos_token_id=eos, pad_token_id=pad,
+                               stopping_criteria=criteria(), draw=multinomial_draw, compile_steps=True)  # fmt: skip
+    assert query.shape[1] % fast_sampling.PROMPT_BUCKET != 0  # the bucket's padding was added and removed
+    assert torch.equal(got, expected)
+
+
+def test_compiled_sampling_compiles_once_per_batch_shape(tiny_llama_dir):
+    """sampling_compile: the compiled step is made once and kept with the model, and calls with other prompt
+    widths in the same bucket and other seeds reuse its one graph (no compilation per call or per width)."""
+    from torch._dynamo.utils import counters
+
+    lm, tokenizer = load(tiny_llama_dir, lora=True)
+    inner = lm.get_base_model()
+    before = counters["stats"]["unique_graphs"]
+    responses = []
+    for seed, prompts in enumerate(
+        [["The film is", "A"], ["It was a great and fine film", "Bad"], ["A b"] * 2]
+    ):
+        query, query_mask = left_pad([tokenizer(p).input_ids for p in prompts], tokenizer.pad_token_id)
+        torch.manual_seed(seed)
+        responses.append(
+            sample(lm, tokenizer, query, query_mask, Sampling(6, sampling_compile=True)).response
+        )
+        assert query.shape[1] < fast_sampling.PROMPT_BUCKET
+    assert counters["stats"]["unique_graphs"] - before == 1
+    assert fast_sampling.compiled_step(inner) is fast_sampling.compiled_step(inner)
+    assert not torch.equal(responses[0], responses[1])  # the calls did sample
 
 
 def test_draw_tokens_samples_the_categorical_distribution():
@@ -264,9 +321,13 @@ def test_bfloat16_sampling_needs_the_fast_sampler(tiny_model_dir, monkeypatch):
     query, query_mask = left_pad([tokenizer("The film is").input_ids], tokenizer.pad_token_id)
     with pytest.raises(UserError, match="^sampling_dtype bfloat16: lower-precision sampling needs the fast"):
         sample(lm, tokenizer, query, query_mask, Sampling(max_new_tokens=4, sampling_dtype="bfloat16"))
+    with pytest.raises(UserError, match="^sampling_compile: compiled decode steps need the fast sampler"):
+        sample(lm, tokenizer, query, query_mask, Sampling(max_new_tokens=4, sampling_compile=True))
     for config in (ppo.Config, evaluate.Config):
         with pytest.raises(ConfigError, match="sampling_dtype': must be one of float32, bfloat16"):
             config(sampling_dtype="float16")
+        with pytest.raises(ConfigError, match="sampling_compile': compiles the model's own float32 layers"):
+            config(sampling_compile=True, sampling_dtype="bfloat16")
 
 
 def test_evaluation_samples_both_models_in_the_sampling_dtype(
@@ -291,3 +352,25 @@ def test_evaluation_samples_both_models_in_the_sampling_dtype(
         evaluate.run(eval_config(tiny_model_dir, tiny_model_dir, prompt_file, out, sampling_dtype=dtype))
         assert (out / "metrics.json").is_file()
         assert len(seen) >= 2 * 3 and set(seen) == {expected}  # 12 prompts in batches of 5, two models
+
+
+def test_evaluation_samples_both_models_with_compiled_steps(
+    tiny_model_dir, prompt_file, tmp_path, monkeypatch
+):
+    """llm-rlhf eval's sampling_compile reaches the sampler: every sampling call of the policy and the baseline
+    runs compiled steps, and the evaluation completes."""
+    from helpers import eval_config
+
+    from llm_rlhf import evaluate
+
+    compiled_for, real = [], fast_sampling.compiled_step
+
+    def recording(model):
+        compiled_for.append(id(model))
+        return real(model)
+
+    monkeypatch.setattr(fast_sampling, "compiled_step", recording)
+    out = tmp_path / "eval"
+    evaluate.run(eval_config(tiny_model_dir, tiny_model_dir, prompt_file, out, sampling_compile=True))
+    assert (out / "metrics.json").is_file()
+    assert len(compiled_for) >= 2 * 3  # 12 prompts in batches of 5, two models
