@@ -174,18 +174,17 @@ def test_compiled_sampling_compiles_once_per_batch_shape(tiny_llama_dir):
 
     lm, tokenizer = load(tiny_llama_dir, lora=True)
     inner = lm.get_base_model()
-    before = counters["stats"]["unique_graphs"]
-    responses = []
-    for seed, prompts in enumerate(
-        [["The film is", "A"], ["It was a great and fine film", "Bad"], ["A b"] * 2]
-    ):
+    graphs, responses = [], []  # graphs compiled so far in this process, after each call
+    calls = [["The film is", "A"], ["It was a great and fine film", "Bad"], ["A b"] * 2]
+    for seed, prompts in enumerate(calls):
         query, query_mask = left_pad([tokenizer(p).input_ids for p in prompts], tokenizer.pad_token_id)
         torch.manual_seed(seed)
-        responses.append(
-            sample(lm, tokenizer, query, query_mask, Sampling(6, sampling_compile=True)).response
-        )
+        sampling = Sampling(6, sampling_compile=True)
+        responses.append(sample(lm, tokenizer, query, query_mask, sampling).response)
+        graphs.append(counters["stats"]["unique_graphs"])
         assert query.shape[1] < fast_sampling.PROMPT_BUCKET
-    assert counters["stats"]["unique_graphs"] - before == 1
+    # the first call compiles (or reuses what an earlier test compiled for this model shape); none after it
+    assert graphs[0] > 0 and graphs[1] == graphs[0] and graphs[2] == graphs[0]
     assert fast_sampling.compiled_step(inner) is fast_sampling.compiled_step(inner)
     assert not torch.equal(responses[0], responses[1])  # the calls did sample
 
