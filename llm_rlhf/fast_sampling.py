@@ -30,6 +30,7 @@ exactly, and `tests/test_sampling.py` checks the draws against a naive loop draw
 from __future__ import annotations
 
 import inspect
+import weakref
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -87,14 +88,15 @@ def compiled_step(model: nn.Module):
     mode "reduce-overhead" (the step replayed as a CUDA graph, which removes the per-kernel launch cost that
     bounds a decode step of a ~100M model on a GPU), elsewhere inductor's default. Made once per model and
     kept on it, so later `sample` calls of the same shapes reuse the compiled code (parameters updated in
-    place by the optimiser are read at every replay). Measured in `benchmarks/static_cache.py`: 5.7x faster
+    place by the optimiser are read at every replay); a deep copy of the model compiles its own (the step is
+    bound to the model it was made for: a copy must not sample with the original's weights). Measured in `benchmarks/static_cache.py`: 5.7x faster
     decode steps on an H100, 1.5-1.8x slower on a 2-core AVX-512 CPU, hence an opt-in."""
-    step = vars(model).get("_llm_rlhf_compiled_step")
-    if step is None:
+    owner, step = vars(model).get("_llm_rlhf_compiled_step", (None, None))
+    if owner is None or owner() is not model:  # none yet, or a copy's (deepcopy keeps the weak reference)
         device = next(model.parameters()).device
         mode = "reduce-overhead" if device.type == "cuda" else None
-        step = torch.compile(model.forward, dynamic=False, mode=mode)
-        model.__dict__["_llm_rlhf_compiled_step"] = step
+        step = torch.compile(model.forward, dynamic=False, mode=mode)  # bound to this model's forward
+        model.__dict__["_llm_rlhf_compiled_step"] = (weakref.ref(model), step)
     return step
 
 

@@ -189,6 +189,28 @@ def test_compiled_sampling_compiles_once_per_batch_shape(tiny_llama_dir):
     assert not torch.equal(responses[0], responses[1])  # the calls did sample
 
 
+def test_a_copy_of_a_model_samples_with_its_own_weights_after_compiling(tiny_model_dir):
+    """The compiled step is bound to the model it was made for; a deep copy made afterwards (PPO's reference
+    is one) compiles its own, so with other weights it samples its own distribution, not the original's."""
+    import copy
+
+    lm, tokenizer = load(tiny_model_dir, lora=False)
+    query, query_mask = left_pad([tokenizer("The film is").input_ids] * 8, tokenizer.pad_token_id)
+    sample(lm, tokenizer, query, query_mask, Sampling(4, sampling_compile=True))  # the original compiles
+    twin = copy.deepcopy(lm)
+    with torch.no_grad():
+        twin.lm_head.weight.mul_(-1.0)  # (tied with the embedding) another distribution
+    assert fast_sampling.compiled_step(twin) is not fast_sampling.compiled_step(lm)
+    draws = {}
+    for compiled in (True, False):
+        torch.manual_seed(3)
+        draws[compiled] = sample(twin, tokenizer, query, query_mask, Sampling(6, sampling_compile=compiled))
+    assert torch.equal(draws[True].response, draws[False].response)
+    torch.manual_seed(3)
+    original = sample(lm, tokenizer, query, query_mask, Sampling(6, sampling_compile=True))
+    assert not torch.equal(original.response, draws[True].response)
+
+
 def test_draw_tokens_samples_the_categorical_distribution():
     """Inverse-CDF draws: the frequencies of 400,000 draws match the probabilities (within 5 standard
     errors), tokens of probability 0 never come, and draw_tokens agrees with the naive walk draw for draw."""
