@@ -92,11 +92,28 @@ class Accelerated:
 
     # --- building ---------------------------------------------------------------------------------
 
-    def prepare(self, policy, critic, optimizer, *, frozen: list, micro_batch_size: int, lora: bool):
+    def prepare(
+        self,
+        policy,
+        critic,
+        optimizer,
+        *,
+        frozen: list,
+        micro_batch_size: int,
+        lora: bool,
+        sampling_compile: bool = False,
+    ):
         """`accelerator.prepare` of the policy (and critic) with the optimiser, after the checks of this
         distributed type; then the `frozen` models (the reference, the RM) in the dtype the policy computes in,
         and FSDP2's root set up. Returns (policy, critic, optimizer), critic None without one."""
         accelerator = self.accelerator
+        if sampling_compile and (accelerator.is_fsdp2 or self.deepspeed):
+            # the compiled step would trace the model's own forward with sharded (or gathered) parameters,
+            # which FSDP2's and DeepSpeed's hooks manage around it: untested, so refused
+            raise UserError(
+                "sampling_compile is supported on one device and with DDP, not under FSDP2 or DeepSpeed: "
+                "set sampling_compile: false"
+            )
         if accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
             # FSDP1 (accelerate's default fsdp_version) would train, but checkpoints and the final save take
             # the one-process branch on sharded weights (issue 29): reject it rather than save shards wrongly.

@@ -548,6 +548,7 @@ class PPOTrainer:
             frozen=frozen,
             micro_batch_size=self.sizes.micro_batch_per_process,
             lora=cfg.use_lora,
+            sampling_compile=cfg.sampling_compile,
         )
         self.acc.set_up_root(self.policy, tokenizer.eos_token_id)
         self.ref_model = models.ref_model

@@ -90,6 +90,28 @@ def test_fsdp1_is_rejected_in_one_line_naming_fsdp_version_2():
     assert load_config_from_file(str(CONFIGS / "fsdp.yaml")).fsdp_config["fsdp_version"] == 2
 
 
+@pytest.mark.parametrize("kind", ["fsdp2", "deepspeed"])
+def test_compiled_sampling_is_refused_under_sharding(kind):
+    """sampling_compile compiles the model's own forward, untested under FSDP2's and DeepSpeed's hooks: it
+    stops before `accelerator.prepare` with one line naming the key; DDP and one device take it."""
+    prepared = []
+    distributed = DistributedType.FSDP if kind == "fsdp2" else DistributedType.DEEPSPEED
+    accelerator = SimpleNamespace(
+        distributed_type=distributed, is_fsdp2=kind == "fsdp2", prepare=lambda *a: prepared.append(a)
+    )
+    with pytest.raises(UserError) as error:
+        Accelerated(accelerator).prepare(
+            torch.nn.Linear(2, 2),
+            None,
+            None,
+            frozen=[],
+            micro_batch_size=1,
+            lora=False,
+            sampling_compile=True,
+        )
+    assert "sampling_compile: false" in str(error.value) and "\n" not in str(error.value) and prepared == []
+
+
 def test_ddp_generation_gathers_nothing(monkeypatch):
     """DDP (and one process) keep whole parameters: no gather of any kind around generation, and the
     generation inside runs on the policy as it is."""
