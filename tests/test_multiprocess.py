@@ -241,6 +241,20 @@ def test_two_ranks_exit_cleanly_with_tensorboard_written(tiny_model_dir, tiny_rm
         assert [e.value for e in scalars] == pytest.approx([m[key] for m in metrics], rel=1e-5, abs=1e-7), key
 
 
+def test_compiled_sampling_with_two_ranks(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
+    """sampling_compile under DDP (2 CPU processes over gloo): every rank compiles its own decode step and
+    samples the policy's distribution (objective/kl_sampler ~0, KL 0 at the first step), and the run ends."""
+    out = tmp_path / "compiled"
+    args = ppo_cli_args(
+        tiny_model_dir, tiny_rm_dir, prompt_file, out, 2, save_steps=0, sampling_compile="true"
+    )
+    launch(args, 2)
+    metrics = logged(out)
+    assert [m["step"] for m in metrics] == [1, 2] and metrics[0]["objective/kl"] == 0.0
+    assert all(abs(m["objective/kl_sampler"]) < 1e-5 for m in metrics)
+    assert (out / "model.safetensors").is_file() or (out / "adapter_model.safetensors").is_file()
+
+
 def test_separate_critic_with_two_ranks(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
     """value_model: reward under DDP: two minibatches per epoch (DDP's reducer fails on the second one when
     a parameter, e.g. an unused policy value head, took no part in the loss), a checkpoint, and the
