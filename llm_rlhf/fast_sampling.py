@@ -89,8 +89,9 @@ def compiled_step(model: nn.Module):
     bounds a decode step of a ~100M model on a GPU), elsewhere inductor's default. Made once per model and
     kept on it, so later `sample` calls of the same shapes reuse the compiled code (parameters updated in
     place by the optimiser are read at every replay); a deep copy of the model compiles its own (the step is
-    bound to the model it was made for: a copy must not sample with the original's weights). Measured in `benchmarks/static_cache.py`: 5.7x faster
-    decode steps on an H100, 1.5-1.8x slower on a 2-core AVX-512 CPU, hence an opt-in."""
+    bound to the model it was made for: a copy must not sample with the original's weights). Measured: decode
+    steps 5.7x faster on an H100 in `benchmarks/static_cache.py` (4.9x in the sampler with LoRA,
+    `benchmarks/rollout.py --paths fast,fast-compiled`), 1.5-1.8x slower on a 2-core AVX-512 CPU: an opt-in."""
     owner, step = vars(model).get("_llm_rlhf_compiled_step", (None, None))
     if owner is None or owner() is not model:  # none yet, or a copy's (deepcopy keeps the weak reference)
         device = next(model.parameters()).device
