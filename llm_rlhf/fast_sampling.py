@@ -333,23 +333,21 @@ def decode(
     padded = torch.full((B, W + max_new_tokens), pad_token_id, dtype=query.dtype, device=query.device)
     padded[:, :W] = query  # (B, W + max_new_tokens)
     sequences = padded[:, pad:]  # (B, P + max_new_tokens): what the processors, criteria and caller see
-    mask = query_mask.long()  # (B, W + t): grows by one column per token (dynamic cache)
-    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # (B, W): generate's, real tokens counted
+    mask = query_mask.new_zeros(B, W + max_new_tokens, dtype=torch.long)  # (B, W + max_new_tokens)
+    mask[:, :W] = query_mask  # then a column of ones per token drawn; zeros ahead of the current token
+    positions = (mask[:, :W].cumsum(-1) - 1).masked_fill(mask[:, :W] == 0, 0)  # (B, W): real tokens counted
     unfinished = torch.ones(B, dtype=torch.bool, device=query.device)  # (B,)
-    if compile_steps:
+    if compile_steps:  # fixed shapes: a static cache and the whole mask; the prefill eager (its width varies)
         cache = StaticCache(config=inner.config, max_cache_len=W + max_new_tokens)
-        full_mask = torch.cat([mask, mask.new_zeros(B, max_new_tokens)], dim=1)  # (B, W + max_new_tokens)
         step = compiled_step(inner)
-    else:
+    else:  # the cache and the mask grow by a column per token, as in generate
         cache = DynamicCache(config=inner.config)
     kwargs = {cache_key: cache, "use_cache": True, **keep}
     inputs = query
     for t in range(max_new_tokens):
-        if compile_steps:  # fixed shapes: the whole mask, the prefill eager (its width varies by bucket)
-            forward = lm if t == 0 else step
-            out = forward(input_ids=inputs, attention_mask=full_mask, position_ids=positions, **kwargs)
-        else:
-            out = lm(input_ids=inputs, attention_mask=mask, position_ids=positions, **kwargs)
+        forward = step if compile_steps and t > 0 else lm
+        attention = mask if compile_steps else mask[:, : W + t]  # (B, W + max_new_tokens) or (B, W + t)
+        out = forward(input_ids=inputs, attention_mask=attention, position_ids=positions, **kwargs)
         logits = out.logits[:, -1].to(dtype=torch.float32, copy=True)  # (B, V): the next token's logits
         scores = logits_processor(sequences[:, : P + t], logits)  # (B, V)
         if draw is None:
@@ -369,10 +367,7 @@ def decode(
         if not unfinished.any():
             return sequences[:, : P + t + 1]
         inputs = token[:, None]  # (B, 1)
-        if compile_steps:
-            full_mask[:, W + t] = 1  # the new token's column
-        else:
-            mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)  # (B, W + t + 1)
+        mask[:, W + t] = 1  # the new token's column
         positions = positions[:, -1:] + 1  # (B, 1): the new token's position
     return sequences
 
