@@ -26,8 +26,8 @@ def load_benchmark():
 @pytest.mark.parametrize(
     "policy, extra",
     [
-        ("llama", ["--lora", "--value_model", "reward"]),
-        ("gpt2", ["--prompt-file", "PROMPTS"]),
+        ("llama", ["--lora", "--value_model", "reward", "--sampling-dtype", "bfloat16"]),
+        ("gpt2", ["--prompt-file", "PROMPTS", "--sampling-compile"]),
         ("gpt2", ["--advantage-estimator", "remax", "--samples-per-prompt", "2"]),
     ],
 )
@@ -48,6 +48,8 @@ def test_benchmark_runs_on_any_causal_lm_folder(
     assert c["value_model"] == ("reward" if "--value_model" in extra else "policy")
     assert set(result["matmul_peak_gflops"]) == {"fp32"}  # no bf16 peak unless --bf16
     assert ("critic" in c["params"]) == (c["value_model"] == "reward")
+    assert c["sampling_dtype"] == ("bfloat16" if "--sampling-dtype" in extra else "float32")
+    assert c["sampling_compile"] == ("--sampling-compile" in extra)
     k = 2 if "--samples-per-prompt" in extra else 1
     assert (c["advantage_estimator"], c["samples_per_prompt"]) == (("remax", 2) if k == 2 else ("gae", 1))
     for phase in ("generate", "old_logprobs_values", "reference", "reward_model", "update"):
