@@ -726,7 +726,8 @@ def ppo_clip_token_losses(
     eps_low = eps_high is PPO's symmetric clip (`policy_loss`). A larger eps_high lets the probability of
     an unlikely token with a positive advantage grow further before its gradient stops (DAPO's remedy for
     entropy collapse). The dual clip bounds the loss of a negative advantage at a ratio above c, where the
-    plain loss -rho * A grows without limit. Wherever a clip binds, the token's loss is a constant: gradient 0.
+    plain loss -rho * A grows without limit. Wherever a clip binds, the token's loss is a constant:
+    gradient 0.
 
     SPEC example, eps_low 0.2, eps_high 0.28: rho = (1.3, 0.9), A = 1 -> l = (-1.28, -0.9) (-1.2 on the
     first with a symmetric 0.2); rho = (1.1, 0.7, 1.0, 1.25), A = -0.5 -> l = (0.55, 0.4, 0.5, 0.625),
@@ -780,8 +781,8 @@ def gspo_token_losses(
         l_i,t  = -min(s_i,t * A_i, clip(s_i,t, 1 - eps_low, 1 + eps_high) * A_i)
 
     Every token of response i carries the value of its response's loss, so `aggregate_loss` with
-    "seq_mean_token_mean" is GSPO's objective, the mean over responses of -min(s_i A_i, clip(s_i) A_i), and its
-    gradient (1/G) * sum_i (1/|y_i|) * sum_t -A_i * s_i * grad log pi(y_t) = (1/G) * sum_i -A_i * grad s_i.
+    "seq_mean_token_mean" is GSPO's objective, the mean over responses of -min(s_i A_i, clip(s_i) A_i), and
+    its gradient (1/G) * sum_i (1/|y_i|) * sum_t -A_i * s_i * grad log pi(y_t) = (1/G) * sum_i -A_i * grad s_i.
     A clipped response contributes a constant (gradient 0 on all its tokens). The ratios of a sequence stay
     near 1 (a mean of log-ratios), hence the small clip range of the paper: 3e-4 below, 4e-4 above.
 
