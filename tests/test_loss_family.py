@@ -689,3 +689,22 @@ def test_select_groups_needs_enough_groups_and_group_rows():
     scores = torch.tensor([0.0, 1, 1, 1, 1, 0, 2, 2])
     groups = select_groups(tied=tied_groups(scores=scores, samples_per_prompt=2), num_groups=2)
     assert scores[group_rows(groups=groups, samples_per_prompt=2)].tolist() == [0.0, 1, 1, 0]
+
+
+@pytest.mark.parametrize("policy", ["ppo_clip", "gspo", "cispo"])
+def test_token_losses_and_flags_are_zero_off_the_mask(policy):
+    """Padding with wild ratios and advantages reaches neither a loss, a flag nor a gradient."""
+    logprobs, old, advantages, mask = varied_minibatch(6)
+    wild = torch.where(mask, logprobs, 50.0)  # rho = e^50 at the padding
+    wild_advantages = torch.where(mask, advantages, -7.0)
+    common = dict(logprobs=wild, old_logprobs=old, advantages=wild_advantages, response_mask=mask)
+    if policy == "ppo_clip":
+        losses, stats = ppo_clip_token_losses(**common, cliprange_low=0.2, cliprange_high=0.28, dual_clip=3.0)
+    elif policy == "gspo":
+        losses, stats = gspo_token_losses(**common)
+    else:
+        losses, stats = cispo_token_losses(**common, cliprange_high=0.28)
+    assert (losses[~mask] == 0).all() and losses.isfinite().all()
+    assert not (stats.clipped_high | stats.clipped_low | stats.dual_clipped)[~mask].any()
+    (grad,) = torch.autograd.grad(losses.sum(), logprobs)
+    assert (grad[~mask] == 0).all()
