@@ -127,6 +127,8 @@ def test_counter_thresholds_at_their_edges():
     assert counter_alarms({"word_distinct_2": 0.61}, baseline=baseline) == {}
     assert counter_alarms({"top_bigram_share": 0.1}, baseline=baseline).keys() == {"top_bigram_share"}
     assert counter_alarms({"top_bigram_share": 0.09}, baseline=baseline) == {}
+    assert counter_alarms({"shared_bigram_rate": 0.4}, baseline={"shared_bigram_rate": 0.0}) != {}
+    assert counter_alarms({"shared_bigram_rate": 0.39}, baseline={"shared_bigram_rate": 0.0}) == {}
     # relative to the baseline: 0.7 empty is an alarm against 0.25, not against 0.5
     assert counter_alarms({"empty_rate": 0.7}, baseline=baseline) == {}
     assert counter_alarms({"empty_rate": 0.7}, baseline={"empty_rate": 0.25}).keys() == {"empty_rate"}
