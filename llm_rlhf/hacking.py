@@ -59,7 +59,8 @@ counters) and fires at the first evaluation where either rule holds:
   0.07. Each threshold sits between; tests/test_hacking_watch.py checks both ends on real sentences.
 
 `best_evaluation` picks the held-out evaluation with the highest gold (or accuracy): the checkpoint that
-`keep_best` keeps.
+`keep_best` keeps. `watch_fields` is both, read from a run's eval_log.jsonl lines so far (WATCH_KEYS: what a
+run adds to each line).
 
 `llm_rlhf.evaluate` adds the counters to every evaluation's metrics (so PPO's held-out log has them) and the
 report (`llm_rlhf.report`) ranks the gaps.
@@ -377,3 +378,27 @@ def best_evaluation(points: list[dict]) -> int | None:
     without a gold are skipped; None when none has one."""
     scored = [(p["gold"], -i) for i, p in enumerate(points) if p.get("gold") is not None]
     return -max(scored)[1] if scored else None
+
+
+WATCH_KEYS = ("alarm_step", "alarm_rules", "alarm_reasons", "best_step")
+
+
+def watch_fields(records: list[dict], *, reward_fn_weight: float) -> dict:
+    """What the watch says after the latest of a run's held-out evaluations, for its line of eval_log.jsonl
+    (WATCH_KEYS): alarm_step, the step where `watch` first fired (None: quiet so far), alarm_rules and
+    alarm_reasons, its rules and lines there ([] when quiet), and best_step, the step of `best_evaluation`
+    (None without a gold).
+
+    records: the run's eval_log.jsonl lines so far, oldest first, the latest included (`trajectory_point`
+    reads each); the baseline's counters are those of the step-0 line (PPO evaluates the model it starts from
+    before the first step), and without one no counter rule applies."""
+    points = [trajectory_point(r, reward_fn_weight=reward_fn_weight) for r in records]
+    baseline = points[0] if points and points[0]["step"] == 0 else None
+    alarm = watch(points, baseline=baseline)
+    best = best_evaluation(points)
+    return {
+        "alarm_step": alarm["step"] if alarm else None,
+        "alarm_rules": alarm["rules"] if alarm else [],
+        "alarm_reasons": alarm["reasons"] if alarm else [],
+        "best_step": points[best]["step"] if best is not None else None,
+    }

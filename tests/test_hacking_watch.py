@@ -16,6 +16,7 @@ from llm_rlhf.hacking import (
     COUNTER_RULES,
     DEGENERACY_KEYS,
     PROXY_UP_GOLD_DOWN,
+    WATCH_KEYS,
     best_evaluation,
     collapse_rates,
     counter_alarms,
@@ -25,6 +26,7 @@ from llm_rlhf.hacking import (
     proxy_up_gold_down,
     trajectory_point,
     watch,
+    watch_fields,
     word_bigrams,
 )
 
@@ -286,3 +288,30 @@ def test_best_evaluation_by_gold_or_accuracy():
     lines = [{"step": s, "rm_score": 0.0, "reward_fn": None, "gold_score": g, "accuracy": a}
              for s, g, a in ((0, 0.9, 0.2), (10, 0.1, 0.6), (20, 0.5, 0.4))]  # fmt: skip
     assert best_evaluation([trajectory_point(x, reward_fn_weight=1.0) for x in lines]) == 1  # by accuracy
+
+
+def test_watch_fields_for_the_eval_log():
+    """The fields a run adds to each eval_log.jsonl line: the alarm so far (step-0 line = the baseline's
+    counters) and the best step by the gold."""
+    real = review_sentences()
+    healthy, collapsed = counters(real[:32]), counters([ISSUE_40[i % 3] for i in range(32)])
+
+    def line(step, gold, texts_counters):
+        return {"step": step, "rm_score": step / 10, "reward_fn": None, "gold_score": gold, "gold_score_stderr": 0.01,
+                "proxy_stderr": 0.01, "accuracy": None, **texts_counters}  # fmt: skip
+
+    log = [line(0, 0.0, healthy), line(10, 0.3, counters(real[32:64])), line(20, 0.2, collapsed)]
+    assert watch_fields(log[:2], reward_fn_weight=1.0) == {
+        "alarm_step": None, "alarm_rules": [], "alarm_reasons": [], "best_step": 10,
+    }  # fmt: skip
+    fields = watch_fields(log, reward_fn_weight=1.0)
+    assert fields["alarm_step"] == 20 and fields["best_step"] == 10
+    assert fields["alarm_rules"] == [
+        "duplicate_rate",
+        "top_bigram_share",
+        "shared_bigram_rate",
+        "word_distinct_2",
+    ]
+    assert len(fields["alarm_reasons"]) == 4 and set(fields) == set(WATCH_KEYS)
+    # no step-0 line (the run's first evaluation came later): no baseline, so no counter rule
+    assert watch_fields(log[1:], reward_fn_weight=1.0)["alarm_step"] is None
