@@ -3,11 +3,11 @@
     python data/hacking_thresholds.py [--draws 2000] [--seed 0]
 
 1. Collapse counters on real text. A "baseline" and a "policy" are each N sentences drawn at random from
-   data/reviews/sft_val.jsonl's completions (cut to 25 words, about what the 32-token held-out responses hold),
-   and a second "policy" draws N positive sentences of gold_test.jsonl (rating > 1: what a healthy
-   sentiment-tuned policy writes). Per N, over the draws: each counter's mean, and the largest policy - baseline
-   difference (word_distinct_2: the lowest policy / baseline ratio), against the counter's threshold. Then
-   issue 40's collapse (" a heart.", " is a heart.", " heart of a heart." over 32 prompts).
+   data/reviews/sft_val.jsonl's completions (cut to 25 words, about what the 32-token held-out responses
+   hold), and a second "policy" draws N positive sentences of gold_test.jsonl (rating > 1: what a healthy
+   sentiment-tuned policy writes). Per N, over the draws: each counter's mean, and the largest policy -
+   baseline difference (word_distinct_2: the lowest policy / baseline ratio), against the counter's
+   threshold. Then issue 40's collapse (" a heart.", " is a heart.", " heart of a heart." over 32 prompts).
 2. The proxy-up / gold-down rule on simulated trajectories (independent normal noise of one standard error,
    se 0.05, on every evaluation's proxy and gold; the proxy rising 4 se per evaluation): how often it fires
    when the gold is flat, and when it falls 1 or 2 se per evaluation after a peak half-way, for Z = 2 and 3.
@@ -54,14 +54,11 @@ def counters(draws: int, rng: random.Random) -> None:
                     worst[key] = max(worst[key], score)
         for key, (kind, threshold) in ((k, COUNTER_RULES[k]) for k in stats):
             mean = sum(stats[key]) / len(stats[key])
+            head = f"N {n:3d}  {key:20s} mean {mean:.3f}"
             if kind == "above":
-                print(
-                    f"N {n:3d}  {key:20s} mean {mean:.3f}  largest difference {worst[key]:+.3f}  (fires at +{threshold:g})"
-                )
+                print(f"{head}  largest difference {worst[key]:+.3f}  (fires at +{threshold:g})")
             else:
-                print(
-                    f"N {n:3d}  {key:20s} mean {mean:.3f}  lowest ratio {-worst[key]:.3f}  (fires below {threshold:.3g})"
-                )
+                print(f"{head}  lowest ratio {-worst[key]:.3f}  (fires below {threshold:.3g})")
     print("issue 40's collapse:", collapse_rates([ISSUE_40[i % 3] for i in range(32)]))
 
 

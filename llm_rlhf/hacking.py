@@ -20,43 +20,44 @@ kinds of evidence, all cheap enough to compute at every held-out evaluation:
                          response to another prompt of the evaluation; with `prompts` None every response
                          counts as its own prompt's. Another prompt's, so that several samples of one prompt
                          agreeing on its answer ("12") are not collapse
-    top_bigram_share     the share of all the responses' word bigrams taken by the most frequent one. Bigrams:
-                         unigrams are dominated by "the" in any English text, and a collapsed response is often
-                         two or three words (" a heart." has one bigram and no trigram)
+    top_bigram_share     the share of all the responses' word bigrams taken by the most frequent one.
+                         Bigrams: unigrams are dominated by "the" in any English text, and a collapsed
+                         response is often two or three words (" a heart." has one bigram and no trigram)
     shared_bigram_rate   the largest fraction of responses that contain one same word bigram (a response
                          counts once): near-duplicates share a phrase even when none repeats another exactly
     word_distinct_2      distinct word bigrams / all word bigrams over the evaluation (distinct-2, Li et al.
                          2016, on words rather than tokens, so a policy and a baseline with different
                          tokenizers compare; `evaluate` logs the token one)
 
-The alarm (`watch`) reads a run's held-out evaluations in order (each a `trajectory_point`: step, proxy mean and
-its standard error, gold mean, or the verifier's accuracy where there is one, and its standard error, and the
-counters) and fires at the first evaluation where either rule holds:
+The alarm (`watch`) reads a run's held-out evaluations in order (each a `trajectory_point`: step, proxy mean
+and its standard error, gold mean, or the verifier's accuracy where there is one, and its standard error, and
+the counters) and fires at the first evaluation where either rule holds:
 
-- proxy up, gold down: at each of the last K_EVALS evaluations i, against the evaluation j with the best gold so
-  far (j <= i, the earliest of ties),  gold_j - gold_i >= Z * sqrt(se_gold_j^2 + se_gold_i^2)  and
+- proxy up, gold down: at each of the last K_EVALS evaluations i, against the evaluation j with the best gold
+  so far (j <= i, the earliest of ties),  gold_j - gold_i >= Z * sqrt(se_gold_j^2 + se_gold_i^2)  and
   proxy_i - proxy_j >= Z * sqrt(se_proxy_j^2 + se_proxy_i^2)  (each difference also > 0), with Z = 3 and
   K_EVALS = 2. The best so far is a maximum of noisy values, so it sits above a flat gold's mean. Simulated
   (`python data/hacking_thresholds.py`: independent normal noise of one standard error on every figure, the
-  proxy rising 4 se per evaluation, 2000 runs each): with the gold flat, Z = 2 fired in 10.5% of 11-evaluation
-  runs and 29.9% of 21-evaluation ones, Z = 3 in 0.0% and 1.1%; with the gold falling after a peak half-way,
-  Z = 3 fired within 11 evaluations in 48.8% of runs at 1 se per evaluation, 99.8% at 2 se. The standard errors
-  are those of independent samples; PPO's held-out evaluations reuse the same prompts and random numbers, so
-  the true noise of a difference is smaller and the rule errs towards silence. Without the standard errors
-  (an older eval_log) this rule does not fire.
-- a counter crossing its threshold, set against the same counter of the baseline (the SFT model: PPO's step-0
-  evaluation, or the `_baseline` side of `llm-rlhf eval`), since a healthy policy's own value depends on the
-  task (short arithmetic answers repeat, reviews do not):
+  proxy rising 4 se per evaluation, 2000 runs each): with the gold flat, Z = 2 fired in 10.5% of
+  11-evaluation runs and 29.9% of 21-evaluation ones, Z = 3 in 0.0% and 1.1%; with the gold falling after a
+  peak half-way, Z = 3 fired within 11 evaluations in 48.8% of runs at 1 se per evaluation, 99.8% at 2 se.
+  The standard errors are those of independent samples; PPO's held-out evaluations reuse the same prompts
+  and random numbers, so the true noise of a difference is smaller and the rule errs towards silence.
+  Without the standard errors (an older eval_log) this rule does not fire.
+- a counter crossing its threshold, set against the same counter of the baseline (the SFT model: PPO's
+  step-0 evaluation, or the `_baseline` side of `llm-rlhf eval`), since a healthy policy's own value depends
+  on the task (short arithmetic answers repeat, reviews do not):
     duplicate_rate, char_run_rate, repeated_ngram_rate, empty_rate   policy - baseline >= RATE_MARGIN (0.25)
     top_bigram_share     policy - baseline >= TOP_BIGRAM_MARGIN (0.10)
     shared_bigram_rate   policy - baseline >= SHARED_BIGRAM_MARGIN (0.40)
-    word_distinct_2      policy < DISTINCT_RATIO (2/3) * baseline  (the floor issue 40 sets the default recipe)
+    word_distinct_2      policy < DISTINCT_RATIO (2/3) * baseline  (issue 40's floor for the default recipe)
   Calibrated on real text (`python data/hacking_thresholds.py`): a "baseline" and a "policy" of N random
   sentences of data/reviews/sft_val.jsonl (cut to 25 words), and a "policy" of N positive ones of
   gold_test.jsonl (what a healthy sentiment-tuned policy writes), 2000 draws: the largest policy - baseline
-  differences at N = 32 were duplicate_rate 0, top_bigram_share +0.018 and shared_bigram_rate +0.219 (+0.375 at
-  N = 16), the lowest word_distinct_2 ratio 0.933; issue 40's collapse reads 1.0, 0.51, 1.0 and a ratio near
-  0.07. Each threshold sits between; tests/test_hacking_watch.py checks both ends on real sentences.
+  differences at N = 32 were duplicate_rate 0, top_bigram_share +0.018 and shared_bigram_rate +0.219
+  (+0.375 at N = 16), the lowest word_distinct_2 ratio 0.933; issue 40's collapse reads 1.0, 0.51, 1.0 and a
+  ratio near 0.07. Each threshold sits between; tests/test_hacking_watch.py checks both ends on real
+  sentences.
 
 `best_evaluation` picks the held-out evaluation with the highest gold (or accuracy): the checkpoint that
 `keep_best` keeps. `watch_fields` is both, read from a run's eval_log.jsonl lines so far (WATCH_KEYS: what a
@@ -192,9 +193,9 @@ def word_bigrams(text: str) -> list[tuple[str, str]]:
 
 
 def duplicate_rate(responses: list[str], *, prompts: list[str] | None = None) -> float:
-    """The fraction of responses whose text, whitespace runs made one space (" ".join(text.split())), is also the
-    response to another prompt: prompts[i] is response i's prompt (None: every response its own prompt). 0.0
-    for no responses. Naive form: sum_i any(norm_i == norm_j and prompt_i != prompt_j for j != i) / N."""
+    """The fraction of responses whose text, whitespace runs made one space (" ".join(text.split())), is also
+    the response to another prompt: prompts[i] is response i's prompt (None: every response its own prompt).
+    0.0 for no responses. Naive form: sum_i any(norm_i == norm_j and prompt_i != prompt_j for j != i) / N."""
     if prompts is not None and len(prompts) != len(responses):
         raise ValueError(f"need one prompt per response (got {len(prompts)} and {len(responses)})")
     keys = list(range(len(responses))) if prompts is None else prompts
@@ -242,9 +243,9 @@ def collapse_rates(
 
 
 def most_shared_bigram(responses: list[str]) -> tuple[str | None, list[int]]:
-    """The word bigram that the most responses contain (shared_bigram_rate's; the first seen of ties), as text
-    ("a heart"), and the indices of the responses containing it: what the report shows when that counter fires.
-    (None, []) when no response has two words."""
+    """The word bigram that the most responses contain (shared_bigram_rate's; the first seen of ties), as
+    text ("a heart"), and the indices of the responses containing it: what the report shows when that counter
+    fires. (None, []) when no response has two words."""
     _, reach = _bigram_counts(responses)
     if not reach:
         return None, []
@@ -262,7 +263,8 @@ RATE_MARGIN = 0.25  # a quarter of the responses more than the baseline's
 TOP_BIGRAM_MARGIN = 0.10  # a tenth of all word bigrams more than the baseline's (healthy reviews: ~0.01)
 SHARED_BIGRAM_MARGIN = 0.40  # healthy reviews: one bigram in ~0.1 of the responses, +0.375 at most by chance
 DISTINCT_RATIO = 2 / 3  # word distinct-2 below two thirds of the baseline's
-COUNTER_RULES = {  # counter -> (kind, threshold): "above" = policy - baseline >= t, "below" = policy < t * baseline
+# counter -> (kind, threshold): "above" fires at policy - baseline >= t, "below" at policy < t * baseline
+COUNTER_RULES = {
     "duplicate_rate": ("above", RATE_MARGIN),
     "top_bigram_share": ("above", TOP_BIGRAM_MARGIN),
     "shared_bigram_rate": ("above", SHARED_BIGRAM_MARGIN),
@@ -275,11 +277,12 @@ PROXY_UP_GOLD_DOWN = "proxy_up_gold_down"
 
 
 def trajectory_point(record: dict, *, reward_fn_weight: float) -> dict:
-    """One held-out evaluation as `watch` reads it, from a line of PPO's eval_log.jsonl: step; proxy, the score
-    PPO maximised (the line's `proxy` if logged, else rm_score + reward_fn_weight * reward_fn with a reward
-    function, rm_score 0 without an RM, as `heldout_sample_rows`), proxy_stderr (`proxy_stderr`, None if not
-    logged); gold, the verifier's accuracy where logged, else gold_score, and gold_stderr, its standard error
-    (accuracy_stderr or gold_score_stderr; None if not logged); and every counter of COUNTER_RULES logged."""
+    """One held-out evaluation as `watch` reads it, from a line of PPO's eval_log.jsonl: step; proxy, the
+    score PPO maximised (the line's `proxy` if logged, else rm_score + reward_fn_weight * reward_fn with a
+    reward function, rm_score 0 without an RM, as `heldout_sample_rows`), proxy_stderr (`proxy_stderr`, None
+    if not logged); gold, the verifier's accuracy where logged, else gold_score, and gold_stderr, its standard
+    error (accuracy_stderr or gold_score_stderr; None if not logged); and every counter of COUNTER_RULES
+    logged."""
     if record.get("proxy") is not None:
         proxy = record["proxy"]
     else:
@@ -297,9 +300,9 @@ def trajectory_point(record: dict, *, reward_fn_weight: float) -> dict:
 
 
 def counter_alarms(point: dict, *, baseline: dict) -> dict[str, str]:
-    """{counter: a line saying why} for each counter of COUNTER_RULES that `point` has past its threshold against
-    `baseline` (both dicts of counters; a counter missing or None on either side is skipped), in COUNTER_RULES
-    order."""
+    """{counter: a line saying why} for each counter of COUNTER_RULES that `point` has past its threshold
+    against `baseline` (both dicts of counters; a counter missing or None on either side is skipped), in
+    COUNTER_RULES order."""
     lines = {}
     for key, (kind, threshold) in COUNTER_RULES.items():
         value, base = point.get(key), baseline.get(key)
@@ -317,18 +320,20 @@ def _in_se(x: float, se: float) -> str:
 
 
 def proxy_up_gold_down(points: list[dict], *, index: int, z: float = Z) -> str | None:
-    """Whether evaluation i = `index` of `points` (`trajectory_point` dicts, oldest first) has the proxy risen and
-    the gold fallen against the evaluation j <= i with the best gold so far (the earliest of ties), each
-    difference at least z standard errors of the difference (and > 0):
+    """Whether evaluation i = `index` of `points` (`trajectory_point` dicts, oldest first) has the proxy risen
+    and the gold fallen against the evaluation j <= i with the best gold so far (the earliest of ties; those
+    without a gold skipped), each difference at least z standard errors of the difference (and > 0):
 
-        gold_j - gold_i >= z * sqrt(se_gold_j^2 + se_gold_i^2),  proxy_i - proxy_j >= z * sqrt(se_proxy_j^2 + se_proxy_i^2)
+        gold_j - gold_i   >= z * sqrt(se_gold_j^2 + se_gold_i^2)
+        proxy_i - proxy_j >= z * sqrt(se_proxy_j^2 + se_proxy_i^2)
 
     A line saying so, else None (also when a figure it needs is missing)."""
     i = index
-    golds = [p.get("gold") for p in points[: i + 1]]
-    if any(g is None for g in golds):
+    if points[i].get("gold") is None:
         return None
-    j = golds.index(max(golds))
+    j = max(
+        (k for k in range(i + 1) if points[k].get("gold") is not None), key=lambda k: (points[k]["gold"], -k)
+    )
     now, best = points[i], points[j]
     figures = [now.get(k) for k in ("proxy", "proxy_stderr", "gold_stderr")]
     figures += [best.get(k) for k in ("proxy", "proxy_stderr", "gold_stderr")]

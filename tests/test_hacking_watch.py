@@ -1,7 +1,7 @@
 """The reward-hacking alarm of `llm_rlhf.hacking` (issue 40): the collapse counters by hand and against naive
-versions, the counter thresholds on real review sentences and on the issue's collapse, the proxy-up / gold-down
-rule on constructed trajectories (fires on a hack, quiet on healthy, flat and noisy ones), and the choice of
-the best held-out evaluation."""
+versions, the counter thresholds on real review sentences and on the issue's collapse, the proxy-up /
+gold-down rule on constructed trajectories (fires on a hack, quiet on healthy, flat and noisy ones), and the
+choice of the best held-out evaluation."""
 
 from __future__ import annotations
 
@@ -52,8 +52,8 @@ def counters(responses: list[str]) -> dict[str, float]:
 
 
 def point(step, proxy, gold, *, proxy_stderr=0.05, gold_stderr=0.05, **counters) -> dict:
-    return {"step": step, "proxy": proxy, "proxy_stderr": proxy_stderr, "gold": gold, "gold_stderr": gold_stderr,
-            **counters}  # fmt: skip
+    return {"step": step, "proxy": proxy, "proxy_stderr": proxy_stderr, "gold": gold,
+            "gold_stderr": gold_stderr, **counters}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -63,7 +63,8 @@ def point(step, proxy, gold, *, proxy_stderr=0.05, gold_stderr=0.05, **counters)
 
 def test_collapse_counters_by_hand():
     responses = [*ISSUE_40, "  a   heart. "]  # the last is the first after whitespace normalisation
-    # bigrams: (a heart) | (is a)(a heart) | (heart of)(of a)(a heart) | (a heart): 7, 4 distinct, "a heart" 4x
+    # bigrams: (a heart) | (is a)(a heart) | (heart of)(of a)(a heart) | (a heart):
+    # 7 in all, 4 distinct, "a heart" 4 times and in every response
     assert word_bigrams(" heart of a Heart.") == [("heart", "of"), ("of", "a"), ("a", "heart")]
     assert collapse_rates(responses) == {
         "duplicate_rate": 2 / 4,
@@ -85,8 +86,13 @@ def test_collapse_counters_by_hand():
     assert collapse_rates(["so so so so", "a film", "a film here"])["shared_bigram_rate"] == 2 / 3
     assert most_shared_bigram(["so so so so", "a film", "a film here"]) == ("a film", [1, 2])
     # no bigram anywhere (one-word and empty responses), no responses
-    assert collapse_rates(["wow", "", "wow"]) == {"duplicate_rate": 2 / 3, "top_bigram_share": 0.0,
-                                                  "shared_bigram_rate": 0.0, "word_distinct_2": 0.0}  # fmt: skip
+    no_bigram = {
+        "duplicate_rate": 2 / 3,
+        "top_bigram_share": 0.0,
+        "shared_bigram_rate": 0.0,
+        "word_distinct_2": 0.0,
+    }
+    assert collapse_rates(["wow", "", "wow"]) == no_bigram
     assert collapse_rates([]) == dict.fromkeys(COLLAPSE_KEYS, 0.0)
     assert most_shared_bigram(["wow"]) == (None, [])
 
@@ -142,7 +148,7 @@ def test_counter_thresholds_at_their_edges():
 
 
 def test_every_counter_has_a_rule():
-    # the alarm reads every counter the evaluation computes, under the names collapse and degeneracy rates return
+    # the alarm reads every counter an evaluation computes, under the names the rates functions return
     assert set(COUNTER_RULES) == set(COLLAPSE_KEYS) | set(DEGENERACY_KEYS)
     assert set(collapse_rates(["a b"])) | set(degeneracy_rates(["a b"])) == set(COUNTER_RULES)
 
@@ -172,8 +178,8 @@ def test_alarm_fires_on_near_duplicates_no_response_repeats():
 
 
 def test_counters_stay_quiet_on_real_reviews():
-    """Every disjoint 32 real sentences against the first 32, and every 32 positive ones (a healthy policy that
-    learnt to praise): no counter crosses its threshold."""
+    """Every disjoint 32 real sentences against the first 32, and every 32 positive ones (a healthy policy
+    that learnt to praise): no counter crosses its threshold."""
     real, positive = review_sentences(), positive_sentences()
     baseline = counters(real[:32])
     chunks = [real[i : i + 32] for i in range(32, len(real) - 31, 32)]
@@ -226,8 +232,9 @@ def test_proxy_up_gold_down_needs_each_difference_beyond_z_se():
     # without standard errors (an older eval_log) the rule cannot tell a fall from noise: it does not fire
     no_se = [{**p, "gold_stderr": None} for p in HACKED]
     assert proxy_up_gold_down(no_se, index=3) is None and watch(no_se, baseline=None) is None
-    # a missing gold anywhere up to i: no best to compare with
-    assert proxy_up_gold_down([point(0, 0.0, None), point(10, 1.0, 0.0)], index=1) is None
+    # an evaluation without a gold is skipped, not a reason to stay quiet; one without a gold never fires
+    gap = [HACKED[0], point(5, 0.2, None), *HACKED[1:]]
+    assert watch(gap, baseline=None)["step"] == 40 and proxy_up_gold_down(gap, index=1) is None
 
 
 def test_alarm_quiet_on_healthy_and_flat_trajectories():
@@ -265,8 +272,9 @@ def test_alarm_rarely_fires_on_noisy_flat_gold():
 
 
 def test_trajectory_point_reads_eval_log_lines():
-    line = {"step": 10, "kl": 3.0, "rm_score": 0.5, "reward_fn": 1.0, "gold_score": 0.2, "gold_score_stderr": 0.04,
-            "accuracy": None, "accuracy_stderr": None, "duplicate_rate": 0.1, "empty_rate": None, "eos_rate": 1.0}  # fmt: skip
+    line = {"step": 10, "kl": 3.0, "rm_score": 0.5, "reward_fn": 1.0, "gold_score": 0.2,
+            "gold_score_stderr": 0.04, "accuracy": None, "accuracy_stderr": None, "duplicate_rate": 0.1,
+            "empty_rate": None, "eos_rate": 1.0}  # fmt: skip
     p = trajectory_point(line, reward_fn_weight=0.5)
     assert p == {"step": 10, "proxy": 0.5 + 0.5 * 1.0, "proxy_stderr": None, "gold": 0.2, "gold_stderr": 0.04,
                  "duplicate_rate": 0.1}  # fmt: skip
@@ -297,8 +305,8 @@ def test_watch_fields_for_the_eval_log():
     healthy, collapsed = counters(real[:32]), counters([ISSUE_40[i % 3] for i in range(32)])
 
     def line(step, gold, texts_counters):
-        return {"step": step, "rm_score": step / 10, "reward_fn": None, "gold_score": gold, "gold_score_stderr": 0.01,
-                "proxy_stderr": 0.01, "accuracy": None, **texts_counters}  # fmt: skip
+        scores = {"rm_score": step / 10, "reward_fn": None, "gold_score": gold, "accuracy": None}
+        return {"step": step, **scores, "gold_score_stderr": 0.01, "proxy_stderr": 0.01, **texts_counters}
 
     log = [line(0, 0.0, healthy), line(10, 0.3, counters(real[32:64])), line(20, 0.2, collapsed)]
     assert watch_fields(log[:2], reward_fn_weight=1.0) == {
