@@ -107,7 +107,7 @@ def test_kl_in_the_loss_gradient_is_beta_times_the_gradient_of_token_mean_k3(
 # --- the data-parallel prompt layout -------------------------------------------------------------------------
 
 
-def test_two_ranks_draw_different_prompts_whose_union_is_one_processs(tiny_model_dir, tmp_path):
+def test_two_ranks_draw_different_prompts_whose_union_is_one_process_prompts(tiny_model_dir, tmp_path):
     """18 distinct prompts, 6 per step: one process draws them 6 at a time; two ranks of 3 prompts each, the
     same run on 2 processes (`batch_sizes` with num_processes 2, the rank given to `next_queries` as
     `accelerator.process_index`), draw different prompts at every step, rank 0's then rank 1's being the one
