@@ -587,6 +587,17 @@ def kl_loss(
     dk3_t / dlog p_t = 1 - exp(log q_t - log p_t): it pulls log p_t down where the policy is above the
     reference and up where it is below. Added to the policy loss, with the same token-level mean.
     SPEC example, log p = (-0.9, -2.5), log q = (-1.5, -1.0): k3 = (0.14881, 1.98169).
+
+    The same kl_coef is another penalty here than in the reward. k3's value estimates the per-token reverse
+    KL(pi_theta || pi_ref), as the reward's k1 does, but its expected gradient over y_t ~ pi_theta is
+    sum_y (p(y) - q(y)) grad log p(y) = grad KL(pi_ref || pi_theta) at s_t: the forward KL, whose gradient
+    equals the reverse KL's only to first order near pi_ref (tests/test_audit_gaps.py), averaged over the
+    minibatch's tokens. In the reward, -kl_coef * k1_t enters the returns and the policy gradient follows the
+    reverse KL of the whole response (summed over its tokens).
+    Not clamped (verl and OpenRLHF clamp k3 to [-10, 10]): k3 >= 0, so only the upper bound could bind
+    (log q_t - log p_t > 2.6), and a clamp has zero gradient there: it would switch off the pull on exactly the
+    tokens the policy has pushed furthest below the reference, where the forward KL pulls hardest. The size of
+    an update is bounded by max_grad_norm, and a non-finite loss stops the step (`NonFiniteError`).
     logprobs (with grad), ref_logprobs: (B, T); response_mask: (B, T) bool. Returns a scalar.
     """
     k3 = kl_penalty(logprobs=logprobs, ref_logprobs=ref_logprobs, estimator="k3")  # (B, T)
