@@ -43,7 +43,7 @@ from typing import Any
 from peft import PeftModel
 from transformers import TrainerCallback
 
-from llm_rlhf import evaluate, ppo, ppo_run, reward, sft
+from llm_rlhf import evaluate, ppo_config, ppo_run, reward, sft
 from llm_rlhf.config import check_not_placeholder, config_from, load_yaml_config, placeholder
 from llm_rlhf.data import InMemory
 from llm_rlhf.errors import ConfigError, UserError
@@ -57,7 +57,7 @@ from llm_rlhf.utils import (
 
 SFTConfig = sft.Config
 RMConfig = reward.Config
-PPOConfig = ppo.Config
+PPOConfig = ppo_config.Config
 EvalConfig = evaluate.Config
 
 MODELS = ("model", "policy", "baseline", "reference")  # the arguments that take a model (or its folder)

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from accelerate import PartialState
 
-from llm_rlhf import dpo, ppo, ppo_math
+from llm_rlhf import dpo, ppo_config, ppo_math
 from llm_rlhf.config import format_config, help_field, load_yaml_config, require, save_config
 from llm_rlhf.data import prompt_rules
 from llm_rlhf.errors import ConfigError, UserError
@@ -191,8 +191,8 @@ def ppo_settings(ppo_dir: Path):
     """The PPO run's resolved config (its config.yaml) and its held-out evaluations (eval_log.jsonl)."""
     if not (ppo_dir / "config.yaml").is_file():
         raise UserError(f"'{ppo_dir}': no config.yaml; run the PPO stage first (llm-rlhf ppo)")
-    cfg = ppo.Config(
-        **load_yaml_config(ppo_dir / "config.yaml", [f.name for f in dataclasses.fields(ppo.Config)])
+    cfg = ppo_config.Config(
+        **load_yaml_config(ppo_dir / "config.yaml", [f.name for f in dataclasses.fields(ppo_config.Config)])
     )
     log = ppo_dir / "eval_log.jsonl"
     records = [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []

@@ -12,12 +12,13 @@ One PPO step (`ppo_step`) reads like the algorithm box of Ziegler et al. (2019) 
 `advantage_estimator` swaps GAE for a critic-free estimator (SPEC "Critic-free estimators": GRPO, Dr. GRPO,
 RLOO, REINFORCE++, ReMax) on the same rollout, KL, clipped update, processes and checkpoints: each prompt is
 sampled `samples_per_prompt` times (its group, consecutive rows on one process), no value head or critic
-is built, and the KL goes in the reward or, as k3 per token, in the loss (`kl_in_loss`).
+is built, and the KL goes in the reward or, as k3 per token, in the loss (`kl_in_loss`). What the trainer
+knows of an estimator is its row in `llm_rlhf.estimators` (`Config.estimator`), never its name.
 
-The math lives in `llm_rlhf.ppo_math` (torch only), sampling and the forwards over a rollout in
-`llm_rlhf.rollout`, the scores in `llm_rlhf.scoring`, and what each accelerate config (DeepSpeed, FSDP2,
-FSDP, mixed precision) needs of the models in `llm_rlhf.accelerated`; this module holds the config and the
-trainer, which moves tensors between models.
+The math lives in `llm_rlhf.ppo_math` (torch only), the keys and the batch-size arithmetic in
+`llm_rlhf.ppo_config`, sampling and the forwards over a rollout in `llm_rlhf.rollout`, the scores in
+`llm_rlhf.scoring`, and what each accelerate config (DeepSpeed, FSDP2, FSDP, mixed precision) needs of the
+models in `llm_rlhf.accelerated`; this module holds the trainer, which moves tensors between models.
 The command around it (building the models, the run loop, checkpoints, logs, the final save) is
 `llm_rlhf.ppo_run`. Run it with `llm-rlhf ppo --config recipes/reviews/ppo.yaml [--key value ...]`, also
 under `accelerate launch` with several processes.
@@ -37,354 +38,19 @@ import torch
 
 from llm_rlhf import ppo_math
 from llm_rlhf.accelerated import Accelerated
-from llm_rlhf.callables import split_callable_spec
-from llm_rlhf.config import checked_keywords, help_field, is_off, require
-from llm_rlhf.data import DATA_FORMATS
 from llm_rlhf.errors import NonFiniteError, UserError
+from llm_rlhf.estimators import AdvantageInputs
+from llm_rlhf.ppo_config import Config, batch_sizes
 from llm_rlhf.rollout import (
     Rollout,
     Samples,
     Sampling,
-    check_generation_controls,
     left_pad,
     pad_columns,
     response_logprobs_and_values,
     sample,
 )
-from llm_rlhf.scoring import Scorer, Scores, check_score_keys
-
-
-@checked_keywords
-@dataclass
-class Config:
-    # --- models and data
-    model_name_or_path: str = help_field(
-        "runs/reviews/sft", "The SFT model (HF folder or hub name): initial policy and frozen reference."
-    )
-    reward_model_path: str | list[str] | None = help_field(
-        "runs/reviews/rm",
-        "The trained reward model folder (`llm-rlhf rm` output), or a list of them: an ensemble whose members "
-        "each score every response with their own normalisation, combined per response by ensemble_combine "
-        "(value_model 'reward' starts the critic from the first member); null or 'none': no reward model, "
-        "the score is reward_fn_weight * reward_fn alone.",
-    )
-    ensemble_combine: str = help_field(
-        "mean",
-        "With a list of reward models, one score per response from the members' scores: 'mean', 'min' (worst "
-        "case) or 'uncertainty' (mean - ensemble_uncertainty_coef * std across the members, the population "
-        "std). Ignored with one reward model.",
-    )
-    ensemble_uncertainty_coef: float = help_field(
-        1.0, "lambda of ensemble_combine 'uncertainty' (>= 0; 0 = the mean)."
-    )
-    reward_fn: str | None = help_field(
-        None,
-        "A reward function 'module:callable' (importable from the current directory or the python path) or "
-        "'path/to/file.py:callable': any callable (prompts: list[str], responses: list[str]) -> list[float] "
-        "(a class is built with no arguments). scores = rm_score + reward_fn_weight * reward_fn, the one "
-        "score per sequence at the last response token (rm_score = 0 without a reward model). Probed once "
-        "before training; every call is checked (one finite number per response). null = off.",
-    )
-    reward_fn_weight: float = help_field(1.0, "The weight of reward_fn in the score (see reward_fn).")
-    prompt_file: str = help_field(
-        "data/reviews/ppo_prompts.jsonl",
-        "Prompts to sample responses for (JSONL/CSV/Parquet or a hub dataset).",
-    )
-    output_dir: str = help_field("runs/reviews/ppo", "Where the policy, value head, logs and checkpoints go.")
-    trust_remote_code: bool = help_field(
-        False, "Allow model code from the hub (off unless you trust the source)."
-    )
-    dtype: str = help_field("float32", "Weights dtype: float32 | bfloat16 | float16.")
-    bf16: bool = help_field(False, "bf16 autocast for forward passes (CPU and GPU).")
-    gradient_checkpointing: bool = help_field(
-        False, "Recompute activations in the backward pass to save memory."
-    )
-    value_model: str = help_field(
-        "policy",
-        "Critic of advantage_estimator gae: 'policy' (value head on the policy trunk) or 'reward' (separate "
-        "critic initialised from the reward model). The critic-free estimators build neither.",
-    )
-    advantage_estimator: str = help_field(
-        "gae",
-        "How the advantages are made (SPEC 'Critic-free estimators'): 'gae' (value head or critic, GAE, "
-        "advantages whitened), 'grpo' (score minus its group's mean, over the group's std; Shao et al. 2024), "
-        "'dr_grpo' (the same without the std; Liu et al. 2025), 'rloo' (score minus the mean of the group's "
-        "other samples; Ahmadian et al. 2024), 'reinforce_pp' (gamma = 1 returns of the per-token rewards, "
-        "whitened over the global batch; Hu 2025) or 'remax' (score minus the score of a greedy response to "
-        "the same prompt; Li et al. 2023). The critic-free ones train no value head and no critic.",
-    )
-    samples_per_prompt: int = help_field(
-        1,
-        "k: responses sampled for each prompt of a rollout, in consecutive rows (a rollout holds "
-        "rollout_batch_size * k episodes per process; a prompt's k samples, its group, stay on one process). "
-        "grpo, dr_grpo and rloo need k >= 2.",
-    )
-    kl_in_loss: bool | None = help_field(
-        None,
-        "Where the KL to the reference is penalised: true = in the loss, kl_coef * k3 per token (GRPO's form; "
-        "the rewards are the scores alone); false = in the reward, -kl_coef * KL_t per token with kl_estimator "
-        "(Ziegler et al.); null = each estimator's published form: in the loss for grpo and dr_grpo, in the "
-        "reward otherwise. Either way kl_coef is the KL controller's beta and the controller follows the "
-        "observed KL (objective/kl, kl_estimator).",
-    )
-    seed: int = help_field(0, "Random seed (each process adds its index).")
-    # --- budget and batch sizes (per process)
-    steps: int = help_field(40, "Number of PPO steps (rollout batches).")
-    rollout_batch_size: int = help_field(
-        64, "Prompts per rollout batch, per process (each sampled samples_per_prompt times)."
-    )
-    mini_batch_size: int = help_field(
-        16,
-        "Episodes (responses) per optimiser step, per process: divides rollout_batch_size * samples_per_prompt.",
-    )
-    gradient_accumulation_steps: int = help_field(
-        1, "Micro-batches per minibatch (micro = mini_batch_size / this)."
-    )
-    ppo_epochs: int = help_field(4, "K: passes over each rollout batch.")
-    # --- optimiser
-    learning_rate: float = help_field(1e-5, "AdamW learning rate (policy and value head).")
-    weight_decay: float = help_field(0.0, "AdamW weight decay.")
-    adam_eps: float = help_field(1e-5, "AdamW epsilon.")
-    lr_scheduler_type: str = help_field(
-        "constant", "'constant' or 'linear' decay to 0 over all optimiser steps."
-    )
-    max_grad_norm: float = help_field(1.0, "Gradient clipping norm.")
-    # --- generation
-    max_prompt_length: int = help_field(
-        32, "Prompts longer than this (tokens) are rejected with an error naming the row (see skip_long)."
-    )
-    data_format: str = help_field(
-        "auto",
-        "Schema of prompt_file and eval_prompt_file: 'auto' (detected from the columns) or 'hh' "
-        "(Anthropic/hh-rlhf dialogues, also detected by 'auto': the prompt is `chosen` up to and including "
-        "its last '\\n\\nAssistant:').",
-    )
-    skip_long: bool = help_field(
-        False,
-        "Leave out (and count) prompts longer than max_prompt_length; false = stop with an error naming "
-        "the row.",
-    )
-    max_new_tokens: int = help_field(32, "Maximum response length in tokens.")
-    temperature: float = help_field(1.0, "Sampling temperature (log-probs use the same temperature).")
-    top_k: int = help_field(
-        0,
-        "Must stay 0 (off): PPO's ratio and KL are log-probs of the full softmax at `temperature`, the "
-        "distribution the tokens must be drawn from; top-k draws from another one (tokens outside the "
-        "reference's top k would even have infinite KL). Evaluation may use it.",
-    )
-    top_p: float = help_field(1.0, "Must stay 1.0 (off), as top_k and for the same reason.")
-    stop_strings: list[str] = help_field(
-        [],
-        "A response ends at the token completing the first of these strings in its text (the token is kept, "
-        "as an EOS is): its end for the response mask, the score, the KL and the EOS trick. On the command "
-        "line a YAML list keeps spaces and escapes: --stop_strings '[\"\\n\"]'. [] = off.",
-    )
-    min_new_tokens: int = help_field(
-        0,
-        "EOS cannot be sampled before this many response tokens, and a stop string completed before then is "
-        "ignored (0 = off). PPO's log-probs are those of the same EOS-masked distribution.",
-    )
-    sampling_dtype: str = help_field(
-        "float32",
-        "The dtype of the linear layers while sampling: float32 | bfloat16. "
-        "float32 samples the policy's own distribution (up to float rounding); bfloat16, an opt-in, samples "
-        "from copies of the linear layers in bfloat16 (0.8x the float32 step at batch 32 on an AVX-512 CPU, "
-        "slower on an H100 at ~100M weights): another distribution than the one PPO's log-probs describe, "
-        "the gap logged per token as objective/kl_sampler.",
-    )
-    sampling_compile: bool = help_field(
-        False,
-        "Decode steps with a static KV cache through torch.compile (CUDA graphs on a GPU): the same "
-        "distribution, 5.7x faster decode steps on an H100 for a 135M model after a compilation of ~45 s per "
-        "batch size and prompt width bucket of 64; slower on CPUs. For long GPU runs; float32 sampling only.",
-    )
-    # --- rewards and KL
-    kl_estimator: str = help_field("k1", "Per-token KL estimator in the reward: k1 | k3 | abs | mse.")
-    kl_controller: str = help_field("adaptive", "'adaptive' (Ziegler et al. 2019) or 'fixed'.")
-    init_kl_coef: float = help_field(0.1, "Initial beta.")
-    kl_target: float = help_field(6.0, "Adaptive controller: target per-sequence KL (nats).")
-    kl_horizon: int = help_field(10000, "Adaptive controller: horizon in episodes.")
-    eos_penalty: float | None = help_field(
-        None,
-        "EOS trick: score for responses that never emitted EOS nor a stop string (null = off; off by default:"
-        " such a response is scored as its text ending in the RM's EOS, README 'Generation controls').",
-    )
-    score_clip: float | None = help_field(None, "Clip RM scores to [-x, x] (null = off).")
-    whiten_rewards: bool = help_field(
-        False, "Whiten the per-token rewards over the batch before GAE (advantage_estimator gae only)."
-    )
-    # --- PPO
-    gamma: float = help_field(1.0, "Discount.")
-    lam: float = help_field(0.95, "GAE lambda.")
-    cliprange: float = help_field(0.2, "Policy ratio clip epsilon.")
-    cliprange_value: float = help_field(0.2, "Value clip epsilon.")
-    vf_coef: float = help_field(0.1, "c1: value loss coefficient.")
-    ent_coef: float = help_field(0.0, "c2: entropy bonus coefficient.")
-    target_approxkl: float | None = help_field(
-        None, "Stop the epochs early when approx-KL of a minibatch exceeds this (null = off)."
-    )
-    ratio_guard: float = help_field(
-        10.0, "Skip a minibatch whose mean ratio exceeds this (a diverged update)."
-    )
-    # --- LoRA
-    use_lora: bool = help_field(
-        False, "Train a LoRA adapter; the reference is the same network with the adapter disabled."
-    )
-    lora_r: int = help_field(16, "LoRA rank.")
-    lora_alpha: int = help_field(32, "LoRA alpha.")
-    lora_dropout: float = help_field(0.0, "LoRA dropout (0 keeps ratio == 1 at the first step).")
-    lora_target_modules: list[str] | None = help_field(
-        None, "Modules to adapt (null = peft's default for the architecture)."
-    )
-    merge_lora: bool = help_field(
-        True, "With LoRA: save the merged policy as a plain HF folder (the adapter is kept in adapter/)."
-    )
-    # --- held-out evaluation during training (the over-optimisation curve)
-    eval_prompt_file: str | None = help_field(
-        "data/reviews/eval_prompts.jsonl", "Held-out prompts evaluated every eval_every steps (null = off)."
-    )
-    eval_every: int = help_field(
-        10, "Evaluate on held-out prompts every N steps, and before the first (0 = off)."
-    )
-    eval_num_prompts: int = help_field(64, "How many held-out prompts each evaluation samples.")
-    eval_batch_size: int | None = help_field(
-        None,
-        "Held-out prompts sampled together (null = rollout_batch_size). Batch b is drawn after seeding with "
-        "seed + b, so the batch size fixes the evaluation's random draws, and its logits its peak memory: set it "
-        "to evaluate runs of different rollout shapes with the same draws.",
-    )
-    gold_judge: str = help_field(
-        "data/reviews/gold.json",
-        "Gold judge for held-out evaluation: a judge JSON (gold.json: sentiment and fluency), module:callable, or none.",
-    )
-    accuracy_fn: str | None = help_field(
-        None,
-        "A verifier: 'module:callable' or 'path/to/file.py:callable' with the reward-function interface "
-        "(prompts, responses) -> list of 1.0 (correct) / 0.0 (wrong), e.g. llm_rlhf.arithmetic:reward; when set, "
-        "held-out evaluation (eval_every > 0) reports accuracy in eval_log.jsonl: sampled (the mean over the "
-        "samples drawn as configured) and greedy (one greedy response per prompt, temperature 0 / argmax), "
-        "with standard errors; the pipeline's eval stage takes it too. null = off.",
-    )
-    # --- logging and checkpoints
-    log_samples_every: int = help_field(10, "Log a few sampled responses every N steps.")
-    num_log_samples: int = help_field(3, "How many samples to log.")
-    save_steps: int = help_field(20, "Checkpoint every N steps (0 = only at the end).")
-    resume: bool = help_field(False, "Continue from the last checkpoint in output_dir.")
-    report_to: str = help_field("none", "Also log to: none | tensorboard | wandb.")
-
-    def __post_init__(self):
-        require(self.data_format in DATA_FORMATS, "data_format", f"must be one of {', '.join(DATA_FORMATS)}")
-        check_reward_keys(self)
-        if self.accuracy_fn is not None:  # its form only: imported when the stage starts
-            split_callable_spec(self.accuracy_fn, "accuracy_fn")
-        require(self.steps > 0, "steps", "must be > 0")
-        require(
-            self.eval_batch_size is None or self.eval_batch_size > 0, "eval_batch_size", "must be > 0 or null"
-        )
-        episodes = self.rollout_batch_size * self.samples_per_prompt
-        require(
-            self.mini_batch_size > 0 and episodes % self.mini_batch_size == 0,
-            "mini_batch_size",
-            f"must divide rollout_batch_size ({self.rollout_batch_size})"
-            if self.samples_per_prompt == 1
-            else f"must divide the episodes of a rollout, rollout_batch_size * samples_per_prompt ({episodes})",
-        )
-        require(
-            self.gradient_accumulation_steps > 0
-            and self.mini_batch_size % self.gradient_accumulation_steps == 0,
-            "gradient_accumulation_steps",
-            f"must divide mini_batch_size ({self.mini_batch_size})",
-        )
-        require(self.kl_estimator in ("k1", "k3", "abs", "mse"), "kl_estimator", "must be k1, k3, abs or mse")
-        require(self.kl_controller in ("adaptive", "fixed"), "kl_controller", "must be 'adaptive' or 'fixed'")
-        require(self.value_model in ("policy", "reward"), "value_model", "must be 'policy' or 'reward'")
-        require(
-            self.lr_scheduler_type in ("constant", "linear"),
-            "lr_scheduler_type",
-            "must be 'constant' or 'linear'",
-        )
-        require(
-            self.report_to in ("none", "tensorboard", "wandb"),
-            "report_to",
-            "must be none, tensorboard or wandb",
-        )
-        require(self.temperature > 0, "temperature", "must be > 0")
-        sampled_as_scored = (
-            "PPO samples from the distribution its log-probs describe: the full softmax at temperature"
-        )
-        require(self.top_k == 0, "top_k", f"must be 0 (off); {sampled_as_scored}")
-        require(self.top_p == 1.0, "top_p", f"must be 1.0 (off); {sampled_as_scored}")
-        require(
-            self.kl_target > 0 and self.kl_horizon > 0, "kl_target", "kl_target and kl_horizon must be > 0"
-        )
-        require(0 < self.cliprange and 0 < self.cliprange_value, "cliprange", "clip ranges must be > 0")
-        require(self.max_new_tokens > 0, "max_new_tokens", "must be > 0")
-        check_generation_controls(self)
-        check_estimator_keys(self)
-        require(
-            not (self.whiten_rewards and self.critic_free),
-            "whiten_rewards",
-            "applies to advantage_estimator gae only (the critic-free estimators baseline or whiten the "
-            "advantages themselves)",
-        )
-
-    @property
-    def heldout_batch_size(self) -> int:
-        """Prompts per batch of the held-out evaluation: eval_batch_size, null = rollout_batch_size."""
-        return self.eval_batch_size or self.rollout_batch_size
-
-    @property
-    def critic_free(self) -> bool:
-        """No value function: every estimator but gae."""
-        return self.advantage_estimator != "gae"
-
-    @property
-    def kl_penalty_in_loss(self) -> bool:
-        """Where the KL goes, kl_in_loss resolved: null = in the loss for grpo and dr_grpo (GRPO's published
-        form, Shao et al. 2024, eq. 3), in the reward for the others (Ziegler et al. 2019; RLOO, REINFORCE++
-        and ReMax put it there too). Not written back into the config: the saved config says what was given."""
-        if self.kl_in_loss is None:
-            return self.advantage_estimator in ("grpo", "dr_grpo")
-        return self.kl_in_loss
-
-
-def check_estimator_keys(cfg) -> None:
-    """advantage_estimator, samples_per_prompt and the critic: each a ConfigError naming its key."""
-    estimators = ppo_math.ADVANTAGE_ESTIMATORS
-    require(
-        cfg.advantage_estimator in estimators,
-        "advantage_estimator",
-        f"must be one of {', '.join(estimators)}",
-    )
-    require(cfg.samples_per_prompt >= 1, "samples_per_prompt", "must be >= 1")
-    require(
-        cfg.samples_per_prompt >= 2 or cfg.advantage_estimator not in ("grpo", "dr_grpo", "rloo"),
-        "samples_per_prompt",
-        f"must be >= 2 for advantage_estimator {cfg.advantage_estimator} (a group of one response has no baseline)",
-    )
-    require(
-        cfg.value_model == "policy" or cfg.advantage_estimator == "gae",
-        "value_model",
-        f"'{cfg.value_model}' trains a critic, which advantage_estimator {cfg.advantage_estimator} does not "
-        "use (only gae does): leave value_model at 'policy'",
-    )
-
-
-def check_reward_keys(cfg) -> None:
-    """The score needs a reward model, a reward function or both (`scoring.check_score_keys` checks their
-    keys); the RM-initialised critic needs the RM."""
-    require(
-        not is_off(cfg.reward_model_path) or cfg.reward_fn is not None,
-        "reward_model_path",
-        "is none and reward_fn is not set: PPO needs a score (a reward model, a reward_fn or both)",
-    )
-    check_score_keys(cfg)  # the reward function's form only: it is imported when the stage starts
-    require(
-        cfg.value_model != "reward" or not is_off(cfg.reward_model_path),
-        "value_model",
-        "'reward' initialises the critic from the reward model: set reward_model_path",
-    )
-
+from llm_rlhf.scoring import Scorer, Scores
 
 TRAIN_STATS = (
     "loss/policy",
@@ -397,54 +63,6 @@ TRAIN_STATS = (
 )  # token means over each global minibatch, averaged over the minibatches
 VALUE_STATS = ("loss/value", "val/clipfrac")  # not computed without a value function (critic-free estimators)
 KL_LOSS_STAT = "loss/kl"  # kl_coef * mean k3 over the minibatch's tokens, when the KL is in the loss
-
-
-@dataclass(frozen=True)
-class BatchSizes:
-    """The batch-size arithmetic of one PPO step, in one place (printed at start, tested)."""
-
-    num_processes: int
-    samples_per_prompt: int
-    prompts_per_process: int  # rollout_batch_size
-    rollout_per_process: int  # episodes: prompts_per_process * samples_per_prompt
-    mini_batch_per_process: int
-    micro_batch_per_process: int
-    gradient_accumulation_steps: int
-    num_mini_batches: int  # optimiser steps per PPO epoch
-    optimizer_steps_per_ppo_step: int
-    prompts_per_step: int  # global: what the prompt schedule advances by (`next_queries`)
-    episodes_per_step: int  # global rollout batch: the n of the KL controller update
-    total_episodes: int
-
-
-def batch_sizes(
-    *,
-    rollout_batch_size: int,
-    mini_batch_size: int,
-    gradient_accumulation_steps: int,
-    ppo_epochs: int,
-    steps: int,
-    num_processes: int,
-    samples_per_prompt: int = 1,
-) -> BatchSizes:
-    """rollout_batch_size prompts per process, each sampled samples_per_prompt times: the rollout's episodes
-    per process; minibatches and micro-batches count episodes."""
-    episodes = rollout_batch_size * samples_per_prompt  # per process
-    num_mini_batches = episodes // mini_batch_size
-    return BatchSizes(
-        num_processes=num_processes,
-        samples_per_prompt=samples_per_prompt,
-        prompts_per_process=rollout_batch_size,
-        rollout_per_process=episodes,
-        mini_batch_per_process=mini_batch_size,
-        micro_batch_per_process=mini_batch_size // gradient_accumulation_steps,
-        gradient_accumulation_steps=gradient_accumulation_steps,
-        num_mini_batches=num_mini_batches,
-        optimizer_steps_per_ppo_step=num_mini_batches * ppo_epochs,
-        prompts_per_step=rollout_batch_size * num_processes,
-        episodes_per_step=episodes * num_processes,
-        total_episodes=episodes * num_processes * steps,
-    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -562,7 +180,7 @@ class PPOTrainer:
         # ReMax's baseline response: the same settings, greedy (temperature 0: argmax, no random draw).
         self.greedy = dataclasses.replace(self.sampling, temperature=0.0)
         # The statistics of an update: no value loss without a value function, the KL loss when it is there.
-        self.train_stats = tuple(s for s in TRAIN_STATS if not (cfg.critic_free and s in VALUE_STATS)) + (
+        self.train_stats = tuple(s for s in TRAIN_STATS if cfg.estimator.critic or s not in VALUE_STATS) + (
             (KL_LOSS_STAT,) if cfg.kl_penalty_in_loss else ()
         )
         self.kl_ctl = (
@@ -608,7 +226,7 @@ class PPOTrainer:
         # y ~ pi_theta(.|x), logprobs (and values with gae), ref_logprobs, scores
         rollout, scores = self.rollout(self.in_groups(queries), times)
         greedy = None  # ReMax: one greedy response per prompt, its logprobs, ref_logprobs and scores
-        if cfg.advantage_estimator == "remax":
+        if cfg.estimator.greedy_baseline:
             greedy, _ = self.rollout(queries, times, sampling=self.greedy)
         self.check_finite(
             "rollout",
@@ -677,7 +295,8 @@ class PPOTrainer:
         self, rollout: Rollout, rewards: torch.Tensor, baseline: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A_t for every response token, (B, R), from the per-token rewards (B, R), and the returns the value
-        loss fits (None without a value function), by `advantage_estimator`:
+        loss fits (None without a value function), by the estimator's advantage function
+        (`Estimator.advantages`, `llm_rlhf.estimators`):
 
             gae           GAE over the values, then whitened over the global batch
             reinforce_pp  gamma = 1 returns, whitened over the global batch (`ppo_math.reinforce_pp_advantages`)
@@ -688,34 +307,18 @@ class PPOTrainer:
         The groups are this process's consecutive rows of k samples (`in_groups`): whole on this process, and
         taken over the whole rollout before any minibatch, so neither the number of processes nor the
         micro-batches change a group's statistics. baseline: ReMax's greedy sequence rewards, (P,)."""
-        cfg, mask = self.cfg, rollout.response_mask
-        estimator, k = cfg.advantage_estimator, cfg.samples_per_prompt
-        if estimator == "gae":
-            advantages, returns = ppo_math.compute_gae(
-                rewards=rewards, values=rollout.values, response_mask=mask, gamma=cfg.gamma, lam=cfg.lam
-            )
-            return self.whiten(advantages, mask), returns
-        if estimator == "reinforce_pp":
-            advantages, _ = ppo_math.reinforce_pp_advantages(
-                rewards=rewards, response_mask=mask, reduce_sum=self.reduce_sum
-            )
-            return advantages, None
-        scores = ppo_math.masked_sum(rewards, mask, dim=-1)  # (B,) the sequence rewards
-        if estimator in ("grpo", "dr_grpo"):
-            advantages = ppo_math.grpo_advantages(
-                scores=scores, samples_per_prompt=k, scale_by_std=estimator == "grpo"
-            )
-        elif estimator == "rloo":
-            advantages = ppo_math.rloo_advantages(scores=scores, samples_per_prompt=k)
-        else:
-            advantages = ppo_math.remax_advantages(
-                scores=scores, baseline_scores=baseline, samples_per_prompt=k
-            )
-        # Not whitened: each is already a baselined advantage, used as is by GRPO (Shao et al. 2024, sec.
-        # 4.1.2: the group-normalised reward is the advantage of every token), Dr. GRPO (Liu et al. 2025, which
-        # also drops GRPO's std), RLOO (Ahmadian et al. 2024) and ReMax (Li et al. 2023). Whitening over the
-        # batch would also mix every group's statistics with the others'.
-        return ppo_math.token_advantages(advantages=advantages, response_mask=mask), None  # (B, R)
+        cfg = self.cfg
+        inputs = AdvantageInputs(
+            rewards=rewards,
+            response_mask=rollout.response_mask,
+            values=rollout.values,
+            baseline=baseline,
+            samples_per_prompt=cfg.samples_per_prompt,
+            gamma=cfg.gamma,
+            lam=cfg.lam,
+            reduce_sum=self.reduce_sum,
+        )
+        return cfg.estimator.advantages(inputs)
 
     # --- phases -------------------------------------------------------------------------------
 
@@ -938,7 +541,7 @@ class PPOTrainer:
                             "policy/clipfrac": pg.clipfrac,
                             "policy/ratio": ppo_math.masked_mean(pg.ratio, mask),
                         }
-                        if not cfg.critic_free:  # gae: the value head's or the critic's loss
+                        if cfg.estimator.critic:  # gae: the value head's or the critic's loss
                             vf_loss, vf = ppo_math.value_loss(
                                 values=values,
                                 old_values=part.values,

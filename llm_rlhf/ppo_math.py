@@ -348,9 +348,6 @@ def compute_gae(
 # Critic-free estimators
 # ---------------------------------------------------------------------------------------------
 
-ADVANTAGE_ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "remax")
-
-
 def scores_by_prompt(*, scores: torch.Tensor, samples_per_prompt: int) -> torch.Tensor:
     """The rollout's scores as one row per prompt: row p holds the k responses of prompt p.
 

@@ -51,7 +51,8 @@ from llm_rlhf.models import (
     tokenizer_or_load,
     use_fused_gelu,
 )
-from llm_rlhf.ppo import Config, PPOModels, PPOTrainer  # Config: the keys of `llm-rlhf ppo`
+from llm_rlhf.ppo import PPOModels, PPOTrainer
+from llm_rlhf.ppo_config import Config  # the keys of `llm-rlhf ppo`
 from llm_rlhf.reward_fn import RewardFn, decode_texts, load_reward_fn, probe
 from llm_rlhf.reward_model import (
     RewardEnsemble,
@@ -120,9 +121,9 @@ def build_models(cfg: Config, *, policy=None, reward_model=None) -> PPOModels:
         else lm.config.hidden_size
     )
     # With a separate critic the policy has no value head: every trainable parameter takes part in the loss.
-    # The critic-free estimators (advantage_estimator other than gae) have neither: no value function is
-    # built, trained, checkpointed or saved.
-    with_head = cfg.value_model == "policy" and not cfg.critic_free
+    # The critic-free estimators (`Estimator.critic` false) have neither: no value function is built, trained,
+    # checkpointed or saved.
+    with_head = cfg.value_model == "policy" and cfg.estimator.critic
     value_head = ValueHead(hidden).to(next(lm.parameters()).dtype) if with_head else None
     policy = PolicyWithValue(lm, value_head)
     if isinstance(reward_model, list):

@@ -46,6 +46,7 @@ import numpy as np
 import yaml
 
 from llm_rlhf.config import is_off
+from llm_rlhf.estimators import DEFAULT_ESTIMATOR, ESTIMATORS
 from llm_rlhf.hacking import DEGENERACY_KEYS, degeneracy_flags, degeneracy_rates, standardised_gaps
 from llm_rlhf.utils import atomic_write_text
 
@@ -332,7 +333,7 @@ def kl_target(run: Run) -> float | None:
 def estimator_text(estimator: Any, samples_per_prompt: Any) -> str:
     """How an RL run made its advantages: the advantage_estimator, with the group size when a prompt was
     sampled more than once ("grpo, k = 4"). A config from before the key existed is gae."""
-    name = str(estimator or "gae")
+    name = str(estimator or DEFAULT_ESTIMATOR)
     return name if samples_per_prompt in (None, 1) else f"{name}, k = {samples_per_prompt}"
 
 
@@ -1104,8 +1105,9 @@ def estimator_card(run: Run) -> list[str]:
     """The card that says how the PPO stage made its advantages (none without a PPO config)."""
     if "ppo/config.yaml" not in run.configs:
         return []
-    estimator = config_value(run, "ppo", "advantage_estimator") or "gae"
-    critic = "GAE over a value function" if estimator == "gae" else "no value function"
+    estimator = str(config_value(run, "ppo", "advantage_estimator") or DEFAULT_ESTIMATOR)
+    row = ESTIMATORS.get(estimator)  # None: a name this version does not know
+    critic = "GAE over a value function" if row is not None and row.critic else "no value function"
     k = config_value(run, "ppo", "samples_per_prompt")
     sub = f"{critic}; {k} samples / prompt" if k not in (None, 1) else critic
     return [_card("Advantage estimator", str(estimator), sub)]

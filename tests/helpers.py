@@ -250,7 +250,7 @@ def scores_alone(rm, rows: list[list[int]]) -> torch.Tensor:
 def ppo_config(model_dir, rm_dir, prompt_file, out, **kw):
     """A PPO config for tiny-model runs: two steps of 8 episodes in minibatches of 4, 8 new tokens, no
     checkpoints or logged samples; `rm_dir` None for no reward model (give a reward_fn then). `kw` wins."""
-    from llm_rlhf import ppo
+    from llm_rlhf import ppo_config
 
     base = dict(
         model_name_or_path=str(model_dir),
@@ -270,7 +270,7 @@ def ppo_config(model_dir, rm_dir, prompt_file, out, **kw):
         gold_judge=SENTIMENT_JUDGE,
     )
     base.update(kw)
-    return ppo.Config(**base)
+    return ppo_config.Config(**base)
 
 
 def ppo_trainer(cfg, mixed_precision: str = "no"):

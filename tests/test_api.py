@@ -45,10 +45,10 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def test_public_names_are_the_stages():
-    from llm_rlhf import evaluate, ppo, reward, sft
+    from llm_rlhf import evaluate, ppo_config, reward, sft
 
     assert llm_rlhf.SFTConfig is sft.Config and llm_rlhf.RMConfig is reward.Config
-    assert llm_rlhf.PPOConfig is ppo.Config and llm_rlhf.EvalConfig is evaluate.Config
+    assert llm_rlhf.PPOConfig is ppo_config.Config and llm_rlhf.EvalConfig is evaluate.Config
     assert llm_rlhf.UserError is UserError
     assert set(cli.API.values()) <= set(llm_rlhf.__all__)
     with pytest.raises(AttributeError):

@@ -6,7 +6,9 @@ tests/test_multiprocess.py."""
 
 from __future__ import annotations
 
+import ast
 import copy
+import dataclasses
 import json
 import os
 import signal
@@ -25,8 +27,18 @@ from helpers import (
     recording_rollouts,
 )
 
-from llm_rlhf import ppo, ppo_math, ppo_run
+from llm_rlhf import cli, ppo, ppo_math, ppo_run
+from llm_rlhf.config import format_help, parse_config
 from llm_rlhf.errors import ConfigError
+from llm_rlhf.estimators import (
+    ADVANTAGE_ESTIMATORS,
+    CRITIC_KEYS,
+    ESTIMATORS,
+    ROWS,
+    SAMPLER_CORRECTIONS,
+    AdvantageInputs,
+)
+from llm_rlhf.ppo_config import Config, batch_sizes
 
 CRITIC_FREE = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "remax")
 K = {"grpo": 4, "dr_grpo": 4, "rloo": 4, "reinforce_pp": 2, "remax": 2}  # samples per prompt in these tests
@@ -53,25 +65,23 @@ def estimator_config(tiny_model_dir, tiny_rm_dir, prompt_file, out, estimator, *
         ({"advantage_estimator": "rloo"}, "samples_per_prompt", "must be >= 2 for advantage_estimator rloo"),
         ({"samples_per_prompt": 0}, "samples_per_prompt", "must be >= 1"),
         ({"advantage_estimator": "rloo", "samples_per_prompt": 2, "value_model": "reward"}, "value_model",
-         "'reward' trains a critic, which advantage_estimator rloo does not use"),
+         r"'reward' is not used by advantage_estimator rloo \(only by gae\)"),
         ({"advantage_estimator": "grpo", "samples_per_prompt": 4, "whiten_rewards": True}, "whiten_rewards",
-         "applies to advantage_estimator gae only"),
+         r"True is not used by advantage_estimator grpo \(only by gae\)"),
         ({"samples_per_prompt": 3, "rollout_batch_size": 4, "mini_batch_size": 8}, "mini_batch_size",
          r"must divide the episodes of a rollout, rollout_batch_size \* samples_per_prompt \(12\)"),
     ],
 )  # fmt: skip
 def test_config_errors_name_the_key(values, key, says):
     with pytest.raises(ConfigError, match=f"^config key '{key}': {says}"):
-        ppo.Config(**values)
+        Config(**values)
 
 
 def test_a_group_that_fills_the_minibatch_is_accepted():
     """mini_batch_size counts episodes: 4 prompts x 3 samples in minibatches of 6 (not a multiple of k)."""
-    cfg = ppo.Config(
-        samples_per_prompt=3, rollout_batch_size=4, mini_batch_size=6, advantage_estimator="rloo"
-    )
-    sizes = ppo.batch_sizes(rollout_batch_size=4, mini_batch_size=6, gradient_accumulation_steps=2, ppo_epochs=2,
-                            steps=5, num_processes=2, samples_per_prompt=cfg.samples_per_prompt)  # fmt: skip
+    cfg = Config(samples_per_prompt=3, rollout_batch_size=4, mini_batch_size=6, advantage_estimator="rloo")
+    sizes = batch_sizes(rollout_batch_size=4, mini_batch_size=6, gradient_accumulation_steps=2, ppo_epochs=2,
+                        steps=5, num_processes=2, samples_per_prompt=cfg.samples_per_prompt)  # fmt: skip
     assert (sizes.prompts_per_process, sizes.rollout_per_process, sizes.num_mini_batches) == (4, 12, 2)
     assert (sizes.micro_batch_per_process, sizes.optimizer_steps_per_ppo_step) == (3, 4)
     assert (sizes.prompts_per_step, sizes.episodes_per_step, sizes.total_episodes) == (8, 24, 120)
@@ -83,9 +93,168 @@ def test_a_group_that_fills_the_minibatch_is_accepted():
      ("reinforce_pp", None, False), ("remax", None, False), ("gae", True, True), ("grpo", False, False)],
 )  # fmt: skip
 def test_kl_placement_defaults_to_the_published_form(estimator, kl_in_loss, in_loss):
-    cfg = ppo.Config(advantage_estimator=estimator, samples_per_prompt=2, kl_in_loss=kl_in_loss)
+    cfg = Config(advantage_estimator=estimator, samples_per_prompt=2, kl_in_loss=kl_in_loss)
     assert cfg.kl_penalty_in_loss is in_loss
     assert cfg.kl_in_loss is kl_in_loss  # resolved, not written back
+
+
+# --- keys the chosen estimator does not read ------------------------------------------------------------
+
+SET = {"gamma": 0.99, "lam": 0.9, "vf_coef": 0.5, "cliprange_value": 0.3, "whiten_rewards": True,
+       "value_model": "reward"}  # a value other than the default of each key an estimator may ignore  # fmt: skip
+IGNORED = [(row.name, key) for row in ROWS for key in row.ignored_keys]
+
+
+def test_every_ignored_key_has_a_value_to_set_and_the_critic_free_rows_ignore_gamma_and_the_critic():
+    assert {key for _, key in IGNORED} == set(SET)
+    assert {name for name, key in IGNORED if key == "gamma"} == set(CRITIC_FREE)
+    for row in ROWS:
+        assert (set(CRITIC_KEYS) <= set(row.ignored_keys)) is (not row.critic), row.name
+
+
+@pytest.mark.parametrize(("estimator", "key"), IGNORED)
+def test_a_key_the_estimator_ignores_is_an_error_naming_it(estimator, key):
+    """Set to another value than its default it is one ConfigError naming the key; at its default (a recipe
+    that spells out every key, a run's saved config.yaml) it is accepted; gae reads it."""
+    group = dict(advantage_estimator=estimator, samples_per_prompt=2)
+    with pytest.raises(ConfigError) as e:
+        Config(**group, **{key: SET[key]})
+    default = getattr(Config(), key)
+    assert str(e.value) == (
+        f"config key '{key}': {SET[key]!r} is not used by advantage_estimator {estimator} (only by gae): "
+        f"remove it or leave it at its default {default!r}"
+    )
+    assert getattr(Config(**group, **{key: default}), key) == default
+    assert getattr(Config(**{key: SET[key]}), key) == SET[key]
+
+
+def test_ignored_keys_through_the_command_and_a_recipe(tmp_path, capsys):
+    """`llm-rlhf ppo` stops with one line naming the key and exit code 2, before anything is written; a YAML
+    recipe is refused the same way."""
+    out = tmp_path / "run"
+    argv = ["ppo", "--advantage_estimator", "reinforce_pp", "--gamma", "0.99", "--output_dir", str(out)]
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err == (
+        "error: config key 'gamma': 0.99 is not used by advantage_estimator reinforce_pp (only by gae): remove "
+        "it or leave it at its default 1.0\n"
+    )
+    assert not out.exists()
+    recipe = tmp_path / "ppo.yaml"
+    recipe.write_text("advantage_estimator: grpo\nsamples_per_prompt: 4\nvf_coef: 0.2\nlam: 0.95\n")
+    with pytest.raises(
+        ConfigError, match=r"^config key 'vf_coef': 0.2 is not used by advantage_estimator grpo"
+    ):
+        parse_config(Config, ["--config", str(recipe)])
+    recipe.write_text("advantage_estimator: grpo\nsamples_per_prompt: 4\nvf_coef: 0.1\nlam: 0.95\n")
+    assert parse_config(Config, ["--config", str(recipe)]).vf_coef == 0.1
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--init_kl_coef", "-0.1"], "must be >= 0"),
+        (["--init_kl_coef", "0"], "is 0 with kl_controller 'adaptive', which multiplies beta at each step and so "
+                                  "keeps it at 0"),
+    ],
+)  # fmt: skip
+def test_kl_coefficient_errors_name_the_key(argv, says, capsys):
+    with pytest.raises(ConfigError, match=f"^config key 'init_kl_coef': {says}"):
+        parse_config(Config, argv)
+    assert cli.main(["ppo", *argv]) == 2
+    assert capsys.readouterr().err.startswith(f"error: config key 'init_kl_coef': {says}")
+    assert Config(init_kl_coef=0.0, kl_controller="fixed").init_kl_coef == 0.0  # no KL penalty: fixed at 0
+
+
+# --- the table agrees with what the estimators do ---------------------------------------------------------
+
+
+def table_inputs(*, scale: float = 1.0) -> AdvantageInputs:
+    """A rollout of 2 prompts x 4 responses of different lengths: a KL-like reward on every token and a score
+    at the last one, old values and greedy scores; all multiplied by `scale`."""
+    g = torch.Generator().manual_seed(0)
+    B, R, k = 8, 5, 4
+    lengths = torch.tensor([5, 3, 4, 2, 5, 1, 4, 3])
+    mask = torch.arange(R)[None, :] < lengths[:, None]  # (B, R) each response a prefix of its row
+    rewards = -0.1 * torch.rand(B, R, generator=g, dtype=torch.float64)  # (B, R)
+    rewards[torch.arange(B), lengths - 1] += torch.randn(B, generator=g, dtype=torch.float64)  # the scores
+    values = torch.randn(B, R, generator=g, dtype=torch.float64)
+    greedy = torch.randn(B // k, generator=g, dtype=torch.float64)  # (P,)
+    return AdvantageInputs(
+        rewards=scale * torch.where(mask, rewards, 0), response_mask=mask, values=scale * values,
+        baseline=scale * greedy, samples_per_prompt=k, gamma=1.0, lam=0.95, reduce_sum=None,
+    )  # fmt: skip
+
+
+def test_table_is_the_accepted_names_and_the_help():
+    assert ADVANTAGE_ESTIMATORS == tuple(ESTIMATORS) == tuple(row.name for row in ROWS)
+    assert ADVANTAGE_ESTIMATORS == ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "remax")
+    assert tuple(r for r in ADVANTAGE_ESTIMATORS if r != "gae") == CRITIC_FREE
+    with pytest.raises(ConfigError, match=f"must be one of {', '.join(ADVANTAGE_ESTIMATORS)}$"):
+        Config(advantage_estimator="ppo")
+    text = format_help(Config)
+    for row in ROWS:
+        assert f"'{row.name}' ({row.description})" in " ".join(text.split())
+
+
+@pytest.mark.parametrize("row", ROWS, ids=lambda r: r.name)
+def test_each_row_agrees_with_its_advantage_function(row):
+    """critic: returns for a value loss; min_samples_per_prompt: a group of one is refused below it;
+    std_scaling: rewards 3x larger give the same advantages when divided by a std, 3x larger otherwise;
+    greedy_baseline: the greedy scores move the advantages; ignored gamma and lam change nothing;
+    'gspo' accepted where the advantage is one number per response."""
+    x = table_inputs()
+    advantages, returns = row.advantages(x)
+    mask = x.response_mask
+    assert advantages.shape == mask.shape and (advantages[~mask] == 0).all()
+    assert (returns is not None) is row.critic
+    if row.min_samples_per_prompt >= 2:
+        with pytest.raises(ValueError, match="samples_per_prompt >= 2"):
+            row.advantages(dataclasses.replace(x, samples_per_prompt=1))
+    else:
+        row.advantages(dataclasses.replace(x, samples_per_prompt=1, baseline=x.baseline.repeat_interleave(4)))
+    scaled, _ = row.advantages(table_inputs(scale=3.0))
+    expected = advantages if row.std_scaling in ("batch", "group") else 3 * advantages
+    assert row.std_scaling in ("batch", "group", "none")
+    # grpo's std carries eps = 1e-4 and the whitening 1e-8 under the root: equal to their relative size
+    torch.testing.assert_close(scaled, expected, rtol=1e-3, atol=1e-6)
+    moved, _ = row.advantages(dataclasses.replace(x, baseline=x.baseline + 1.0))
+    assert (not torch.equal(moved, advantages)) is row.greedy_baseline
+    for key, other in (("gamma", 0.9), ("lam", 0.5)):
+        changed, _ = row.advantages(dataclasses.replace(x, **{key: other}))
+        assert torch.equal(changed, advantages) is (key in row.ignored_keys), key
+    one_per_response = bool((advantages == advantages[:, :1]).logical_or(~mask).all())
+    assert ("gspo" in row.policy_losses) is one_per_response
+    assert row.dynamic_sampling is (row.min_samples_per_prompt >= 2)  # only a group baseline ties in a group
+    assert set(row.corrections) == set(SAMPLER_CORRECTIONS) and "ppo_clip" in row.policy_losses
+
+
+@pytest.mark.parametrize("row", ROWS, ids=lambda r: r.name)
+def test_each_row_builds_a_value_function_only_with_a_critic(
+    tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, row
+):
+    """`llm-rlhf ppo`'s models: a value head on the policy for a row with a critic, none for the others; the KL
+    in the loss where the row puts it (`kl_in_loss` null)."""
+    cfg = estimator_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, row.name,
+                           samples_per_prompt=max(2, row.min_samples_per_prompt))  # fmt: skip
+    models = ppo_run.build_models(cfg)
+    assert (models.policy.value_head is not None) is row.critic and models.critic is None
+    assert cfg.estimator is row and cfg.kl_penalty_in_loss is row.kl_in_loss
+
+
+def test_no_branch_on_an_estimator_name_outside_the_table():
+    """Outside `llm_rlhf/estimators.py` no comparison names an estimator (`x == "gae"`, `x in ("grpo", ...)`):
+    what an estimator is, is its row."""
+    found = []
+    for path in sorted((ROOT / "llm_rlhf").glob("*.py")):
+        if path.name == "estimators.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Compare):
+                for side in (node.left, *node.comparators):
+                    names = [side] if isinstance(side, ast.Constant) else getattr(side, "elts", [])
+                    if any(isinstance(n, ast.Constant) and n.value in ADVANTAGE_ESTIMATORS for n in names):
+                        found.append(f"{path.name}:{node.lineno}")
+    assert found == []
 
 
 # --- every estimator trains the policy, and nothing else ---------------------------------------------

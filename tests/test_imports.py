@@ -20,6 +20,8 @@ LAYERS = {
     "config": 1, "data": 1, "baseline": 1, "models": 1, "callables": 1, "fast_sampling": 1,
     "rollout": 2, "reward_model": 2, "reward_fn": 2, "trainer_stage": 2, "gold": 2, "accelerated": 2,
     "scoring": 3,  # the one scorer: reward model or ensemble (reward_model) + reward function (reward_fn)
+    "estimators": 1,  # the table of advantage estimators: one row each, its advantage function over ppo_math
+    "ppo_config": 3.5,  # PPO's keys, checked with rollout's and scoring's checks; read by ppo, ppo_run, compare
     "sft": 4, "reward": 4, "dpo": 4, "ppo": 4, "evaluate": 4, "score": 4, "report": 4, "judge": 4,
     "ppo_run": 5,  # the `llm-rlhf ppo` command: the trainer (ppo) and held-out evaluation (evaluate)
     "compare": 5,  # `llm-rlhf compare`: a PPO run's settings (ppo), DPO (dpo), held-out evaluation (evaluate)

@@ -12,13 +12,15 @@ import torch
 from helpers import one_update, ppo_config, ppo_trainer, record_raw_grads, use_fixed_responses
 
 from llm_rlhf import ppo, ppo_run
+from llm_rlhf.estimators import ESTIMATORS
+from llm_rlhf.ppo_config import Config, batch_sizes
 from llm_rlhf.rollout import Samples
 
 # --- pure helpers ------------------------------------------------------------------------------
 
 
 def test_batch_size_arithmetic():
-    s = ppo.batch_sizes(
+    s = batch_sizes(
         rollout_batch_size=64,
         mini_batch_size=16,
         gradient_accumulation_steps=4,
@@ -34,9 +36,9 @@ def test_config_rejects_inconsistent_batch_sizes():
     from llm_rlhf.errors import ConfigError
 
     with pytest.raises(ConfigError, match="mini_batch_size"):
-        ppo.Config(rollout_batch_size=10, mini_batch_size=4)
+        Config(rollout_batch_size=10, mini_batch_size=4)
     with pytest.raises(ConfigError, match="gradient_accumulation_steps"):
-        ppo.Config(mini_batch_size=4, gradient_accumulation_steps=3)
+        Config(mini_batch_size=4, gradient_accumulation_steps=3)
 
 
 # --- invariants --------------------------------------------------------------------------------
@@ -316,9 +318,9 @@ def test_config_dataclass_is_flat(tmp_path):
     from llm_rlhf.config import _base_types, parse_config
 
     ONLY_VALUE = ("top_k", "top_p")  # PPO accepts one value of these (off), given explicitly here
-    hints = typing.get_type_hints(ppo.Config)
-    default = ppo.Config()
-    for f in dataclasses.fields(ppo.Config):
+    hints = typing.get_type_hints(Config)
+    default = Config()
+    for f in dataclasses.fields(Config):
         assert "help" in f.metadata and f.metadata["help"], f.name
         assert set(_base_types(hints[f.name])) <= {bool, int, float, str, list, type(None)}, f.name
         assert not dataclasses.is_dataclass(getattr(default, f.name)), f.name
@@ -332,7 +334,7 @@ def test_config_dataclass_is_flat(tmp_path):
         "sampling_compile": False,  # compiled steps sample float32 only: set in the critic-free config below
         **{key: getattr(default, key) for key in ONLY_VALUE},
     }  # fmt: skip
-    for f in dataclasses.fields(ppo.Config):
+    for f in dataclasses.fields(Config):
         value = getattr(default, f.name)
         if f.name not in changed:
             changed[f.name] = (
@@ -342,19 +344,19 @@ def test_config_dataclass_is_flat(tmp_path):
                 if isinstance(value, (int, float))
                 else value + "x"
             )
-    # A critic-free estimator trains no critic and whitens no rewards: its value in a config of its own.
+    # A critic-free estimator reads none of the value function's keys nor gamma (each is an error when set):
+    # its value in a config of its own, theirs at their defaults.
     critic_free = {
         **changed,
+        **{key: getattr(default, key) for key in ESTIMATORS["remax"].ignored_keys},
         "advantage_estimator": "remax",
-        "value_model": "policy",
-        "whiten_rewards": False,
         "sampling_compile": True,
         "sampling_dtype": "float32",
     }
     for values in (changed, critic_free):
         recipe = tmp_path / "ppo.yaml"
         recipe.write_text(yaml.safe_dump(values))
-        from_yaml = parse_config(ppo.Config, ["--config", str(recipe)])
+        from_yaml = parse_config(Config, ["--config", str(recipe)])
         flags = [
             item
             for key, value in values.items()
@@ -363,7 +365,7 @@ def test_config_dataclass_is_flat(tmp_path):
                 yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("\n...").strip(),
             )
         ]
-        from_flags = parse_config(ppo.Config, flags)
+        from_flags = parse_config(Config, flags)
         for key, value in values.items():
             assert getattr(from_yaml, key) == getattr(from_flags, key) == value, key
     for key in changed:  # each key set to another value than its default in one of the two

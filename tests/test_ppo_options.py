@@ -12,6 +12,7 @@ from helpers import ppo_config, ppo_trainer, recording_rollouts, use_fixed_respo
 from llm_rlhf import ppo, ppo_math, ppo_run
 from llm_rlhf.config import parse_config
 from llm_rlhf.errors import ConfigError, NonFiniteError
+from llm_rlhf.ppo_config import Config
 
 
 def recorded_step(trainer: ppo.PPOTrainer, monkeypatch) -> tuple[dict, dict]:
@@ -291,7 +292,7 @@ def test_ppo_refuses_truncated_sampling(key, value):
     """Top-k / top-p would draw tokens from a truncated softmax while the ratio and the KL use the full
     one (and a token outside the reference's kept set has infinite KL): PPO refuses them by name."""
     with pytest.raises(ConfigError, match=f"^config key '{key}': must be"):
-        parse_config(ppo.Config, [f"--{key}", str(value)])
+        parse_config(Config, [f"--{key}", str(value)])
 
 
 def test_sampling_compile_samples_the_policys_distribution_through_compiled_steps(

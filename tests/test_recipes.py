@@ -13,14 +13,14 @@ import pytest
 import torch
 from helpers import SENTIMENT_JUDGE, build_model, flags, tiny_overrides
 
-from llm_rlhf import cli, compare, dpo, evaluate, pipeline, ppo, reward, sft
+from llm_rlhf import cli, compare, dpo, evaluate, pipeline, ppo_config, reward, sft
 from llm_rlhf.config import parse_config
 from llm_rlhf.utils import read_json
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
 HH_FIXTURE = Path(__file__).resolve().parent / "fixtures" / "hh_rlhf.jsonl"
-CONFIGS = {"sft": sft.Config, "rm": reward.Config, "ppo": ppo.Config, "eval": evaluate.Config,
+CONFIGS = {"sft": sft.Config, "rm": reward.Config, "ppo": ppo_config.Config, "eval": evaluate.Config,
            "pipeline": pipeline.Config}  # fmt: skip
 OPTIONAL = {"dpo": dpo.Config, "compare": compare.Config}  # stage files only some recipes have (reviews)
 NAMES = sorted(p.name for p in RECIPES.iterdir() if p.is_dir())
@@ -52,7 +52,7 @@ def test_the_rule_recipe_evaluates_against_its_starting_model_with_its_verifier(
     alone, and both the eval file and the pipeline compare the policy with that model on the same score."""
     monkeypatch.chdir(ROOT)
     folder = RECIPES / "smollm2-arithmetic"
-    ppo_cfg = parse_config(ppo.Config, ["--config", str(folder / "ppo.yaml")])
+    ppo_cfg = parse_config(ppo_config.Config, ["--config", str(folder / "ppo.yaml")])
     eval_cfg = parse_config(evaluate.Config, ["--config", str(folder / "eval.yaml")])
     piped = pipeline.stage_config(
         parse_config(pipeline.Config, ["--config", str(folder / "pipeline.yaml")]), "eval"
@@ -117,7 +117,7 @@ def test_ppo_and_eval_recipes_spell_out_the_same_generation_controls(name):
         stage: set(yaml.safe_load((folder / f"{stage}.yaml").read_text())) for stage in ("ppo", "eval")
     }
     assert {"stop_strings", "min_new_tokens"} <= written["ppo"] & written["eval"]
-    ppo_cfg = parse_config(ppo.Config, ["--config", str(folder / "ppo.yaml")])
+    ppo_cfg = parse_config(ppo_config.Config, ["--config", str(folder / "ppo.yaml")])
     eval_cfg = parse_config(evaluate.Config, ["--config", str(folder / "eval.yaml")])
     assert {k: getattr(ppo_cfg, k) for k in keys} == {k: getattr(eval_cfg, k) for k in keys}
 
