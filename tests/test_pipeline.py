@@ -138,6 +138,7 @@ def test_a_sweep_over_estimators_is_compared_in_one_report_and_one_compare(
     variant's PPO and eval in DIR/<name>; the grpo run has no value head and no value panels while the gae
     run has both; the side-by-side table names each estimator; compare runs once, over both variants."""
     from llm_rlhf import report
+    from llm_rlhf.report.ppo_curves import ppo_panels
 
     monkeypatch.chdir(ROOT)
     out = tmp_path / "sweep"
@@ -155,7 +156,7 @@ def test_a_sweep_over_estimators_is_compared_in_one_report_and_one_compare(
     titles = {}
     for name in ("gae", "grpo"):
         run = report.load_run(out / name)
-        titles[name] = [panel[0] for panel in report.ppo_panels(run.ppo_history)]
+        titles[name] = [panel[0] for panel in ppo_panels(run.ppo_history)]
     assert {"Value loss", "Explained variance of returns"} <= set(titles["gae"])
     assert titles["grpo"] == [
         t for t in titles["gae"] if t not in ("Value loss", "Explained variance of returns")

@@ -1,0 +1,122 @@
+"""The headline cards at the top of a run's page."""
+
+from __future__ import annotations
+
+import html
+
+from llm_rlhf.report.accuracy import ACCURACY_KINDS, accuracy_points
+from llm_rlhf.report.numbers import first_of, num
+from llm_rlhf.report.page import formatted, plus_minus
+from llm_rlhf.report.runs import (
+    Run,
+    baseline_name,
+    config_value,
+    final_value,
+    kl_target,
+    planned,
+    without_reward_model,
+)
+
+
+def _card(label: str, value: str, sub: str = "") -> str:
+    sub_html = f'<div class="sub">{html.escape(sub)}</div>' if sub else ""
+    return (
+        f'<div class="card"><div class="label">{html.escape(label)}</div>'
+        f'<div class="value">{html.escape(value)}</div>{sub_html}</div>'
+    )
+
+
+def headline_cards(run: Run) -> str:
+    sft_eos = final_value(run, "sft", "eos_rate")
+    # held-out test pairs when the RM stage had a test_file (the figure recipes report), else the eval pairs
+    rm_split = "test" if final_value(run, "rm", "test_accuracy") is not None else "eval"
+    rm_acc = final_value(run, "rm", f"{rm_split}_accuracy")
+    rm_base = final_value(run, "rm", "baseline_test_accuracy" if rm_split == "test" else "baseline_accuracy")
+    first = final_value(run, "ppo", "scores_first")
+    if first is None and run.ppo_history:
+        first = num(run.ppo_history[0].get("objective/scores"))
+    last = first_of(final_value(run, "ppo", "scores_last"), final_value(run, "ppo", "objective/scores"))
+    kl = first_of(final_value(run, "ppo", "kl_last"), final_value(run, "ppo", "objective/kl"))
+    target = kl_target(run)
+    beta = final_value(run, "ppo", "objective/kl_coef")
+    gold, rm_win = final_value(run, "eval", "gold_win_rate"), final_value(run, "eval", "rm_win_rate")
+    wall = sum(
+        num((e or {}).get("wall_time_s")) or 0.0 for e in (run.pipeline or {}).values() if isinstance(e, dict)
+    )
+    no_rm = without_reward_model(run)
+    accuracy = accuracy_cards(run)  # with no gold, held-out accuracy takes the gold win rate's place
+    cards = [
+        *([_card("SFT EOS rate", formatted(sft_eos, ".1%"), "responses that stop")] if planned(run, "sft") else []),
+        *([_card(f"RM {rm_split} accuracy", formatted(rm_acc, ".1%"),
+                 f"bag-of-words baseline {formatted(rm_base, '.1%')}, chance 50%" if rm_base is not None else "chance 50%")]
+          if planned(run, "rm") else []),
+        _card("PPO score" if no_rm else "PPO RM score", f"{formatted(first)} → {formatted(last)}",
+              "first → last step" + ("; the reward function's (no reward model)" if no_rm else "")),
+        _card("PPO KL", formatted(kl), f"target {formatted(target)}, β = {formatted(beta)}" if target is not None else f"fixed β = {formatted(beta)}"),
+        *estimator_card(run),
+        *accuracy,
+        *([] if accuracy and gold is None else [_card("Gold win rate", formatted(gold, ".1%"),
+            f"vs SFT; RM win rate {formatted(rm_win, '.1%')}" if rm_win is not None else "vs SFT")]),
+    ]  # fmt: skip
+    sentiment = final_value(run, "eval", "sentiment_win_rate")
+    fluency = final_value(run, "eval", "fluency_perplexity")
+    if sentiment is not None and fluency is not None:  # the fluency-aware gold's parts
+        fluency_sft = final_value(run, "eval", "fluency_perplexity_baseline")
+        cards.append(
+            _card(
+                "Sentiment win rate", formatted(sentiment, ".1%"), "vs SFT, the gold's sentiment part alone"
+            )
+        )
+        cards.append(
+            _card(
+                "Fluency perplexity",
+                formatted(fluency),
+                f"SFT {formatted(fluency_sft)}; lower reads more fluent",
+            )
+        )
+    if wall:
+        cards.append(_card("Wall time", f"{wall / 60:.1f} min", "all stages"))
+    return '<div class="cards">' + "".join(cards) + "</div>"
+
+
+def accuracy_cards(run: Run) -> list[str]:
+    """Held-out accuracy, sampled and greedy: the final evaluation's policy vs baseline (eval/metrics.json), ±
+    standard errors; without it, PPO's first → last held-out evaluation (ppo/eval_log.jsonl). None measured
+    (a task without a verifier): no card."""
+    cards = []
+    for key, kind in ACCURACY_KINDS:
+        policy = final_value(run, "eval", key)
+        if policy is not None:
+            baseline = plus_minus(
+                final_value(run, "eval", f"{key}_baseline"),
+                final_value(run, "eval", f"{key}_stderr_baseline"),
+            )
+            cards.append(
+                _card(
+                    f"Held-out accuracy, {kind}",
+                    plus_minus(policy, final_value(run, "eval", f"{key}_stderr")),
+                    f"policy; {baseline_name(run)} {baseline}",
+                )
+            )
+            continue
+        step, _, y, se = accuracy_points(run.eval_log, key)
+        if len(step):
+            cards.append(
+                _card(
+                    f"Held-out accuracy, {kind}",
+                    f"{y[0]:.1%} → {y[-1]:.1%}",
+                    f"PPO's evaluations, step {step[0]:g} → {step[-1]:g}; ± {formatted(num(se[-1]), '.1%')} last",
+                )
+            )
+    return cards
+
+
+def estimator_card(run: Run) -> list[str]:
+    """The card that says how the PPO stage made its advantages (none without a PPO config)."""
+    if "ppo/config.yaml" not in run.configs:
+        return []
+    estimator = config_value(run, "ppo", "advantage_estimator") or "gae"
+    critic = "GAE over a value function" if estimator == "gae" else "no value function"
+    k = config_value(run, "ppo", "samples_per_prompt")
+    sub = f"{critic}; {k} samples / prompt" if k not in (None, 1) else critic
+    return [_card("Advantage estimator", str(estimator), sub)]
