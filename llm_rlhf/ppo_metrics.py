@@ -59,6 +59,7 @@ TIME_GENERATE = "time/generate"
 TIME_SCORE = "time/score"
 TIME_TRAIN = "time/train"
 TIME_STEP = "time/step"  # the whole step
+TIME_PHASES = (TIME_GENERATE, TIME_SCORE, TIME_TRAIN)  # they add up to the step, but for bookkeeping
 TOKENS_PER_S = "tokens_per_s"  # response tokens over every process per second of the step
 
 # ppo/metrics.json: the last step's line and the run's summary (`ppo_run.summarize`)
@@ -68,3 +69,8 @@ SCORES_LAST = "scores_last"
 KL_LAST = "kl_last"
 KL_TARGET = "kl_target"  # the config's (the adaptive controller's aim)
 TIME_PER_STEP_S = "time_per_step_s"
+
+# ppo/samples.jsonl: a few responses logged every log_samples_every steps (`ppo_run.log_samples`), with STEP
+SAMPLE_QUERY = "query"
+SAMPLE_RESPONSE = "response"
+SAMPLE_SCORE = "score"  # the score PPO gave it

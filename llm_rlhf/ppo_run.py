@@ -375,7 +375,12 @@ def log_samples(trainer: PPOTrainer, out: Path) -> None:
         r = tok.decode(samples.response[i][samples.response_mask[i]], skip_special_tokens=True)
         append_jsonl(
             out / "samples.jsonl",
-            {ppo_metrics.STEP: trainer.step, "query": q, "response": r, "score": float(scores[i])},
+            {
+                ppo_metrics.STEP: trainer.step,
+                ppo_metrics.SAMPLE_QUERY: q,
+                ppo_metrics.SAMPLE_RESPONSE: r,
+                ppo_metrics.SAMPLE_SCORE: float(scores[i]),
+            },
         )
         tqdm.write(f"[step {trainer.step}] {q!r} -> {r!r} (score {float(scores[i]):+.2f})")
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from llm_rlhf import eval_metrics, ppo_metrics
 from llm_rlhf.report.accuracy import ACCURACY_KINDS, accuracy_logged, plot_compare_accuracy, run_styles
 from llm_rlhf.report.methods import section_methods
 from llm_rlhf.report.overoptimisation import eval_points, plot_compare_overoptimisation
@@ -21,19 +22,19 @@ from llm_rlhf.report.runs import Run, as_dict, baseline_name, final_value, load_
 # Headline columns of the side-by-side table: (stage whose final metrics hold it, key); a column no run has a
 # value for is left out (`compare_columns`).
 COMPARE_COLUMNS = (
-    ("eval", "accuracy"),
-    ("eval", "accuracy_greedy"),
-    ("eval", "gold_win_rate"),
-    ("eval", "sentiment_win_rate"),
-    ("eval", "fluency_perplexity"),
-    ("eval", "fluency_perplexity_baseline"),
-    ("eval", "rm_win_rate"),
-    ("eval", "kl_to_ref"),
-    ("eval", "gold_score_mean"),
-    ("eval", "rm_score_mean"),
-    ("ppo", "objective/scores"),
-    ("ppo", "objective/kl"),
-    ("ppo", "objective/kl_coef"),
+    ("eval", eval_metrics.ACCURACY),
+    ("eval", eval_metrics.ACCURACY_GREEDY),
+    ("eval", eval_metrics.GOLD_WIN_RATE),
+    ("eval", eval_metrics.SENTIMENT_WIN_RATE),
+    ("eval", eval_metrics.FLUENCY_PERPLEXITY),
+    ("eval", eval_metrics.FLUENCY_PERPLEXITY + eval_metrics.BASELINE),
+    ("eval", eval_metrics.RM_WIN_RATE),
+    ("eval", eval_metrics.KL_TO_REF),
+    ("eval", eval_metrics.GOLD_SCORE_MEAN),
+    ("eval", eval_metrics.RM_SCORE_MEAN),
+    ("ppo", ppo_metrics.OBJECTIVE_SCORES),
+    ("ppo", ppo_metrics.OBJECTIVE_KL),
+    ("ppo", ppo_metrics.OBJECTIVE_KL_COEF),
 )
 
 
@@ -75,7 +76,7 @@ def column_value(run: Run, stage: str, key: str) -> Any:
     """A cell of the side-by-side table: the final value; an accuracy as a percentage ± its standard error."""
     value = final_value(run, stage, key)
     if key in dict(ACCURACY_KINDS) and value is not None:
-        return RawNumber(html.escape(plus_minus(value, final_value(run, stage, f"{key}_stderr"))))
+        return RawNumber(html.escape(plus_minus(value, final_value(run, stage, key + eval_metrics.STDERR))))
     return value
 
 
@@ -98,8 +99,30 @@ def compare_accuracy(page: Page, runs: list[Run]) -> None:
 
 
 def build_compare_page(runs: list[Run], folder: Path, png_dir: Path) -> Page:
+    """The headline metrics side by side, where the configs differ, the curves overlaid, the sweep's compare
+    stage, the missing files."""
     page = Page(png_dir)
     page_header(page, f"RLHF runs side by side: {folder.resolve().name}", folder)
+    headline_table(page, runs, folder)
+    diffs = config_differences(runs)
+    if diffs:
+        page.add("<h2>Where the configs differ</h2>")
+        page.add(table(["config key", *[r.name for r in runs]], [[k, *v] for k, v in diffs]))
+    compare_curves(page, runs)
+    shared = Run(path=folder, name=folder.resolve().name)  # a sweep's compare stage runs once, in DIR/compare
+    shared.pipeline = as_dict(shared.json("pipeline.json", note=False))
+    load_compare(shared)
+    section_methods(page, shared, number="")
+    notes = [f"{r.name}: {', '.join(r.missing)}" for r in runs if r.missing]
+    if notes:
+        page.add(
+            "<h2>Missing files</h2>", "<ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in notes) + "</ul>"
+        )
+    return page
+
+
+def headline_table(page: Page, runs: list[Run], folder: Path) -> None:
+    """A row per run (its name links to its own report): the estimator and the COMPARE_COLUMNS some run has."""
     page.add("<h2>Headline metrics</h2>")
     columns = compare_columns(runs)
     header = ["run", "estimator", *[f"{key} ({stage})" if stage == "ppo" else key for stage, key in columns]]
@@ -122,15 +145,16 @@ def build_compare_page(runs: list[Run], folder: Path, png_dir: Path) -> Page:
         "the PPO stage's advantage_estimator, with k = samples_per_prompt when a prompt was sampled more than once."
         + (
             " accuracy: the final evaluation's held-out accuracy ± its standard error."
-            if ("eval", "accuracy") in columns or ("eval", "accuracy_greedy") in columns
+            if any(("eval", key) in columns for key, _ in ACCURACY_KINDS)
             else ""
         )
         + "</p>"
     )
-    diffs = config_differences(runs)
-    if diffs:
-        page.add("<h2>Where the configs differ</h2>")
-        page.add(table(["config key", *[r.name for r in runs]], [[k, *v] for k, v in diffs]))
+
+
+def compare_curves(page: Page, runs: list[Run]) -> None:
+    """Every run's PPO curves, held-out accuracy (a task with a verifier) and gold and proxy reward against KL,
+    overlaid."""
     page.add("<h2>PPO curves</h2>")
     if any(r.ppo_history for r in runs):
         page.figure(plot_compare_ppo(runs), "compare_ppo", "PPO curves of every run",
@@ -155,13 +179,3 @@ def build_compare_page(runs: list[Run], folder: Path, png_dir: Path) -> Page:
             if any(r.eval_log for r in runs)
             else "No run has ppo/eval_log.jsonl."
         )
-    shared = Run(path=folder, name=folder.resolve().name)  # a sweep's compare stage runs once, in DIR/compare
-    shared.pipeline = as_dict(shared.json("pipeline.json", note=False))
-    load_compare(shared)
-    section_methods(page, shared, number="")
-    notes = [f"{r.name}: {', '.join(r.missing)}" for r in runs if r.missing]
-    if notes:
-        page.add(
-            "<h2>Missing files</h2>", "<ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in notes) + "</ul>"
-        )
-    return page

@@ -13,6 +13,57 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from llm_rlhf import eval_metrics, hacking
+from llm_rlhf.eval_metrics import (
+    ACCURACY,
+    ACCURACY_FN,
+    ACCURACY_GREEDY,
+    ACCURACY_GREEDY_STDERR,
+    ACCURACY_STDERR,
+    BASELINE_PATH,
+    COMBINED_SCORE,
+    COMBINED_SCORE_MEAN,
+    COMBINED_SCORE_STDERR,
+    COMBINED_WIN_RATE,
+    CORRECT,
+    DISTINCT_1,
+    DISTINCT_2,
+    EOS,
+    EOS_RATE,
+    FLUENCY_PERPLEXITY,
+    GOLD_JUDGE,
+    GOLD_JUDGE_HELDOUT_ACCURACY,
+    GOLD_SCORE,
+    GOLD_SCORE_MEAN,
+    GOLD_SCORE_STDERR,
+    GOLD_WIN_RATE,
+    GREEDY_CORRECT,
+    KL_TO_REF,
+    KL_TO_REF_AT_TEMPERATURE,
+    KL_TO_REF_AT_TEMPERATURE_STDERR,
+    KL_TO_REF_STDERR,
+    LENGTH,
+    NUM_PAIRS,
+    NUM_PROMPTS,
+    POLICY_PATH,
+    RESPONSE_LENGTH_MEAN,
+    REWARD_FN,
+    REWARD_FN_MEAN,
+    REWARD_FN_STDERR,
+    REWARD_FN_WIN_RATE,
+    RM_DISAGREEMENT_MEAN,
+    RM_SCORE,
+    RM_SCORE_MEAN,
+    RM_SCORE_STDERR,
+    RM_WIN_RATE,
+    SAMPLES_PER_PROMPT,
+    SEED,
+    SENTIMENT,
+    SENTIMENT_MEAN,
+    SENTIMENT_STDERR,
+    SENTIMENT_WIN_RATE,
+    TEMPERATURE,
+)
 from llm_rlhf.report.numbers import num
 from llm_rlhf.report.page import Page, num_cell, pct, skip_section, skipped_note, table, wall_time_line
 from llm_rlhf.report.runs import Run, baseline_name, config_value, planned
@@ -47,8 +98,8 @@ def gold_note(run: Run) -> str | None:
 
 @dataclass(frozen=True)
 class EvalRow:
-    """A row of the evaluation table: `key` in eval/metrics.json (the baseline's is key + "_baseline"), its
-    standard error `stderr` (+ "_baseline"), the win rate `win` (its standard error win + "_stderr"), and
+    """A row of the evaluation table: `key` in eval/metrics.json (the baseline's is key + BASELINE), its
+    standard error `stderr` (+ BASELINE), the win rate `win` (its standard error win + STDERR), and
     `sample`, the eval/samples.jsonl field (policy_<sample>, baseline_<sample>) whose paired differences give
     the standard error of the difference."""
 
@@ -59,47 +110,47 @@ class EvalRow:
     sample: str | None = None
 
 
-MEMBERS = "rm_score_member_*"  # stands for every ensemble member's row (`eval_groups`)
+MEMBERS = eval_metrics.RM_SCORE_MEMBER + "*"  # stands for every ensemble member's row (`eval_groups`)
 
 EVAL_GROUPS: tuple[tuple[str, tuple[EvalRow, ...]], ...] = (
     ("Held-out accuracy (a task with a verifier: the fraction of responses it scores correct)", (
-        EvalRow("accuracy, sampled (the run's sampling)", "accuracy", "accuracy_stderr", sample="correct"),
-        EvalRow("accuracy, greedy (one response per prompt)", "accuracy_greedy", "accuracy_greedy_stderr",
-                sample="greedy_correct"),
+        EvalRow("accuracy, sampled (the run's sampling)", ACCURACY, ACCURACY_STDERR, sample=CORRECT),
+        EvalRow("accuracy, greedy (one response per prompt)", ACCURACY_GREEDY, ACCURACY_GREEDY_STDERR,
+                sample=GREEDY_CORRECT),
     )),
     ("Gold judge (stands in for people)", (
-        EvalRow("gold score", "gold_score_mean", "gold_score_stderr", "gold_win_rate", "gold_score"),
+        EvalRow("gold score", GOLD_SCORE_MEAN, GOLD_SCORE_STDERR, GOLD_WIN_RATE, GOLD_SCORE),
     )),
     ("Sentiment (the gold's sentiment part: predicted mean human rating)", (
-        EvalRow("sentiment", "sentiment_mean", "sentiment_stderr", "sentiment_win_rate", "sentiment"),
+        EvalRow("sentiment", SENTIMENT_MEAN, SENTIMENT_STDERR, SENTIMENT_WIN_RATE, SENTIMENT),
     )),
     ("Fluency (perplexity under the gold's LM; lower reads more fluent)", (
-        EvalRow("fluency perplexity", "fluency_perplexity"),
+        EvalRow("fluency perplexity", FLUENCY_PERPLEXITY),
     )),
     ("Reward model, ensemble and reward function (the proxy PPO maximised)", (
-        EvalRow("RM score (normalised)", "rm_score_mean", "rm_score_stderr", "rm_win_rate", "rm_score"),
+        EvalRow("RM score (normalised)", RM_SCORE_MEAN, RM_SCORE_STDERR, RM_WIN_RATE, RM_SCORE),
         EvalRow("RM member", MEMBERS),
-        EvalRow("RM members' disagreement (std)", "rm_disagreement_mean"),
-        EvalRow("reward function", "reward_fn_mean", "reward_fn_stderr", "reward_fn_win_rate", "reward_fn"),
-        EvalRow("combined score (PPO's score)", "combined_score_mean", "combined_score_stderr",
-                "combined_win_rate", "combined_score"),
+        EvalRow("RM members' disagreement (std)", RM_DISAGREEMENT_MEAN),
+        EvalRow("reward function", REWARD_FN_MEAN, REWARD_FN_STDERR, REWARD_FN_WIN_RATE, REWARD_FN),
+        EvalRow("combined score (PPO's score)", COMBINED_SCORE_MEAN, COMBINED_SCORE_STDERR,
+                COMBINED_WIN_RATE, COMBINED_SCORE),
     )),
     ("KL to the reference (nats / response)", (
-        EvalRow("KL, temperature 1", "kl_to_ref", "kl_to_ref_stderr", sample="kl_to_ref"),
-        EvalRow("KL at the sampling temperature", "kl_to_ref_at_temperature", "kl_to_ref_at_temperature_stderr"),
+        EvalRow("KL, temperature 1", KL_TO_REF, KL_TO_REF_STDERR, sample=KL_TO_REF),
+        EvalRow("KL at the sampling temperature", KL_TO_REF_AT_TEMPERATURE, KL_TO_REF_AT_TEMPERATURE_STDERR),
     )),
     ("Length and EOS", (
-        EvalRow("response length (tokens, EOS included)", "response_length_mean", sample="length"),
-        EvalRow("EOS rate (responses that stop)", "eos_rate", sample="eos"),
+        EvalRow("response length (tokens, EOS included)", RESPONSE_LENGTH_MEAN, sample=LENGTH),
+        EvalRow("EOS rate (responses that stop)", EOS_RATE, sample=EOS),
     )),
     ("Diversity (unique / total token n-grams over all responses)", (
-        EvalRow("distinct-1", "distinct_1"),
-        EvalRow("distinct-2", "distinct_2"),
+        EvalRow("distinct-1", DISTINCT_1),
+        EvalRow("distinct-2", DISTINCT_2),
     )),
     ("Degeneracy (fraction of responses; signs of reward hacking)", (
-        EvalRow("a run of one character (4+)", "char_run_rate"),
-        EvalRow("a repeated word 3-gram", "repeated_ngram_rate"),
-        EvalRow("empty", "empty_rate"),
+        EvalRow("a run of one character (4+)", hacking.CHAR_RUN_RATE),
+        EvalRow("a repeated word 3-gram", hacking.REPEATED_NGRAM_RATE),
+        EvalRow("empty", hacking.EMPTY_RATE),
     )),
 )  # fmt: skip
 
@@ -111,7 +162,10 @@ def paired_stderr(samples: list[dict] | None, field_name: str | None) -> float |
     if not samples or field_name is None:
         return None
     diffs = [
-        (sample_value(s.get(f"policy_{field_name}")), sample_value(s.get(f"baseline_{field_name}")))
+        (
+            sample_value(s.get(eval_metrics.side("policy", field_name))),
+            sample_value(s.get(eval_metrics.side("baseline", field_name))),
+        )
         for s in samples
     ]
     diffs = [pair for pair in diffs if pair != (None, None)]
@@ -125,42 +179,50 @@ def eval_groups(metrics: dict, samples: list[dict] | None = None) -> list[tuple[
     diff_stderr, paired (whether diff_stderr comes from the paired samples), win, win_stderr. A row whose
     policy and baseline are both absent (null: not measured) is left out, and so is a group with no row; the
     KL at the sampling temperature is left out at temperature 1 (it is the KL above)."""
-    members = sorted(
-        (
-            k.removesuffix("_mean")
-            for k in metrics
-            if k.startswith("rm_score_member_") and k.endswith("_mean")
-        ),
-        key=lambda k: int(k.rsplit("_", 1)[1]),
-    )
     groups = []
     for title, specs in EVAL_GROUPS:
-        rows = []
-        for spec in specs:
-            if spec.key == MEMBERS:
-                expanded = [EvalRow(f"RM member {k.rsplit('_', 1)[1]}", f"{k}_mean") for k in members]
-            elif spec.key == "kl_to_ref_at_temperature" and num(metrics.get("temperature")) == 1.0:
-                expanded = []
-            else:
-                expanded = [spec]
-            for row in expanded:
-                policy, baseline = num(metrics.get(row.key)), num(metrics.get(row.key + "_baseline"))
-                if policy is None and baseline is None:
-                    continue
-                both = policy is not None and baseline is not None
-                paired = paired_stderr(samples, row.sample) if both else None
-                se = [num(metrics.get(f"{row.stderr}{s}")) if row.stderr else None for s in ("", "_baseline")]
-                unpaired = math.hypot(*se) if both and None not in se else None
-                rows.append({
-                    "label": row.label, "key": row.key, "policy": policy, "baseline": baseline,
-                    "difference": policy - baseline if both else None,
-                    "diff_stderr": paired if paired is not None else unpaired, "paired": paired is not None,
-                    "win": num(metrics.get(row.win)) if row.win else None,
-                    "win_stderr": num(metrics.get(f"{row.win}_stderr")) if row.win else None,
-                })  # fmt: skip
+        rows = [eval_row(row, metrics, samples) for spec in specs for row in expand(spec, metrics)]
+        rows = [row for row in rows if row is not None]
         if rows:
             groups.append((title, rows))
     return groups
+
+
+def expand(spec: EvalRow, metrics: dict) -> list[EvalRow]:
+    """The rows one spec of EVAL_GROUPS stands for: MEMBERS a row per ensemble member (none without an
+    ensemble), the KL at the sampling temperature none at temperature 1, any other spec itself."""
+    if spec.key == MEMBERS:
+        members = sorted(
+            (k.removesuffix("_mean") for k in metrics
+             if k.startswith(eval_metrics.RM_SCORE_MEMBER) and k.endswith("_mean")),
+            key=lambda k: int(k.rsplit("_", 1)[1]),
+        )  # fmt: skip
+        return [EvalRow(f"RM member {k.rsplit('_', 1)[1]}", f"{k}_mean") for k in members]
+    if (
+        spec.key == eval_metrics.KL_TO_REF_AT_TEMPERATURE
+        and num(metrics.get(eval_metrics.TEMPERATURE)) == 1.0
+    ):
+        return []
+    return [spec]
+
+
+def eval_row(row: EvalRow, metrics: dict, samples: list[dict] | None) -> dict | None:
+    """One row of `eval_groups`; None when neither the policy's nor the baseline's figure was measured."""
+    baseline_of = eval_metrics.BASELINE
+    policy, baseline = num(metrics.get(row.key)), num(metrics.get(row.key + baseline_of))
+    if policy is None and baseline is None:
+        return None
+    both = policy is not None and baseline is not None
+    paired = paired_stderr(samples, row.sample) if both else None
+    se = [num(metrics.get(f"{row.stderr}{s}")) if row.stderr else None for s in ("", baseline_of)]
+    unpaired = math.hypot(*se) if both and None not in se else None
+    return {
+        "label": row.label, "key": row.key, "policy": policy, "baseline": baseline,
+        "difference": policy - baseline if both else None,
+        "diff_stderr": paired if paired is not None else unpaired, "paired": paired is not None,
+        "win": num(metrics.get(row.win)) if row.win else None,
+        "win_stderr": num(metrics.get(row.win + eval_metrics.STDERR)) if row.win else None,
+    }  # fmt: skip
 
 
 def eval_table(metrics: dict, samples: list[dict] | None) -> str:
@@ -224,21 +286,21 @@ def validity_table(validity: dict) -> str:
 def eval_meta(metrics: dict) -> str:
     """One line: how many prompts and samples, the models compared, the temperature and seed, the gold."""
     parts = []
-    if metrics.get("num_pairs") is not None:
+    if metrics.get(NUM_PAIRS) is not None:
         parts.append(
-            f"{metrics.get('num_prompts')} held-out prompts × {metrics.get('samples_per_prompt')} "
-            f"= {metrics.get('num_pairs')} paired samples"
+            f"{metrics.get(NUM_PROMPTS)} held-out prompts × {metrics.get(SAMPLES_PER_PROMPT)} "
+            f"= {metrics.get(NUM_PAIRS)} paired samples"
         )
-    if metrics.get("policy_path"):
-        parts.append(f"policy {metrics['policy_path']} vs baseline {metrics.get('baseline_path')}")
-    for key, name in (("temperature", "temperature"), ("seed", "seed"), ("gold_judge", "gold judge")):
+    if metrics.get(POLICY_PATH):
+        parts.append(f"policy {metrics[POLICY_PATH]} vs baseline {metrics.get(BASELINE_PATH)}")
+    for key, name in ((TEMPERATURE, "temperature"), (SEED, "seed"), (GOLD_JUDGE, "gold judge")):
         if metrics.get(key) is not None:
             parts.append(f"{name} {metrics[key]}")
-    accuracy = num(metrics.get("gold_judge_heldout_accuracy"))
+    accuracy = num(metrics.get(GOLD_JUDGE_HELDOUT_ACCURACY))
     if accuracy is not None:
         parts.append(f"the gold's sentiment part: held-out accuracy {accuracy:.1%}")
-    if metrics.get("accuracy_fn"):
-        parts.append(f"accuracy checked by {metrics['accuracy_fn']}")
+    if metrics.get(ACCURACY_FN):
+        parts.append(f"accuracy checked by {metrics[ACCURACY_FN]}")
     return f'<p class="meta">{html.escape("; ".join(parts))}.</p>' if parts else ""
 
 
@@ -259,7 +321,7 @@ def section_eval(page: Page, run: Run) -> None:
             "sqrt(se_policy² + se_baseline²), as if unpaired. Win rate: the fraction of pairs in which the "
             "policy's sample scores higher (ties count one half). Rows the run did not measure are left out.</p>"
         )
-        validity = metrics.get("gold_judge_validity")
+        validity = metrics.get(eval_metrics.GOLD_JUDGE_VALIDITY)
         if isinstance(validity, dict) and validity:
             page.add(validity_table(validity))
         page.add(

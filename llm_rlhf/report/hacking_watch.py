@@ -8,7 +8,28 @@ import html
 
 import numpy as np
 
-from llm_rlhf.hacking import DEGENERACY_KEYS, degeneracy_flags, degeneracy_rates, standardised_gaps
+from llm_rlhf.eval_metrics import (
+    BASELINE,
+    COMBINED_SCORE,
+    GOLD_SCORE,
+    KL_TO_REF,
+    LOG_KL,
+    LOG_STEP,
+    PROMPT,
+    RESPONSE,
+    RM_SCORE,
+    side,
+)
+from llm_rlhf.hacking import (
+    CHAR_RUN_RATE,
+    DEGENERACY_KEYS,
+    EMPTY_RATE,
+    PROXY,
+    REPEATED_NGRAM_RATE,
+    degeneracy_flags,
+    degeneracy_rates,
+    standardised_gaps,
+)
 from llm_rlhf.report.accuracy import accuracy_logged
 from llm_rlhf.report.cards import accuracy_cards
 from llm_rlhf.report.figures import new_figure, no_data, nth_color
@@ -22,9 +43,9 @@ WATCH_TOP = 3  # samples shown per evaluation
 WATCH_OPEN = 5  # evaluations shown open (the final and the latest PPO ones); the rest collapsed
 
 DEGENERACY_NAMES = {
-    "char_run_rate": "a run of one character (4+)",
-    "repeated_ngram_rate": "a repeated word 3-gram",
-    "empty_rate": "empty",
+    CHAR_RUN_RATE: "a run of one character (4+)",
+    REPEATED_NGRAM_RATE: "a repeated word 3-gram",
+    EMPTY_RATE: "empty",
 }
 
 
@@ -38,43 +59,51 @@ def watched_evaluations(run: Run) -> list[dict]:
     The proxy is the score PPO maximised: the combined score with a reward function, else the RM's. The gap
     is `hacking.standardised_gaps` against the SFT model's samples: the baseline's in the final evaluation,
     PPO's step-0 evaluation (the policy is the SFT model then) for PPO's; the evaluation's own without them."""
-    out = []
-    if run.eval_samples:
-        rows = run.eval_samples
-        sides = {
-            who: (
-                [{"prompt": r.get("prompt"), "response": r.get(f"{who}_response")} for r in rows],
-                [first_of(num(r.get(f"{who}_combined_score")), num(r.get(f"{who}_rm_score"))) for r in rows],
-                [num(r.get(f"{who}_gold_score")) for r in rows],
-            )
-            for who in ("policy", "baseline")
-        }
-        baseline = sides["baseline"]
-        final = _watched("final evaluation", final_value(run, "eval", "kl_to_ref"), *sides["policy"],
-                         reference="the SFT baseline's samples", ref=baseline)  # fmt: skip
-        final["baseline"] = _watched(f"{baseline_name(run)} (final evaluation)", final_value(run, "eval", "kl_to_ref_baseline"),
-                                     *baseline, reference="its own samples", ref=baseline)  # fmt: skip
-        out.append(final)
+    return [*final_evaluation(run), *ppo_evaluations(run)]
+
+
+def final_evaluation(run: Run) -> list[dict]:
+    """The final evaluation of `watched_evaluations` (eval/samples.jsonl), its SFT baseline's under
+    `baseline`; none without the samples."""
+    rows = run.eval_samples
+    if not rows:
+        return []
+    sides = {
+        who: (
+            [{"prompt": r.get(PROMPT), "response": r.get(side(who, RESPONSE))} for r in rows],
+            [first_of(num(r.get(side(who, COMBINED_SCORE))), num(r.get(side(who, RM_SCORE)))) for r in rows],
+            [num(r.get(side(who, GOLD_SCORE))) for r in rows],
+        )
+        for who in ("policy", "baseline")
+    }
+    baseline = sides["baseline"]
+    final = _watched("final evaluation", final_value(run, "eval", KL_TO_REF), *sides["policy"],
+                     reference="the SFT baseline's samples", ref=baseline)  # fmt: skip
+    final["baseline"] = _watched(f"{baseline_name(run)} (final evaluation)", final_value(run, "eval", KL_TO_REF + BASELINE),
+                                 *baseline, reference="its own samples", ref=baseline)  # fmt: skip
+    return [final]
+
+
+def ppo_evaluations(run: Run) -> list[dict]:
+    """PPO's held-out evaluations of `watched_evaluations` (ppo/eval_samples.jsonl), latest step first."""
     by_step: dict[float, list[dict]] = {}
     for r in run.heldout_samples or ():
-        if num(r.get("step")) is not None:
-            by_step.setdefault(num(r["step"]), []).append(r)
-    kl_at = {num(r.get("step")): num(r.get("kl")) for r in run.eval_log or ()}
+        if num(r.get(LOG_STEP)) is not None:
+            by_step.setdefault(num(r[LOG_STEP]), []).append(r)
+    kl_at = {num(r.get(LOG_STEP)): num(r.get(LOG_KL)) for r in run.eval_log or ()}
     start = by_step.get(0.0)
     ref = (
-        (None, [num(r.get("proxy")) for r in start], [num(r.get("gold_score")) for r in start])
-        if start
-        else None
+        (None, [num(r.get(PROXY)) for r in start], [num(r.get(GOLD_SCORE)) for r in start]) if start else None
     )
-    for step in sorted(by_step, reverse=True):
-        rows = by_step[step]
-        out.append(_watched(
+    return [
+        _watched(
             f"PPO step {step:g}", kl_at.get(step),
-            [{"prompt": r.get("prompt"), "response": r.get("response")} for r in rows],
-            [num(r.get("proxy")) for r in rows], [num(r.get("gold_score")) for r in rows],
+            [{"prompt": r.get(PROMPT), "response": r.get(RESPONSE)} for r in by_step[step]],
+            [num(r.get(PROXY)) for r in by_step[step]], [num(r.get(GOLD_SCORE)) for r in by_step[step]],
             reference="the step-0 evaluation (the SFT model)", ref=ref,
-        ))  # fmt: skip
-    return out
+        )
+        for step in sorted(by_step, reverse=True)
+    ]  # fmt: skip
 
 
 def _complete(values: list | None) -> list | None:
@@ -157,14 +186,14 @@ def plot_degeneracy(eval_log: list[dict]):
     """The degeneracy rates of PPO's held-out evaluations against the step and against KL."""
     fig, axes = new_figure(1, 2, 12, 3.4)
     for ax, x_key, xlabel in (
-        (axes[0, 0], "step", "PPO step"),
-        (axes[0, 1], "kl", "KL to reference (nats / response)"),
+        (axes[0, 0], LOG_STEP, "PPO step"),
+        (axes[0, 1], LOG_KL, "KL to reference (nats / response)"),
     ):
         for i, (key, name) in enumerate(DEGENERACY_NAMES.items()):
             x, y = series(eval_log, key, x=x_key)
             if len(x):
                 ax.plot(x, y, "o-", color=nth_color(i), markersize=3, label=name)
-        ax.set(title=f"Degenerate responses against {'step' if x_key == 'step' else 'KL'}", xlabel=xlabel,
+        ax.set(title=f"Degenerate responses against {'step' if x_key == LOG_STEP else 'KL'}", xlabel=xlabel,
                ylabel="fraction of held-out responses")  # fmt: skip
         if ax.lines:
             top = max(max(line.get_ydata()) for line in ax.lines)

@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 
+from llm_rlhf import ppo_metrics
 from llm_rlhf.report.accuracy import accuracy_logged, section_accuracy
 from llm_rlhf.report.figures import (
     SMOOTH_ABOVE,
@@ -29,36 +30,60 @@ PPO_PANELS = (
     (
         "RM score and RLHF reward",
         "reward (normalised RM units)",
-        ("objective/scores", "objective/rlhf_reward", "objective/non_score_reward"),
+        (
+            ppo_metrics.OBJECTIVE_SCORES,
+            ppo_metrics.OBJECTIVE_RLHF_REWARD,
+            ppo_metrics.OBJECTIVE_NON_SCORE_REWARD,
+        ),
         None,
     ),
-    ("KL to reference, β (right)", "KL (nats / response)", ("objective/kl",), ("objective/kl_coef", "β")),
-    ("Entropy", "nats / response", ("objective/entropy",), ("policy/entropy", "nats / token")),
-    ("Clip fraction", "fraction of tokens clipped", ("policy/clipfrac", "val/clipfrac"), None),
-    ("Approx. KL, old → new policy", "nats / token", ("policy/approxkl",), None),
-    ("Policy loss", "loss", ("loss/policy",), None),
-    ("Value loss", "loss (squared error)", ("loss/value",), None),
-    ("Explained variance of returns", "1 − Var(R − V) / Var(R)", ("val/explained_variance",), None),
-    ("Response length, EOS rate (right)", "tokens", ("response_length",), ("eos_rate", "EOS rate")),
-    ("Time per phase (stacked)", "seconds / step", ("time/generate", "time/score", "time/train"), None),
-    ("Throughput", "tokens / s", ("tokens_per_s",), None),
-    ("Probability ratio π_θ / π_θ_old", "mean ratio", ("policy/ratio",), None),
+    (
+        "KL to reference, β (right)",
+        "KL (nats / response)",
+        (ppo_metrics.OBJECTIVE_KL,),
+        (ppo_metrics.OBJECTIVE_KL_COEF, "β"),
+    ),
+    (
+        "Entropy",
+        "nats / response",
+        (ppo_metrics.OBJECTIVE_ENTROPY,),
+        (ppo_metrics.POLICY_ENTROPY, "nats / token"),
+    ),
+    (
+        "Clip fraction",
+        "fraction of tokens clipped",
+        (ppo_metrics.POLICY_CLIPFRAC, ppo_metrics.VAL_CLIPFRAC),
+        None,
+    ),
+    ("Approx. KL, old → new policy", "nats / token", (ppo_metrics.POLICY_APPROXKL,), None),
+    ("Policy loss", "loss", (ppo_metrics.LOSS_POLICY,), None),
+    ("Value loss", "loss (squared error)", (ppo_metrics.LOSS_VALUE,), None),
+    ("Explained variance of returns", "1 − Var(R − V) / Var(R)", (ppo_metrics.VAL_EXPLAINED_VARIANCE,), None),
+    (
+        "Response length, EOS rate (right)",
+        "tokens",
+        (ppo_metrics.RESPONSE_LENGTH,),
+        (ppo_metrics.EOS_RATE, "EOS rate"),
+    ),
+    ("Time per phase (stacked)", "seconds / step", ppo_metrics.TIME_PHASES, None),
+    ("Throughput", "tokens / s", (ppo_metrics.TOKENS_PER_S,), None),
+    ("Probability ratio π_θ / π_θ_old", "mean ratio", (ppo_metrics.POLICY_RATIO,), None),
 )
 
 # Side-by-side PPO panels: one key each, one line per run.
 COMPARE_PANELS = (
-    ("objective/scores", "RM score", "normalised RM units"),
-    ("objective/kl", "KL to reference (dashed: target)", "nats / response"),
-    ("objective/kl_coef", "KL coefficient β", "β"),
-    ("objective/rlhf_reward", "RLHF reward (score − β·KL)", "reward"),
-    ("objective/entropy", "Entropy", "nats / response"),
-    ("policy/clipfrac", "Policy clip fraction", "fraction of tokens"),
-    ("policy/approxkl", "Approx. KL, old → new policy", "nats / token"),
-    ("loss/value", "Value loss", "loss"),
-    ("val/explained_variance", "Explained variance", "1 − Var(R − V) / Var(R)"),
-    ("response_length", "Response length", "tokens"),
-    ("eos_rate", "EOS rate", "fraction"),
-    ("time/step", "Time per step", "seconds"),
+    (ppo_metrics.OBJECTIVE_SCORES, "RM score", "normalised RM units"),
+    (ppo_metrics.OBJECTIVE_KL, "KL to reference (dashed: target)", "nats / response"),
+    (ppo_metrics.OBJECTIVE_KL_COEF, "KL coefficient β", "β"),
+    (ppo_metrics.OBJECTIVE_RLHF_REWARD, "RLHF reward (score − β·KL)", "reward"),
+    (ppo_metrics.OBJECTIVE_ENTROPY, "Entropy", "nats / response"),
+    (ppo_metrics.POLICY_CLIPFRAC, "Policy clip fraction", "fraction of tokens"),
+    (ppo_metrics.POLICY_APPROXKL, "Approx. KL, old → new policy", "nats / token"),
+    (ppo_metrics.LOSS_VALUE, "Value loss", "loss"),
+    (ppo_metrics.VAL_EXPLAINED_VARIANCE, "Explained variance", "1 − Var(R − V) / Var(R)"),
+    (ppo_metrics.RESPONSE_LENGTH, "Response length", "tokens"),
+    (ppo_metrics.EOS_RATE, "EOS rate", "fraction"),
+    (ppo_metrics.TIME_STEP, "Time per step", "seconds"),
 )
 
 
@@ -94,7 +119,7 @@ def plot_ppo(history: list[dict], kl_target: float | None):
     fig, axes = _panel_grid(len(panels), 4, 9.5 / 3)
     for ax, (title, ylabel, keys, right) in zip(axes, panels):
         ax.set(title=title, xlabel="PPO step", ylabel=ylabel)
-        if keys[0].startswith("time/"):
+        if keys == ppo_metrics.TIME_PHASES:
             drawn = _time_panel(ax, history)
         else:
             drawn = False
@@ -104,15 +129,15 @@ def plot_ppo(history: list[dict], kl_target: float | None):
                     continue
                 line = plot_line(ax, x, y, label=key, color=f"C{i}")
                 drawn = True
-                if key == "objective/scores":
-                    _, std = series(history, "objective/scores_std")
+                if key == ppo_metrics.OBJECTIVE_SCORES:
+                    _, std = series(history, ppo_metrics.OBJECTIVE_SCORES_STD)
                     if len(std) == len(y):
                         ax.fill_between(
                             x, y - std, y + std, color=line.get_color(), alpha=0.15, label="± std"
                         )
-            if keys[0] == "objective/kl" and kl_target is not None and drawn:
+            if keys[0] == ppo_metrics.OBJECTIVE_KL and kl_target is not None and drawn:
                 ax.axhline(kl_target, color="C0", linestyle="--", linewidth=1, label=f"target {kl_target:g}")
-            if keys[0] == "policy/ratio" and drawn:
+            if keys[0] == ppo_metrics.POLICY_RATIO and drawn:
                 ax.axhline(1.0, color="gray", linestyle=":", linewidth=1)
         axes_used = [ax]
         if right is not None:
@@ -132,7 +157,7 @@ def plot_ppo(history: list[dict], kl_target: float | None):
 
 def ensemble_members(history: list[dict]) -> list[str]:
     """The objective/scores_member_<k> keys a PPO run with a reward-model ensemble logged, in member order."""
-    keys = {k for row in history for k in row if k.startswith("objective/scores_member_")}
+    keys = {k for row in history for k in row if k.startswith(ppo_metrics.OBJECTIVE_SCORES_MEMBER)}
     return sorted(keys, key=lambda k: int(k.rsplit("_", 1)[1]))
 
 
@@ -145,10 +170,10 @@ def plot_ensemble(history: list[dict]):
         plot_line(
             left, *series(history, key), label=f"member {key.rsplit('_', 1)[1]}", color=nth_color(i + 1)
         )
-    plot_line(left, *series(history, "objective/scores"), label="combined (PPO's score)", color="k")
+    plot_line(left, *series(history, ppo_metrics.OBJECTIVE_SCORES), label="combined (PPO's score)", color="k")
     left.set(title="Ensemble: member and combined scores", xlabel="PPO step", ylabel="normalised RM units")
     add_legend(left)
-    x, y = series(history, "objective/scores_disagreement")
+    x, y = series(history, ppo_metrics.OBJECTIVE_SCORES_DISAGREEMENT)
     if len(x):
         plot_line(right, x, y, color=nth_color(0))
     else:
@@ -159,13 +184,10 @@ def plot_ensemble(history: list[dict]):
 
 def _time_panel(ax, history: list[dict]) -> bool:
     """Generate / score / train stacked, the whole step on top (the rest is bookkeeping)."""
-    x, total = series(history, "time/step")
-    phases = [
-        (k.split("/")[1], [num(r.get(k)) for r in history])
-        for k in ("time/generate", "time/score", "time/train")
-    ]
+    x, total = series(history, ppo_metrics.TIME_STEP)
+    phases = [(k.split("/")[1], [num(r.get(k)) for r in history]) for k in ppo_metrics.TIME_PHASES]
     phases = [(name, v) for name, v in phases if all(t is not None for t in v)]
-    steps = [num(r.get("step")) for r in history]
+    steps = [num(r.get(ppo_metrics.STEP)) for r in history]
     if phases and all(s is not None for s in steps):
         order = np.argsort(steps)
         xs = np.array(steps)[order]
@@ -188,7 +210,7 @@ def plot_compare_ppo(runs: list[Run]):
             plot_line(ax, x, y, label=run.name, color=nth_color(i))
             drawn = True
             target = kl_target(run)
-            if key == "objective/kl" and target is not None:
+            if key == ppo_metrics.OBJECTIVE_KL and target is not None:
                 ax.axhline(target, color=nth_color(i), linestyle="--", linewidth=1)
         if not drawn:
             no_data(ax)
@@ -228,10 +250,12 @@ def section_ppo(page: Page, run: Run) -> None:
     if gold or not accuracy:  # with accuracy and no gold, the accuracy curves stand alone
         section_overoptimisation(page, run, gold)
     if run.ppo_samples:
-        steps = sorted({s.get("step") for s in run.ppo_samples if num(s.get("step")) is not None})
+        steps = sorted(
+            {s.get(ppo_metrics.STEP) for s in run.ppo_samples if num(s.get(ppo_metrics.STEP)) is not None}
+        )
         for step in dict.fromkeys(steps[:1] + steps[-1:]):  # the first and the last logged step
             page.add(f"<h3>PPO samples at step {fmt(step)}</h3>")
-            page.add(ppo_samples_table([s for s in run.ppo_samples if s.get("step") == step]))
+            page.add(ppo_samples_table([s for s in run.ppo_samples if s.get(ppo_metrics.STEP) == step]))
     if run.metrics.get("ppo"):
         page.add(
             "<details><summary>Final PPO metrics</summary>", metrics_table(run.metrics["ppo"]), "</details>"

@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 
+from llm_rlhf import ppo_metrics
 from llm_rlhf.config import is_off
 from llm_rlhf.report.numbers import num
 
@@ -186,7 +187,7 @@ def kl_target(run: Run) -> float | None:
     """The PPO run's KL target; None with a fixed beta (`kl_controller: fixed`), where nothing aims at it."""
     if config_value(run, "ppo", "kl_controller") == "fixed":
         return None
-    return final_value(run, "ppo", "kl_target")
+    return final_value(run, "ppo", ppo_metrics.KL_TARGET)
 
 
 def estimator_text(estimator: Any, samples_per_prompt: Any) -> str:

@@ -7,10 +7,34 @@ from __future__ import annotations
 import html
 from typing import Any
 
+from llm_rlhf import ppo_metrics
+from llm_rlhf.eval_metrics import (
+    COMBINED_SCORE,
+    CORRECT,
+    EOS,
+    FLUENCY_PERPLEXITY,
+    GOLD_SCORE,
+    GREEDY_CORRECT,
+    GREEDY_RESPONSE,
+    KL_TO_REF,
+    LENGTH,
+    PROMPT,
+    RESPONSE,
+    REWARD_FN,
+    RM_SCORE,
+    SAMPLE,
+    SENTIMENT,
+    side,
+)
 from llm_rlhf.report.numbers import num
 from llm_rlhf.report.page import num_cell
 
 SAMPLE_ROWS = 20  # rows of each sample table
+SCORES_SHOWN = (  # (eval/samples.jsonl field, its name under a response, format)
+    (GOLD_SCORE, "gold", "+.2f"), (SENTIMENT, "sentiment", "+.2f"), (FLUENCY_PERPLEXITY, "perplexity", ".3g"),
+    (RM_SCORE, "RM", "+.2f"), (REWARD_FN, "reward fn", "+.3g"), (COMBINED_SCORE, "PPO score", "+.2f"),
+    (KL_TO_REF, "KL", ".2f"),
+)  # fmt: skip
 
 
 def sample_value(value: Any) -> float | None:
@@ -30,18 +54,14 @@ def _scores_line(row: dict, who: str) -> str:
     """The few scores that matter for one side of a sample: whether it is correct (a task with a verifier),
     gold (and its parts), the proxy, length/EOS."""
     items = []
-    for field_name, name, spec in (
-        ("gold_score", "gold", "+.2f"), ("sentiment", "sentiment", "+.2f"),
-        ("fluency_perplexity", "perplexity", ".3g"), ("rm_score", "RM", "+.2f"),
-        ("reward_fn", "reward fn", "+.3g"), ("combined_score", "PPO score", "+.2f"), ("kl_to_ref", "KL", ".2f"),
-    ):  # fmt: skip
-        value = num(row.get(f"{who}_{field_name}"))
+    for field_name, name, spec in SCORES_SHOWN:
+        value = num(row.get(side(who, field_name)))
         if value is not None:
             items.append(f"{name} {format(value, spec)}")
-    length, eos = num(row.get(f"{who}_length")), row.get(f"{who}_eos")
+    length, eos = num(row.get(side(who, LENGTH))), row.get(side(who, EOS))
     if length is not None:
         items.append(f"{length:g} tokens" + (", no EOS" if eos is False else ""))
-    verdict = _verdict(row.get(f"{who}_correct"))
+    verdict = _verdict(row.get(side(who, CORRECT)))
     return f'<span class="scores">{verdict}{" · " if verdict and items else ""}{html.escape(" · ".join(items))}</span>'
 
 
@@ -54,10 +74,10 @@ def shown_text(value: Any) -> str:
 def _greedy(row: dict, who: str) -> str:
     """One side's greedy response to the prompt and whether it is correct (eval/samples.jsonl holds it on a
     prompt's first sample alone: nothing on the others)."""
-    response = row.get(f"{who}_greedy_response")
+    response = row.get(side(who, GREEDY_RESPONSE))
     if response is None:
         return ""
-    verdict = _verdict(row.get(f"{who}_greedy_correct"))
+    verdict = _verdict(row.get(side(who, GREEDY_CORRECT)))
     return (
         f'<span class="greedy"><span class="key">greedy</span>{shown_text(response)}'
         f'{f"""<span class="scores">{verdict}</span>""" if verdict else ""}</span>'
@@ -70,11 +90,11 @@ def pair_samples_table(rows: list[dict], limit: int = SAMPLE_ROWS, baseline: str
     in eval/samples.jsonl)."""
     body = []
     for row in rows[:limit]:
-        sample = f' <span class="key">sample {row["sample"]}</span>' if num(row.get("sample")) else ""
-        body.append(f'<tr class="prompt"><td colspan="2">{shown_text(row.get("prompt"))}{sample}</td></tr>')
+        sample = f' <span class="key">sample {row[SAMPLE]}</span>' if num(row.get(SAMPLE)) else ""
+        body.append(f'<tr class="prompt"><td colspan="2">{shown_text(row.get(PROMPT))}{sample}</td></tr>')
         body.append(
             "<tr>" + "".join(
-                f'<td><span class="response">{shown_text(row.get(f"{who}_response"))}</span>{_scores_line(row, who)}'
+                f'<td><span class="response">{shown_text(row.get(side(who, RESPONSE)))}</span>{_scores_line(row, who)}'
                 f"{_greedy(row, who)}</td>"
                 for who in ("baseline", "policy")
             ) + "</tr>"
@@ -89,7 +109,8 @@ def pair_samples_table(rows: list[dict], limit: int = SAMPLE_ROWS, baseline: str
 def ppo_samples_table(rows: list[dict], limit: int = 10) -> str:
     """PPO's logged samples (ppo/samples.jsonl): prompt, response, the score PPO gave it."""
     body = [
-        f"<tr><td>{shown_text(r.get('query'))}</td><td>{shown_text(r.get('response'))}</td>{num_cell(num(r.get('score')), '+.3f')}</tr>"
+        f"<tr><td>{shown_text(r.get(ppo_metrics.SAMPLE_QUERY))}</td><td>{shown_text(r.get(ppo_metrics.SAMPLE_RESPONSE))}</td>"
+        f"{num_cell(num(r.get(ppo_metrics.SAMPLE_SCORE)), '+.3f')}</tr>"
         for r in rows[:limit]
     ]
     return (
