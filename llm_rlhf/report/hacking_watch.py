@@ -222,6 +222,13 @@ def section_hacking(page: Page, run: Run) -> None:
         "evaluations when the proxy rises and the gold does not. Orange tags: the degeneracy counters a "
         "response trips.</p>"
     )
+    gap_tables(page, run, evaluations)
+    degeneracy_counters(page, run, evaluations)
+
+
+def gap_tables(page: Page, run: Run, evaluations: list[dict]) -> None:
+    """The samples with the largest proxy-gold gap of each evaluation (the latest WATCH_OPEN open), or why
+    there is no gap to rank."""
     if not any(s["gap"] is not None for ev in evaluations for s in ev["samples"]):
         page.add(
             '<p class="note">This run has no gold score beside its proxy (gold_judge: none, or no proxy), so '
@@ -242,6 +249,10 @@ def section_hacking(page: Page, run: Run) -> None:
                 watch_table(shown[WATCH_OPEN:]),
                 "</details>",
             )
+
+
+def degeneracy_counters(page: Page, run: Run, evaluations: list[dict]) -> None:
+    """The degeneracy rates of PPO's held-out evaluations against step and KL, and every evaluation's row."""
     page.add("<h3>Degeneracy counters</h3>")
     rates = [num(r.get(k)) for r in run.eval_log or () for k in DEGENERACY_KEYS]
     if any(rates):
