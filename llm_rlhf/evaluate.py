@@ -84,7 +84,7 @@ import torch
 from accelerate import PartialState
 from tqdm.auto import tqdm
 
-from llm_rlhf import ppo_math
+from llm_rlhf import eval_metrics, ppo_math
 from llm_rlhf.callables import split_callable_spec
 from llm_rlhf.config import checked_keywords, format_config, help_field, is_off, require, save_config
 from llm_rlhf.data import DATA_FORMATS, load_prompt_dataset, prompt_rules
@@ -449,7 +449,7 @@ def greedy_records(model, tokenizer, prompts: list[str], draws: PairedSampling, 
     return sample_and_score(model, tokenizer, prompts, draws.greedy(), verifier=verifier)
 
 
-ACCURACY_KEYS = ("accuracy", "accuracy_stderr", "accuracy_greedy", "accuracy_greedy_stderr")
+ACCURACY_KEYS = eval_metrics.ACCURACY_KEYS
 
 
 def accuracy_figures(
@@ -488,13 +488,13 @@ def summarize(
     samples_per_prompt consecutive records per prompt: `mean_and_stderr_over_prompts`); keys end with `suffix`."""
     out: dict[str, float | None] = {}
     for key, name in (
-        ("gold_score", "gold_score_mean"),
-        ("sentiment", "sentiment_mean"),
-        ("rm_score", "rm_score_mean"),
-        ("reward_fn", "reward_fn_mean"),
-        ("combined_score", "combined_score_mean"),
-        ("kl_to_ref", "kl_to_ref"),
-        ("kl_to_ref_at_temperature", "kl_to_ref_at_temperature"),
+        (eval_metrics.GOLD_SCORE, eval_metrics.GOLD_SCORE_MEAN),
+        (eval_metrics.SENTIMENT, eval_metrics.SENTIMENT_MEAN),
+        (eval_metrics.RM_SCORE, eval_metrics.RM_SCORE_MEAN),
+        (eval_metrics.REWARD_FN, eval_metrics.REWARD_FN_MEAN),
+        (eval_metrics.COMBINED_SCORE, eval_metrics.COMBINED_SCORE_MEAN),
+        (eval_metrics.KL_TO_REF, eval_metrics.KL_TO_REF),
+        (eval_metrics.KL_TO_REF_AT_TEMPERATURE, eval_metrics.KL_TO_REF_AT_TEMPERATURE),
     ):
         values = [r.get(key) for r in records]
         mean, stderr = None, None
@@ -502,19 +502,23 @@ def summarize(
             mean = mean_and_stderr(values)[0]
             stderr = mean_and_stderr_over_prompts(values, samples_per_prompt)[1]
         out[name + suffix] = mean
-        out[name.removesuffix("_mean") + "_stderr" + suffix] = stderr
+        out[name.removesuffix("_mean") + eval_metrics.STDERR + suffix] = stderr
     nll = [r["fluency_nll"] for r in records]  # geometric mean of the per-response perplexities:
-    out["fluency_perplexity" + suffix] = math.exp(mean_and_stderr(nll)[0]) if None not in nll else None
-    out["response_length_mean" + suffix] = mean_and_stderr([r["length"] for r in records])[0]
-    out["eos_rate" + suffix] = mean_and_stderr([float(r["eos"]) for r in records])[0]
-    out["distinct_1" + suffix] = distinct_n([r["response_ids"] for r in records], 1)
-    out["distinct_2" + suffix] = distinct_n([r["response_ids"] for r in records], 2)
+    out[eval_metrics.FLUENCY_PERPLEXITY + suffix] = (
+        math.exp(mean_and_stderr(nll)[0]) if None not in nll else None
+    )
+    out[eval_metrics.RESPONSE_LENGTH_MEAN + suffix] = mean_and_stderr([r["length"] for r in records])[0]
+    out[eval_metrics.EOS_RATE + suffix] = mean_and_stderr([float(r["eos"]) for r in records])[0]
+    out[eval_metrics.DISTINCT_1 + suffix] = distinct_n([r["response_ids"] for r in records], 1)
+    out[eval_metrics.DISTINCT_2 + suffix] = distinct_n([r["response_ids"] for r in records], 2)
     out.update(degeneracy_rates([r["response"] for r in records], suffix))  # issue 28: the hacking watch
     if records[0].get("rm_member_scores") is not None:  # an ensemble: each member, and their disagreement
         per_member = zip(*[r["rm_member_scores"] for r in records])  # K tuples of one score per sample
         for k, scores in enumerate(per_member):
-            out[f"rm_score_member_{k}_mean" + suffix] = mean_and_stderr(list(scores))[0]
-        out["rm_disagreement_mean" + suffix] = mean_and_stderr([r["rm_disagreement"] for r in records])[0]
+            out[f"{eval_metrics.RM_SCORE_MEMBER}{k}_mean" + suffix] = mean_and_stderr(list(scores))[0]
+        out[eval_metrics.RM_DISAGREEMENT_MEAN + suffix] = mean_and_stderr(
+            [r["rm_disagreement"] for r in records]
+        )[0]
     return out
 
 
@@ -587,19 +591,19 @@ def heldout_record(step: int, result: dict[str, Any]) -> dict[str, Any]:
     members = {
         key.removesuffix("_mean"): value
         for key, value in result.items()
-        if key.startswith(("rm_score_member_", "rm_disagreement"))
+        if key.startswith((eval_metrics.RM_SCORE_MEMBER, eval_metrics.LOG_RM_DISAGREEMENT))
     }  # only with an ensemble
     return {
-        "step": step,
-        "kl": result["kl_to_ref"],
-        "rm_score": result["rm_score_mean"],
+        eval_metrics.LOG_STEP: step,
+        eval_metrics.LOG_KL: result[eval_metrics.KL_TO_REF],
+        eval_metrics.RM_SCORE: result[eval_metrics.RM_SCORE_MEAN],
         **members,
-        "gold_score": result["gold_score_mean"],
-        "reward_fn": result["reward_fn_mean"],
-        "sentiment": result["sentiment_mean"],
-        "fluency_perplexity": result["fluency_perplexity"],
-        "eos_rate": result["eos_rate"],
-        "response_length": result["response_length_mean"],
+        eval_metrics.GOLD_SCORE: result[eval_metrics.GOLD_SCORE_MEAN],
+        eval_metrics.REWARD_FN: result[eval_metrics.REWARD_FN_MEAN],
+        eval_metrics.SENTIMENT: result[eval_metrics.SENTIMENT_MEAN],
+        eval_metrics.FLUENCY_PERPLEXITY: result[eval_metrics.FLUENCY_PERPLEXITY],
+        eval_metrics.EOS_RATE: result[eval_metrics.EOS_RATE],
+        eval_metrics.LOG_RESPONSE_LENGTH: result[eval_metrics.RESPONSE_LENGTH_MEAN],
         **{key: result[key] for key in DEGENERACY_KEYS},
         **{key: result[key] for key in ACCURACY_KEYS},
     }
@@ -623,18 +627,23 @@ def load_prompts(cfg: Config, tokenizer, prompts=None) -> list[str]:
 
 
 SAMPLE_KEYS = (
-    "response",
-    "gold_score",
-    "sentiment",
-    "fluency_perplexity",
-    "rm_score",
-    "rm_member_scores",
-    "reward_fn",
-    "combined_score",
-    "kl_to_ref",
-    "length",
-    "eos",
-    "correct",
+    eval_metrics.RESPONSE,
+    eval_metrics.GOLD_SCORE,
+    eval_metrics.SENTIMENT,
+    eval_metrics.FLUENCY_PERPLEXITY,
+    eval_metrics.RM_SCORE,
+    eval_metrics.RM_MEMBER_SCORES,
+    eval_metrics.REWARD_FN,
+    eval_metrics.COMBINED_SCORE,
+    eval_metrics.KL_TO_REF,
+    eval_metrics.LENGTH,
+    eval_metrics.EOS,
+    eval_metrics.CORRECT,
+)
+
+GREEDY_SAMPLE_KEYS = (  # (samples.jsonl field, the greedy record's key)
+    (eval_metrics.GREEDY_RESPONSE, eval_metrics.RESPONSE),
+    (eval_metrics.GREEDY_CORRECT, eval_metrics.CORRECT),
 )
 
 
@@ -649,12 +658,13 @@ def sample_row(
     policy_<key> and baseline_<key> side by side for `SAMPLE_KEYS` (response, gold_score, rm_score, kl_to_ref,
     length, eos, correct, ...), then <who>_greedy_response and <who>_greedy_correct from the (policy,
     baseline) greedy records of the prompt (None without them)."""
-    row: dict[str, Any] = {"prompt": prompt, "sample": sample}
+    row: dict[str, Any] = {eval_metrics.PROMPT: prompt, eval_metrics.SAMPLE: sample}
     for key in SAMPLE_KEYS:
-        row[f"policy_{key}"], row[f"baseline_{key}"] = policy[key], baseline[key]
+        for who, record in (("policy", policy), ("baseline", baseline)):
+            row[eval_metrics.side(who, key)] = record[key]
     for who, record in zip(("policy", "baseline"), greedy):
-        row[f"{who}_greedy_response"] = record["response"] if record is not None else None
-        row[f"{who}_greedy_correct"] = record["correct"] if record is not None else None
+        for field, key in GREEDY_SAMPLE_KEYS:
+            row[eval_metrics.side(who, field)] = record[key] if record is not None else None
     return row
 
 

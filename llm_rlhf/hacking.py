@@ -75,7 +75,8 @@ import re
 
 CHAR_RUN = 4  # three dots are an ellipsis; four of anything in a row is padding
 NGRAM = 3  # a repeated word pair is often English ("very very"); a repeated word triple rarely is
-DEGENERACY_KEYS = ("char_run_rate", "repeated_ngram_rate", "empty_rate")
+CHAR_RUN_RATE, REPEATED_NGRAM_RATE, EMPTY_RATE = "char_run_rate", "repeated_ngram_rate", "empty_rate"
+DEGENERACY_KEYS = (CHAR_RUN_RATE, REPEATED_NGRAM_RATE, EMPTY_RATE)  # `degeneracy_rates`'s keys
 WORD = re.compile(r"\w+")
 
 
@@ -152,6 +153,7 @@ def standardised_gaps(
     return [(p - p_mean) / p_std - (g - g_mean) / g_std for p, g in zip(proxy, gold)]
 
 
+PROXY = "proxy"  # a line of PPO's eval_samples.jsonl: the score PPO maximised (`heldout_sample_rows`)
 HELDOUT_SAMPLE_KEYS = (
     "prompt",
     "response",
@@ -175,7 +177,7 @@ def heldout_sample_rows(records: list[dict], *, step: int, reward_fn_weight: flo
     for record in records:
         rm, fn = record["rm_score"], record["reward_fn"]
         proxy = rm if fn is None else (rm if rm is not None else 0.0) + reward_fn_weight * fn
-        rows.append({"step": step, **{key: record[key] for key in HELDOUT_SAMPLE_KEYS}, "proxy": proxy})
+        rows.append({"step": step, **{key: record[key] for key in HELDOUT_SAMPLE_KEYS}, PROXY: proxy})
     return rows
 
 

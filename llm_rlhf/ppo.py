@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from llm_rlhf import ppo_math
+from llm_rlhf import ppo_math, ppo_metrics
 from llm_rlhf.accelerated import Accelerated
 from llm_rlhf.errors import NonFiniteError, UserError
 from llm_rlhf.estimators import AdvantageInputs
@@ -53,16 +53,18 @@ from llm_rlhf.rollout import (
 from llm_rlhf.scoring import Scorer, Scores
 
 TRAIN_STATS = (
-    "loss/policy",
-    "loss/value",
-    "policy/entropy",
-    "policy/approxkl",
-    "policy/clipfrac",
-    "val/clipfrac",
-    "policy/ratio",
+    ppo_metrics.LOSS_POLICY,
+    ppo_metrics.LOSS_VALUE,
+    ppo_metrics.POLICY_ENTROPY,
+    ppo_metrics.POLICY_APPROXKL,
+    ppo_metrics.POLICY_CLIPFRAC,
+    ppo_metrics.VAL_CLIPFRAC,
+    ppo_metrics.POLICY_RATIO,
 )  # token means over each global minibatch, averaged over the minibatches
-VALUE_STATS = ("loss/value", "val/clipfrac")  # not computed without a value function (critic-free estimators)
-KL_LOSS_STAT = "loss/kl"  # kl_coef * mean k3 over the minibatch's tokens, when the KL is in the loss
+# not computed without a value function (critic-free estimators)
+VALUE_STATS = (ppo_metrics.LOSS_VALUE, ppo_metrics.VAL_CLIPFRAC)
+# kl_coef * mean k3 over the minibatch's tokens, when the KL is in the loss
+KL_LOSS_STAT = ppo_metrics.LOSS_KL
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,7 +262,7 @@ class PPOTrainer:
         self.step += 1
         metrics = self.metrics(rollout, kl=kl, kl_coef=kl_coef, returns=returns, times=times)
         if greedy is not None:
-            metrics["objective/greedy_scores"] = self.global_mean(greedy.scores.mean())
+            metrics[ppo_metrics.OBJECTIVE_GREEDY_SCORES] = self.global_mean(greedy.scores.mean())
         return {**metrics, **train_stats, **self.score_term_means(scores)}
 
     def rewards(self, rollout: Rollout, kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -535,11 +537,11 @@ class PPOTrainer:
                         entropy = ppo_math.masked_mean(entropy, mask)
                         loss = pg_loss
                         parts = {
-                            "loss/policy": pg_loss,
-                            "policy/entropy": entropy,
-                            "policy/approxkl": pg.approxkl,
-                            "policy/clipfrac": pg.clipfrac,
-                            "policy/ratio": ppo_math.masked_mean(pg.ratio, mask),
+                            ppo_metrics.LOSS_POLICY: pg_loss,
+                            ppo_metrics.POLICY_ENTROPY: entropy,
+                            ppo_metrics.POLICY_APPROXKL: pg.approxkl,
+                            ppo_metrics.POLICY_CLIPFRAC: pg.clipfrac,
+                            ppo_metrics.POLICY_RATIO: ppo_math.masked_mean(pg.ratio, mask),
                         }
                         if cfg.estimator.critic:  # gae: the value head's or the critic's loss
                             vf_loss, vf = ppo_math.value_loss(
@@ -550,7 +552,9 @@ class PPOTrainer:
                                 cliprange_value=cfg.cliprange_value,
                             )
                             loss = loss + cfg.vf_coef * vf_loss
-                            parts.update({"loss/value": vf_loss, "val/clipfrac": vf.clipfrac})
+                            parts.update(
+                                {ppo_metrics.LOSS_VALUE: vf_loss, ppo_metrics.VAL_CLIPFRAC: vf.clipfrac}
+                            )
                         if cfg.kl_penalty_in_loss:
                             kl_loss = ppo_math.kl_loss(
                                 logprobs=logprobs,
@@ -573,13 +577,16 @@ class PPOTrainer:
                         f"({', '.join(k for k, v in stats.items() if not np.isfinite(v))}); "
                         + what_was_updated(len(history), this_step=False)
                     )
-                if stats["policy/ratio"] > cfg.ratio_guard:  # a diverged minibatch: drop its update
+                if stats[ppo_metrics.POLICY_RATIO] > cfg.ratio_guard:  # a diverged minibatch: drop its update
                     self.acc.discard_gradients(self.policy, self.optimizer)
                     skipped += 1
                     continue
                 self.optimizer_step(epoch, updates=len(history))
                 history.append(stats)  # one entry per optimiser step taken
-                if cfg.target_approxkl is not None and stats["policy/approxkl"] > cfg.target_approxkl:
+                if (
+                    cfg.target_approxkl is not None
+                    and stats[ppo_metrics.POLICY_APPROXKL] > cfg.target_approxkl
+                ):
                     stopped_early = True
                     break
             if stopped_early:
@@ -587,9 +594,9 @@ class PPOTrainer:
         out = {k: float(np.mean([h[k] for h in history])) if history else math.nan for k in self.train_stats}
         out.update(
             {
-                "policy/skipped_minibatches": float(skipped),
-                "policy/early_stopped": float(stopped_early),
-                "lr": self.scheduler.get_last_lr()[0],
+                ppo_metrics.POLICY_SKIPPED_MINIBATCHES: float(skipped),
+                ppo_metrics.POLICY_EARLY_STOPPED: float(stopped_early),
+                ppo_metrics.LR: self.scheduler.get_last_lr()[0],
             }
         )
         return out
@@ -627,37 +634,39 @@ class PPOTrainer:
         tokens = self.global_sum(lengths.sum())
         step_time = sum(times.values())
         return {
-            "step": self.step,
-            "episodes": self.step * self.sizes.episodes_per_step,
-            "objective/scores": self.global_mean(rollout.scores.mean()),
-            "objective/scores_std": self.global_std(rollout.scores),
-            "objective/kl": self.global_mean(kl_seq.mean()),
-            "objective/kl_coef": float(kl_coef),
-            "objective/non_score_reward": self.global_mean(non_score.mean()),
-            "objective/rlhf_reward": self.global_mean((rollout.scores + non_score).mean()),
-            "objective/entropy": self.global_mean(ppo_math.masked_sum(rollout.entropy, mask, dim=-1).mean()),
+            ppo_metrics.STEP: self.step,
+            ppo_metrics.EPISODES: self.step * self.sizes.episodes_per_step,
+            ppo_metrics.OBJECTIVE_SCORES: self.global_mean(rollout.scores.mean()),
+            ppo_metrics.OBJECTIVE_SCORES_STD: self.global_std(rollout.scores),
+            ppo_metrics.OBJECTIVE_KL: self.global_mean(kl_seq.mean()),
+            ppo_metrics.OBJECTIVE_KL_COEF: float(kl_coef),
+            ppo_metrics.OBJECTIVE_NON_SCORE_REWARD: self.global_mean(non_score.mean()),
+            ppo_metrics.OBJECTIVE_RLHF_REWARD: self.global_mean((rollout.scores + non_score).mean()),
+            ppo_metrics.OBJECTIVE_ENTROPY: self.global_mean(
+                ppo_math.masked_sum(rollout.entropy, mask, dim=-1).mean()
+            ),
             **(self.value_metrics(rollout, returns) if rollout.values is not None else {}),
             **(self.group_metrics(rollout) if self.cfg.samples_per_prompt > 1 else {}),
             **(self.sampler_metrics(rollout, tokens) if rollout.sampler_logprobs is not None else {}),
-            "response_length": self.global_mean(lengths.mean()),
-            "eos_rate": self.global_mean(rollout.ended(self.tokenizer.eos_token_id).float().mean()),
-            "time/generate": times["generate"],
-            "time/score": times["score"],
-            "time/train": times["train"],
-            "time/step": step_time,
-            "tokens_per_s": float(tokens) / step_time,
+            ppo_metrics.RESPONSE_LENGTH: self.global_mean(lengths.mean()),
+            ppo_metrics.EOS_RATE: self.global_mean(rollout.ended(self.tokenizer.eos_token_id).float().mean()),
+            ppo_metrics.TIME_GENERATE: times["generate"],
+            ppo_metrics.TIME_SCORE: times["score"],
+            ppo_metrics.TIME_TRAIN: times["train"],
+            ppo_metrics.TIME_STEP: step_time,
+            ppo_metrics.TOKENS_PER_S: float(tokens) / step_time,
         }
 
     def value_metrics(self, rollout: Rollout, returns: torch.Tensor) -> dict[str, float]:
         """val/explained_variance and val/mean of the value function (gae), global over processes."""
         mask = rollout.response_mask
         return {
-            "val/explained_variance": float(
+            ppo_metrics.VAL_EXPLAINED_VARIANCE: float(
                 ppo_math.explained_variance(
                     values=rollout.values, returns=returns, mask=mask, reduce_sum=self.reduce_sum
                 )
             ),
-            "val/mean": self.global_mean(ppo_math.masked_mean(rollout.values, mask)),
+            ppo_metrics.VAL_MEAN: self.global_mean(ppo_math.masked_mean(rollout.values, mask)),
         }
 
     def sampler_metrics(self, rollout: Rollout, tokens: torch.Tensor) -> dict[str, float]:
@@ -667,7 +676,7 @@ class PPOTrainer:
         pi_theta by float rounding only); with sampling_dtype bfloat16 the price of the faster sampler: the
         tokens come from q, while the ratio and the KL to the reference are computed under pi_theta."""
         gap = ppo_math.masked_sum(rollout.sampler_logprobs - rollout.logprobs, rollout.response_mask)  # ()
-        return {"objective/kl_sampler": float(self.global_sum(gap)) / max(float(tokens), 1.0)}
+        return {ppo_metrics.OBJECTIVE_KL_SAMPLER: float(self.global_sum(gap)) / max(float(tokens), 1.0)}
 
     def group_metrics(self, rollout: Rollout) -> dict[str, float]:
         """With k > 1 samples per prompt: objective/group_scores_std, the std of the scores within a prompt's
@@ -679,8 +688,8 @@ class PPOTrainer:
         )  # (P, k)
         tied = (grouped == grouped[:, :1]).all(dim=1).float()  # (P,)
         return {
-            "objective/group_scores_std": self.global_mean(grouped.std(dim=1, correction=1).mean()),
-            "objective/groups_tied": self.global_mean(tied.mean()),
+            ppo_metrics.OBJECTIVE_GROUP_SCORES_STD: self.global_mean(grouped.std(dim=1, correction=1).mean()),
+            ppo_metrics.OBJECTIVE_GROUPS_TIED: self.global_mean(tied.mean()),
         }
 
     def score_term_means(self, scores: Scores) -> dict[str, float]:
@@ -692,7 +701,7 @@ class PPOTrainer:
             return {}
         means = torch.stack([v.float().mean() for v in terms.values()])  # (n,) this process's
         means = self.accelerator.reduce(means.to(self.device), reduction="mean")  # (n,) every process's
-        return {f"objective/{name}": float(v) for name, v in zip(terms, means)}
+        return {ppo_metrics.objective(name): float(v) for name, v in zip(terms, means)}
 
     # --- distributed helpers ------------------------------------------------------------------
 

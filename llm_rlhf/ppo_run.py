@@ -27,6 +27,7 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from llm_rlhf import ppo_metrics
 from llm_rlhf.config import format_config, is_off, save_config
 from llm_rlhf.data import load_prompt_dataset, prompt_rules
 from llm_rlhf.errors import UserError
@@ -337,7 +338,9 @@ def signed(x: float | None) -> str:
 def truncate_log(path: Path, step: int) -> None:
     """Drop log lines written after the checkpoint we resume from (they will be written again)."""
     if path.exists():
-        lines = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
+        lines = [
+            ln for ln in path.read_text().splitlines() if ln and json.loads(ln)[ppo_metrics.STEP] <= step
+        ]
         path.write_text("".join(ln + "\n" for ln in lines))
 
 
@@ -346,12 +349,12 @@ def summarize(history: list[dict], cfg: Config) -> dict[str, float]:
     first = history[0]
     last.update(
         {
-            "scores_first": first["objective/scores"],
-            "scores_std_first": first["objective/scores_std"],
-            "scores_last": last["objective/scores"],
-            "kl_last": last["objective/kl"],
-            "kl_target": cfg.kl_target,
-            "time_per_step_s": float(np.mean([h["time/step"] for h in history])),
+            ppo_metrics.SCORES_FIRST: first[ppo_metrics.OBJECTIVE_SCORES],
+            ppo_metrics.SCORES_STD_FIRST: first[ppo_metrics.OBJECTIVE_SCORES_STD],
+            ppo_metrics.SCORES_LAST: last[ppo_metrics.OBJECTIVE_SCORES],
+            ppo_metrics.KL_LAST: last[ppo_metrics.OBJECTIVE_KL],
+            ppo_metrics.KL_TARGET: cfg.kl_target,
+            ppo_metrics.TIME_PER_STEP_S: float(np.mean([h[ppo_metrics.TIME_STEP] for h in history])),
         }
     )
     return last
@@ -373,7 +376,12 @@ def log_samples(trainer: PPOTrainer, out: Path) -> None:
         r = tok.decode(samples.response[i][samples.response_mask[i]], skip_special_tokens=True)
         append_jsonl(
             out / "samples.jsonl",
-            {"step": trainer.step, "query": q, "response": r, "score": float(scores[i])},
+            {
+                ppo_metrics.STEP: trainer.step,
+                ppo_metrics.SAMPLE_QUERY: q,
+                ppo_metrics.SAMPLE_RESPONSE: r,
+                ppo_metrics.SAMPLE_SCORE: float(scores[i]),
+            },
         )
         tqdm.write(f"[step {trainer.step}] {q!r} -> {r!r} (score {float(scores[i]):+.2f})")
 
@@ -389,15 +397,15 @@ def make_writer(cfg: Config, out: Path):
 
         def log(m: dict) -> None:
             for k, v in m.items():
-                if isinstance(v, (int, float)) and k != "step":
-                    tb.add_scalar(k, v, m["step"])
+                if isinstance(v, (int, float)) and k != ppo_metrics.STEP:
+                    tb.add_scalar(k, v, m[ppo_metrics.STEP])
 
         return log, tb.close
     if cfg.report_to == "wandb":
         import wandb  # optional dependency (the wandb extra)
 
         run = wandb.init(project="llm_rlhf", config=dataclasses.asdict(cfg), dir=str(out))
-        return (lambda m: run.log(m, step=m["step"])), run.finish
+        return (lambda m: run.log(m, step=m[ppo_metrics.STEP])), run.finish
     return None, None
 
 
@@ -443,12 +451,12 @@ def write_final_metrics(out: Path, final: dict) -> None:
             {
                 k: final[k]
                 for k in (
-                    "scores_first",
-                    "scores_last",
-                    "scores_std_first",
-                    "kl_last",
-                    "kl_target",
-                    "time_per_step_s",
+                    ppo_metrics.SCORES_FIRST,
+                    ppo_metrics.SCORES_LAST,
+                    ppo_metrics.SCORES_STD_FIRST,
+                    ppo_metrics.KL_LAST,
+                    ppo_metrics.KL_TARGET,
+                    ppo_metrics.TIME_PER_STEP_S,
                 )
             },
             indent=2,

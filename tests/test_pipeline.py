@@ -137,7 +137,13 @@ def test_a_sweep_over_estimators_is_compared_in_one_report_and_one_compare(
     """`--sweep` over advantage estimators with the report and the compare stage: SFT and RM once, each
     variant's PPO and eval in DIR/<name>; the grpo run has no value head and no value panels while the gae
     run has both; the side-by-side table names each estimator; compare runs once, over both variants."""
+    from llm_rlhf import eval_metrics as e
+    from llm_rlhf import ppo_metrics as m
     from llm_rlhf import report
+    from llm_rlhf.hacking import DEGENERACY_KEYS, PROXY
+    from llm_rlhf.report.evaluation import EVAL_GROUPS, MEMBERS
+    from llm_rlhf.report.ppo_curves import PPO_PANELS, ppo_panels
+    from llm_rlhf.report.samples import SCORES_SHOWN
 
     monkeypatch.chdir(ROOT)
     out = tmp_path / "sweep"
@@ -155,7 +161,7 @@ def test_a_sweep_over_estimators_is_compared_in_one_report_and_one_compare(
     titles = {}
     for name in ("gae", "grpo"):
         run = report.load_run(out / name)
-        titles[name] = [panel[0] for panel in report.ppo_panels(run.ppo_history)]
+        titles[name] = [panel[0] for panel in ppo_panels(run.ppo_history)]
     assert {"Value loss", "Explained variance of returns"} <= set(titles["gae"])
     assert titles["grpo"] == [
         t for t in titles["gae"] if t not in ("Value loss", "Explained variance of returns")
@@ -186,6 +192,31 @@ def test_a_sweep_over_estimators_is_compared_in_one_report_and_one_compare(
     assert read_json(out / "pipeline.json")["compare"]["metrics"] == metrics
     assert "Methods compared" in html and "grpo (grpo, k = 2, along its run)" in html
     assert (out / "report" / "methods.png").is_file()
+
+    # one vocabulary: every name the report reads (ppo_metrics, eval_metrics) is one a real run wrote
+    assert titles["gae"] == [panel[0] for panel in PPO_PANELS]  # a gae run logs every panel's keys
+    assert {m.SCORES_FIRST, m.SCORES_LAST, m.KL_LAST, m.KL_TARGET} <= read_json(
+        out / "gae" / "ppo" / "metrics.json"
+    ).keys()
+    figures = read_json(out / "gae" / "eval" / "metrics.json")
+    ensemble = (MEMBERS, e.RM_DISAGREEMENT_MEAN)  # written with a reward-model ensemble alone
+    rows = [row for _, group in EVAL_GROUPS for row in group if row.key not in ensemble]
+    read = {
+        name + side for row in rows for name in (row.key, row.stderr) if name for side in ("", e.BASELINE)
+    }
+    read |= {name for row in rows if row.win for name in (row.win, row.win + e.STDERR)}
+    assert read <= figures.keys()
+    line = report.parse_jsonl((out / "gae" / "ppo" / "eval_log.jsonl").read_text())[0]
+    assert {e.LOG_STEP, e.LOG_KL, e.RM_SCORE, e.GOLD_SCORE, *e.ACCURACY_KEYS, *DEGENERACY_KEYS} <= line.keys()
+    sample = report.parse_jsonl((out / "gae" / "eval" / "samples.jsonl").read_text())[0]
+    fields = [f for f, _, _ in SCORES_SHOWN] + [e.RESPONSE, e.LENGTH, e.EOS, e.CORRECT, e.GREEDY_RESPONSE]
+    assert {
+        e.PROMPT,
+        e.SAMPLE,
+        *(e.side(who, f) for who in ("policy", "baseline") for f in fields),
+    } <= sample.keys()
+    heldout = report.parse_jsonl((out / "gae" / "ppo" / "eval_samples.jsonl").read_text())[0]
+    assert {e.LOG_STEP, e.PROMPT, e.RESPONSE, e.GOLD_SCORE, PROXY} <= heldout.keys()
 
 
 def test_stages_without_sft_and_rm_start_ppo_from_its_recipe_model_and_score_with_a_rule(

@@ -11,6 +11,20 @@ import pytest
 
 from llm_rlhf import cli, report
 from llm_rlhf.report import find_runs, parse_jsonl, write_report
+from llm_rlhf.report.accuracy import (
+    accuracy_logged,
+    accuracy_points,
+    plot_accuracy,
+    plot_compare_accuracy,
+    run_styles,
+)
+from llm_rlhf.report.cards import accuracy_cards
+from llm_rlhf.report.evaluation import EVAL_GROUPS, MEMBERS, eval_groups
+from llm_rlhf.report.figures import nth_color, plot_style
+from llm_rlhf.report.hacking_watch import WATCH_TOP
+from llm_rlhf.report.overoptimisation import eval_points
+from llm_rlhf.report.ppo_curves import COMPARE_PANELS, PPO_PANELS, compare_panels, plot_ppo, ppo_panels
+from llm_rlhf.report.runs import kl_target, run_estimator
 
 IMG = "data:image/png;base64,"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -177,25 +191,21 @@ def test_a_critic_free_run_has_no_value_panels_and_names_its_estimator(tmp_path)
     panels), the caption says which, and the card names the estimator; a gae run keeps every panel."""
     gae = report.load_run(make_run(tmp_path / "gae"))
     grpo = report.load_run(make_run(tmp_path / "grpo", estimator="grpo", k=4))
-    every = [panel[0] for panel in report.PPO_PANELS]
-    assert [panel[0] for panel in report.ppo_panels(gae.ppo_history)] == every
-    assert [panel[0] for panel in report.ppo_panels(grpo.ppo_history)] == [
-        t for t in every if t not in VALUE_PANELS
-    ]
-    with report._style():
-        assert visible_titles(report.plot_ppo(gae.ppo_history, 6.0)) == every
-        assert visible_titles(report.plot_ppo(grpo.ppo_history, 6.0)) == [
-            t for t in every if t not in VALUE_PANELS
-        ]
-    assert report.run_estimator(gae) == "gae" and report.run_estimator(grpo) == "grpo, k = 4"
+    every = [panel[0] for panel in PPO_PANELS]
+    assert [panel[0] for panel in ppo_panels(gae.ppo_history)] == every
+    assert [panel[0] for panel in ppo_panels(grpo.ppo_history)] == [t for t in every if t not in VALUE_PANELS]
+    with plot_style():
+        assert visible_titles(plot_ppo(gae.ppo_history, 6.0)) == every
+        assert visible_titles(plot_ppo(grpo.ppo_history, 6.0)) == [t for t in every if t not in VALUE_PANELS]
+    assert run_estimator(gae) == "gae" and run_estimator(grpo) == "grpo, k = 4"
     text = write_report(grpo.path).read_text(encoding="utf-8")
     assert "Not drawn, nothing logged for them: Value loss, Explained variance of returns." in text
     assert 'Advantage estimator</div><div class="value">grpo</div>' in text and "4 samples / prompt" in text
     text = write_report(gae.path).read_text(encoding="utf-8")
     assert "Not drawn" not in text and 'Advantage estimator</div><div class="value">gae</div>' in text
     # side by side: the value panels stay while one run has a value function, and go when none has
-    assert [p[1] for p in report.compare_panels([gae, grpo])] == [p[1] for p in report.COMPARE_PANELS]
-    assert "Value loss" not in [p[1] for p in report.compare_panels([grpo, grpo])]
+    assert [p[1] for p in compare_panels([gae, grpo])] == [p[1] for p in COMPARE_PANELS]
+    assert "Value loss" not in [p[1] for p in compare_panels([grpo, grpo])]
 
 
 def test_overoptimisation_curve_of_a_run_without_a_reward_model(tmp_path):
@@ -204,7 +214,7 @@ def test_overoptimisation_curve_of_a_run_without_a_reward_model(tmp_path):
     run = make_run(tmp_path / "run")
     rows = [json.loads(line) for line in (run / "ppo" / "eval_log.jsonl").read_text().splitlines()]
     _jsonl(run / "ppo" / "eval_log.jsonl", [{**r, "rm_score": None, "reward_fn": 0.3} for r in rows])
-    step, kl, rm, gold = report._eval_points(
+    step, kl, rm, gold = eval_points(
         [json.loads(line) for line in (run / "ppo" / "eval_log.jsonl").read_text().splitlines()]
     )
     assert list(kl) == [r["kl"] for r in rows] and list(gold) == [r["gold_score"] for r in rows]
@@ -319,7 +329,7 @@ def test_cli_rebuilds_report_escaping_text_and_skipping_broken_lines(tmp_path, c
 def test_smooth_matches_loop():
     import numpy as np
 
-    from llm_rlhf.report import smooth
+    from llm_rlhf.report.numbers import smooth
 
     rng = np.random.default_rng(0)
     y = rng.normal(size=40)
@@ -335,7 +345,8 @@ def test_smooth_matches_loop():
 
 def test_gold_note_says_whose_fluency_lm_the_gold_reads(tmp_path, monkeypatch):
     """The evaluation section names the gold's fluency LM and says when it is the run's own base model."""
-    from llm_rlhf.report import gold_note, load_run
+    from llm_rlhf.report import load_run
+    from llm_rlhf.report.evaluation import gold_note
 
     monkeypatch.chdir(tmp_path)  # config paths are relative to where the pipeline ran
     (tmp_path / "lm").mkdir()
@@ -398,7 +409,7 @@ def test_evaluation_table_is_grouped_and_leaves_out_what_was_not_measured(tmp_pa
     assert [c.split(">")[1] for c in gold_row.split("<td")[1:]] == [
         "0.3</td", "0.1</td", "+0.2</td", f"{stderr:.2g}</td", "62.0%</td", "3.1%</td"
     ]  # fmt: skip
-    (rows,) = [rows for title, rows in report.eval_groups(EVAL_METRICS, None) if title.startswith("Gold")]
+    (rows,) = [rows for title, rows in eval_groups(EVAL_METRICS, None) if title.startswith("Gold")]
     assert (
         rows[0]["diff_stderr"] == pytest.approx(np.hypot(0.05, 0.04)) and not rows[0]["paired"]
     )  # no samples
@@ -411,7 +422,7 @@ def test_evaluation_table_is_grouped_and_leaves_out_what_was_not_measured(tmp_pa
                "rm_score_member_0_mean": 1.0, "rm_score_member_0_mean_baseline": 0.1, "rm_disagreement_mean": 0.3,
                "rm_disagreement_mean_baseline": 0.2, "reward_fn_mean": 0.7, "reward_fn_mean_baseline": 0.4,
                "reward_fn_win_rate": 0.66, "temperature": 0.7}  # fmt: skip
-    groups = dict(report.eval_groups(metrics, None))
+    groups = dict(eval_groups(metrics, None))
     rm_group = groups["Reward model, ensemble and reward function (the proxy PPO maximised)"]
     assert [r["key"] for r in rm_group] == [
         "rm_score_mean", "rm_score_member_0_mean", "rm_score_member_1_mean", "rm_disagreement_mean", "reward_fn_mean"
@@ -446,7 +457,7 @@ def test_hacking_watch_lists_the_samples_with_the_largest_proxy_gold_gap(tmp_pat
     assert '<td class="num">+3.55</td><td class="num">+2.05</td><td class="num">-1.5</td>' in top
     assert padded in top and '<span class="flag">char run</span>' in top
     assert "standardised by the step-0 evaluation (the SFT model)" in sections["PPO step 10"]
-    assert sections["PPO step 10"].count("<tr>") == report.WATCH_TOP
+    assert sections["PPO step 10"].count("<tr>") == WATCH_TOP
     # the final evaluation: the policy's RM score rises (1.5 + 0.02 i) as its gold falls (0.9 - 0.01 i)
     assert "Prompt number 24" in sections["final evaluation"].split("<tr>")[1]
     # the degeneracy counters: drawn against step and KL, and tabulated per evaluation (the SFT baseline's too)
@@ -496,11 +507,9 @@ def test_the_evaluation_table_reads_the_keys_eval_writes():
     verdicts = [{**record, "correct": 1.0}, {**record, "correct": 0.0}]  # issue 25: the verifier's figures
     for suffix in ("", "_baseline"):
         written.update(evaluate.accuracy_figures(verdicts, verdicts[:1], samples_per_prompt=2, suffix=suffix))
-    for _, rows in report.EVAL_GROUPS:
+    for _, rows in EVAL_GROUPS:
         for row in rows:
-            if (
-                row.key == report.MEMBERS
-            ):  # an ensemble of two: rm_score_member_0_mean, rm_score_member_1_mean
+            if row.key == MEMBERS:  # an ensemble of two: rm_score_member_0_mean, rm_score_member_1_mean
                 assert {"rm_score_member_0_mean", "rm_score_member_1_mean_baseline"} <= written.keys()
                 continue
             assert row.key in written and row.key + "_baseline" in written, row.key
@@ -695,13 +704,13 @@ def test_the_accuracy_figure_draws_the_logged_values(tmp_path):
         rows[1],
     ]  # out of order, one without accuracy
     shuffled[0] = {k: v for k, v in shuffled[0].items() if k != "accuracy_stderr"}  # step 8: no stderr
-    step, kl, accuracy, stderr = report.accuracy_points(shuffled, "accuracy", "kl")
+    step, kl, accuracy, stderr = accuracy_points(shuffled, "accuracy", "kl")
     assert list(step) == [0, 4, 8, 12] and list(kl) == pytest.approx([0.0, 0.4, 0.8, 1.2])
     assert (
         list(accuracy) == pytest.approx([0.2, 0.36, 0.52, 0.68]) and np.isnan(stderr[2]) and stderr[0] == 0.05
     )
-    with report._style():
-        fig = report.plot_accuracy(rows)
+    with plot_style():
+        fig = plot_accuracy(rows)
     by_step, by_kl = fig.axes[:2]
     assert [by_step.get_title(), by_kl.get_title()] == [
         "Held-out accuracy against step",
@@ -726,11 +735,11 @@ def test_accuracy_cards_fall_back_to_ppo_held_out_evaluations(tmp_path):
     metrics = {k: v for k, v in ACCURACY_EVAL.items() if not k.startswith("accuracy")}
     (run / "eval" / "metrics.json").write_text(json.dumps(metrics))
     (run / "pipeline.json").unlink()
-    cards = report.accuracy_cards(report.load_run(run))
+    cards = accuracy_cards(report.load_run(run))
     assert len(cards) == 2 and "20.0% → 68.0%" in cards[0] and "step 0 → 12; ± 5.0% last" in cards[0]
     assert "40.0% → 88.0%" in cards[1]
     plain = report.load_run(make_run(tmp_path / "reviews"))
-    assert report.accuracy_cards(plain) == [] and not report.accuracy_logged(plain.eval_log)
+    assert accuracy_cards(plain) == [] and not accuracy_logged(plain.eval_log)
     text = write_report(plain.path).read_text(encoding="utf-8")
     assert "accuracy" not in _between(text, '<table class="eval">') and "Held-out accuracy" not in text
     assert not (plain.path / "report" / "accuracy.png").exists()
@@ -745,18 +754,18 @@ def test_run_styles_colour_estimators_when_seeds_repeat_them(tmp_path):
             out.append(run)
         return out
 
-    with report._style():
-        distinct = report.run_styles(runs("gae", "grpo", "rloo"))
-        seeds = report.run_styles(runs("gae", "gae", "grpo", "grpo", "gae"))
-        one = report.run_styles(runs("gae", "gae"))
-    assert [c for c, _ in distinct] == [report._color(i) for i in range(3)] and {
-        ls for _, ls in distinct
-    } == {"-"}
-    assert seeds == [(report._color(0), "-"), (report._color(0), "--"), (report._color(1), "-"),
-                     (report._color(1), "--"), (report._color(0), ":")]  # fmt: skip
+    with plot_style():
+        distinct = run_styles(runs("gae", "grpo", "rloo"))
+        seeds = run_styles(runs("gae", "gae", "grpo", "grpo", "gae"))
+        one = run_styles(runs("gae", "gae"))
+    assert [c for c, _ in distinct] == [nth_color(i) for i in range(3)] and {ls for _, ls in distinct} == {
+        "-"
+    }
+    assert seeds == [(nth_color(0), "-"), (nth_color(0), "--"), (nth_color(1), "-"),
+                     (nth_color(1), "--"), (nth_color(0), ":")]  # fmt: skip
     assert one == [
-        (report._color(0), "-"),
-        (report._color(1), "-"),
+        (nth_color(0), "-"),
+        (nth_color(1), "-"),
     ]  # a sweep of one estimator: a colour per run
 
 
@@ -779,8 +788,8 @@ def test_a_sweep_of_estimators_and_seeds_draws_every_accuracy_curve(tmp_path):
     for empty in ("gold_win_rate", "rm_win_rate", "sentiment_win_rate", "fluency_perplexity"):
         assert f"<th>{empty}</th>" not in headline, empty
     runs = [report.load_run(sweep / name, name=name) for name in lifts]
-    with report._style():
-        fig = report.plot_compare_accuracy(runs)
+    with plot_style():
+        fig = plot_compare_accuracy(runs)
     titles = [ax.get_title() for ax in fig.axes]
     assert titles == [
         f"Held-out accuracy, {kind}, against {x}" for kind in ("sampled", "greedy") for x in ("step", "KL")
@@ -803,8 +812,8 @@ def test_a_fixed_beta_run_shows_no_kl_target(tmp_path):
     fixed = make_run(tmp_path / "fixed")
     config = fixed / "ppo" / "config.yaml"
     config.write_text(config.read_text() + "kl_controller: fixed\n")
-    assert report.kl_target(report.load_run(adaptive)) == 6.0
-    assert report.kl_target(report.load_run(fixed)) is None
+    assert kl_target(report.load_run(adaptive)) == 6.0
+    assert kl_target(report.load_run(fixed)) is None
     report.write_report(adaptive)
     report.write_report(fixed)
     adaptive_html, fixed_html = ((run / "report.html").read_text() for run in (adaptive, fixed))
