@@ -411,34 +411,7 @@ def sample_and_score(
             else (None, None)
         )
         scores = scorer(batch, tokenizer, chunk) if scorer is not None else Scores(None)
-        combined = scores.scores if scores.reward_fn is not None else None  # (B,) the sum PPO maximises
-        eos = (batch.response == tokenizer.eos_token_id) & batch.response_mask  # (B, R) the first EOS, if any
-        ended = batch.ended(tokenizer.eos_token_id)  # (B,) EOS or a stop string
-        for i, prompt in enumerate(chunk):
-            ids = batch.response[i][batch.response_mask[i] & ~eos[i]].tolist()  # the response without its EOS
-            records.append(
-                {
-                    "prompt": prompt,
-                    "response": tokenizer.decode(ids, skip_special_tokens=True),
-                    "response_ids": ids,
-                    "length": int(batch.response_mask[i].sum()),
-                    "eos": bool(ended[i]),
-                    "kl_to_ref": _floats(kls[0], i),
-                    "kl_to_ref_at_temperature": _floats(kls[1], i),
-                    "rm_score": _floats(scores.rm_score, i),
-                    "rm_member_scores": (
-                        scores.member_scores[:, i].tolist() if scores.member_scores is not None else None
-                    ),
-                    "rm_disagreement": _floats(scores.disagreement, i),
-                    "reward_fn": _floats(scores.reward_fn, i),
-                    "combined_score": _floats(combined, i),
-                    "gold_score": None,
-                    "sentiment": None,
-                    "fluency_nll": None,
-                    "fluency_perplexity": None,
-                    "correct": None,
-                }
-            )
+        records += batch_records(chunk, batch, tokenizer, kls, scores)
     texts = [r["prompt"] for r in records], [r["response"] for r in records]
     if measures.judge is not None:
         parts = judge_pairs(measures.judge, *texts)
@@ -447,6 +420,43 @@ def sample_and_score(
     if measures.verifier is not None:  # one checked call: every verdict 1.0 or 0.0 (`load_verifier`)
         for record, verdict in zip(records, measures.verifier(*texts)):
             record["correct"] = verdict
+    return records
+
+
+def batch_records(
+    prompts: list[str], batch: Samples, tokenizer, kls: tuple, scores: Scores
+) -> list[dict[str, Any]]:
+    """`sample_and_score`'s records of one sampled batch: the response, its length and end, its two KLs
+    (None each without a reference) and the scorer's parts; the judge's and the verifier's keys None."""
+    combined = scores.scores if scores.reward_fn is not None else None  # (B,) the sum PPO maximises
+    eos = (batch.response == tokenizer.eos_token_id) & batch.response_mask  # (B, R) the first EOS, if any
+    ended = batch.ended(tokenizer.eos_token_id)  # (B,) EOS or a stop string
+    records = []
+    for i, prompt in enumerate(prompts):
+        ids = batch.response[i][batch.response_mask[i] & ~eos[i]].tolist()  # the response without its EOS
+        records.append(
+            {
+                "prompt": prompt,
+                "response": tokenizer.decode(ids, skip_special_tokens=True),
+                "response_ids": ids,
+                "length": int(batch.response_mask[i].sum()),
+                "eos": bool(ended[i]),
+                "kl_to_ref": _floats(kls[0], i),
+                "kl_to_ref_at_temperature": _floats(kls[1], i),
+                "rm_score": _floats(scores.rm_score, i),
+                "rm_member_scores": (
+                    scores.member_scores[:, i].tolist() if scores.member_scores is not None else None
+                ),
+                "rm_disagreement": _floats(scores.disagreement, i),
+                "reward_fn": _floats(scores.reward_fn, i),
+                "combined_score": _floats(combined, i),
+                "gold_score": None,
+                "sentiment": None,
+                "fluency_nll": None,
+                "fluency_perplexity": None,
+                "correct": None,
+            }
+        )
     return records
 
 
