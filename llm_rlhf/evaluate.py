@@ -6,6 +6,10 @@ RNG is left alone), so sample j of prompt i of the policy is paired with sample 
 baseline, and two runs with the same seed give the same metrics. When the policy and the baseline are
 the same model the samples are identical and both win rates are exactly 0.5.
 
+The command in steps (`_run`): `load_inputs` (judge, reward function, tokenizers, prompts, verifier: every input
+checked before any model loads) -> `load_models` (the three models and the scorer, `scoring.build_scorer`) ->
+`measure` (both models sampled, scored, judged) -> `eval_figures` -> `write_outputs`.
+
 metrics.json (written last; `_baseline` keys hold the same figures for the baseline's samples):
     gold_score_mean   mean gold-judge score (reviews: the fluency-aware gold of `llm_rlhf.gold`, in units
                       of the predicted mean human rating, less the disfluency penalty)
