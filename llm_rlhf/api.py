@@ -133,33 +133,27 @@ def train_ppo(
     return ppo_run.train(cfg, tokenizer=tokenizer, on_step=on_step, **objects)
 
 
-def run_eval(
-    config=None,
-    *,
-    policy=None,
-    tokenizer=None,
-    baseline=None,
-    baseline_tokenizer=None,
-    reference=None,
-    reward_model=None,
-    reward_fn=None,
-    prompts=None,
-) -> dict[str, Any] | None:
-    """`llm-rlhf eval`: causal LMs in place of folders: policy and its tokenizer (policy_path), baseline
-    (baseline_path) with baseline_tokenizer (default: the policy's, for a baseline of the policy's vocabulary,
-    as an SFT model and its PPO policy are), reference (reference_path; it shares the policy's tokenizer, as
-    kl_to_ref needs); without a reference the baseline is the reference, as without reference_path. They are
-    sampled in eval mode and otherwise left as they are. reward_model, reward_fn and prompts as in
-    `train_ppo`. Returns metrics.json's figures (None on all but the main process)."""
-    if baseline_tokenizer is not None and (baseline is None or isinstance(baseline, (str, os.PathLike))):
+def run_eval(config=None, **objects: Any) -> dict[str, Any] | None:
+    """`llm-rlhf eval`: causal LMs in place of folders, by keyword (`evaluate.EvalObjects`' fields; any other
+    name is a TypeError): policy and its tokenizer (policy_path), baseline (baseline_path) with
+    baseline_tokenizer (default: the policy's, for a baseline of the policy's vocabulary, as an SFT model and
+    its PPO policy are), reference (reference_path; it shares the policy's tokenizer, as kl_to_ref needs);
+    without a reference the baseline is the reference, as without reference_path. They are sampled in eval
+    mode and otherwise left as they are. reward_model, reward_fn and prompts as in `train_ppo`. Returns
+    metrics.json's figures (None on all but the main process)."""
+    given = evaluate.EvalObjects(**objects)  # the keywords checked by name, as a signature would
+    baseline = given.baseline
+    if given.baseline_tokenizer is not None and (
+        baseline is None or isinstance(baseline, (str, os.PathLike))
+    ):
         raise UserError(
             "baseline_tokenizer: it goes with a baseline object (a folder holds its own tokenizer)"
         )
-    cfg, objects = _policy_and_scorer(
-        EvalConfig, config, "policy_path", policy, reward_model, reward_fn, prompts,
-        baseline=("baseline_path", baseline), reference=("reference_path", reference),
+    cfg, models = _policy_and_scorer(
+        EvalConfig, config, "policy_path", given.policy, given.reward_model, given.reward_fn, given.prompts,
+        baseline=("baseline_path", baseline), reference=("reference_path", given.reference),
     )  # fmt: skip
-    return evaluate.run(cfg, tokenizer=tokenizer, baseline_tokenizer=baseline_tokenizer, **objects)
+    return evaluate.run(cfg, tokenizer=given.tokenizer, baseline_tokenizer=given.baseline_tokenizer, **models)
 
 
 # ---------------------------------------------------------------------------------------------------

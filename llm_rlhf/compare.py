@@ -3,8 +3,12 @@
     llm-rlhf compare --config recipes/reviews/compare.yaml      (or the pipeline's `compare` stage)
 
 For the KL one is willing to spend, which method buys the most gold reward? Three methods from one SFT model
-and one RM, each a set of points (sqrt(KL to the SFT model), RM score, gold score) on the held-out prompts
-of the PPO run (its `eval_prompt_file`, first `eval_num_prompts`), sampled with its settings and seed:
+and one proxy, each a set of points (sqrt(KL to the SFT model), RM score, gold score) on the held-out prompts
+of the PPO run (its `eval_prompt_file`, first `eval_num_prompts`), sampled with its settings and seed. The
+proxy is the scorer PPO trained against, built from the PPO run's config.yaml (`scoring.build_scorer`): its
+reward model or ensemble combined as it combined them, and its reward function with its weight. DPO's and
+best-of-n's points are scored with it as PPO's held-out evaluations were (rm_score the reward model's part,
+reward_fn the function's, unweighted), and best-of-n keeps the response it scores highest:
 
     PPO        the held-out evaluations it logged along its run (DIR/ppo/eval_log.jsonl: run PPO with
                eval_every > 0); KL = the k1 sequence estimate on the samples. Further RL runs from the same
@@ -21,10 +25,11 @@ form to PPO and to DPO) with the coefficients' standard errors and R^2, and a fi
 R^2 < 0.8 or it rests on fewer than 4 points.
 
 Best-of-n (an evaluation-time policy): sample N responses per prompt from the SFT model, keep the one the
-reward model scores highest. Each n in `ns` is one point, estimated from the same N samples with the
-unbiased best-of-n weights (`ppo_math.best_of_n_weights`); its KL to the SFT model is the analytic
-log n - (n - 1)/n (`ppo_math.best_of_n_kl`) beside the KL measured on the samples
-(`ppo_math.best_of_n_empirical_kl`, smaller where responses tie).
+proxy scores highest (rm_score + reward_fn_weight * reward_fn with a reward function, as PPO maximised). Each
+n in `ns` is one point, estimated from the same N samples with the unbiased best-of-n weights
+(`ppo_math.best_of_n_weights`); its KL to the SFT model is the analytic log n - (n - 1)/n
+(`ppo_math.best_of_n_kl`) beside the KL measured on the samples (`ppo_math.best_of_n_empirical_kl`, smaller
+where responses tie).
 """
 
 from __future__ import annotations
@@ -40,21 +45,29 @@ import torch
 from accelerate import PartialState
 
 from llm_rlhf import dpo, ppo_config, ppo_math
-from llm_rlhf.config import format_config, help_field, load_yaml_config, require, save_config
+from llm_rlhf.config import (
+    check_not_placeholder,
+    format_config,
+    help_field,
+    is_off,
+    load_yaml_config,
+    require,
+    save_config,
+)
 from llm_rlhf.data import prompt_rules
 from llm_rlhf.errors import ConfigError, UserError
 from llm_rlhf.evaluate import (
     KLReference,
+    Measures,
     PairedSampling,
     evaluate_policy,
     load_heldout_inputs,
     sample_and_score,
 )
-from llm_rlhf.gold import judge_details
 from llm_rlhf.models import freeze, load_causal_lm, load_tokenizer
-from llm_rlhf.reward_model import load_reward_model
+from llm_rlhf.reward_model import check_members_exist
 from llm_rlhf.rollout import Sampling
-from llm_rlhf.scoring import Scorer
+from llm_rlhf.scoring import Scorer, build_scorer
 from llm_rlhf.trainer_stage import last_checkpoint
 from llm_rlhf.utils import atomic_write_json, atomic_write_text
 
@@ -64,50 +77,52 @@ def expectation(weights: torch.Tensor, x: torch.Tensor) -> float:
     return float((weights * x).sum(1).mean())
 
 
+def proxy_score(record: dict[str, Any]) -> float | None:
+    """The score PPO maximised, of one `sample_and_score` record: rm_score + reward_fn_weight * reward_fn
+    (combined_score) with a reward function, else the reward model's rm_score."""
+    return record["combined_score"] if record["reward_fn"] is not None else record["rm_score"]
+
+
 @torch.no_grad()
 def best_of_n_points(
-    model, tokenizer, prompts: list[str], draws: PairedSampling, *, scorer: Scorer, judge, ns: list[int],
+    model, tokenizer, prompts: list[str], draws: PairedSampling, *, measures: Measures, ns: list[int],
     num_samples: int,
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """One point per n in `ns`: n, kl (analytic), kl_measured, rm_score, gold_score, sentiment,
-    fluency_perplexity (the last two when the judge reports them), each the best-of-n expectation over the
-    prompts. `model` is the policy best-of-n samples from (and its own reference: the SFT model); `scorer`
-    (the reward model) selects.
+    """One point per n in `ns`: n, kl (analytic), kl_measured, rm_score, reward_fn, gold_score, sentiment,
+    fluency_perplexity (each None where not measured: no reward model, no reward function, a judge without
+    those parts), each the best-of-n expectation over the prompts. `model` is the policy best-of-n samples
+    from (and its own reference: the SFT model); `measures.scorer`, PPO's, selects (`proxy_score`), and
+    `measures.judge` judges.
 
     N = num_samples responses are drawn per prompt (prompt i's samples are rows i*N .. i*N + N - 1 of one
-    `sample_and_score` call, batch b seeded with seed + b); the RM scores all of them and the judge each
-    distinct (prompt, response) once."""
+    `sample_and_score` call, batch b seeded with seed + b, which scores all of them and judges each distinct
+    (prompt, response) once)."""
     if not ns or min(ns) < 1 or max(ns) > num_samples:
         raise ValueError(f"every n must be in [1, num_samples = {num_samples}] (got {ns})")
     P, N = len(prompts), num_samples
     rows = [prompt for prompt in prompts for _ in range(N)]
-    records = sample_and_score(model, tokenizer, rows, draws, scorer=scorer)
-    rm = torch.tensor([r["rm_score"] for r in records], dtype=torch.float64).view(P, N)  # (P, N)
-    pairs = list(dict.fromkeys((r["prompt"], r["response"]) for r in records))  # distinct, in order
-    parts = judge_details(judge, [p for p, _ in pairs], [r for _, r in pairs])
-    index = {pair: i for i, pair in enumerate(pairs)}
-    rows_of = torch.tensor([index[(r["prompt"], r["response"])] for r in records])  # (P * N,)
-    per_sample = {
-        key: torch.tensor(values, dtype=torch.float64)[rows_of].view(P, N)  # (P, N)
-        for key, values in parts.items()
-        if key in ("gold_score", "sentiment", "fluency_nll")
+    records = sample_and_score(
+        model, tokenizer, rows, draws, measures=Measures(measures.scorer, measures.judge)
+    )
+    proxy = torch.tensor([proxy_score(r) for r in records], dtype=torch.float64).view(P, N)  # (P, N)
+    per_sample = {  # (P, N) each, for the parts that were measured
+        key: torch.tensor([r[key] for r in records], dtype=torch.float64).view(P, N)
+        for key in ("rm_score", "reward_fn", "gold_score", "sentiment", "fluency_nll")
+        if records[0][key] is not None
     }
     points = []
     for n in ns:
-        weights = ppo_math.best_of_n_weights(rewards=rm, n=n)  # (P, N), rows sum to 1
-
+        weights = ppo_math.best_of_n_weights(rewards=proxy, n=n)  # (P, N), rows sum to 1
+        mean = {key: expectation(weights, x) for key, x in per_sample.items()}
         point = {
             "n": n,
             "kl": ppo_math.best_of_n_kl(n),
-            "kl_measured": float(ppo_math.best_of_n_empirical_kl(rewards=rm, n=n).mean()),
-            "rm_score": expectation(weights, rm),
-            "gold_score": expectation(weights, per_sample["gold_score"]),
-            "sentiment": expectation(weights, per_sample["sentiment"]) if "sentiment" in per_sample else None,
-            "fluency_perplexity": (
-                math.exp(expectation(weights, per_sample["fluency_nll"]))
-                if "fluency_nll" in per_sample
-                else None
-            ),
+            "kl_measured": float(ppo_math.best_of_n_empirical_kl(rewards=proxy, n=n).mean()),
+            "rm_score": mean.get("rm_score"),
+            "reward_fn": mean.get("reward_fn"),
+            "gold_score": mean["gold_score"],
+            "sentiment": mean.get("sentiment"),
+            "fluency_perplexity": math.exp(mean["fluency_nll"]) if "fluency_nll" in mean else None,
         }
         points.append(point)
     return points
@@ -123,13 +138,11 @@ class Config:
     sft_path: str = help_field(
         "runs/reviews/sft", "The SFT model: best-of-n's sampler, DPO's start, every KL's reference."
     )
-    reward_model_path: str = help_field(
-        "runs/reviews/rm", "The RM: best-of-n's selector, the proxy score of every point."
-    )
     ppo_dir: str = help_field(
         "runs/reviews/ppo",
         "The PPO run: its eval_log.jsonl gives the PPO points and its config.yaml the held-out prompts, the "
-        "sampling settings, the seed and the gold judge every method is scored with.",
+        "sampling settings, the seed, the gold judge and the proxy (its reward model(s), ensemble_combine, "
+        "reward_fn and reward_fn_weight: best-of-n's selector) every method is scored with.",
     )
     output_dir: str = help_field(
         "runs/reviews/compare", "points.jsonl, metrics.json and one dpo-beta-<b>/ per beta."
@@ -201,6 +214,16 @@ def ppo_settings(ppo_dir: Path):
             f"'{log}': no held-out evaluations; run PPO with eval_every > 0 (e.g. --ppo \"{{eval_every: 10}}\")"
         )
     return cfg, records
+
+
+def proxy_scorer(ppo_dir: Path, ppo_cfg) -> Scorer:
+    """The scorer the PPO run trained against (`scoring.build_scorer` on its config.yaml): its reward model(s)
+    combined as it combined them, its reward function and weight. A reward model or function the run was
+    given as a Python object (`<reward_model>` in its config) is a ConfigError naming the key."""
+    check_not_placeholder("reward_model_path", ppo_cfg.reward_model_path, str(ppo_dir / "config.yaml"))
+    if not is_off(ppo_cfg.reward_model_path):
+        check_members_exist(ppo_cfg.reward_model_path)
+    return build_scorer(ppo_cfg)
 
 
 def sft_origin(ppo_log: list[dict[str, Any]]) -> float | None:
@@ -287,7 +310,8 @@ def rl_points(method: str, log: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def dpo_points(cfg: Config, dpo_cfgs: list, inputs: dict[str, Any]) -> list[dict[str, Any]]:
     """One point per beta: DPO trained (or a finished run reused), then evaluated as PPO's held-out evaluations
-    are. `inputs`: the prompts, draws, scorer, judge and tokenizer every method is scored with."""
+    are. `inputs`: the prompts, draws, measures (PPO's scorer, the gold judge) and tokenizer every method is
+    scored with."""
     points = []
     for beta, dpo_cfg in zip(cfg.dpo_betas, dpo_cfgs):
         if not (Path(dpo_cfg.output_dir) / "metrics.json").exists():
@@ -296,13 +320,13 @@ def dpo_points(cfg: Config, dpo_cfgs: list, inputs: dict[str, Any]) -> list[dict
             dpo.run(dataclasses.replace(dpo_cfg, resume=last_checkpoint(dpo_cfg.output_dir) is not None))
         policy = freeze(load_causal_lm(dpo_cfg.output_dir))
         result = evaluate_policy(
-            policy, inputs["tokenizer"], inputs["prompts"], inputs["draws"],
-            scorer=inputs["scorer"], judge=inputs["judge"], reference=KLReference(inputs["sft_model"]),
+            policy, inputs["tokenizer"], inputs["prompts"], inputs["draws"], measures=inputs["measures"],
+            reference=KLReference(inputs["sft_model"]),
         )  # fmt: skip
         points.append({
             "method": "dpo", "label": f"beta {beta:g}", "kl": result["kl_to_ref"], "rm_score": result["rm_score_mean"],
-            "gold_score": result["gold_score_mean"], "sentiment": result["sentiment_mean"],
-            "fluency_perplexity": result["fluency_perplexity"],
+            "reward_fn": result["reward_fn_mean"], "gold_score": result["gold_score_mean"],
+            "sentiment": result["sentiment_mean"], "fluency_perplexity": result["fluency_perplexity"],
         })  # fmt: skip
         del policy
     return points
@@ -326,16 +350,16 @@ def run(cfg: Config) -> dict[str, Any]:
     prompts, judge = load_heldout_inputs(ppo_cfg)  # PPO's held-out prompts and gold judge, as it loads them
     # sampled as PPO's held-out evaluation samples (its settings, seed and batches): responses end as in PPO
     draws = PairedSampling(Sampling.of(ppo_cfg), seed=ppo_cfg.seed, batch_size=ppo_cfg.heldout_batch_size)
-    inputs = {"tokenizer": load_tokenizer(cfg.sft_path), "prompts": prompts, "draws": draws, "judge": judge,
-              "sft_model": freeze(load_causal_lm(cfg.sft_path)),
-              "scorer": Scorer(freeze(load_reward_model(cfg.reward_model_path)))}  # fmt: skip
+    measures = Measures(scorer=proxy_scorer(Path(cfg.ppo_dir), ppo_cfg), judge=judge)  # as PPO scored
+    inputs = {"tokenizer": load_tokenizer(cfg.sft_path), "prompts": prompts, "draws": draws,
+              "measures": measures, "sft_model": freeze(load_causal_lm(cfg.sft_path))}  # fmt: skip
 
     points = [p for method, _, _, log in rl_runs for p in rl_points(method, log)]
     points += dpo_points(cfg, dpo_cfgs, inputs)
     if cfg.best_of_n:
         for p in best_of_n_points(
-            inputs["sft_model"], inputs["tokenizer"], prompts, draws, scorer=inputs["scorer"], judge=judge,
-            ns=cfg.best_of_n, num_samples=cfg.best_of_n_samples,
+            inputs["sft_model"], inputs["tokenizer"], prompts, draws, measures=measures, ns=cfg.best_of_n,
+            num_samples=cfg.best_of_n_samples,
         ):  # fmt: skip
             points.append({"method": "best_of_n", "label": f"n {p['n']}", **p})
     metrics = {
@@ -386,7 +410,7 @@ def summarise(points: list[dict[str, Any]], rl_logs: dict[str, list[dict[str, An
 
 
 METHODS = ("ppo", "dpo", "best_of_n")
-POINT_KEYS = ("kl", "rm_score", "gold_score", "sentiment", "fluency_perplexity")
+POINT_KEYS = ("kl", "rm_score", "reward_fn", "gold_score", "sentiment", "fluency_perplexity")
 
 
 def format_summary(metrics: dict[str, Any]) -> str:

@@ -6,6 +6,10 @@ RNG is left alone), so sample j of prompt i of the policy is paired with sample 
 baseline, and two runs with the same seed give the same metrics. When the policy and the baseline are
 the same model the samples are identical and both win rates are exactly 0.5.
 
+The command in steps (`_run`): `load_inputs` (judge, reward function, tokenizers, prompts, verifier: every input
+checked before any model loads) -> `load_models` (the three models and the scorer, `scoring.build_scorer`) ->
+`measure` (both models sampled, scored, judged) -> `eval_figures` -> `write_outputs`.
+
 metrics.json (written last; `_baseline` keys hold the same figures for the baseline's samples):
     gold_score_mean   mean gold-judge score (reviews: the fluency-aware gold of `llm_rlhf.gold`, in units
                       of the predicted mean human rating, less the disfluency penalty)
@@ -89,7 +93,7 @@ from llm_rlhf.callables import split_callable_spec
 from llm_rlhf.config import checked_keywords, format_config, help_field, is_off, require, save_config
 from llm_rlhf.data import DATA_FORMATS, load_prompt_dataset, prompt_rules
 from llm_rlhf.errors import UserError
-from llm_rlhf.gold import FluentGoldJudge, GoldJudge, judge_details, load_judge
+from llm_rlhf.gold import FluentGoldJudge, GoldJudge, judge_pairs, load_judge
 from llm_rlhf.hacking import DEGENERACY_KEYS, degeneracy_rates
 from llm_rlhf.models import (
     check_embeddings,
@@ -100,7 +104,7 @@ from llm_rlhf.models import (
     tokenizer_or_load,
 )
 from llm_rlhf.reward_fn import RewardFn, load_reward_fn, probe
-from llm_rlhf.reward_model import RewardEnsemble, check_members_exist, load_reward_models
+from llm_rlhf.reward_model import RewardEnsemble, check_members_exist
 from llm_rlhf.rollout import (
     Samples,
     Sampling,
@@ -110,7 +114,7 @@ from llm_rlhf.rollout import (
     response_logits,
     sample,
 )
-from llm_rlhf.scoring import Scorer, Scores, check_score_keys
+from llm_rlhf.scoring import Scorer, Scores, build_scorer, check_score_keys
 from llm_rlhf.utils import atomic_write_json, atomic_write_text
 
 
@@ -365,6 +369,17 @@ def _floats(x: torch.Tensor | None, i: int) -> float | None:
     return float(x[i]) if x is not None else None
 
 
+@dataclass(frozen=True)
+class Measures:
+    """What scores a sample beside its KL, each None to skip its figures: the scorer (PPO's score,
+    `scoring.Scorer`: the reward model or ensemble and the reward function), the gold judge (any (prompts,
+    responses) -> list[float], `gold.load_judge`) and the verifier (a loaded accuracy_fn, `load_verifier`)."""
+
+    scorer: Scorer | None = None
+    judge: Any = None
+    verifier: RewardFn | None = None
+
+
 @torch.no_grad()
 def sample_and_score(
     model,
@@ -372,26 +387,25 @@ def sample_and_score(
     prompts: list[str],
     draws: PairedSampling,
     *,
-    scorer: Scorer | None = None,
-    judge=None,
+    measures: Measures = Measures(),
     reference: KLReference | None = None,
-    verifier: RewardFn | None = None,
     progress: str | None = None,
 ) -> list[dict[str, Any]]:
     """One record per prompt: prompt, response (text; a stop string that ended it is kept, as the RM scored
     it), response_ids (EOS excluded), length (tokens, EOS included), eos (ended: EOS or a stop string),
-    kl_to_ref and kl_to_ref_at_temperature (None without `reference`), then the `scorer`'s parts (PPO's
+    kl_to_ref and kl_to_ref_at_temperature (None without `reference`), then the `measures.scorer`'s parts (PPO's
     score, `scoring.Scorer`): rm_score (None without a reward model; a `RewardEnsemble`'s combined score),
     rm_member_scores (a list of K floats) and rm_disagreement (their population std; both None unless the
     reward model is an ensemble), reward_fn (None without a reward function: its unweighted score of the
     prompt and the response text) and combined_score (rm_score + reward_fn_weight * reward_fn, the score PPO
-    maximises; None without a reward function), then gold_score (None without `judge`) and sentiment,
-    fluency_nll, fluency_perplexity (None unless the judge reports them, as the fluency-aware gold does; see
-    `llm_rlhf.gold.judge_details`), then correct: the `verifier`'s verdict on the prompt and the response text,
-    1.0 or 0.0 (None without a verifier: `accuracy_fn`). Batch b is sampled with seed + b (`PairedSampling`)."""
+    maximises; None without a reward function), then gold_score (None without a judge) and sentiment,
+    fluency_nll, fluency_perplexity (None unless the judge reports them, as the fluency-aware gold does; each
+    distinct (prompt, response) judged once, `llm_rlhf.gold.judge_pairs`), then correct: the verifier's verdict
+    on the prompt and the response text, 1.0 or 0.0 (None without a verifier: `accuracy_fn`). Batch b is
+    sampled with seed + b (`PairedSampling`)."""
     if not prompts:
         raise ValueError("no prompts to sample")
-    sampling = draws.sampling
+    sampling, scorer = draws.sampling, measures.scorer
     records: list[dict[str, Any]] = []
     starts = range(0, len(prompts), draws.batch_size)
     for b, start in enumerate(tqdm(starts, desc=progress, disable=progress is None, leave=False)):
@@ -403,42 +417,52 @@ def sample_and_score(
             else (None, None)
         )
         scores = scorer(batch, tokenizer, chunk) if scorer is not None else Scores(None)
-        combined = scores.scores if scores.reward_fn is not None else None  # (B,) the sum PPO maximises
-        eos = (batch.response == tokenizer.eos_token_id) & batch.response_mask  # (B, R) the first EOS, if any
-        ended = batch.ended(tokenizer.eos_token_id)  # (B,) EOS or a stop string
-        for i, prompt in enumerate(chunk):
-            ids = batch.response[i][batch.response_mask[i] & ~eos[i]].tolist()  # the response without its EOS
-            records.append(
-                {
-                    "prompt": prompt,
-                    "response": tokenizer.decode(ids, skip_special_tokens=True),
-                    "response_ids": ids,
-                    "length": int(batch.response_mask[i].sum()),
-                    "eos": bool(ended[i]),
-                    "kl_to_ref": _floats(kls[0], i),
-                    "kl_to_ref_at_temperature": _floats(kls[1], i),
-                    "rm_score": _floats(scores.rm_score, i),
-                    "rm_member_scores": (
-                        scores.member_scores[:, i].tolist() if scores.member_scores is not None else None
-                    ),
-                    "rm_disagreement": _floats(scores.disagreement, i),
-                    "reward_fn": _floats(scores.reward_fn, i),
-                    "combined_score": _floats(combined, i),
-                    "gold_score": None,
-                    "sentiment": None,
-                    "fluency_nll": None,
-                    "fluency_perplexity": None,
-                    "correct": None,
-                }
-            )
+        records += batch_records(chunk, batch, tokenizer, kls, scores)
     texts = [r["prompt"] for r in records], [r["response"] for r in records]
-    if judge is not None:
-        parts = judge_details(judge, *texts)
+    if measures.judge is not None:
+        parts = judge_pairs(measures.judge, *texts)
         for i, record in enumerate(records):
             record.update({key: values[i] for key, values in parts.items() if key in record})
-    if verifier is not None:  # one checked call: every verdict 1.0 or 0.0 (`load_verifier`)
-        for record, verdict in zip(records, verifier(*texts)):
+    if measures.verifier is not None:  # one checked call: every verdict 1.0 or 0.0 (`load_verifier`)
+        for record, verdict in zip(records, measures.verifier(*texts)):
             record["correct"] = verdict
+    return records
+
+
+def batch_records(
+    prompts: list[str], batch: Samples, tokenizer, kls: tuple, scores: Scores
+) -> list[dict[str, Any]]:
+    """`sample_and_score`'s records of one sampled batch: the response, its length and end, its two KLs
+    (None each without a reference) and the scorer's parts; the judge's and the verifier's keys None."""
+    combined = scores.scores if scores.reward_fn is not None else None  # (B,) the sum PPO maximises
+    eos = (batch.response == tokenizer.eos_token_id) & batch.response_mask  # (B, R) the first EOS, if any
+    ended = batch.ended(tokenizer.eos_token_id)  # (B,) EOS or a stop string
+    records = []
+    for i, prompt in enumerate(prompts):
+        ids = batch.response[i][batch.response_mask[i] & ~eos[i]].tolist()  # the response without its EOS
+        records.append(
+            {
+                "prompt": prompt,
+                "response": tokenizer.decode(ids, skip_special_tokens=True),
+                "response_ids": ids,
+                "length": int(batch.response_mask[i].sum()),
+                "eos": bool(ended[i]),
+                "kl_to_ref": _floats(kls[0], i),
+                "kl_to_ref_at_temperature": _floats(kls[1], i),
+                "rm_score": _floats(scores.rm_score, i),
+                "rm_member_scores": (
+                    scores.member_scores[:, i].tolist() if scores.member_scores is not None else None
+                ),
+                "rm_disagreement": _floats(scores.disagreement, i),
+                "reward_fn": _floats(scores.reward_fn, i),
+                "combined_score": _floats(combined, i),
+                "gold_score": None,
+                "sentiment": None,
+                "fluency_nll": None,
+                "fluency_perplexity": None,
+                "correct": None,
+            }
+        )
     return records
 
 
@@ -446,7 +470,7 @@ def greedy_records(model, tokenizer, prompts: list[str], draws: PairedSampling, 
     """One greedy response per prompt (`PairedSampling.greedy`: the argmax at every token, in draws' batches,
     ending as draws' responses end), with the verifier's verdict: `sample_and_score`'s records, `correct` set
     and nothing else scored."""
-    return sample_and_score(model, tokenizer, prompts, draws.greedy(), verifier=verifier)
+    return sample_and_score(model, tokenizer, prompts, draws.greedy(), measures=Measures(verifier=verifier))
 
 
 ACCURACY_KEYS = eval_metrics.ACCURACY_KEYS
@@ -528,22 +552,19 @@ def evaluate_policy(
     prompts: list[str],
     draws: PairedSampling,
     *,
-    scorer=None,
-    judge=None,
-    reference=None,
-    verifier: RewardFn | None = None,
+    measures: Measures = Measures(),
+    reference: KLReference | None = None,
     samples_out: list[dict[str, Any]] | None = None,
 ) -> dict[str, float | None]:
     """Sample one response per prompt from `policy` and score it: for evaluation during training.
 
     policy: a causal LM (e.g. PPO's `policy.lm` unwrapped from DDP); reference: a `KLReference` (the
-    reference's `lm`; with LoRA the policy's `lm` again with `context=lm.disable_adapter`); scorer: a
-    `llm_rlhf.scoring.Scorer` (the reward model or ensemble and the reward function, as PPO scores); judge:
-    any (prompts, responses) -> list[float]. Each may be None to skip its metrics. Deterministic for a given
-    seed, and the global RNG is left untouched. The policy is put in eval mode for the call and restored.
+    reference's `lm`; with LoRA the policy's `lm` again with `context=lm.disable_adapter`), None to skip the
+    KL; measures: the scorer (as PPO scores), the gold judge and the verifier (`Measures`). Deterministic for a
+    given seed, and the global RNG is left untouched. The policy is put in eval mode for the call and restored.
     Returns `summarize`'s keys: gold_score_mean, rm_score_mean, reward_fn_mean, combined_score_mean,
     kl_to_ref, kl_to_ref_at_temperature, response_length_mean, eos_rate, distinct_1, distinct_2, the degeneracy rates
-    (+ stderrs), and `ACCURACY_KEYS`: with a `verifier` (a loaded `accuracy_fn`, `load_verifier`) accuracy, the
+    (+ stderrs), and `ACCURACY_KEYS`: with a verifier (a loaded `accuracy_fn`, `load_verifier`) accuracy, the
     verifier's mean over these samples, and accuracy_greedy over one more, greedy response per prompt
     (`greedy_records`; no random draw), each with its stderr over the prompts; None without one. samples_out:
     a list that gets `sample_and_score`'s per-sample records appended (PPO logs them for the report's
@@ -553,16 +574,8 @@ def evaluate_policy(
     policy.eval()
     prompts = list(prompts)
     try:
-        records = sample_and_score(
-            policy,
-            tokenizer,
-            prompts,
-            draws,
-            scorer=scorer,
-            judge=judge,
-            reference=reference,
-            verifier=verifier,
-        )
+        records = sample_and_score(policy, tokenizer, prompts, draws, measures=measures, reference=reference)
+        verifier = measures.verifier
         greedy = greedy_records(policy, tokenizer, prompts, draws, verifier) if verifier is not None else None
     finally:
         policy.train(was_training)
@@ -694,198 +707,305 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class EvalObjects:
+    """The Python API's objects (`api.run_eval`), each in place of a config key (None: the key's): policy and
+    tokenizer (policy_path), baseline and baseline_tokenizer (baseline_path; without its own tokenizer a
+    baseline object reads the policy's ids), reference (reference_path; the policy's tokenizer), reward_model
+    (a `RewardModel` or a list of them: reward_model_path), reward_fn (a `RewardFn`: reward_fn), prompts
+    (`data.InMemory` rows: prompt_file)."""
+
+    policy: Any = None
+    tokenizer: Any = None
+    baseline: Any = None
+    baseline_tokenizer: Any = None
+    reference: Any = None
+    reward_model: Any = None
+    reward_fn: RewardFn | None = None
+    prompts: Any = None
+
+    def models(self, cfg: Config) -> dict[str, Any]:
+        """The model objects given, by the path they stand in for (`model_paths`)."""
+        given = ((cfg.policy_path, self.policy), (cfg.baseline_path, self.baseline))
+        return {p: model for p, model in (*given, (reference_path(cfg), self.reference)) if model is not None}
+
+
 def run(cfg: Config, **objects: Any) -> dict[str, Any] | None:
     """Load and check every input, sample both models with paired seeds, score, write the outputs.
 
-    objects (the Python API), each in place of a config key: policy and tokenizer (policy_path), baseline and
-    baseline_tokenizer (baseline_path), reference (reference_path; the policy's tokenizer), reward_model
-    (a `RewardModel` or a list of them: reward_model_path), reward_fn (a `RewardFn`: reward_fn), prompts
-    (`data.InMemory` rows: prompt_file). Under `accelerate launch` with several processes the main process
-    evaluates and the others wait (the evaluation is small next to training, and one writer keeps the
-    outputs whole)."""
+    objects (the Python API): `EvalObjects`' fields by name, each in place of a config key. Under `accelerate
+    launch` with several processes the main process evaluates and the others wait (the evaluation is small
+    next to training, and one writer keeps the outputs whole)."""
+    given = EvalObjects(**objects)  # a TypeError naming an unknown argument, as a signature would
     state = PartialState()
     if not state.is_main_process:
         state.wait_for_everyone()
         return None
     try:
-        return _run(cfg, **objects)
+        return _run(cfg, given)
     finally:
         if state.num_processes > 1:
             state.wait_for_everyone()
 
 
-def _run(
-    cfg: Config,
-    *,
-    policy=None,
-    tokenizer=None,
-    baseline=None,
-    baseline_tokenizer=None,
-    reference=None,
-    reward_model=None,
-    reward_fn=None,
-    prompts=None,
-) -> dict[str, Any]:
+def _run(cfg: Config, given: EvalObjects) -> dict[str, Any]:
+    """The evaluation's steps: every input checked before any model loads, the models loaded, both measured,
+    the figures, the outputs written (metrics.json last)."""
     started = time.time()
     print(format_config(cfg))
+    inputs = load_inputs(cfg, given)
+    models = load_models(cfg, given, inputs)
+    measured = measure(cfg, inputs, models)
+    metrics = {**eval_figures(cfg, inputs, models, measured), "time_s": time.time() - started}
+    write_outputs(cfg, metrics, sample_rows(inputs.prompts, measured, cfg.samples_per_prompt))
+    return metrics
+
+
+def reference_path(cfg: Config) -> str:
+    """pi_ref of kl_to_ref: reference_path, else the baseline."""
+    return cfg.reference_path or cfg.baseline_path
+
+
+def model_paths(cfg: Config) -> list[str]:
+    """The policy's, the baseline's and the reference's paths, each once: one copy of each model."""
+    return list(dict.fromkeys([cfg.policy_path, cfg.baseline_path, reference_path(cfg)]))
+
+
+@dataclass(frozen=True)
+class EvalInputs:
+    """What `load_inputs` loads and checks before any model: the gold judge, the reward function (loaded and
+    probed), the verifier (None without accuracy_fn), the prompts, the policy's tokenizer (also the
+    reference's), the baseline's, and whether the baseline reads the reference's ids (its kl_to_ref)."""
+
+    judge: Any
+    reward_fn: RewardFn | None
+    verifier: RewardFn | None
+    prompts: list[str]
+    tokenizer: Any
+    baseline_tokenizer: Any
+    baseline_has_kl: bool
+
+
+def load_inputs(cfg: Config, given: EvalObjects) -> EvalInputs:
+    """Step 1: the judge, the reward function, the reward-model folders, the tokenizers (the reference's must
+    be the policy's), the prompts and the verifier, each checked with one line before any model loads."""
     judge = load_judge(cfg.gold_judge)
+    reward_fn = given.reward_fn
     if reward_fn is None and cfg.reward_fn is not None:
         reward_fn = load_reward_fn(cfg.reward_fn)
-    if reward_model is None and not is_off(cfg.reward_model_path):  # every folder, before any loads
+    if given.reward_model is None and not is_off(cfg.reward_model_path):  # every folder, before any loads
         check_members_exist(cfg.reward_model_path)
-    reference_path = cfg.reference_path or cfg.baseline_path
-    paths = list(
-        dict.fromkeys([cfg.policy_path, cfg.baseline_path, reference_path])
-    )  # one copy of each model
-    given = ((cfg.policy_path, policy), (cfg.baseline_path, baseline), (reference_path, reference))
-    live = {p: model for p, model in given if model is not None}  # objects of the Python API
-    tokenizers = {
-        p: load_tokenizer(p, trust_remote_code=cfg.trust_remote_code) for p in paths if p not in live
-    }
-    if policy is not None:
-        tokenizers[cfg.policy_path] = tokenizer_or_load(cfg, tokenizer, policy)
-    if baseline is not None and baseline_tokenizer is not None:
-        tokenizers[cfg.baseline_path] = tokenizer_or_load(cfg, baseline_tokenizer, baseline)
-    for p, name, model, hint in (
-        (cfg.baseline_path, "baseline", baseline, "give the baseline's own as baseline_tokenizer"),
-        (reference_path, "reference", reference, "kl_to_ref needs a reference of the policy's tokenizer"),
-    ):
-        if model is not None and p not in tokenizers:  # the policy's, as for the SFT model of a PPO policy
-            tokenizers[p] = tokenizers[cfg.policy_path]
-            check_embeddings(model, tokenizers[p], name, hint)
+    tokenizers = load_tokenizers(cfg, given)
     tokenizer, baseline_tokenizer = tokenizers[cfg.policy_path], tokenizers[cfg.baseline_path]
-    ref_vocab = tokenizers[reference_path].get_vocab()
+    ref_vocab = tokenizers[reference_path(cfg)].get_vocab()
     if tokenizer.get_vocab() != ref_vocab:
         raise UserError(
-            f"reference_path '{reference_path}': its tokenizer differs from the policy's; kl_to_ref needs the "
-            "same token ids (set reference_path to the model the policy was trained from)"
+            f"reference_path '{reference_path(cfg)}': its tokenizer differs from the policy's; kl_to_ref needs "
+            "the same token ids (set reference_path to the model the policy was trained from)"
         )
-    prompts = load_prompts(cfg, tokenizer, prompts)
+    prompts = load_prompts(cfg, tokenizer, given.prompts)
     if reward_fn is not None:  # checked on two real prompts before any model loads, as PPO does
         probe(reward_fn, prompts)
     verifier = load_verifier(cfg.accuracy_fn, prompts) if cfg.accuracy_fn is not None else None
-    rows = [(i, j) for i in range(len(prompts)) for j in range(cfg.samples_per_prompt)]  # (prompt, sample)
-    row_prompts = [prompts[i] for i, _ in rows]
+    return EvalInputs(
+        judge=judge, reward_fn=reward_fn, verifier=verifier, prompts=prompts, tokenizer=tokenizer,
+        baseline_tokenizer=baseline_tokenizer, baseline_has_kl=baseline_tokenizer.get_vocab() == ref_vocab,
+    )  # fmt: skip
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    models = {
-        p: freeze(load_causal_lm(p, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)).to(device)
-        for p in paths
+
+def load_tokenizers(cfg: Config, given: EvalObjects) -> dict[str, Any]:
+    """The tokenizer of each model path: a folder's own; a policy object's `tokenizer` (else its folder's); a
+    baseline object's `baseline_tokenizer`; a baseline or reference object without one reads the policy's ids
+    (as the SFT model of a PPO policy does), checked against its embeddings."""
+    live = given.models(cfg)
+    tokenizers = {
+        p: load_tokenizer(p, trust_remote_code=cfg.trust_remote_code)
+        for p in model_paths(cfg)
         if p not in live
     }
-    models.update({p: model.eval().to(device) for p, model in live.items()})  # sampled without gradients
-    longest = max(len(encode_prompt(tokenizer, p)) for p in prompts)
+    if given.policy is not None:
+        tokenizers[cfg.policy_path] = tokenizer_or_load(cfg, given.tokenizer, given.policy)
+    if given.baseline is not None and given.baseline_tokenizer is not None:
+        tokenizers[cfg.baseline_path] = tokenizer_or_load(cfg, given.baseline_tokenizer, given.baseline)
+    for p, name, model, hint in (
+        (cfg.baseline_path, "baseline", given.baseline, "give the baseline's own as baseline_tokenizer"),
+        (reference_path(cfg), "reference", given.reference, "kl_to_ref needs a reference of the policy's tokenizer"),
+    ):  # fmt: skip
+        if model is not None and p not in tokenizers:  # the policy's, as for the SFT model of a PPO policy
+            tokenizers[p] = tokenizers[cfg.policy_path]
+            check_embeddings(model, tokenizers[p], name, hint)
+    return tokenizers
+
+
+@dataclass(frozen=True)
+class EvalModels:
+    """The loaded models (frozen, eval mode, on the device): the policy, the baseline, the KL reference and
+    the scorer (`scoring.build_scorer`: PPO's score)."""
+
+    policy: Any
+    baseline: Any
+    reference: KLReference
+    scorer: Scorer
+
+
+def load_models(cfg: Config, given: EvalObjects, inputs: EvalInputs) -> EvalModels:
+    """Step 2: each model path loaded once (a given object in its place, put in eval mode: sampled without
+    gradients), the sampled models checked to hold the longest prompt + max_new_tokens, and the scorer."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    live = given.models(cfg)
+    models = {
+        p: freeze(load_causal_lm(p, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)).to(device)
+        for p in model_paths(cfg)
+        if p not in live
+    }
+    models.update({p: model.eval().to(device) for p, model in live.items()})
+    longest = max(len(encode_prompt(inputs.tokenizer, p)) for p in inputs.prompts)
     for p in (cfg.policy_path, cfg.baseline_path):
         check_positions(models[p], longest, cfg.max_new_tokens, f"'{p}'")
-    if isinstance(reward_model, list):
-        reward_model = RewardEnsemble(
-            reward_model, combine=cfg.ensemble_combine, uncertainty_coef=cfg.ensemble_uncertainty_coef
-        )
-    if reward_model is not None:
-        freeze(reward_model.to(device))
-    elif not is_off(cfg.reward_model_path):
-        reward_model = load_reward_models(
-            cfg.reward_model_path,
-            combine=cfg.ensemble_combine,
-            uncertainty_coef=cfg.ensemble_uncertainty_coef,
-            dtype=cfg.dtype,
-            trust_remote_code=cfg.trust_remote_code,
-            device=device,
-        )
-        freeze(reward_model)
+    scorer = build_scorer(cfg, reward_model=given.reward_model, reward_fn=inputs.reward_fn, device=device)
+    return EvalModels(
+        policy=models[cfg.policy_path],
+        baseline=models[cfg.baseline_path],
+        reference=KLReference(models[reference_path(cfg)]),
+        scorer=scorer,
+    )
 
-    scorer = Scorer(reward_model, reward_fn, reward_fn_weight=cfg.reward_fn_weight)  # as PPO scores
+
+@dataclass(frozen=True)
+class Measured:
+    """Each model's records (`sample_and_score`: samples_per_prompt per prompt, prompt-major, paired) and with
+    a verifier its greedy records (one per prompt; None without one)."""
+
+    policy: list[dict[str, Any]]
+    baseline: list[dict[str, Any]]
+    policy_greedy: list[dict[str, Any]] | None = None
+    baseline_greedy: list[dict[str, Any]] | None = None
+
+
+def measure(cfg: Config, inputs: EvalInputs, models: EvalModels) -> Measured:
+    """Step 3: both models sampled on the same prompts with paired seeds (`PairedSampling`), scored as PPO
+    scores, judged, their KL to the reference measured (the baseline's only when it reads the reference's
+    ids); with a verifier one greedy response per prompt and model."""
     draws = PairedSampling(Sampling.of(cfg), seed=cfg.seed, batch_size=cfg.batch_size)
-    measures = dict(scorer=scorer, judge=judge, verifier=verifier)
-    reference = KLReference(models[reference_path])
+    measures = Measures(scorer=models.scorer, judge=inputs.judge, verifier=inputs.verifier)
+    rows = [p for p in inputs.prompts for _ in range(cfg.samples_per_prompt)]  # prompt-major
     policy = sample_and_score(
-        models[cfg.policy_path],
-        tokenizer,
-        row_prompts,
-        draws,
-        reference=reference,
+        models.policy, inputs.tokenizer, rows, draws, measures=measures, reference=models.reference,
         progress="policy",
-        **measures,
-    )
-    baseline_ref = reference if baseline_tokenizer.get_vocab() == ref_vocab else None  # KL needs the same ids
+    )  # fmt: skip
+    baseline_ref = models.reference if inputs.baseline_has_kl else None  # KL needs the same ids
     baseline = sample_and_score(
-        models[cfg.baseline_path],
-        baseline_tokenizer,
-        row_prompts,
-        draws,
-        reference=baseline_ref,
+        models.baseline, inputs.baseline_tokenizer, rows, draws, measures=measures, reference=baseline_ref,
         progress="baseline",
-        **measures,
-    )
-    greedy: dict[str, list | None] = {"policy": None, "baseline": None}  # one greedy response per prompt
-    if verifier is not None:
-        for who, path, tok in (
-            ("policy", cfg.policy_path, tokenizer),
-            ("baseline", cfg.baseline_path, baseline_tokenizer),
-        ):
-            greedy[who] = greedy_records(models[path], tok, prompts, draws, verifier)
+    )  # fmt: skip
+    if inputs.verifier is None:
+        return Measured(policy, baseline)
+    greedy = [
+        greedy_records(model, tok, inputs.prompts, draws, inputs.verifier)
+        for model, tok in ((models.policy, inputs.tokenizer), (models.baseline, inputs.baseline_tokenizer))
+    ]
+    return Measured(policy, baseline, *greedy)
 
-    metrics: dict[str, Any] = {}
-    k = cfg.samples_per_prompt  # a prompt's k samples are not independent draws: stderrs over the prompts
-    for key in ("gold_score", "sentiment", "rm_score", "reward_fn", "combined_score"):
+
+WIN_RATE_KEYS = ("gold_score", "sentiment", "rm_score", "reward_fn", "combined_score")
+
+
+def win_rates(
+    policy: list[dict[str, Any]], baseline: list[dict[str, Any]], *, samples_per_prompt: int
+) -> dict[str, float | None]:
+    """<name>_win_rate and its stderr for each of `WIN_RATE_KEYS` (name: the key less _score); None where
+    either side was not measured. A prompt's k samples are not independent draws: the stderr is over the
+    prompts, each prompt's pairs averaged first."""
+    out: dict[str, float | None] = {}
+    for key in WIN_RATE_KEYS:
         a, b = [r[key] for r in policy], [r[key] for r in baseline]
         measured = None not in a and None not in b
         name = key.removesuffix("_score")
-        metrics[f"{name}_win_rate"] = win_rate(a, b) if measured else None
-        metrics[f"{name}_win_rate_stderr"] = (
-            mean_and_stderr_over_prompts(win_points(a, b), k)[1] if measured else None
+        out[f"{name}_win_rate"] = win_rate(a, b) if measured else None
+        out[f"{name}_win_rate_stderr"] = (
+            mean_and_stderr_over_prompts(win_points(a, b), samples_per_prompt)[1] if measured else None
         )
-    metrics.update(summarize(policy, samples_per_prompt=k))
-    metrics.update(summarize(baseline, suffix="_baseline", samples_per_prompt=k))
-    metrics.update(accuracy_figures(policy, greedy["policy"], samples_per_prompt=k))
-    metrics.update(accuracy_figures(baseline, greedy["baseline"], samples_per_prompt=k, suffix="_baseline"))
+    return out
+
+
+def eval_figures(cfg: Config, inputs: EvalInputs, models: EvalModels, measured: Measured) -> dict[str, Any]:
+    """Step 4: metrics.json's figures (but time_s): the win rates, each model's means (`summarize`) and
+    accuracy (`accuracy_figures`), then what was evaluated (`run_info`)."""
+    k = cfg.samples_per_prompt
+    return {
+        **win_rates(measured.policy, measured.baseline, samples_per_prompt=k),
+        **summarize(measured.policy, samples_per_prompt=k),
+        **summarize(measured.baseline, suffix="_baseline", samples_per_prompt=k),
+        **accuracy_figures(measured.policy, measured.policy_greedy, samples_per_prompt=k),
+        **accuracy_figures(
+            measured.baseline, measured.baseline_greedy, samples_per_prompt=k, suffix="_baseline"
+        ),
+        **run_info(cfg, inputs, models),
+    }
+
+
+def run_info(cfg: Config, inputs: EvalInputs, models: EvalModels) -> dict[str, Any]:
+    """What was evaluated, and how: the counts, the paths, the scorer's keys (the ensemble's only with an
+    ensemble), the verifier and the gold judge (with its stored held-out accuracy and validity)."""
+    judge = inputs.judge
     sentiment_judge = judge.sentiment if isinstance(judge, FluentGoldJudge) else judge
     heldout = sentiment_judge.info.get("heldout", {}) if isinstance(sentiment_judge, GoldJudge) else {}
-    metrics.update(
-        {
-            "num_prompts": len(prompts),
-            "samples_per_prompt": cfg.samples_per_prompt,
-            "num_pairs": len(rows),
-            "policy_path": cfg.policy_path,
-            "baseline_path": cfg.baseline_path,
-            "reference_path": reference_path,
-            "reward_model_path": cfg.reward_model_path,
-            **(
-                {
-                    "ensemble_combine": cfg.ensemble_combine,
-                    "ensemble_uncertainty_coef": cfg.ensemble_uncertainty_coef,
-                }
-                if isinstance(reward_model, RewardEnsemble)
-                else {}
-            ),
-            "reward_fn": cfg.reward_fn,
-            "reward_fn_weight": cfg.reward_fn_weight,
-            "accuracy_fn": cfg.accuracy_fn,
-            "gold_judge": cfg.gold_judge,
-            "gold_judge_heldout_accuracy": heldout.get("accuracy"),
-            "gold_judge_validity": judge.info.get("validity") if isinstance(judge, FluentGoldJudge) else None,
-            "temperature": cfg.temperature,
-            "seed": cfg.seed,
-            "time_s": time.time() - started,
-        }
-    )
+    ensemble = isinstance(models.scorer.reward_model, RewardEnsemble)
+    return {
+        "num_prompts": len(inputs.prompts),
+        "samples_per_prompt": cfg.samples_per_prompt,
+        "num_pairs": len(inputs.prompts) * cfg.samples_per_prompt,
+        "policy_path": cfg.policy_path,
+        "baseline_path": cfg.baseline_path,
+        "reference_path": reference_path(cfg),
+        "reward_model_path": cfg.reward_model_path,
+        **(
+            {
+                "ensemble_combine": cfg.ensemble_combine,
+                "ensemble_uncertainty_coef": cfg.ensemble_uncertainty_coef,
+            }
+            if ensemble
+            else {}
+        ),
+        "reward_fn": cfg.reward_fn,
+        "reward_fn_weight": cfg.reward_fn_weight,
+        "accuracy_fn": cfg.accuracy_fn,
+        "gold_judge": cfg.gold_judge,
+        "gold_judge_heldout_accuracy": heldout.get("accuracy"),
+        "gold_judge_validity": judge.info.get("validity") if isinstance(judge, FluentGoldJudge) else None,
+        "temperature": cfg.temperature,
+        "seed": cfg.seed,
+    }
 
-    greedy_of = [  # (policy, baseline) greedy record of prompt i
-        (greedy["policy"][i], greedy["baseline"][i]) if verifier is not None else (None, None)
-        for i in range(len(prompts))
+
+def sample_rows(prompts: list[str], measured: Measured, samples_per_prompt: int) -> list[dict[str, Any]]:
+    """samples.jsonl's lines (`sample_row`): pair j of prompt i, with the prompt's greedy records."""
+    k = samples_per_prompt  # record r is sample r % k of prompt r // k
+    return [
+        sample_row(prompts[r // k], r % k, p, b, greedy_pair(measured, r // k))
+        for r, (p, b) in enumerate(zip(measured.policy, measured.baseline))
     ]
-    samples = [sample_row(prompts[i], j, p, b, greedy_of[i]) for (i, j), p, b in zip(rows, policy, baseline)]
+
+
+def greedy_pair(measured: Measured, i: int) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(policy, baseline) greedy record of prompt i; (None, None) without a verifier."""
+    if measured.policy_greedy is None:
+        return None, None
+    return measured.policy_greedy[i], measured.baseline_greedy[i]
+
+
+def write_outputs(cfg: Config, metrics: dict[str, Any], samples: list[dict[str, Any]]) -> None:
+    """Step 5: the first print_samples as a table and the figures printed; samples.jsonl, config.yaml, then
+    metrics.json (last: its presence marks the evaluation done)."""
     if cfg.print_samples:
         print(format_table(samples[: cfg.print_samples]))
     print(format_metrics(metrics))
-
     out = Path(cfg.output_dir)
     atomic_write_text(
         out / "samples.jsonl", "".join(json.dumps(s, ensure_ascii=False) + "\n" for s in samples)
     )
     save_config(cfg, out)
-    atomic_write_json(out / "metrics.json", metrics)  # last: its presence marks the evaluation done
-    return metrics
+    atomic_write_json(out / "metrics.json", metrics)
 
 
 def format_metrics(metrics: dict[str, Any]) -> str:

@@ -250,6 +250,21 @@ def judge_details(
     return out
 
 
+def judge_pairs(
+    judge: Callable[..., Any], prompts: list[str], responses: list[str]
+) -> dict[str, list[float]]:
+    """`judge_details` of the rows, each distinct (prompt, response) judged once (in the order first seen) and
+    its parts given to every row that holds it: one float per row under each key. Where the gold of a sample
+    is judged, for `llm-rlhf eval`, PPO's held-out evaluation and `compare` (whose best-of-n draws the same
+    response to a prompt more than once) alike (`evaluate.sample_and_score`); rows without a repeat make
+    exactly `judge_details`' call."""
+    pairs = list(dict.fromkeys(zip(prompts, responses)))  # distinct, in order
+    parts = judge_details(judge, [p for p, _ in pairs], [r for _, r in pairs])
+    index = {pair: i for i, pair in enumerate(pairs)}
+    rows = [index[pair] for pair in zip(prompts, responses)]  # row -> its distinct pair
+    return {key: [values[i] for i in rows] for key, values in parts.items()}
+
+
 FLUENT_FORMAT = "llm_rlhf.gold_judge/sentiment-fluency-v1"
 
 

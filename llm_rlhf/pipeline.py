@@ -9,7 +9,7 @@ overrides; the chaining keys are set here so each stage reads the previous stage
     DIR/ppo  <- DIR/sft (policy, reference), DIR/rm
     DIR/eval <- DIR/ppo vs DIR/sft, scored by DIR/rm and the gold judge
     DIR/dpo  <- DIR/sft (policy, reference), the RM stage's pairs   (optional: `stages: [sft, dpo]`)
-    DIR/compare <- DIR/sft, DIR/rm, DIR/ppo     (optional: PPO, DPO per beta and best-of-n on one gold-vs-KL
+    DIR/compare <- DIR/sft, DIR/ppo (its scorer)  (optional: PPO, DPO per beta and best-of-n on one gold-vs-KL
                                                 plot; PPO needs eval_every > 0)
 
 A sweep (`sweep: [{name: gae}, {name: grpo, advantage_estimator: grpo, samples_per_prompt: 4}]`): SFT, RM
@@ -19,8 +19,8 @@ PPO runs its more_ppo_dirs), so DPO and best-of-n are computed once and every va
 
 A reward-model ensemble (`rm_members: K`): the RM stage runs K times, member 0 in DIR/rm and member k in
 DIR/rm-<k>, member k seeded with the RM seed + k (and with `rm_bootstrap`, trained on its own bootstrap
-resample of the pairs); PPO gets the list [DIR/rm, DIR/rm-1, ...] as reward_model_path. compare reads DIR/rm
-alone.
+resample of the pairs); PPO gets the list [DIR/rm, DIR/rm-1, ...] as reward_model_path. compare scores with
+the PPO run's own scorer (its config.yaml: the members, their combine and its reward_fn).
 
 Evaluation scores the policy as its PPO stage did: eval takes the keys that decide a sample's score from PPO's
 resolved config (`scoring.scored_as`: the scorer's keys, reward_model_path, the ensemble keys, reward_fn and
@@ -161,7 +161,6 @@ def chained_paths(
         "dpo": {**from_sft, "output_dir": str(out / "dpo")},
         "compare": {
             **({"sft_path": str(base / "sft")} if "sft" in upstream else {}),
-            **({"reward_model_path": str(base / "rm")} if "rm" in upstream else {}),
             "ppo_dir": str(out / "ppo"),
             "output_dir": str(out / "compare"),
         },

@@ -33,6 +33,7 @@ from llm_rlhf.data import load_prompt_dataset, prompt_rules
 from llm_rlhf.errors import UserError
 from llm_rlhf.evaluate import (
     KLReference,
+    Measures,
     PairedSampling,
     evaluate_policy,
     heldout_record,
@@ -55,15 +56,9 @@ from llm_rlhf.models import (
 from llm_rlhf.ppo import PPOModels, PPOTrainer
 from llm_rlhf.ppo_config import Config  # the keys of `llm-rlhf ppo`
 from llm_rlhf.reward_fn import RewardFn, decode_texts, load_reward_fn, probe
-from llm_rlhf.reward_model import (
-    RewardEnsemble,
-    check_members_exist,
-    load_reward_model,
-    load_reward_models,
-    member_paths,
-    save_reward_model,
-)
+from llm_rlhf.reward_model import check_members_exist, load_reward_model, member_paths, save_reward_model
 from llm_rlhf.rollout import encode_prompt, left_pad
+from llm_rlhf.scoring import scoring_reward_model
 from llm_rlhf.utils import (
     append_jsonl,
     atomic_write_json,
@@ -127,24 +122,9 @@ def build_models(cfg: Config, *, policy=None, reward_model=None) -> PPOModels:
     with_head = cfg.value_model == "policy" and cfg.estimator.critic
     value_head = ValueHead(hidden).to(next(lm.parameters()).dtype) if with_head else None
     policy = PolicyWithValue(lm, value_head)
-    if isinstance(reward_model, list):
-        reward_model = RewardEnsemble(
-            reward_model, combine=cfg.ensemble_combine, uncertainty_coef=cfg.ensemble_uncertainty_coef
-        )
-    if reward_model is not None:
-        reward_model = freeze(reward_model)
-    elif not is_off(cfg.reward_model_path):  # none: the score is the reward_fn's alone
-        reward_model = freeze(
-            use_fused_gelu(
-                load_reward_models(
-                    cfg.reward_model_path,
-                    combine=cfg.ensemble_combine,
-                    uncertainty_coef=cfg.ensemble_uncertainty_coef,
-                    dtype=cfg.dtype,
-                    trust_remote_code=cfg.trust_remote_code,
-                )
-            )
-        )
+    # the one loading of a config's reward model (`scoring.scoring_reward_model`, as eval and compare load it);
+    # None with reward_model_path none: the score is the reward_fn's alone
+    reward_model = scoring_reward_model(cfg, reward_model, fused_gelu=True)
     critic = None
     if cfg.value_model == "reward":
         critic = use_fused_gelu(
@@ -522,10 +502,10 @@ def evaluate_heldout(
     reference = KLReference(lm, lm.disable_adapter) if cfg.use_lora else KLReference(trainer.ref_model.lm)
     draws = PairedSampling(trainer.sampling, seed=cfg.seed, batch_size=cfg.heldout_batch_size)
     with trainer.acc.autocast(), trainer.acc.gathered_for_generation(policy):
+        measures = Measures(scorer=trainer.scorer, judge=judge, verifier=verifier)
         result = evaluate_policy(
-            lm, trainer.tokenizer, prompts, draws, scorer=trainer.scorer, judge=judge, reference=reference,
-            verifier=verifier, samples_out=samples,
-        )  # fmt: skip
+            lm, trainer.tokenizer, prompts, draws, measures=measures, reference=reference, samples_out=samples
+        )
     rows = heldout_sample_rows(samples, step=trainer.step, reward_fn_weight=cfg.reward_fn_weight)
     return heldout_record(trainer.step, result), rows
 

@@ -17,6 +17,9 @@ evaluation of a run scores exactly as its PPO did:
     ScoreSettings the keys of a flat config that choose the scorer; `scored_as(cfg)` adds where a response
                   ends (the RM scores the text up to its end): what an evaluation takes from the PPO run it
                   judges (`pipeline.stage_config`)
+    build_scorer  the scorer a flat config names, its reward model loaded by `scoring_reward_model`: the one
+                  loading of a config's reward model(s) for PPO (`ppo_run.build_models`), `llm-rlhf eval` and
+                  `compare` (the PPO run's own config: its points are scored as PPO scored its rollouts)
 
 A scorer holds no collective: each process scores its own samples (PPO agrees across processes on a failed
 reward function itself, `PPOTrainer.score`).
@@ -34,9 +37,10 @@ import torch
 
 from llm_rlhf import ppo_math
 from llm_rlhf.callables import split_callable_spec
-from llm_rlhf.config import require
-from llm_rlhf.reward_fn import RewardFn, decode_texts
-from llm_rlhf.reward_model import RewardEnsemble, check_ensemble_keys
+from llm_rlhf.config import is_off, require
+from llm_rlhf.models import freeze, use_fused_gelu
+from llm_rlhf.reward_fn import RewardFn, decode_texts, load_reward_fn
+from llm_rlhf.reward_model import RewardEnsemble, check_ensemble_keys, load_reward_models
 from llm_rlhf.rollout import Samples, Sampling
 
 
@@ -162,3 +166,43 @@ class Scorer:
         )
         values = self.reward_fn(decoded if prompts is None else prompts, responses)
         return torch.tensor(values, dtype=torch.float64, device=samples.query.device)  # (B,)
+
+
+def scoring_reward_model(cfg: Any, given=None, *, device=None, fused_gelu: bool = False):
+    """The frozen reward model of a flat config (PPO's or evaluation's keys: reward_model_path, ensemble_combine,
+    ensemble_uncertainty_coef, dtype, trust_remote_code), or None when reward_model_path is none.
+
+    given: the Python API's object in place of reward_model_path, a `RewardModel` or a list of them (a
+    `RewardEnsemble` combined with the config's ensemble keys); else the folder, or the list of folders (an
+    ensemble, each member with its own normalisation), loaded in `dtype` (`reward_model.load_reward_models`).
+    device: where it goes (None: where it is). fused_gelu: GPT-2's gelu swapped for the one-kernel form in a
+    loaded model (`models.use_fused_gelu`: PPO, whose RM runs every step; a given object stays as it is)."""
+    if given is None and is_off(cfg.reward_model_path):
+        return None
+    if isinstance(given, list):
+        given = RewardEnsemble(
+            given, combine=cfg.ensemble_combine, uncertainty_coef=cfg.ensemble_uncertainty_coef
+        )
+    if given is not None:
+        return freeze(given.to(device) if device is not None else given)
+    loaded = load_reward_models(
+        cfg.reward_model_path,
+        combine=cfg.ensemble_combine,
+        uncertainty_coef=cfg.ensemble_uncertainty_coef,
+        dtype=cfg.dtype,
+        trust_remote_code=cfg.trust_remote_code,
+        device=device,
+    )
+    return freeze(use_fused_gelu(loaded) if fused_gelu else loaded)
+
+
+def build_scorer(cfg: Any, *, reward_model=None, reward_fn: RewardFn | None = None, device=None) -> Scorer:
+    """The scorer a flat config names: its reward model (`scoring_reward_model`; reward_model: the Python
+    API's object in place of the folders), its reward function (reward_fn: one already loaded, else the
+    config's imported, `reward_fn.load_reward_fn`; None when the key is null) and reward_fn_weight. What
+    `llm-rlhf eval` scores with, and `compare` given the PPO run's config: PPO's own trainer wraps the same
+    reward model (`ppo_run.build_models`) with the same keys, after accelerate has placed it."""
+    if reward_fn is None and cfg.reward_fn is not None:
+        reward_fn = load_reward_fn(cfg.reward_fn)
+    model = scoring_reward_model(cfg, reward_model, device=device)
+    return Scorer(model, reward_fn, reward_fn_weight=cfg.reward_fn_weight)

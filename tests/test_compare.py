@@ -17,7 +17,7 @@ from helpers import SENTIMENT_JUDGE, pipeline_argv, run_pipeline
 from llm_rlhf import compare, ppo_math
 from llm_rlhf.config import parse_config
 from llm_rlhf.errors import ConfigError, UserError
-from llm_rlhf.evaluate import PairedSampling, sample_and_score
+from llm_rlhf.evaluate import Measures, PairedSampling, sample_and_score
 from llm_rlhf.gold import GoldJudge
 from llm_rlhf.models import freeze, load_causal_lm, load_tokenizer
 from llm_rlhf.reward_model import load_reward_model
@@ -40,8 +40,7 @@ def test_best_of_n_points_are_the_expectations_over_the_samples(tiny_model_dir, 
         tokenizer,
         prompts,
         draws,
-        scorer=Scorer(reward_model),
-        judge=judge,
+        measures=Measures(Scorer(reward_model), judge),
         ns=[1, 2, 8],
         num_samples=N,
     )
@@ -51,8 +50,7 @@ def test_best_of_n_points_are_the_expectations_over_the_samples(tiny_model_dir, 
         tokenizer,
         [p for p in prompts for _ in range(N)],
         draws,
-        scorer=Scorer(reward_model),
-        judge=judge,
+        measures=Measures(Scorer(reward_model), judge),
     )
     rm = torch.tensor([r["rm_score"] for r in records]).view(3, N)
     gold = torch.tensor([r["gold_score"] for r in records]).view(3, N)
@@ -70,7 +68,13 @@ def test_best_of_n_points_are_the_expectations_over_the_samples(tiny_model_dir, 
     assert by_n[1]["rm_score"] <= by_n[2]["rm_score"] <= by_n[8]["rm_score"]
     with pytest.raises(ValueError, match="num_samples"):
         compare.best_of_n_points(
-            model, tokenizer, prompts, draws, scorer=Scorer(reward_model), judge=judge, ns=[16], num_samples=N
+            model,
+            tokenizer,
+            prompts,
+            draws,
+            measures=Measures(Scorer(reward_model), judge),
+            ns=[16],
+            num_samples=N,
         )
 
 
@@ -222,3 +226,67 @@ def test_more_ppo_dirs_need_names_of_their_own(tmp_path):
         compare.Config(more_ppo_dirs=["a/grpo/ppo", "b/grpo"])
     with pytest.raises(ConfigError, match="more_ppo_dirs.*'dpo' is taken"):
         compare.Config(more_ppo_dirs=["runs/dpo"])
+
+
+def test_dpo_and_best_of_n_are_scored_by_the_scorer_ppo_trained_against(
+    tmp_path, tiny_model_dir, tiny_rm_dir, prompt_file, monkeypatch
+):
+    """compare's proxy is the PPO run's scorer, built from its config.yaml: here an ensemble of two RMs
+    combined with min, plus a reward function with its weight (not the first RM alone). DPO's point (a
+    finished run, reused) and best-of-n's points equal the PPO trainer's own scorer on the same responses:
+    rm_score the ensemble's combined score, reward_fn the function's, best-of-n keeping the response with the
+    highest PPO score (rm_score + reward_fn_weight * reward_fn)."""
+    from helpers import ppo_config, ppo_trainer
+
+    from llm_rlhf.config import save_config
+    from llm_rlhf.evaluate import sample_batch
+    from llm_rlhf.reward_model import save_reward_model
+
+    monkeypatch.chdir(tmp_path)
+    # member 0 where the compare recipe names its RM (runs/reviews/rm): what a compare scoring with it alone finds
+    member_0 = shutil.copytree(tiny_rm_dir, tmp_path / "runs" / "reviews" / "rm")
+    rm = load_reward_model(tiny_rm_dir)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        rm.model.score.weight.normal_(0.0, 0.5)  # member 1: a head and a normalisation of its own
+    rm.normalization = {"mean": 4.0, "std": 1.0, "reference_set": "test", "n": 1}
+    save_reward_model(rm, tmp_path / "rm-1", merge_lora=False)
+    ppo_dir = tmp_path / "ppo"
+    ppo_cfg = ppo_config(
+        tiny_model_dir, None, prompt_file, ppo_dir, reward_model_path=[str(member_0), str(tmp_path / "rm-1")],
+        ensemble_combine="min", reward_fn="reward_fns:length", reward_fn_weight=0.5, eval_every=1,
+        eval_prompt_file=str(prompt_file), eval_num_prompts=3, max_new_tokens=6,
+    )  # fmt: skip
+    save_config(ppo_cfg, ppo_dir)
+    (ppo_dir / "eval_log.jsonl").write_text(json.dumps({"step": 0, "kl": 0.0, "gold_score": 0.1}) + "\n")
+    out = tmp_path / "compare"
+    shutil.copytree(tiny_model_dir, out / "dpo-beta-0.1")  # a finished DPO run (reused): the SFT model itself
+    (out / "dpo-beta-0.1" / "metrics.json").write_text("{}")
+    cfg = compare.Config(sft_path=str(tiny_model_dir), ppo_dir=str(ppo_dir), output_dir=str(out),
+                         dpo_config=None, dpo_betas=[0.1], best_of_n=[1, 4], best_of_n_samples=4)  # fmt: skip
+    compare.run(cfg)
+    points = [json.loads(line) for line in (out / "points.jsonl").read_text().splitlines()]
+
+    trainer = ppo_trainer(ppo_cfg)  # PPO's scorer, built as `llm-rlhf ppo` builds it
+    sft, tokenizer = freeze(load_causal_lm(str(tiny_model_dir))), load_tokenizer(str(tiny_model_dir))
+    prompts = [json.loads(line)["prompt"] for line in prompt_file.read_text().splitlines()][:3]
+    draws = PairedSampling(Sampling.of(ppo_cfg), seed=ppo_cfg.seed, batch_size=ppo_cfg.heldout_batch_size)
+    rows, B = [p for p in prompts for _ in range(4)], draws.batch_size  # best-of-n's N = 4 samples per prompt
+    batches = [sample_batch(sft, tokenizer, rows[s : s + B], draws.sampling, seed=draws.seed + b)
+               for b, s in enumerate(range(0, len(rows), B))]  # fmt: skip
+    scores = [trainer.score(batch) for batch in batches]
+    rm_score, fn, proxy = (torch.cat([getattr(s, k) for s in scores]).double().view(3, 4)
+                           for k in ("rm_score", "reward_fn", "scores"))  # fmt: skip
+    member_0_alone = torch.cat([Scorer(load_reward_model(member_0))(b, tokenizer).rm_score for b in batches])
+    differs = (rm_score.flatten().float() - member_0_alone).abs() > 1e-3  # (12,) where member 1 is the min
+    assert differs.any() and not differs.all()
+    bon = {p["n"]: p for p in points if p["method"] == "best_of_n"}
+    for n in (1, 4):
+        weights = ppo_math.best_of_n_weights(rewards=proxy, n=n)  # (3, 4): n = 4 keeps the highest PPO score
+        assert bon[n]["rm_score"] == pytest.approx(compare.expectation(weights, rm_score), abs=1e-5)
+        assert bon[n]["reward_fn"] == pytest.approx(compare.expectation(weights, fn), abs=1e-9)
+    assert bon[4]["rm_score"] + 0.5 * bon[4]["reward_fn"] > bon[1]["rm_score"] + 0.5 * bon[1]["reward_fn"]
+    [dpo] = [p for p in points if p["method"] == "dpo"]  # one response per prompt, drawn as PPO's evaluation
+    expected = trainer.score(sample_batch(sft, tokenizer, prompts, draws.sampling, seed=draws.seed))
+    assert dpo["rm_score"] == pytest.approx(expected.rm_score.mean().item(), abs=1e-5)
+    assert dpo["reward_fn"] == pytest.approx(expected.reward_fn.mean().item(), abs=1e-9)

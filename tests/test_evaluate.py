@@ -132,7 +132,7 @@ def test_evaluate_policy_matches_the_command(
     result = evaluate.evaluate_policy(
         policy=policy, tokenizer=tokenizer, prompts=prompts,
         draws=evaluate.PairedSampling(Sampling(max_new_tokens=6), seed=0, batch_size=5),
-        scorer=Scorer(freeze(load_reward_model(str(tiny_rm_dir)))), judge=GoldJudge.load(SENTIMENT_JUDGE),
+        measures=evaluate.Measures(Scorer(freeze(load_reward_model(str(tiny_rm_dir)))), GoldJudge.load(SENTIMENT_JUDGE)),
         reference=evaluate.KLReference(freeze(load_causal_lm(str(tiny_model_dir)))),
     )  # fmt: skip
     assert torch.equal(torch.get_rng_state(), state)

@@ -22,6 +22,7 @@ from llm_rlhf.gold import (
     GoldJudge,
     gold_from_parts,
     judge_details,
+    judge_pairs,
     load_judge,
 )
 
@@ -139,6 +140,29 @@ def test_judge_details_checks_what_a_judge_returns():
 
     with pytest.raises(UserError, match="'sentiment' is not one finite number per response"):
         judge_details(Bad(), ["a"], ["b"])
+
+
+def test_judge_pairs_judges_each_distinct_pair_once():
+    """The one place a sample's gold is judged (eval, PPO's held-out evaluation, compare's best-of-n): each
+    distinct (prompt, response) once, in the order first seen, every part given back to each row holding it;
+    rows without a repeat make judge_details' own call."""
+    calls = []
+
+    class Judge:
+        def details(self, prompts, responses):
+            calls.append(list(zip(prompts, responses)))
+            gold = [100.0 * len(p) + len(r) for p, r in zip(prompts, responses)]
+            return {"gold_score": gold, "sentiment": [-g for g in gold]}
+
+    parts = judge_pairs(Judge(), ["a", "bb", "a", "a"], ["xy", "xy", "xy", "z"])
+    assert parts == {
+        "gold_score": [102.0, 202.0, 102.0, 101.0],
+        "sentiment": [-102.0, -202.0, -102.0, -101.0],
+    }
+    assert calls == [[("a", "xy"), ("bb", "xy"), ("a", "z")]]
+    calls.clear()
+    assert judge_pairs(Judge(), PROMPTS, RESPONSES) == judge_details(Judge(), PROMPTS, RESPONSES)
+    assert calls[0] == calls[1] == list(zip(PROMPTS, RESPONSES))
 
 
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:

@@ -362,7 +362,7 @@ def test_eval_scores_the_cut_responses(eos_prone_dir, tiny_model_dir, tiny_rm_di
     sampling = Sampling(max_new_tokens=10, temperature=1.0, stop_strings=tuple(STOPS), min_new_tokens=2)
     prompts = PROMPTS * 3
     draws = evaluate.PairedSampling(sampling, seed=3, batch_size=len(prompts))
-    records = evaluate.sample_and_score(lm, tokenizer, prompts, draws, scorer=Scorer(rm), judge=judge,
+    records = evaluate.sample_and_score(lm, tokenizer, prompts, draws, measures=evaluate.Measures(Scorer(rm), judge),
                                         reference=evaluate.KLReference(ref))  # fmt: skip
     batch = evaluate.sample_batch(lm, tokenizer, prompts, sampling, seed=3)  # the same draws (seed + batch 0)
     eos = tokenizer.eos_token_id

@@ -467,7 +467,8 @@ def test_member_configs_seeds_sweeps_and_chaining(tmp_path, monkeypatch):
     ppo_cfg, eval_cfg = pipeline.stage_config(cfg, "ppo"), pipeline.stage_config(cfg, "eval")
     assert ppo_cfg.reward_model_path == eval_cfg.reward_model_path == listed
     assert (eval_cfg.ensemble_combine, eval_cfg.ensemble_uncertainty_coef) == ("uncertainty", 0.25)
-    assert pipeline.stage_config(cfg, "compare").reward_model_path == str(tmp_path / "rm")
+    # compare scores with the PPO run's own scorer (`compare.proxy_scorer`: the listed members, combined alike)
+    assert pipeline.stage_config(cfg, "compare").ppo_dir == str(tmp_path / "ppo")
 
     sweep = dataclasses.replace(cfg, sweep=[{"name": "fixed", "kl_controller": "fixed"}])
     shared, variant = pipeline.sweep_runs(sweep)
