@@ -656,10 +656,9 @@ def run_one(args) -> dict:
         "train_flops_per_step": train_flops,
         "train_gflops_per_s": train_flops / phase_s["update"] / 1e9,
         "mfu": train_flops / phase_s["update"] / peak,
-        "forward_mfu": {  # the no-grad forwards that ran, for comparison (same peak; a GRPO step with one
-            # update has no old-policy forward: `PPOTrainer.old_logprobs_from_update`)
-            k: flops / phase_s[k] / peak for k, flops in fwd.items() if phase_s.get(k)
-        },
+        # The no-grad forwards that ran, for comparison (same peak; a GRPO step with one update has no
+        # old-policy forward: `PPOTrainer.old_logprobs_from_update`).
+        "forward_mfu": {k: flops / phase_s[k] / peak for k, flops in fwd.items() if phase_s.get(k)},
         "generation": gen,
         "peak_memory_mb": peak_memory_mb(device),
         "peak_memory_mb_after_load": load_peak_mb,

@@ -615,7 +615,8 @@ class PPOTrainer:
         self.check_finite(
             "rollout",
             scores=rollout.scores,
-            **({"logprobs": rollout.logprobs} if not from_update else {}),  # else: checked as the update's loss
+            # from_update: the log-probs are checked as part of the update's loss (`train_on_rollout`)
+            **({"logprobs": rollout.logprobs} if not from_update else {}),
             ref_logprobs=rollout.ref_logprobs,
             **({"values": rollout.values} if rollout.values is not None else {}),
             **(
