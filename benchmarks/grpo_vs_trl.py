@@ -104,6 +104,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=str(REPO / "data" / "smollm2-135m-instruct"),
         help="SmolLM2-135M-Instruct folder (random weights of its config when missing)",
     )
+    p.add_argument(
+        "--old-forward",
+        action="store_true",
+        help="our step with its separate old-policy forward, as before issue 41 "
+        "(`PPOTrainer.old_logprobs_from_update` off): what skipping it saves",
+    )
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--workdir", help="where to build the model folder (default: a temporary folder)")
     args = p.parse_args(argv)
@@ -305,7 +311,9 @@ def main(argv=None) -> dict:
     trl, trl_tokenizer = trl_trainer(args, policy_dir, texts, workdir, total, Alternate())
     trl_ids = [trl_tokenizer(text=t)["input_ids"] for t in texts]
     assert trl_ids == queries, "both trainers must see the same prompt tokens"
-    trl.train()
+    skip = ours.old_logprobs_from_update and not args.old_forward
+    with mock.patch.object(type(ours), "old_logprobs_from_update", skip):  # the library's class, restored
+        trl.train()
 
     timed = {k: v[args.warmup :] for k, v in times.items()}
     result = {
@@ -315,6 +323,7 @@ def main(argv=None) -> dict:
         "threads": args.threads,
         "mean_prompt_tokens": sum(map(len, queries)) / len(queries),
         "steps": args.steps,
+        "old_forward_skipped": skip,
         "seconds": timed,
         "median_ours": median(timed["ours"]),
         "median_trl": median(timed["trl"]),
@@ -326,7 +335,7 @@ def main(argv=None) -> dict:
         f"## GRPO step, {args.shape}: {source}; {c['prompts']} prompts x {c['samples']} completions x "
         f"{c['new_tokens']} new tokens, prompts of {result['mean_prompt_tokens']:.1f} tokens"
         f"{', LoRA r=16' if c['lora'] else ''}; {args.threads} threads; {args.steps} timed steps each, "
-        "alternated"
+        f"alternated; our old-policy forward {'skipped' if result['old_forward_skipped'] else 'run'}"
     )
     print(f"ours (llm_rlhf ppo_step): median {result['median_ours']:.4f} s  {fmt(timed['ours'])}")
     print(f"TRL GRPOTrainer:          median {result['median_trl']:.4f} s  {fmt(timed['trl'])}")
