@@ -16,7 +16,8 @@ trunk with a fresh score head (`AutoModelForSequenceClassification`), as `llm-rl
 SFT model. The trainer is built by `llm_rlhf.ppo_run.build_trainer`, as `llm-rlhf ppo` does.
 
 Per phase (generate = the sampler only: `fast_sampling.generate`, or `policy.lm.generate` for a model it does
-not support; old log-probs and values = the policy forward after it;
+not support; old log-probs and values = the policy forward after it, absent where the update's forward gives
+them: one update per step, critic-free, the KL in the loss, `PPOTrainer.old_logprobs_from_update`;
 reference; reward model; update = `train_on_rollout`): seconds, tokens per second, share of the step.
 The phases are timed by wrapping the trainer's methods here; ppo.py is not changed for it.
 
