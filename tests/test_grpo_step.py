@@ -54,9 +54,9 @@ def test_the_old_forward_is_skipped_only_where_it_is_exact():
     assert not skips(ent_coef=0.01)  # the update's entropy is then the "grad" one, not the rollout's
 
 
-def run_steps(cfg, *, skip: bool) -> dict:
+def run_steps(cfg, *, skip: bool, mixed_precision: str = "no") -> dict:
     """Two PPO steps; what they drew, the raw gradients, the ratios, the rollouts, metrics and weights."""
-    trainer = ppo_trainer(cfg)
+    trainer = ppo_trainer(cfg, mixed_precision=mixed_precision)
     grads, ratios, old_forwards = [], [], []
     record_raw_grads(trainer, grads)
     rollouts = recording_rollouts(trainer)
@@ -88,12 +88,13 @@ def run_steps(cfg, *, skip: bool) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["gpt2", "llama-lora"])
+@pytest.mark.parametrize("model", ["gpt2", "gpt2-bf16", "llama-lora"])
 def test_skipping_the_old_forward_draws_and_updates_bit_for_bit_the_same(
     model, tiny_model_dir, tiny_llama_dir, prompt_file, tmp_path
 ):
-    """GPT-2 full fine-tuning in one micro-batch; Llama with LoRA (the reference: the adapter disabled) in
-    2 micro-batches. Both runs draw the same responses at both steps (the second step's draws come from the
+    """GPT-2 full fine-tuning in one micro-batch, in float32 and under accelerate's bf16 mixed precision (the
+    update's forward through `prepare`'s autocast wrapper, the rollout's unwrapped); Llama with LoRA (the
+    reference: the adapter disabled) in 2 micro-batches. Both runs draw the same responses at both steps (the second step's draws come from the
     updated weights and the RNG), the raw gradients before clipping are equal (torch.equal), so are the
     weights after the two steps, the rollout's log-probs and entropy, and every metric but the times."""
     llama = model == "llama-lora"
@@ -108,7 +109,7 @@ def test_skipping_the_old_forward_draws_and_updates_bit_for_bit_the_same(
             **ONE_UPDATE,
             **extra,
         )
-        runs[skip] = run_steps(cfg, skip=skip)
+        runs[skip] = run_steps(cfg, skip=skip, mixed_precision="bf16" if model == "gpt2-bf16" else "no")
     new, old = runs[True], runs[False]
     assert new["old_forwards"] == 0 and old["old_forwards"] == 2 * (2 if llama else 1)  # chunks of micro rows
     assert len(new["grads"]) == len(old["grads"]) == 2 and new["grads"][0].abs().max() > 0
