@@ -28,6 +28,7 @@ The settings that must match (and do, below):
 | reward | `reward_fn` = `reward` below, no reward model | `reward_funcs=[reward]` |
 | optimiser | AdamW lr 1e-5, eps 1e-5, weight decay 0, constant schedule, `max_grad_norm: 1.0` | the same (`adamw_torch_fused`, `adam_epsilon`, `lr_scheduler_type: constant`) |
 | dropout | off (the policy stays in eval mode) | `disable_dropout: True` |
+| activations | kept (`gradient_checkpointing: false`, the default) | `gradient_checkpointing: False` (GRPOConfig's default is True) |
 | LoRA (smollm2) | `use_lora`, r 16, alpha 32, dropout 0, q_proj and v_proj; the reference = adapter disabled | `peft_config` the same; the reference = adapter disabled |
 
 Both models are float32 with no autocast, on the same thread count (`--threads`). With one optimiser step per
@@ -234,6 +235,7 @@ def trl_trainer(args, policy_dir: Path, texts: list[str], workdir: Path, total_s
         lr_scheduler_type="constant",
         optim="adamw_torch_fused",
         disable_dropout=True,
+        gradient_checkpointing=False,  # GRPOConfig's default is True; ours is off (`gradient_checkpointing`)
         use_vllm=False,
         use_cpu=True,
         bf16=False,
