@@ -16,7 +16,8 @@ trunk with a fresh score head (`AutoModelForSequenceClassification`), as `llm-rl
 SFT model. The trainer is built by `llm_rlhf.ppo_run.build_trainer`, as `llm-rlhf ppo` does.
 
 Per phase (generate = the sampler only: `fast_sampling.generate`, or `policy.lm.generate` for a model it does
-not support; old log-probs and values = the policy forward after it;
+not support; old log-probs and values = the policy forward after it, absent where the update's forward gives
+them: one update per step, critic-free, the KL in the loss, `PPOTrainer.old_logprobs_from_update`;
 reference; reward model; update = `train_on_rollout`): seconds, tokens per second, share of the step.
 The phases are timed by wrapping the trainer's methods here; ppo.py is not changed for it.
 
@@ -656,9 +657,9 @@ def run_one(args) -> dict:
         "train_flops_per_step": train_flops,
         "train_gflops_per_s": train_flops / phase_s["update"] / 1e9,
         "mfu": train_flops / phase_s["update"] / peak,
-        "forward_mfu": {  # the no-grad forwards, for comparison (same peak)
-            k: flops / phase_s[k] / peak for k, flops in fwd.items()
-        },
+        # The no-grad forwards that ran, for comparison (same peak; a GRPO step with one update has no
+        # old-policy forward: `PPOTrainer.old_logprobs_from_update`).
+        "forward_mfu": {k: flops / phase_s[k] / peak for k, flops in fwd.items() if phase_s.get(k)},
         "generation": gen,
         "peak_memory_mb": peak_memory_mb(device),
         "peak_memory_mb_after_load": load_peak_mb,

@@ -225,15 +225,18 @@ class PPOTrainer:
         critic-free estimators (`advantage_estimator`) change only how the advantages are made."""
         cfg, times = self.cfg, {}
         queries = self.next_queries()  # this process's prompts, each sampled k times below
-        # y ~ pi_theta(.|x), logprobs (and values with gae), ref_logprobs, scores
-        rollout, scores = self.rollout(self.in_groups(queries), times)
+        # y ~ pi_theta(.|x), logprobs (and values with gae), ref_logprobs, scores; with one update per step
+        # the old log-probs and entropy come from the update's own forward instead (`old_logprobs_from_update`)
+        from_update = self.old_logprobs_from_update
+        rollout, scores = self.rollout(self.in_groups(queries), times, old_logprobs=not from_update)
         greedy = None  # ReMax: one greedy response per prompt, its logprobs, ref_logprobs and scores
         if cfg.estimator.greedy_baseline:
             greedy, _ = self.rollout(queries, times, sampling=self.greedy)
         self.check_finite(
             "rollout",
             scores=rollout.scores,
-            logprobs=rollout.logprobs,
+            # from_update: the log-probs are checked as part of the update's loss (`train_on_rollout`)
+            **({"logprobs": rollout.logprobs} if not from_update else {}),
             ref_logprobs=rollout.ref_logprobs,
             **({"values": rollout.values} if rollout.values is not None else {}),
             **(
@@ -256,6 +259,8 @@ class PPOTrainer:
         t = time.perf_counter()
         train_stats = self.train_on_rollout(rollout, advantages, returns)  # K epochs of minibatch updates
         times["train"] = time.perf_counter() - t
+        if from_update:  # the KL of the metrics and the controller, from the log-probs the update filled in
+            _, kl = self.rewards(rollout, kl_coef)
 
         kl_seq = ppo_math.sequence_kl(kl=kl, response_mask=rollout.response_mask)  # (B,)
         self.kl_ctl.update(self.global_mean(kl_seq), self.sizes.episodes_per_step)  # n in episodes
@@ -271,10 +276,15 @@ class PPOTrainer:
             rewards_t = -kl_coef * KL_t + [t == last response token] * score      (`ppo_math.shaped_rewards`)
 
         the score clipped (score_clip) and replaced for responses that did not end (eos_penalty); with the KL
-        in the loss (`Config.kl_penalty_in_loss`) the rewards hold the score alone."""
+        in the loss (`Config.kl_penalty_in_loss`) the rewards hold the score alone. A rollout without old
+        log-probs yet (`old_logprobs_from_update`, the KL in the loss) gets KL_t = 0 until the update fills them."""
         cfg = self.cfg
-        kl = ppo_math.kl_penalty(
-            logprobs=rollout.logprobs, ref_logprobs=rollout.ref_logprobs, estimator=cfg.kl_estimator
+        kl = (
+            torch.zeros_like(rollout.ref_logprobs)
+            if rollout.logprobs is None
+            else ppo_math.kl_penalty(
+                logprobs=rollout.logprobs, ref_logprobs=rollout.ref_logprobs, estimator=cfg.kl_estimator
+            )
         )
         clipped = (
             rollout.scores
@@ -331,14 +341,19 @@ class PPOTrainer:
         times: dict[str, float] | None = None,
         *,
         sampling: Sampling | None = None,
+        old_logprobs: bool = True,
     ) -> tuple[Rollout, Scores]:
         """The complete rollout of `queries`: samples, then the policy's old log-probs, values and entropy
         (one forward), the reference's log-probs and the scores (`score`), and the scores' parts. `times`, if
         given, adds the seconds of "generate" (sampling and the policy forward) and "score" (reference
-        and scores). sampling: `self.sampling` unless given (ReMax's greedy baseline: `self.greedy`)."""
+        and scores). sampling: `self.sampling` unless given (ReMax's greedy baseline: `self.greedy`).
+        old_logprobs False: no policy forward; logprobs, values and entropy stay None for `train_on_rollout`
+        to fill in from the update's own forward (`old_logprobs_from_update`)."""
         t0 = time.perf_counter()
         samples = self.generate(queries, sampling=sampling)  # y ~ pi_theta(.|x)
-        logprobs, values, entropy = self.in_chunks(self.forward_policy, samples)
+        logprobs = values = entropy = None
+        if old_logprobs:
+            logprobs, values, entropy = self.in_chunks(self.forward_policy, samples)
         t1 = time.perf_counter()
         ref_logprobs = self.reference_logprobs(samples)  # log pi_ref(y_t|s_t)
         scores = self.score(samples)  # r_phi(x, y), normalised (+ reward_fn_weight * reward_fn)
@@ -509,6 +524,11 @@ class PPOTrainer:
         """
         cfg, sizes = self.cfg, self.sizes
         kl_coef = self.kl_ctl.value
+        # No old log-probs yet (`old_logprobs_from_update`): the policy this forward runs is the old policy, and
+        # its detached log-probs and entropy are the rollout's, filled in here for the metrics and the KL.
+        fill = rollout.logprobs is None
+        if fill:
+            rollout.logprobs, rollout.entropy = (torch.zeros_like(rollout.ref_logprobs) for _ in range(2))
         history, skipped, stopped_early = [], 0, False
         for epoch in range(cfg.ppo_epochs):
             order = (
@@ -527,9 +547,12 @@ class PPOTrainer:
                     last = i == len(micro_batches) - 1
                     with self.acc.accumulating((self.policy, self.critic), last=last):
                         logprobs, values, entropy = self.forward_policy(part, train=True)
+                        old_logprobs = logprobs.detach() if fill else part.logprobs  # fill: ratio 1 exactly
+                        if fill:
+                            rollout.logprobs[mc], rollout.entropy[mc] = old_logprobs, entropy.detach()
                         pg_loss, pg = ppo_math.policy_loss(
                             logprobs=logprobs,
-                            old_logprobs=part.logprobs,
+                            old_logprobs=old_logprobs,
                             advantages=advantages[mc],
                             response_mask=mask,
                             cliprange=cfg.cliprange,
@@ -617,6 +640,30 @@ class PPOTrainer:
             self.optimizer.step()
         if not self.optimizer.step_was_skipped:  # an fp16 overflow: no update, so the schedule waits too
             self.scheduler.step()
+
+    @property
+    def old_logprobs_from_update(self) -> bool:
+        """Whether `ppo_step` skips the rollout's old-policy forward and takes the old log-probs (and the
+        entropy) from the update's own forward, detached: ratio = exp(logp - sg(logp)) = 1 exactly, as TRL's
+        GRPOTrainer does with one iteration per batch. It skips work only where nothing changes, bit for bit:
+
+        - one optimiser step per PPO step (ppo_epochs 1, one minibatch): the policy the update's forward runs
+          is the old policy, on the rows the rollout's chunks hold, trimmed to the same widths (the first
+          epoch keeps rollout order, `train_on_rollout`), with dropout off (`ppo_run` keeps the policy in eval
+          mode), so the separate forward gave the same log-probs and the same gradient;
+        - no value function (critic-free): GAE needs the old values before the update;
+        - the KL in the loss (`Config.kl_penalty_in_loss`): in the reward, the advantages need the old
+          log-probs before the update (the KL metric and controller read them after it, either way);
+        - ent_coef 0: the update's entropy is then the rollout's (the same "stats" computation), which
+          objective/entropy reports.
+        """
+        cfg = self.cfg
+        return (
+            self.sizes.optimizer_steps_per_ppo_step == 1
+            and cfg.critic_free
+            and cfg.kl_penalty_in_loss
+            and cfg.ent_coef == 0
+        )
 
     # --- the step's log line ------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 value head, a GPT-2 folder with ReMax and 2 samples per prompt (one short step each on the tiny models),
 and its FLOP count follows the shapes that ran.
 benchmarks/rollout.py runs every sampling path on the tiny models and counts the roofline's weights;
-benchmarks/static_cache.py draws the same tokens with a static cache and a compiled step."""
+benchmarks/static_cache.py draws the same tokens with a static cache and a compiled step.
+benchmarks/grpo_vs_trl.py alternates our GRPO step with TRL's GRPOTrainer and prints both medians and the ratio."""
 
 from __future__ import annotations
 
@@ -172,3 +173,26 @@ def test_static_cache_benchmark_draws_the_same_tokens_in_every_mode(tiny_llama_d
         else:  # the same distribution: rounding, not a wrong position, mask or cache slot (those differ by O(1))
             assert r["max_logit_difference"] < 1e-5, r  # rounding: ~5e-8 here; a position off by one: ~5e-4
     assert "| 3 | compiled-static |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("shape", ["tiny", "smollm2"])
+def test_grpo_vs_trl_prints_both_medians_and_the_ratio(shape, tiny_llama_dir, tmp_path, capsys):
+    """benchmarks/grpo_vs_trl.py, one step of each trainer at a reduced shape: the tiny GPT-2, and the smollm2
+    path (LoRA on both sides) with the tiny Llama standing in for the SmolLM2 folder."""
+    spec = importlib.util.spec_from_file_location("grpo_vs_trl", ROOT / "benchmarks" / "grpo_vs_trl.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = ["--shape", shape, "--prompts", "2", "--samples", "2", "--new-tokens", "3", "--prompt-len", "4"]
+    args += ["--steps", "1", "--warmup", "0", "--vocab-size", "512", "--smollm2-dir", str(tiny_llama_dir)]
+    out = tmp_path / "result.json"
+    result = bench.main(args + ["--workdir", str(tmp_path / "work"), "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert "ours (llm_rlhf ppo_step): median" in printed and "TRL GRPOTrainer:          median" in printed
+    assert f"ratio ours / TRL: {result['ratio']:.3f}" in printed
+    assert json.loads(out.read_text())["ratio"] == result["ratio"]
+    assert len(result["seconds"]["ours"]) == len(result["seconds"]["trl"]) == 1
+    assert result["median_ours"] > 0 and result["median_trl"] > 0
+    assert result["config"]["lora"] == (shape == "smollm2")
+    assert result["model"] == (str(tiny_llama_dir) if shape == "smollm2" else "random weights")
+    assert "old_logprobs_values" not in result["our_phases_median"]  # one update: the old forward is skipped
+    assert result["our_phases_median"]["update"] > 0 and result["our_phases_median"]["reference"] > 0
