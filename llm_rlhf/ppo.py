@@ -660,7 +660,7 @@ class PPOTrainer:
         cfg = self.cfg
         return (
             self.sizes.optimizer_steps_per_ppo_step == 1
-            and cfg.critic_free
+            and not cfg.estimator.critic
             and cfg.kl_penalty_in_loss
             and cfg.ent_coef == 0
         )
