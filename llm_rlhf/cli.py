@@ -82,9 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS or importlib.util.find_spec(COMMANDS[name][0]) is None:
         print(f"error: unknown command '{name}'\n\n{usage()}", file=sys.stderr)
         return 2
-    use_cpu_ddp_without_gpus()
-    module = importlib.import_module(COMMANDS[name][0])
     try:
+        use_cpu_ddp_without_gpus()  # a UserError where a DeepSpeed launch lacks deepspeed
+        module = importlib.import_module(COMMANDS[name][0])
         if hasattr(module, "cli"):  # commands with their own argument form (e.g. `report DIR`)
             return module.cli(rest) or 0
         if any(a in ("-h", "--help") for a in rest):

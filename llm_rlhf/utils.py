@@ -95,6 +95,8 @@ def use_cpu_ddp_without_gpus() -> None:
     CPU data parallelism (gloo). Without this it picks DDP only when it sees CUDA devices and leaves
     every process alone with world size 1: N independent runs writing to the same folder.
 
+    Launched with a DeepSpeed config, DeepSpeed runs for real (`accelerated.run_deepspeed_on_cpu`).
+
     The process state is set up here, once: a bare `PartialState()` (which does not read
     ACCELERATE_USE_CPU) made before the first `Accelerator` would otherwise see world size 1."""
     import torch
@@ -103,6 +105,10 @@ def use_cpu_ddp_without_gpus() -> None:
         from accelerate import PartialState
 
         os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+        if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+            from llm_rlhf.accelerated import run_deepspeed_on_cpu
+
+            run_deepspeed_on_cpu()  # DeepSpeed for real over gloo, not DDP in its place (issue 39)
         PartialState(cpu=os.environ["ACCELERATE_USE_CPU"].lower() in ("1", "true", "yes"))
 
 
