@@ -43,7 +43,8 @@ def test_zero2_and_zero3_first_updates_equal_one_process(tiny_model_dir, tiny_rm
     and the steps' metrics are those of one process. One process equals DDP on the same batch
     (test_multiprocess.py::test_first_update_two_ranks_equals_one, mode "same" = gae's update here). Under
     ZeRO-3 each process holds about half the parameters, and sampling with rank 0's responses ending at once
-    and rank 1's running to max_new_tokens ends (it hung: issue 39)."""
+    and rank 1's running to max_new_tokens ends (issue 39: without the synced decode their collectives went
+    out of step, a hang or gloo's "Connection reset by peer")."""
     import torch
 
     one = first_updates(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "one.json", None)
