@@ -2,6 +2,7 @@
 (`llm_rlhf.ppo`), so that each distributed type's rules live in one place.
 
     check_deepspeed_config   what the DeepSpeed config must say for PPO's own accumulation and LR schedule
+    loading_whole_models     PPO's models loaded whole on every process under ZeRO-3 (not under zero.Init)
     Accelerated              one accelerator's ways with the policy (and critic):
         prepare              the checks of the distributed type (FSDP1 rejected), then `accelerator.prepare`; the frozen
                              reference and RM cast to the dtype the policy computes in (FSDP2's param_dtype,
@@ -21,7 +22,6 @@ under every accelerate config (issue 13).
 
 from __future__ import annotations
 
-import importlib
 from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 
@@ -31,51 +31,6 @@ from safetensors.torch import load_file, save_file
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from llm_rlhf.errors import UserError
-
-
-def run_deepspeed_on_cpu() -> None:
-    """Make `accelerate launch` with a DeepSpeed config run DeepSpeed on a machine without GPUs, as it does on
-    GPUs. accelerate 1.15 turns DeepSpeed on only for an accelerator device; on a CPU (where `llm-rlhf` sets
-    ACCELERATE_USE_CPU, `utils.use_cpu_ddp_without_gpus`) it would leave plain DDP over gloo: a run launched
-    with deepspeed_zero3.yaml would silently train something else (issue 39). After
-    `AcceleratorState.__init__` this does what accelerate's own DeepSpeed branch does: the plugin gets the
-    launch's mixed precision (written into the DeepSpeed config's bf16/fp16 section) and is selected, the
-    distributed type becomes DEEPSPEED (in the shared process state too), and accelerate's own
-    `mixed_precision` becomes "no" (the engine casts). DeepSpeed's CPU accelerator then runs ZeRO over the
-    existing gloo group. Its shared-memory all-reduce op, which DeepSpeed compiles with g++ at every start
-    (60-100 s here) and uses only for inference all-reduce (tensor parallelism), is not built.
-    Without deepspeed installed: a UserError (one line)."""
-    try:
-        # the module itself: `deepspeed.comm.torch` names the torch package that deepspeed.comm imports
-        ds_comm_torch = importlib.import_module("deepspeed.comm.torch")
-    except ImportError as e:
-        raise UserError(
-            "the accelerate config says distributed_type: DEEPSPEED, but deepspeed is not installed: "
-            "pip install -e '.[deepspeed]'"
-        ) from e
-    import accelerate.state
-
-    ds_comm_torch.build_shm_op = lambda: None  # see the docstring: not needed by ZeRO training
-    state_class = accelerate.state.AcceleratorState
-    if getattr(state_class.__init__, "runs_deepspeed_on_cpu", False):
-        return
-    original_init = state_class.__init__
-
-    def init_with_deepspeed_on_cpu(self, *args, deepspeed_plugin=None, **kwargs):
-        original_init(self, *args, deepspeed_plugin=deepspeed_plugin, **kwargs)
-        if deepspeed_plugin is None or self.distributed_type != DistributedType.MULTI_CPU:
-            return
-        if isinstance(deepspeed_plugin, dict):
-            raise UserError("several DeepSpeed plugins are not supported on a machine without GPUs")
-        deepspeed_plugin.set_mixed_precision(self._mixed_precision)
-        deepspeed_plugin.select(_from_accelerator_state=True)
-        self.deepspeed_plugins = deepspeed_plugin
-        self._mixed_precision = "no"  # as accelerate does under DeepSpeed: the engine's config holds it
-        self.distributed_type = DistributedType.DEEPSPEED
-        accelerate.state.PartialState._shared_state["distributed_type"] = DistributedType.DEEPSPEED
-
-    init_with_deepspeed_on_cpu.runs_deepspeed_on_cpu = True
-    state_class.__init__ = init_with_deepspeed_on_cpu
 
 
 def check_deepspeed_config(plugin, *, micro_batch_size: int, critic: bool, lora: bool = False) -> None:

@@ -83,8 +83,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown command '{name}'\n\n{usage()}", file=sys.stderr)
         return 2
     try:
-        use_cpu_ddp_without_gpus()  # a UserError where a DeepSpeed launch lacks deepspeed
-        module = importlib.import_module(COMMANDS[name][0])
+        use_cpu_ddp_without_gpus()
+    except ModuleNotFoundError as e:  # a DeepSpeed launch where deepspeed is not installed
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    try:
         if hasattr(module, "cli"):  # commands with their own argument form (e.g. `report DIR`)
             return module.cli(rest) or 0
         if any(a in ("-h", "--help") for a in rest):

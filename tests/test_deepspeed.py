@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO-2 and ZeRO-3 for real on 2 CPU processes (gloo), launched with the project's own
 accelerate_configs/deepspeed_zero2.yaml and deepspeed_zero3.yaml (issue 39). `llm-rlhf` turns DeepSpeed on
-without GPUs itself (`accelerated.run_deepspeed_on_cpu`); the scripts here patch nothing of accelerate."""
+without GPUs itself (`utils.run_deepspeed_on_cpu`); the scripts here patch nothing of accelerate."""
 
 from __future__ import annotations
 
@@ -200,16 +200,22 @@ def test_trainer_stages_refuse_zero3_and_a_precision_mismatch_in_one_line(monkey
     check_deepspeed_launch(bf16=False)
 
 
-def test_deepspeed_launch_without_deepspeed_stops_in_one_line(monkeypatch):
-    """A DeepSpeed config launched where deepspeed is not installed: one line saying how to install it, and
-    accelerate left as it was."""
+def test_deepspeed_launch_without_deepspeed_stops_in_one_line(monkeypatch, capsys):
+    """`llm-rlhf` launched with a DeepSpeed config (2 processes, no GPU) where deepspeed is not installed:
+    one line saying how to install it, exit code 2, accelerate left as it was."""
     import accelerate.state
 
-    from llm_rlhf.accelerated import run_deepspeed_on_cpu
-    from llm_rlhf.errors import UserError
+    from llm_rlhf import cli
 
     init = accelerate.state.AcceleratorState.__init__
     monkeypatch.setitem(sys.modules, "deepspeed.comm.torch", None)  # import fails as if not installed
-    with pytest.raises(UserError, match=r"deepspeed is not installed: pip install -e '\.\[deepspeed\]'"):
-        run_deepspeed_on_cpu()
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as under `accelerate launch --num_processes 2`
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")  # what `llm-rlhf` sets there; undone after the test
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert cli.main(["sft", "--help"]) == 2
+    assert capsys.readouterr().err == (
+        "error: the accelerate config says distributed_type: DEEPSPEED, but deepspeed is not installed: "
+        "pip install -e '.[deepspeed]'\n"
+    )
     assert accelerate.state.AcceleratorState.__init__ is init
