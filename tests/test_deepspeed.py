@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, launch, ppo_cli_args
+from helpers import ROOT, flags, launch, ppo_cli_args
 
 SCRIPTS = ROOT / "tests" / "scripts"
 
@@ -152,7 +152,9 @@ def test_ppo_under_deepspeed_resumes_and_saves_one_hf_folder(
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_pipeline_sft_rm_ppo_eval_under_zero2(tmp_path, tiny_model_dir, sft_files, pref_files, prompt_file):
+def test_pipeline_sft_rm_ppo_eval_and_dpo_under_zero2(
+    tmp_path, tiny_model_dir, sft_files, pref_files, prompt_file
+):
     """`llm-rlhf pipeline` (SFT and RM through TRL's trainers, then PPO and evaluation) under
     deepspeed_zero2.yaml on 2 CPU processes, fp32 (`--mixed_precision no`: the Trainer's bf16 needs a GPU):
     each stage trains with DeepSpeed's engine (its checkpoints hold one ZeRO partition of the optimizer
@@ -177,6 +179,16 @@ def test_pipeline_sft_rm_ppo_eval_under_zero2(tmp_path, tiny_model_dir, sft_file
     AutoModelForSequenceClassification.from_pretrained(out / "rm", num_labels=1)
     AutoModelForCausalLM.from_pretrained(out / "ppo")
     assert json.loads((out / "ppo" / "metrics.json").read_text())["episodes"] == 4 * 4 * 2
+    # DPO (TRL's DPOTrainer, its frozen reference beside the engine) from the SFT folder, under ZeRO-2 too
+    dpo = tmp_path / "dpo"
+    values = dict(model_name_or_path=out / "sft", train_file=pref_files[0], eval_file=pref_files[1],
+                  output_dir=dpo, max_steps=4, max_length=32, per_device_train_batch_size=4, eval_steps=2,
+                  logging_steps=2)  # fmt: skip
+    launch(["-m", "llm_rlhf", "dpo", *flags(values)], 2, config="deepspeed_zero2.yaml", mixed_precision="no")
+    (step,) = (dpo / "checkpoints").glob("checkpoint-4/global_step4")
+    assert len(list(step.glob("zero_pp_rank_*_optim_states.pt"))) == 2
+    assert json.loads((dpo / "metrics.json").read_text())["global_step"] == 4
+    AutoModelForCausalLM.from_pretrained(dpo)
 
 
 def test_trainer_stages_refuse_zero3_and_a_precision_mismatch_in_one_line(monkeypatch):
