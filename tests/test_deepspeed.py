@@ -36,12 +36,13 @@ def first_updates(model_dir, rm_dir, prompt_file, out: Path, config: str | None)
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_zero2_and_zero3_first_updates_equal_one_process(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
-    """The fixed global batch of tests/scripts/ppo_ranks.py (8 episodes; each rank its half) on one process
-    and under ZeRO-2 and ZeRO-3 on 2: the RAW gradient (before clipping, gathered whole from DeepSpeed's
-    partitions) of gae's first update (value head) and of grpo's two updates (the second after an Adam step)
-    and the steps' metrics are those of one process. One process equals DDP on the same batch
-    (test_multiprocess.py::test_first_update_two_ranks_equals_one, mode "same" = gae's update here). Under
+def test_zero2_and_zero3_first_updates_equal_one_process_and_ddp(
+    tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path
+):
+    """The fixed global batch of tests/scripts/ppo_ranks.py (8 episodes; each rank its half) on one process,
+    and on 2 under DDP (multi_gpu.yaml), ZeRO-2 and ZeRO-3: the RAW gradient (before clipping; gathered whole
+    from DeepSpeed's partitions) of gae's first update (value head) and of grpo's two updates (the second
+    after an Adam step) and the steps' metrics are those of one process, so DeepSpeed's are DDP's. Under
     ZeRO-3 each process holds about half the parameters, and sampling with rank 0's responses ending at once
     and rank 1's running to max_new_tokens ends (issue 39: without the synced decode their collectives went
     out of step, a hang or gloo's "Connection reset by peer")."""
@@ -50,9 +51,10 @@ def test_zero2_and_zero3_first_updates_equal_one_process(tiny_model_dir, tiny_rm
     one = first_updates(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "one.json", None)
     assert one["world"] == 1 and torch.tensor(one["grads"]).abs().max() > 0
     full = len(one["grads"])
-    for config in ("deepspeed_zero2.yaml", "deepspeed_zero3.yaml"):
+    for config in ("multi_gpu.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3.yaml"):
         run = first_updates(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / f"{config}.json", config)
-        assert (run["world"], run["distributed_type"]) == (2, "DEEPSPEED"), config
+        kind = "MULTI_CPU" if config == "multi_gpu.yaml" else "DEEPSPEED"
+        assert (run["world"], run["distributed_type"]) == (2, kind), config
         torch.testing.assert_close(
             torch.tensor(run["grads"]), torch.tensor(one["grads"]), atol=1e-7, rtol=1e-4, msg=config
         )
@@ -80,7 +82,7 @@ def test_zero2_and_zero3_first_updates_equal_one_process(tiny_model_dir, tiny_rm
             assert run["local_numel"] < 0.6 * full  # partitioned (persistence threshold 0)
             assert run["sampled_lengths"] == b["sampled_lengths"] == [1, 6]  # rank 0: EOS; rank 1: 6 tokens
         else:
-            assert run["local_numel"] == full  # ZeRO-2 partitions gradients and optimizer states only
+            assert run["local_numel"] == full  # DDP; ZeRO-2 partitions gradients and optimizer states only
 
 
 def logged(out: Path) -> list[dict]:
