@@ -294,25 +294,26 @@ def decode(
     synced: bool = False,
 ) -> torch.Tensor:
     """`generate`'s sampling loop on left-padded queries (B, P), step for step, as `sampling` (a
-        `rollout.Sampling`) says: the prefill over the query with positions counting real tokens only, then one
-        token per step with the KV cache, the attention mask grown by a column of ones and the position by one;
-        logits of the last position in float32 -> transformers' processors (`logits_processors`) -> softmax ->
-        draw (B,) tokens (greedy at temperature 0: the argmax of the processed logits, no random number, `draw`
-        unused); rows that ended get pad_token_id; a row ends at EOS or where a stopping criterion says so, and
-        the loop ends when every row has ended or after sampling.max_new_tokens tokens.
-        With draw = `torch.multinomial(probs, 1)[:, 0]` it returns what `generate` returns from the same random
-        numbers (`tests/test_sampling.py`). token_logprobs: a list that gets, per step t, the (B,) log-probability of
-        each row's drawn token under the distribution it was drawn from, log of softmax(processed logits)[token]
-        (0 for rows that had ended; nothing when greedy): the sampler's log q(y_t), which a lower-precision
-        sampler makes differ from the policy's log-probs. compile_steps: the prefill as before, then every decode
-        step through `compiled_step` with a `StaticCache` of W + max_new_tokens positions and an attention mask of
-        that fixed width (zeros ahead of the current token), the queries left-padded to W = P rounded up to
-        `PROMPT_BUCKET` (masked: the same positions and distribution; the logits differ from the dynamic cache's
-        by float rounding only, `benchmarks/static_cache.py`). synced: the loop ends when every row of EVERY
-    process has ended (one all-reduce per step, `unfinished_anywhere`), a process whose rows all ended stepping on
-    with padding, so that every process runs the same number of forwards: where a forward is a collective
-    (ZeRO-3's parameter gathers, issue 39), as transformers' `generate` does with `synced_gpus`; the draws of
-    rows that have not ended are those of the unsynced loop. Returns sequences (B, P + R), R <= max_new_tokens."""
+    `rollout.Sampling`) says: the prefill over the query with positions counting real tokens only, then one
+    token per step with the KV cache, the attention mask grown by a column of ones and the position by one;
+    logits of the last position in float32 -> transformers' processors (`logits_processors`) -> softmax ->
+    draw (B,) tokens (greedy at temperature 0: the argmax of the processed logits, no random number, `draw`
+    unused); rows that ended get pad_token_id; a row ends at EOS or where a stopping criterion says so, and
+    the loop ends when every row has ended or after sampling.max_new_tokens tokens.
+    With draw = `torch.multinomial(probs, 1)[:, 0]` it returns what `generate` returns from the same random
+    numbers (`tests/test_sampling.py`). token_logprobs: a list that gets, per step t, the (B,) log-probability of
+    each row's drawn token under the distribution it was drawn from, log of softmax(processed logits)[token]
+    (0 for rows that had ended; nothing when greedy): the sampler's log q(y_t), which a lower-precision
+    sampler makes differ from the policy's log-probs. compile_steps: the prefill as before, then every decode
+    step through `compiled_step` with a `StaticCache` of W + max_new_tokens positions and an attention mask of
+    that fixed width (zeros ahead of the current token), the queries left-padded to W = P rounded up to
+    `PROMPT_BUCKET` (masked: the same positions and distribution; the logits differ from the dynamic cache's
+    by float rounding only, `benchmarks/static_cache.py`). synced: the loop ends when every row of EVERY
+    process has ended (one all-reduce per step, `unfinished_anywhere`), a process whose rows all ended
+    stepping on with padding, so that every process runs the same number of forwards where a forward is a
+    collective (ZeRO-3's parameter gathers, issue 39), as transformers' `generate` does with `synced_gpus`;
+    the draws of rows that have not ended are those of the unsynced loop. Returns sequences (B, P + R),
+    R <= max_new_tokens."""
     logits_processor = logits_processors(
         temperature=sampling.temperature,
         top_k=sampling.top_k,
@@ -404,7 +405,8 @@ def generate(
     `decoding_weights`, its linear layers in `sampling.sampling_dtype` (`SAMPLING_DTYPES`); with
     `sampling.sampling_compile`, `decode`'s compiled steps on the model's own layers instead (new decoding
     copies at every call would make every call compile anew). What `rollout.sample` runs when
-    `supports(lm)`; nothing of the checkpoint's generation_config is read. token_logprobs, synced: as `decode`'s."""
+    `supports(lm)`; nothing of the checkpoint's generation_config is read. token_logprobs, synced: as
+    `decode`'s."""
     compile_steps = sampling.sampling_compile
     weights = (
         nullcontext()
