@@ -120,8 +120,8 @@ def run_deepspeed_on_cpu() -> None:
     launch's mixed precision (written into the DeepSpeed config's bf16/fp16 section) and is selected, the
     distributed type becomes DEEPSPEED (in the shared process state too), and accelerate's own
     `mixed_precision` becomes "no" (the engine casts). DeepSpeed's CPU accelerator then runs ZeRO over the
-    existing gloo group. Its shared-memory all-reduce op, which DeepSpeed compiles with g++ at every start
-    (60-100 s here) and uses only for inference all-reduce (tensor parallelism), is not built.
+    existing gloo group. Its shared-memory all-reduce op, which DeepSpeed compiles with g++ at its first start
+    on a machine (a minute here) and uses only for inference all-reduce (tensor parallelism), is not built.
     Without deepspeed installed: ModuleNotFoundError saying how to install it (`llm-rlhf` prints it as one
     line)."""
     try:
