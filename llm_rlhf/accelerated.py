@@ -2,6 +2,7 @@
 (`llm_rlhf.ppo`), so that each distributed type's rules live in one place.
 
     check_deepspeed_config   what the DeepSpeed config must say for PPO's own accumulation and LR schedule
+    loading_whole_models     PPO's models loaded whole on every process under ZeRO-3 (not under zero.Init)
     Accelerated              one accelerator's ways with the policy (and critic):
         prepare              the checks of the distributed type (FSDP1 rejected), then `accelerator.prepare`; the frozen
                              reference and RM cast to the dtype the policy computes in (FSDP2's param_dtype,
@@ -61,6 +62,27 @@ def check_deepspeed_config(plugin, *, micro_batch_size: int, critic: bool, lora:
         )
     if config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
         config["train_micro_batch_size_per_gpu"] = micro_batch_size
+
+
+@contextmanager
+def loading_whole_models(accelerator):
+    """The context to load PPO's models in: under DeepSpeed ZeRO-3 accelerate registers its config with
+    transformers, which then builds every model under `deepspeed.zero.Init` (parameters partitioned as they
+    load; accelerate 1.15 registers it whatever `zero3_init_flag` says). The frozen reference (a copy of the
+    policy) and the RM are never handed to an engine, so they would stay empty partitions: PPO loads all of
+    them whole on every process (the ZeRO-3 engine partitions the policy when it is built, in `prepare`),
+    and the registration is restored after. Elsewhere nothing changes."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        yield
+        return
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
 
 
 def deepspeed_param_dtype(config: dict) -> torch.dtype | None:

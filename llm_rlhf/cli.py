@@ -82,7 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS or importlib.util.find_spec(COMMANDS[name][0]) is None:
         print(f"error: unknown command '{name}'\n\n{usage()}", file=sys.stderr)
         return 2
-    use_cpu_ddp_without_gpus()
+    try:
+        use_cpu_ddp_without_gpus()
+    except ModuleNotFoundError as e:  # a DeepSpeed launch where deepspeed is not installed
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     module = importlib.import_module(COMMANDS[name][0])
     try:
         if hasattr(module, "cli"):  # commands with their own argument form (e.g. `report DIR`)

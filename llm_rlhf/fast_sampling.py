@@ -291,6 +291,7 @@ def decode(
     draw=draw_tokens,
     token_logprobs: list[torch.Tensor] | None = None,
     compile_steps: bool = False,
+    synced: bool = False,
 ) -> torch.Tensor:
     """`generate`'s sampling loop on left-padded queries (B, P), step for step, as `sampling` (a
     `rollout.Sampling`) says: the prefill over the query with positions counting real tokens only, then one
@@ -307,7 +308,12 @@ def decode(
     step through `compiled_step` with a `StaticCache` of W + max_new_tokens positions and an attention mask of
     that fixed width (zeros ahead of the current token), the queries left-padded to W = P rounded up to
     `PROMPT_BUCKET` (masked: the same positions and distribution; the logits differ from the dynamic cache's
-    by float rounding only, `benchmarks/static_cache.py`). Returns sequences (B, P + R), R <= max_new_tokens."""
+    by float rounding only, `benchmarks/static_cache.py`). synced: the loop ends when every row of EVERY
+    process has ended (one all-reduce per step, `unfinished_anywhere`), a process whose rows all ended
+    stepping on with padding, so that every process runs the same number of forwards where a forward is a
+    collective (ZeRO-3's parameter gathers, issue 39), as transformers' `generate` does with `synced_gpus`;
+    the draws of rows that have not ended are those of the unsynced loop. Returns sequences (B, P + R),
+    R <= max_new_tokens."""
     logits_processor = logits_processors(
         temperature=sampling.temperature,
         top_k=sampling.top_k,
@@ -364,12 +370,22 @@ def decode(
         unfinished &= token != eos_token_id
         for criterion in stopping_criteria:
             unfinished &= ~criterion(sequences[:, : P + t + 1], scores)
-        if not unfinished.any():
+        if not (unfinished_anywhere(unfinished) if synced else unfinished.any()):
             return sequences[:, : P + t + 1]
         inputs = token[:, None]  # (B, 1)
         mask[:, W + t] = 1  # the new token's column
         positions = positions[:, -1:] + 1  # (B, 1): the new token's position
     return sequences
+
+
+def unfinished_anywhere(unfinished: torch.Tensor) -> bool:
+    """Whether a row of any process has not ended: `unfinished` (B,) bool of this process, max over the
+    processes (an all-reduce every process enters)."""
+    import torch.distributed as dist  # here: torch.distributed is missing from some builds
+
+    flag = unfinished.any().to(torch.int32)  # (): 1 while a row of this process has not ended
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag)
 
 
 def generate(
@@ -382,13 +398,15 @@ def generate(
     pad_token_id: int,
     stopping_criteria=(),
     token_logprobs: list[torch.Tensor] | None = None,
+    synced: bool = False,
 ) -> torch.Tensor:
     """Sequences (B, P + R) drawn as `sampling` (a `rollout.Sampling`) says: from softmax(logits / temperature)
     (top-k/top-p if asked, EOS masked before min_new_tokens), or greedy at temperature 0: `decode` inside
     `decoding_weights`, its linear layers in `sampling.sampling_dtype` (`SAMPLING_DTYPES`); with
     `sampling.sampling_compile`, `decode`'s compiled steps on the model's own layers instead (new decoding
     copies at every call would make every call compile anew). What `rollout.sample` runs when
-    `supports(lm)`; nothing of the checkpoint's generation_config is read. token_logprobs: as `decode`'s."""
+    `supports(lm)`; nothing of the checkpoint's generation_config is read. token_logprobs, synced: as
+    `decode`'s."""
     compile_steps = sampling.sampling_compile
     weights = (
         nullcontext()
@@ -407,4 +425,5 @@ def generate(
             draw=draw_tokens,  # looked up per call: a test may record the distributions drawn from
             token_logprobs=token_logprobs,
             compile_steps=compile_steps,
+            synced=synced,
         )

@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from llm_rlhf import ppo_metrics
+from llm_rlhf.accelerated import loading_whole_models
 from llm_rlhf.config import format_config, is_off, save_config
 from llm_rlhf.data import load_prompt_dataset, prompt_rules
 from llm_rlhf.errors import UserError
@@ -152,7 +153,8 @@ def build_trainer(
     if cfg.reward_fn is not None and reward_fn is None:
         reward_fn = load_reward_fn(cfg.reward_fn)
     seed_everything(cfg.seed, accelerator.process_index)
-    models = build_models(cfg, policy=policy, reward_model=reward_model)
+    with loading_whole_models(accelerator):  # not partitioned at load under ZeRO-3 (issue 39)
+        models = build_models(cfg, policy=policy, reward_model=reward_model)
     if models.reward_model is not None:
         models.reward_model.to(accelerator.device)
     if not cfg.use_lora:

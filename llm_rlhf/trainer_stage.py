@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 from pathlib import Path
 from typing import Any
 
@@ -162,6 +163,7 @@ class TrainerStageConfig:
     def training_arguments(self) -> dict[str, Any]:
         """The TrainingArguments both stages set the same way (each stage adds its own and builds TRL's
         SFTConfig / RewardConfig from them)."""
+        check_deepspeed_launch(bf16=self.bf16)
         return dict(
             output_dir=str(Path(self.output_dir) / "checkpoints"),
             max_length=self.max_length,
@@ -241,6 +243,28 @@ def final_eval(trainer) -> dict[str, float]:
     step = trainer.state.global_step
     done = [e for e in trainer.state.log_history if "eval_loss" in e and e.get("step") == step]
     return done[-1] if done else trainer.evaluate()
+
+
+def check_deepspeed_launch(*, bf16: bool) -> None:
+    """Under `accelerate launch` with a DeepSpeed config (accelerate passes it in ACCELERATE_* variables):
+    ZeRO-2 runs TRL's trainers for real (on 2 CPU processes in tests/test_deepspeed.py); ZeRO-3 is refused,
+    because after training the main process alone saves, samples from and scores the model, whose parameters
+    are partitions under ZeRO-3 (a forward there is a collective the other processes never enter). The
+    engine trains in the launch's mixed_precision and the Trainer checks its config against `bf16`: a
+    mismatch is one line here instead of the Trainer's traceback."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        return
+    if os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3":
+        raise UserError(
+            "DeepSpeed ZeRO-3 is supported by the ppo stage only (sft, rm and dpo save and sample on the main "
+            "process): launch this stage with accelerate_configs/deepspeed_zero2.yaml or multi_gpu.yaml"
+        )
+    mixed_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if mixed_precision not in ("no", "bf16") or bf16 != (mixed_precision == "bf16"):
+        raise ConfigError(
+            f"config key 'bf16' is {str(bf16).lower()} but the DeepSpeed launch's mixed_precision is "
+            f"{mixed_precision}: set bf16 true with mixed_precision bf16, or false with --mixed_precision no"
+        )
 
 
 def training_metrics(trainer, train_output) -> dict[str, float]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import random
@@ -95,6 +96,8 @@ def use_cpu_ddp_without_gpus() -> None:
     CPU data parallelism (gloo). Without this it picks DDP only when it sees CUDA devices and leaves
     every process alone with world size 1: N independent runs writing to the same folder.
 
+    Launched with a DeepSpeed config, DeepSpeed runs for real (`run_deepspeed_on_cpu`).
+
     The process state is set up here, once: a bare `PartialState()` (which does not read
     ACCELERATE_USE_CPU) made before the first `Accelerator` would otherwise see world size 1."""
     import torch
@@ -103,7 +106,56 @@ def use_cpu_ddp_without_gpus() -> None:
         from accelerate import PartialState
 
         os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+        if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+            run_deepspeed_on_cpu()  # DeepSpeed for real over gloo, not DDP in its place (issue 39)
         PartialState(cpu=os.environ["ACCELERATE_USE_CPU"].lower() in ("1", "true", "yes"))
+
+
+def run_deepspeed_on_cpu() -> None:
+    """Make `accelerate launch` with a DeepSpeed config run DeepSpeed on a machine without GPUs, as it does on
+    GPUs. accelerate 1.15 turns DeepSpeed on only for an accelerator device; on a CPU (where `llm-rlhf` sets
+    ACCELERATE_USE_CPU, `use_cpu_ddp_without_gpus`) it would leave plain DDP over gloo: a run launched
+    with deepspeed_zero3.yaml would silently train something else (issue 39). After
+    `AcceleratorState.__init__` this does what accelerate's own DeepSpeed branch does: the plugin gets the
+    launch's mixed precision (written into the DeepSpeed config's bf16/fp16 section) and is selected, the
+    distributed type becomes DEEPSPEED (in the shared process state too), and accelerate's own
+    `mixed_precision` becomes "no" (the engine casts). DeepSpeed's CPU accelerator then runs ZeRO over the
+    existing gloo group. Its shared-memory all-reduce op, which DeepSpeed compiles with g++ at its first start
+    on a machine (a minute here) and uses only for inference all-reduce (tensor parallelism), is not built.
+    Without deepspeed installed: ModuleNotFoundError saying how to install it (`llm-rlhf` prints it as one
+    line)."""
+    try:
+        # the module itself: `deepspeed.comm.torch` names the torch package that deepspeed.comm imports
+        ds_comm_torch = importlib.import_module("deepspeed.comm.torch")
+    except ImportError as e:
+        raise ModuleNotFoundError(
+            "the accelerate config says distributed_type: DEEPSPEED, but deepspeed is not installed: "
+            "pip install -e '.[deepspeed]'"
+        ) from e
+    import accelerate.state
+    from accelerate.utils import DistributedType
+
+    ds_comm_torch.build_shm_op = lambda: None  # see the docstring: not needed by ZeRO training
+    state_class = accelerate.state.AcceleratorState
+    if getattr(state_class.__init__, "runs_deepspeed_on_cpu", False):
+        return
+    original_init = state_class.__init__
+
+    def init_with_deepspeed_on_cpu(self, *args, deepspeed_plugin=None, **kwargs):
+        original_init(self, *args, deepspeed_plugin=deepspeed_plugin, **kwargs)
+        if deepspeed_plugin is None or self.distributed_type != DistributedType.MULTI_CPU:
+            return
+        if isinstance(deepspeed_plugin, dict):
+            raise ValueError("several DeepSpeed plugins are not supported on a machine without GPUs")
+        deepspeed_plugin.set_mixed_precision(self._mixed_precision)
+        deepspeed_plugin.select(_from_accelerator_state=True)
+        self.deepspeed_plugins = deepspeed_plugin
+        self._mixed_precision = "no"  # as accelerate does under DeepSpeed: the engine's config holds it
+        self.distributed_type = DistributedType.DEEPSPEED
+        accelerate.state.PartialState._shared_state["distributed_type"] = DistributedType.DEEPSPEED
+
+    init_with_deepspeed_on_cpu.runs_deepspeed_on_cpu = True
+    state_class.__init__ = init_with_deepspeed_on_cpu
 
 
 def several_processes() -> bool:

@@ -454,12 +454,13 @@ def launch(
     config: str = "multi_gpu.yaml",
     mixed_precision: str | None = None,
     check: bool = True,
+    timeout: float = 900,
 ) -> subprocess.CompletedProcess:
     """`accelerate launch` as a user runs it, from the repo root: a config file of accelerate_configs/ (DDP by
     default; on this CPU over gloo) with `num_processes`, or a single CPU process. `args`: a script and its
     arguments, or `-m llm_rlhf <command> ...`. `mixed_precision` overrides the config file's, as
     `accelerate launch --mixed_precision` does. check: the launch must succeed (else the returned process is
-    the caller's to judge)."""
+    the caller's to judge). timeout: seconds before the launch is killed (subprocess.TimeoutExpired)."""
     if num_processes > 1:
         head = [
             "--config_file",
@@ -475,7 +476,7 @@ def launch(
     pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": pythonpath}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *head, *args]
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if check:
         assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     return result

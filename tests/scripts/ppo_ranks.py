@@ -24,6 +24,17 @@ the 8 episodes are 8 / k prompts x k samples, a prompt's k samples in consecutiv
 also gets one fixed "greedy" response per prompt), a trainer is built and runs 2 steps (the second one
 after the policy moved: KL != 0, in the reward or in the loss as the estimator's default says); OUT_JSON
 holds, per estimator, the raw gradient of every update (one per step) and the steps' metrics.
+
+MODE "gae_grpo" (one process, or DeepSpeed: accelerate_configs/deepspeed_zero2.yaml / deepspeed_zero3.yaml
+through `llm-rlhf`'s own `run_deepspeed_on_cpu`): the first update of "same" (gae, value head), then grpo (4
+samples per prompt, 2 steps) on a second trainer; OUT_JSON holds both, "grpo" as one run of "estimators".
+Under DeepSpeed the raw gradient is read from the engine's partitions (`deepspeed.utils.safe_get_full_grad`,
+a gather every rank enters) before the engine's step applies it (the config's gradient_clipping set to
+1e9: off, as on one process); under ZeRO-3 the script sets
+stage3_param_persistence_threshold, stage3_max_live_parameters and stage3_max_reuse_distance to 0 (every
+parameter partitioned, none kept live: the tiny model is under the default thresholds) and, after the
+updates, samples with the real sampler while rank 0's responses all end at once (EOS forced) and the other
+rank's run to max_new_tokens: "sampled_lengths" holds each rank's longest response (issue 39: that hung).
 """
 
 from __future__ import annotations
@@ -101,8 +112,10 @@ def run(accelerator, model_dir, rm_dir, prompt_file, mode, combine, estimator="g
             query=query, query_mask=query_mask, response=torch.where(mask, response, pad), response_mask=mask
         )
 
-    trainer.generate = fixed_rollout
+    real_generate, trainer.generate = trainer.generate, fixed_rollout
     grads, clip, local_numel = [], accelerator.clip_grad_norm_, [0]
+    if trainer.acc.deepspeed:
+        record_deepspeed_grads(trainer, grads, local_numel)
 
     def record_and_clip(parameters, max_norm, *args, **kwargs):  # the raw gradient of each update
         parameters = list(parameters)
@@ -115,7 +128,7 @@ def run(accelerator, model_dir, rm_dir, prompt_file, mode, combine, estimator="g
 
     accelerator.clip_grad_norm_ = record_and_clip
     all_reduces = [0]
-    if world > 1 and not accelerator.is_fsdp2:
+    if world > 1 and not accelerator.is_fsdp2 and not trainer.acc.deepspeed:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         def counting_allreduce(state, bucket):
@@ -123,15 +136,60 @@ def run(accelerator, model_dir, rm_dir, prompt_file, mode, combine, estimator="g
             return allreduce_hook(state, bucket)
 
         trainer.policy.register_comm_hook(None, counting_allreduce)
-    steps = 2 if mode in ("degenerate", "estimators") else 1
+    steps = 2 if mode in ("degenerate", "estimators") or estimator != "gae" else 1
     metrics = [trainer.ppo_step() for _ in range(steps)]
     accelerator.clip_grad_norm_ = clip
+    lengths = []
+    if trainer.acc.zero3:
+        trainer.generate = real_generate
+        lengths = sampled_lengths_with_rank_0_ending_at_once(trainer, prompts[: local // k])
     return {
         "grads": [g.tolist() for g in grads],
         "metrics": metrics,
         "all_reduces": all_reduces[0],
         "local_numel": local_numel[0],
+        "sampled_lengths": lengths,
     }
+
+
+def record_deepspeed_grads(trainer, grads: list, local_numel: list) -> None:
+    """Under DeepSpeed: append the raw gradient of each update (whole, fp32, in the order of the
+    parameters, after ZeRO's reduction and before the engine's step clips it) to `grads`; the main
+    process's local parameter size (its ZeRO-3 partitions: smaller than the whole) to `local_numel`."""
+    from deepspeed.utils import safe_get_full_grad
+
+    step = trainer.acc.clip_gradients
+
+    def record_then_step(policy, parameters, max_grad_norm):
+        parameters = list(parameters)
+        local_numel[0] = sum(
+            p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in parameters
+        )
+        grads.append(
+            torch.cat([safe_get_full_grad(p).detach().flatten().float().clone() for p in parameters])
+        )
+        return step(policy, parameters, max_grad_norm)
+
+    trainer.acc.clip_gradients = record_then_step
+
+
+def sampled_lengths_with_rank_0_ending_at_once(trainer, queries) -> list[int]:
+    """The trainer's own sampling (`PPOTrainer.generate`: ZeRO-3's gather, then `rollout.sample`) with EOS
+    forced as rank 0's first token (a hook on its LM head) and the other ranks' responses running to
+    max_new_tokens (EOS forbidden there): the longest real response of each rank."""
+    eos = trainer.tokenizer.eos_token_id
+    lm = trainer.unwrapped_policy.lm
+
+    def force(_module, _inputs, logits):
+        if trainer.accelerator.process_index == 0:
+            return logits.index_fill(-1, torch.tensor([eos]), 1e4)
+        return logits.index_fill(-1, torch.tensor([eos]), -1e4)
+
+    hook = lm.get_output_embeddings().register_forward_hook(force)
+    samples = trainer.generate(queries)
+    hook.remove()
+    longest = samples.response_mask.sum(-1).max().reshape(1)  # (1,)
+    return trainer.accelerator.gather(longest).tolist()
 
 
 def sharded(grad: torch.Tensor) -> bool:
@@ -148,8 +206,25 @@ def main() -> None:
     accelerator = Accelerator()
     world = accelerator.num_processes
     args = (accelerator, model_dir, rm_dir, prompt_file, mode, combine)
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None:  # clipping off, as max_grad_norm 1e9 makes it off on one process
+        plugin.deepspeed_config["gradient_clipping"] = 1e9
+    if plugin is not None and plugin.zero_stage == 3:  # see the docstring: really sharded, nothing kept live
+        plugin.deepspeed_config["zero_optimization"].update(
+            stage3_param_persistence_threshold=0, stage3_max_live_parameters=0, stage3_max_reuse_distance=0
+        )
     if mode == "estimators":
         record = {"runs": {name: run(*args, estimator=name, k=k) for name, k in ESTIMATORS.items()}}
+    elif mode == "gae_grpo":
+        gae, grpo = run(*args[:-2], "same", combine), run(*args[:-2], "same", combine, estimator="grpo", k=4)
+        record = {
+            "grads": gae["grads"][0],
+            "metrics": gae["metrics"],
+            "local_numel": gae["local_numel"],
+            "sampled_lengths": gae["sampled_lengths"],
+            "grpo": grpo,
+            "distributed_type": accelerator.distributed_type.value,
+        }
     else:
         result = run(*args)
         record = {

@@ -1,0 +1,235 @@
+"""DeepSpeed ZeRO-2 and ZeRO-3 for real on 2 CPU processes (gloo), launched with the project's own
+accelerate_configs/deepspeed_zero2.yaml and deepspeed_zero3.yaml (issue 39). `llm-rlhf` turns DeepSpeed on
+without GPUs itself (`utils.run_deepspeed_on_cpu`); the scripts here patch nothing of accelerate."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import ROOT, flags, launch, ppo_cli_args
+
+SCRIPTS = ROOT / "tests" / "scripts"
+
+
+def first_updates(model_dir, rm_dir, prompt_file, out: Path, config: str | None) -> dict:
+    """tests/scripts/ppo_ranks.py in mode gae_grpo on one process (config None) or on 2 under `config`, in
+    fp32 (--mixed_precision no) so that it compares tightly; what it wrote."""
+    args = [
+        str(SCRIPTS / "ppo_ranks.py"),
+        str(model_dir),
+        str(rm_dir),
+        str(prompt_file),
+        str(out),
+        "gae_grpo",
+    ]
+    if config is None:
+        launch(args, 1)
+    else:
+        # ZeRO-3 samples with ranks of different lengths at the end: it hung before the synced decode
+        launch(args, 2, config=config, mixed_precision="no", timeout=600)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_zero2_and_zero3_first_updates_equal_one_process_and_ddp(
+    tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path
+):
+    """The fixed global batch of tests/scripts/ppo_ranks.py (8 episodes; each rank its half) on one process,
+    and on 2 under DDP (multi_gpu.yaml), ZeRO-2 and ZeRO-3: the RAW gradient (before clipping; gathered whole
+    from DeepSpeed's partitions) of gae's first update (value head) and of grpo's two updates (the second
+    after an Adam step) and the steps' metrics are those of one process, so DeepSpeed's are DDP's. Under
+    ZeRO-3 each process holds about half the parameters, and sampling with rank 0's responses ending at once
+    and rank 1's running to max_new_tokens ends (issue 39: without the synced decode their collectives went
+    out of step, a hang or gloo's "Connection reset by peer")."""
+    import torch
+
+    one = first_updates(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "one.json", None)
+    assert one["world"] == 1 and torch.tensor(one["grads"]).abs().max() > 0
+    full = len(one["grads"])
+    for config in ("multi_gpu.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3.yaml"):
+        run = first_updates(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / f"{config}.json", config)
+        kind = "MULTI_CPU" if config == "multi_gpu.yaml" else "DEEPSPEED"
+        assert (run["world"], run["distributed_type"]) == (2, kind), config
+        torch.testing.assert_close(
+            torch.tensor(run["grads"]), torch.tensor(one["grads"]), atol=1e-7, rtol=1e-4, msg=config
+        )
+        for key in (
+            "loss/policy",
+            "loss/value",
+            "objective/kl",
+            "objective/scores",
+            "val/explained_variance",
+        ):
+            assert run["metrics"][0][key] == pytest.approx(one["metrics"][0][key], rel=1e-4, abs=1e-6), key
+        a, b = one["grpo"], run["grpo"]
+        assert len(a["grads"]) == len(b["grads"]) == 2
+        for step, (ga, gb) in enumerate(zip(a["grads"], b["grads"])):
+            atol = 1e-7 if step == 0 else 1e-6  # step 2: weights one Adam step (lr 1e-2) apart by rounding
+            torch.testing.assert_close(
+                torch.tensor(gb), torch.tensor(ga), atol=atol, rtol=1e-4, msg=f"{config} grpo {step + 1}"
+            )
+        for m1, m2 in zip(a["metrics"], b["metrics"]):
+            assert "loss/value" not in m2
+            for key in ("loss/policy", "loss/kl", "objective/kl", "objective/scores", "policy/approxkl"):
+                assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), (config, m1["step"], key)
+        assert a["metrics"][1]["objective/kl"] != 0.0
+        if config == "deepspeed_zero3.yaml":
+            assert run["local_numel"] < 0.6 * full  # partitioned (persistence threshold 0)
+            assert run["sampled_lengths"] == b["sampled_lengths"] == [1, 6]  # rank 0: EOS; rank 1: 6 tokens
+        else:
+            assert run["local_numel"] == full  # DDP; ZeRO-2 partitions gradients and optimizer states only
+
+
+def logged(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "config, extra",
+    [
+        # gae with the value head, full weights; held-out evaluation and logged samples sample under ZeRO-3
+        (
+            "deepspeed_zero3.yaml",
+            ["--eval_every", "1", "--eval_num_prompts", "4", "--log_samples_every", "1"],
+        ),
+        # a critic-free estimator with LoRA (LoRA is refused under ZeRO-3: the final save has no adapter path)
+        (
+            "deepspeed_zero2.yaml",
+            ["--advantage_estimator", "grpo", "--samples_per_prompt", "2", "--rollout_batch_size", "2"]
+            + ["--use_lora", "true", "--lora_r", "4"],
+        ),
+    ],
+    ids=["zero3-gae", "zero2-grpo-lora"],
+)
+def test_ppo_under_deepspeed_resumes_and_saves_one_hf_folder(
+    tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, config, extra
+):
+    """`llm-rlhf ppo` with the DeepSpeed file as shipped (bf16) on 2 CPU processes: 2 steps with the engine's
+    own checkpoint every step; then, in another folder holding only step 1's checkpoint and log line, a
+    resume to step 2 logs what the uninterrupted run logged and saves the same weights; the final policy is
+    one plain HF folder that `from_pretrained` loads."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    extra = extra + ["--eval_prompt_file", str(prompt_file), "--gold_judge", "none"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    launch(ppo_cli_args(tiny_model_dir, tiny_rm_dir, prompt_file, a, 2) + extra, 2, config=config)
+    ckpt = a / "checkpoints" / "step-1" / "deepspeed" / "pytorch_model"
+    states = sorted(p.name for p in ckpt.glob("*optim_states.pt"))
+    assert len(states) == 2 and "zero_pp_rank_1" in states[1]  # each rank its partition of the optimizer
+    shutil.copytree(a / "checkpoints" / "step-1", b / "checkpoints" / "step-1")
+    (b / "metrics.jsonl").write_text((a / "metrics.jsonl").read_text().splitlines()[0] + "\n")
+    launch(
+        ppo_cli_args(tiny_model_dir, tiny_rm_dir, prompt_file, b, 2) + extra + ["--resume", "true"],
+        2,
+        config=config,
+    )
+    first, resumed = logged(a), logged(b)
+    assert [m["step"] for m in first] == [m["step"] for m in resumed] == [1, 2]
+    assert first[0]["objective/kl"] == 0.0 and first[1]["objective/kl"] != 0.0
+    for k, v in first[1].items():
+        if not k.startswith(("time/", "tokens_per_s")):
+            assert resumed[1][k] == pytest.approx(v, rel=1e-5, abs=1e-6, nan_ok=True), k
+    final_a, final_b = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    start = load_file(tiny_model_dir / "model.safetensors")
+    assert final_a.keys() == final_b.keys() == start.keys()
+    assert any(not torch.equal(final_a[k].float(), start[k]) for k in start)  # trained
+    for k in start:
+        torch.testing.assert_close(final_b[k], final_a[k], msg=k)
+    model = AutoModelForCausalLM.from_pretrained(a)
+    assert model.config.vocab_size == start["transformer.wte.weight"].shape[0]
+    assert (a / "value_head.safetensors").is_file() == ("--advantage_estimator" not in extra)
+    if config == "deepspeed_zero3.yaml":
+        assert len((a / "samples.jsonl").read_text().splitlines()) > 0
+        assert len((a / "eval_log.jsonl").read_text().splitlines()) == 3  # steps 0, 1, 2
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_pipeline_sft_rm_ppo_eval_and_dpo_under_zero2(
+    tmp_path, tiny_model_dir, sft_files, pref_files, prompt_file
+):
+    """`llm-rlhf pipeline` (SFT and RM through TRL's trainers, then PPO and evaluation) under
+    deepspeed_zero2.yaml on 2 CPU processes, fp32 (`--mixed_precision no`: the Trainer's bf16 needs a GPU):
+    each stage trains with DeepSpeed's engine (its checkpoints hold one ZeRO partition of the optimizer
+    state per process) and ends in a plain HF folder that `from_pretrained` loads."""
+    from helpers import pipeline_argv
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    out = tmp_path / "zero2"
+    argv = pipeline_argv(out, tiny_model_dir, sft_files, pref_files, prompt_file, report="false")
+    proc = launch(
+        ["-m", "llm_rlhf", "pipeline", *argv], 2, config="deepspeed_zero2.yaml", mixed_precision="no"
+    )
+    assert proc.stdout.count("== eval: running") == 1
+    for stage in ("sft", "rm"):
+        (step,) = (out / stage / "checkpoints").glob("checkpoint-*/global_step*")
+        assert sorted(p.name for p in step.glob("zero_pp_rank_*_optim_states.pt")) == [
+            "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+            "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        ], stage
+    assert (out / "ppo" / "checkpoints" / "step-2" / "deepspeed" / "latest").is_file()
+    AutoModelForCausalLM.from_pretrained(out / "sft")
+    AutoModelForSequenceClassification.from_pretrained(out / "rm", num_labels=1)
+    AutoModelForCausalLM.from_pretrained(out / "ppo")
+    assert json.loads((out / "ppo" / "metrics.json").read_text())["episodes"] == 4 * 4 * 2
+    # DPO (TRL's DPOTrainer, its frozen reference beside the engine) from the SFT folder, under ZeRO-2 too
+    dpo = tmp_path / "dpo"
+    values = dict(model_name_or_path=out / "sft", train_file=pref_files[0], eval_file=pref_files[1],
+                  output_dir=dpo, max_steps=4, max_length=32, per_device_train_batch_size=4, eval_steps=2,
+                  logging_steps=2)  # fmt: skip
+    launch(["-m", "llm_rlhf", "dpo", *flags(values)], 2, config="deepspeed_zero2.yaml", mixed_precision="no")
+    (step,) = (dpo / "checkpoints").glob("checkpoint-4/global_step4")
+    assert len(list(step.glob("zero_pp_rank_*_optim_states.pt"))) == 2
+    assert json.loads((dpo / "metrics.json").read_text())["global_step"] == 4
+    AutoModelForCausalLM.from_pretrained(dpo)
+
+
+def test_trainer_stages_refuse_zero3_and_a_precision_mismatch_in_one_line(monkeypatch):
+    """SFT, RM and DPO under a DeepSpeed launch (accelerate passes the config in ACCELERATE_* variables):
+    ZeRO-3 is refused, and so is a bf16 key that disagrees with the launch's mixed_precision."""
+    from llm_rlhf.errors import ConfigError, UserError
+    from llm_rlhf.trainer_stage import check_deepspeed_launch
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    with pytest.raises(UserError, match="ZeRO-3 is supported by the ppo stage only"):
+        check_deepspeed_launch(bf16=False)
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    with pytest.raises(
+        ConfigError, match="config key 'bf16' is false but the DeepSpeed launch's mixed_precision"
+    ):
+        check_deepspeed_launch(bf16=False)
+    check_deepspeed_launch(bf16=True)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    check_deepspeed_launch(bf16=False)
+
+
+def test_deepspeed_launch_without_deepspeed_stops_in_one_line(monkeypatch, capsys):
+    """`llm-rlhf` launched with a DeepSpeed config (2 processes, no GPU) where deepspeed is not installed:
+    one line saying how to install it, exit code 2, accelerate left as it was."""
+    import accelerate.state
+
+    from llm_rlhf import cli
+
+    init = accelerate.state.AcceleratorState.__init__
+    monkeypatch.setitem(sys.modules, "deepspeed.comm.torch", None)  # import fails as if not installed
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as under `accelerate launch --num_processes 2`
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")  # what `llm-rlhf` sets there; undone after the test
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert cli.main(["sft", "--help"]) == 2
+    assert capsys.readouterr().err == (
+        "error: the accelerate config says distributed_type: DEEPSPEED, but deepspeed is not installed: "
+        "pip install -e '.[deepspeed]'\n"
+    )
+    assert accelerate.state.AcceleratorState.__init__ is init
