@@ -288,23 +288,22 @@ def decode(
     eos_token_id: int,
     pad_token_id: int,
     stopping_criteria=(),
-    draw=draw_tokens,
     token_logprobs: list[torch.Tensor] | None = None,
-    compile_steps: bool = False,
     synced: bool = False,
 ) -> torch.Tensor:
     """`generate`'s sampling loop on left-padded queries (B, P), step for step, as `sampling` (a
     `rollout.Sampling`) says: the prefill over the query with positions counting real tokens only, then one
     token per step with the KV cache, the attention mask grown by a column of ones and the position by one;
     logits of the last position in float32 -> transformers' processors (`logits_processors`) -> softmax ->
-    draw (B,) tokens (greedy at temperature 0: the argmax of the processed logits, no random number, `draw`
-    unused); rows that ended get pad_token_id; a row ends at EOS or where a stopping criterion says so, and
+    draw (B,) tokens with this module's `draw_tokens`, looked up at each call so that a test or benchmark can
+    put another draw in its place (greedy at temperature 0: the argmax of the processed logits, no random
+    number); rows that ended get pad_token_id; a row ends at EOS or where a stopping criterion says so, and
     the loop ends when every row has ended or after sampling.max_new_tokens tokens.
-    With draw = `torch.multinomial(probs, 1)[:, 0]` it returns what `generate` returns from the same random
+    With `draw_tokens` = `torch.multinomial(probs, 1)[:, 0]` it returns what `generate` returns from the same random
     numbers (`tests/test_sampling.py`). token_logprobs: a list that gets, per step t, the (B,) log-probability of
     each row's drawn token under the distribution it was drawn from, log of softmax(processed logits)[token]
     (0 for rows that had ended; nothing when greedy): the sampler's log q(y_t), which a lower-precision
-    sampler makes differ from the policy's log-probs. compile_steps: the prefill as before, then every decode
+    sampler makes differ from the policy's log-probs. sampling.sampling_compile: the prefill as before, then every decode
     step through `compiled_step` with a `StaticCache` of W + max_new_tokens positions and an attention mask of
     that fixed width (zeros ahead of the current token), the queries left-padded to W = P rounded up to
     `PROMPT_BUCKET` (masked: the same positions and distribution; the logits differ from the dynamic cache's
@@ -324,8 +323,8 @@ def decode(
         device=query.device,
     )
     max_new_tokens = sampling.max_new_tokens
-    if sampling.temperature == 0:
-        draw = None  # greedy: the argmax of the processed logits, no random number
+    compile_steps = sampling.sampling_compile
+    draw = None if sampling.temperature == 0 else draw_tokens  # greedy: the argmax, no random number
     inner = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
     params = inspect.signature(inner.forward).parameters
     cache_key = "cache" if "cache" in params else "past_key_values"  # transformers >= 5.2x names it `cache`
@@ -407,10 +406,9 @@ def generate(
     copies at every call would make every call compile anew). What `rollout.sample` runs when
     `supports(lm)`; nothing of the checkpoint's generation_config is read. token_logprobs, synced: as
     `decode`'s."""
-    compile_steps = sampling.sampling_compile
     weights = (
         nullcontext()
-        if compile_steps
+        if sampling.sampling_compile
         else decoding_weights(lm, dtype=SAMPLING_DTYPES[sampling.sampling_dtype])
     )
     with weights:
@@ -422,8 +420,6 @@ def generate(
             eos_token_id=eos_token_id,
             pad_token_id=pad_token_id,
             stopping_criteria=stopping_criteria,
-            draw=draw_tokens,  # looked up per call: a test may record the distributions drawn from
             token_logprobs=token_logprobs,
-            compile_steps=compile_steps,
             synced=synced,
         )

@@ -107,7 +107,7 @@ SETTINGS = {
 @pytest.mark.parametrize("stops", [(), ("e", "a", "o", "i", "t", "n", "s", " ")], ids=["no-stop", "stops"])
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_decode_is_generate_step_for_step(kind, setting, stops, tiny_model_dir, tiny_llama_dir):
+def test_decode_is_generate_step_for_step(kind, setting, stops, tiny_model_dir, tiny_llama_dir, monkeypatch):
     """`fast_sampling.decode` with generate's draw (torch.multinomial) returns exactly what `generate` returns
     from the same random numbers: the same positions, masks, cache, logits processing (min_new_tokens,
     temperature, top-k, top-p), padding after a row's end, stopping criteria, and early end of the loop."""
@@ -130,15 +130,16 @@ def test_decode_is_generate_step_for_step(kind, setting, stops, tiny_model_dir, 
             stopping_criteria=criteria(), use_cache=True,
         )  # fmt: skip
     torch.manual_seed(5)
+    monkeypatch.setattr(fast_sampling, "draw_tokens", multinomial_draw)
     got = fast_sampling.decode(lm, query, query_mask, Sampling(16, **s), eos_token_id=eos, pad_token_id=pad,
-                               stopping_criteria=criteria(), draw=multinomial_draw)  # fmt: skip
+                               stopping_criteria=criteria())  # fmt: skip
     assert torch.equal(got, expected)
     if stops and setting == "plain":
         assert got.shape[1] < query.shape[1] + 16  # every row ended early: the loop's early end is covered
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_compiled_decode_is_generate_step_for_step(kind, tiny_model_dir, tiny_llama_dir):
+def test_compiled_decode_is_generate_step_for_step(kind, tiny_model_dir, tiny_llama_dir, monkeypatch):
     """compile_steps: the prompts left-padded to the bucket, a static KV cache and the compiled step give what
     `generate` gives from the same random numbers, with left padding of several widths, EOS masked before
     min_new_tokens (the processor counts the real prompt width) and stop strings (read past the prompt), and
@@ -161,8 +162,9 @@ def test_compiled_decode_is_generate_step_for_step(kind, tiny_model_dir, tiny_ll
             use_cache=True,
         )  # fmt: skip
     torch.manual_seed(5)
-    got = fast_sampling.decode(lm, query, query_mask, Sampling(16, **s), eos_token_id=eos, pad_token_id=pad,
-                               stopping_criteria=criteria(), draw=multinomial_draw, compile_steps=True)  # fmt: skip
+    monkeypatch.setattr(fast_sampling, "draw_tokens", multinomial_draw)
+    got = fast_sampling.decode(lm, query, query_mask, Sampling(16, **s, sampling_compile=True), eos_token_id=eos,
+                               pad_token_id=pad, stopping_criteria=criteria())  # fmt: skip
     assert query.shape[1] % fast_sampling.PROMPT_BUCKET != 0  # the bucket's padding was added and removed
     assert torch.equal(got, expected)
 
