@@ -278,6 +278,18 @@ def supports(lm) -> bool:
     return "position_ids" in params and ("cache" in params or "past_key_values" in params)
 
 
+def steps_on_every_process(lm) -> bool:
+    """Whether sampling from `lm` must run the same number of forwards on every process: its parameters are
+    DeepSpeed ZeRO-3 partitions (they carry `ds_id`) and there are several processes. A forward then gathers
+    them (a collective), even inside `GatheredParameters` once the model is over ZeRO-3's live-parameter or
+    reuse budgets: a process that stopped early would leave the others waiting forever (issue 39). What
+    transformers' `generate` calls `synced_gpus`. False on one process, so its draws are unchanged."""
+    import torch.distributed as dist  # here: torch.distributed is missing from some builds
+
+    several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return several and any(hasattr(p, "ds_id") for p in lm.parameters())
+
+
 @torch.no_grad()
 def decode(
     lm,
@@ -289,7 +301,6 @@ def decode(
     pad_token_id: int,
     stopping_criteria=(),
     token_logprobs: list[torch.Tensor] | None = None,
-    synced: bool = False,
 ) -> torch.Tensor:
     """`generate`'s sampling loop on left-padded queries (B, P), step for step, as `sampling` (a
     `rollout.Sampling`) says: the prefill over the query with positions counting real tokens only, then one
@@ -307,7 +318,8 @@ def decode(
     step through `compiled_step` with a `StaticCache` of W + max_new_tokens positions and an attention mask of
     that fixed width (zeros ahead of the current token), the queries left-padded to W = P rounded up to
     `PROMPT_BUCKET` (masked: the same positions and distribution; the logits differ from the dynamic cache's
-    by float rounding only, `benchmarks/static_cache.py`). synced: the loop ends when every row of EVERY
+    by float rounding only, `benchmarks/static_cache.py`). Where `steps_on_every_process(lm)` (ZeRO-3 on
+    several processes), the loop is synced: it ends when every row of EVERY
     process has ended (one all-reduce per step, `unfinished_anywhere`), a process whose rows all ended
     stepping on with padding, so that every process runs the same number of forwards where a forward is a
     collective (ZeRO-3's parameter gathers, issue 39), as transformers' `generate` does with `synced_gpus`;
@@ -324,6 +336,7 @@ def decode(
     )
     max_new_tokens = sampling.max_new_tokens
     compile_steps = sampling.sampling_compile
+    synced = steps_on_every_process(lm)  # before any decoding copy: the parameters themselves carry ds_id
     draw = None if sampling.temperature == 0 else draw_tokens  # greedy: the argmax, no random number
     inner = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
     params = inspect.signature(inner.forward).parameters
@@ -397,14 +410,13 @@ def generate(
     pad_token_id: int,
     stopping_criteria=(),
     token_logprobs: list[torch.Tensor] | None = None,
-    synced: bool = False,
 ) -> torch.Tensor:
     """Sequences (B, P + R) drawn as `sampling` (a `rollout.Sampling`) says: from softmax(logits / temperature)
     (top-k/top-p if asked, EOS masked before min_new_tokens), or greedy at temperature 0: `decode` inside
     `decoding_weights`, its linear layers in `sampling.sampling_dtype` (`SAMPLING_DTYPES`); with
     `sampling.sampling_compile`, `decode`'s compiled steps on the model's own layers instead (new decoding
     copies at every call would make every call compile anew). What `rollout.sample` runs when
-    `supports(lm)`; nothing of the checkpoint's generation_config is read. token_logprobs, synced: as
+    `supports(lm)`; nothing of the checkpoint's generation_config is read. token_logprobs: as
     `decode`'s."""
     weights = (
         nullcontext()
@@ -421,5 +433,4 @@ def generate(
             pad_token_id=pad_token_id,
             stopping_criteria=stopping_criteria,
             token_logprobs=token_logprobs,
-            synced=synced,
         )

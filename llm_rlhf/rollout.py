@@ -343,18 +343,6 @@ class StopStringsCriteria(StoppingCriteria):
         return done
 
 
-def steps_on_every_process(lm) -> bool:
-    """Whether sampling from `lm` must run the same number of forwards on every process: its parameters are
-    DeepSpeed ZeRO-3 partitions (they carry `ds_id`) and there are several processes. A forward then gathers
-    them (a collective), even inside `GatheredParameters` once the model is over ZeRO-3's live-parameter or
-    reuse budgets: a process that stopped early would leave the others waiting forever (issue 39). What
-    transformers' `generate` calls `synced_gpus`. False on one process, so its draws are unchanged."""
-    import torch.distributed as dist  # here: torch.distributed is missing from some builds
-
-    several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    return several and any(hasattr(p, "ds_id") for p in lm.parameters())
-
-
 @torch.no_grad()
 def sample(
     lm,
@@ -376,7 +364,7 @@ def sample(
     sampling: the kept tokens are draws of the same distribution, the tokens after the end are padding.
     pad_to_max_new_tokens: R = max_new_tokens even when every row ended early (the same shape on every
     process). Draws from the current global RNG (none when greedy). Under ZeRO-3 every process runs the same
-    number of decode steps (`steps_on_every_process`)."""
+    number of decode steps (`fast_sampling.steps_on_every_process`)."""
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     criteria = StoppingCriteriaList()
     stop_strings, min_new_tokens = sampling.stop_strings, sampling.min_new_tokens
@@ -387,11 +375,10 @@ def sample(
             )
         )
     token_logprobs: list[torch.Tensor] = []  # (B,) per step: the sampler's log q(y_t)
-    synced = steps_on_every_process(lm)
     if fast_sampling.supports(lm):  # issue 26: generate's loop, the same distribution, faster
         sequences = fast_sampling.generate(
             lm, query, query_mask, sampling, eos_token_id=eos, pad_token_id=pad, stopping_criteria=criteria,
-            token_logprobs=token_logprobs, synced=synced,
+            token_logprobs=token_logprobs,
         )  # fmt: skip
     elif sampling.sampling_dtype != "float32":
         raise UserError(
@@ -415,7 +402,7 @@ def sample(
                 eos_token_id=eos,
                 pad_token_id=pad,
                 use_cache=True,
-                synced_gpus=synced,
+                synced_gpus=fast_sampling.steps_on_every_process(lm),
             )
     response = sequences[:, query.shape[1] :]  # (B, R)
     width = sampling.max_new_tokens
