@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.activations import GELUTanh, NewGELUActivation
 
 from llm_rlhf.errors import ConfigError, UserError
+from llm_rlhf.ppo_math import position_ids_from_mask
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -184,14 +185,6 @@ def freeze(model: nn.Module) -> nn.Module:
     for p in model.parameters():
         p.requires_grad_(False)
     return model
-
-
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions that count only real tokens, so left padding does not shift absolute positions.
-
-    attention_mask: (B, L) 0/1 -> (B, L) long; e.g. [0 0 1 1 1] -> [0 0 0 1 2].
-    """
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, L)
 
 
 class ValueHead(nn.Module):

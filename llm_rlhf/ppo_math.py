@@ -103,6 +103,14 @@ def mask_eos_logits(*, logits: torch.Tensor, eos_token_id: int, min_new_tokens: 
 # ---------------------------------------------------------------------------------------------
 
 
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that count only real tokens, so left padding does not shift absolute positions.
+
+    attention_mask: (B, L) 0/1 -> (B, L) long; e.g. [0 0 1 1 1] -> [0 0 0 1 2].
+    """
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, L)
+
+
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """sum of x over the positions where mask is True (over `dim`, or over everything).
 
@@ -347,6 +355,7 @@ def compute_gae(
 # ---------------------------------------------------------------------------------------------
 # Critic-free estimators
 # ---------------------------------------------------------------------------------------------
+
 
 def scores_by_prompt(*, scores: torch.Tensor, samples_per_prompt: int) -> torch.Tensor:
     """The rollout's scores as one row per prompt: row p holds the k responses of prompt p.

@@ -58,7 +58,8 @@ from transformers.utils import logging as hf_logging
 from llm_rlhf import ppo_math
 from llm_rlhf.config import require
 from llm_rlhf.errors import UserError
-from llm_rlhf.models import load_tokenizer, position_ids_from_mask, shares_vocab, torch_dtype
+from llm_rlhf.models import load_tokenizer, shares_vocab, torch_dtype
+from llm_rlhf.ppo_math import position_ids_from_mask
 from llm_rlhf.utils import atomic_write_json, read_json
 
 PAD_TOKEN = "<|pad|>"

@@ -33,7 +33,7 @@ from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaLis
 from llm_rlhf import fast_sampling, ppo_math
 from llm_rlhf.config import require
 from llm_rlhf.errors import UserError
-from llm_rlhf.models import position_ids_from_mask
+from llm_rlhf.ppo_math import position_ids_from_mask
 
 
 @dataclass
@@ -98,7 +98,7 @@ class Samples:
             pad q   q   q q  | r EOS pad pad pad pad         q   q   q q    | r EOS pad
 
         Every real token keeps its token id, mask and position (positions count real tokens only,
-        `models.position_ids_from_mask`), and no real position attends to a dropped column (padding), so a
+        `ppo_math.position_ids_from_mask`), and no real position attends to a dropped column (padding), so a
         forward over the trimmed rows gives the same outputs at every real position up to float rounding
         (matmuls of another shape; `tests/test_trim.py`). Shorter prompts and responses of the batch stay
         padded. Fields: query and query_mask are cut on the left, every other field with a column axis

@@ -15,7 +15,7 @@ from llm_rlhf import ppo_math
 from llm_rlhf.baseline import fit_bow_baseline, pairwise_accuracy
 from llm_rlhf.config import parse_config
 from llm_rlhf.errors import ConfigError, DataError, UserError
-from llm_rlhf.models import position_ids_from_mask
+from llm_rlhf.ppo_math import position_ids_from_mask
 from llm_rlhf.reward import Config, build_trainer, load_inputs, reference_texts, run
 from llm_rlhf.reward_model import (
     RewardModel,
