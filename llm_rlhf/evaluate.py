@@ -43,7 +43,9 @@ metrics.json (written last; `_baseline` keys hold the same figures for the basel
                       averaged first, then sd (n - 1) / sqrt(n) over the n prompts (a prompt's samples are not
                       independent draws of the task; `mean_and_stderr_over_prompts`)
     accuracy_fn       the verifier's spec (null: off, and every accuracy key null)
-    *_stderr          (the others) standard error of the mean over the samples
+    *_stderr          (the others) standard error of the mean, over the prompts too: each prompt's samples
+                      (or win points) averaged first, as for accuracy (the same as over the samples with one
+                      sample per prompt)
 A null value means "not measured" (gold_judge none, reward_model_path none, reward_fn or accuracy_fn unset, or
 a baseline whose tokenizer differs from the reference's for kl_to_ref_baseline).
 
@@ -479,8 +481,11 @@ def load_verifier(spec: str, prompts: Sequence[str]) -> RewardFn:
     return verifier
 
 
-def summarize(records: list[dict[str, Any]], suffix: str = "") -> dict[str, float | None]:
-    """Means (and standard errors) over the samples of one model; keys end with `suffix`."""
+def summarize(
+    records: list[dict[str, Any]], suffix: str = "", samples_per_prompt: int = 1
+) -> dict[str, float | None]:
+    """Means over the samples of one model, and standard errors over the prompts (`records` prompt-major,
+    samples_per_prompt consecutive records per prompt: `mean_and_stderr_over_prompts`); keys end with `suffix`."""
     out: dict[str, float | None] = {}
     for key, name in (
         ("gold_score", "gold_score_mean"),
@@ -492,7 +497,10 @@ def summarize(records: list[dict[str, Any]], suffix: str = "") -> dict[str, floa
         ("kl_to_ref_at_temperature", "kl_to_ref_at_temperature"),
     ):
         values = [r.get(key) for r in records]
-        mean, stderr = mean_and_stderr(values) if None not in values else (None, None)
+        mean, stderr = None, None
+        if None not in values:  # the mean over the samples, its standard error over the prompts
+            mean = mean_and_stderr(values)[0]
+            stderr = mean_and_stderr_over_prompts(values, samples_per_prompt)[1]
         out[name + suffix] = mean
         out[name.removesuffix("_mean") + "_stderr" + suffix] = stderr
     nll = [r["fluency_nll"] for r in records]  # geometric mean of the per-response perplexities:
@@ -808,15 +816,17 @@ def _run(
             greedy[who] = greedy_records(models[path], tok, prompts, draws, verifier)
 
     metrics: dict[str, Any] = {}
+    k = cfg.samples_per_prompt  # a prompt's k samples are not independent draws: stderrs over the prompts
     for key in ("gold_score", "sentiment", "rm_score", "reward_fn", "combined_score"):
         a, b = [r[key] for r in policy], [r[key] for r in baseline]
         measured = None not in a and None not in b
         name = key.removesuffix("_score")
         metrics[f"{name}_win_rate"] = win_rate(a, b) if measured else None
-        metrics[f"{name}_win_rate_stderr"] = mean_and_stderr(win_points(a, b))[1] if measured else None
-    metrics.update(summarize(policy))
-    metrics.update(summarize(baseline, suffix="_baseline"))
-    k = cfg.samples_per_prompt
+        metrics[f"{name}_win_rate_stderr"] = (
+            mean_and_stderr_over_prompts(win_points(a, b), k)[1] if measured else None
+        )
+    metrics.update(summarize(policy, samples_per_prompt=k))
+    metrics.update(summarize(baseline, suffix="_baseline", samples_per_prompt=k))
     metrics.update(accuracy_figures(policy, greedy["policy"], samples_per_prompt=k))
     metrics.update(accuracy_figures(baseline, greedy["baseline"], samples_per_prompt=k, suffix="_baseline"))
     sentiment_judge = judge.sentiment if isinstance(judge, FluentGoldJudge) else judge

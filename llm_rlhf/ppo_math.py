@@ -546,23 +546,28 @@ def policy_loss(
         L     = -masked_mean( min(rho_t * A_t, clip(rho_t, 1 - eps, 1 + eps) * A_t) )
 
     written as max of the negated terms. Where the clipped term is the smaller objective the token
-    contributes a constant, so its gradient is exactly 0.
+    contributes a constant, so its gradient is exactly 0. It is the token-mean `aggregate_loss` of
+    `ppo_clip_token_losses` with eps_low = eps_high = cliprange and no dual clip.
 
     logprobs (with grad), old_logprobs, advantages: (B, T); response_mask: (B, T) bool.
     Returns (loss scalar, PolicyLossStats).
     """
-    log_ratio = logprobs - old_logprobs  # (B, T)
-    ratio = torch.exp(log_ratio)  # (B, T)
-    unclipped = -advantages * ratio  # (B, T)
-    clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)  # (B, T)
-    loss = masked_mean(torch.maximum(unclipped, clipped), response_mask)
+    token_losses, token_stats = ppo_clip_token_losses(
+        logprobs=logprobs,
+        old_logprobs=old_logprobs,
+        advantages=advantages,
+        response_mask=response_mask,
+        cliprange_low=cliprange,
+        cliprange_high=cliprange,
+    )  # (B, T)
+    loss = masked_mean(token_losses, response_mask)
     with torch.no_grad():
-        is_clipped = clipped > unclipped  # (B, T)
+        ratio = token_stats.ratio  # (B, T)
         stats = PolicyLossStats(
-            ratio=ratio.detach(),
-            clipped=is_clipped & response_mask,
-            clipfrac=masked_mean(is_clipped.to(ratio.dtype), response_mask),
-            approxkl=0.5 * masked_mean(log_ratio**2, response_mask),
+            ratio=ratio,
+            clipped=token_stats.clipped,
+            clipfrac=masked_mean(token_stats.clipped.to(ratio.dtype), response_mask),
+            approxkl=0.5 * masked_mean((logprobs - old_logprobs) ** 2, response_mask),
         )
     return loss, stats
 
@@ -579,6 +584,17 @@ def kl_loss(
     dk3_t / dlog p_t = 1 - exp(log q_t - log p_t): it pulls log p_t down where the policy is above the
     reference and up where it is below. Added to the policy loss, with the same token-level mean.
     SPEC example, log p = (-0.9, -2.5), log q = (-1.5, -1.0): k3 = (0.14881, 1.98169).
+
+    The same kl_coef is another penalty here than in the reward. k3's value estimates the per-token reverse
+    KL(pi_theta || pi_ref), as the reward's k1 does, but its expected gradient over y_t ~ pi_theta is
+    sum_y (p(y) - q(y)) grad log p(y) = grad KL(pi_ref || pi_theta) at s_t: the forward KL, whose gradient
+    equals the reverse KL's only to first order near pi_ref (tests/test_audit_gaps.py), averaged over the
+    minibatch's tokens. In the reward, -kl_coef * k1_t enters the returns and the policy gradient follows the
+    reverse KL of the whole response (summed over its tokens).
+    Not clamped (verl and OpenRLHF clamp k3 to [-10, 10]): k3 >= 0, so only the upper bound could bind
+    (log q_t - log p_t > 2.6), and a clamp has zero gradient there: it would switch off the pull on exactly the
+    tokens the policy has pushed furthest below the reference, where the forward KL pulls hardest. The size of
+    an update is bounded by max_grad_norm, and a non-finite loss stops the step (`NonFiniteError`).
     logprobs (with grad), ref_logprobs: (B, T); response_mask: (B, T) bool. Returns a scalar.
     """
     k3 = kl_penalty(logprobs=logprobs, ref_logprobs=ref_logprobs, estimator="k3")  # (B, T)
@@ -650,6 +666,419 @@ def explained_variance(
 
     var_returns, var_residual = var(returns), var(returns - values)
     return torch.where(var_returns == 0, math.nan, 1.0 - var_residual / var_returns)
+
+
+# ---------------------------------------------------------------------------------------------
+# The policy-loss family of 2025-26 (SPEC): per-token losses, their aggregation, sampler correction,
+# overlong shaping, dynamic sampling
+# ---------------------------------------------------------------------------------------------
+#
+# The losses below return per-token losses (B, T), 0 off the mask; `aggregate_loss` turns them into the
+# minibatch's scalar. A caller composes them as
+#
+#     token_losses, stats = ppo_clip_token_losses(...)        # or gspo_token_losses / cispo_token_losses
+#     token_losses = token_losses * weights                   # sampler_correction_weights (optional)
+#     loss = aggregate_loss(token_losses=..., loss_mask=..., aggregation=..., normaliser=N)
+#
+# with N = the sum of `loss_normaliser` over the whole minibatch (every micro-batch, every process).
+
+POLICY_LOSSES = ("ppo_clip", "gspo", "cispo")
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "token_sum_norm")
+SAMPLER_CORRECTIONS = ("tis", "mis")
+
+
+@dataclass(frozen=True)
+class TokenLossStats:
+    """Detached diagnostics of `ppo_clip_token_losses`, `gspo_token_losses` and `cispo_token_losses`, all
+    (B, T); the flags are False off the response mask; the caller reduces them (`masked_mean`) into metrics.
+
+    ratio:         the ratio each token's loss uses: rho_t = pi_theta / pi_old (GSPO: its response's s_i),
+                   at every position (reduce it with the mask).
+    clipped_high:  True where the upper clip binds (rho > 1 + eps_high with A > 0; CISPO: the weight is
+                   truncated at 1 + eps_high, whatever the sign of A).
+    clipped_low:   True where the lower clip binds (rho < 1 - eps_low with A < 0; never for CISPO).
+    dual_clipped:  True where the dual clip binds (ppo_clip with dual_clip; False otherwise).
+
+    For ppo_clip and gspo the gradient is 0 wherever one of the three is True; CISPO keeps the gradient of
+    every token. `policy/clipfrac` = masked_mean(clipped_high | clipped_low).
+    """
+
+    ratio: torch.Tensor
+    clipped_high: torch.Tensor
+    clipped_low: torch.Tensor
+    dual_clipped: torch.Tensor
+
+    @property
+    def clipped(self) -> torch.Tensor:
+        """(B, T) bool: either clip binds."""
+        return self.clipped_high | self.clipped_low
+
+
+def ppo_clip_token_losses(
+    *,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange_low: float,
+    cliprange_high: float,
+    dual_clip: float | None = None,
+) -> tuple[torch.Tensor, TokenLossStats]:
+    """Per-token PPO clipped loss with clip-higher (DAPO, Yu et al. 2025, sec. 3.1) and the dual clip
+    (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep RL", eq. 5):
+
+        rho_t = exp(log pi_theta(y_t) - log pi_old(y_t))
+        l_t   = -min(rho_t * A_t, clip(rho_t, 1 - eps_low, 1 + eps_high) * A_t)
+        l_t   = min(l_t, -c * A_t)      where A_t < 0, with dual_clip c > 1 (None = off)
+
+    eps_low = eps_high is PPO's symmetric clip (`policy_loss`). A larger eps_high lets the probability of
+    an unlikely token with a positive advantage grow further before its gradient stops (DAPO's remedy for
+    entropy collapse). The dual clip bounds the loss of a negative advantage at a ratio above c, where the
+    plain loss -rho * A grows without limit. Wherever a clip binds, the token's loss is a constant:
+    gradient 0.
+
+    SPEC example, eps_low 0.2, eps_high 0.28: rho = (1.3, 0.9), A = 1 -> l = (-1.28, -0.9) (-1.2 on the
+    first with a symmetric 0.2); rho = (1.1, 0.7, 1.0, 1.25), A = -0.5 -> l = (0.55, 0.4, 0.5, 0.625),
+    the second clipped. Dual clip c = 3, A = -0.5, rho = 4: l = 2.0, dual-clipped 1.5.
+
+    For every advantage estimator (per-token gae and reinforce_pp advantages, or a per-response one spread
+    with `token_advantages`).
+    logprobs (with grad), old_logprobs, advantages: (B, T); response_mask: (B, T) bool.
+    Returns (token losses (B, T), 0 off the mask; TokenLossStats). Raises ValueError for dual_clip <= 1.
+    """
+    if dual_clip is not None and not dual_clip > 1.0:
+        raise ValueError(f"dual_clip must be > 1 (got {dual_clip})")
+    log_ratio = logprobs - old_logprobs  # (B, T)
+    ratio = torch.exp(log_ratio)  # (B, T)
+    unclipped = -advantages * ratio  # (B, T)
+    clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange_low, 1.0 + cliprange_high)  # (B, T)
+    losses = torch.maximum(unclipped, clipped)  # (B, T)
+    if dual_clip is not None:
+        bound = -dual_clip * advantages  # (B, T), positive where A < 0
+        losses = torch.where(advantages < 0, torch.minimum(losses, bound), losses)  # (B, T)
+    with torch.no_grad():
+        is_clipped = (clipped > unclipped) & response_mask  # (B, T)
+        dual = (
+            (advantages < 0) & (bound < torch.maximum(unclipped, clipped)) & response_mask
+            if dual_clip is not None
+            else torch.zeros_like(response_mask)
+        )  # (B, T)
+        stats = TokenLossStats(
+            ratio=ratio.detach(),
+            clipped_high=is_clipped & (advantages > 0),
+            clipped_low=is_clipped & (advantages < 0),
+            dual_clipped=dual,
+        )
+    return torch.where(response_mask, losses, 0), stats
+
+
+def gspo_token_losses(
+    *,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange_low: float = 3e-4,
+    cliprange_high: float = 4e-4,
+) -> tuple[torch.Tensor, TokenLossStats]:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", eq. 5-7 and the GSPO-token form):
+    one length-normalised ratio per response, clipped per response:
+
+        s_i    = exp( (1/|y_i|) * sum_t log(pi_theta(y_t) / pi_old(y_t)) )          (B,)
+        s_i,t  = sg(s_i) * pi_theta(y_t) / sg(pi_theta(y_t))      value s_i, d s_i,t / d log pi(y_t) = s_i
+        l_i,t  = -min(s_i,t * A_i, clip(s_i,t, 1 - eps_low, 1 + eps_high) * A_i)
+
+    Every token of response i carries the value of its response's loss, so `aggregate_loss` with
+    "seq_mean_token_mean" is GSPO's objective, the mean over responses of -min(s_i A_i, clip(s_i) A_i), and
+    its gradient (1/G) * sum_i (1/|y_i|) * sum_t -A_i * s_i * grad log pi(y_t) = (1/G) * sum_i -A_i * grad s_i.
+    A clipped response contributes a constant (gradient 0 on all its tokens). The ratios of a sequence stay
+    near 1 (a mean of log-ratios), hence the small clip range of the paper: 3e-4 below, 4e-4 above.
+
+    SPEC example: s_a = 1.0816654 (A = 1), s_b = 0.9904902 (A = -0.5); losses a: -1.0004, b: 0.49985, both
+    clipped; mean over responses -0.250275.
+
+    For per-response advantages (grpo, dr_grpo, rloo, remax: one A_i spread over the response with
+    `token_advantages`); not for gae or reinforce_pp, whose advantages vary along the response (it would
+    then be GSPO-token with per-token advantages, which the sequence clip was not designed around).
+    logprobs (with grad), old_logprobs, advantages: (B, T); response_mask: (B, T) bool. A row with no response
+    token has s = 1 and loss 0. Returns (token losses (B, T), 0 off the mask; TokenLossStats, whose ratio and
+    clip flags are the response's on each of its tokens).
+    """
+    log_ratio = logprobs - old_logprobs  # (B, T)
+    log_seq_ratio = masked_mean(log_ratio, response_mask, dim=-1)  # (B,) log s_i
+    # log s_i,t = sg(log s_i) + log pi(y_t) - sg(log pi(y_t)): the value is log s_i exactly (x - x = 0)
+    log_token_ratio = log_seq_ratio.detach().unsqueeze(-1) + logprobs - logprobs.detach()  # (B, T)
+    ratio = torch.exp(log_token_ratio)  # (B, T) s_i,t
+    unclipped = -advantages * ratio  # (B, T)
+    clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange_low, 1.0 + cliprange_high)  # (B, T)
+    losses = torch.maximum(unclipped, clipped)  # (B, T)
+    with torch.no_grad():
+        is_clipped = (clipped > unclipped) & response_mask  # (B, T), the same on every token of a response
+        stats = TokenLossStats(
+            ratio=ratio.detach(),
+            clipped_high=is_clipped & (advantages > 0),
+            clipped_low=is_clipped & (advantages < 0),
+            dual_clipped=torch.zeros_like(response_mask),
+        )
+    return torch.where(response_mask, losses, 0), stats
+
+
+def cispo_token_losses(
+    *,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange_high: float,
+) -> tuple[torch.Tensor, TokenLossStats]:
+    """CISPO (MiniMax 2025, "MiniMax-M1", sec. 3.1, eq. 4-5 with no lower bound): a REINFORCE term weighted by
+    the clipped, stop-gradient importance ratio:
+
+        rho_t = exp(log pi_theta(y_t) - log pi_old(y_t))
+        l_t   = -sg(min(rho_t, 1 + eps_high)) * A_t * log pi_theta(y_t)
+        d l_t / d log pi_theta(y_t) = -min(rho_t, 1 + eps_high) * A_t
+
+    Unlike PPO's clip, which zeroes the gradient of a clipped token, only the weight is truncated: every
+    token keeps a gradient (the rare tokens PPO clips are often the ones a reasoning chain turns on). At
+    rho = 1 the gradient is PPO's. The value of l_t depends on log pi itself and is no objective to read;
+    its gradient is what matters.
+
+    SPEC example, eps_high = 0.28, token-mean over the 6 tokens: d loss / d log pi =
+    a: (-0.21333, -0.15), b: (0.091667, 0.058333, 0.083333, 0.104167).
+
+    For every advantage estimator (per-token or per-response advantages).
+    logprobs (with grad), old_logprobs, advantages: (B, T); response_mask: (B, T) bool.
+    Returns (token losses (B, T), 0 off the mask; TokenLossStats: clipped_high where the weight is truncated).
+    """
+    ratio = torch.exp(logprobs - old_logprobs).detach()  # (B, T) no gradient through the weight
+    weight = torch.clamp(ratio, max=1.0 + cliprange_high)  # (B, T)
+    losses = -weight * advantages * logprobs  # (B, T)
+    with torch.no_grad():
+        stats = TokenLossStats(
+            ratio=ratio,
+            clipped_high=(ratio > 1.0 + cliprange_high) & response_mask,
+            clipped_low=torch.zeros_like(response_mask),
+            dual_clipped=torch.zeros_like(response_mask),
+        )
+    return torch.where(response_mask, losses, 0), stats
+
+
+def loss_normaliser(*, loss_mask: torch.Tensor, aggregation: str, max_new_tokens: int) -> torch.Tensor:
+    """This part of a minibatch's share of the normaliser N of `aggregate_loss`, a scalar:
+
+        token_mean            sum_{b,t} m_b,t                 the loss tokens
+        seq_mean_token_mean   sum_b [any_t m_b,t]             the sequences with at least one loss token
+        token_sum_norm        B * max_new_tokens              the constant B * L of Dr. GRPO
+
+    The caller sums it over every micro-batch of the minibatch on every process (`accelerator.reduce`) and
+    gives the total to each micro-batch's `aggregate_loss`. `max_new_tokens` (L) is the configured length,
+    not the width of the (trimmed) tensors. loss_mask: (B, T) bool (the response mask, less masked-out
+    truncated responses).
+    """
+    if aggregation == "token_mean":
+        return loss_mask.sum()
+    if aggregation == "seq_mean_token_mean":
+        return loss_mask.any(dim=-1).sum()
+    if aggregation == "token_sum_norm":
+        return torch.tensor(loss_mask.shape[0] * max_new_tokens, device=loss_mask.device)
+    raise ValueError(
+        f"unknown loss aggregation {aggregation!r}; expected one of {', '.join(LOSS_AGGREGATIONS)}"
+    )
+
+
+def aggregate_loss(
+    *,
+    token_losses: torch.Tensor,
+    loss_mask: torch.Tensor,
+    aggregation: str,
+    normaliser: torch.Tensor | float,
+) -> torch.Tensor:
+    """The minibatch loss from per-token losses l_b,t, by `aggregation`, N the *global* normaliser
+    (`loss_normaliser` summed over the whole minibatch: every micro-batch, every process):
+
+        token_mean            L = sum_{b,t} m l / N,   N = loss tokens       (each token weighs the same; PPO)
+        seq_mean_token_mean   L = sum_b (sum_t m l / sum_t m) / N,  N = sequences   (GRPO, Shao et al. 2024;
+                                  GSPO's mean over responses)
+        token_sum_norm        L = sum_{b,t} m l / N,   N = B * L constant    (Dr. GRPO, Liu et al. 2025: no
+                                  length bias, the same scale for every batch)
+
+    Every term is a sum over rows divided by a global N, so the sum over micro-batches (and processes) of each
+    part's `aggregate_loss` equals the loss of the whole minibatch: gradient accumulation and data
+    parallelism change only the float rounding. Under DDP, which averages gradients over P processes, each
+    process back-propagates P times its part. A normaliser of 0 (nothing counts) gives a loss of 0.
+    The loop it replaces, for one whole minibatch:
+
+        if aggregation == "seq_mean_token_mean":
+            L = sum(sum(l[b][t] for t in tokens(b)) / len(tokens(b)) for b in rows if tokens(b)) / N
+        else:
+            L = sum(l[b][t] for b in rows for t in tokens(b)) / N
+
+    For every estimator. token_losses: (B, T); loss_mask: (B, T) bool. Returns a scalar.
+    """
+    if aggregation in ("token_mean", "token_sum_norm"):
+        total = masked_sum(token_losses, loss_mask)  # ()
+    elif aggregation == "seq_mean_token_mean":
+        total = masked_mean(token_losses, loss_mask, dim=-1).sum()  # () sum of the rows' token means
+    else:
+        raise ValueError(
+            f"unknown loss aggregation {aggregation!r}; expected one of {', '.join(LOSS_AGGREGATIONS)}"
+        )
+    return total / torch.as_tensor(normaliser, device=total.device).clamp(min=1)
+
+
+@dataclass(frozen=True)
+class SamplerCorrectionStats:
+    """Detached diagnostics of `sampler_correction_weights`.
+
+    corrected:       (B, T) bool, True where the weight was truncated at C (TIS) or masked to 0 (MIS).
+    mean_weight:     scalar, masked mean of the weights.
+    corrected_frac:  scalar, masked mean of `corrected` (the fraction of tokens truncated or masked).
+    """
+
+    corrected: torch.Tensor
+    mean_weight: torch.Tensor
+    corrected_frac: torch.Tensor
+
+
+def sampler_correction_weights(
+    *,
+    old_logprobs: torch.Tensor,
+    sampler_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    correction: str,
+    cap: float,
+) -> tuple[torch.Tensor, SamplerCorrectionStats]:
+    """Per-token importance weight from the sampler q to the old policy, for when the sampler is not the
+    trainer (bfloat16 sampling, another engine): the tokens come from q, while PPO's ratio is taken against
+    pi_old (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training"):
+
+        d_t = log pi_old(y_t) - log q(y_t)
+        tis   w_t = min(exp(d_t), C)                          truncated importance sampling
+        mis   w_t = 1 if 1/C <= exp(d_t) <= C else 0          masked: a token the two disagree on is dropped
+
+    The weights carry no gradient; the caller multiplies the token losses by them before `aggregate_loss`
+    (the normaliser is unchanged: a masked token still counts, with weight 0).
+    SPEC example, d = (0.1, -0.2, 0.9), C = 2: tis w = (1.10517, 0.81873, 2.0), mis w = (1, 1, 0).
+
+    For every estimator and every policy loss. old_logprobs, sampler_logprobs: (B, T); response_mask: (B, T)
+    bool. Returns (weights (B, T), 0 off the mask; SamplerCorrectionStats). Raises ValueError for a cap
+    below 1 or an unknown correction.
+    """
+    if not cap >= 1.0:
+        raise ValueError(f"the sampler correction's cap must be >= 1 (got {cap})")
+    with torch.no_grad():
+        ratio = torch.exp(old_logprobs - sampler_logprobs)  # (B, T) pi_old / q
+        if correction == "tis":
+            corrected = ratio > cap  # (B, T)
+            weights = torch.clamp(ratio, max=cap)  # (B, T)
+        elif correction == "mis":
+            corrected = (ratio < 1.0 / cap) | (ratio > cap)  # (B, T)
+            weights = (~corrected).to(ratio.dtype)  # (B, T)
+        else:
+            raise ValueError(
+                f"unknown sampler correction {correction!r}; expected one of {', '.join(SAMPLER_CORRECTIONS)}"
+            )
+        corrected = corrected & response_mask
+        weights = torch.where(response_mask, weights, 0)  # (B, T)
+        stats = SamplerCorrectionStats(
+            corrected=corrected,
+            mean_weight=masked_mean(weights, response_mask),
+            corrected_frac=masked_mean(corrected.to(weights.dtype), response_mask),
+        )
+    return weights, stats
+
+
+def overlong_penalty(
+    *,
+    lengths: torch.Tensor,
+    truncated: torch.Tensor,
+    max_new_tokens: int,
+    overlong_buffer: int,
+    penalty: float = 1.0,
+) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, sec. 3.4, eq. 13), added to the scores: 0 up to the
+    buffer, then a linear ramp to -penalty at max_new_tokens (L_max), and -penalty for a truncated response:
+
+        start = L_max - buffer
+        p(y)  = 0                                     |y| <= start
+              = -penalty * (|y| - start) / buffer      start < |y| <= L_max
+              = -penalty                              truncated (no EOS nor stop string)
+
+    |y| counts the response's tokens, its EOS included (`response_mask.sum(-1)`). buffer = 0 penalises only
+    the truncated responses. SPEC example, L_max 20, buffer 4: |y| <= 16 -> 0; 18 -> -0.5; 20 ending with
+    EOS -> -1; truncated -> -1.
+
+    For every estimator (it changes the scores, before any advantage). lengths: (B,) integer; truncated:
+    (B,) bool. Returns (B,) float. Raises ValueError unless 0 <= overlong_buffer <= max_new_tokens.
+    """
+    if not 0 <= overlong_buffer <= max_new_tokens:
+        raise ValueError(
+            f"overlong_buffer must be in [0, max_new_tokens = {max_new_tokens}] (got {overlong_buffer})"
+        )
+    start = max_new_tokens - overlong_buffer
+    over = (lengths - start).clamp(min=0).to(torch.get_default_dtype())  # (B,) tokens into the buffer
+    ramp = over / overlong_buffer if overlong_buffer > 0 else torch.zeros_like(over)  # (B,) in [0, 1]
+    return -penalty * torch.where(truncated, 1.0, ramp.clamp(max=1.0))  # (B,)
+
+
+def mask_truncated(*, response_mask: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
+    """The loss mask without the truncated responses (DAPO, Yu et al. 2025, sec. 3.4, "overlong filtering"):
+    a response cut at max_new_tokens is not known to be wrong, so it teaches nothing either way.
+
+        response_mask[b]   T T T T        T T F F
+        truncated[b]       True           False
+        result[b]          F F F F        T T F F
+
+    Pass the result to the loss functions, `loss_normaliser` and `aggregate_loss` (masked responses leave the
+    token and sequence counts; the constant B * L stays). For every estimator. response_mask: (B, T) bool;
+    truncated: (B,) bool. Returns (B, T) bool.
+    """
+    return response_mask & ~truncated.unsqueeze(-1)  # (B, T)
+
+
+def tied_groups(*, scores: torch.Tensor, samples_per_prompt: int) -> torch.Tensor:
+    """True for each prompt whose k responses all have the same score (DAPO, Yu et al. 2025, sec. 3.2,
+    "dynamic sampling"): with a group baseline every advantage of such a group is 0, so it carries no
+    signal. Exact equality: verifier scores (0 / 1) tie, a reward model's continuous scores rarely do.
+
+        scores    1 1 1 1 | 0 1 0 0         k = 4
+        result    True      False
+
+    For the group-baseline estimators (grpo, dr_grpo, rloo); pass the scores the baseline sees, without the
+    KL term (a KL in the reward breaks every tie). scores: (B,), groups in consecutive rows
+    (`scores_by_prompt`). Returns (P,) bool.
+    """
+    grouped = scores_by_prompt(scores=scores, samples_per_prompt=samples_per_prompt)  # (P, k)
+    return (grouped == grouped[:, :1]).all(dim=1)  # (P,)
+
+
+def select_groups(*, tied: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """Which of P sampled groups a dynamic-sampling step trains on: the first `num_groups` untied groups; when
+    fewer are untied (the cap on sampling rounds was hit), filled up with the first tied ones, so every step
+    (and every process) trains on the same number of groups. In rollout order:
+
+        tied      F T F T T F     num_groups 2 -> [0, 2];   num_groups 4 -> [0, 1, 2, 5]
+
+    The loop it replaces: `kept = [p for p in range(P) if not tied[p]][:n]`,
+    `kept += [p for p in range(P) if tied[p]][: n - len(kept)]`, sorted.
+    tied: (P,) bool (`tied_groups` over every round's groups, concatenated). Returns (num_groups,) long, the
+    group indices, ascending. Raises ValueError when P < num_groups.
+    """
+    P = tied.shape[0]
+    if P < num_groups:
+        raise ValueError(f"select_groups needs at least num_groups = {num_groups} groups, got {P}")
+    order = torch.argsort(tied.to(torch.int8), stable=True)  # (P,) untied first, each kind in rollout order
+    return order[:num_groups].sort().values  # (num_groups,)
+
+
+def group_rows(*, groups: torch.Tensor, samples_per_prompt: int) -> torch.Tensor:
+    """The rows of the given groups: group p holds rows p * k .. p * k + k - 1 (`scores_by_prompt`).
+
+        groups [0, 2], k = 2  ->  rows [0, 1, 4, 5]
+
+    groups: (G,) long. Returns (G * k,) long."""
+    k = samples_per_prompt
+    return (groups.unsqueeze(-1) * k + torch.arange(k, device=groups.device)).reshape(-1)  # (G * k,)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,325 @@
+"""The reward-hacking alarm of `llm_rlhf.hacking` (issue 40): the collapse counters by hand and against naive
+versions, the counter thresholds on real review sentences and on the issue's collapse, the proxy-up /
+gold-down rule on constructed trajectories (fires on a hack, quiet on healthy, flat and noisy ones), and the
+choice of the best held-out evaluation."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from llm_rlhf.hacking import (
+    COLLAPSE_KEYS,
+    COUNTER_RULES,
+    DEGENERACY_KEYS,
+    PROXY_UP_GOLD_DOWN,
+    WATCH_KEYS,
+    best_evaluation,
+    collapse_rates,
+    counter_alarms,
+    degeneracy_rates,
+    duplicate_rate,
+    most_shared_bigram,
+    proxy_up_gold_down,
+    trajectory_point,
+    watch,
+    watch_fields,
+    word_bigrams,
+)
+
+DATA = Path(__file__).resolve().parent.parent / "data" / "reviews"
+ISSUE_40 = [" a heart.", " is a heart.", " heart of a heart."]  # the default run's collapse (issue 40)
+
+
+def review_sentences() -> list[str]:
+    """data/reviews/sft_val.jsonl's completions cut to 25 words: real text, about a held-out response long."""
+    with (DATA / "sft_val.jsonl").open(encoding="utf-8") as f:
+        return [" ".join(json.loads(line)["completion"].split(" ")[:25]) for line in f]
+
+
+def positive_sentences() -> list[str]:
+    """gold_test.jsonl's sentences rated above 1: what a healthy sentiment-tuned policy writes."""
+    with (DATA / "gold_test.jsonl").open(encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    return [" " + " ".join(r["text"].split(" ")[:25]) for r in rows if r["rating"] > 1.0]
+
+
+def counters(responses: list[str]) -> dict[str, float]:
+    return {**collapse_rates(responses), **degeneracy_rates(responses)}
+
+
+def point(step, proxy, gold, *, proxy_stderr=0.05, gold_stderr=0.05, **counters) -> dict:
+    return {"step": step, "proxy": proxy, "proxy_stderr": proxy_stderr, "gold": gold,
+            "gold_stderr": gold_stderr, **counters}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Collapse counters
+# ---------------------------------------------------------------------------------------------
+
+
+def test_collapse_counters_by_hand():
+    responses = [*ISSUE_40, "  a   heart. "]  # the last is the first after whitespace normalisation
+    # bigrams: (a heart) | (is a)(a heart) | (heart of)(of a)(a heart) | (a heart):
+    # 7 in all, 4 distinct, "a heart" 4 times and in every response
+    assert word_bigrams(" heart of a Heart.") == [("heart", "of"), ("of", "a"), ("a", "heart")]
+    assert collapse_rates(responses) == {
+        "duplicate_rate": 2 / 4,
+        "top_bigram_share": 4 / 7,
+        "shared_bigram_rate": 4 / 4,
+        "word_distinct_2": 4 / 7,
+    }
+    assert most_shared_bigram(responses) == ("a heart", [0, 1, 2, 3])
+    # varied text: "the film" twice among 8 bigrams, in 2 of the 3 responses; no duplicate
+    varied = ["The film is good", "the FILM was bad", "a good film"]
+    assert collapse_rates(varied, suffix="_baseline") == {
+        "duplicate_rate_baseline": 0.0,
+        "top_bigram_share_baseline": 2 / 8,
+        "shared_bigram_rate_baseline": 2 / 3,
+        "word_distinct_2_baseline": 7 / 8,
+    }
+    # the most frequent bigram and the one most responses share can differ: "so so" 3 times in one response
+    assert collapse_rates(["so so so so", "a film", "a film here"])["top_bigram_share"] == 3 / 6
+    assert collapse_rates(["so so so so", "a film", "a film here"])["shared_bigram_rate"] == 2 / 3
+    assert most_shared_bigram(["so so so so", "a film", "a film here"]) == ("a film", [1, 2])
+    # no bigram anywhere (one-word and empty responses), no responses
+    no_bigram = {
+        "duplicate_rate": 2 / 3,
+        "top_bigram_share": 0.0,
+        "shared_bigram_rate": 0.0,
+        "word_distinct_2": 0.0,
+    }
+    assert collapse_rates(["wow", "", "wow"]) == no_bigram
+    assert collapse_rates([]) == dict.fromkeys(COLLAPSE_KEYS, 0.0)
+    assert most_shared_bigram(["wow"]) == (None, [])
+
+
+def test_duplicates_count_only_across_prompts():
+    # two samples of one prompt agreeing on its answer are not collapse; the same text for two prompts is
+    assert duplicate_rate(["12", "12", "7", "7"], prompts=["p", "p", "q", "r"]) == 2 / 4
+    assert duplicate_rate(["12", "12", "7", "7"]) == 4 / 4  # no prompts: each response its own prompt's
+    assert duplicate_rate([" a heart.", "a heart.\n", "A heart."]) == 2 / 3  # whitespace only, not case
+    assert duplicate_rate([]) == 0.0
+    with pytest.raises(ValueError):
+        duplicate_rate(["a", "b"], prompts=["p"])
+
+
+def test_duplicate_rate_matches_its_naive_form():
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(1, 12)
+        responses = [
+            rng.choice(["a heart.", " a heart.", "a  heart.", "good", "good film", ""]) for _ in range(n)
+        ]
+        prompts = [rng.choice("pqr") for _ in range(n)]
+        norm = [" ".join(r.split()) for r in responses]
+        naive = sum(
+            any(norm[i] == norm[j] and prompts[i] != prompts[j] for j in range(n) if j != i) for i in range(n)
+        ) / n  # fmt: skip
+        assert duplicate_rate(responses, prompts=prompts) == naive
+
+
+# ---------------------------------------------------------------------------------------------
+# Counter rule: thresholds against the baseline
+# ---------------------------------------------------------------------------------------------
+
+
+def test_counter_thresholds_at_their_edges():
+    baseline = {"duplicate_rate": 0.0, "word_distinct_2": 0.9, "top_bigram_share": 0.0, "empty_rate": 0.5}
+    assert counter_alarms({"duplicate_rate": 0.25}, baseline=baseline).keys() == {"duplicate_rate"}
+    assert counter_alarms({"duplicate_rate": 0.24}, baseline=baseline) == {}
+    assert counter_alarms({"word_distinct_2": 0.59}, baseline=baseline).keys() == {"word_distinct_2"}
+    assert counter_alarms({"word_distinct_2": 0.61}, baseline=baseline) == {}
+    assert counter_alarms({"top_bigram_share": 0.1}, baseline=baseline).keys() == {"top_bigram_share"}
+    assert counter_alarms({"top_bigram_share": 0.09}, baseline=baseline) == {}
+    assert counter_alarms({"shared_bigram_rate": 0.4}, baseline={"shared_bigram_rate": 0.0}) != {}
+    assert counter_alarms({"shared_bigram_rate": 0.39}, baseline={"shared_bigram_rate": 0.0}) == {}
+    # relative to the baseline: 0.7 empty is an alarm against 0.25, not against 0.5
+    assert counter_alarms({"empty_rate": 0.7}, baseline=baseline) == {}
+    assert counter_alarms({"empty_rate": 0.7}, baseline={"empty_rate": 0.25}).keys() == {"empty_rate"}
+    # a counter missing on either side is skipped
+    assert counter_alarms({"shared_bigram_rate": 1.0}, baseline=baseline) == {}
+    assert counter_alarms({"duplicate_rate": None}, baseline=baseline) == {}
+    line = counter_alarms({"duplicate_rate": 0.5}, baseline=baseline)["duplicate_rate"]
+    assert "0.500" in line and "baseline 0.000" in line
+
+
+def test_every_counter_has_a_rule():
+    # the alarm reads every counter an evaluation computes, under the names the rates functions return
+    assert set(COUNTER_RULES) == set(COLLAPSE_KEYS) | set(DEGENERACY_KEYS)
+    assert set(collapse_rates(["a b"])) | set(degeneracy_rates(["a b"])) == set(COUNTER_RULES)
+
+
+def test_alarm_fires_on_the_issue_40_collapse():
+    real = review_sentences()
+    baseline = counters(real[:32])  # the SFT model's step-0 evaluation: varied reviews
+    collapsed = [ISSUE_40[i % 3] for i in range(32)]
+    points = [point(0, 0.0, 0.0, **baseline), point(10, 0.5, 0.1, **counters(real[32:64])),
+              point(20, 1.0, 0.1, **counters(collapsed))]  # fmt: skip
+    alarm = watch(points, baseline=baseline)
+    assert alarm is not None and (alarm["index"], alarm["step"]) == (2, 20)
+    assert alarm["rules"] == ["duplicate_rate", "top_bigram_share", "shared_bigram_rate", "word_distinct_2"]
+    assert all(reason.startswith("step 20: ") for reason in alarm["reasons"])
+    assert most_shared_bigram(collapsed) == ("a heart", list(range(32)))
+
+
+def test_alarm_fires_on_near_duplicates_no_response_repeats():
+    # " <word> of a heart." with 32 different words: no exact duplicate, one phrase everywhere
+    words = sorted({w for s in review_sentences()[:200] for w in s.lower().split() if w.isalpha()})[:32]
+    near = [f" {w} of a heart." for w in words]
+    assert len(set(near)) == 32 and duplicate_rate(near) == 0.0
+    baseline = counters(review_sentences()[:32])
+    alarm = watch([point(0, 0.0, 0.0, **baseline), point(10, 1.0, 0.0, **counters(near))], baseline=baseline)
+    assert alarm is not None and alarm["step"] == 10
+    assert "duplicate_rate" not in alarm["rules"] and "shared_bigram_rate" in alarm["rules"]
+
+
+def test_counters_stay_quiet_on_real_reviews():
+    """Every disjoint 32 real sentences against the first 32, and every 32 positive ones (a healthy policy
+    that learnt to praise): no counter crosses its threshold."""
+    real, positive = review_sentences(), positive_sentences()
+    baseline = counters(real[:32])
+    chunks = [real[i : i + 32] for i in range(32, len(real) - 31, 32)]
+    chunks += [positive[i : i + 32] for i in range(0, len(positive) - 31, 32)]
+    assert len(chunks) > 40
+    for chunk in chunks:
+        assert counter_alarms(counters(chunk), baseline=baseline) == {}, chunk
+    points = [point(10 * k, 0.1 * k, 0.05 * k, **counters(c)) for k, c in enumerate([real[:32], *chunks])]
+    assert watch(points, baseline=baseline) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Proxy-up / gold-down rule
+# ---------------------------------------------------------------------------------------------
+
+HACKED = [  # proxy keeps rising; gold peaks at step 20 then falls (se 0.03 each: a drop of 0.13+ is 3 se)
+    point(0, 0.0, 0.00, gold_stderr=0.03),
+    point(10, 0.5, 0.30, gold_stderr=0.03),
+    point(20, 1.0, 0.50, gold_stderr=0.03),
+    point(30, 1.5, 0.35, gold_stderr=0.03),
+    point(40, 2.0, 0.20, gold_stderr=0.03),
+    point(50, 2.5, 0.10, gold_stderr=0.03),
+]
+
+
+def test_alarm_fires_on_proxy_up_gold_down():
+    alarm = watch(HACKED, baseline=None)
+    # evaluation 3 is the first with gold down and proxy up beyond 3 se; the rule wants two in a row: 4
+    assert alarm is not None and (alarm["index"], alarm["step"]) == (4, 40)
+    assert alarm["rules"] == [PROXY_UP_GOLD_DOWN]
+    assert proxy_up_gold_down(HACKED, index=2) is None and proxy_up_gold_down(HACKED, index=3) is not None
+    assert "best 0.5 at step 20" in alarm["reasons"][0]
+    assert watch(HACKED, baseline=None, k_evals=1)["index"] == 3
+    # where it fires does not move as evaluations are added (what a run sees, one evaluation at a time)
+    assert [watch(HACKED[:k], baseline=None) for k in range(1, 5)] == [None] * 4
+    assert all(watch(HACKED[:k], baseline=None) == alarm for k in (5, 6))
+
+
+def test_proxy_up_gold_down_needs_each_difference_beyond_z_se():
+    se_diff = 0.05 * 2**0.5  # two evaluations of se 0.05
+
+    def pair(gold_drop, proxy_rise):
+        return [point(0, 0.0, 1.0), point(10, proxy_rise, 1.0 - gold_drop)]
+
+    assert proxy_up_gold_down(pair(3.01 * se_diff, 1.0), index=1) is not None
+    assert proxy_up_gold_down(pair(2.99 * se_diff, 1.0), index=1) is None  # gold drop inside the noise
+    assert proxy_up_gold_down(pair(1.0, 2.99 * se_diff), index=1) is None  # proxy rise inside the noise
+    assert proxy_up_gold_down(pair(1.0, -1.0), index=1) is None  # both fell: worse, not hacked
+    assert proxy_up_gold_down(pair(2.99 * se_diff, 1.0), index=1, z=2.0) is not None
+    # without standard errors (an older eval_log) the rule cannot tell a fall from noise: it does not fire
+    no_se = [{**p, "gold_stderr": None} for p in HACKED]
+    assert proxy_up_gold_down(no_se, index=3) is None and watch(no_se, baseline=None) is None
+    # an evaluation without a gold is skipped, not a reason to stay quiet; one without a gold never fires
+    gap = [HACKED[0], point(5, 0.2, None), *HACKED[1:]]
+    assert watch(gap, baseline=None)["step"] == 40 and proxy_up_gold_down(gap, index=1) is None
+
+
+def test_alarm_quiet_on_healthy_and_flat_trajectories():
+    baseline = dict.fromkeys(COLLAPSE_KEYS, 0.1) | {"word_distinct_2": 0.9}
+    healthy = [point(10 * i, 0.5 * i, 0.1 * i, **baseline) for i in range(11)]  # both rise, counters as SFT's
+    assert watch(healthy, baseline=baseline) is None
+    flat = [point(10 * i, 0.0, 0.0) for i in range(11)]
+    assert watch(flat, baseline=baseline) is None
+    # a zigzag gold, 2.9 se of a difference apart at every other evaluation, while the proxy keeps rising
+    se_diff = 0.05 * 2**0.5
+    zigzag = [point(10 * i, 0.5 * i, 0.0 if i % 2 == 0 else -2.9 * se_diff) for i in range(11)]
+    assert watch(zigzag, baseline=None) is None
+    # the gold falls without the proxy rising (a policy getting worse at everything): not this rule
+    worse = [point(10 * i, -0.5 * i, -0.5 * i) for i in range(11)]
+    assert watch(worse, baseline=None) is None
+
+
+def test_alarm_rarely_fires_on_noisy_flat_gold():
+    """Independent normal noise of one standard error on every figure, gold flat, proxy rising 4 se per
+    evaluation: Z = 3 with two evaluations in a row fired in 0.0% of 2000 such 11-evaluation runs
+    (data/hacking_thresholds.py); here at most 2% of 500, where Z = 2 fires in about 10%."""
+    rng = random.Random(1)
+
+    def run():
+        return [point(10 * i, 0.2 * i + rng.gauss(0, 0.05), rng.gauss(0, 0.05)) for i in range(11)]
+
+    runs = [run() for _ in range(500)]
+    assert sum(watch(r, baseline=None) is not None for r in runs) <= 10
+    assert sum(watch(r, baseline=None, z=2.0) is not None for r in runs) > 25  # a looser z trips on them
+
+
+# ---------------------------------------------------------------------------------------------
+# eval_log lines, the best evaluation
+# ---------------------------------------------------------------------------------------------
+
+
+def test_trajectory_point_reads_eval_log_lines():
+    line = {"step": 10, "kl": 3.0, "rm_score": 0.5, "reward_fn": 1.0, "gold_score": 0.2,
+            "gold_score_stderr": 0.04, "accuracy": None, "accuracy_stderr": None, "duplicate_rate": 0.1,
+            "empty_rate": None, "eos_rate": 1.0}  # fmt: skip
+    p = trajectory_point(line, reward_fn_weight=0.5)
+    assert p == {"step": 10, "proxy": 0.5 + 0.5 * 1.0, "proxy_stderr": None, "gold": 0.2, "gold_stderr": 0.04,
+                 "duplicate_rate": 0.1}  # fmt: skip
+    # a logged proxy (and its stderr) wins; no RM: the reward function alone; neither: None
+    logged = trajectory_point({**line, "proxy": 2.0, "proxy_stderr": 0.1}, reward_fn_weight=0.5)
+    assert (logged["proxy"], logged["proxy_stderr"]) == (2.0, 0.1)
+    assert trajectory_point({**line, "rm_score": None}, reward_fn_weight=0.5)["proxy"] == 0.5
+    assert trajectory_point({**line, "reward_fn": None}, reward_fn_weight=0.5)["proxy"] == 0.5
+    # with a verifier the gold is its accuracy
+    verified = trajectory_point({**line, "accuracy": 0.75, "accuracy_stderr": 0.02}, reward_fn_weight=0.5)
+    assert (verified["gold"], verified["gold_stderr"]) == (0.75, 0.02)
+
+
+def test_best_evaluation_by_gold_or_accuracy():
+    golds = [0.1, 0.5, None, 0.5, 0.3]
+    assert best_evaluation([point(10 * i, 0.0, g) for i, g in enumerate(golds)]) == 1  # the earliest of ties
+    assert best_evaluation(HACKED) == 2
+    assert best_evaluation([point(0, 0.0, None)]) is None and best_evaluation([]) is None
+    lines = [{"step": s, "rm_score": 0.0, "reward_fn": None, "gold_score": g, "accuracy": a}
+             for s, g, a in ((0, 0.9, 0.2), (10, 0.1, 0.6), (20, 0.5, 0.4))]  # fmt: skip
+    assert best_evaluation([trajectory_point(x, reward_fn_weight=1.0) for x in lines]) == 1  # by accuracy
+
+
+def test_watch_fields_for_the_eval_log():
+    """The fields a run adds to each eval_log.jsonl line: the alarm so far (step-0 line = the baseline's
+    counters) and the best step by the gold."""
+    real = review_sentences()
+    healthy, collapsed = counters(real[:32]), counters([ISSUE_40[i % 3] for i in range(32)])
+
+    def line(step, gold, texts_counters):
+        scores = {"rm_score": step / 10, "reward_fn": None, "gold_score": gold, "accuracy": None}
+        return {"step": step, **scores, "gold_score_stderr": 0.01, "proxy_stderr": 0.01, **texts_counters}
+
+    log = [line(0, 0.0, healthy), line(10, 0.3, counters(real[32:64])), line(20, 0.2, collapsed)]
+    assert watch_fields(log[:2], reward_fn_weight=1.0) == {
+        "alarm_step": None, "alarm_rules": [], "alarm_reasons": [], "best_step": 10,
+    }  # fmt: skip
+    fields = watch_fields(log, reward_fn_weight=1.0)
+    assert fields["alarm_step"] == 20 and fields["best_step"] == 10
+    assert fields["alarm_rules"] == [
+        "duplicate_rate",
+        "top_bigram_share",
+        "shared_bigram_rate",
+        "word_distinct_2",
+    ]
+    assert len(fields["alarm_reasons"]) == 4 and set(fields) == set(WATCH_KEYS)
+    # no step-0 line (the run's first evaluation came later): no baseline, so no counter rule
+    assert watch_fields(log[1:], reward_fn_weight=1.0)["alarm_step"] is None
