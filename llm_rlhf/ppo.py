@@ -9,6 +9,11 @@ One PPO step (`ppo_step`) reads like the algorithm box of Ziegler et al. (2019) 
     -> GAE -> K epochs of clipped policy/value updates on shuffled minibatches
     -> KL controller update -> metrics
 
+The policy-loss family of issue 37 (`policy_loss`: PPO's clip with clip-higher and the dual clip, GSPO, CISPO;
+`loss_aggregation`; `sampler_correction`; `mask_truncated`) changes the update (`train_on_rollout`), overlong
+shaping the scores (`reward_scores`) and `dynamic_sampling` the rollout (`dynamic_rollout`); with every key at
+its default the step is the one above, bit for bit.
+
 `advantage_estimator` swaps GAE for a critic-free estimator (SPEC "Critic-free estimators": GRPO, Dr. GRPO,
 RLOO, REINFORCE++, ReMax) on the same rollout, KL, clipped update, processes and checkpoints: each prompt is
 sampled `samples_per_prompt` times (its group, consecutive rows on one process), no value head or critic
@@ -497,14 +502,13 @@ class PPOTrainer:
         counts = self.global_sum(
             torch.stack([torch.tensor(float(len(tied) - need)), tied[groups].sum().float()])
         )
-        drawn = (
-            self.step + 1
-        ) * sizes.prompts_per_step + self.extra_prompts  # global prompts, this step's too
+        trained = (self.step + 1) * sizes.prompts_per_step  # global prompts trained on, this step's too
+        drawn = trained + self.extra_prompts  # and sampled
         stats = {
             "sampling/rounds": float(len(samples)),
             "sampling/groups_dropped": float(counts[0]),
             "sampling/tied_groups_trained": float(counts[1]),
-            "sampling/sampled_per_trained": drawn / ((self.step + 1) * sizes.prompts_per_step),
+            "sampling/sampled_per_trained": drawn / trained,
         }
         return rollout, kept_scores, stats
 
@@ -695,10 +699,8 @@ class PPOTrainer:
                 else torch.randperm(sizes.rollout_per_process, device=self.device)
             )
             for mb in order.split(sizes.mini_batch_per_process):
-                if plain:
-                    mb_tokens = self.global_sum(
-                        rollout.response_mask[mb].sum()
-                    )  # tokens in the global minibatch
+                if plain:  # the tokens in the global minibatch
+                    mb_tokens = self.global_sum(rollout.response_mask[mb].sum())
                 else:  # and the normaliser N of `aggregate_loss`, both over the global minibatch
                     mb_tokens, normaliser = self.global_sum(
                         torch.stack(

@@ -6,7 +6,9 @@ for the KL penalty, in steps of: rollout -> reference log-probs -> scores -> per
 -> K epochs of clipped updates on minibatches -> KL controller update (`llm_rlhf.ppo`). The
 `advantage_estimator` is a row of `llm_rlhf.estimators`: GAE over a value function, or a critic-free
 estimator (GRPO, Dr. GRPO, RLOO, REINFORCE++, ReMax) on the same rollout, KL and update; a key the chosen
-estimator does not read, set to another value than its default, is an error naming the key.
+estimator does not read, set to another value than its default, is an error naming the key. The keys of the
+policy-loss family (issue 37: policy_loss, the clip ranges, dual_clip, loss_aggregation, sampler_correction,
+overlong shaping, mask_truncated, dynamic_sampling) are checked against the same row (`check_policy_loss_keys`).
 Run it with `llm-rlhf ppo --config recipes/reviews/ppo.yaml [--key value ...]`, also under
 `accelerate launch` with several processes.
 """
