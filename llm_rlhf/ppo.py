@@ -328,39 +328,50 @@ class PPOTrainer:
 
             rewards_t = -kl_coef * KL_t + [t == last response token] * score      (`ppo_math.shaped_rewards`)
 
-        the score as `reward_scores` makes it (score_clip, overlong shaping, eos_penalty); with the KL in the
-        loss (`Config.kl_penalty_in_loss`) the rewards hold the score alone."""
+        the score clipped (score_clip), with the overlong penalty (`shaped_scores`) and replaced for responses
+        that did not end (eos_penalty); with the KL in the loss (`Config.kl_penalty_in_loss`) the rewards hold
+        the score alone."""
         cfg = self.cfg
         kl = ppo_math.kl_penalty(
             logprobs=rollout.logprobs, ref_logprobs=rollout.ref_logprobs, estimator=cfg.kl_estimator
         )
         rewards, _ = ppo_math.shaped_rewards(
-            scores=self.reward_scores(rollout, rollout.scores),
+            scores=self.shaped_scores(rollout, rollout.scores),
             kl=kl,
             kl_coef=0.0 if cfg.kl_penalty_in_loss else kl_coef,
             response_mask=rollout.response_mask,
+            eos_penalty=cfg.eos_penalty,
+            ended_with_eos=rollout.ended(self.tokenizer.eos_token_id)  # EOS or a stop string
+            if cfg.eos_penalty is not None
+            else None,
         )
         return rewards, kl
 
-    def reward_scores(self, samples: Samples, scores: torch.Tensor) -> torch.Tensor:
-        """The score each response's reward holds, (B,), from the scorer's `scores` (B,):
+    def shaped_scores(self, samples: Samples, scores: torch.Tensor) -> torch.Tensor:
+        """The scorer's `scores` (B,) as the rewards take them, before the EOS trick, (B,):
 
             clip(scores, -score_clip, score_clip)          score_clip (null = off)
             + overlong penalty                             overlong_buffer > 0 (`overlong`; DAPO)
-            eos_penalty where the response did not end     eos_penalty (null = off): it replaces the sum
 
-        The overlong penalty comes after the clip (it is bounded already) and before the EOS trick, so a
-        truncated response's score is eos_penalty when that is set, not eos_penalty minus overlong_penalty
-        (one penalty for one fault); responses that ended inside the buffer keep their ramp either way.
-        Dynamic sampling compares these numbers for ties: they are what the group baseline sees."""
+        The overlong penalty comes after the clip (it is bounded already) and before the EOS trick
+        (`ppo_math.shaped_rewards`, eos_penalty), which replaces the whole score of a truncated response: its
+        score is eos_penalty when that is set, not eos_penalty minus overlong_penalty (one penalty for one
+        fault); responses that ended inside the buffer keep their ramp either way."""
         cfg = self.cfg
         if cfg.score_clip is not None:
             scores = ppo_math.clip_scores(scores=scores, score_clip=cfg.score_clip)
         if cfg.overlong_buffer > 0:
             scores = scores + self.overlong(samples)
-        if cfg.eos_penalty is not None:  # the EOS trick of `ppo_math.shaped_rewards`, applied here
-            scores = torch.where(samples.ended(self.tokenizer.eos_token_id), scores, cfg.eos_penalty)
         return scores
+
+    def reward_scores(self, samples: Samples, scores: torch.Tensor) -> torch.Tensor:
+        """The score `shaped_rewards` puts at each response's last token, (B,): `shaped_scores`, then the EOS
+        trick (eos_penalty where the response did not end). Dynamic sampling compares these for ties: they
+        are what the group baseline sees."""
+        scores = self.shaped_scores(samples, scores)
+        if self.cfg.eos_penalty is None:
+            return scores
+        return torch.where(samples.ended(self.tokenizer.eos_token_id), scores, self.cfg.eos_penalty)  # (B,)
 
     def overlong(self, samples: Samples) -> torch.Tensor:
         """DAPO's overlong penalty of each response, (B,) (`ppo_math.overlong_penalty`): its length counts its
@@ -962,7 +973,8 @@ class PPOTrainer:
         """With k > 1 samples per prompt: objective/group_scores_std, the std of the scores within a prompt's
         group (n - 1), averaged over the groups of every process, and objective/groups_tied, the share of
         groups whose k scores are all equal (with the KL in the loss, grpo, dr_grpo and rloo give their
-        responses a zero advantage: the group teaches nothing)."""
+        responses a zero advantage: the group teaches nothing). With dynamic_sampling these are the trained
+        groups (the tied groups it filled in at its cap); the dropped ones are sampling/groups_dropped."""
         grouped = ppo_math.scores_by_prompt(
             scores=rollout.scores, samples_per_prompt=self.cfg.samples_per_prompt
         )  # (P, k)
