@@ -9,6 +9,11 @@ One PPO step (`ppo_step`) reads like the algorithm box of Ziegler et al. (2019) 
     -> GAE -> K epochs of clipped policy/value updates on shuffled minibatches
     -> KL controller update -> metrics
 
+The policy-loss family of issue 37 (`policy_loss`: PPO's clip with clip-higher and the dual clip, GSPO, CISPO;
+`loss_aggregation`; `sampler_correction`; `mask_truncated`) changes the update (`train_on_rollout`), overlong
+shaping the scores (`reward_scores`) and `dynamic_sampling` the rollout (`dynamic_rollout`); with every key at
+its default the step is the one above, bit for bit.
+
 `advantage_estimator` swaps GAE for a critic-free estimator (SPEC "Critic-free estimators": GRPO, Dr. GRPO,
 RLOO, REINFORCE++, ReMax) on the same rollout, KL, clipped update, processes and checkpoints: each prompt is
 sampled `samples_per_prompt` times (its group, consecutive rows on one process), no value head or critic
@@ -65,6 +70,13 @@ TRAIN_STATS = (
 VALUE_STATS = (ppo_metrics.LOSS_VALUE, ppo_metrics.VAL_CLIPFRAC)
 # kl_coef * mean k3 over the minibatch's tokens, when the KL is in the loss
 KL_LOSS_STAT = ppo_metrics.LOSS_KL
+# The policy-loss family's statistics (issue 37), each logged only when its option is on, token means as above:
+CLIP_SIDE_STATS = (
+    ppo_metrics.POLICY_CLIPFRAC_LOW,
+    ppo_metrics.POLICY_CLIPFRAC_HIGH,
+)  # clip-higher, gspo, cispo
+DUAL_CLIP_STAT = ppo_metrics.POLICY_DUAL_CLIPFRAC  # dual_clip
+SAMPLER_STATS = (ppo_metrics.SAMPLER_MEAN_WEIGHT, ppo_metrics.SAMPLER_CORRECTED_FRAC)  # sampler_correction
 
 
 # ---------------------------------------------------------------------------------------------
@@ -105,6 +117,41 @@ def what_was_updated(updates: int, *, this_step: bool) -> str:
         "updated the weights (and the LR schedule); the KL controller, the step count and the checkpoints "
         "were not updated (the last checkpoint predates this PPO step)"
     )
+
+
+def concat_samples(parts: list[Samples], pad_token_id: int) -> Samples:
+    """The rows of several `Samples` in one (dynamic sampling's rounds), in order: the queries left-padded to
+    the widest (pad_token_id, mask 0), the responses already max_new_tokens wide (`generate` pads them).
+
+        round 1   pad q q | r r        round 2   q q q | r r     ->   pad q q | r r
+                                                                      q   q q | r r
+    """
+    width = max(p.query.shape[1] for p in parts)  # P
+    out = {}
+    for f in dataclasses.fields(Samples):
+        xs = [getattr(p, f.name) for p in parts]
+        if xs[0] is None:
+            out[f.name] = None
+            continue
+        if f.name in ("query", "query_mask"):  # (b, P_i) -> (b, P): columns added on the left
+            fill = pad_token_id if f.name == "query" else 0
+            xs = [torch.nn.functional.pad(x, (width - x.shape[1], 0), value=fill) for x in xs]
+        out[f.name] = torch.cat(xs)  # (sum b, ...)
+    return Samples(**out)
+
+
+def concat_scores(parts: list[Scores], rows: torch.Tensor) -> Scores:
+    """The rows `rows` (long, into the concatenation) of several `Scores` in one; member_scores is (K, B)."""
+    out = {}
+    for f in dataclasses.fields(Scores):
+        xs = [getattr(p, f.name) for p in parts]
+        if xs[0] is None:
+            out[f.name] = None
+        elif f.name == "member_scores":
+            out[f.name] = torch.cat(xs, dim=1)[:, rows.to(xs[0].device)]  # (K, len(rows))
+        else:
+            out[f.name] = torch.cat(xs)[rows.to(xs[0].device)]  # (len(rows),)
+    return Scores(**out)
 
 
 class PPOTrainer:
@@ -185,6 +232,12 @@ class PPOTrainer:
         self.train_stats = tuple(s for s in TRAIN_STATS if cfg.estimator.critic or s not in VALUE_STATS) + (
             (KL_LOSS_STAT,) if cfg.kl_penalty_in_loss else ()
         )
+        clip_sides = cfg.policy_loss != "ppo_clip" or (cfg.cliprange_low, cfg.cliprange_high) != (None, None)
+        self.train_stats += (
+            (CLIP_SIDE_STATS if clip_sides else ())
+            + ((DUAL_CLIP_STAT,) if cfg.dual_clip is not None else ())
+            + (SAMPLER_STATS if cfg.sampler_correction != "none" else ())
+        )
         self.kl_ctl = (
             ppo_math.AdaptiveKLController(cfg.init_kl_coef, cfg.kl_target, cfg.kl_horizon)
             if cfg.kl_controller == "adaptive"
@@ -192,6 +245,7 @@ class PPOTrainer:
         )
         self.prompts = prompts  # list of token-id lists
         self.step = 0
+        self.extra_prompts = 0  # global prompts drawn by dynamic sampling's further rounds (`next_queries`)
         self.device = accelerator.device
 
     # --- the trainer's state ------------------------------------------------------------------
@@ -199,15 +253,18 @@ class PPOTrainer:
     def state_dict(self) -> dict[str, Any]:
         """What continues the run exactly besides the models' weights and optimiser state (written by
         `accelerated.Accelerated.save_model_state`) and the RNG: the step (which fixes the data position,
-        `next_queries`), the KL controller and the LR schedule."""
+        `next_queries`), the KL controller and the LR schedule; with dynamic sampling the prompts its further
+        rounds drew (the rest of the data position)."""
         return {
             "step": self.step,
             "kl_ctl": self.kl_ctl.state_dict(),
             "scheduler": self.scheduler.state_dict(),
+            **({"extra_prompts": self.extra_prompts} if self.cfg.dynamic_sampling else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = state["step"]
+        self.extra_prompts = state.get("extra_prompts", 0)
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.scheduler.load_state_dict(state["scheduler"])
 
@@ -228,7 +285,11 @@ class PPOTrainer:
         # y ~ pi_theta(.|x), logprobs (and values with gae), ref_logprobs, scores; with one update per step
         # the old log-probs and entropy come from the update's own forward instead (`old_logprobs_from_update`)
         from_update = self.old_logprobs_from_update
-        rollout, scores = self.rollout(self.in_groups(queries), times, old_logprobs=not from_update)
+        sampling_stats = {}
+        if cfg.dynamic_sampling:  # DAPO: untied groups, from further prompts where some tie
+            rollout, scores, sampling_stats = self.dynamic_rollout(queries, times)
+        else:
+            rollout, scores = self.rollout(self.in_groups(queries), times, old_logprobs=not from_update)
         greedy = None  # ReMax: one greedy response per prompt, its logprobs, ref_logprobs and scores
         if cfg.estimator.greedy_baseline:
             greedy, _ = self.rollout(queries, times, sampling=self.greedy)
@@ -268,16 +329,19 @@ class PPOTrainer:
         metrics = self.metrics(rollout, kl=kl, kl_coef=kl_coef, returns=returns, times=times)
         if greedy is not None:
             metrics[ppo_metrics.OBJECTIVE_GREEDY_SCORES] = self.global_mean(greedy.scores.mean())
-        return {**metrics, **train_stats, **self.score_term_means(scores)}
+        if cfg.overlong_buffer > 0:
+            metrics[ppo_metrics.OBJECTIVE_OVERLONG_PENALTY] = self.global_mean(self.overlong(rollout).mean())
+        return {**metrics, **train_stats, **sampling_stats, **self.score_term_means(scores)}
 
     def rewards(self, rollout: Rollout, kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The per-token rewards of a rollout and its per-token KL (kl_estimator), both (B, R):
 
             rewards_t = -kl_coef * KL_t + [t == last response token] * score      (`ppo_math.shaped_rewards`)
 
-        the score clipped (score_clip) and replaced for responses that did not end (eos_penalty); with the KL
-        in the loss (`Config.kl_penalty_in_loss`) the rewards hold the score alone. A rollout without old
-        log-probs yet (`old_logprobs_from_update`, the KL in the loss) gets KL_t = 0 until the update fills them."""
+        the score clipped (score_clip), with the overlong penalty (`shaped_scores`) and replaced for responses
+        that did not end (eos_penalty); with the KL in the loss (`Config.kl_penalty_in_loss`) the rewards hold
+        the score alone. A rollout without old log-probs yet (`old_logprobs_from_update`, the KL in the loss)
+        gets KL_t = 0 until the update fills them."""
         cfg = self.cfg
         kl = (
             torch.zeros_like(rollout.ref_logprobs)
@@ -286,13 +350,8 @@ class PPOTrainer:
                 logprobs=rollout.logprobs, ref_logprobs=rollout.ref_logprobs, estimator=cfg.kl_estimator
             )
         )
-        clipped = (
-            rollout.scores
-            if cfg.score_clip is None
-            else ppo_math.clip_scores(scores=rollout.scores, score_clip=cfg.score_clip)
-        )
         rewards, _ = ppo_math.shaped_rewards(
-            scores=clipped,
+            scores=self.shaped_scores(rollout, rollout.scores),
             kl=kl,
             kl_coef=0.0 if cfg.kl_penalty_in_loss else kl_coef,
             response_mask=rollout.response_mask,
@@ -302,6 +361,44 @@ class PPOTrainer:
             else None,
         )
         return rewards, kl
+
+    def shaped_scores(self, samples: Samples, scores: torch.Tensor) -> torch.Tensor:
+        """The scorer's `scores` (B,) as the rewards take them, before the EOS trick, (B,):
+
+            clip(scores, -score_clip, score_clip)          score_clip (null = off)
+            + overlong penalty                             overlong_buffer > 0 (`overlong`; DAPO)
+
+        The overlong penalty comes after the clip (it is bounded already) and before the EOS trick
+        (`ppo_math.shaped_rewards`, eos_penalty), which replaces the whole score of a truncated response: its
+        score is eos_penalty when that is set, not eos_penalty minus overlong_penalty (one penalty for one
+        fault); responses that ended inside the buffer keep their ramp either way."""
+        cfg = self.cfg
+        if cfg.score_clip is not None:
+            scores = ppo_math.clip_scores(scores=scores, score_clip=cfg.score_clip)
+        if cfg.overlong_buffer > 0:
+            scores = scores + self.overlong(samples)
+        return scores
+
+    def reward_scores(self, samples: Samples, scores: torch.Tensor) -> torch.Tensor:
+        """The score `shaped_rewards` puts at each response's last token, (B,): `shaped_scores`, then the EOS
+        trick (eos_penalty where the response did not end). Dynamic sampling compares these for ties: they
+        are what the group baseline sees."""
+        scores = self.shaped_scores(samples, scores)
+        if self.cfg.eos_penalty is None:
+            return scores
+        return torch.where(samples.ended(self.tokenizer.eos_token_id), scores, self.cfg.eos_penalty)  # (B,)
+
+    def overlong(self, samples: Samples) -> torch.Tensor:
+        """DAPO's overlong penalty of each response, (B,) (`ppo_math.overlong_penalty`): its length counts its
+        tokens (EOS included); truncated = it ended with neither EOS nor a stop string."""
+        cfg = self.cfg
+        return ppo_math.overlong_penalty(
+            lengths=samples.response_mask.sum(-1),
+            truncated=~samples.ended(self.tokenizer.eos_token_id),
+            max_new_tokens=cfg.max_new_tokens,
+            overlong_buffer=cfg.overlong_buffer,
+            penalty=cfg.overlong_penalty,
+        )
 
     def advantages(
         self, rollout: Rollout, rewards: torch.Tensor, baseline: torch.Tensor | None = None
@@ -370,6 +467,82 @@ class PPOTrainer:
             times["score"] = times.get("score", 0.0) + time.perf_counter() - t1
         return rollout, scores
 
+    @torch.no_grad()
+    def dynamic_rollout(
+        self, queries: list[list[int]], times: dict[str, float]
+    ) -> tuple[Rollout, Scores, dict[str, float]]:
+        """DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2): the rollout of rollout_batch_size groups per
+        process whose scores do not all tie, when the rounds allow it.
+
+            round 1: sample and score the groups of `queries`; mark the tied ones (`ppo_math.tied_groups` on
+                     `reward_scores`, what the group baseline sees)
+            while some process holds fewer untied groups than rollout_batch_size (one global sum, so every
+                     process takes the same number of rounds and its collectives match) and the rounds are
+                     fewer than dynamic_sampling_max_rounds: sample and score the next prompts of the stream
+            keep the first rollout_batch_size untied groups, filled up with tied ones when too few
+                     (`ppo_math.select_groups`): every step trains the same number of groups
+            then the policy's (and value's) and the reference's forwards on the kept rows only, in the
+                     micro-batches the first epoch visits, so rho == 1 exactly before the first update
+
+        Returns the rollout, its scores' parts and the statistics sampling/rounds, sampling/groups_dropped
+        (sampled groups not trained, over every process), sampling/tied_groups_trained (the fill, over every
+        process) and sampling/sampled_per_trained (responses sampled per response trained, over the run)."""
+        cfg, sizes, k = self.cfg, self.sizes, self.cfg.samples_per_prompt
+        need = sizes.prompts_per_process
+        samples, scores, tied = [], [], []
+        while True:
+            t0 = time.perf_counter()
+            part = self.generate(self.in_groups(queries))  # y ~ pi_theta(.|x)
+            t1 = time.perf_counter()
+            part_scores = self.score(part)
+            times["generate"] = times.get("generate", 0.0) + t1 - t0
+            times["score"] = times.get("score", 0.0) + time.perf_counter() - t1
+            samples.append(part)
+            scores.append(part_scores)
+            tied.append(
+                ppo_math.tied_groups(
+                    scores=self.reward_scores(part, part_scores.scores), samples_per_prompt=k
+                )
+            )  # (P,)
+            missing = max(need - int((~torch.cat(tied)).sum()), 0)  # untied groups this process lacks
+            if (
+                self.global_sum(torch.tensor(float(missing))) == 0
+                or len(tied) == cfg.dynamic_sampling_max_rounds
+            ):
+                break
+            self.extra_prompts += sizes.prompts_per_step
+            queries = self.next_queries()
+        tied = torch.cat(tied)  # (rounds * P,)
+        groups = ppo_math.select_groups(tied=tied, num_groups=need)  # (P,)
+        rows = ppo_math.group_rows(groups=groups, samples_per_prompt=k)  # (P * k,)
+        kept = concat_samples(samples, self.tokenizer.pad_token_id).select(rows.to(self.device))
+        kept_scores = concat_scores(scores, rows)
+        t0 = time.perf_counter()
+        logprobs, values, entropy = self.in_chunks(self.forward_policy, kept)
+        t1 = time.perf_counter()
+        rollout = Rollout.of(
+            kept,
+            logprobs=logprobs,
+            values=values,
+            entropy=entropy,
+            ref_logprobs=self.reference_logprobs(kept),
+            scores=kept_scores.scores,
+        )
+        times["generate"] += t1 - t0
+        times["score"] += time.perf_counter() - t1
+        counts = self.global_sum(
+            torch.stack([torch.tensor(float(len(tied) - need)), tied[groups].sum().float()])
+        )
+        trained = (self.step + 1) * sizes.prompts_per_step  # global prompts trained on, this step's too
+        drawn = trained + self.extra_prompts  # and sampled
+        stats = {
+            ppo_metrics.SAMPLING_ROUNDS: float(len(samples)),
+            ppo_metrics.SAMPLING_GROUPS_DROPPED: float(counts[0]),
+            ppo_metrics.SAMPLING_TIED_GROUPS_TRAINED: float(counts[1]),
+            ppo_metrics.SAMPLING_SAMPLED_PER_TRAINED: drawn / trained,
+        }
+        return rollout, kept_scores, stats
+
     def next_queries(self) -> list[list[int]]:
         """This process's prompts for the current step (rollout_batch_size of them): a seeded permutation per
         pass over the data.
@@ -377,9 +550,15 @@ class PPOTrainer:
         Global prompt index e = step * prompts_per_step + process_index * rollout_batch_size + i, so the data
         position follows from the step alone (exact resume) and processes never share a prompt. Each prompt is
         then sampled samples_per_prompt times on this process (`in_groups`).
+        With dynamic sampling, its further rounds draw the next prompts of the same stream: e is shifted by the
+        global prompts they drew so far (`extra_prompts`, in the checkpoint).
         """
         n, per_step = len(self.prompts), self.sizes.prompts_per_step
-        start = self.step * per_step + self.accelerator.process_index * self.sizes.prompts_per_process
+        start = (
+            self.step * per_step
+            + self.extra_prompts
+            + self.accelerator.process_index * self.sizes.prompts_per_process
+        )
         out = []
         for e in range(start, start + self.sizes.prompts_per_process):
             epoch, i = divmod(e, n)
@@ -521,6 +700,15 @@ class PPOTrainer:
         The first epoch visits the rows in rollout order, the micro-batches on which `rollout` computed
         the old log-probs (the rows are already in random prompt order, `next_queries`): the same rows
         trimmed to the same widths, so rho == 1 exactly before the first update (SPEC); later epochs shuffle.
+
+        The policy-loss family (issue 37; with every key at its default the update above, with its arithmetic:
+        `Config.plain_policy_loss`): the token losses of policy_loss (`ppo_math.ppo_clip_token_losses` with
+        cliprange_low/high and dual_clip, `gspo_token_losses` or `cispo_token_losses`), times the sampler
+        correction's weights (`sampler_weights`), make the policy loss by `ppo_math.aggregate_loss` over the
+        normaliser N of loss_aggregation summed over the global minibatch (one all-reduce with its token count):
+        each micro-batch's share is a sum over its rows / N, so the shares add up to the minibatch's loss on
+        any split (times the number of processes, as DDP averages). With mask_truncated the truncated responses
+        leave the loss mask of every term (policy, value, KL, entropy) and the counts.
         """
         cfg, sizes = self.cfg, self.sizes
         kl_coef = self.kl_ctl.value
@@ -529,6 +717,16 @@ class PPOTrainer:
         fill = rollout.logprobs is None
         if fill:
             rollout.logprobs, rollout.entropy = (torch.zeros_like(rollout.ref_logprobs) for _ in range(2))
+        plain, processes = cfg.plain_policy_loss, self.accelerator.num_processes
+        loss_mask = rollout.response_mask  # (B, R)
+        if cfg.mask_truncated:  # DAPO's overlong filtering
+            truncated = ~rollout.ended(self.tokenizer.eos_token_id)  # (B,)
+            loss_mask = ppo_math.mask_truncated(response_mask=loss_mask, truncated=truncated)  # (B, R)
+        weights, corrected = self.sampler_weights(rollout, loss_mask)  # (B, R) each, or None
+        # the policy loss's share is already divided by the global N: summed, not token-weighted, in the stats
+        summed = torch.tensor(
+            [k == ppo_metrics.LOSS_POLICY and not plain for k in self.train_stats], device=self.device
+        )
         history, skipped, stopped_early = [], 0, False
         for epoch in range(cfg.ppo_epochs):
             order = (
@@ -537,35 +735,67 @@ class PPOTrainer:
                 else torch.randperm(sizes.rollout_per_process, device=self.device)
             )
             for mb in order.split(sizes.mini_batch_per_process):
-                mb_tokens = self.global_sum(rollout.response_mask[mb].sum())  # tokens in the global minibatch
+                if plain:  # the tokens in the global minibatch
+                    mb_tokens = self.global_sum(rollout.response_mask[mb].sum())
+                else:  # and the normaliser N of `aggregate_loss`, both over the global minibatch
+                    mb_tokens, normaliser = self.global_sum(
+                        torch.stack(
+                            [
+                                loss_mask[mb].sum(),
+                                ppo_math.loss_normaliser(
+                                    loss_mask=loss_mask[mb],
+                                    aggregation=cfg.loss_aggregation,
+                                    max_new_tokens=cfg.max_new_tokens,
+                                ),
+                            ]
+                        )
+                    )
                 self.optimizer.zero_grad(set_to_none=True)
                 totals = torch.zeros(len(self.train_stats), device=self.device)
                 micro_batches = mb.split(sizes.micro_batch_per_process)
                 for i, mc in enumerate(micro_batches):
                     part = rollout.select(mc)
-                    mask = part.response_mask
+                    mask = part.response_mask if plain else loss_mask[mc]
                     last = i == len(micro_batches) - 1
                     with self.acc.accumulating((self.policy, self.critic), last=last):
                         logprobs, values, entropy = self.forward_policy(part, train=True)
                         old_logprobs = logprobs.detach() if fill else part.logprobs  # fill: ratio 1 exactly
                         if fill:
                             rollout.logprobs[mc], rollout.entropy[mc] = old_logprobs, entropy.detach()
-                        pg_loss, pg = ppo_math.policy_loss(
-                            logprobs=logprobs,
-                            old_logprobs=old_logprobs,
-                            advantages=advantages[mc],
-                            response_mask=mask,
-                            cliprange=cfg.cliprange,
-                        )
+                        if plain:  # today's loss, with its arithmetic (bit-identical runs)
+                            pg_loss, pg = ppo_math.policy_loss(
+                                logprobs=logprobs,
+                                old_logprobs=old_logprobs,
+                                advantages=advantages[mc],
+                                response_mask=mask,
+                                cliprange=cfg.cliprange,
+                            )
+                            loss = pg_loss
+                            parts = {
+                                ppo_metrics.LOSS_POLICY: pg_loss,
+                                ppo_metrics.POLICY_APPROXKL: pg.approxkl,
+                                ppo_metrics.POLICY_CLIPFRAC: pg.clipfrac,
+                                ppo_metrics.POLICY_RATIO: ppo_math.masked_mean(pg.ratio, mask),
+                            }
+                        else:  # this micro-batch's share of the minibatch's policy loss
+                            pg_loss, parts = self.policy_loss_share(
+                                logprobs=logprobs,
+                                old_logprobs=old_logprobs,
+                                advantages=advantages[mc],
+                                loss_mask=mask,
+                                normaliser=normaliser,
+                                weights=None if weights is None else weights[mc],
+                            )
+                            if weights is not None:
+                                parts[ppo_metrics.SAMPLER_MEAN_WEIGHT] = ppo_math.masked_mean(
+                                    weights[mc], mask
+                                )
+                                parts[ppo_metrics.SAMPLER_CORRECTED_FRAC] = ppo_math.masked_mean(
+                                    corrected[mc].float(), mask
+                                )
+                            loss = torch.zeros((), device=self.device)  # the other terms: token means
                         entropy = ppo_math.masked_mean(entropy, mask)
-                        loss = pg_loss
-                        parts = {
-                            ppo_metrics.LOSS_POLICY: pg_loss,
-                            ppo_metrics.POLICY_ENTROPY: entropy,
-                            ppo_metrics.POLICY_APPROXKL: pg.approxkl,
-                            ppo_metrics.POLICY_CLIPFRAC: pg.clipfrac,
-                            ppo_metrics.POLICY_RATIO: ppo_math.masked_mean(pg.ratio, mask),
-                        }
+                        parts[ppo_metrics.POLICY_ENTROPY] = entropy
                         if cfg.estimator.critic:  # gae: the value head's or the critic's loss
                             vf_loss, vf = ppo_math.value_loss(
                                 values=values,
@@ -589,8 +819,10 @@ class PPOTrainer:
                             parts[KL_LOSS_STAT] = kl_loss
                         loss = loss - cfg.ent_coef * entropy
                         weight = mask.sum() * self.accelerator.num_processes / mb_tokens.clamp(min=1)
-                        self.acc.backward(self.policy, loss * weight, last=last)
-                    totals += torch.stack([parts[k].detach().float() for k in self.train_stats]) * weight
+                        scaled = loss * weight if plain else pg_loss * processes + loss * weight
+                        self.acc.backward(self.policy, scaled, last=last)
+                    stat = torch.stack([parts[k].detach().float() for k in self.train_stats])
+                    totals += stat * weight if plain else stat * torch.where(summed, processes, weight)
                 stats = dict(
                     zip(self.train_stats, self.accelerator.reduce(totals, reduction="mean").tolist())
                 )
@@ -623,6 +855,79 @@ class PPOTrainer:
             }
         )
         return out
+
+    def policy_loss_share(
+        self,
+        *,
+        logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        loss_mask: torch.Tensor,
+        normaliser: torch.Tensor,
+        weights: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """One micro-batch's share of its minibatch's policy loss under the policy-loss family, and its token
+        statistics (masked means over `loss_mask`):
+
+            l_t   = token loss of policy_loss (ppo_clip: clip-higher + dual clip; gspo; cispo)   (b, R)
+            l_t  *= w_t                        the sampler correction's weight (`sampler_weights`), if on
+            share = aggregate_loss(l, loss_aggregation, N)    N: the global minibatch's normaliser
+
+        logprobs (with grad), old_logprobs, advantages, weights: (b, R); loss_mask: (b, R) bool."""
+        cfg = self.cfg
+        common = dict(
+            logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, response_mask=loss_mask
+        )
+        if cfg.policy_loss == "gspo":
+            losses, st = ppo_math.gspo_token_losses(
+                **common, cliprange_low=cfg.clip_low, cliprange_high=cfg.clip_high
+            )
+        elif cfg.policy_loss == "cispo":
+            losses, st = ppo_math.cispo_token_losses(**common, cliprange_high=cfg.clip_high)
+        else:
+            losses, st = ppo_math.ppo_clip_token_losses(
+                **common, cliprange_low=cfg.clip_low, cliprange_high=cfg.clip_high, dual_clip=cfg.dual_clip
+            )  # (b, R)
+        if weights is not None:
+            losses = losses * weights  # (b, R)
+        share = ppo_math.aggregate_loss(
+            token_losses=losses, loss_mask=loss_mask, aggregation=cfg.loss_aggregation, normaliser=normaliser
+        )
+        with torch.no_grad():
+            mean = lambda x: ppo_math.masked_mean(x.float(), loss_mask)  # noqa: E731
+            parts = {
+                ppo_metrics.LOSS_POLICY: share,
+                ppo_metrics.POLICY_APPROXKL: 0.5 * mean((logprobs - old_logprobs) ** 2),
+                ppo_metrics.POLICY_CLIPFRAC: mean(st.clipped),
+                ppo_metrics.POLICY_RATIO: mean(st.ratio),
+                ppo_metrics.POLICY_CLIPFRAC_LOW: mean(st.clipped_low),
+                ppo_metrics.POLICY_CLIPFRAC_HIGH: mean(st.clipped_high),
+                DUAL_CLIP_STAT: mean(st.dual_clipped),
+            }
+        return share, parts
+
+    def sampler_weights(
+        self, rollout: Rollout, loss_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+        """sampler_correction's per-token weights and where they were truncated or masked, (B, R) each, from
+        the sampler's recorded log q(y_t) to the old policy's (`ppo_math.sampler_correction_weights`); the
+        same for every epoch. (None, None) when sampler_correction is none."""
+        cfg = self.cfg
+        if cfg.sampler_correction == "none":
+            return None, None
+        if rollout.sampler_logprobs is None:
+            raise UserError(
+                f"sampler_correction {cfg.sampler_correction}: the sampler recorded no log-probs of its tokens "
+                "(a model sampled through its own generate); use sampler_correction none"
+            )
+        weights, stats = ppo_math.sampler_correction_weights(
+            old_logprobs=rollout.logprobs,
+            sampler_logprobs=rollout.sampler_logprobs,
+            response_mask=loss_mask,
+            correction=cfg.sampler_correction,
+            cap=cfg.sampler_correction_cap,
+        )
+        return weights, stats.corrected
 
     def optimizer_step(self, epoch: int, *, updates: int) -> None:
         """Clip the gradients, step the optimiser, then the LR schedule: once per optimiser step on every
@@ -660,6 +965,8 @@ class PPOTrainer:
         cfg = self.cfg
         return (
             self.sizes.optimizer_steps_per_ppo_step == 1
+            and not cfg.dynamic_sampling  # `dynamic_rollout` runs its own forwards on the rows it keeps
+            and cfg.sampler_correction == "none"  # its weights read the old log-probs before the update
             and not cfg.estimator.critic
             and cfg.kl_penalty_in_loss
             and cfg.ent_coef == 0
@@ -729,7 +1036,8 @@ class PPOTrainer:
         """With k > 1 samples per prompt: objective/group_scores_std, the std of the scores within a prompt's
         group (n - 1), averaged over the groups of every process, and objective/groups_tied, the share of
         groups whose k scores are all equal (with the KL in the loss, grpo, dr_grpo and rloo give their
-        responses a zero advantage: the group teaches nothing)."""
+        responses a zero advantage: the group teaches nothing). With dynamic_sampling these are the trained
+        groups (the tied groups it filled in at its cap); the dropped ones are sampling/groups_dropped."""
         grouped = ppo_math.scores_by_prompt(
             scores=rollout.scores, samples_per_prompt=self.cfg.samples_per_prompt
         )  # (P, k)

@@ -6,7 +6,9 @@ for the KL penalty, in steps of: rollout -> reference log-probs -> scores -> per
 -> K epochs of clipped updates on minibatches -> KL controller update (`llm_rlhf.ppo`). The
 `advantage_estimator` is a row of `llm_rlhf.estimators`: GAE over a value function, or a critic-free
 estimator (GRPO, Dr. GRPO, RLOO, REINFORCE++, ReMax) on the same rollout, KL and update; a key the chosen
-estimator does not read, set to another value than its default, is an error naming the key.
+estimator does not read, set to another value than its default, is an error naming the key. The keys of the
+policy-loss family (issue 37: policy_loss, the clip ranges, dual_clip, loss_aggregation, sampler_correction,
+overlong shaping, mask_truncated, dynamic_sampling) are checked against the same row (`check_policy_loss_keys`).
 Run it with `llm-rlhf ppo --config recipes/reviews/ppo.yaml [--key value ...]`, also under
 `accelerate launch` with several processes.
 """
@@ -28,6 +30,7 @@ from llm_rlhf.estimators import (
     help_text,
     names,
 )
+from llm_rlhf.ppo_math import LOSS_AGGREGATIONS, POLICY_LOSSES, SAMPLER_CORRECTIONS
 from llm_rlhf.rollout import check_generation_controls
 from llm_rlhf.scoring import check_score_keys
 
@@ -197,6 +200,74 @@ class Config:
     )
     lam: float = help_field(0.95, "GAE lambda (gae only).")
     cliprange: float = help_field(0.2, "Policy ratio clip epsilon.")
+    # --- the policy-loss family of 2025-26 (issue 37; SPEC "The policy-loss family of 2025-26")
+    policy_loss: str = help_field(
+        "ppo_clip",
+        "The token loss of the clipped update: 'ppo_clip' (PPO's clip, with cliprange_low/cliprange_high and "
+        "dual_clip; every estimator), 'gspo' (one length-normalised ratio per response, clipped per response; "
+        f"Zheng et al. 2025; {names(r for r in ROWS if 'gspo' in r.policy_losses)} only: it needs one advantage "
+        "per response, which gae and reinforce_pp do not give) or 'cispo' (a REINFORCE term weighted by the "
+        "ratio truncated at 1 + cliprange_high, stop-gradient: clipped tokens keep their gradient; MiniMax "
+        f"2025; {names(r for r in ROWS if 'cispo' in r.policy_losses)}).",
+    )
+    cliprange_low: float | None = help_field(
+        None,
+        "eps_low, the clip below 1 (clip-higher, DAPO: a separate cliprange_high). null = cliprange for "
+        "ppo_clip (the symmetric clip), 3e-4 for gspo (its paper's); not read by cispo. Every estimator.",
+    )
+    cliprange_high: float | None = help_field(
+        None,
+        "eps_high, the clip above 1 (DAPO's clip-higher: 0.28 with cliprange_low 0.2). null = cliprange for "
+        "ppo_clip and cispo (the truncation of its weight), 4e-4 for gspo. Every estimator.",
+    )
+    dual_clip: float | None = help_field(
+        None,
+        "c > 1: the loss of a token with a negative advantage is at most -c * A (Ye et al. 2020), a bound at "
+        "large ratios; policy_loss ppo_clip only, every estimator. null = off.",
+    )
+    loss_aggregation: str = help_field(
+        "token_mean",
+        "How a minibatch's token losses make its policy loss: 'token_mean' (over its response tokens; PPO, "
+        "DAPO), 'seq_mean_token_mean' (the mean over responses of each one's token mean; GRPO's original, "
+        "GSPO's objective) or 'token_sum_norm' (the token sum over the constant minibatch responses x "
+        "max_new_tokens; Dr. GRPO). Over the global minibatch: the same with gradient accumulation and any "
+        "number of processes. Every estimator.",
+    )
+    sampler_correction: str = help_field(
+        "none",
+        "Per-token importance weight on the policy loss from the sampler's recorded log-probs q to the old "
+        "policy's, for a sampler that is not the trainer (sampling_dtype bfloat16): 'tis' (truncated, "
+        "min(pi_old / q, cap)), 'mis' (masked: 0 outside [1/cap, cap]) or 'none'. Logged as "
+        f"sampler/mean_weight and sampler/corrected_frac. "
+        f"{names(r for r in ROWS if r.corrections)}.",
+    )
+    sampler_correction_cap: float = help_field(2.0, "C of sampler_correction (>= 1).")
+    overlong_buffer: int = help_field(
+        0,
+        "DAPO's overlong shaping: a penalty added to the score of a response longer than max_new_tokens - "
+        "this many tokens, growing linearly to -overlong_penalty at max_new_tokens, -overlong_penalty for a "
+        "truncated one (in [0, max_new_tokens]; 0 = off). Applied after score_clip; eos_penalty, when set, "
+        "still replaces the whole score of a truncated response. Logged as objective/overlong_penalty. "
+        "Every estimator.",
+    )
+    overlong_penalty: float = help_field(
+        1.0, "The largest overlong shaping penalty (>= 0; see overlong_buffer)."
+    )
+    mask_truncated: bool = help_field(
+        False,
+        "Leave the responses truncated at max_new_tokens (no EOS nor stop string) out of the update's losses "
+        "(policy, value, KL, entropy) and their normalisers: DAPO's overlong filtering. Every estimator.",
+    )
+    dynamic_sampling: bool = help_field(
+        False,
+        "DAPO's dynamic sampling: drop the groups whose samples_per_prompt scores all tie (their advantages are "
+        "0 under a group baseline) and sample further prompts until each process holds rollout_batch_size "
+        "untied groups, at most dynamic_sampling_max_rounds rounds (then filled with tied groups); logged as "
+        f"sampling/*. {names(r for r in ROWS if r.dynamic_sampling)} only, with samples_per_prompt >= 2.",
+    )
+    dynamic_sampling_max_rounds: int = help_field(
+        3, "With dynamic_sampling: the most sampling rounds of one PPO step (>= 1)."
+    )
     cliprange_value: float = help_field(0.2, "Value clip epsilon (gae only).")
     vf_coef: float = help_field(0.1, "c1: value loss coefficient (gae only).")
     ent_coef: float = help_field(0.0, "c2: entropy bonus coefficient.")
@@ -308,6 +379,7 @@ class Config:
         require(self.max_new_tokens > 0, "max_new_tokens", "must be > 0")
         check_generation_controls(self)
         check_estimator_keys(self)
+        check_policy_loss_keys(self)
 
     @property
     def heldout_batch_size(self) -> int:
@@ -318,6 +390,36 @@ class Config:
     def estimator(self) -> Estimator:
         """The row of `advantage_estimator` (`llm_rlhf.estimators`): what the trainer reads of it."""
         return ESTIMATORS[self.advantage_estimator]
+
+    @property
+    def clip_low(self) -> float:
+        """eps_low of the policy loss, cliprange_low resolved: null = cliprange for ppo_clip (so a config
+        without the key clips as before), GSPO's 3e-4 for gspo; cispo does not read it."""
+        if self.cliprange_low is not None:
+            return self.cliprange_low
+        return GSPO_CLIPRANGE[0] if self.policy_loss == "gspo" else self.cliprange
+
+    @property
+    def clip_high(self) -> float:
+        """eps_high of the policy loss, cliprange_high resolved: null = cliprange for ppo_clip and cispo,
+        GSPO's 4e-4 for gspo."""
+        if self.cliprange_high is not None:
+            return self.cliprange_high
+        return GSPO_CLIPRANGE[1] if self.policy_loss == "gspo" else self.cliprange
+
+    @property
+    def plain_policy_loss(self) -> bool:
+        """Every key of the policy-loss family at a value that changes nothing: the update is today's
+        `ppo_math.policy_loss` with its arithmetic (the defaults stay bit-identical to runs before the keys)."""
+        return (
+            self.policy_loss == "ppo_clip"
+            and self.cliprange_low in (None, self.cliprange)
+            and self.cliprange_high in (None, self.cliprange)
+            and self.dual_clip is None
+            and self.loss_aggregation == "token_mean"
+            and self.sampler_correction == "none"
+            and not self.mask_truncated
+        )
 
     @property
     def kl_penalty_in_loss(self) -> bool:
@@ -359,6 +461,72 @@ def check_estimator_keys(cfg) -> None:
             key,
             f"{value!r} is not used by advantage_estimator {row.name} (only by {users}): remove it or leave it "
             f"at its default {default!r}",
+        )
+
+
+GSPO_CLIPRANGE = (3e-4, 4e-4)  # Zheng et al. 2025: (eps_low, eps_high) of a sequence-level ratio
+
+
+def check_policy_loss_keys(cfg) -> None:
+    """The keys of the policy-loss family (issue 37), each a ConfigError naming its key; what an estimator
+    accepts is its row's `policy_losses`, `corrections` and `dynamic_sampling` (the rows with dynamic sampling
+    have a group baseline and need samples_per_prompt >= 2: `check_estimator_keys` says so first)."""
+    row = cfg.estimator
+    require(cfg.policy_loss in POLICY_LOSSES, "policy_loss", f"must be one of {', '.join(POLICY_LOSSES)}")
+    require(
+        cfg.policy_loss in row.policy_losses,
+        "policy_loss",
+        f"'{cfg.policy_loss}' is not for advantage_estimator {row.name} (gspo clips one ratio per response "
+        "and needs one advantage per response; "
+        f"{row.name} accepts {', '.join(row.policy_losses)})",
+    )
+    for key in ("cliprange_low", "cliprange_high"):
+        value = getattr(cfg, key)
+        require(value is None or value > 0, key, "must be > 0 or null")
+    require(
+        cfg.cliprange_low is None or cfg.policy_loss != "cispo",
+        "cliprange_low",
+        "is not read by policy_loss cispo (its weight is truncated above only): leave it null",
+    )
+    require(cfg.dual_clip is None or cfg.dual_clip > 1, "dual_clip", "must be > 1 or null (c bounds -c * A)")
+    require(
+        cfg.dual_clip is None or cfg.policy_loss == "ppo_clip",
+        "dual_clip",
+        f"is for policy_loss ppo_clip only (not {cfg.policy_loss})",
+    )
+    require(
+        cfg.loss_aggregation in LOSS_AGGREGATIONS,
+        "loss_aggregation",
+        f"must be one of {', '.join(LOSS_AGGREGATIONS)}",
+    )
+    require(
+        cfg.sampler_correction == "none" or cfg.sampler_correction in SAMPLER_CORRECTIONS,
+        "sampler_correction",
+        f"must be none, {' or '.join(SAMPLER_CORRECTIONS)}",
+    )
+    require(
+        cfg.sampler_correction == "none" or cfg.sampler_correction in row.corrections,
+        "sampler_correction",
+        f"'{cfg.sampler_correction}' is not for advantage_estimator {row.name}",
+    )
+    require(
+        cfg.sampler_correction_cap >= 1,
+        "sampler_correction_cap",
+        f"must be >= 1 (got {cfg.sampler_correction_cap}): weights are truncated at C and kept in [1/C, C]",
+    )
+    require(
+        0 <= cfg.overlong_buffer <= cfg.max_new_tokens,
+        "overlong_buffer",
+        f"must be in [0, max_new_tokens = {cfg.max_new_tokens}] (got {cfg.overlong_buffer})",
+    )
+    require(cfg.overlong_penalty >= 0, "overlong_penalty", "must be >= 0")
+    require(cfg.dynamic_sampling_max_rounds >= 1, "dynamic_sampling_max_rounds", "must be >= 1")
+    if cfg.dynamic_sampling:
+        require(
+            row.dynamic_sampling,
+            "dynamic_sampling",
+            f"drops the groups whose scores tie, which carry no signal only under a group baseline: not for "
+            f"advantage_estimator {row.name} (only {names(r for r in ROWS if r.dynamic_sampling)})",
         )
 
 

@@ -30,6 +30,7 @@ OBJECTIVE_GROUP_SCORES_STD = "objective/group_scores_std"  # k > 1 samples per p
 OBJECTIVE_GROUPS_TIED = "objective/groups_tied"  # share of the groups whose k scores are all equal
 OBJECTIVE_SCORES_MEMBER = "objective/scores_member_"  # + k: member k's mean score (a reward-model ensemble)
 OBJECTIVE_SCORES_DISAGREEMENT = "objective/scores_disagreement"  # std across the ensemble's members
+OBJECTIVE_OVERLONG_PENALTY = "objective/overlong_penalty"  # overlong_buffer: DAPO's length penalty, mean
 
 
 def objective(term: str) -> str:
@@ -48,6 +49,16 @@ POLICY_CLIPFRAC = "policy/clipfrac"
 POLICY_RATIO = "policy/ratio"  # mean pi_theta / pi_theta_old
 POLICY_SKIPPED_MINIBATCHES = "policy/skipped_minibatches"  # dropped by ratio_guard
 POLICY_EARLY_STOPPED = "policy/early_stopped"  # 1.0 when target_approxkl stopped the epochs
+# the policy-loss family (issue 37): logged only when its option is on
+POLICY_CLIPFRAC_LOW = "policy/clipfrac_low"  # tokens clipped at 1 - cliprange_low (A < 0)
+POLICY_CLIPFRAC_HIGH = "policy/clipfrac_high"  # tokens clipped at 1 + cliprange_high (A > 0)
+POLICY_DUAL_CLIPFRAC = "policy/dual_clipfrac"  # dual_clip: tokens whose loss the bound -c*A replaced
+SAMPLER_MEAN_WEIGHT = "sampler/mean_weight"  # sampler_correction: mean importance weight on the tokens
+SAMPLER_CORRECTED_FRAC = "sampler/corrected_frac"  # tokens truncated (tis) or masked (mis)
+SAMPLING_ROUNDS = "sampling/rounds"  # dynamic_sampling: rounds of sampling this step
+SAMPLING_GROUPS_DROPPED = "sampling/groups_dropped"  # tied groups left out
+SAMPLING_TIED_GROUPS_TRAINED = "sampling/tied_groups_trained"  # tied groups kept to fill the step at the cap
+SAMPLING_SAMPLED_PER_TRAINED = "sampling/sampled_per_trained"  # responses sampled per response trained, run
 VAL_CLIPFRAC = "val/clipfrac"
 VAL_EXPLAINED_VARIANCE = "val/explained_variance"  # 1 - Var(R - V) / Var(R)
 VAL_MEAN = "val/mean"

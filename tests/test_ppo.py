@@ -333,6 +333,11 @@ def test_config_dataclass_is_flat(tmp_path):
         "advantage_estimator": "gae", "kl_in_loss": True, "eval_batch_size": 16, "sampling_dtype": "bfloat16",
         "sampling_compile": False,  # compiled steps sample float32 only: set in the critic-free config below
         **{key: getattr(default, key) for key in ONLY_VALUE},
+        # the policy-loss family: cispo with gae here; dual_clip and cliprange_low with ppo_clip, dynamic
+        # sampling with a group baseline in the configs below
+        "policy_loss": "cispo", "cliprange_low": None, "cliprange_high": 0.28, "dual_clip": None,
+        "loss_aggregation": "token_sum_norm", "sampler_correction": "tis", "sampler_correction_cap": 1.5,
+        "overlong_buffer": 4, "overlong_penalty": 0.5, "dynamic_sampling": False,
     }  # fmt: skip
     for f in dataclasses.fields(Config):
         value = getattr(default, f.name)
@@ -352,8 +357,13 @@ def test_config_dataclass_is_flat(tmp_path):
         "advantage_estimator": "remax",
         "sampling_compile": True,
         "sampling_dtype": "float32",
+        "policy_loss": "ppo_clip",
+        "cliprange_low": 0.1,
+        "dual_clip": 3.0,
     }
-    for values in (changed, critic_free):
+    grouped = {**critic_free, "advantage_estimator": "grpo", "dynamic_sampling": True, "policy_loss": "gspo"}
+    grouped["dual_clip"] = None
+    for values in (changed, critic_free, grouped):
         recipe = tmp_path / "ppo.yaml"
         recipe.write_text(yaml.safe_dump(values))
         from_yaml = parse_config(Config, ["--config", str(recipe)])
@@ -373,6 +383,7 @@ def test_config_dataclass_is_flat(tmp_path):
             key in ONLY_VALUE
             or getattr(default, key) != changed[key]
             or getattr(default, key) != critic_free[key]
+            or getattr(default, key) != grouped[key]
         ), key
 
 

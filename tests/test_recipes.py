@@ -23,6 +23,7 @@ HH_FIXTURE = Path(__file__).resolve().parent / "fixtures" / "hh_rlhf.jsonl"
 CONFIGS = {"sft": sft.Config, "rm": reward.Config, "ppo": ppo_config.Config, "eval": evaluate.Config,
            "pipeline": pipeline.Config}  # fmt: skip
 OPTIONAL = {"dpo": dpo.Config, "compare": compare.Config}  # stage files only some recipes have (reviews)
+VARIANTS = {"dapo": ppo_config.Config}  # a stage's recipe with other keys (smollm2-arithmetic: DAPO's PPO)
 NAMES = sorted(p.name for p in RECIPES.iterdir() if p.is_dir())
 YAMLS = sorted(RECIPES.glob("*/*.yaml"))
 
@@ -72,7 +73,7 @@ def test_the_rule_recipe_evaluates_against_its_starting_model_with_its_verifier(
 @pytest.mark.parametrize("path", YAMLS, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_every_recipe_parses(path, monkeypatch):
     monkeypatch.chdir(ROOT)  # recipes name their files relative to the repo root
-    cfg = parse_config({**CONFIGS, **OPTIONAL}[path.stem], ["--config", str(path)])
+    cfg = parse_config({**CONFIGS, **OPTIONAL, **VARIANTS}[path.stem], ["--config", str(path)])
     if path.stem == "pipeline":
         for stage in cfg.stages:  # each stage's recipe file through its Config, with the chaining keys
             pipeline.stage_config(cfg, stage)

@@ -35,6 +35,16 @@ stage3_param_persistence_threshold, stage3_max_live_parameters and stage3_max_re
 parameter partitioned, none kept live: the tiny model is under the default thresholds) and, after the
 updates, samples with the real sampler while rank 0's responses all end at once (EOS forced) and the other
 rank's run to max_new_tokens: "sampled_lengths" holds each rank's longest response (issue 39: that hung).
+
+MODE "loss_options": for each configuration of LOSS_OPTIONS (the policy-loss family of issue 37: clip-higher,
+dual clip, the loss aggregations, the sampler corrections, overlong shaping, truncated masking, GSPO, CISPO,
+dynamic sampling), a trainer runs 2 steps of 2 epochs, with ordinary minibatches and with micro-batches of one
+episode (key NAME and NAME/accumulate); OUT_JSON holds the raw gradient of every update and the metrics. Its
+fixed responses carry fixed sampler log-probs (log q = -6 + 0.5 * N(0, 1) per token, so both corrections bind
+on some tokens), and the first round of each step makes the global batch's first group k identical
+responses, whose scores tie: dynamic sampling drops it and samples a second round (other responses), and
+selects the same groups on 1 process as on 2 (1 process: the first two untied groups of [a1 b1 a2 b2] are
+b1 and a2; 2 processes: rank 0 takes a2, rank 1 b1).
 """
 
 from __future__ import annotations
@@ -53,12 +63,33 @@ from llm_rlhf.utils import use_cpu_ddp_without_gpus
 
 GLOBAL_BATCH, R = 8, 6
 ESTIMATORS = {"grpo": 4, "dr_grpo": 4, "rloo": 4, "reinforce_pp": 2, "remax": 1}  # samples per prompt
+LOSS_OPTIONS = {  # name: (advantage_estimator, samples per prompt, the keys of the policy-loss family)
+    "dapo": ("grpo", 4, dict(cliprange_low=0.2, cliprange_high=0.28, dual_clip=3.0, overlong_buffer=3,
+                             loss_aggregation="seq_mean_token_mean", sampler_correction="tis",
+                             sampler_correction_cap=1.5, mask_truncated=True, dynamic_sampling=True)),
+    "gspo": ("grpo", 4, dict(policy_loss="gspo", loss_aggregation="token_sum_norm", sampler_correction="mis",
+                             sampler_correction_cap=1.5)),
+    "cispo": ("gae", 1, dict(policy_loss="cispo", cliprange_high=0.28)),
+}  # fmt: skip
 
 
-def run(accelerator, model_dir, rm_dir, prompt_file, mode, combine, estimator="gae", k=1) -> dict:
-    """Build a trainer (as `llm-rlhf ppo` does) whose rollouts are fixed, run its steps and record them."""
+def run(
+    accelerator,
+    model_dir,
+    rm_dir,
+    prompt_file,
+    mode,
+    combine,
+    estimator="gae",
+    k=1,
+    options=None,
+    accumulate=False,
+) -> dict:
+    """Build a trainer (as `llm-rlhf ppo` does) whose rollouts are fixed, run its steps and record them.
+    options: keys of the policy-loss family (MODE loss_options); accumulate: micro-batches of one episode."""
     world, rank = accelerator.num_processes, accelerator.process_index
     local = GLOBAL_BATCH // world  # episodes per rank: whole groups (k divides it)
+    loss_options = mode == "loss_options"
     cfg = ppo.Config(
         model_name_or_path=model_dir,
         reward_model_path=rm_dir.split(",") if "," in rm_dir else rm_dir,
@@ -71,9 +102,9 @@ def run(accelerator, model_dir, rm_dir, prompt_file, mode, combine, estimator="g
         samples_per_prompt=k,
         rollout_batch_size=local // k,
         mini_batch_size=local,
-        gradient_accumulation_steps=local if mode == "accumulate" else 1,
+        gradient_accumulation_steps=local if mode == "accumulate" or accumulate else 1,
         max_grad_norm=1e9,
-        ppo_epochs=1,
+        ppo_epochs=2 if loss_options else 1,
         max_new_tokens=R,
         learning_rate=1e-2,
         eval_every=0,
@@ -81,23 +112,32 @@ def run(accelerator, model_dir, rm_dir, prompt_file, mode, combine, estimator="g
         save_steps=0,
         kl_target=1.0,
         kl_horizon=100,
+        **(options or {}),
     )
     tokenizer = load_tokenizer(model_dir, padding_side="left")
     prompts = ppo_run.load_prompts(cfg, tokenizer)
     trainer = ppo_run.build_trainer(cfg, accelerator, tokenizer, prompts)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    rounds = {}  # PPO step -> sampling rounds so far (dynamic sampling samples more than once)
 
     def fixed_rollout(_queries, sampling=None):
         """The global batch's rows of this rank: prompt p's k samples in rows p*k .. p*k + k - 1; with
-        `sampling` greedy (ReMax's baseline), one fixed response per prompt instead."""
+        `sampling` greedy (ReMax's baseline), one fixed response per prompt instead. MODE loss_options: the
+        first group of a step's first round is k copies of one response, and the rows carry sampler
+        log-probs; each further round of a step draws other responses."""
         greedy = sampling is not None and sampling.greedy
         per_prompt = 1 if greedy else k
         queries = [q for q in prompts[: GLOBAL_BATCH // k] for _ in range(per_prompt)]
-        g = torch.Generator().manual_seed(8 if greedy else 7)
+        r = 1 if greedy else rounds.get(trainer.step, 0) + 1
+        rounds[trainer.step] = r
+        g = torch.Generator().manual_seed((8 if greedy else 7) + 100 * (r - 1))
         responses = torch.randint(5, 200, (len(queries), R), generator=g)
         for i in range(len(queries)):  # EOS at varied positions; row 0 never stops
             if i % 3:
                 responses[i, 1 + i % (R - 1)] = eos
+        if loss_options and r == 1:
+            responses[:k] = responses[1]  # group 0: k identical responses (EOS in column 2), tied scores
+        sampler_logprobs = -6.0 + 0.5 * torch.randn((len(queries), R), generator=g)  # (B, R) log q
         n = len(queries) // world
         rows = list(range(rank * n, (rank + 1) * n))
         if mode == "degenerate":
@@ -109,7 +149,11 @@ def run(accelerator, model_dir, rm_dir, prompt_file, mode, combine, estimator="g
         response = responses[rows]
         mask = ppo_math.response_mask_from_tokens(response=response, eos_token_id=eos)
         return Samples(
-            query=query, query_mask=query_mask, response=torch.where(mask, response, pad), response_mask=mask
+            query=query,
+            query_mask=query_mask,
+            response=torch.where(mask, response, pad),
+            response_mask=mask,
+            sampler_logprobs=torch.where(mask, sampler_logprobs[rows], 0.0) if loss_options else None,
         )
 
     real_generate, trainer.generate = trainer.generate, fixed_rollout
@@ -136,7 +180,7 @@ def run(accelerator, model_dir, rm_dir, prompt_file, mode, combine, estimator="g
             return allreduce_hook(state, bucket)
 
         trainer.policy.register_comm_hook(None, counting_allreduce)
-    steps = 2 if mode in ("degenerate", "estimators") or estimator != "gae" else 1
+    steps = 2 if mode in ("degenerate", "estimators", "loss_options") or estimator != "gae" else 1
     metrics = [trainer.ppo_step() for _ in range(steps)]
     accelerator.clip_grad_norm_ = clip
     lengths = []
@@ -225,6 +269,14 @@ def main() -> None:
             "grpo": grpo,
             "distributed_type": accelerator.distributed_type.value,
         }
+    elif mode == "loss_options":
+        record = {"runs": {}}
+        for name, (estimator, k, options) in LOSS_OPTIONS.items():
+            for accumulate in (False, True):
+                key = f"{name}/accumulate" if accumulate else name
+                record["runs"][key] = run(
+                    *args, estimator=estimator, k=k, options=options, accumulate=accumulate
+                )
     else:
         result = run(*args)
         record = {
