@@ -90,6 +90,11 @@ class Task:
     n_eval: int = 64  # held-out prompts, distinct questions
     extract: str = "number"  # how the answer is read from a response: "number" or "line" (module docstring)
     instruction: str = INSTRUCTION  # the answer format asked for, after the question
+    # A held-out set of other problems than another task trains on, where the two word them differently (e.g.
+    # the same sums in other words): every item whose metadata[avoid_metadata] is that of a training row of
+    # the task folder `avoid_task` (written before this one, beside it) is skipped.
+    avoid_task: str | None = None
+    avoid_metadata: str = "expression"
 
     def __post_init__(self):
         where = f"task '{self.name}'"
@@ -161,25 +166,32 @@ def user_message(task: Task, question: str) -> str:
     return f"{question_key(question)}\n\n{task.instruction}"
 
 
-def make_splits(task: Task) -> tuple[list[dict], list[dict]]:
+def make_splits(task: Task, avoid: frozenset = frozenset()) -> tuple[list[dict], list[dict]]:
     """(train entries, held-out entries), deterministic in the task: items of one seeded generator in index
     order; the first `n_eval` distinct questions are held out, then the next `n_train` items whose question is
     not held out are the training rows (a question may repeat in train: a small task has few). Raises a
-    ConfigError when that takes more than `DRAWS_PER_ROW` items a row (the task is too small for its sizes)."""
+    ConfigError when that takes more than `DRAWS_PER_ROW` items a row (the task is too small for its sizes).
+    avoid: values of metadata[task.avoid_metadata] whose items are skipped (`Task.avoid_task`)."""
     budget = DRAWS_PER_ROW * (task.n_train + task.n_eval)
     data = create_dataset(task, budget)
     held_out, seen, train = [], set(), []
     index = 0
+
+    def allowed(entry: dict) -> bool:
+        return question_key(entry["question"]) not in seen and (
+            not avoid or entry["metadata"].get(task.avoid_metadata) not in avoid
+        )
+
     while len(held_out) < task.n_eval and index < budget:
         entry = data[index]
         index += 1
-        if question_key(entry["question"]) not in seen:
+        if allowed(entry):
             seen.add(question_key(entry["question"]))
             held_out.append(entry)
     while len(train) < task.n_train and index < budget:
         entry = data[index]
         index += 1
-        if question_key(entry["question"]) not in seen:
+        if allowed(entry):
             train.append(entry)
     if len(held_out) < task.n_eval or len(train) < task.n_train:
         raise ConfigError(
@@ -212,7 +224,16 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 
 def write_task(task: Task, out: Path, *, command: str) -> Path:
     """Write the task's folder `out / task.name` (module docstring); the same task writes the same bytes."""
-    train, held_out = make_splits(task)
+    avoid = frozenset()
+    if task.avoid_task is not None:
+        other = Path(out) / task.avoid_task / "train_prompts.jsonl"
+        if not other.is_file():
+            raise ConfigError(
+                f"task '{task.name}': avoid_task '{task.avoid_task}' has no {other} (write it first)"
+            )
+        with other.open(encoding="utf-8") as f:
+            avoid = frozenset(json.loads(line)["metadata"].get(task.avoid_metadata) for line in f)
+    train, held_out = make_splits(task, avoid)
     folder = Path(out) / task.name
     folder.mkdir(parents=True, exist_ok=True)
     write_jsonl(folder / "train_prompts.jsonl", [prompt_row(task, e) for e in train])

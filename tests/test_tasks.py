@@ -122,6 +122,28 @@ def test_bad_task_entries_are_one_line_naming_the_task(tmp_path, values, message
         load_tasks(path)
 
 
+def test_avoid_task_skips_the_problems_another_task_trains_on(tmp_path):
+    rung = Task(name="rung", dataset="chain_sum", config=CHAIN, n_train=150, n_eval=20)
+    write_task(rung, tmp_path, command="test")
+    trained = {r["metadata"]["expression"] for r in read(tmp_path / "rung" / "train_prompts.jsonl")}
+    words = dict(operators=["+", "-"], allow_parentheses=False, allow_negation=False, format_style="natural")
+    for avoid, n_clash in (
+        (None, "some"),
+        ("rung", 0),
+    ):  # seed 40: items 40.. of the sequence the rung trains on
+        task = Task(name=f"w-{avoid}", dataset="basic_arithmetic", config={**CHAIN, **words}, seed=40, n_train=0,
+                    n_eval=20, avoid_task=avoid)  # fmt: skip
+        asked = {
+            r["metadata"]["expression"]
+            for r in read(write_task(task, tmp_path, command="t") / "eval_prompts.jsonl")
+        }
+        assert (len(asked & trained) > 0) if n_clash == "some" else not asked & trained
+    with pytest.raises(ConfigError, match=r"task 'w': avoid_task 'nothing' has no "):
+        write_task(
+            Task(name="w", dataset="chain_sum", config=CHAIN, avoid_task="nothing"), tmp_path, command="t"
+        )
+
+
 def test_a_bad_dataset_or_generator_config_is_a_config_error():
     with pytest.raises(ConfigError, match=r"task 'x': dataset 'no_such_task'"):
         make_splits(Task(name="x", dataset="no_such_task"))
