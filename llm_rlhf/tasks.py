@@ -64,9 +64,11 @@ EXTRACT_MODES = ("line", "number")
 MAX_ANSWER_CHARS = 4000
 DRAWS_PER_ROW = 20  # how many generator items a row may cost before the task is too small for its sizes
 REASONING_GYM = "reasoning-gym"
-VERIFIER_PY = '''"""The verifier of this task folder (written by llm_rlhf.tasks.write_task; see its docstring):
-    reward_fn: <this folder>/verifier.py:reward       score_answer of the extracted answer, 0..1
-    accuracy_fn: <this folder>/verifier.py:accuracy   1.0 where that score is 1.0, else 0.0"""
+VERIFIER_PY = '''"""The verifier of this task folder (written by llm_rlhf.tasks.write_task; see its docstring).
+
+reward_fn: <this folder>/verifier.py:reward       score_answer of the extracted answer, 0..1
+accuracy_fn: <this folder>/verifier.py:accuracy   1.0 where that score is 1.0, else 0.0
+"""
 
 from pathlib import Path
 
