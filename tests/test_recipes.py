@@ -43,6 +43,7 @@ def test_the_recipes_are_the_documented_ones():
         "gym-chain_sum-t2d2",
         "gym-chain_sum-t3d1",
         "gym-leg_counting-a1",
+        "gym-letter_counting-w2",
         "reviews",
         "reviews-lora",
         "smollm2-arithmetic",
