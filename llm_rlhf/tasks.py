@@ -37,8 +37,8 @@ How the answer is read from a response (`extract_answer`), per task by its `extr
   or thousands groups, a decimal part, never inside a word), the minus sign U+2212 written "-" and thousands
   commas dropped; no number there -> no answer. A response with no answer line at all is read as
   `llm_rlhf.arithmetic` reads one: its LAST number ("The answer is 7." -> "7"). SmolLM2-135M-Instruct
-  writes "Answer:" in under a tenth of its sampled responses to chain_sum prompts (measured: data/tasks/
-  README.md), so a format-only rule would start every rung at zero reward;
+  writes "Answer:" in 3% to 14% of its sampled responses to these tasks and in none of its greedy ones
+  (measured: data/tasks/README.md), so a format-only rule would start every rung at zero reward;
 - only the last `MAX_ANSWER_CHARS` characters of a response are searched (a response is bounded by
   max_new_tokens anyway; this keeps a pathological one linear and cheap).
 The extracted text goes to the generator's own `score_answer(answer, entry)`: the `reward` is that score as
@@ -55,6 +55,8 @@ import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
+
+import yaml
 
 from llm_rlhf.arithmetic import NUMBER
 from llm_rlhf.errors import ConfigError
@@ -84,9 +86,8 @@ class Task:
 
     name: str  # the folder name under the output directory, e.g. "chain_sum-t3d1"
     dataset: str  # a reasoning-gym dataset name (reasoning_gym.create_dataset), e.g. "chain_sum"
-    config: dict = dataclasses.field(
-        default_factory=dict
-    )  # the generator's config keys, e.g. {"min_terms": 3}
+    # the generator's config keys, e.g. {"min_terms": 3} (its seed and size are the task's own)
+    config: dict = dataclasses.field(default_factory=dict)
     seed: int = 0  # the generator's seed: one seed makes both files
     n_train: int = 1000  # training prompts (questions may repeat; none is a held-out one); 0: held-out only
     n_eval: int = 64  # held-out prompts, distinct questions
@@ -117,8 +118,6 @@ class Task:
 def load_tasks(path: Path) -> list[Task]:
     """The tasks of a YAML file `{name: {dataset: ..., config: {...}, seed: ..., ...}}`, in file order; an
     unknown key or a bad value is one ConfigError line naming the file and the task."""
-    import yaml
-
     raw = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of task names to tasks")
