@@ -28,14 +28,23 @@ NAMES = sorted(p.name for p in RECIPES.iterdir() if p.is_dir())
 YAMLS = sorted(RECIPES.glob("*/*.yaml"))
 
 
-RULE_RECIPES = ["smollm2-arithmetic"]  # stages [ppo, eval]: RL from a rule, straight from an instruct model
+GYM_RECIPES = [name for name in NAMES if name.startswith("gym-")]  # reasoning-gym tasks (tests/test_tasks.py)
+RULE_RECIPES = [
+    "smollm2-arithmetic",
+    *GYM_RECIPES,
+]  # stages [ppo, eval]: RL from a rule, from an instruct model
 CHAINED_RECIPES = [name for name in NAMES if name not in RULE_RECIPES]  # sft -> rm -> ppo -> eval
 
 
-def test_the_recipes_are_the_documented_six():
+def test_the_recipes_are_the_documented_ones():
     assert NAMES == [
         "gpt2-hh",
         "gpt2-reviews",
+        "gym-chain_sum-t2d1",
+        "gym-chain_sum-t2d2",
+        "gym-chain_sum-t3d1",
+        "gym-leg_counting-a1",
+        "gym-letter_counting-w2",
         "reviews",
         "reviews-lora",
         "smollm2-arithmetic",
