@@ -3,7 +3,7 @@
     python benchmarks/grpo_vs_trl.py --shape tiny       # 2-layer 128-dim GPT-2, 16 prompts x 4 x 16 tokens
     python benchmarks/grpo_vs_trl.py --shape smollm2    # SmolLM2-135M + LoRA r=16, 8 prompts x 4 x 24 tokens
 
-Ours: `llm_rlhf.ppo.PPOTrainer.ppo_step`, the trainer built by `ppo_run.build_trainer` as `llm-rlhf ppo` and
+Ours: `llm_rlhf.stages.ppo.PPOTrainer.ppo_step`, the trainer built by `ppo_run.build_trainer` as `llm-rlhf ppo` and
 `benchmarks/ppo_step.py` build it (the model folders, tokenizer, prompts and phase timers are ppo_step.py's).
 TRL's: `trl.GRPOTrainer.train()` (TRL 1.16, transformers generation, no vLLM), one optimiser step per batch.
 Each TRL step ends in a callback that runs one of our steps, so the two alternate (TRL, ours, TRL, ours, ...)
@@ -159,10 +159,10 @@ def our_trainer(args, policy_dir: Path, texts: list[str], workdir: Path, total_s
     """`ppo_run.build_trainer` on the settings of the docstring's table."""
     from accelerate import Accelerator
 
-    from llm_rlhf import ppo, ppo_run
-    from llm_rlhf.models import load_tokenizer
-    from llm_rlhf.reward_fn import RewardFn
-    from llm_rlhf.rollout import encode_prompt
+    from llm_rlhf.models.loading import load_tokenizer
+    from llm_rlhf.models.reward_fn import RewardFn
+    from llm_rlhf.rl.rollout import encode_prompt
+    from llm_rlhf.stages import ppo, ppo_run
 
     tokenizer = load_tokenizer(str(policy_dir), padding_side="left")
     queries = [encode_prompt(tokenizer, t) for t in texts]
@@ -282,7 +282,7 @@ def main(argv=None) -> dict:
     workdir = Path(args.workdir or tmp.name)
     policy_dir, source = build_policy(args, workdir)
     total = args.warmup + args.steps
-    from llm_rlhf.models import load_tokenizer
+    from llm_rlhf.models.loading import load_tokenizer
 
     texts = prompt_texts(args, load_tokenizer(str(policy_dir)), args.prompts * total)
 

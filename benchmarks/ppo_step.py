@@ -1,4 +1,4 @@
-"""Benchmark of one PPO step (`llm_rlhf.ppo.PPOTrainer.ppo_step`) on a model of a given shape.
+"""Benchmark of one PPO step (`llm_rlhf.stages.ppo.PPOTrainer.ppo_step`) on a model of a given shape.
 
     python benchmarks/ppo_step.py --model small                        # the reviews task's shape
     python benchmarks/ppo_step.py --model gpt2 --lora --bf16           # GPT-2 124M shape, LoRA, bf16 autocast
@@ -10,10 +10,10 @@
 
 Models are built from a config with random weights (never downloaded) and saved as HF folders in a
 temporary directory: the policy (`GPT2LMHeadModel` + a byte-level BPE tokenizer whose vocabulary has
-exactly the model's `vocab_size`) and a reward model saved by `llm_rlhf.reward_model.save_reward_model`.
+exactly the model's `vocab_size`) and a reward model saved by `llm_rlhf.models.reward_model.save_reward_model`.
 With --model-dir the policy is that folder (any causal-LM architecture) and the reward model is its
 trunk with a fresh score head (`AutoModelForSequenceClassification`), as `llm-rlhf rm` starts from the
-SFT model. The trainer is built by `llm_rlhf.ppo_run.build_trainer`, as `llm-rlhf ppo` does.
+SFT model. The trainer is built by `llm_rlhf.stages.ppo_run.build_trainer`, as `llm-rlhf ppo` does.
 
 Per phase (generate = the sampler only: `fast_sampling.generate`, or `policy.lm.generate` for a model it does
 not support; old log-probs and values = the policy forward after it, absent where the update's forward gives
@@ -61,7 +61,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from llm_rlhf import fast_sampling  # noqa: E402
+from llm_rlhf.rl import fast_sampling  # noqa: E402
 
 # The reviews task's base model (data/make_base_model.py defaults) and GPT-2 124M (GPT2Config() defaults).
 SHAPES = {
@@ -199,8 +199,13 @@ def build_folders(args, workdir: Path) -> tuple[Path, Path]:
     """policy folder (causal LM + tokenizer) and reward-model folder (as `llm-rlhf rm` saves it)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, GPT2LMHeadModel
 
-    from llm_rlhf.models import load_tokenizer
-    from llm_rlhf.reward_model import RewardModel, add_pad_token, load_sequence_classifier, save_reward_model
+    from llm_rlhf.models.loading import load_tokenizer
+    from llm_rlhf.models.reward_model import (
+        RewardModel,
+        add_pad_token,
+        load_sequence_classifier,
+        save_reward_model,
+    )
 
     config = model_config(args)
     policy_dir, rm_dir = workdir / "policy", workdir / "rm"
@@ -437,7 +442,7 @@ class RssSampler:
 
 
 def compare_generation(trainer, args, device, reps: int) -> dict:
-    from llm_rlhf.rollout import left_pad
+    from llm_rlhf.rl.rollout import left_pad
 
     """Rollout generation (the trainer's `generate` minus its policy forward) vs a bare `model.generate`
     with the same model, batch, lengths and autocast, alternating so both see the same machine load."""
@@ -495,7 +500,7 @@ def compare_generation(trainer, args, device, reps: int) -> dict:
 
 def make_prompts(args, cfg, tokenizer, vocab_size: int, n: int) -> list[list[int]]:
     """--prompt-file encoded as `llm-rlhf ppo` does, or n prompts of --prompt-len random non-special tokens."""
-    from llm_rlhf import ppo_run
+    from llm_rlhf.stages import ppo_run
 
     if args.prompt_file:
         return ppo_run.load_prompts(cfg, tokenizer)
@@ -510,8 +515,8 @@ def make_prompts(args, cfg, tokenizer, vocab_size: int, n: int) -> list[list[int
 def run_one(args) -> dict:
     from accelerate import Accelerator
 
-    from llm_rlhf import ppo, ppo_run
-    from llm_rlhf.models import load_tokenizer
+    from llm_rlhf.models.loading import load_tokenizer
+    from llm_rlhf.stages import ppo, ppo_run
 
     torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -19,9 +19,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from llm_rlhf.data import load_prompt_dataset  # noqa: E402
-from llm_rlhf.models import load_causal_lm, load_tokenizer  # noqa: E402
-from llm_rlhf.rollout import Sampling, encode_prompt, left_pad, sample  # noqa: E402
+from llm_rlhf.core.data import load_prompt_dataset  # noqa: E402
+from llm_rlhf.models.loading import load_causal_lm, load_tokenizer  # noqa: E402
+from llm_rlhf.rl.rollout import Sampling, encode_prompt, left_pad, sample  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -3,7 +3,7 @@
     python benchmarks/rollout.py                         # reviews 4M, SmolLM2 full, SmolLM2 + LoRA; batch 8/32/64
     python benchmarks/rollout.py --models smollm2-lora --batches 32 --reps 3
 
-For each model and batch size, `llm_rlhf.rollout.sample` (what PPO, held-out evaluation and best-of-n run)
+For each model and batch size, `llm_rlhf.rl.rollout.sample` (what PPO, held-out evaluation and best-of-n run)
 samples `--new-tokens` tokens after a `--prompt-len`-token prompt of random token ids, on two paths in the
 same process, alternated (generate, fast, generate, fast, ...) so both see the same load:
 
@@ -63,9 +63,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from llm_rlhf import fast_sampling  # noqa: E402
-from llm_rlhf.models import Reference  # noqa: E402
-from llm_rlhf.rollout import Sampling, response_logprobs_and_values, sample  # noqa: E402
+from llm_rlhf.models.loading import Reference  # noqa: E402
+from llm_rlhf.rl import fast_sampling  # noqa: E402
+from llm_rlhf.rl.rollout import Sampling, response_logprobs_and_values, sample  # noqa: E402
 
 MODELS = ("reviews", "smollm2", "smollm2-lora")
 CPU = torch.device("cpu")

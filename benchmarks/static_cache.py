@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import rollout as bench  # noqa: E402  (benchmarks/rollout.py: models, device clock)
 
-from llm_rlhf import fast_sampling  # noqa: E402
+from llm_rlhf.rl import fast_sampling  # noqa: E402
 
 MODES = ("eager-dynamic", "eager-static", "compiled-static")
 

@@ -5,7 +5,7 @@
 
 The prompts are read as `llm-rlhf ppo` reads them (`load_prompt_dataset`: chat `messages` rendered with the
 model's chat template and its generation prompt, token ids as `tokenizer(prompt)`), each response is cut
-after its first EOS and decoded without special tokens, and `llm_rlhf.arithmetic.reward` scores it:
+after its first EOS and decoded without special tokens, and `llm_rlhf.tasks.arithmetic.reward` scores it:
 accuracy = the mean of the verifier's rewards.
 - greedy: one response per problem, `do_sample=False`;
 - sampled: `--samples` responses per problem from the full softmax (`do_sample=True, temperature=1.0,
@@ -30,9 +30,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout's package, installed or not
 
-from llm_rlhf.arithmetic import parse_problem, prompt_answer, reward  # noqa: E402
-from llm_rlhf.data import load_prompt_dataset  # noqa: E402
-from llm_rlhf.models import load_causal_lm, load_tokenizer  # noqa: E402
+from llm_rlhf.core.data import load_prompt_dataset  # noqa: E402
+from llm_rlhf.models.loading import load_causal_lm, load_tokenizer  # noqa: E402
+from llm_rlhf.tasks.arithmetic import parse_problem, prompt_answer, reward  # noqa: E402
 
 
 def generate(model, tokenizer, prompts: list[str], *, sample: bool, max_new_tokens: int, batch_size: int):

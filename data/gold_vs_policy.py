@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO))
 
 from make_gold import opening_and_rest, win_rate  # noqa: E402
 
-from llm_rlhf.gold import judge_details, load_judge  # noqa: E402
+from llm_rlhf.models.gold import judge_details, load_judge  # noqa: E402
 
 
 def main() -> int:

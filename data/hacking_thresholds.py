@@ -1,4 +1,4 @@
-"""Where the reward-hacking alarm's thresholds come from (`llm_rlhf.hacking`, issue 40): two measurements.
+"""Where the reward-hacking alarm's thresholds come from (`llm_rlhf.rl.hacking`, issue 40): two measurements.
 
     python data/hacking_thresholds.py [--draws 2000] [--seed 0]
 
@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from llm_rlhf.hacking import COUNTER_RULES, collapse_rates, watch  # noqa: E402
+from llm_rlhf.rl.hacking import COUNTER_RULES, collapse_rates, watch  # noqa: E402
 
 ISSUE_40 = [" a heart.", " is a heart.", " heart of a heart."]
 

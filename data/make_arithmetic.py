@@ -6,8 +6,8 @@
 
     {"messages": [{"role": "user", "content": "What is 3 + 4?"}], "answer": 7, "kind": "add"}
 
-made by `llm_rlhf.arithmetic.make_splits` with the constants below: the problems and phrasings are the
-module's `KINDS`, and its verifier (`--reward_fn llm_rlhf.arithmetic:reward`) reads the problem back from the
+made by `llm_rlhf.tasks.arithmetic.make_splits` with the constants below: the problems and phrasings are the
+module's `KINDS`, and its verifier (`--reward_fn llm_rlhf.tasks.arithmetic:reward`) reads the problem back from the
 prompt, so `answer` and `kind` are for people (per-kind accuracy, the before/after table), never for the
 reward. No problem is on both sides (3 + 4 and 4 + 3 are one problem); `data/arithmetic/README.md` has the
 mix, the verifier's rule and the instruct model's baseline accuracy. Running it again writes the same bytes
@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout's package, installed or not
 
-from llm_rlhf.arithmetic import make_splits, prompt_row  # noqa: E402
+from llm_rlhf.tasks.arithmetic import make_splits, prompt_row  # noqa: E402
 
 SEED = 0
 N_TRAIN = 2000

@@ -2,7 +2,7 @@
 
     python data/make_gold.py [--calibration 500] [--fluency-model data/smollm2-135m-instruct]
 
-The gold (llm_rlhf/gold.py, FluentGoldJudge) is
+The gold (llm_rlhf/models/gold.py, FluentGoldJudge) is
 
     gold = sentiment - w * (fluency_nll - nll_0) - b * max(0, fluency_nll - tau)
 
@@ -50,7 +50,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from llm_rlhf.gold import FLUENT_FORMAT, FluencyLM, GoldJudge, gold_from_parts  # noqa: E402
+from llm_rlhf.models.gold import FLUENT_FORMAT, FluencyLM, GoldJudge, gold_from_parts  # noqa: E402
 
 WEIGHTS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0)
 DISFLUENCY_WEIGHTS = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)

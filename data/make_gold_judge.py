@@ -19,7 +19,7 @@ order); the test split is touched once, after the choice, to report:
                rows with a mean rating of exactly 0 excluded (they have no sign)
 
 The fitted judge is written as JSON (vocabulary, idf, coefficients; no pickle) and the accuracy is
-recomputed from that file with the toolkit's scorer (``llm_rlhf.gold.GoldJudge``), so the number in
+recomputed from that file with the toolkit's scorer (``llm_rlhf.models.gold.GoldJudge``), so the number in
 the file is the number of the file. Deterministic: the folds are shuffled with ``--seed``.
 
     python data/make_gold_judge.py [--data data/reviews] [--out data/reviews/gold_judge.json]
@@ -39,8 +39,8 @@ from sklearn.feature_extraction.text import TfidfVectorizer
 from sklearn.linear_model import Ridge
 from sklearn.model_selection import KFold
 
-from llm_rlhf.gold import GoldJudge
-from llm_rlhf.utils import atomic_write_text
+from llm_rlhf.core.utils import atomic_write_text
+from llm_rlhf.models.gold import GoldJudge
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TOKEN_PATTERN = r"(?u)\b\w\w+\b"  # scikit-learn's default: words of >= 2 word characters

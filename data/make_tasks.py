@@ -2,10 +2,10 @@
 
     python data/make_tasks.py [--tasks data/tasks/tasks.yaml] [--only NAME ...] [--out data/tasks]
 
-Each task of the YAML (`llm_rlhf.tasks.Task`: dataset, config, seed, n_train, n_eval, extract, instruction)
+Each task of the YAML (`llm_rlhf.tasks.gym.Task`: dataset, config, seed, n_train, n_eval, extract, instruction)
 becomes `<out>/<name>/` with train_prompts.jsonl, eval_prompts.jsonl, task.json (the task, the reasoning-gym
 version, the command) and verifier.py (`reward_fn: <out>/<name>/verifier.py:reward`, `accuracy_fn:
-...:accuracy`); `llm_rlhf/tasks.py` says how. Running it again writes the same bytes
+...:accuracy`); `llm_rlhf/tasks/gym.py` says how. Running it again writes the same bytes
 (`tests/test_tasks.py` compares a fresh run with the committed folders).
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout's package, installed or not
 
-from llm_rlhf.tasks import load_tasks, write_task  # noqa: E402
+from llm_rlhf.tasks.gym import load_tasks, write_task  # noqa: E402
 
 DEFAULT_TASKS = REPO / "data" / "tasks" / "tasks.yaml"
 DEFAULT_OUT = REPO / "data" / "tasks"

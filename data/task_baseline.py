@@ -28,9 +28,9 @@ sys.path.insert(0, str(REPO / "data"))
 
 from arithmetic_baseline import generate, mean_and_stderr  # noqa: E402
 
-from llm_rlhf.data import load_prompt_dataset  # noqa: E402
-from llm_rlhf.models import load_causal_lm, load_tokenizer  # noqa: E402
-from llm_rlhf.tasks import answer_line, load_verifiers  # noqa: E402
+from llm_rlhf.core.data import load_prompt_dataset  # noqa: E402
+from llm_rlhf.models.loading import load_causal_lm, load_tokenizer  # noqa: E402
+from llm_rlhf.tasks.gym import answer_line, load_verifiers  # noqa: E402
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """llm_rlhf: the classic RLHF pipeline (SFT -> reward model -> PPO) on Hugging Face libraries.
 
-The Python API (`llm_rlhf.api`): `SFTConfig`, `RMConfig`, `PPOConfig`, `EvalConfig`, `train_sft`,
+The Python API (`llm_rlhf.interfaces.api`): `SFTConfig`, `RMConfig`, `PPOConfig`, `EvalConfig`, `train_sft`,
 `train_reward_model`, `train_ppo`, `run_eval`, `Trained`, `UserError` and `exit_process`. They are imported on
 first use, so `import llm_rlhf` stays light (the stages import torch, transformers and TRL).
 """
@@ -16,5 +16,5 @@ __all__ = list(API)
 
 def __getattr__(name: str):
     if name in API:
-        return getattr(importlib.import_module("llm_rlhf.api"), name)
+        return getattr(importlib.import_module("llm_rlhf.interfaces.api"), name)
     raise AttributeError(f"module 'llm_rlhf' has no attribute '{name}'")

@@ -1,3 +1,3 @@
-from llm_rlhf.cli import entry
+from llm_rlhf.interfaces.cli import entry
 
 entry()

@@ -49,7 +49,7 @@ def pref_files(tmp_path) -> tuple[Path, Path]:
 @pytest.fixture(scope="session")
 def tiny_rm_dir(tiny_model_dir, tmp_path_factory) -> Path:
     """A reward model trained for a few steps from the tiny GPT-2 by `llm-rlhf rm` itself."""
-    from llm_rlhf import reward
+    from llm_rlhf.stages import reward
 
     tmp = tmp_path_factory.mktemp("rm")
     train = write_jsonl(tmp / "prefs.jsonl", preference_rows() * 4)

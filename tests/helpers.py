@@ -223,7 +223,7 @@ def eos_rows(tokenizer):
     """Three prompts and responses in `tokenizer`'s ids as one batch of `Samples` (queries left-padded,
     responses right-padded): one cut by a stop string, one truncated at max_new_tokens (it fills every
     response column), one that ended with EOS. Also each row's real tokens with EOS at the end."""
-    from llm_rlhf.rollout import Samples, left_pad
+    from llm_rlhf.rl.rollout import Samples, left_pad
 
     eos = tokenizer.eos_token_id
     queries = [tokenizer(p)["input_ids"] for p in ("The film", "A gorgeous, moving", "It")]
@@ -250,7 +250,7 @@ def scores_alone(rm, rows: list[list[int]]) -> torch.Tensor:
 def ppo_config(model_dir, rm_dir, prompt_file, out, **kw):
     """A PPO config for tiny-model runs: two steps of 8 episodes in minibatches of 4, 8 new tokens, no
     checkpoints or logged samples; `rm_dir` None for no reward model (give a reward_fn then). `kw` wins."""
-    from llm_rlhf import ppo_config
+    from llm_rlhf.stages import ppo_config
 
     base = dict(
         model_name_or_path=str(model_dir),
@@ -278,8 +278,8 @@ def ppo_trainer(cfg, mixed_precision: str = "no"):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
-    from llm_rlhf import ppo_run
-    from llm_rlhf.models import load_tokenizer
+    from llm_rlhf.models.loading import load_tokenizer
+    from llm_rlhf.stages import ppo_run
 
     AcceleratorState._reset_state(reset_partial_state=True)  # a fresh mixed_precision for each test
     tokenizer = load_tokenizer(cfg.model_name_or_path, padding_side="left")
@@ -341,8 +341,8 @@ def one_update(cfg, hook=None, *, fixed_responses: bool = False) -> dict[str, to
 def use_fixed_responses(trainer, seed: int = 7) -> None:
     """Replace sampling by fixed responses to the trainer's own prompts: EOS at varied positions (rows
     1, 2, 4, 5, 7 end early, the others never emit EOS), the same on every call (whatever its `sampling`)."""
-    from llm_rlhf import ppo_math
-    from llm_rlhf.rollout import Samples, left_pad
+    from llm_rlhf.rl import ppo_math
+    from llm_rlhf.rl.rollout import Samples, left_pad
 
     eos, pad, R = trainer.tokenizer.eos_token_id, trainer.tokenizer.pad_token_id, trainer.cfg.max_new_tokens
 
@@ -375,7 +375,7 @@ def ppo_cli_args(model_dir, rm_dir, prompt_file, out: Path, steps: int, **kw) ->
 def eval_config(policy, baseline, prompt_file, out, **kw):
     """An evaluation config for tiny models: 12 prompts in batches of 5, 6 new tokens, no reward model, the
     sentiment-only gold judge. `kw` wins."""
-    from llm_rlhf import evaluate
+    from llm_rlhf.stages import evaluate
 
     base = dict(
         policy_path=str(policy), baseline_path=str(baseline), reward_model_path="none",
@@ -438,8 +438,8 @@ def pipeline_argv(out: Path, model: Path, sft_files, pref_files, prompt_file, **
 
 
 def run_pipeline(argv: list[str]) -> dict:
-    from llm_rlhf import pipeline
-    from llm_rlhf.config import parse_config
+    from llm_rlhf.core.config import parse_config
+    from llm_rlhf.interfaces import pipeline
 
     return pipeline.run(parse_config(pipeline.Config, argv))
 

@@ -16,9 +16,9 @@ from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.utils import DistributedType
 from helpers import one_update, ppo_config, ppo_trainer, record_raw_grads
 
-from llm_rlhf import ppo
-from llm_rlhf.accelerated import Accelerated, check_deepspeed_config
-from llm_rlhf.errors import UserError
+from llm_rlhf.core.errors import UserError
+from llm_rlhf.models.accelerated import Accelerated, check_deepspeed_config
+from llm_rlhf.stages import ppo
 
 CONFIGS = Path(__file__).resolve().parents[1] / "accelerate_configs"
 EXPECTED = {
@@ -115,7 +115,7 @@ def test_compiled_sampling_is_refused_under_sharding(kind):
 def test_ddp_generation_gathers_nothing(monkeypatch):
     """DDP (and one process) keep whole parameters: no gather of any kind around generation, and the
     generation inside runs on the policy as it is."""
-    from llm_rlhf import accelerated
+    from llm_rlhf.models import accelerated
 
     gathered = []
 
@@ -385,7 +385,7 @@ def test_deepspeed_mixed_precision_first_step_kl_zero_ratio_one(
 
 
 def test_deepspeed_config_checks():
-    from llm_rlhf.errors import UserError
+    from llm_rlhf.core.errors import UserError
 
     sizes = ppo.batch_sizes(rollout_batch_size=8, mini_batch_size=4, gradient_accumulation_steps=2, ppo_epochs=1,
                             steps=1, num_processes=1)  # fmt: skip
@@ -428,7 +428,7 @@ def test_zero3_checkpoint_is_the_engines_own(tiny_model_dir, tiny_rm_dir, prompt
     """Under ZeRO-3 a process's parameters are its partition (here: empty): the checkpoint is the engine's
     own, written through accelerate's save_state, and a resume restores the engine's partitions, optimiser
     and scheduler, the step and the KL controller (issue 13)."""
-    from llm_rlhf import ppo_run
+    from llm_rlhf.stages import ppo_run
 
     cfg, trainer, engine = trained_zero3_trainer(
         tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch
@@ -464,7 +464,7 @@ def test_zero3_final_save_gathers_on_every_process(
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from llm_rlhf import ppo_run
+    from llm_rlhf.stages import ppo_run
 
     cfg, trainer, engine = trained_zero3_trainer(
         tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch

@@ -14,10 +14,10 @@ import pytest
 import torch
 from helpers import ROOT, build_model, eval_config, ppo_config
 
-from llm_rlhf import evaluate, ppo_run
-from llm_rlhf.arithmetic import prompt_answer, reward
-from llm_rlhf.errors import ConfigError, UserError
-from llm_rlhf.models import load_causal_lm, load_tokenizer
+from llm_rlhf.core.errors import ConfigError, UserError
+from llm_rlhf.models.loading import load_causal_lm, load_tokenizer
+from llm_rlhf.stages import evaluate, ppo_run
+from llm_rlhf.tasks.arithmetic import prompt_answer, reward
 
 EVEN = "reward_fns:even_length"  # tests/reward_fns.py: 1.0 iff the response has an even number of characters
 
@@ -245,15 +245,15 @@ def test_eval_batch_size_gives_runs_of_other_rollout_shapes_the_same_heldout_dra
 
 
 def test_pipeline_eval_takes_ppos_accuracy_fn(tmp_path, monkeypatch):
-    from llm_rlhf import pipeline
+    from llm_rlhf.interfaces import pipeline
 
     monkeypatch.chdir(ROOT)  # the default recipe paths are relative to the repo root
-    cfg = pipeline.Config(output_dir=str(tmp_path), ppo={"accuracy_fn": "llm_rlhf.arithmetic:reward"})
-    assert pipeline.stage_config(cfg, "eval").accuracy_fn == "llm_rlhf.arithmetic:reward"
+    cfg = pipeline.Config(output_dir=str(tmp_path), ppo={"accuracy_fn": "llm_rlhf.tasks.arithmetic:reward"})
+    assert pipeline.stage_config(cfg, "eval").accuracy_fn == "llm_rlhf.tasks.arithmetic:reward"
     assert pipeline.stage_config(pipeline.Config(output_dir=str(tmp_path)), "eval").accuracy_fn is None
     own = pipeline.Config(
         output_dir=str(tmp_path),
-        ppo={"accuracy_fn": "llm_rlhf.arithmetic:reward"},
+        ppo={"accuracy_fn": "llm_rlhf.tasks.arithmetic:reward"},
         eval={"accuracy_fn": EVEN},
     )
     assert pipeline.stage_config(own, "eval").accuracy_fn == EVEN  # eval's overrides win
@@ -268,10 +268,10 @@ CHAT_TEMPLATE = (
 
 
 def test_arithmetic_verifier_through_llm_rlhf_eval(tmp_path):
-    """`llm-rlhf eval --accuracy_fn llm_rlhf.arithmetic:reward` on the committed held-out problems (chat rows,
+    """`llm-rlhf eval --accuracy_fn llm_rlhf.tasks.arithmetic:reward` on the committed held-out problems (chat rows,
     rendered with a tiny model's chat template): every verdict is the verifier's on the rendered prompt and
     the response, and the figures are their means."""
-    from llm_rlhf.cli import main
+    from llm_rlhf.interfaces.cli import main
 
     model = build_model(tmp_path / "chat_model", "gpt2", n_positions=256)  # the rendered prompts are long
     tokenizer = load_tokenizer(str(model))
@@ -282,12 +282,12 @@ def test_arithmetic_verifier_through_llm_rlhf_eval(tmp_path):
     out = tmp_path / "eval"
     argv = ["eval", "--policy_path", str(model), "--baseline_path", str(model), "--reward_model_path", "none",
             "--gold_judge", "none", "--prompt_file", str(problems_file), "--num_prompts", "4", "--max_prompt_length", "200",
-            "--max_new_tokens", "8", "--samples_per_prompt", "2", "--accuracy_fn", "llm_rlhf.arithmetic:reward",
+            "--max_new_tokens", "8", "--samples_per_prompt", "2", "--accuracy_fn", "llm_rlhf.tasks.arithmetic:reward",
             "--print_samples", "0", "--output_dir", str(out)]  # fmt: skip
     assert main(argv) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     rows = read_jsonl(out / "samples.jsonl")
-    assert len(rows) == 8 and metrics["accuracy_fn"] == "llm_rlhf.arithmetic:reward"
+    assert len(rows) == 8 and metrics["accuracy_fn"] == "llm_rlhf.tasks.arithmetic:reward"
     for row, problem in zip(rows[::2], problems):
         assert row["prompt"].startswith("user: ") and row["prompt"].endswith("\nassistant:")
         assert prompt_answer(row["prompt"]) == problem["answer"]  # the verifier reads the rendered problem

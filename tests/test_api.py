@@ -1,4 +1,4 @@
-"""The Python API (`llm_rlhf.api`, issue 27): the same code path as the commands, objects in place of paths,
+"""The Python API (`llm_rlhf.interfaces.api`, issue 27): the same code path as the commands, objects in place of paths,
 one exception type with the command's message, on_step, the README's example, two processes."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from helpers import ROOT, launch, preference_rows, write_jsonl
 from safetensors.torch import load_file
 
 import llm_rlhf
-from llm_rlhf import cli
-from llm_rlhf.errors import ConfigError, DataError, UserError
-from llm_rlhf.models import load_causal_lm, load_tokenizer
+from llm_rlhf.core.errors import ConfigError, DataError, UserError
+from llm_rlhf.interfaces import cli
+from llm_rlhf.models.loading import load_causal_lm, load_tokenizer
 
 TINY_PPO = dict(steps=2, rollout_batch_size=4, mini_batch_size=2, ppo_epochs=1, max_new_tokens=6, save_steps=0,
                 eval_every=0, log_samples_every=0, learning_rate=1e-3)  # fmt: skip
@@ -45,7 +45,7 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def test_public_names_are_the_stages():
-    from llm_rlhf import evaluate, ppo_config, reward, sft
+    from llm_rlhf.stages import evaluate, ppo_config, reward, sft
 
     assert llm_rlhf.SFTConfig is sft.Config and llm_rlhf.RMConfig is reward.Config
     assert llm_rlhf.PPOConfig is ppo_config.Config and llm_rlhf.EvalConfig is evaluate.Config
@@ -57,7 +57,7 @@ def test_public_names_are_the_stages():
 
 @pytest.mark.parametrize("command", ["sft", "rm", "ppo", "eval"])
 def test_the_command_calls_the_api_with_its_config(command, monkeypatch):
-    from llm_rlhf import api
+    from llm_rlhf.interfaces import api
 
     calls = []
     monkeypatch.setattr(api, cli.API[command], lambda cfg: calls.append(cfg))
@@ -127,7 +127,7 @@ def test_a_model_in_another_dtype_is_a_config_error(tiny_model_dir, tmp_path):
 def test_ppo_with_objects_calls_on_step_once_per_step(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
     """A loaded policy, a reward model object and a lambda beside it, prompts as chat-free strings: the run
     logs and saves as the command does, and on_step sees each step's line of metrics.jsonl once."""
-    from llm_rlhf.reward_model import load_reward_model
+    from llm_rlhf.models.reward_model import load_reward_model
 
     prompts = [json.loads(line)["prompt"] for line in prompt_file.read_text().splitlines()]
     policy = load_causal_lm(str(tiny_model_dir))
@@ -272,7 +272,7 @@ def test_reward_model_on_a_model_object_equals_its_folder(kind, tiny_model_dir, 
     further. The object given is left as it was."""
     from peft import PeftModel
 
-    from llm_rlhf.reward_model import load_reward_model
+    from llm_rlhf.models.reward_model import load_reward_model
 
     tokenizer = load_tokenizer(str(tiny_model_dir))
     keys, folder = dict(TINY_RM), tiny_model_dir
@@ -411,7 +411,7 @@ def test_a_saved_config_with_objects_runs_again_once_paths_replace_them(
     API runs the saved config again with the object given again; a reward-model list names each member."""
     import yaml
 
-    from llm_rlhf.config import parse_config
+    from llm_rlhf.core.config import parse_config
 
     policy, baseline, _ = eval_models
     first = llm_rlhf.run_eval(

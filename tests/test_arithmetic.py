@@ -1,4 +1,4 @@
-"""The "arithmetic" task (llm_rlhf/arithmetic.py, data/arithmetic): the verifier's answer rule against
+"""The "arithmetic" task (llm_rlhf/tasks/arithmetic.py, data/arithmetic): the verifier's answer rule against
 adversarial responses, reading the problem back from a rendered chat prompt, the split, the committed files."""
 
 from __future__ import annotations
@@ -14,8 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from llm_rlhf import arithmetic
-from llm_rlhf.arithmetic import (
+from llm_rlhf.core.data import load_prompt_dataset
+from llm_rlhf.core.errors import UserError
+from llm_rlhf.models.loading import load_tokenizer
+from llm_rlhf.models.reward_fn import decode_texts, load_reward_fn, probe
+from llm_rlhf.rl.rollout import encode_prompt, left_pad
+from llm_rlhf.tasks import arithmetic
+from llm_rlhf.tasks.arithmetic import (
     INSTRUCTIONS,
     KIND,
     KINDS,
@@ -26,15 +31,10 @@ from llm_rlhf.arithmetic import (
     parse_problem,
     reward,
 )
-from llm_rlhf.data import load_prompt_dataset
-from llm_rlhf.errors import UserError
-from llm_rlhf.models import load_tokenizer
-from llm_rlhf.reward_fn import decode_texts, load_reward_fn, probe
-from llm_rlhf.rollout import encode_prompt, left_pad
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO / "data" / "arithmetic"
-SPEC = "llm_rlhf.arithmetic:reward"
+SPEC = "llm_rlhf.tasks.arithmetic:reward"
 
 
 def smollm2_chat(*user_turns: str, answers: tuple[str, ...] = ()) -> str:
@@ -157,7 +157,7 @@ def test_a_prompt_without_a_problem_is_an_error():
         reward([smollm2_chat("What is 3 + 4?"), "The film is"], ["7", "7"])
     loaded = load_reward_fn(SPEC)
     with pytest.raises(
-        UserError, match=r"^reward_fn 'llm_rlhf.arithmetic:reward' raised ValueError: prompt 0 "
+        UserError, match=r"^reward_fn 'llm_rlhf.tasks.arithmetic:reward' raised ValueError: prompt 0 "
     ):
         loaded(["What is three plus four?"], ["7"])
 

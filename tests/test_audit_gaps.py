@@ -39,9 +39,10 @@ from helpers import (
     write_jsonl,
 )
 
-from llm_rlhf import evaluate, ppo_math
-from llm_rlhf.models import load_causal_lm
-from llm_rlhf.ppo_config import batch_sizes
+from llm_rlhf.models.loading import load_causal_lm
+from llm_rlhf.rl import ppo_math
+from llm_rlhf.stages import evaluate
+from llm_rlhf.stages.ppo_config import batch_sizes
 
 
 def perturb(model: torch.nn.Module, seed: int, scale: float = 0.05) -> None:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from helpers import bos_model_dir, write_jsonl
 
-from llm_rlhf import dpo, ppo, ppo_run, sft
-from llm_rlhf.config import parse_config
-from llm_rlhf.data import load_sft_dataset
-from llm_rlhf.evaluate import sample_batch
-from llm_rlhf.models import load_causal_lm, load_tokenizer
-from llm_rlhf.reward_model import encode_pair
-from llm_rlhf.rollout import Sampling, encode_prompt
+from llm_rlhf.core.config import parse_config
+from llm_rlhf.core.data import load_sft_dataset
+from llm_rlhf.models.loading import load_causal_lm, load_tokenizer
+from llm_rlhf.models.reward_model import encode_pair
+from llm_rlhf.rl.rollout import Sampling, encode_prompt
+from llm_rlhf.stages import dpo, ppo, ppo_run, sft
+from llm_rlhf.stages.evaluate import sample_batch
 
 PROMPTS = ["The film is", "A tedious, boring"]
 COMPLETIONS = [" a delight from start to finish.", " waste."]

@@ -1,4 +1,4 @@
-"""Learning test: the PPO math of `llm_rlhf.ppo_math` trains an actor-critic to balance CartPole.
+"""Learning test: the PPO math of `llm_rlhf.rl.ppo_math` trains an actor-critic to balance CartPole.
 
 The unit tests pin each equation; this one checks that together they learn. Episodes are laid out
 exactly like RLHF responses: a (B, T) batch, one episode per row, `response_mask` True on its steps
@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from llm_rlhf.ppo_math import (
+from llm_rlhf.rl.ppo_math import (
     compute_gae,
     entropy_from_logits,
     logprobs_from_logits,

@@ -1,4 +1,4 @@
-"""Gold against KL for the alignment methods (`llm_rlhf.compare`): best-of-n on a tiny model, checked
+"""Gold against KL for the alignment methods (`llm_rlhf.stages.compare`): best-of-n on a tiny model, checked
 against the samples it is built from."""
 
 from __future__ import annotations
@@ -14,16 +14,17 @@ import torch
 import yaml
 from helpers import SENTIMENT_JUDGE, pipeline_argv, run_pipeline
 
-from llm_rlhf import compare, ppo_math
-from llm_rlhf.config import parse_config
-from llm_rlhf.errors import ConfigError, UserError
-from llm_rlhf.evaluate import Measures, PairedSampling, sample_and_score
-from llm_rlhf.gold import GoldJudge
-from llm_rlhf.models import freeze, load_causal_lm, load_tokenizer
-from llm_rlhf.reward_model import load_reward_model
-from llm_rlhf.rollout import Sampling
-from llm_rlhf.scoring import Scorer
-from llm_rlhf.utils import read_json
+from llm_rlhf.core.config import parse_config
+from llm_rlhf.core.errors import ConfigError, UserError
+from llm_rlhf.core.utils import read_json
+from llm_rlhf.models.gold import GoldJudge
+from llm_rlhf.models.loading import freeze, load_causal_lm, load_tokenizer
+from llm_rlhf.models.reward_model import load_reward_model
+from llm_rlhf.models.scoring import Scorer
+from llm_rlhf.rl import ppo_math
+from llm_rlhf.rl.rollout import Sampling
+from llm_rlhf.stages import compare
+from llm_rlhf.stages.evaluate import Measures, PairedSampling, sample_and_score
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -238,9 +239,9 @@ def test_dpo_and_best_of_n_are_scored_by_the_scorer_ppo_trained_against(
     highest PPO score (rm_score + reward_fn_weight * reward_fn)."""
     from helpers import ppo_config, ppo_trainer
 
-    from llm_rlhf.config import save_config
-    from llm_rlhf.evaluate import sample_batch
-    from llm_rlhf.reward_model import save_reward_model
+    from llm_rlhf.core.config import save_config
+    from llm_rlhf.models.reward_model import save_reward_model
+    from llm_rlhf.stages.evaluate import sample_batch
 
     monkeypatch.chdir(tmp_path)
     # member 0 where the compare recipe names its RM (runs/reviews/rm): what a compare scoring with it alone finds

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from llm_rlhf import cli
-from llm_rlhf.config import format_help, parse_config, save_config
-from llm_rlhf.errors import ConfigError
-from llm_rlhf.sft import Config
+from llm_rlhf.core.config import format_help, parse_config, save_config
+from llm_rlhf.core.errors import ConfigError
+from llm_rlhf.interfaces import cli
+from llm_rlhf.stages.sft import Config
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "reviews" / "sft.yaml"
 

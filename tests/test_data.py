@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 from helpers import flags, write_jsonl
 
-from llm_rlhf import cli, data
-from llm_rlhf.data import load_preference_dataset, load_prompt_dataset, load_rows, load_sft_dataset
-from llm_rlhf.errors import DataError
-from llm_rlhf.models import load_tokenizer
+from llm_rlhf.core import data
+from llm_rlhf.core.data import load_preference_dataset, load_prompt_dataset, load_rows, load_sft_dataset
+from llm_rlhf.core.errors import DataError
+from llm_rlhf.interfaces import cli
+from llm_rlhf.models.loading import load_tokenizer
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -300,8 +301,8 @@ def test_bad_hh_row_for_prompts(tmp_path, tokenizer):
 def test_stage_config_keys_for_hh(stage):
     import importlib
 
-    from llm_rlhf.config import parse_config
-    from llm_rlhf.errors import ConfigError
+    from llm_rlhf.core.config import parse_config
+    from llm_rlhf.core.errors import ConfigError
 
     config = importlib.import_module(f"llm_rlhf.{stage}").Config
     cfg = parse_config(config, ["--data_format", "hh", "--skip_long"])
@@ -316,8 +317,8 @@ def test_ppo_and_eval_read_their_prompt_files_with_the_stage_keys(tiny_model_dir
     """PPO's prompt_file and eval_prompt_file and evaluation's prompt_file: data_format and skip_long reach
     the loader (skipped rows counted, the rest used); without skip_long the error names the row. The RM's
     three pair files are run by the gpt2-hh recipe test."""
-    from llm_rlhf import evaluate, ppo, ppo_run
-    from llm_rlhf.config import parse_config
+    from llm_rlhf.core.config import parse_config
+    from llm_rlhf.stages import evaluate, ppo, ppo_run
 
     keys = ["--max_prompt_length", "62", "--data_format", "hh"]
     ppo_cfg = parse_config(ppo.Config, [*keys, "--model_name_or_path", str(tiny_model_dir), "--prompt_file",

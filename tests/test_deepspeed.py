@@ -196,8 +196,8 @@ def test_pipeline_sft_rm_ppo_eval_and_dpo_under_zero2(
 def test_trainer_stages_refuse_zero3_and_a_precision_mismatch_in_one_line(monkeypatch):
     """SFT, RM and DPO under a DeepSpeed launch (accelerate passes the config in ACCELERATE_* variables):
     ZeRO-3 is refused, and so is a bf16 key that disagrees with the launch's mixed_precision."""
-    from llm_rlhf.errors import ConfigError, UserError
-    from llm_rlhf.trainer_stage import check_deepspeed_launch
+    from llm_rlhf.core.errors import ConfigError, UserError
+    from llm_rlhf.stages.trainer_stage import check_deepspeed_launch
 
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
@@ -219,7 +219,7 @@ def test_deepspeed_launch_without_deepspeed_stops_in_one_line(monkeypatch, capsy
     one line saying how to install it, exit code 2, accelerate left as it was."""
     import accelerate.state
 
-    from llm_rlhf import cli
+    from llm_rlhf.interfaces import cli
 
     init = accelerate.state.AcceleratorState.__init__
     monkeypatch.setitem(sys.modules, "deepspeed.comm.torch", None)  # import fails as if not installed

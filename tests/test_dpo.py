@@ -15,12 +15,13 @@ import torch
 import torch.nn.functional as F
 from helpers import pairs_stage_on_two_processes
 
-from llm_rlhf import cli, dpo, pipeline, reward
-from llm_rlhf.config import parse_config
-from llm_rlhf.errors import ConfigError
-from llm_rlhf.reward_model import encode_pair
-from llm_rlhf.rollout import encode_prompt
-from llm_rlhf.utils import read_json
+from llm_rlhf.core.config import parse_config
+from llm_rlhf.core.errors import ConfigError
+from llm_rlhf.core.utils import read_json
+from llm_rlhf.interfaces import cli, pipeline
+from llm_rlhf.models.reward_model import encode_pair
+from llm_rlhf.rl.rollout import encode_prompt
+from llm_rlhf.stages import dpo, reward
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "reviews" / "dpo.yaml"
@@ -79,8 +80,8 @@ def test_trl_tokenizes_pairs_as_the_rm_does(tmp_path, tiny_model_dir, pref_files
 
 
 def test_pairs_longer_than_max_length_are_left_out_not_cut(tiny_model_dir, pref_files):
-    from llm_rlhf.data import load_preference_dataset
-    from llm_rlhf.models import load_tokenizer
+    from llm_rlhf.core.data import load_preference_dataset
+    from llm_rlhf.models.loading import load_tokenizer
 
     tokenizer = load_tokenizer(str(tiny_model_dir))
     pairs = load_preference_dataset(str(pref_files[1]), tokenizer, max_length=32)

@@ -10,11 +10,11 @@ import pytest
 import torch
 from helpers import SENTIMENT_JUDGE, build_model, eval_config
 
-from llm_rlhf import evaluate
-from llm_rlhf.errors import UserError
-from llm_rlhf.models import freeze, load_causal_lm, load_tokenizer
-from llm_rlhf.rollout import Sampling
-from llm_rlhf.scoring import Scorer
+from llm_rlhf.core.errors import UserError
+from llm_rlhf.models.loading import freeze, load_causal_lm, load_tokenizer
+from llm_rlhf.models.scoring import Scorer
+from llm_rlhf.rl.rollout import Sampling
+from llm_rlhf.stages import evaluate
 
 # --- pure helpers ---------------------------------------------------------------------------------
 
@@ -109,8 +109,8 @@ def test_evaluate_policy_matches_the_command(
     tiny_model_dir, other_model_dir, tiny_rm_dir, prompt_file, tmp_path
 ):
     """The in-training entry point gives the command's policy figures and leaves the global RNG alone."""
-    from llm_rlhf.gold import GoldJudge
-    from llm_rlhf.reward_model import load_reward_model
+    from llm_rlhf.models.gold import GoldJudge
+    from llm_rlhf.models.reward_model import load_reward_model
 
     metrics = evaluate.run(
         eval_config(
@@ -164,7 +164,7 @@ def test_bad_inputs_fail_before_anything_is_written(tiny_model_dir, prompt_file,
 
 
 def test_cli_eval(tiny_model_dir, prompt_file, tmp_path):
-    from llm_rlhf.cli import main
+    from llm_rlhf.interfaces.cli import main
 
     out = tmp_path / "eval"
     argv = ["eval", "--policy_path", str(tiny_model_dir), "--baseline_path", str(tiny_model_dir),

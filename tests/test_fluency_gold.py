@@ -13,9 +13,8 @@ import pytest
 import torch
 from helpers import build_model, write_jsonl
 
-from llm_rlhf import evaluate
-from llm_rlhf.errors import UserError
-from llm_rlhf.gold import (
+from llm_rlhf.core.errors import UserError
+from llm_rlhf.models.gold import (
     FLUENT_FORMAT,
     FluencyLM,
     FluentGoldJudge,
@@ -25,6 +24,7 @@ from llm_rlhf.gold import (
     judge_pairs,
     load_judge,
 )
+from llm_rlhf.stages import evaluate
 
 PROMPTS = ["The film is", "A", "", "This movie was so"]
 RESPONSES = [" a quiet and funny story.", " good movie", " The acting is bad.", ""]

@@ -34,14 +34,16 @@ from helpers import (
 )
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from llm_rlhf import cli, evaluate, fast_sampling, ppo, ppo_math, ppo_run
-from llm_rlhf.config import parse_config, save_config
-from llm_rlhf.data import load_prompt_dataset
-from llm_rlhf.errors import ConfigError
-from llm_rlhf.gold import judge_details, load_judge
-from llm_rlhf.models import Reference, freeze, load_causal_lm, load_tokenizer
-from llm_rlhf.reward_model import load_reward_model
-from llm_rlhf.rollout import (
+from llm_rlhf.core.config import parse_config, save_config
+from llm_rlhf.core.data import load_prompt_dataset
+from llm_rlhf.core.errors import ConfigError
+from llm_rlhf.interfaces import cli
+from llm_rlhf.models.gold import judge_details, load_judge
+from llm_rlhf.models.loading import Reference, freeze, load_causal_lm, load_tokenizer
+from llm_rlhf.models.reward_model import load_reward_model
+from llm_rlhf.models.scoring import Scorer
+from llm_rlhf.rl import fast_sampling, ppo_math
+from llm_rlhf.rl.rollout import (
     Samples,
     Sampling,
     completes_stop_string,
@@ -51,7 +53,7 @@ from llm_rlhf.rollout import (
     sample,
     stop_string_ends,
 )
-from llm_rlhf.scoring import Scorer
+from llm_rlhf.stages import evaluate, ppo, ppo_run
 
 ROOT = Path(__file__).resolve().parents[1]
 STOPS = ["e", "a"]  # in about one token of five of the tiny tokenizer's: some responses stop, some do not
@@ -552,7 +554,7 @@ def test_two_processes_with_stop_strings_and_min_new_tokens(
     """`accelerate launch` with 2 DDP processes: two PPO steps and held-out evaluations with stop strings and
     min_new_tokens. Every rollout row on each process is cut at its first stop string and no shorter than
     min_new_tokens, and the logged response_length and eos_rate are those of the rows of both processes."""
-    from llm_rlhf.models import load_tokenizer as tokenizer_of
+    from llm_rlhf.models.loading import load_tokenizer as tokenizer_of
 
     out, record = tmp_path / "run", tmp_path / "rollouts"
     args = ppo_cli_args(eos_prone_dir, tiny_rm_dir, prompt_file, out, 2)[2:]  # without "-m llm_rlhf"

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from helpers import SENTENCES
 
-from llm_rlhf.errors import UserError
-from llm_rlhf.gold import GoldJudge, call_judge, load_judge
+from llm_rlhf.core.errors import UserError
+from llm_rlhf.models.gold import GoldJudge, call_judge, load_judge
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED = REPO / "data" / "reviews" / "gold_judge.json"

@@ -12,7 +12,8 @@ import pytest
 import torch
 from helpers import ppo_config, ppo_trainer, record_raw_grads, recording_rollouts
 
-from llm_rlhf import ppo, ppo_math
+from llm_rlhf.rl import ppo_math
+from llm_rlhf.stages import ppo
 
 # grpo, 2 prompts x 4 samples: 8 episodes in one minibatch, one PPO epoch: one optimiser step per PPO step.
 ONE_UPDATE = dict(

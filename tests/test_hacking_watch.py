@@ -1,4 +1,4 @@
-"""The reward-hacking alarm of `llm_rlhf.hacking` (issue 40): the collapse counters by hand and against naive
+"""The reward-hacking alarm of `llm_rlhf.rl.hacking` (issue 40): the collapse counters by hand and against naive
 versions, the counter thresholds on real review sentences and on the issue's collapse, the proxy-up /
 gold-down rule on constructed trajectories (fires on a hack, quiet on healthy, flat and noisy ones), and the
 choice of the best held-out evaluation."""
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from llm_rlhf.hacking import (
+from llm_rlhf.rl.hacking import (
     COLLAPSE_KEYS,
     COUNTER_RULES,
     DEGENERACY_KEYS,

@@ -1,8 +1,16 @@
-"""The package's import graph, read from the `import` statements (ast): it runs one way,
+"""The package's folders are its layers, read from the `import` statements (ast). Imports run one way:
 
-    ppo_math -> models -> rollout / reward_model / accelerated -> scoring -> stages -> api, pipeline, cli
+    core -> rl -> models, tasks -> stages -> interfaces -> llm_rlhf/__init__, __main__
 
-with first-party imports at module top only. `python tests/test_imports.py` prints the graph.
+- core        errors, the config system, callables named in configs, data files
+- rl          the math and sampling: ppo_math (torch only), the estimator table, the sampler, hacking (stdlib)
+- models      loading, reward models, reward functions, the scorer, the judges, device plumbing
+- tasks       checkable tasks and their verifiers
+- stages      one command each (sft, rm, dpo, ppo, eval, compare, score, judge)
+- interfaces  the command line, the Python API, the pipeline and the report
+
+A module imports modules of its own folder or of a folder below, never above, and the graph has no cycle;
+first-party imports are at module top only. `python tests/test_imports.py` prints the graph.
 """
 
 from __future__ import annotations
@@ -12,90 +20,72 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "llm_rlhf"
-
-# Every module's layer: a module imports only modules of lower layers (so the graph has no cycle). A module
-# missing here gets the layer above its highest import (`layers`), so a new module has a place at once.
-LAYERS = {
-    "errors": 0, "utils": 0, "ppo_math": 0, "hacking": 0, "arithmetic": 0,  # hacking, arithmetic: stdlib only
-    "config": 1, "data": 1, "baseline": 1, "models": 1, "callables": 1, "fast_sampling": 1,
-    "rollout": 2, "reward_model": 2, "reward_fn": 2, "trainer_stage": 2, "gold": 2, "accelerated": 2,
-    "scoring": 3,  # the one scorer: reward model or ensemble (reward_model) + reward function (reward_fn)
-    "estimators": 1,  # the table of advantage estimators: one row each, its advantage function over ppo_math
-    "ppo_config": 3.5,  # PPO's keys, checked with rollout's and scoring's checks; read by ppo, ppo_run, compare
-    "sft": 4, "reward": 4, "dpo": 4, "ppo": 4, "evaluate": 4, "score": 4, "report": 4, "judge": 4,
-    "ppo_run": 5,  # the `llm-rlhf ppo` command: the trainer (ppo) and held-out evaluation (evaluate)
-    "compare": 5,  # `llm-rlhf compare`: a PPO run's settings (ppo), DPO (dpo), held-out evaluation (evaluate)
-    "api": 6,  # the Python API: one function per stage (sft, reward, ppo_run, evaluate)
-    "pipeline": 6, "cli": 6,
-    "__main__": 7, "__init__": 7,
-}  # fmt: skip
-STAGES = {"sft", "reward", "dpo", "ppo", "ppo_run", "evaluate", "score", "report", "judge", "compare"}
+FLOORS = {"core": 0, "rl": 1, "models": 2, "tasks": 2, "stages": 3, "interfaces": 4, "": 5}
+STAGE_COMMANDS = {"sft", "reward", "dpo", "ppo", "ppo_run", "evaluate", "compare", "score", "judge"}
 
 
-def first_party(node: ast.AST) -> list[str]:
-    """The llm_rlhf modules an import statement names (`from llm_rlhf import a, b` names a and b)."""
+def module_name(path: Path) -> str:
+    """llm_rlhf/rl/ppo_math.py -> "rl.ppo_math"; a package's __init__ is the package ("interfaces.report")."""
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts.pop()
+    return ".".join(parts)
+
+
+def floor(module: str) -> int:
+    head = module.split(".")[0]
+    return FLOORS[head if head in FLOORS else ""]  # a folder's __init__ ("rl") is on its folder's floor
+
+
+def first_party(node: ast.AST, modules: set[str]) -> list[str]:
+    """The llm_rlhf modules an import statement names: `from llm_rlhf.rl import ppo_math, rollout` names
+    rl.ppo_math and rl.rollout; `from llm_rlhf.rl.ppo_math import masked_mean` names rl.ppo_math."""
     if isinstance(node, ast.Import):
-        return [a.name.split(".")[1] for a in node.names if a.name.startswith("llm_rlhf.")]
-    if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "llm_rlhf":
-        if node.module == "llm_rlhf":
-            return [a.name for a in node.names]
-        return [node.module.split(".")[1]]
-    return []
-
-
-def module_files() -> dict[str, list[Path]]:
-    """module -> its files: a module's one file, or every file of a sub-package (`report`), one node of the
-    graph (`test_report_package_imports_run_one_way` checks the graph inside it)."""
-    files = {path.stem: [path] for path in sorted(PACKAGE.glob("*.py"))}
-    for init in sorted(PACKAGE.glob("*/__init__.py")):
-        files[init.parent.name] = sorted(init.parent.glob("*.py"))
-    return files
+        dotted = [a.name for a in node.names if a.name.startswith("llm_rlhf.")]
+    elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "llm_rlhf":
+        base = node.module.removeprefix("llm_rlhf").lstrip(".")
+        named = [f"{base}.{a.name}".lstrip(".") for a in node.names]
+        dotted = [f"llm_rlhf.{n}" for n in named if n in modules] or [f"llm_rlhf.{base}"]
+    else:
+        return []
+    return [d.removeprefix("llm_rlhf.") for d in dotted]
 
 
 def import_graph() -> dict[str, dict[str, list]]:
     """module -> {"top": first-party modules imported at module level, "nested": (line, module) imported
     inside a function or class, "external": top-level names of the other imports anywhere}."""
+    paths = sorted(PACKAGE.rglob("*.py"))
+    modules = {module_name(p) for p in paths}
     graph = {}
-    for module, paths in module_files().items():
+    for path in paths:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        top_level = set(map(id, tree.body))
         entry = {"top": [], "nested": [], "external": []}
-        for path in paths:
-            add_imports(entry, ast.parse(path.read_text(encoding="utf-8")), module)
-        graph[module] = entry
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            names = first_party(node, modules)
+            if names:
+                if id(node) in top_level:
+                    entry["top"] += names
+                else:
+                    entry["nested"] += [(node.lineno, n) for n in names]
+            elif isinstance(node, ast.Import):
+                entry["external"] += [a.name.split(".")[0] for a in node.names]
+            elif node.module and node.level == 0:
+                entry["external"].append(node.module.split(".")[0])
+            elif node.level > 0:
+                entry["nested"].append((node.lineno, f"relative import {node.module}"))
+        graph[module_name(path)] = entry
     return graph
 
 
-def add_imports(entry: dict[str, list], tree: ast.Module, module: str) -> None:
-    """One file's imports into its module's entry of `import_graph` (a sub-package's imports of its own
-    modules left out)."""
-    top_level = set(map(id, tree.body))
-    for node in ast.walk(tree):
-        if not isinstance(node, (ast.Import, ast.ImportFrom)):
-            continue
-        names = [n for n in first_party(node) if n != module]
-        if names:
-            if id(node) in top_level:
-                entry["top"] += names
-            else:
-                entry["nested"] += [(node.lineno, n) for n in names]
-        elif isinstance(node, ast.Import):
-            entry["external"] += [a.name.split(".")[0] for a in node.names]
-        elif node.module and node.level == 0 and node.module.split(".")[0] != "llm_rlhf":
-            entry["external"].append(node.module.split(".")[0])
-
-
-def layers(graph: dict[str, dict[str, list]]) -> dict[str, int]:
-    """LAYERS, plus 1 + the highest layer of its imports for a module LAYERS does not name."""
-    out = dict(LAYERS)
-
-    def layer(m, path=()):
-        if m not in out:
-            assert m not in path, f"import cycle through {m}"
-            out[m] = 1 + max((layer(d, (*path, m)) for d in graph[m]["top"]), default=-1)
-        return out[m]
-
-    for m in graph:
-        layer(m)
-    return out
+def test_every_module_lives_in_a_layer_folder():
+    loose = [
+        m for m in import_graph() if "." not in m and m not in FLOORS and m not in ("__init__", "__main__")
+    ]
+    assert loose == [], f"modules outside the layer folders: {loose}"
+    assert {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"} == set(FLOORS) - {""}
 
 
 def test_first_party_imports_are_at_module_top():
@@ -103,34 +93,15 @@ def test_first_party_imports_are_at_module_top():
     assert nested == {}
 
 
-def test_imports_run_one_way():
-    """Each first-party import goes to a lower layer; hence no cycle (checked on its own below too)."""
+def test_imports_point_down():
+    """Each first-party import goes to the module's own folder or a folder below it."""
     graph = import_graph()
-    layer = layers(graph)
-    upward = [(m, d) for m, e in graph.items() for d in e["top"] if layer[d] >= layer[m]]
+    upward = [(m, d) for m, e in graph.items() for d in e["top"] if floor(d) > floor(m)]
     assert upward == []
 
 
 def test_no_cycle():
-    assert_no_cycle({m: set(e["top"]) for m, e in import_graph().items()})
-
-
-def test_report_package_imports_run_one_way():
-    """The report's own modules (runs, figures, page, a module per section, the two pages) import one another
-    at module top, one way: no cycle."""
-    graph = {}
-    for path in sorted((PACKAGE / "report").glob("*.py")):
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        graph[path.stem] = {
-            node.module.split(".")[2]
-            for node in tree.body
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("llm_rlhf.report.")
-        }
-    assert graph["numbers"] == set() and "__init__" not in set().union(*graph.values())
-    assert_no_cycle(graph)
-
-
-def assert_no_cycle(graph: dict[str, set[str]]) -> None:
+    graph = {m: set(e["top"]) - {m} for m, e in import_graph().items()}
     done, on_path = set(), []
 
     def visit(m):
@@ -138,7 +109,7 @@ def assert_no_cycle(graph: dict[str, set[str]]) -> None:
         if m in done:
             return
         on_path.append(m)
-        for d in graph[m]:
+        for d in graph.get(m, ()):
             visit(d)
         on_path.pop()
         done.add(m)
@@ -149,26 +120,31 @@ def assert_no_cycle(graph: dict[str, set[str]]) -> None:
 
 def test_layering():
     graph = import_graph()
-    ppo_math = graph["ppo_math"]
+    ppo_math = graph["rl.ppo_math"]
     assert ppo_math["top"] == [] and ppo_math["nested"] == []
     assert set(ppo_math["external"]) <= {"torch", "__future__"} | set(sys.stdlib_module_names)
-    hacking = graph["hacking"]  # pure functions over texts and scores: evaluation and the report share them
+    hacking = graph[
+        "rl.hacking"
+    ]  # pure functions over texts and scores: evaluation and the report share them
     assert hacking["top"] == [] and set(hacking["external"]) <= set(sys.stdlib_module_names)
-    assert not set(graph["models"]["top"]) & (STAGES | {"rollout", "reward_model", "pipeline", "cli"})
-    for library in ("rollout", "reward_model", "reward_fn", "accelerated", "scoring", "callables"):
-        assert not set(graph[library]["top"]) & (STAGES | {"pipeline", "cli"}), library
-    assert "ppo_run" not in graph["compare"]["top"]  # compare reads a PPO run's files, not its command
-    for stage in STAGES:
-        assert not set(graph[stage]["top"]) & {"pipeline", "cli"}, stage
+    assert "stages.ppo_run" not in graph["stages.compare"]["top"]  # compare reads a PPO run's files
+    for stage in STAGE_COMMANDS & {m.split(".")[-1] for m in graph if m.startswith("stages.")}:
+        assert not {d for d in graph[f"stages.{stage}"]["top"] if d.startswith("interfaces")}, stage
+
+
+def test_public_api_unchanged():
+    import llm_rlhf
+
+    for name in llm_rlhf.API:
+        assert getattr(llm_rlhf, name) is not None, name
 
 
 def format_graph() -> str:
     graph = import_graph()
-    layer = layers(graph)
     lines = []
-    for m in sorted(graph, key=lambda m: (layer[m], m)):
-        deps = sorted(set(graph[m]["top"]), key=lambda d: (layer[d], d))
-        lines.append(f"[{layer[m]}] {m:<14} -> {', '.join(deps) if deps else '(none)'}")
+    for m in sorted(graph, key=lambda m: (floor(m), m)):
+        deps = sorted(set(graph[m]["top"]), key=lambda d: (floor(d), d))
+        lines.append(f"[{floor(m)}] {m:<28} -> {', '.join(deps) if deps else '(none)'}")
     return "\n".join(lines)
 
 

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from llm_rlhf.ppo_math import (
+from llm_rlhf.rl.ppo_math import (
     LOSS_AGGREGATIONS,
     aggregate_loss,
     cispo_token_losses,

@@ -40,11 +40,11 @@ from helpers import (
     use_fixed_responses,
 )
 
-from llm_rlhf import ppo_math
-from llm_rlhf.config import format_help, parse_config
-from llm_rlhf.errors import ConfigError, UserError
-from llm_rlhf.estimators import ROWS, names
-from llm_rlhf.ppo_config import Config
+from llm_rlhf.core.config import format_help, parse_config
+from llm_rlhf.core.errors import ConfigError, UserError
+from llm_rlhf.rl import ppo_math
+from llm_rlhf.rl.estimators import ROWS, names
+from llm_rlhf.stages.ppo_config import Config
 
 SCRIPTS = ROOT / "tests" / "scripts"
 EVEN = str(ROOT / "tests" / "reward_fns.py") + ":even_length"  # 0 / 1 scores: groups tie often
@@ -115,7 +115,7 @@ def test_bad_combinations_are_one_line_config_errors(keys, named):
 
 
 def test_the_command_rejects_gspo_with_gae_in_one_line(capsys):
-    from llm_rlhf import cli
+    from llm_rlhf.interfaces import cli
 
     assert cli.main(["ppo", "--policy_loss", "gspo", "--advantage_estimator", "gae"]) == 2
     err = capsys.readouterr().err.strip()
@@ -492,7 +492,7 @@ def test_the_dapo_recipe_runs_on_a_tiny_chat_llama(tmp_path, monkeypatch):
     prompts: it parses through PPO's Config with the DAPO keys and runs."""
     from transformers import AutoTokenizer
 
-    from llm_rlhf import cli
+    from llm_rlhf.interfaces import cli
 
     monkeypatch.chdir(ROOT)
     recipe = ROOT / "recipes" / "smollm2-arithmetic" / "dapo.yaml"

@@ -11,8 +11,8 @@ import pytest
 import yaml
 from helpers import launch, pipeline_argv, run_pipeline
 
-from llm_rlhf import ppo
-from llm_rlhf.utils import read_json
+from llm_rlhf.core.utils import read_json
+from llm_rlhf.stages import ppo
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # every test here runs the whole pipeline
@@ -137,13 +137,13 @@ def test_a_sweep_over_estimators_is_compared_in_one_report_and_one_compare(
     """`--sweep` over advantage estimators with the report and the compare stage: SFT and RM once, each
     variant's PPO and eval in DIR/<name>; the grpo run has no value head and no value panels while the gae
     run has both; the side-by-side table names each estimator; compare runs once, over both variants."""
-    from llm_rlhf import eval_metrics as e
-    from llm_rlhf import ppo_metrics as m
-    from llm_rlhf import report
-    from llm_rlhf.hacking import DEGENERACY_KEYS, PROXY
-    from llm_rlhf.report.evaluation import EVAL_GROUPS, MEMBERS
-    from llm_rlhf.report.ppo_curves import PPO_PANELS, ppo_panels
-    from llm_rlhf.report.samples import SCORES_SHOWN
+    from llm_rlhf.interfaces import report
+    from llm_rlhf.interfaces.report.evaluation import EVAL_GROUPS, MEMBERS
+    from llm_rlhf.interfaces.report.ppo_curves import PPO_PANELS, ppo_panels
+    from llm_rlhf.interfaces.report.samples import SCORES_SHOWN
+    from llm_rlhf.rl.hacking import DEGENERACY_KEYS, PROXY
+    from llm_rlhf.stages import eval_metrics as e
+    from llm_rlhf.stages import ppo_metrics as m
 
     monkeypatch.chdir(ROOT)
     out = tmp_path / "sweep"

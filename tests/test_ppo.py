@@ -11,10 +11,10 @@ import pytest
 import torch
 from helpers import one_update, ppo_config, ppo_trainer, record_raw_grads, use_fixed_responses
 
-from llm_rlhf import ppo, ppo_run
-from llm_rlhf.estimators import ESTIMATORS
-from llm_rlhf.ppo_config import Config, batch_sizes
-from llm_rlhf.rollout import Samples
+from llm_rlhf.rl.estimators import ESTIMATORS
+from llm_rlhf.rl.rollout import Samples
+from llm_rlhf.stages import ppo, ppo_run
+from llm_rlhf.stages.ppo_config import Config, batch_sizes
 
 # --- pure helpers ------------------------------------------------------------------------------
 
@@ -33,7 +33,7 @@ def test_batch_size_arithmetic():
 
 
 def test_config_rejects_inconsistent_batch_sizes():
-    from llm_rlhf.errors import ConfigError
+    from llm_rlhf.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="mini_batch_size"):
         Config(rollout_batch_size=10, mini_batch_size=4)
@@ -315,7 +315,7 @@ def test_config_dataclass_is_flat(tmp_path):
     other than its default comes back as given, so any key of a recipe can be overridden by a flag."""
     import yaml
 
-    from llm_rlhf.config import _base_types, parse_config
+    from llm_rlhf.core.config import _base_types, parse_config
 
     ONLY_VALUE = ("top_k", "top_p")  # PPO accepts one value of these (off), given explicitly here
     hints = typing.get_type_hints(Config)

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from llm_rlhf import ppo_math as pm
-from llm_rlhf.ppo_math import (
+from llm_rlhf.rl import ppo_math as pm
+from llm_rlhf.rl.ppo_math import (
     AdaptiveKLController,
     FixedKLController,
     bradley_terry_loss,

@@ -9,10 +9,11 @@ import pytest
 import torch
 from helpers import ppo_config, ppo_trainer, recording_rollouts, use_fixed_responses
 
-from llm_rlhf import ppo, ppo_math, ppo_run
-from llm_rlhf.config import parse_config
-from llm_rlhf.errors import ConfigError, NonFiniteError
-from llm_rlhf.ppo_config import Config
+from llm_rlhf.core.config import parse_config
+from llm_rlhf.core.errors import ConfigError, NonFiniteError
+from llm_rlhf.rl import ppo_math
+from llm_rlhf.stages import ppo, ppo_run
+from llm_rlhf.stages.ppo_config import Config
 
 
 def recorded_step(trainer: ppo.PPOTrainer, monkeypatch) -> tuple[dict, dict]:
@@ -173,7 +174,7 @@ def test_separate_critic_through_ppo_step_and_the_final_folder(
 ):
     """value_model: reward: the policy has no value head, the critic gives the rollout's values and is
     trained, and the final folder holds it as a reward-model folder."""
-    from llm_rlhf.reward_model import load_reward_model
+    from llm_rlhf.models.reward_model import load_reward_model
 
     cfg = ppo_config(
         tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "run", value_model="reward", steps=2
@@ -209,7 +210,7 @@ def test_nan_scores_stop_the_run_before_a_checkpoint(
     step and the phase; the step-1 checkpoint is the last one and holds finite weights."""
     from safetensors.torch import load_file
 
-    from llm_rlhf.reward_model import RewardModel
+    from llm_rlhf.models.reward_model import RewardModel
 
     score, calls = RewardModel.score, [0]
 
@@ -278,7 +279,7 @@ def test_nan_loss_after_an_update_says_the_weights_moved(tiny_model_dir, tiny_rm
 
 
 def test_a_global_batch_of_one_episode_is_rejected(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
-    from llm_rlhf.errors import UserError
+    from llm_rlhf.core.errors import UserError
 
     cfg = ppo_config(
         tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, rollout_batch_size=1, mini_batch_size=1
@@ -301,7 +302,7 @@ def test_sampling_compile_samples_the_policys_distribution_through_compiled_step
     """sampling_compile: the rollout's decode steps run through the compiled step, and the tokens still come
     from the policy's distribution: the sampler's log-probs equal the PPO forward's to float rounding
     (objective/kl_sampler ~0), and the first step has KL = 0 to the reference."""
-    from llm_rlhf import fast_sampling
+    from llm_rlhf.rl import fast_sampling
 
     calls, real = [], fast_sampling.compiled_step
 

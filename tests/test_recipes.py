@@ -13,9 +13,10 @@ import pytest
 import torch
 from helpers import SENTIMENT_JUDGE, build_model, flags, tiny_overrides
 
-from llm_rlhf import cli, compare, dpo, evaluate, pipeline, ppo_config, reward, sft
-from llm_rlhf.config import parse_config
-from llm_rlhf.utils import read_json
+from llm_rlhf.core.config import parse_config
+from llm_rlhf.core.utils import read_json
+from llm_rlhf.interfaces import cli, pipeline
+from llm_rlhf.stages import compare, dpo, evaluate, ppo_config, reward, sft
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
@@ -67,7 +68,7 @@ def test_the_rule_recipe_evaluates_against_its_starting_model_with_its_verifier(
     piped = pipeline.stage_config(
         parse_config(pipeline.Config, ["--config", str(folder / "pipeline.yaml")]), "eval"
     )
-    verifier = "llm_rlhf.arithmetic:reward"
+    verifier = "llm_rlhf.tasks.arithmetic:reward"
     assert ppo_cfg.reward_fn == ppo_cfg.accuracy_fn == verifier and ppo_cfg.reward_model_path in (
         None,
         "none",
@@ -164,7 +165,7 @@ def assert_stage_outputs(out: Path) -> None:
     """The SFT, RM and PPO folders hold what the next stage (and plain transformers) loads."""
     from transformers import AutoModelForCausalLM
 
-    from llm_rlhf.reward_model import load_reward_model, score_pairs
+    from llm_rlhf.models.reward_model import load_reward_model, score_pairs
 
     sft_metrics, rm_metrics = read_json(out / "sft" / "metrics.json"), read_json(out / "rm" / "metrics.json")
     assert sft_metrics["global_step"] == 2 and rm_metrics["global_step"] == 2
@@ -271,7 +272,7 @@ def test_reviews_lora_pipeline(tmp_path, tiny_model_dir, sft_files, pref_files, 
 def test_smollm2_recipe_runs_on_a_tiny_llama(tmp_path, tiny_llama_dir, sft_files, pref_files, prompt_file):
     """The SmolLM2 recipe (LoRA in every stage, a Llama model, the fluency-aware gold) on a tiny Llama: the
     gold's fluency LM is the tiny Llama too, as SmolLM2 is both the base and the gold's LM in the recipe."""
-    from llm_rlhf.gold import FLUENT_FORMAT
+    from llm_rlhf.models.gold import FLUENT_FORMAT
 
     data = {"sft": sft_files[0], "prefs": pref_files[0], "prompts": prompt_file}
     overrides = tiny_overrides(tiny_llama_dir, data, tmp_path, max_length=48)
@@ -324,7 +325,7 @@ def test_the_rule_recipe_runs_through_the_pipeline_on_a_tiny_chat_llama(tmp_path
         assert 0.0 <= record["accuracy"] <= 1.0 and 0.0 <= record["accuracy_greedy"] <= 1.0
     metrics = read_json(out / "eval" / "metrics.json")
     assert metrics["baseline_path"] == str(model) and metrics["kl_to_ref_baseline"] == 0.0
-    assert metrics["accuracy_fn"] == "llm_rlhf.arithmetic:reward" and metrics["num_pairs"] == 6
+    assert metrics["accuracy_fn"] == "llm_rlhf.tasks.arithmetic:reward" and metrics["num_pairs"] == 6
     for key in ("accuracy", "accuracy_greedy", "accuracy_baseline", "accuracy_greedy_baseline"):
         assert 0.0 <= metrics[key] <= 1.0, key
     assert (out / "report.html").is_file()

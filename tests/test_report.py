@@ -9,22 +9,28 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llm_rlhf import cli, report
-from llm_rlhf.report import find_runs, parse_jsonl, write_report
-from llm_rlhf.report.accuracy import (
+from llm_rlhf.interfaces import cli, report
+from llm_rlhf.interfaces.report import find_runs, parse_jsonl, write_report
+from llm_rlhf.interfaces.report.accuracy import (
     accuracy_logged,
     accuracy_points,
     plot_accuracy,
     plot_compare_accuracy,
     run_styles,
 )
-from llm_rlhf.report.cards import accuracy_cards
-from llm_rlhf.report.evaluation import EVAL_GROUPS, MEMBERS, eval_groups
-from llm_rlhf.report.figures import nth_color, plot_style
-from llm_rlhf.report.hacking_watch import WATCH_TOP
-from llm_rlhf.report.overoptimisation import eval_points
-from llm_rlhf.report.ppo_curves import COMPARE_PANELS, PPO_PANELS, compare_panels, plot_ppo, ppo_panels
-from llm_rlhf.report.runs import kl_target, run_estimator
+from llm_rlhf.interfaces.report.cards import accuracy_cards
+from llm_rlhf.interfaces.report.evaluation import EVAL_GROUPS, MEMBERS, eval_groups
+from llm_rlhf.interfaces.report.figures import nth_color, plot_style
+from llm_rlhf.interfaces.report.hacking_watch import WATCH_TOP
+from llm_rlhf.interfaces.report.overoptimisation import eval_points
+from llm_rlhf.interfaces.report.ppo_curves import (
+    COMPARE_PANELS,
+    PPO_PANELS,
+    compare_panels,
+    plot_ppo,
+    ppo_panels,
+)
+from llm_rlhf.interfaces.report.runs import kl_target, run_estimator
 
 IMG = "data:image/png;base64,"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -329,7 +335,7 @@ def test_cli_rebuilds_report_escaping_text_and_skipping_broken_lines(tmp_path, c
 def test_smooth_matches_loop():
     import numpy as np
 
-    from llm_rlhf.report.numbers import smooth
+    from llm_rlhf.interfaces.report.numbers import smooth
 
     rng = np.random.default_rng(0)
     y = rng.normal(size=40)
@@ -345,8 +351,8 @@ def test_smooth_matches_loop():
 
 def test_gold_note_says_whose_fluency_lm_the_gold_reads(tmp_path, monkeypatch):
     """The evaluation section names the gold's fluency LM and says when it is the run's own base model."""
-    from llm_rlhf.report import load_run
-    from llm_rlhf.report.evaluation import gold_note
+    from llm_rlhf.interfaces.report import load_run
+    from llm_rlhf.interfaces.report.evaluation import gold_note
 
     monkeypatch.chdir(tmp_path)  # config paths are relative to where the pipeline ran
     (tmp_path / "lm").mkdir()
@@ -497,7 +503,7 @@ def test_the_evaluation_table_reads_the_keys_eval_writes():
     """Every metric, baseline and standard-error key of the table's rows is one `evaluate.summarize` (or, for
     held-out accuracy, `evaluate.accuracy_figures`) writes (a renamed key would drop its row silently: rows
     without a value are left out)."""
-    from llm_rlhf import evaluate
+    from llm_rlhf.stages import evaluate
 
     record = {"prompt": "p", "response": " fine.", "response_ids": [1, 2], "length": 3, "eos": True,
               "kl_to_ref": 0.1, "kl_to_ref_at_temperature": 0.1, "rm_score": 0.5, "rm_member_scores": [0.4, 0.6],
@@ -522,7 +528,7 @@ def test_the_evaluation_table_reads_the_keys_eval_writes():
 ACCURACY_EVAL = {
     "accuracy": 0.875, "accuracy_stderr": 0.125, "accuracy_greedy": 0.75, "accuracy_greedy_stderr": 0.25,
     "accuracy_baseline": 0.5, "accuracy_stderr_baseline": 0.189, "accuracy_greedy_baseline": 0.5,
-    "accuracy_greedy_stderr_baseline": 0.289, "accuracy_fn": "llm_rlhf.arithmetic:reward",
+    "accuracy_greedy_stderr_baseline": 0.289, "accuracy_fn": "llm_rlhf.tasks.arithmetic:reward",
     "gold_win_rate": None, "gold_win_rate_stderr": None, "rm_win_rate": None, "rm_win_rate_stderr": None,
     "reward_fn_win_rate": 0.6875, "reward_fn_win_rate_stderr": 0.12, "combined_win_rate": 0.6875,
     "combined_win_rate_stderr": 0.12, "gold_score_mean": None, "gold_score_stderr": None, "rm_score_mean": None,
@@ -539,7 +545,7 @@ ACCURACY_EVAL = {
     "distinct_2_baseline": 0.6, "char_run_rate_baseline": 0.0, "repeated_ngram_rate_baseline": 0.0,
     "empty_rate_baseline": 0.0, "num_prompts": 4, "samples_per_prompt": 2, "num_pairs": 8,
     "policy_path": "runs/arith/ppo", "baseline_path": "data/smollm2-135m-instruct", "reward_model_path": "none",
-    "reward_fn": "llm_rlhf.arithmetic:reward", "reward_fn_weight": 1.0, "gold_judge": "none",
+    "reward_fn": "llm_rlhf.tasks.arithmetic:reward", "reward_fn_weight": 1.0, "gold_judge": "none",
     "gold_judge_heldout_accuracy": None, "gold_judge_validity": None, "temperature": 1.0, "seed": 0, "time_s": 30.0,
 }  # fmt: skip
 
@@ -578,7 +584,7 @@ def make_accuracy_run(
     _write(run / "eval" / "metrics.json", json.dumps(ACCURACY_EVAL))
     _write(run / "ppo" / "config.yaml", (
         f"output_dir: {run / 'ppo'}\nmodel_name_or_path: data/smollm2-135m-instruct\nreward_model_path: none\n"
-        f"reward_fn: llm_rlhf.arithmetic:reward\ngold_judge: none\neval_every: 4\nseed: {seed}\n"
+        f"reward_fn: llm_rlhf.tasks.arithmetic:reward\ngold_judge: none\neval_every: 4\nseed: {seed}\n"
         f"advantage_estimator: {estimator}\nsamples_per_prompt: {k}\n"
     ))  # fmt: skip
     _write(run / "eval" / "config.yaml", f"output_dir: {run / 'eval'}\ngold_judge: none\n")
@@ -630,14 +636,14 @@ def test_a_run_of_a_task_with_a_verifier_shows_held_out_accuracy(tmp_path):
         and not (run / "report" / "overoptimisation.png").exists()
     )
     assert (
-        "This run has no gold judge: held-out accuracy, checked by the verifier llm_rlhf.arithmetic:reward"
+        "This run has no gold judge: held-out accuracy, checked by the verifier llm_rlhf.tasks.arithmetic:reward"
         in text
     )
     # no SFT, no RM stage: one grey line each, saying what took their place; their files are not "missing"
     assert 'class="missing"' not in text
     assert '<p class="note">The sft stage is not part of this run' in text
     assert "PPO started from data/smollm2-135m-instruct, also its reference." in text
-    assert "PPO&#x27;s score is the reward function llm_rlhf.arithmetic:reward alone." in text
+    assert "PPO&#x27;s score is the reward function llm_rlhf.tasks.arithmetic:reward alone." in text
     # the cards: accuracy in the gold's place, no SFT or RM card, PPO's score named for what it is
     cards = _between(text, '<div class="cards">', "<nav>")
     assert (
@@ -667,7 +673,7 @@ def test_a_run_of_a_task_with_a_verifier_shows_held_out_accuracy(tmp_path):
     ):
         cells = _cells(_between(table, f'<span class="key">{key}</span>', "</tr>"))  # after the label
         assert cells[:4] == [*row, f"{np.std(diffs, ddof=1) / np.sqrt(len(diffs)):.2g}"], key
-    assert "accuracy checked by llm_rlhf.arithmetic:reward" in text
+    assert "accuracy checked by llm_rlhf.tasks.arithmetic:reward" in text
     # the samples: every checked response tagged, the greedy responses on the prompts' first rows
     pairs = _between(text, '<table class="texts pairs">')
     assert "<th>Starting model</th><th>PPO policy</th>" in pairs

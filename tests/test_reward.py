@@ -11,13 +11,10 @@ import pytest
 import torch
 from helpers import pairs_stage_on_two_processes, write_jsonl
 
-from llm_rlhf import ppo_math
-from llm_rlhf.baseline import fit_bow_baseline, pairwise_accuracy
-from llm_rlhf.config import parse_config
-from llm_rlhf.errors import ConfigError, DataError, UserError
-from llm_rlhf.ppo_math import position_ids_from_mask
-from llm_rlhf.reward import Config, build_trainer, load_inputs, reference_texts, run
-from llm_rlhf.reward_model import (
+from llm_rlhf.core.config import parse_config
+from llm_rlhf.core.errors import ConfigError, DataError, UserError
+from llm_rlhf.models.baseline import fit_bow_baseline, pairwise_accuracy
+from llm_rlhf.models.reward_model import (
     RewardModel,
     add_pad_token,
     encode_pair,
@@ -27,13 +24,16 @@ from llm_rlhf.reward_model import (
     save_reward_model,
     score_pairs,
 )
+from llm_rlhf.rl import ppo_math
+from llm_rlhf.rl.ppo_math import position_ids_from_mask
+from llm_rlhf.stages.reward import Config, build_trainer, load_inputs, reference_texts, run
 
 RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "reviews" / "rm.yaml"
 
 
 def fresh_rm(model_dir, seed: int = 0) -> RewardModel:
     """An untrained RM on a tiny causal LM: a random score head, scaled up so scores differ visibly."""
-    from llm_rlhf.models import load_tokenizer
+    from llm_rlhf.models.loading import load_tokenizer
 
     tokenizer = load_tokenizer(str(model_dir))
     torch.manual_seed(seed)
@@ -79,8 +79,8 @@ def test_ranking_expands_into_all_pairs(tmp_path, tiny_model_dir):
     assert ppo_math.ranking_to_pairs(["B", "A", "D", "C"]) == [
         ("B", "A"), ("B", "D"), ("B", "C"), ("A", "D"), ("A", "C"), ("D", "C"),
     ]  # fmt: skip
-    from llm_rlhf.data import load_preference_dataset
-    from llm_rlhf.models import load_tokenizer
+    from llm_rlhf.core.data import load_preference_dataset
+    from llm_rlhf.models.loading import load_tokenizer
 
     path = write_jsonl(
         tmp_path / "ranked.jsonl", [{"prompt": "The film", "ranked": [" B", " A", " D", " C"]}]
@@ -174,7 +174,7 @@ def test_training_scores_and_loss_equal_the_reward_model(tmp_path, tiny_model_di
     cfg = tiny_config(tiny_model_dir, pref_files, tmp_path / "rm", margin=0.5)
     rows = [json.loads(line) for line in Path(pref_files[0]).read_text().splitlines()]
     write_jsonl(Path(pref_files[0]), [{**r, "margin": 1.0 + i % 3} for i, r in enumerate(rows)])
-    from llm_rlhf.reward import _tokenize
+    from llm_rlhf.stages.reward import _tokenize
 
     inputs = load_inputs(cfg)
     train, _ = _tokenize(inputs.train, inputs.tokenizer, cfg.max_length, inputs.margins)
@@ -200,7 +200,7 @@ def test_training_scores_and_loss_equal_the_reward_model(tmp_path, tiny_model_di
 def test_score_tokens_of_policy_rollouts_equal_score_pairs(tiny_model_dir):
     """PPO hands over query | response | pad in the SFT tokenizer's ids (pad == EOS, left-padded
     queries): the RM scores them as it scores the texts, a truncated one too (EOS appended, issue 29)."""
-    from llm_rlhf.models import load_tokenizer
+    from llm_rlhf.models.loading import load_tokenizer
 
     rm = fresh_rm(tiny_model_dir)
     policy_tok = load_tokenizer(str(tiny_model_dir))
@@ -253,7 +253,7 @@ def test_training_changes_every_trainable_parameter(tmp_path, tiny_model_dir, pr
 
     cfg = tiny_config(tiny_model_dir, pref_files, tmp_path / "rm", use_lora=use_lora, max_steps=12)
     inputs = load_inputs(cfg)
-    from llm_rlhf.reward import _tokenize
+    from llm_rlhf.stages.reward import _tokenize
 
     train, _ = _tokenize(inputs.train, inputs.tokenizer, cfg.max_length)
     trainer = build_trainer(cfg, inputs.model, inputs.tokenizer, train, None)
@@ -283,7 +283,7 @@ def test_reward_centring_moves_the_final_norm_bias_too(tmp_path, tiny_model_dir,
         tiny_model_dir, pref_files, tmp_path / "rm", max_steps=4, center_rewards_coefficient=0.1
     )
     inputs = load_inputs(cfg)
-    from llm_rlhf.reward import _tokenize
+    from llm_rlhf.stages.reward import _tokenize
 
     train, _ = _tokenize(inputs.train, inputs.tokenizer, cfg.max_length)
     trainer = build_trainer(cfg, inputs.model, inputs.tokenizer, train, None)
@@ -322,7 +322,7 @@ def test_rm_stage_end_to_end(tmp_path, tiny_model_dir, pref_files):
     rm = load_reward_model(out)
     norm = json.loads((out / "reward_normalization.json").read_text())
     assert rm.mean == norm["mean"] == metrics["score_mean"] and rm.std == norm["std"] == metrics["score_std"]
-    from llm_rlhf.data import load_preference_dataset
+    from llm_rlhf.core.data import load_preference_dataset
 
     train = load_preference_dataset(cfg.train_file, rm.tokenizer, max_length=cfg.max_length)
     prompts, responses = reference_texts(train, max_samples=cfg.normalization_samples, seed=cfg.seed)
@@ -346,7 +346,7 @@ def test_lora_rm_save_reload_gives_identical_scores(tmp_path, tiny_llama_dir, pr
 
     cfg = tiny_config(tiny_llama_dir, pref_files, tmp_path / "rm", use_lora=True, max_steps=10)
     inputs = load_inputs(cfg)
-    from llm_rlhf.reward import _tokenize
+    from llm_rlhf.stages.reward import _tokenize
 
     train, _ = _tokenize(inputs.train, inputs.tokenizer, cfg.max_length)
     trainer = build_trainer(cfg, inputs.model, inputs.tokenizer, train, None)

@@ -15,13 +15,21 @@ import reward_fns
 import torch
 from helpers import build_model, launch, ppo_cli_args, ppo_config, ppo_trainer
 
-from llm_rlhf import cli, evaluate, ppo, ppo_run
-from llm_rlhf.errors import ConfigError, UserError
-from llm_rlhf.hacking import DEGENERACY_KEYS, degeneracy_rates
-from llm_rlhf.models import load_tokenizer
-from llm_rlhf.reward_fn import PROBE_RESPONSES, RewardFn, check_scores, decode_texts, load_reward_fn, probe
-from llm_rlhf.reward_model import load_reward_model
-from llm_rlhf.scoring import Scorer
+from llm_rlhf.core.errors import ConfigError, UserError
+from llm_rlhf.interfaces import cli
+from llm_rlhf.models.loading import load_tokenizer
+from llm_rlhf.models.reward_fn import (
+    PROBE_RESPONSES,
+    RewardFn,
+    check_scores,
+    decode_texts,
+    load_reward_fn,
+    probe,
+)
+from llm_rlhf.models.reward_model import load_reward_model
+from llm_rlhf.models.scoring import Scorer
+from llm_rlhf.rl.hacking import DEGENERACY_KEYS, degeneracy_rates
+from llm_rlhf.stages import evaluate, ppo, ppo_run
 
 ROOT = Path(__file__).resolve().parents[1]
 FILE_SPEC = "tests/reward_fns.py:keyword"  # the file form, relative to the repo root
@@ -142,7 +150,7 @@ def test_decode_texts_gives_back_the_prompt_string(tiny_model_dir):
     BOS it added dropped), special-token text inside it kept (a chat template writes some)."""
     from tokenizers.processors import TemplateProcessing
 
-    from llm_rlhf.rollout import encode_prompt, left_pad
+    from llm_rlhf.rl.rollout import encode_prompt, left_pad
 
     tok = load_tokenizer(str(tiny_model_dir), padding_side="left")
     bos = tok.bos_token_id

@@ -27,11 +27,12 @@ from helpers import (
     train_tokenizer,
 )
 
-from llm_rlhf import cli, evaluate, pipeline, ppo, ppo_math, reward
-from llm_rlhf.config import parse_config
-from llm_rlhf.errors import ConfigError
-from llm_rlhf.models import load_tokenizer, shares_vocab
-from llm_rlhf.reward_model import (
+from llm_rlhf.core.config import parse_config
+from llm_rlhf.core.errors import ConfigError
+from llm_rlhf.core.utils import read_json
+from llm_rlhf.interfaces import cli, pipeline
+from llm_rlhf.models.loading import load_tokenizer, shares_vocab
+from llm_rlhf.models.reward_model import (
     RewardEnsemble,
     RewardModel,
     add_pad_token,
@@ -42,8 +43,9 @@ from llm_rlhf.reward_model import (
     load_reward_models,
     save_reward_model,
 )
-from llm_rlhf.scoring import Scorer, scored_as
-from llm_rlhf.utils import read_json
+from llm_rlhf.models.scoring import Scorer, scored_as
+from llm_rlhf.rl import ppo_math
+from llm_rlhf.stages import evaluate, ppo, reward
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMES = ("time/", "tokens_per_s")

@@ -16,9 +16,9 @@ from helpers import multinomial_draw, naive_inverse_cdf_draw, naive_sample
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from llm_rlhf import fast_sampling
-from llm_rlhf.rollout import Sampling, StopStringsCriteria, generation_config_hidden, left_pad, sample
-from llm_rlhf.sft import sample_responses
+from llm_rlhf.rl import fast_sampling
+from llm_rlhf.rl.rollout import Sampling, StopStringsCriteria, generation_config_hidden, left_pad, sample
+from llm_rlhf.stages.sft import sample_responses
 
 HOSTILE = dict(
     repetition_penalty=3.0, no_repeat_ngram_size=1, top_k=3, top_p=0.3, min_p=0.2, typical_p=0.5,
@@ -303,8 +303,8 @@ def test_sampler_logprobs_are_the_log_probs_the_tokens_were_drawn_with(dtype, ti
     distribution (the PPO forward's log-probs agree to float rounding); in bfloat16 the draws are those of the
     bfloat16 model's softmax (a naive loop inside the same bfloat16 weights, draw for draw), and its log-probs
     differ from the float32 policy's by more than rounding."""
-    from llm_rlhf.models import Reference
-    from llm_rlhf.rollout import response_logprobs_and_values
+    from llm_rlhf.models.loading import Reference
+    from llm_rlhf.rl.rollout import response_logprobs_and_values
 
     lm, tokenizer = load(tiny_llama_dir, lora=True)
     ids = [tokenizer(p).input_ids for p in ["The film is", "A", "It was a great and", "Bad"] * 8]
@@ -336,8 +336,8 @@ def test_sampler_logprobs_are_the_log_probs_the_tokens_were_drawn_with(dtype, ti
 
 
 def test_bfloat16_sampling_needs_the_fast_sampler(tiny_model_dir, monkeypatch):
-    from llm_rlhf import evaluate, ppo
-    from llm_rlhf.errors import ConfigError, UserError
+    from llm_rlhf.core.errors import ConfigError, UserError
+    from llm_rlhf.stages import evaluate, ppo
 
     lm, tokenizer = load(tiny_model_dir, lora=False)
     monkeypatch.setattr(fast_sampling, "supports", lambda lm: False)
@@ -360,7 +360,7 @@ def test_evaluation_samples_both_models_in_the_sampling_dtype(
     runs inside decoding_weights with that dtype (float32: the weights' own, None)."""
     from helpers import eval_config
 
-    from llm_rlhf import evaluate
+    from llm_rlhf.stages import evaluate
 
     seen, real = [], fast_sampling.decoding_weights
 
@@ -384,7 +384,7 @@ def test_evaluation_samples_both_models_with_compiled_steps(
     runs compiled steps, and the evaluation completes."""
     from helpers import eval_config
 
-    from llm_rlhf import evaluate
+    from llm_rlhf.stages import evaluate
 
     compiled_for, real = [], fast_sampling.compiled_step
 

@@ -8,15 +8,15 @@ import pytest
 import torch
 from helpers import write_jsonl
 
-from llm_rlhf.cli import main
-from llm_rlhf.reward_model import (
+from llm_rlhf.interfaces.cli import main
+from llm_rlhf.models.reward_model import (
     RewardModel,
     add_pad_token,
     load_reward_model,
     load_sequence_classifier,
     save_reward_model,
 )
-from llm_rlhf.score import score_texts
+from llm_rlhf.stages.score import score_texts
 
 PAIRS = [
     ("The film", " is a delight from start to finish."),
@@ -30,7 +30,7 @@ PAIRS = [
 @pytest.fixture(scope="module")
 def rm_dir(tmp_path_factory, tiny_model_dir):
     """A saved (untrained) RM folder with a stored normalisation, as `llm-rlhf rm` writes it."""
-    from llm_rlhf.models import load_tokenizer
+    from llm_rlhf.models.loading import load_tokenizer
 
     tokenizer = load_tokenizer(str(tiny_model_dir))
     torch.manual_seed(0)

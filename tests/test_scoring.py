@@ -7,15 +7,15 @@ import pytest
 import torch
 from helpers import eos_rows, ppo_config, ppo_trainer, scores_alone
 
-from llm_rlhf import evaluate, ppo, sft
-from llm_rlhf.callables import resolve_callable
-from llm_rlhf.errors import ConfigError, UserError
-from llm_rlhf.gold import load_judge
-from llm_rlhf.models import load_tokenizer
-from llm_rlhf.reward_fn import load_reward_fn
-from llm_rlhf.reward_model import encode_pair, end_with_eos, load_reward_model
-from llm_rlhf.rollout import Sampling
-from llm_rlhf.scoring import Scorer, scored_as
+from llm_rlhf.core.callables import resolve_callable
+from llm_rlhf.core.errors import ConfigError, UserError
+from llm_rlhf.models.gold import load_judge
+from llm_rlhf.models.loading import load_tokenizer
+from llm_rlhf.models.reward_fn import load_reward_fn
+from llm_rlhf.models.reward_model import encode_pair, end_with_eos, load_reward_model
+from llm_rlhf.models.scoring import Scorer, scored_as
+from llm_rlhf.rl.rollout import Sampling
+from llm_rlhf.stages import evaluate, ppo, sft
 
 
 def test_sampling_of_any_flat_config():

@@ -10,12 +10,13 @@ import pytest
 import torch
 from helpers import launch, write_jsonl
 
-from llm_rlhf import cli, sft
-from llm_rlhf.config import parse_config
-from llm_rlhf.data import load_sft_dataset
-from llm_rlhf.models import load_causal_lm, load_tokenizer
-from llm_rlhf.rollout import Sampling
-from llm_rlhf.utils import read_json
+from llm_rlhf.core.config import parse_config
+from llm_rlhf.core.data import load_sft_dataset
+from llm_rlhf.core.utils import read_json
+from llm_rlhf.interfaces import cli
+from llm_rlhf.models.loading import load_causal_lm, load_tokenizer
+from llm_rlhf.rl.rollout import Sampling
+from llm_rlhf.stages import sft
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "reviews" / "sft.yaml"
 
@@ -169,7 +170,7 @@ def test_an_unmerged_adapter_is_refused_by_the_next_stages_in_one_line(
     training); evaluation's models load through the same load_causal_lm."""
     from peft import get_peft_model
 
-    from llm_rlhf.errors import UserError
+    from llm_rlhf.core.errors import UserError
 
     adapter = tmp_path / "sft"
     model = load_causal_lm(str(tiny_model_dir))

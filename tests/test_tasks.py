@@ -1,4 +1,4 @@
-"""Tasks from reasoning-gym (llm_rlhf/tasks.py, data/make_tasks.py, data/tasks/, recipes/gym-*): the split,
+"""Tasks from reasoning-gym (llm_rlhf/tasks/gym.py, data/make_tasks.py, data/tasks/, recipes/gym-*): the split,
 the committed folders, the answer extraction against adversarial responses, the verifier against the
 generator's own score_answer, the verifier named in a config and through the real PPO path."""
 
@@ -18,12 +18,13 @@ import torch
 import yaml
 from helpers import build_model, ppo_config, ppo_trainer, recording_rollouts
 
-from llm_rlhf import evaluate, pipeline, ppo
-from llm_rlhf.config import parse_config
-from llm_rlhf.errors import ConfigError, UserError
-from llm_rlhf.reward_fn import decode_texts, load_reward_fn, probe
-from llm_rlhf.rollout import Samples, left_pad
-from llm_rlhf.tasks import (
+from llm_rlhf.core.config import parse_config
+from llm_rlhf.core.errors import ConfigError, UserError
+from llm_rlhf.interfaces import pipeline
+from llm_rlhf.models.reward_fn import decode_texts, load_reward_fn, probe
+from llm_rlhf.rl.rollout import Samples, left_pad
+from llm_rlhf.stages import evaluate, ppo
+from llm_rlhf.tasks.gym import (
     INSTRUCTION,
     MAX_ANSWER_CHARS,
     Task,
@@ -278,7 +279,7 @@ def test_the_task_reward_through_the_ppo_path(chain_folder, tmp_path):
     for odd rows: the rollout's scores are the verifier's 1 and 0 on the prompts and responses PPO decoded,
     and the step's objective/scores is their mean."""
     model = build_model(tmp_path / "chat_llama", "llama", n_positions=256)
-    from llm_rlhf.models import load_tokenizer
+    from llm_rlhf.models.loading import load_tokenizer
 
     tokenizer = load_tokenizer(str(model))
     tokenizer.chat_template = CHAT_TEMPLATE
@@ -428,7 +429,7 @@ def test_a_gym_recipe_runs_through_the_pipeline_on_a_tiny_chat_llama(tmp_path, m
     """`llm-rlhf pipeline --config recipes/gym-chain_sum-t2d1/pipeline.yaml` with a tiny Llama (a chat template of
     its own) in place of SmolLM2, two steps and a few held-out problems: the committed task files are rendered
     and scored by the task's verifier, and the held-out evaluations and the eval stage report its accuracy."""
-    from llm_rlhf.models import load_tokenizer
+    from llm_rlhf.models.loading import load_tokenizer
 
     monkeypatch.chdir(ROOT)
     model = build_model(tmp_path / "tiny_chat_llama", "llama", n_positions=256)

@@ -9,8 +9,10 @@ import pytest
 import torch
 from helpers import ppo_config, ppo_trainer
 
-from llm_rlhf import ppo, ppo_math, reward_model
-from llm_rlhf.rollout import Rollout, Samples, left_pad, pad_columns
+from llm_rlhf.models import reward_model
+from llm_rlhf.rl import ppo_math
+from llm_rlhf.rl.rollout import Rollout, Samples, left_pad, pad_columns
+from llm_rlhf.stages import ppo
 
 R = 12  # max_new_tokens; the longest real response below has 7 tokens
 EOS_AT = [1, 3, 6, 0, 2, 4, 1, 3]  # the EOS's index in each row's response

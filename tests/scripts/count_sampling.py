@@ -14,7 +14,8 @@ import os
 import sys
 from pathlib import Path
 
-from llm_rlhf import cli, evaluate, ppo
+from llm_rlhf.interfaces import cli
+from llm_rlhf.stages import evaluate, ppo
 
 
 def main() -> None:

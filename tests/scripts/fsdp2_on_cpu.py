@@ -20,7 +20,7 @@ import sys
 import accelerate.state
 from accelerate.utils import DistributedType
 
-from llm_rlhf import cli
+from llm_rlhf.interfaces import cli
 
 original_init = accelerate.state.AcceleratorState.__init__
 

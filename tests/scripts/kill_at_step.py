@@ -11,7 +11,8 @@ import os
 import signal
 import sys
 
-from llm_rlhf import cli, ppo
+from llm_rlhf.interfaces import cli
+from llm_rlhf.stages import ppo
 
 
 def main() -> None:

@@ -56,10 +56,11 @@ import sys
 import torch
 from accelerate import Accelerator
 
-from llm_rlhf import ppo, ppo_math, ppo_run
-from llm_rlhf.models import load_tokenizer
-from llm_rlhf.rollout import Samples, left_pad
-from llm_rlhf.utils import use_cpu_ddp_without_gpus
+from llm_rlhf.core.utils import use_cpu_ddp_without_gpus
+from llm_rlhf.models.loading import load_tokenizer
+from llm_rlhf.rl import ppo_math
+from llm_rlhf.rl.rollout import Samples, left_pad
+from llm_rlhf.stages import ppo, ppo_run
 
 GLOBAL_BATCH, R = 8, 6
 ESTIMATORS = {"grpo": 4, "dr_grpo": 4, "rloo": 4, "reinforce_pp": 2, "remax": 1}  # samples per prompt

@@ -15,7 +15,8 @@ import os
 import sys
 from pathlib import Path
 
-from llm_rlhf import cli, ppo
+from llm_rlhf.interfaces import cli
+from llm_rlhf.stages import ppo
 
 
 def main() -> None:

@@ -1,0 +1,251 @@
+"""The advantage estimators, one row each: everything PPO needs to know about `advantage_estimator`.
+
+A row says whether the estimator trains a value function, how many samples of a prompt it needs, where its
+KL goes by default, whether it samples a greedy baseline, what its advantages are divided by, which config
+keys it does not read, what the policy-loss family of issue 37 may combine it with, and its advantage
+function. The config (`ppo_config`), the trainer (`ppo`), the command (`ppo_run`) and the report read the
+row and never the name. The math is the pure functions of `ppo_math`; the functions here only hand them
+a rollout's tensors:
+
+    estimator     critic  k >= 1  KL in   greedy  divided by       (SPEC "Critic-free estimators")
+    gae           yes     1       reward  no      batch std        GAE over the values, whitened
+    grpo          no      2       loss    no      group std        score - group mean, / group std
+    dr_grpo       no      2       loss    no      -                score - group mean
+    rloo          no      2       reward  no      -                score - mean of the group's others
+    reinforce_pp  no      1       reward  no      batch std        gamma = 1 returns, whitened
+    remax         no      1       reward  yes     -                score - greedy response's score
+
+Adding an estimator: its pure function in `ppo_math` with its tests, one `Estimator` row below with an
+adapter in the style of `_gae`, and its row in the tests of tests/test_estimators.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from llm_rlhf.rl import ppo_math
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What an estimator's advantage function may read of a rollout, this process's part of it.
+
+    rewards: (B, R) the per-token rewards (`ppo_math.shaped_rewards`: the score at the last response token,
+    -kl_coef * KL_t per token when the KL is in the reward). response_mask: (B, R) bool. values: (B, R) the
+    old values, None without a value function. baseline: (P,) the greedy responses' sequence rewards of a
+    greedy-baseline estimator, else None. samples_per_prompt: k, each prompt's group in k consecutive rows
+    (B = P * k). reduce_sum: sums a tensor over every process (None with one), for statistics of the global
+    batch."""
+
+    rewards: torch.Tensor
+    response_mask: torch.Tensor
+    values: torch.Tensor | None
+    baseline: torch.Tensor | None
+    samples_per_prompt: int
+    gamma: float
+    lam: float
+    reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None
+
+
+# (advantages (B, R), returns the value loss fits (B, R) or None without a value function)
+Advantages = tuple[torch.Tensor, torch.Tensor | None]
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """One advantage estimator.
+
+    name: the value of `advantage_estimator`. description: one line for --help and the report.
+    critic: trains a value function (the policy's value head, or a critic with value_model 'reward'); the
+    others build none. min_samples_per_prompt: the smallest group k it accepts (2: its baseline is the
+    group's other samples). kl_in_loss: where the KL goes when `kl_in_loss` is null: True = kl_coef * k3 per
+    token in the loss, False = -kl_coef * KL_t in the per-token rewards. greedy_baseline: one greedy
+    response per prompt is sampled and scored as the baseline (`AdvantageInputs.baseline`). std_scaling:
+    what the advantages are divided by: 'batch' (whitened over the global batch), 'group' (the group's std)
+    or 'none'. ignored_keys: config keys it does not read; set to another value than their default they are
+    a ConfigError. policy_losses, corrections, dynamic_sampling: what the policy-loss family (issue 37) may
+    combine it with: 'gspo' needs one advantage per response (the same on each token: a group baseline of
+    the sequence reward), the sampler corrections ('tis', 'mis') apply to every estimator, and dropping the
+    groups whose scores tie needs a group baseline. advantages: the advantage function."""
+
+    name: str
+    description: str
+    critic: bool
+    min_samples_per_prompt: int
+    kl_in_loss: bool
+    greedy_baseline: bool
+    std_scaling: str
+    ignored_keys: tuple[str, ...]
+    policy_losses: tuple[str, ...]
+    corrections: tuple[str, ...]
+    dynamic_sampling: bool
+    advantages: Callable[[AdvantageInputs], Advantages]
+
+
+# The keys of the value function and of GAE: read by an estimator with a critic only.
+CRITIC_KEYS = ("lam", "vf_coef", "cliprange_value", "whiten_rewards", "value_model")
+# Every critic-free estimator's sequence reward or return is the undiscounted sum of the rewards.
+CRITIC_FREE_IGNORED = ("gamma", *CRITIC_KEYS)
+SAMPLER_CORRECTIONS = ("tis", "mis")
+
+
+def _gae(x: AdvantageInputs) -> Advantages:
+    """GAE over the values (`ppo_math.compute_gae`), the advantages whitened over the global batch."""
+    advantages, returns = ppo_math.compute_gae(
+        rewards=x.rewards, values=x.values, response_mask=x.response_mask, gamma=x.gamma, lam=x.lam
+    )  # (B, R) each
+    return ppo_math.masked_whiten(advantages, x.response_mask, reduce_sum=x.reduce_sum), returns
+
+
+def _reinforce_pp(x: AdvantageInputs) -> Advantages:
+    """gamma = 1 returns of the per-token rewards, whitened over the global batch; no value function."""
+    advantages, _ = ppo_math.reinforce_pp_advantages(
+        rewards=x.rewards, response_mask=x.response_mask, reduce_sum=x.reduce_sum
+    )  # (B, R)
+    return advantages, None
+
+
+def _sequence_rewards(x: AdvantageInputs) -> torch.Tensor:
+    """r = sum_t rewards_t, one per response (B,): the score, minus beta * KL when the KL is in the reward.
+    The estimators of one advantage per response (grpo, dr_grpo, rloo, remax) baseline it against the
+    response's group or its greedy response."""
+    return ppo_math.masked_sum(x.rewards, x.response_mask, dim=-1)  # (B,)
+
+
+def _on_every_token(x: AdvantageInputs, advantages: torch.Tensor) -> Advantages:
+    """One advantage per response (B,) on each of its tokens (B, R); no value function.
+
+    Not whitened: each is already a baselined advantage, used as is by GRPO (Shao et al. 2024, sec. 4.1.2:
+    the group-normalised reward is the advantage of every token), Dr. GRPO (Liu et al. 2025, which also drops
+    GRPO's std), RLOO (Ahmadian et al. 2024) and ReMax (Li et al. 2023). Whitening over the batch would also
+    mix every group's statistics with the others'. The groups are this process's consecutive rows, taken
+    over the whole rollout, so neither the number of processes nor the micro-batches change them."""
+    return ppo_math.token_advantages(advantages=advantages, response_mask=x.response_mask), None  # (B, R)
+
+
+def _grpo(x: AdvantageInputs) -> Advantages:
+    scores, k = _sequence_rewards(x), x.samples_per_prompt
+    return _on_every_token(x, ppo_math.grpo_advantages(scores=scores, samples_per_prompt=k))
+
+
+def _dr_grpo(x: AdvantageInputs) -> Advantages:
+    scores, k = _sequence_rewards(x), x.samples_per_prompt
+    return _on_every_token(
+        x, ppo_math.grpo_advantages(scores=scores, samples_per_prompt=k, scale_by_std=False)
+    )
+
+
+def _rloo(x: AdvantageInputs) -> Advantages:
+    scores, k = _sequence_rewards(x), x.samples_per_prompt
+    return _on_every_token(x, ppo_math.rloo_advantages(scores=scores, samples_per_prompt=k))
+
+
+def _remax(x: AdvantageInputs) -> Advantages:
+    scores, k = _sequence_rewards(x), x.samples_per_prompt
+    advantages = ppo_math.remax_advantages(scores=scores, baseline_scores=x.baseline, samples_per_prompt=k)
+    return _on_every_token(x, advantages)
+
+
+ROWS = (
+    Estimator(
+        name="gae",
+        description="a value head or critic, GAE over its values, advantages whitened",
+        critic=True,
+        min_samples_per_prompt=1,
+        kl_in_loss=False,  # Ziegler et al. 2019
+        greedy_baseline=False,
+        std_scaling="batch",
+        ignored_keys=(),
+        policy_losses=("ppo_clip", "cispo"),
+        corrections=SAMPLER_CORRECTIONS,
+        dynamic_sampling=False,
+        advantages=_gae,
+    ),
+    Estimator(
+        name="grpo",
+        description="score minus its group's mean, over the group's std; Shao et al. 2024",
+        critic=False,
+        min_samples_per_prompt=2,
+        kl_in_loss=True,  # Shao et al. 2024, eq. 3
+        greedy_baseline=False,
+        std_scaling="group",
+        ignored_keys=CRITIC_FREE_IGNORED,
+        policy_losses=("ppo_clip", "gspo", "cispo"),
+        corrections=SAMPLER_CORRECTIONS,
+        dynamic_sampling=True,
+        advantages=_grpo,
+    ),
+    Estimator(
+        name="dr_grpo",
+        description="grpo without the division by the std; Liu et al. 2025",
+        critic=False,
+        min_samples_per_prompt=2,
+        kl_in_loss=True,  # as GRPO
+        greedy_baseline=False,
+        std_scaling="none",
+        ignored_keys=CRITIC_FREE_IGNORED,
+        policy_losses=("ppo_clip", "gspo", "cispo"),
+        corrections=SAMPLER_CORRECTIONS,
+        dynamic_sampling=True,
+        advantages=_dr_grpo,
+    ),
+    Estimator(
+        name="rloo",
+        description="score minus the mean of the group's other samples; Ahmadian et al. 2024",
+        critic=False,
+        min_samples_per_prompt=2,
+        kl_in_loss=False,  # Ahmadian et al. 2024 put it in the reward
+        greedy_baseline=False,
+        std_scaling="none",
+        ignored_keys=CRITIC_FREE_IGNORED,
+        policy_losses=("ppo_clip", "gspo", "cispo"),
+        corrections=SAMPLER_CORRECTIONS,
+        dynamic_sampling=True,
+        advantages=_rloo,
+    ),
+    Estimator(
+        name="reinforce_pp",
+        description="gamma = 1 returns of the per-token rewards, whitened over the global batch; Hu 2025",
+        critic=False,
+        min_samples_per_prompt=1,
+        kl_in_loss=False,  # Hu 2025: a per-token KL in the reward
+        greedy_baseline=False,
+        std_scaling="batch",
+        ignored_keys=CRITIC_FREE_IGNORED,
+        policy_losses=("ppo_clip", "cispo"),  # per-token advantages: no sequence-level ratio
+        corrections=SAMPLER_CORRECTIONS,
+        dynamic_sampling=False,
+        advantages=_reinforce_pp,
+    ),
+    Estimator(
+        name="remax",
+        description="score minus the score of a greedy response to the same prompt; Li et al. 2023",
+        critic=False,
+        min_samples_per_prompt=1,
+        kl_in_loss=False,  # Li et al. 2023 put it in the reward
+        greedy_baseline=True,
+        std_scaling="none",
+        ignored_keys=CRITIC_FREE_IGNORED,
+        policy_losses=("ppo_clip", "gspo", "cispo"),
+        corrections=SAMPLER_CORRECTIONS,
+        dynamic_sampling=False,  # its baseline is the greedy response, not the group
+        advantages=_remax,
+    ),
+)
+ESTIMATORS: dict[str, Estimator] = {row.name: row for row in ROWS}
+ADVANTAGE_ESTIMATORS = tuple(ESTIMATORS)  # the accepted values of `advantage_estimator`, in table order
+DEFAULT_ESTIMATOR = "gae"  # the config's default, and what a run's config from before the key existed used
+
+
+def help_text() -> str:
+    """The estimators as --help lists them: "'gae' (a value head or critic, ...), 'grpo' (...), ..."."""
+    return ", ".join(f"'{row.name}' ({row.description})" for row in ROWS)
+
+
+def names(rows) -> str:
+    """'grpo, dr_grpo and rloo': the names of some rows, for help texts and errors."""
+    listed = [row.name for row in rows]
+    return listed[0] if len(listed) == 1 else f"{', '.join(listed[:-1])} and {listed[-1]}"

@@ -1,0 +1,1054 @@
+"""`llm-rlhf eval`: compare a policy with a baseline (default: the SFT model) on held-out prompts.
+
+Paired samples: the prompts are cut into the same batches for both models and the generator is seeded
+with `seed + batch_index` before each batch's `generate` (inside `torch.random.fork_rng`, so the global
+RNG is left alone), so sample j of prompt i of the policy is paired with sample j of prompt i of the
+baseline, and two runs with the same seed give the same metrics. When the policy and the baseline are
+the same model the samples are identical and both win rates are exactly 0.5.
+
+The command in steps (`_run`): `load_inputs` (judge, reward function, tokenizers, prompts, verifier: every input
+checked before any model loads) -> `load_models` (the three models and the scorer, `scoring.build_scorer`) ->
+`measure` (both models sampled, scored, judged) -> `eval_figures` -> `write_outputs`.
+
+metrics.json (written last; `_baseline` keys hold the same figures for the baseline's samples):
+    gold_score_mean   mean gold-judge score (reviews: the fluency-aware gold of `llm_rlhf.models.gold`, in units
+                      of the predicted mean human rating, less the disfluency penalty)
+    sentiment_mean    mean sentiment part of that gold (predicted mean human rating of prompt + response)
+    fluency_perplexity  exp(mean fluency_nll): the geometric mean over the samples of the per-response
+                      perplexity (response + end marker given the prompt) under the gold's independent LM
+    rm_score_mean     mean reward-model score (normalised with the RM's stored mean/std, as PPO sees it; with
+                      an ensemble, `reward_model_path` a list: the members' scores combined as PPO combines them)
+    rm_score_member_<k>_mean, rm_disagreement_mean   with an ensemble only: member k's mean score, and the
+                      mean over the samples of the std across the members
+    gold_win_rate     fraction of pairs where the policy's sample scores higher than the baseline's
+    sentiment_win_rate  (ties count one half), by the gold judge, by its sentiment part alone and by
+    rm_win_rate       the reward model
+    reward_fn_mean    mean score of the reward function (`--reward_fn module:callable`, unweighted), and
+    reward_fn_win_rate  the pairs it prefers, as for the RM
+    combined_score_mean  rm_score + reward_fn_weight * reward_fn (rm_score 0 without a reward model): the score
+    combined_win_rate   PPO maximises with the same keys; null without a reward_fn
+    kl_to_ref         mean over the policy's samples of sum_t log pi(y_t|s_t) - log pi_ref(y_t|s_t) over the
+                      response tokens, at temperature 1: the k1 (Monte-Carlo) estimate of the sequence-level
+                      KL(pi || pi_ref) when the samples come from pi at temperature 1. Samples drawn at another
+                      temperature tau come from pi_tau: `kl_to_ref_at_temperature` is the same sum with both
+                      log-probs at tau, the estimate of KL(pi_tau || pi_ref_tau), which is what PPO penalises.
+    response_length_mean   response tokens, the EOS included;  eos_rate: fraction of responses that stop
+                      (with EOS or a stop string; not truncated at max_new_tokens)
+    distinct_1, distinct_2  unique / total token n-grams over all responses (EOS excluded; Li et al. 2016)
+    char_run_rate, repeated_ngram_rate, empty_rate   fraction of responses with a run of one repeated
+                      character, a repeated word 3-gram, or no text (`llm_rlhf.rl.hacking`: signs of reward hacking)
+    accuracy          with a verifier (`--accuracy_fn module:callable`, e.g. llm_rlhf.tasks.arithmetic:reward: the
+                      reward-function interface, every score 1.0 = correct or 0.0 = wrong): its mean over the
+                      samples drawn as configured (samples_per_prompt per prompt, temperature, ...)
+    accuracy_greedy   its mean over one greedy response per prompt (temperature 0: the argmax at every token, in
+                      the same batches, ending at EOS / stop_strings / max_new_tokens, min_new_tokens applied;
+                      no random draw, so the same whatever the seed)
+    accuracy_stderr, accuracy_greedy_stderr   their standard errors over the PROMPTS: each prompt's samples
+                      averaged first, then sd (n - 1) / sqrt(n) over the n prompts (a prompt's samples are not
+                      independent draws of the task; `mean_and_stderr_over_prompts`)
+    accuracy_fn       the verifier's spec (null: off, and every accuracy key null)
+    *_stderr          (the others) standard error of the mean, over the prompts too: each prompt's samples
+                      (or win points) averaged first, as for accuracy (the same as over the samples with one
+                      sample per prompt)
+A null value means "not measured" (gold_judge none, reward_model_path none, reward_fn or accuracy_fn unset, or
+a baseline whose tokenizer differs from the reference's for kl_to_ref_baseline).
+
+samples.jsonl: one line per (prompt, sample), prompt-major: prompt, sample, then policy_<key> and
+baseline_<key> for response, gold_score, sentiment, fluency_perplexity, rm_score, kl_to_ref, length, eos and
+correct (the verifier's 1.0 / 0.0 on that sample; null without accuracy_fn), then policy_greedy_response,
+policy_greedy_correct, baseline_greedy_response, baseline_greedy_correct: the prompt's one greedy response
+per model and its verdict, the same on each of the prompt's sample lines (null without accuracy_fn); the
+first few are printed as a table. Also
+config.yaml (the resolved config). Nothing is written before every input (config, judge, prompts,
+models) has been loaded and checked.
+
+Your own gold judge: `--gold_judge mypackage.judges:score` (a function) or `mypackage.judges:Judge` (a
+class built with no arguments), any callable (prompts: list[str], responses: list[str]) -> list[float]
+with higher = better; see `llm_rlhf.models.gold`.
+
+For PPO (or any training loop) `evaluate_policy(...)` runs the same sampling and scoring for one
+already-loaded policy and returns the summary figures (`heldout_record`: a line of PPO's eval_log.jsonl;
+`load_heldout_inputs`: a PPO config's held-out prompts and gold judge). Every score is the one scorer's
+(`llm_rlhf.models.scoring.Scorer`), the one PPO adds at the last response token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import PartialState
+from tqdm.auto import tqdm
+
+from llm_rlhf.core.callables import split_callable_spec
+from llm_rlhf.core.config import checked_keywords, format_config, help_field, is_off, require, save_config
+from llm_rlhf.core.data import DATA_FORMATS, load_prompt_dataset, prompt_rules
+from llm_rlhf.core.errors import UserError
+from llm_rlhf.core.utils import atomic_write_json, atomic_write_text
+from llm_rlhf.models.gold import FluentGoldJudge, GoldJudge, judge_pairs, load_judge
+from llm_rlhf.models.loading import (
+    check_embeddings,
+    check_positions,
+    freeze,
+    load_causal_lm,
+    load_tokenizer,
+    tokenizer_or_load,
+)
+from llm_rlhf.models.reward_fn import RewardFn, load_reward_fn, probe
+from llm_rlhf.models.reward_model import RewardEnsemble, check_members_exist
+from llm_rlhf.models.scoring import Scorer, Scores, build_scorer, check_score_keys
+from llm_rlhf.rl import ppo_math
+from llm_rlhf.rl.hacking import DEGENERACY_KEYS, degeneracy_rates
+from llm_rlhf.rl.rollout import (
+    Samples,
+    Sampling,
+    check_generation_controls,
+    encode_prompt,
+    left_pad,
+    response_logits,
+    sample,
+)
+from llm_rlhf.stages import eval_metrics
+
+
+@checked_keywords
+@dataclass
+class Config:
+    # --- models
+    policy_path: str = help_field("runs/reviews/ppo", "The policy to evaluate (HF folder or hub name).")
+    baseline_path: str = help_field(
+        "runs/reviews/sft", "The model it is compared with (win rates): by default the SFT model."
+    )
+    reference_path: str | None = help_field(
+        None,
+        "The reference pi_ref of kl_to_ref (null = baseline_path); it must share the policy's tokenizer.",
+    )
+    reward_model_path: str | list[str] | None = help_field(
+        "runs/reviews/rm",
+        "Reward model folder (`llm-rlhf rm` output) for rm_* metrics, or a list of them (an ensemble: rm_score "
+        "is their combined score, as in PPO, beside each member's); 'none' (or null) to skip.",
+    )
+    ensemble_combine: str = help_field(
+        "mean",
+        "With a list of reward models: 'mean', 'min' or 'uncertainty' (mean - ensemble_uncertainty_coef * std "
+        "across the members); set the PPO run's (the pipeline does).",
+    )
+    ensemble_uncertainty_coef: float = help_field(
+        1.0, "lambda of ensemble_combine 'uncertainty' (>= 0); set the PPO run's (the pipeline does)."
+    )
+    reward_fn: str | None = help_field(
+        None,
+        "A reward function for reward_fn_* metrics, as in PPO: 'module:callable' or 'path/to/file.py:callable', "
+        "any callable (prompts: list[str], responses: list[str]) -> list[float]; null = off.",
+    )
+    reward_fn_weight: float = help_field(
+        1.0, "Its weight in combined_score = rm_score + reward_fn_weight * reward_fn (PPO's score)."
+    )
+    accuracy_fn: str | None = help_field(
+        None,
+        "A verifier: 'module:callable' or 'path/to/file.py:callable' with the reward-function interface "
+        "(prompts, responses) -> list of 1.0 (correct) / 0.0 (wrong), e.g. llm_rlhf.tasks.arithmetic:reward. When set, "
+        "evaluation reports accuracy: sampled (the mean over the samples drawn as configured) and greedy (one "
+        "greedy response per prompt, temperature 0 / argmax), with standard errors over the prompts; null = off.",
+    )
+    gold_judge: str = help_field(
+        "data/reviews/gold.json",
+        "Gold judge: a judge JSON (data/reviews/gold.json: sentiment and fluency; gold_judge.json: sentiment only), 'module:function' or 'module:Class' (a callable (prompts, responses) -> list[float], higher = better), or 'none'.",
+    )
+    trust_remote_code: bool = help_field(
+        False, "Allow model code from the hub (off unless you trust the source)."
+    )
+    dtype: str = help_field("float32", "Weights dtype: float32 | bfloat16 | float16.")
+    # --- prompts
+    prompt_file: str = help_field(
+        "data/reviews/eval_prompts.jsonl",
+        "Held-out prompts (JSONL/CSV/Parquet or a hub dataset; a prompt, messages or text column).",
+    )
+    num_prompts: int | None = help_field(256, "Use the first N prompts of the file (null = all of them).")
+    max_prompt_length: int = help_field(
+        32, "Prompts longer than this (tokens) are rejected with an error naming the row (see skip_long)."
+    )
+    data_format: str = help_field(
+        "auto",
+        "Schema of prompt_file: 'auto' (detected from the columns) or 'hh' (Anthropic/hh-rlhf dialogues, "
+        "also detected by 'auto': the prompt is `chosen` up to and including its last '\\n\\nAssistant:').",
+    )
+    skip_long: bool = help_field(
+        False,
+        "Leave out (and count) prompts longer than max_prompt_length; false = stop with an error naming "
+        "the row.",
+    )
+    samples_per_prompt: int = help_field(1, "Paired samples per prompt and model.")
+    # --- sampling (defaults: the PPO recipe's)
+    max_new_tokens: int = help_field(32, "Maximum response length in tokens.")
+    temperature: float = help_field(1.0, "Sampling temperature.")
+    top_k: int = help_field(0, "Top-k sampling (0 = off).")
+    top_p: float = help_field(1.0, "Nucleus sampling (1.0 = off).")
+    stop_strings: list[str] = help_field(
+        [],
+        "A response ends at the token completing the first of these strings in its text (the token is kept, "
+        "as an EOS is); set the PPO run's. On the command line a YAML list keeps spaces and escapes: "
+        "--stop_strings '[\"\\n\"]'. [] = off.",
+    )
+    min_new_tokens: int = help_field(
+        0,
+        "EOS cannot be sampled before this many response tokens, and a stop string completed before then is "
+        "ignored (0 = off); set the PPO run's. The KL uses the same EOS-masked distribution.",
+    )
+    sampling_dtype: str = help_field(
+        "float32",
+        "The dtype of the linear layers while sampling: float32 | bfloat16. "
+        "float32 samples the models' own distributions (up to float rounding); bfloat16 (an opt-in) another "
+        "one, from bfloat16 copies of the linear layers; set the PPO run's.",
+    )
+    sampling_compile: bool = help_field(
+        False,
+        "Decode steps with a static KV cache through torch.compile (CUDA graphs on a GPU): the same "
+        "distribution, faster on a GPU after a compilation per batch shape; slower on CPUs.",
+    )
+    batch_size: int = help_field(
+        32, "Prompts per generate call (the same batches for both models: part of the pairing)."
+    )
+    seed: int = help_field(0, "Batch b is sampled after torch.manual_seed(seed + b), for both models.")
+    # --- output
+    output_dir: str = help_field("runs/reviews/eval", "Where metrics.json, samples.jsonl and config.yaml go.")
+    print_samples: int = help_field(8, "How many prompt/response pairs to print as a table.")
+
+    def __post_init__(self):
+        require(self.data_format in DATA_FORMATS, "data_format", f"must be one of {', '.join(DATA_FORMATS)}")
+        check_score_keys(self)  # the reward function's form only: `run` imports it
+        if self.accuracy_fn is not None:  # its form only: `run` imports it
+            split_callable_spec(self.accuracy_fn, "accuracy_fn")
+        require(
+            self.num_prompts is None or self.num_prompts > 0, "num_prompts", "must be > 0 (or null for all)"
+        )
+        require(self.samples_per_prompt > 0, "samples_per_prompt", "must be > 0")
+        require(self.max_new_tokens > 0, "max_new_tokens", "must be > 0")
+        require(self.max_prompt_length > 0, "max_prompt_length", "must be > 0")
+        require(
+            self.temperature > 0,
+            "temperature",
+            "must be > 0 (sampling; greedy decoding has no pairing to do)",
+        )
+        require(self.top_k >= 0, "top_k", "must be >= 0 (0 = off)")
+        require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        require(self.batch_size > 0, "batch_size", "must be > 0")
+        require(self.print_samples >= 0, "print_samples", "must be >= 0")
+        check_generation_controls(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics: small pure functions
+# ---------------------------------------------------------------------------------------------
+
+
+def win_rate(scores: list[float], baseline_scores: list[float]) -> float:
+    """Fraction of pairs where scores[i] > baseline_scores[i]; a tie counts one half."""
+    if len(scores) != len(baseline_scores) or not scores:
+        raise ValueError(
+            f"need two equally long, non-empty lists (got {len(scores)} and {len(baseline_scores)})"
+        )
+    return sum(win_points(scores, baseline_scores)) / len(scores)
+
+
+def win_points(scores: list[float], baseline_scores: list[float]) -> list[float]:
+    """Per pair: 1 for a win, 0.5 for a tie, 0 for a loss."""
+    return [1.0 if a > b else 0.5 if a == b else 0.0 for a, b in zip(scores, baseline_scores)]
+
+
+def distinct_n(sequences: list[list], n: int) -> float:
+    """Unique n-grams / total n-grams, pooled over all sequences (0.0 when there is no n-gram)."""
+    grams = [tuple(seq[i : i + n]) for seq in sequences for i in range(len(seq) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
+def mean_and_stderr(values: list[float]) -> tuple[float, float]:
+    """Mean and standard error of the mean (sample std / sqrt(n); 0 for one value)."""
+    n = len(values)
+    mean = sum(values) / n
+    var = sum((v - mean) ** 2 for v in values) / (n - 1) if n > 1 else 0.0
+    return mean, math.sqrt(var / n)
+
+
+def mean_and_stderr_over_prompts(values: list[float], samples_per_prompt: int) -> tuple[float, float]:
+    """Mean and standard error with each prompt counted once: `values` holds samples_per_prompt consecutive
+    values per prompt (prompt-major, as `llm-rlhf eval` lays out its samples). Each prompt's values are
+    averaged first, m_i = mean_j values[i, j], then `mean_and_stderr` over the n prompts: sd(m, n - 1) / sqrt(n).
+    The mean is the mean over all values; the stderr is not the one over the samples, which would count a
+    prompt's samples as independent draws of the task (they share the prompt: an easy problem is easy for all)."""
+    k = samples_per_prompt
+    if k < 1 or not values or len(values) % k:
+        raise ValueError(f"{len(values)} values are not whole groups of samples_per_prompt={k}")
+    per_prompt = [sum(values[i : i + k]) / k for i in range(0, len(values), k)]  # (n,) m_i
+    return mean_and_stderr(per_prompt)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling and scoring
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PairedSampling:
+    """How evaluation samples, so that two models' samples pair up: the prompts cut into the same batches of
+    `batch_size`, batch b drawn with `sampling` after torch.manual_seed(seed + b) (in a fork of the RNG)."""
+
+    sampling: Sampling
+    seed: int = 0
+    batch_size: int = 32
+
+    def greedy(self) -> PairedSampling:
+        """The same batches and ends (EOS, stop_strings, min_new_tokens, max_new_tokens), decoded greedily:
+        temperature 0, the argmax at every token (`rollout.Sampling`), no random draw, so the same responses
+        whatever the seed."""
+        return dataclasses.replace(self, sampling=dataclasses.replace(self.sampling, temperature=0.0))
+
+
+@dataclass(frozen=True)
+class KLReference:
+    """pi_ref of kl_to_ref: a causal LM, and with LoRA the context that turns the policy's adapter off (the
+    reference is then the policy's own network, `lm.disable_adapter`)."""
+
+    lm: Any
+    context: Any = None
+
+
+def _rng_devices(device: torch.device) -> list:
+    return [device] if device.type == "cuda" else []
+
+
+@torch.no_grad()
+def sample_batch(model, tokenizer, prompts: list[str], sampling: Sampling, *, seed: int) -> Samples:
+    """Left-padded batched `generate` (HF derives the positions from the attention mask), seeded with
+    `seed` without touching the global RNG; stops at EOS (possibly at once, unless min_new_tokens) or at a
+    stop string, sampled as in PPO (`rollout.sample`)."""
+    device = next(model.parameters()).device
+    queries = [encode_prompt(tokenizer, p) for p in prompts]  # as PPO, SFT and the RM tokenize prompts
+    if any(len(q) == 0 for q in queries):
+        raise UserError("a prompt tokenizes to no tokens; every prompt needs at least one")
+    query, query_mask = left_pad(queries, tokenizer.pad_token_id, device)  # (B, P) each
+    with torch.random.fork_rng(devices=_rng_devices(device)):
+        torch.manual_seed(seed)
+        return sample(model, tokenizer, query, query_mask, sampling)
+
+
+@torch.no_grad()
+def sequence_kl_to_ref(
+    model, reference: KLReference, batch: Samples, sampling: Sampling, *, eos_token_id: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """k1 sequence KL of each sample, sum_t log pi(y_t|s_t) - log pi_ref(y_t|s_t) over its response tokens,
+    with both log-probs at temperature 1 and at the sampling temperature, both from logits with EOS masked
+    before min_new_tokens as in sampling (`ppo_math.mask_eos_logits`, as PPO). Returns two (B,) tensors."""
+    mask = dict(eos_token_id=eos_token_id, min_new_tokens=sampling.min_new_tokens)
+    logits = ppo_math.mask_eos_logits(logits=response_logits(model, batch), **mask)  # (B, R, V)
+    with reference.context() if reference.context is not None else nullcontext():
+        ref_logits = ppo_math.mask_eos_logits(
+            logits=response_logits(reference.lm, batch), **mask
+        )  # (B, R, V)
+    out = []
+    for tau in (1.0, sampling.temperature):
+        logprobs = ppo_math.logprobs_from_logits(
+            logits=logits, labels=batch.response, temperature=tau
+        )  # (B, R)
+        ref_logprobs = ppo_math.logprobs_from_logits(
+            logits=ref_logits, labels=batch.response, temperature=tau
+        )
+        kl = ppo_math.kl_penalty(logprobs=logprobs, ref_logprobs=ref_logprobs, estimator="k1")  # (B, R)
+        out.append(ppo_math.sequence_kl(kl=kl, response_mask=batch.response_mask))  # (B,)
+    return out[0], out[1]
+
+
+def _floats(x: torch.Tensor | None, i: int) -> float | None:
+    return float(x[i]) if x is not None else None
+
+
+@dataclass(frozen=True)
+class Measures:
+    """What scores a sample beside its KL, each None to skip its figures: the scorer (PPO's score,
+    `scoring.Scorer`: the reward model or ensemble and the reward function), the gold judge (any (prompts,
+    responses) -> list[float], `gold.load_judge`) and the verifier (a loaded accuracy_fn, `load_verifier`)."""
+
+    scorer: Scorer | None = None
+    judge: Any = None
+    verifier: RewardFn | None = None
+
+
+@torch.no_grad()
+def sample_and_score(
+    model,
+    tokenizer,
+    prompts: list[str],
+    draws: PairedSampling,
+    *,
+    measures: Measures = Measures(),
+    reference: KLReference | None = None,
+    progress: str | None = None,
+) -> list[dict[str, Any]]:
+    """One record per prompt: prompt, response (text; a stop string that ended it is kept, as the RM scored
+    it), response_ids (EOS excluded), length (tokens, EOS included), eos (ended: EOS or a stop string),
+    kl_to_ref and kl_to_ref_at_temperature (None without `reference`), then the `measures.scorer`'s parts (PPO's
+    score, `scoring.Scorer`): rm_score (None without a reward model; a `RewardEnsemble`'s combined score),
+    rm_member_scores (a list of K floats) and rm_disagreement (their population std; both None unless the
+    reward model is an ensemble), reward_fn (None without a reward function: its unweighted score of the
+    prompt and the response text) and combined_score (rm_score + reward_fn_weight * reward_fn, the score PPO
+    maximises; None without a reward function), then gold_score (None without a judge) and sentiment,
+    fluency_nll, fluency_perplexity (None unless the judge reports them, as the fluency-aware gold does; each
+    distinct (prompt, response) judged once, `llm_rlhf.models.gold.judge_pairs`), then correct: the verifier's verdict
+    on the prompt and the response text, 1.0 or 0.0 (None without a verifier: `accuracy_fn`). Batch b is
+    sampled with seed + b (`PairedSampling`)."""
+    if not prompts:
+        raise ValueError("no prompts to sample")
+    sampling, scorer = draws.sampling, measures.scorer
+    records: list[dict[str, Any]] = []
+    starts = range(0, len(prompts), draws.batch_size)
+    for b, start in enumerate(tqdm(starts, desc=progress, disable=progress is None, leave=False)):
+        chunk = prompts[start : start + draws.batch_size]
+        batch = sample_batch(model, tokenizer, chunk, sampling, seed=draws.seed + b)
+        kls = (
+            sequence_kl_to_ref(model, reference, batch, sampling, eos_token_id=tokenizer.eos_token_id)
+            if reference is not None
+            else (None, None)
+        )
+        scores = scorer(batch, tokenizer, chunk) if scorer is not None else Scores(None)
+        records += batch_records(chunk, batch, tokenizer, kls, scores)
+    texts = [r["prompt"] for r in records], [r["response"] for r in records]
+    if measures.judge is not None:
+        parts = judge_pairs(measures.judge, *texts)
+        for i, record in enumerate(records):
+            record.update({key: values[i] for key, values in parts.items() if key in record})
+    if measures.verifier is not None:  # one checked call: every verdict 1.0 or 0.0 (`load_verifier`)
+        for record, verdict in zip(records, measures.verifier(*texts)):
+            record["correct"] = verdict
+    return records
+
+
+def batch_records(
+    prompts: list[str], batch: Samples, tokenizer, kls: tuple, scores: Scores
+) -> list[dict[str, Any]]:
+    """`sample_and_score`'s records of one sampled batch: the response, its length and end, its two KLs
+    (None each without a reference) and the scorer's parts; the judge's and the verifier's keys None."""
+    combined = scores.scores if scores.reward_fn is not None else None  # (B,) the sum PPO maximises
+    eos = (batch.response == tokenizer.eos_token_id) & batch.response_mask  # (B, R) the first EOS, if any
+    ended = batch.ended(tokenizer.eos_token_id)  # (B,) EOS or a stop string
+    records = []
+    for i, prompt in enumerate(prompts):
+        ids = batch.response[i][batch.response_mask[i] & ~eos[i]].tolist()  # the response without its EOS
+        records.append(
+            {
+                "prompt": prompt,
+                "response": tokenizer.decode(ids, skip_special_tokens=True),
+                "response_ids": ids,
+                "length": int(batch.response_mask[i].sum()),
+                "eos": bool(ended[i]),
+                "kl_to_ref": _floats(kls[0], i),
+                "kl_to_ref_at_temperature": _floats(kls[1], i),
+                "rm_score": _floats(scores.rm_score, i),
+                "rm_member_scores": (
+                    scores.member_scores[:, i].tolist() if scores.member_scores is not None else None
+                ),
+                "rm_disagreement": _floats(scores.disagreement, i),
+                "reward_fn": _floats(scores.reward_fn, i),
+                "combined_score": _floats(combined, i),
+                "gold_score": None,
+                "sentiment": None,
+                "fluency_nll": None,
+                "fluency_perplexity": None,
+                "correct": None,
+            }
+        )
+    return records
+
+
+def greedy_records(model, tokenizer, prompts: list[str], draws: PairedSampling, verifier: RewardFn):
+    """One greedy response per prompt (`PairedSampling.greedy`: the argmax at every token, in draws' batches,
+    ending as draws' responses end), with the verifier's verdict: `sample_and_score`'s records, `correct` set
+    and nothing else scored."""
+    return sample_and_score(model, tokenizer, prompts, draws.greedy(), measures=Measures(verifier=verifier))
+
+
+ACCURACY_KEYS = eval_metrics.ACCURACY_KEYS
+
+
+def accuracy_figures(
+    sampled: list[dict[str, Any]],
+    greedy: list[dict[str, Any]] | None,
+    *,
+    samples_per_prompt: int = 1,
+    suffix: str = "",
+) -> dict[str, float | None]:
+    """`ACCURACY_KEYS` (+ suffix) from the verdicts (`correct`) of one model's records: accuracy, the mean over
+    the sampled records (samples_per_prompt consecutive records per prompt), accuracy_greedy the mean over the
+    greedy records (one per prompt), each with its standard error over the prompts
+    (`mean_and_stderr_over_prompts`). All None when greedy is None (no verifier: not measured)."""
+    if greedy is None:
+        return {key + suffix: None for key in ACCURACY_KEYS}
+    accuracy, stderr = mean_and_stderr_over_prompts([r["correct"] for r in sampled], samples_per_prompt)
+    accuracy_greedy, greedy_stderr = mean_and_stderr_over_prompts([r["correct"] for r in greedy], 1)
+    figures = (accuracy, stderr, accuracy_greedy, greedy_stderr)
+    return {key + suffix: value for key, value in zip(ACCURACY_KEYS, figures)}
+
+
+def load_verifier(spec: str, prompts: Sequence[str]) -> RewardFn:
+    """`accuracy_fn: SPEC` loaded as a reward function is (`reward_fn.load_reward_fn`: its errors name
+    accuracy_fn, and every score must be 1.0 or 0.0) and probed the same way (`reward_fn.probe`, on the first
+    two prompts with dummy responses): a broken verifier, or one that grades, stops the run with one line
+    before any model loads."""
+    verifier = load_reward_fn(spec, key="accuracy_fn", binary=True)
+    probe(verifier, prompts)
+    return verifier
+
+
+def summarize(
+    records: list[dict[str, Any]], suffix: str = "", samples_per_prompt: int = 1
+) -> dict[str, float | None]:
+    """Means over the samples of one model, and standard errors over the prompts (`records` prompt-major,
+    samples_per_prompt consecutive records per prompt: `mean_and_stderr_over_prompts`); keys end with `suffix`."""
+    out: dict[str, float | None] = {}
+    for key, name in (
+        (eval_metrics.GOLD_SCORE, eval_metrics.GOLD_SCORE_MEAN),
+        (eval_metrics.SENTIMENT, eval_metrics.SENTIMENT_MEAN),
+        (eval_metrics.RM_SCORE, eval_metrics.RM_SCORE_MEAN),
+        (eval_metrics.REWARD_FN, eval_metrics.REWARD_FN_MEAN),
+        (eval_metrics.COMBINED_SCORE, eval_metrics.COMBINED_SCORE_MEAN),
+        (eval_metrics.KL_TO_REF, eval_metrics.KL_TO_REF),
+        (eval_metrics.KL_TO_REF_AT_TEMPERATURE, eval_metrics.KL_TO_REF_AT_TEMPERATURE),
+    ):
+        values = [r.get(key) for r in records]
+        mean, stderr = None, None
+        if None not in values:  # the mean over the samples, its standard error over the prompts
+            mean = mean_and_stderr(values)[0]
+            stderr = mean_and_stderr_over_prompts(values, samples_per_prompt)[1]
+        out[name + suffix] = mean
+        out[name.removesuffix("_mean") + eval_metrics.STDERR + suffix] = stderr
+    nll = [r["fluency_nll"] for r in records]  # geometric mean of the per-response perplexities:
+    out[eval_metrics.FLUENCY_PERPLEXITY + suffix] = (
+        math.exp(mean_and_stderr(nll)[0]) if None not in nll else None
+    )
+    out[eval_metrics.RESPONSE_LENGTH_MEAN + suffix] = mean_and_stderr([r["length"] for r in records])[0]
+    out[eval_metrics.EOS_RATE + suffix] = mean_and_stderr([float(r["eos"]) for r in records])[0]
+    out[eval_metrics.DISTINCT_1 + suffix] = distinct_n([r["response_ids"] for r in records], 1)
+    out[eval_metrics.DISTINCT_2 + suffix] = distinct_n([r["response_ids"] for r in records], 2)
+    out.update(degeneracy_rates([r["response"] for r in records], suffix))  # issue 28: the hacking watch
+    if records[0].get("rm_member_scores") is not None:  # an ensemble: each member, and their disagreement
+        per_member = zip(*[r["rm_member_scores"] for r in records])  # K tuples of one score per sample
+        for k, scores in enumerate(per_member):
+            out[f"{eval_metrics.RM_SCORE_MEMBER}{k}_mean" + suffix] = mean_and_stderr(list(scores))[0]
+        out[eval_metrics.RM_DISAGREEMENT_MEAN + suffix] = mean_and_stderr(
+            [r["rm_disagreement"] for r in records]
+        )[0]
+    return out
+
+
+def evaluate_policy(
+    policy,
+    tokenizer,
+    prompts: list[str],
+    draws: PairedSampling,
+    *,
+    measures: Measures = Measures(),
+    reference: KLReference | None = None,
+    samples_out: list[dict[str, Any]] | None = None,
+) -> dict[str, float | None]:
+    """Sample one response per prompt from `policy` and score it: for evaluation during training.
+
+    policy: a causal LM (e.g. PPO's `policy.lm` unwrapped from DDP); reference: a `KLReference` (the
+    reference's `lm`; with LoRA the policy's `lm` again with `context=lm.disable_adapter`), None to skip the
+    KL; measures: the scorer (as PPO scores), the gold judge and the verifier (`Measures`). Deterministic for a
+    given seed, and the global RNG is left untouched. The policy is put in eval mode for the call and restored.
+    Returns `summarize`'s keys: gold_score_mean, rm_score_mean, reward_fn_mean, combined_score_mean,
+    kl_to_ref, kl_to_ref_at_temperature, response_length_mean, eos_rate, distinct_1, distinct_2, the degeneracy rates
+    (+ stderrs), and `ACCURACY_KEYS`: with a verifier (a loaded `accuracy_fn`, `load_verifier`) accuracy, the
+    verifier's mean over these samples, and accuracy_greedy over one more, greedy response per prompt
+    (`greedy_records`; no random draw), each with its stderr over the prompts; None without one. samples_out:
+    a list that gets `sample_and_score`'s per-sample records appended (PPO logs them for the report's
+    reward-hacking watch); None = not kept.
+    """
+    was_training = policy.training
+    policy.eval()
+    prompts = list(prompts)
+    try:
+        records = sample_and_score(policy, tokenizer, prompts, draws, measures=measures, reference=reference)
+        verifier = measures.verifier
+        greedy = greedy_records(policy, tokenizer, prompts, draws, verifier) if verifier is not None else None
+    finally:
+        policy.train(was_training)
+    if samples_out is not None:
+        samples_out.extend(records)
+    return {**summarize(records), **accuracy_figures(records, greedy)}
+
+
+def load_heldout_inputs(cfg, tokenizer=None) -> tuple[list[str], Any]:
+    """A PPO config's held-out prompts (the first eval_num_prompts of eval_prompt_file) and its gold judge, or
+    nothing when its held-out evaluation is off (eval_every 0 or no eval_prompt_file). `compare` reads a PPO
+    run's the same way. tokenizer: the policy's (chat prompts are rendered with it), else model_name_or_path's."""
+    if not cfg.eval_every or not cfg.eval_prompt_file:
+        return [], None
+    tokenizer = tokenizer or load_tokenizer(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
+    prompts = load_prompt_dataset(cfg.eval_prompt_file, tokenizer, **prompt_rules(cfg))["prompt"]
+    return list(prompts[: cfg.eval_num_prompts]), load_judge(cfg.gold_judge)
+
+
+def heldout_record(step: int, result: dict[str, Any]) -> dict[str, Any]:
+    """One line of PPO's eval_log.jsonl from `evaluate_policy`'s figures: step, kl, rm_score (with an ensemble
+    also rm_score_member_<k> and rm_disagreement), gold_score, reward_fn (unweighted; None without one),
+    sentiment, fluency_perplexity, eos_rate, response_length, the degeneracy rates (`hacking.DEGENERACY_KEYS`)
+    and accuracy, accuracy_stderr, accuracy_greedy, accuracy_greedy_stderr (`ACCURACY_KEYS`; None without an
+    accuracy_fn)."""
+    members = {
+        key.removesuffix("_mean"): value
+        for key, value in result.items()
+        if key.startswith((eval_metrics.RM_SCORE_MEMBER, eval_metrics.LOG_RM_DISAGREEMENT))
+    }  # only with an ensemble
+    return {
+        eval_metrics.LOG_STEP: step,
+        eval_metrics.LOG_KL: result[eval_metrics.KL_TO_REF],
+        eval_metrics.RM_SCORE: result[eval_metrics.RM_SCORE_MEAN],
+        **members,
+        eval_metrics.GOLD_SCORE: result[eval_metrics.GOLD_SCORE_MEAN],
+        eval_metrics.REWARD_FN: result[eval_metrics.REWARD_FN_MEAN],
+        eval_metrics.SENTIMENT: result[eval_metrics.SENTIMENT_MEAN],
+        eval_metrics.FLUENCY_PERPLEXITY: result[eval_metrics.FLUENCY_PERPLEXITY],
+        eval_metrics.EOS_RATE: result[eval_metrics.EOS_RATE],
+        eval_metrics.LOG_RESPONSE_LENGTH: result[eval_metrics.RESPONSE_LENGTH_MEAN],
+        **{key: result[key] for key in DEGENERACY_KEYS},
+        **{key: result[key] for key in ACCURACY_KEYS},
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+# ---------------------------------------------------------------------------------------------
+
+
+def load_prompts(cfg: Config, tokenizer, prompts=None) -> list[str]:
+    """prompt_file's prompts, or `prompts` (`data.InMemory` rows) in its place; the first num_prompts."""
+    prompts = list(load_prompt_dataset(prompts or cfg.prompt_file, tokenizer, **prompt_rules(cfg))["prompt"])
+    if cfg.num_prompts is not None:
+        if cfg.num_prompts > len(prompts):
+            raise UserError(
+                f"num_prompts={cfg.num_prompts} but '{cfg.prompt_file}' holds {len(prompts)} prompts"
+            )
+        prompts = prompts[: cfg.num_prompts]
+    return prompts
+
+
+SAMPLE_KEYS = (
+    eval_metrics.RESPONSE,
+    eval_metrics.GOLD_SCORE,
+    eval_metrics.SENTIMENT,
+    eval_metrics.FLUENCY_PERPLEXITY,
+    eval_metrics.RM_SCORE,
+    eval_metrics.RM_MEMBER_SCORES,
+    eval_metrics.REWARD_FN,
+    eval_metrics.COMBINED_SCORE,
+    eval_metrics.KL_TO_REF,
+    eval_metrics.LENGTH,
+    eval_metrics.EOS,
+    eval_metrics.CORRECT,
+)
+
+GREEDY_SAMPLE_KEYS = (  # (samples.jsonl field, the greedy record's key)
+    (eval_metrics.GREEDY_RESPONSE, eval_metrics.RESPONSE),
+    (eval_metrics.GREEDY_CORRECT, eval_metrics.CORRECT),
+)
+
+
+def sample_row(
+    prompt: str,
+    sample: int,
+    policy: dict[str, Any],
+    baseline: dict[str, Any],
+    greedy: tuple[dict[str, Any] | None, dict[str, Any] | None] = (None, None),
+) -> dict[str, Any]:
+    """One line of samples.jsonl, flat (one column per key in a table): prompt, sample, then
+    policy_<key> and baseline_<key> side by side for `SAMPLE_KEYS` (response, gold_score, rm_score, kl_to_ref,
+    length, eos, correct, ...), then <who>_greedy_response and <who>_greedy_correct from the (policy,
+    baseline) greedy records of the prompt (None without them)."""
+    row: dict[str, Any] = {eval_metrics.PROMPT: prompt, eval_metrics.SAMPLE: sample}
+    for key in SAMPLE_KEYS:
+        for who, record in (("policy", policy), ("baseline", baseline)):
+            row[eval_metrics.side(who, key)] = record[key]
+    for who, record in zip(("policy", "baseline"), greedy):
+        for field, key in GREEDY_SAMPLE_KEYS:
+            row[eval_metrics.side(who, field)] = record[key] if record is not None else None
+    return row
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """Prompt, then the policy's and the baseline's response with their gold and RM scores."""
+
+    def num(x):
+        return "  n/a" if x is None else f"{x:+.2f}"
+
+    def verdict(x):
+        return "" if x is None else "  correct" if x else "  wrong"
+
+    lines = []
+    for row in rows:
+        lines.append(f"prompt: {row['prompt']!r}")
+        for who in ("policy", "baseline"):
+            gold, rm, fn, correct, response = (
+                row[f"{who}_{k}"] for k in ("gold_score", "rm_score", "reward_fn", "correct", "response")
+            )
+            fn_text = f"  fn {num(fn)}" if fn is not None else ""
+            lines.append(
+                f"  {who:<8} gold {num(gold)}  rm {num(rm)}{fn_text}{verdict(correct)}  {response!r}"
+            )
+            if row.get(f"{who}_greedy_response") is not None:
+                greedy, correct = row[f"{who}_greedy_response"], row[f"{who}_greedy_correct"]
+                lines.append(f"  {'':<8} greedy{verdict(correct)}  {greedy!r}")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class EvalObjects:
+    """The Python API's objects (`api.run_eval`), each in place of a config key (None: the key's): policy and
+    tokenizer (policy_path), baseline and baseline_tokenizer (baseline_path; without its own tokenizer a
+    baseline object reads the policy's ids), reference (reference_path; the policy's tokenizer), reward_model
+    (a `RewardModel` or a list of them: reward_model_path), reward_fn (a `RewardFn`: reward_fn), prompts
+    (`data.InMemory` rows: prompt_file)."""
+
+    policy: Any = None
+    tokenizer: Any = None
+    baseline: Any = None
+    baseline_tokenizer: Any = None
+    reference: Any = None
+    reward_model: Any = None
+    reward_fn: RewardFn | None = None
+    prompts: Any = None
+
+    def models(self, cfg: Config) -> dict[str, Any]:
+        """The model objects given, by the path they stand in for (`model_paths`)."""
+        given = ((cfg.policy_path, self.policy), (cfg.baseline_path, self.baseline))
+        return {p: model for p, model in (*given, (reference_path(cfg), self.reference)) if model is not None}
+
+
+def run(cfg: Config, **objects: Any) -> dict[str, Any] | None:
+    """Load and check every input, sample both models with paired seeds, score, write the outputs.
+
+    objects (the Python API): `EvalObjects`' fields by name, each in place of a config key. Under `accelerate
+    launch` with several processes the main process evaluates and the others wait (the evaluation is small
+    next to training, and one writer keeps the outputs whole)."""
+    given = EvalObjects(**objects)  # a TypeError naming an unknown argument, as a signature would
+    state = PartialState()
+    if not state.is_main_process:
+        state.wait_for_everyone()
+        return None
+    try:
+        return _run(cfg, given)
+    finally:
+        if state.num_processes > 1:
+            state.wait_for_everyone()
+
+
+def _run(cfg: Config, given: EvalObjects) -> dict[str, Any]:
+    """The evaluation's steps: every input checked before any model loads, the models loaded, both measured,
+    the figures, the outputs written (metrics.json last)."""
+    started = time.time()
+    print(format_config(cfg))
+    inputs = load_inputs(cfg, given)
+    models = load_models(cfg, given, inputs)
+    measured = measure(cfg, inputs, models)
+    metrics = {**eval_figures(cfg, inputs, models, measured), "time_s": time.time() - started}
+    write_outputs(cfg, metrics, sample_rows(inputs.prompts, measured, cfg.samples_per_prompt))
+    return metrics
+
+
+def reference_path(cfg: Config) -> str:
+    """pi_ref of kl_to_ref: reference_path, else the baseline."""
+    return cfg.reference_path or cfg.baseline_path
+
+
+def model_paths(cfg: Config) -> list[str]:
+    """The policy's, the baseline's and the reference's paths, each once: one copy of each model."""
+    return list(dict.fromkeys([cfg.policy_path, cfg.baseline_path, reference_path(cfg)]))
+
+
+@dataclass(frozen=True)
+class EvalInputs:
+    """What `load_inputs` loads and checks before any model: the gold judge, the reward function (loaded and
+    probed), the verifier (None without accuracy_fn), the prompts, the policy's tokenizer (also the
+    reference's), the baseline's, and whether the baseline reads the reference's ids (its kl_to_ref)."""
+
+    judge: Any
+    reward_fn: RewardFn | None
+    verifier: RewardFn | None
+    prompts: list[str]
+    tokenizer: Any
+    baseline_tokenizer: Any
+    baseline_has_kl: bool
+
+
+def load_inputs(cfg: Config, given: EvalObjects) -> EvalInputs:
+    """Step 1: the judge, the reward function, the reward-model folders, the tokenizers (the reference's must
+    be the policy's), the prompts and the verifier, each checked with one line before any model loads."""
+    judge = load_judge(cfg.gold_judge)
+    reward_fn = given.reward_fn
+    if reward_fn is None and cfg.reward_fn is not None:
+        reward_fn = load_reward_fn(cfg.reward_fn)
+    if given.reward_model is None and not is_off(cfg.reward_model_path):  # every folder, before any loads
+        check_members_exist(cfg.reward_model_path)
+    tokenizers = load_tokenizers(cfg, given)
+    tokenizer, baseline_tokenizer = tokenizers[cfg.policy_path], tokenizers[cfg.baseline_path]
+    ref_vocab = tokenizers[reference_path(cfg)].get_vocab()
+    if tokenizer.get_vocab() != ref_vocab:
+        raise UserError(
+            f"reference_path '{reference_path(cfg)}': its tokenizer differs from the policy's; kl_to_ref needs "
+            "the same token ids (set reference_path to the model the policy was trained from)"
+        )
+    prompts = load_prompts(cfg, tokenizer, given.prompts)
+    if reward_fn is not None:  # checked on two real prompts before any model loads, as PPO does
+        probe(reward_fn, prompts)
+    verifier = load_verifier(cfg.accuracy_fn, prompts) if cfg.accuracy_fn is not None else None
+    return EvalInputs(
+        judge=judge, reward_fn=reward_fn, verifier=verifier, prompts=prompts, tokenizer=tokenizer,
+        baseline_tokenizer=baseline_tokenizer, baseline_has_kl=baseline_tokenizer.get_vocab() == ref_vocab,
+    )  # fmt: skip
+
+
+def load_tokenizers(cfg: Config, given: EvalObjects) -> dict[str, Any]:
+    """The tokenizer of each model path: a folder's own; a policy object's `tokenizer` (else its folder's); a
+    baseline object's `baseline_tokenizer`; a baseline or reference object without one reads the policy's ids
+    (as the SFT model of a PPO policy does), checked against its embeddings."""
+    live = given.models(cfg)
+    tokenizers = {
+        p: load_tokenizer(p, trust_remote_code=cfg.trust_remote_code)
+        for p in model_paths(cfg)
+        if p not in live
+    }
+    if given.policy is not None:
+        tokenizers[cfg.policy_path] = tokenizer_or_load(cfg, given.tokenizer, given.policy)
+    if given.baseline is not None and given.baseline_tokenizer is not None:
+        tokenizers[cfg.baseline_path] = tokenizer_or_load(cfg, given.baseline_tokenizer, given.baseline)
+    for p, name, model, hint in (
+        (cfg.baseline_path, "baseline", given.baseline, "give the baseline's own as baseline_tokenizer"),
+        (reference_path(cfg), "reference", given.reference, "kl_to_ref needs a reference of the policy's tokenizer"),
+    ):  # fmt: skip
+        if model is not None and p not in tokenizers:  # the policy's, as for the SFT model of a PPO policy
+            tokenizers[p] = tokenizers[cfg.policy_path]
+            check_embeddings(model, tokenizers[p], name, hint)
+    return tokenizers
+
+
+@dataclass(frozen=True)
+class EvalModels:
+    """The loaded models (frozen, eval mode, on the device): the policy, the baseline, the KL reference and
+    the scorer (`scoring.build_scorer`: PPO's score)."""
+
+    policy: Any
+    baseline: Any
+    reference: KLReference
+    scorer: Scorer
+
+
+def load_models(cfg: Config, given: EvalObjects, inputs: EvalInputs) -> EvalModels:
+    """Step 2: each model path loaded once (a given object in its place, put in eval mode: sampled without
+    gradients), the sampled models checked to hold the longest prompt + max_new_tokens, and the scorer."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    live = given.models(cfg)
+    models = {
+        p: freeze(load_causal_lm(p, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)).to(device)
+        for p in model_paths(cfg)
+        if p not in live
+    }
+    models.update({p: model.eval().to(device) for p, model in live.items()})
+    longest = max(len(encode_prompt(inputs.tokenizer, p)) for p in inputs.prompts)
+    for p in (cfg.policy_path, cfg.baseline_path):
+        check_positions(models[p], longest, cfg.max_new_tokens, f"'{p}'")
+    scorer = build_scorer(cfg, reward_model=given.reward_model, reward_fn=inputs.reward_fn, device=device)
+    return EvalModels(
+        policy=models[cfg.policy_path],
+        baseline=models[cfg.baseline_path],
+        reference=KLReference(models[reference_path(cfg)]),
+        scorer=scorer,
+    )
+
+
+@dataclass(frozen=True)
+class Measured:
+    """Each model's records (`sample_and_score`: samples_per_prompt per prompt, prompt-major, paired) and with
+    a verifier its greedy records (one per prompt; None without one)."""
+
+    policy: list[dict[str, Any]]
+    baseline: list[dict[str, Any]]
+    policy_greedy: list[dict[str, Any]] | None = None
+    baseline_greedy: list[dict[str, Any]] | None = None
+
+
+def measure(cfg: Config, inputs: EvalInputs, models: EvalModels) -> Measured:
+    """Step 3: both models sampled on the same prompts with paired seeds (`PairedSampling`), scored as PPO
+    scores, judged, their KL to the reference measured (the baseline's only when it reads the reference's
+    ids); with a verifier one greedy response per prompt and model."""
+    draws = PairedSampling(Sampling.of(cfg), seed=cfg.seed, batch_size=cfg.batch_size)
+    measures = Measures(scorer=models.scorer, judge=inputs.judge, verifier=inputs.verifier)
+    rows = [p for p in inputs.prompts for _ in range(cfg.samples_per_prompt)]  # prompt-major
+    policy = sample_and_score(
+        models.policy, inputs.tokenizer, rows, draws, measures=measures, reference=models.reference,
+        progress="policy",
+    )  # fmt: skip
+    baseline_ref = models.reference if inputs.baseline_has_kl else None  # KL needs the same ids
+    baseline = sample_and_score(
+        models.baseline, inputs.baseline_tokenizer, rows, draws, measures=measures, reference=baseline_ref,
+        progress="baseline",
+    )  # fmt: skip
+    if inputs.verifier is None:
+        return Measured(policy, baseline)
+    greedy = [
+        greedy_records(model, tok, inputs.prompts, draws, inputs.verifier)
+        for model, tok in ((models.policy, inputs.tokenizer), (models.baseline, inputs.baseline_tokenizer))
+    ]
+    return Measured(policy, baseline, *greedy)
+
+
+WIN_RATE_KEYS = ("gold_score", "sentiment", "rm_score", "reward_fn", "combined_score")
+
+
+def win_rates(
+    policy: list[dict[str, Any]], baseline: list[dict[str, Any]], *, samples_per_prompt: int
+) -> dict[str, float | None]:
+    """<name>_win_rate and its stderr for each of `WIN_RATE_KEYS` (name: the key less _score); None where
+    either side was not measured. A prompt's k samples are not independent draws: the stderr is over the
+    prompts, each prompt's pairs averaged first."""
+    out: dict[str, float | None] = {}
+    for key in WIN_RATE_KEYS:
+        a, b = [r[key] for r in policy], [r[key] for r in baseline]
+        measured = None not in a and None not in b
+        name = key.removesuffix("_score")
+        out[f"{name}_win_rate"] = win_rate(a, b) if measured else None
+        out[f"{name}_win_rate_stderr"] = (
+            mean_and_stderr_over_prompts(win_points(a, b), samples_per_prompt)[1] if measured else None
+        )
+    return out
+
+
+def eval_figures(cfg: Config, inputs: EvalInputs, models: EvalModels, measured: Measured) -> dict[str, Any]:
+    """Step 4: metrics.json's figures (but time_s): the win rates, each model's means (`summarize`) and
+    accuracy (`accuracy_figures`), then what was evaluated (`run_info`)."""
+    k = cfg.samples_per_prompt
+    return {
+        **win_rates(measured.policy, measured.baseline, samples_per_prompt=k),
+        **summarize(measured.policy, samples_per_prompt=k),
+        **summarize(measured.baseline, suffix="_baseline", samples_per_prompt=k),
+        **accuracy_figures(measured.policy, measured.policy_greedy, samples_per_prompt=k),
+        **accuracy_figures(
+            measured.baseline, measured.baseline_greedy, samples_per_prompt=k, suffix="_baseline"
+        ),
+        **run_info(cfg, inputs, models),
+    }
+
+
+def run_info(cfg: Config, inputs: EvalInputs, models: EvalModels) -> dict[str, Any]:
+    """What was evaluated, and how: the counts, the paths, the scorer's keys (the ensemble's only with an
+    ensemble), the verifier and the gold judge (with its stored held-out accuracy and validity)."""
+    judge = inputs.judge
+    sentiment_judge = judge.sentiment if isinstance(judge, FluentGoldJudge) else judge
+    heldout = sentiment_judge.info.get("heldout", {}) if isinstance(sentiment_judge, GoldJudge) else {}
+    ensemble = isinstance(models.scorer.reward_model, RewardEnsemble)
+    return {
+        "num_prompts": len(inputs.prompts),
+        "samples_per_prompt": cfg.samples_per_prompt,
+        "num_pairs": len(inputs.prompts) * cfg.samples_per_prompt,
+        "policy_path": cfg.policy_path,
+        "baseline_path": cfg.baseline_path,
+        "reference_path": reference_path(cfg),
+        "reward_model_path": cfg.reward_model_path,
+        **(
+            {
+                "ensemble_combine": cfg.ensemble_combine,
+                "ensemble_uncertainty_coef": cfg.ensemble_uncertainty_coef,
+            }
+            if ensemble
+            else {}
+        ),
+        "reward_fn": cfg.reward_fn,
+        "reward_fn_weight": cfg.reward_fn_weight,
+        "accuracy_fn": cfg.accuracy_fn,
+        "gold_judge": cfg.gold_judge,
+        "gold_judge_heldout_accuracy": heldout.get("accuracy"),
+        "gold_judge_validity": judge.info.get("validity") if isinstance(judge, FluentGoldJudge) else None,
+        "temperature": cfg.temperature,
+        "seed": cfg.seed,
+    }
+
+
+def sample_rows(prompts: list[str], measured: Measured, samples_per_prompt: int) -> list[dict[str, Any]]:
+    """samples.jsonl's lines (`sample_row`): pair j of prompt i, with the prompt's greedy records."""
+    k = samples_per_prompt  # record r is sample r % k of prompt r // k
+    return [
+        sample_row(prompts[r // k], r % k, p, b, greedy_pair(measured, r // k))
+        for r, (p, b) in enumerate(zip(measured.policy, measured.baseline))
+    ]
+
+
+def greedy_pair(measured: Measured, i: int) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(policy, baseline) greedy record of prompt i; (None, None) without a verifier."""
+    if measured.policy_greedy is None:
+        return None, None
+    return measured.policy_greedy[i], measured.baseline_greedy[i]
+
+
+def write_outputs(cfg: Config, metrics: dict[str, Any], samples: list[dict[str, Any]]) -> None:
+    """Step 5: the first print_samples as a table and the figures printed; samples.jsonl, config.yaml, then
+    metrics.json (last: its presence marks the evaluation done)."""
+    if cfg.print_samples:
+        print(format_table(samples[: cfg.print_samples]))
+    print(format_metrics(metrics))
+    out = Path(cfg.output_dir)
+    atomic_write_text(
+        out / "samples.jsonl", "".join(json.dumps(s, ensure_ascii=False) + "\n" for s in samples)
+    )
+    save_config(cfg, out)
+    atomic_write_json(out / "metrics.json", metrics)
+
+
+def format_metrics(metrics: dict[str, Any]) -> str:
+    """policy vs baseline, one line per figure."""
+
+    def num(x):
+        return "n/a" if x is None else f"{x:.4f}"
+
+    lines = [f"{'':<24}{'policy':>10}{'baseline':>10}"]
+    for key in (
+        "gold_score_mean",
+        "sentiment_mean",
+        "fluency_perplexity",
+        "rm_score_mean",
+        *sorted(k for k in metrics if k.startswith("rm_score_member_") and k.endswith("_mean")),
+        *(["rm_disagreement_mean"] if "rm_disagreement_mean" in metrics else []),
+        "reward_fn_mean",
+        "combined_score_mean",
+        "kl_to_ref",
+        "kl_to_ref_at_temperature",
+        "response_length_mean",
+        "eos_rate",
+        "distinct_1",
+        "distinct_2",
+    ):
+        lines.append(f"{key:<24}{num(metrics[key]):>10}{num(metrics[key + '_baseline']):>10}")
+    for key in (
+        "gold_win_rate",
+        "sentiment_win_rate",
+        "rm_win_rate",
+        "reward_fn_win_rate",
+        "combined_win_rate",
+    ):
+        stderr = metrics[key + "_stderr"]
+        lines.append(
+            f"{key:<24}{num(metrics[key]):>10}" + (f"  (+/- {stderr:.4f})" if stderr is not None else "")
+        )
+    if metrics.get("accuracy") is not None:  # the verifier's (accuracy_fn), stderr over the prompts
+        for key in ("accuracy", "accuracy_greedy"):
+            stderrs = [metrics[key + "_stderr" + suffix] for suffix in ("", "_baseline")]
+            lines.append(
+                f"{key:<24}{num(metrics[key]):>10}{num(metrics[key + '_baseline']):>10}"
+                f"  (+/- {stderrs[0]:.4f} / {stderrs[1]:.4f})"
+            )
+    return "\n".join(lines)

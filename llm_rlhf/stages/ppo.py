@@ -1,0 +1,1111 @@
+"""PPO stage: policy with a value head, a frozen reference, a frozen reward model, adaptive KL.
+
+One PPO step (`ppo_step`) reads like the algorithm box of Ziegler et al. (2019) / Stiennon et al. (2020):
+
+    rollout (sample responses, old log-probs and values in one pass) -> reference log-probs
+    -> scores (the reward model's, or a reward-model ensemble's combined; + reward_fn_weight * reward_fn
+    when set)
+    -> shaped rewards (-beta*KL per token + score at the last token)
+    -> GAE -> K epochs of clipped policy/value updates on shuffled minibatches
+    -> KL controller update -> metrics
+
+The policy-loss family of issue 37 (`policy_loss`: PPO's clip with clip-higher and the dual clip, GSPO, CISPO;
+`loss_aggregation`; `sampler_correction`; `mask_truncated`) changes the update (`train_on_rollout`), overlong
+shaping the scores (`reward_scores`) and `dynamic_sampling` the rollout (`dynamic_rollout`); with every key at
+its default the step is the one above, bit for bit.
+
+`advantage_estimator` swaps GAE for a critic-free estimator (SPEC "Critic-free estimators": GRPO, Dr. GRPO,
+RLOO, REINFORCE++, ReMax) on the same rollout, KL, clipped update, processes and checkpoints: each prompt is
+sampled `samples_per_prompt` times (its group, consecutive rows on one process), no value head or critic
+is built, and the KL goes in the reward or, as k3 per token, in the loss (`kl_in_loss`). What the trainer
+knows of an estimator is its row in `llm_rlhf.rl.estimators` (`Config.estimator`), never its name.
+
+The math lives in `llm_rlhf.rl.ppo_math` (torch only), the keys and the batch-size arithmetic in
+`llm_rlhf.stages.ppo_config`, sampling and the forwards over a rollout in `llm_rlhf.rl.rollout`, the scores in
+`llm_rlhf.models.scoring`, and what each accelerate config (DeepSpeed, FSDP2, FSDP, mixed precision) needs of the
+models in `llm_rlhf.models.accelerated`; this module holds the trainer, which moves tensors between models.
+The command around it (building the models, the run loop, checkpoints, logs, the final save) is
+`llm_rlhf.stages.ppo_run`. Run it with `llm-rlhf ppo --config recipes/reviews/ppo.yaml [--key value ...]`, also
+under `accelerate launch` with several processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from llm_rlhf.core.errors import NonFiniteError, UserError
+from llm_rlhf.models.accelerated import Accelerated
+from llm_rlhf.models.scoring import Scorer, Scores
+from llm_rlhf.rl import ppo_math
+from llm_rlhf.rl.estimators import AdvantageInputs
+from llm_rlhf.rl.rollout import (
+    Rollout,
+    Samples,
+    Sampling,
+    left_pad,
+    pad_columns,
+    response_logprobs_and_values,
+    sample,
+)
+from llm_rlhf.stages import ppo_metrics
+from llm_rlhf.stages.ppo_config import Config, batch_sizes
+
+TRAIN_STATS = (
+    ppo_metrics.LOSS_POLICY,
+    ppo_metrics.LOSS_VALUE,
+    ppo_metrics.POLICY_ENTROPY,
+    ppo_metrics.POLICY_APPROXKL,
+    ppo_metrics.POLICY_CLIPFRAC,
+    ppo_metrics.VAL_CLIPFRAC,
+    ppo_metrics.POLICY_RATIO,
+)  # token means over each global minibatch, averaged over the minibatches
+# not computed without a value function (critic-free estimators)
+VALUE_STATS = (ppo_metrics.LOSS_VALUE, ppo_metrics.VAL_CLIPFRAC)
+# kl_coef * mean k3 over the minibatch's tokens, when the KL is in the loss
+KL_LOSS_STAT = ppo_metrics.LOSS_KL
+# The policy-loss family's statistics (issue 37), each logged only when its option is on, token means as above:
+CLIP_SIDE_STATS = (
+    ppo_metrics.POLICY_CLIPFRAC_LOW,
+    ppo_metrics.POLICY_CLIPFRAC_HIGH,
+)  # clip-higher, gspo, cispo
+DUAL_CLIP_STAT = ppo_metrics.POLICY_DUAL_CLIPFRAC  # dual_clip
+SAMPLER_STATS = (ppo_metrics.SAMPLER_MEAN_WEIGHT, ppo_metrics.SAMPLER_CORRECTED_FRAC)  # sampler_correction
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PPOModels:
+    """What `ppo_run.build_models` loads for the trainer: the policy (`models.PolicyWithValue`, with its value
+    head unless a separate critic), the frozen reference (`models.Reference`; with LoRA the policy's own
+    network), the frozen reward model (a `RewardModel`, a `RewardEnsemble` or None) and the optional critic
+    (`RewardCritic`, value_model 'reward')."""
+
+    policy: Any
+    ref_model: Any
+    reward_model: Any = None
+    critic: Any = None
+
+
+def what_was_updated(updates: int, *, this_step: bool) -> str:
+    """What a non-finite loss or gradient norm in the train phase leaves behind, for its error message.
+    `updates`: optimiser steps this PPO step took before the failing minibatch; `this_step`: the failing
+    minibatch's own step may have been applied (DeepSpeed's engine steps before the norm is read). Earlier
+    minibatches of the same PPO step have already moved the weights; the KL controller, the step count and
+    the checkpoints are updated only after a whole PPO step (issue 29)."""
+    own = (
+        "this minibatch's step may have been applied by the DeepSpeed engine"
+        if this_step
+        else ("this minibatch updated nothing")
+    )
+    if updates == 0:
+        return (
+            "nothing was updated" if not this_step else f"{own}; no earlier step of this PPO step was taken"
+        )
+    return (
+        f"{own}, but {updates} earlier optimiser step{'s' if updates > 1 else ''} of this PPO step already "
+        "updated the weights (and the LR schedule); the KL controller, the step count and the checkpoints "
+        "were not updated (the last checkpoint predates this PPO step)"
+    )
+
+
+def concat_samples(parts: list[Samples], pad_token_id: int) -> Samples:
+    """The rows of several `Samples` in one (dynamic sampling's rounds), in order: the queries left-padded to
+    the widest (pad_token_id, mask 0), the responses already max_new_tokens wide (`generate` pads them).
+
+        round 1   pad q q | r r        round 2   q q q | r r     ->   pad q q | r r
+                                                                      q   q q | r r
+    """
+    width = max(p.query.shape[1] for p in parts)  # P
+    out = {}
+    for f in dataclasses.fields(Samples):
+        xs = [getattr(p, f.name) for p in parts]
+        if xs[0] is None:
+            out[f.name] = None
+            continue
+        if f.name in ("query", "query_mask"):  # (b, P_i) -> (b, P): columns added on the left
+            fill = pad_token_id if f.name == "query" else 0
+            xs = [torch.nn.functional.pad(x, (width - x.shape[1], 0), value=fill) for x in xs]
+        out[f.name] = torch.cat(xs)  # (sum b, ...)
+    return Samples(**out)
+
+
+def concat_scores(parts: list[Scores], rows: torch.Tensor) -> Scores:
+    """The rows `rows` (long, into the concatenation) of several `Scores` in one; member_scores is (K, B)."""
+    out = {}
+    for f in dataclasses.fields(Scores):
+        xs = [getattr(p, f.name) for p in parts]
+        if xs[0] is None:
+            out[f.name] = None
+        elif f.name == "member_scores":
+            out[f.name] = torch.cat(xs, dim=1)[:, rows.to(xs[0].device)]  # (K, len(rows))
+        else:
+            out[f.name] = torch.cat(xs)[rows.to(xs[0].device)]  # (len(rows),)
+    return Scores(**out)
+
+
+class PPOTrainer:
+    """Holds the models, the optimiser and the KL controller; `ppo_step` is one iteration.
+
+    models: `PPOModels`; reward_fn: a loaded `llm_rlhf.models.reward_fn.RewardFn`, or None. The reward model and
+    the reward function (at least one of them) make the scores (`scoring.Scorer`). The precision and sharding
+    plumbing of each accelerate config is `self.acc` (`accelerated.Accelerated`). `state_dict()` is what a
+    checkpoint keeps of the trainer besides the models' weights and optimiser state."""
+
+    def __init__(self, cfg: Config, *, accelerator, models: PPOModels, tokenizer, prompts, reward_fn=None):
+        self.cfg, self.accelerator, self.tokenizer = cfg, accelerator, tokenizer
+        if models.reward_model is None and reward_fn is None:
+            raise UserError("reward_model_path: PPO needs a reward model, a reward_fn or both")
+        self.sizes = batch_sizes(
+            rollout_batch_size=cfg.rollout_batch_size,
+            mini_batch_size=cfg.mini_batch_size,
+            gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+            ppo_epochs=cfg.ppo_epochs,
+            steps=cfg.steps,
+            num_processes=accelerator.num_processes,
+            samples_per_prompt=cfg.samples_per_prompt,
+        )
+        if self.sizes.episodes_per_step < 2:
+            raise UserError(
+                "rollout_batch_size: advantages are whitened over the global rollout batch, which needs at "
+                f"least 2 episodes (rollout_batch_size {cfg.rollout_batch_size} x {accelerator.num_processes} "
+                "processes)"
+            )
+        self.acc = Accelerated(accelerator, bf16=cfg.bf16, gradient_checkpointing=cfg.gradient_checkpointing)
+        params = [
+            p
+            for m in (models.policy, models.critic)
+            if m is not None
+            for p in m.parameters()
+            if p.requires_grad
+        ]
+        optimizer = torch.optim.AdamW(
+            params,
+            lr=cfg.learning_rate,
+            eps=cfg.adam_eps,
+            weight_decay=cfg.weight_decay,
+            # One kernel per step instead of ~8 elementwise passes per tensor: on CPU the default
+            # for-loop AdamW took ~10% of a GPT-2 124M update (benchmarks/README.md).
+            fused=accelerator.device.type in ("cpu", "cuda"),
+        )
+        total = cfg.steps * self.sizes.optimizer_steps_per_ppo_step
+        decay = (
+            (lambda i: max(0.0, 1.0 - i / total)) if cfg.lr_scheduler_type == "linear" else (lambda i: 1.0)
+        )
+        # Not handed to `accelerator.prepare`: its scheduler wrapper steps the schedule num_processes times per
+        # optimiser step (made for dataloaders that give each process 1/N of the batches), so with N processes
+        # the linear decay reached 0 after 1/N of the run, and under DeepSpeed the engine steps only
+        # DeepSpeed's own schedules, so this one never moved. `optimizer_step` steps it once (issue 13).
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, decay)
+        frozen = [m for m in (models.ref_model, models.reward_model) if m is not None]
+        self.policy, self.critic, self.optimizer = self.acc.prepare(
+            models.policy,
+            models.critic,
+            optimizer,
+            frozen=frozen,
+            micro_batch_size=self.sizes.micro_batch_per_process,
+            lora=cfg.use_lora,
+            sampling_compile=cfg.sampling_compile,
+        )
+        self.acc.set_up_root(self.policy, tokenizer.eos_token_id)
+        self.ref_model = models.ref_model
+        self.scorer = Scorer(
+            models.reward_model,
+            reward_fn,
+            reward_fn_weight=cfg.reward_fn_weight,
+            rm_context=self.acc.autocast,
+        )
+        self.sampling = Sampling.of(cfg)
+        # ReMax's baseline response: the same settings, greedy (temperature 0: argmax, no random draw).
+        self.greedy = dataclasses.replace(self.sampling, temperature=0.0)
+        # The statistics of an update: no value loss without a value function, the KL loss when it is there.
+        self.train_stats = tuple(s for s in TRAIN_STATS if cfg.estimator.critic or s not in VALUE_STATS) + (
+            (KL_LOSS_STAT,) if cfg.kl_penalty_in_loss else ()
+        )
+        clip_sides = cfg.policy_loss != "ppo_clip" or (cfg.cliprange_low, cfg.cliprange_high) != (None, None)
+        self.train_stats += (
+            (CLIP_SIDE_STATS if clip_sides else ())
+            + ((DUAL_CLIP_STAT,) if cfg.dual_clip is not None else ())
+            + (SAMPLER_STATS if cfg.sampler_correction != "none" else ())
+        )
+        self.kl_ctl = (
+            ppo_math.AdaptiveKLController(cfg.init_kl_coef, cfg.kl_target, cfg.kl_horizon)
+            if cfg.kl_controller == "adaptive"
+            else ppo_math.FixedKLController(cfg.init_kl_coef)
+        )
+        self.prompts = prompts  # list of token-id lists
+        self.step = 0
+        self.extra_prompts = 0  # global prompts drawn by dynamic sampling's further rounds (`next_queries`)
+        self.device = accelerator.device
+
+    # --- the trainer's state ------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What continues the run exactly besides the models' weights and optimiser state (written by
+        `accelerated.Accelerated.save_model_state`) and the RNG: the step (which fixes the data position,
+        `next_queries`), the KL controller and the LR schedule; with dynamic sampling the prompts its further
+        rounds drew (the rest of the data position)."""
+        return {
+            "step": self.step,
+            "kl_ctl": self.kl_ctl.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            **({"extra_prompts": self.extra_prompts} if self.cfg.dynamic_sampling else {}),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = state["step"]
+        self.extra_prompts = state.get("extra_prompts", 0)
+        self.kl_ctl.load_state_dict(state["kl_ctl"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def save_model_state(self, folder) -> None:
+        """The weights and optimiser state into a checkpoint folder, sharded or not (every process calls it)."""
+        self.acc.save_model_state(folder, policy=self.policy, critic=self.critic, optimizer=self.optimizer)
+
+    def load_model_state(self, folder) -> None:
+        self.acc.load_model_state(folder, policy=self.policy, critic=self.critic, optimizer=self.optimizer)
+
+    # --- the algorithm -------------------------------------------------------------------------
+
+    def ppo_step(self) -> dict[str, float]:
+        """One PPO iteration (Ziegler et al. 2019, Algorithm 1; Stiennon et al. 2020, Appendix B); the
+        critic-free estimators (`advantage_estimator`) change only how the advantages are made."""
+        cfg, times = self.cfg, {}
+        queries = self.next_queries()  # this process's prompts, each sampled k times below
+        # y ~ pi_theta(.|x), logprobs (and values with gae), ref_logprobs, scores; with one update per step
+        # the old log-probs and entropy come from the update's own forward instead (`old_logprobs_from_update`)
+        from_update = self.old_logprobs_from_update
+        sampling_stats = {}
+        if cfg.dynamic_sampling:  # DAPO: untied groups, from further prompts where some tie
+            rollout, scores, sampling_stats = self.dynamic_rollout(queries, times)
+        else:
+            rollout, scores = self.rollout(self.in_groups(queries), times, old_logprobs=not from_update)
+        greedy = None  # ReMax: one greedy response per prompt, its logprobs, ref_logprobs and scores
+        if cfg.estimator.greedy_baseline:
+            greedy, _ = self.rollout(queries, times, sampling=self.greedy)
+        self.check_finite(
+            "rollout",
+            scores=rollout.scores,
+            # from_update: the log-probs are checked as part of the update's loss (`train_on_rollout`)
+            **({"logprobs": rollout.logprobs} if not from_update else {}),
+            ref_logprobs=rollout.ref_logprobs,
+            **({"values": rollout.values} if rollout.values is not None else {}),
+            **(
+                {"greedy_scores": greedy.scores, "greedy_logprobs": greedy.logprobs}
+                if greedy is not None
+                else {}
+            ),
+        )
+
+        kl_coef = self.kl_ctl.value
+        rewards, kl = self.rewards(rollout, kl_coef)  # -beta*KL per token (unless in the loss) + score
+        if cfg.whiten_rewards:
+            rewards = self.whiten(rewards, rollout.response_mask, shift_mean=False)
+        baseline = None
+        if greedy is not None:  # ReMax: the greedy response's reward, measured as the samples' are
+            greedy_rewards, _ = self.rewards(greedy, kl_coef)
+            baseline = ppo_math.masked_sum(greedy_rewards, greedy.response_mask, dim=-1)  # (P,)
+        advantages, returns = self.advantages(rollout, rewards, baseline)
+
+        t = time.perf_counter()
+        train_stats = self.train_on_rollout(rollout, advantages, returns)  # K epochs of minibatch updates
+        times["train"] = time.perf_counter() - t
+        if from_update:  # the KL of the metrics and the controller, from the log-probs the update filled in
+            _, kl = self.rewards(rollout, kl_coef)
+
+        kl_seq = ppo_math.sequence_kl(kl=kl, response_mask=rollout.response_mask)  # (B,)
+        self.kl_ctl.update(self.global_mean(kl_seq), self.sizes.episodes_per_step)  # n in episodes
+        self.step += 1
+        metrics = self.metrics(rollout, kl=kl, kl_coef=kl_coef, returns=returns, times=times)
+        if greedy is not None:
+            metrics[ppo_metrics.OBJECTIVE_GREEDY_SCORES] = self.global_mean(greedy.scores.mean())
+        if cfg.overlong_buffer > 0:
+            metrics[ppo_metrics.OBJECTIVE_OVERLONG_PENALTY] = self.global_mean(self.overlong(rollout).mean())
+        return {**metrics, **train_stats, **sampling_stats, **self.score_term_means(scores)}
+
+    def rewards(self, rollout: Rollout, kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-token rewards of a rollout and its per-token KL (kl_estimator), both (B, R):
+
+            rewards_t = -kl_coef * KL_t + [t == last response token] * score      (`ppo_math.shaped_rewards`)
+
+        the score clipped (score_clip), with the overlong penalty (`shaped_scores`) and replaced for responses
+        that did not end (eos_penalty); with the KL in the loss (`Config.kl_penalty_in_loss`) the rewards hold
+        the score alone. A rollout without old log-probs yet (`old_logprobs_from_update`, the KL in the loss)
+        gets KL_t = 0 until the update fills them."""
+        cfg = self.cfg
+        kl = (
+            torch.zeros_like(rollout.ref_logprobs)
+            if rollout.logprobs is None
+            else ppo_math.kl_penalty(
+                logprobs=rollout.logprobs, ref_logprobs=rollout.ref_logprobs, estimator=cfg.kl_estimator
+            )
+        )
+        rewards, _ = ppo_math.shaped_rewards(
+            scores=self.shaped_scores(rollout, rollout.scores),
+            kl=kl,
+            kl_coef=0.0 if cfg.kl_penalty_in_loss else kl_coef,
+            response_mask=rollout.response_mask,
+            eos_penalty=cfg.eos_penalty,
+            ended_with_eos=rollout.ended(self.tokenizer.eos_token_id)  # EOS or a stop string
+            if cfg.eos_penalty is not None
+            else None,
+        )
+        return rewards, kl
+
+    def shaped_scores(self, samples: Samples, scores: torch.Tensor) -> torch.Tensor:
+        """The scorer's `scores` (B,) as the rewards take them, before the EOS trick, (B,):
+
+            clip(scores, -score_clip, score_clip)          score_clip (null = off)
+            + overlong penalty                             overlong_buffer > 0 (`overlong`; DAPO)
+
+        The overlong penalty comes after the clip (it is bounded already) and before the EOS trick
+        (`ppo_math.shaped_rewards`, eos_penalty), which replaces the whole score of a truncated response: its
+        score is eos_penalty when that is set, not eos_penalty minus overlong_penalty (one penalty for one
+        fault); responses that ended inside the buffer keep their ramp either way."""
+        cfg = self.cfg
+        if cfg.score_clip is not None:
+            scores = ppo_math.clip_scores(scores=scores, score_clip=cfg.score_clip)
+        if cfg.overlong_buffer > 0:
+            scores = scores + self.overlong(samples)
+        return scores
+
+    def reward_scores(self, samples: Samples, scores: torch.Tensor) -> torch.Tensor:
+        """The score `shaped_rewards` puts at each response's last token, (B,): `shaped_scores`, then the EOS
+        trick (eos_penalty where the response did not end). Dynamic sampling compares these for ties: they
+        are what the group baseline sees."""
+        scores = self.shaped_scores(samples, scores)
+        if self.cfg.eos_penalty is None:
+            return scores
+        return torch.where(samples.ended(self.tokenizer.eos_token_id), scores, self.cfg.eos_penalty)  # (B,)
+
+    def overlong(self, samples: Samples) -> torch.Tensor:
+        """DAPO's overlong penalty of each response, (B,) (`ppo_math.overlong_penalty`): its length counts its
+        tokens (EOS included); truncated = it ended with neither EOS nor a stop string."""
+        cfg = self.cfg
+        return ppo_math.overlong_penalty(
+            lengths=samples.response_mask.sum(-1),
+            truncated=~samples.ended(self.tokenizer.eos_token_id),
+            max_new_tokens=cfg.max_new_tokens,
+            overlong_buffer=cfg.overlong_buffer,
+            penalty=cfg.overlong_penalty,
+        )
+
+    def advantages(
+        self, rollout: Rollout, rewards: torch.Tensor, baseline: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A_t for every response token, (B, R), from the per-token rewards (B, R), and the returns the value
+        loss fits (None without a value function), by the estimator's advantage function
+        (`Estimator.advantages`, `llm_rlhf.rl.estimators`):
+
+            gae           GAE over the values, then whitened over the global batch
+            reinforce_pp  gamma = 1 returns, whitened over the global batch (`ppo_math.reinforce_pp_advantages`)
+            grpo, dr_grpo, rloo, remax   one advantage per response from its sequence reward
+                          r = sum_t rewards_t (the score, minus beta * KL when the KL is in the reward)
+                          against its group (`ppo_math`), the same on each of its tokens
+
+        The groups are this process's consecutive rows of k samples (`in_groups`): whole on this process, and
+        taken over the whole rollout before any minibatch, so neither the number of processes nor the
+        micro-batches change a group's statistics. baseline: ReMax's greedy sequence rewards, (P,)."""
+        cfg = self.cfg
+        inputs = AdvantageInputs(
+            rewards=rewards,
+            response_mask=rollout.response_mask,
+            values=rollout.values,
+            baseline=baseline,
+            samples_per_prompt=cfg.samples_per_prompt,
+            gamma=cfg.gamma,
+            lam=cfg.lam,
+            reduce_sum=self.reduce_sum,
+        )
+        return cfg.estimator.advantages(inputs)
+
+    # --- phases -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def rollout(
+        self,
+        queries: list[list[int]],
+        times: dict[str, float] | None = None,
+        *,
+        sampling: Sampling | None = None,
+        old_logprobs: bool = True,
+    ) -> tuple[Rollout, Scores]:
+        """The complete rollout of `queries`: samples, then the policy's old log-probs, values and entropy
+        (one forward), the reference's log-probs and the scores (`score`), and the scores' parts. `times`, if
+        given, adds the seconds of "generate" (sampling and the policy forward) and "score" (reference
+        and scores). sampling: `self.sampling` unless given (ReMax's greedy baseline: `self.greedy`).
+        old_logprobs False: no policy forward; logprobs, values and entropy stay None for `train_on_rollout`
+        to fill in from the update's own forward (`old_logprobs_from_update`)."""
+        t0 = time.perf_counter()
+        samples = self.generate(queries, sampling=sampling)  # y ~ pi_theta(.|x)
+        logprobs = values = entropy = None
+        if old_logprobs:
+            logprobs, values, entropy = self.in_chunks(self.forward_policy, samples)
+        t1 = time.perf_counter()
+        ref_logprobs = self.reference_logprobs(samples)  # log pi_ref(y_t|s_t)
+        scores = self.score(samples)  # r_phi(x, y), normalised (+ reward_fn_weight * reward_fn)
+        rollout = Rollout.of(
+            samples,
+            logprobs=logprobs,
+            values=values,
+            entropy=entropy,
+            ref_logprobs=ref_logprobs,
+            scores=scores.scores,
+        )
+        if times is not None:
+            times["generate"] = times.get("generate", 0.0) + t1 - t0
+            times["score"] = times.get("score", 0.0) + time.perf_counter() - t1
+        return rollout, scores
+
+    @torch.no_grad()
+    def dynamic_rollout(
+        self, queries: list[list[int]], times: dict[str, float]
+    ) -> tuple[Rollout, Scores, dict[str, float]]:
+        """DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2): the rollout of rollout_batch_size groups per
+        process whose scores do not all tie, when the rounds allow it.
+
+            round 1: sample and score the groups of `queries`; mark the tied ones (`ppo_math.tied_groups` on
+                     `reward_scores`, what the group baseline sees)
+            while some process holds fewer untied groups than rollout_batch_size (one global sum, so every
+                     process takes the same number of rounds and its collectives match) and the rounds are
+                     fewer than dynamic_sampling_max_rounds: sample and score the next prompts of the stream
+            keep the first rollout_batch_size untied groups, filled up with tied ones when too few
+                     (`ppo_math.select_groups`): every step trains the same number of groups
+            then the policy's (and value's) and the reference's forwards on the kept rows only, in the
+                     micro-batches the first epoch visits, so rho == 1 exactly before the first update
+
+        Returns the rollout, its scores' parts and the statistics sampling/rounds, sampling/groups_dropped
+        (sampled groups not trained, over every process), sampling/tied_groups_trained (the fill, over every
+        process) and sampling/sampled_per_trained (responses sampled per response trained, over the run)."""
+        cfg, sizes, k = self.cfg, self.sizes, self.cfg.samples_per_prompt
+        need = sizes.prompts_per_process
+        samples, scores, tied = [], [], []
+        while True:
+            t0 = time.perf_counter()
+            part = self.generate(self.in_groups(queries))  # y ~ pi_theta(.|x)
+            t1 = time.perf_counter()
+            part_scores = self.score(part)
+            times["generate"] = times.get("generate", 0.0) + t1 - t0
+            times["score"] = times.get("score", 0.0) + time.perf_counter() - t1
+            samples.append(part)
+            scores.append(part_scores)
+            tied.append(
+                ppo_math.tied_groups(
+                    scores=self.reward_scores(part, part_scores.scores), samples_per_prompt=k
+                )
+            )  # (P,)
+            missing = max(need - int((~torch.cat(tied)).sum()), 0)  # untied groups this process lacks
+            if (
+                self.global_sum(torch.tensor(float(missing))) == 0
+                or len(tied) == cfg.dynamic_sampling_max_rounds
+            ):
+                break
+            self.extra_prompts += sizes.prompts_per_step
+            queries = self.next_queries()
+        tied = torch.cat(tied)  # (rounds * P,)
+        groups = ppo_math.select_groups(tied=tied, num_groups=need)  # (P,)
+        rows = ppo_math.group_rows(groups=groups, samples_per_prompt=k)  # (P * k,)
+        kept = concat_samples(samples, self.tokenizer.pad_token_id).select(rows.to(self.device))
+        kept_scores = concat_scores(scores, rows)
+        t0 = time.perf_counter()
+        logprobs, values, entropy = self.in_chunks(self.forward_policy, kept)
+        t1 = time.perf_counter()
+        rollout = Rollout.of(
+            kept,
+            logprobs=logprobs,
+            values=values,
+            entropy=entropy,
+            ref_logprobs=self.reference_logprobs(kept),
+            scores=kept_scores.scores,
+        )
+        times["generate"] += t1 - t0
+        times["score"] += time.perf_counter() - t1
+        counts = self.global_sum(
+            torch.stack([torch.tensor(float(len(tied) - need)), tied[groups].sum().float()])
+        )
+        trained = (self.step + 1) * sizes.prompts_per_step  # global prompts trained on, this step's too
+        drawn = trained + self.extra_prompts  # and sampled
+        stats = {
+            ppo_metrics.SAMPLING_ROUNDS: float(len(samples)),
+            ppo_metrics.SAMPLING_GROUPS_DROPPED: float(counts[0]),
+            ppo_metrics.SAMPLING_TIED_GROUPS_TRAINED: float(counts[1]),
+            ppo_metrics.SAMPLING_SAMPLED_PER_TRAINED: drawn / trained,
+        }
+        return rollout, kept_scores, stats
+
+    def next_queries(self) -> list[list[int]]:
+        """This process's prompts for the current step (rollout_batch_size of them): a seeded permutation per
+        pass over the data.
+
+        Global prompt index e = step * prompts_per_step + process_index * rollout_batch_size + i, so the data
+        position follows from the step alone (exact resume) and processes never share a prompt. Each prompt is
+        then sampled samples_per_prompt times on this process (`in_groups`).
+        With dynamic sampling, its further rounds draw the next prompts of the same stream: e is shifted by the
+        global prompts they drew so far (`extra_prompts`, in the checkpoint).
+        """
+        n, per_step = len(self.prompts), self.sizes.prompts_per_step
+        start = (
+            self.step * per_step
+            + self.extra_prompts
+            + self.accelerator.process_index * self.sizes.prompts_per_process
+        )
+        out = []
+        for e in range(start, start + self.sizes.prompts_per_process):
+            epoch, i = divmod(e, n)
+            perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed * 100003 + epoch))
+            out.append(self.prompts[perm[i]])
+        return out
+
+    def in_groups(self, queries: list[list[int]]) -> list[list[int]]:
+        """Each query k = samples_per_prompt times in consecutive rows, the layout of `ppo_math.scores_by_prompt`:
+
+            queries   q0 q1             k = 3
+            rows      q0 q0 q0 q1 q1 q1      (row = prompt_index * k + sample_index)
+
+        A group is on one process and is sampled in one `generate` call; with k = 1 the queries themselves."""
+        return [q for q in queries for _ in range(self.cfg.samples_per_prompt)]
+
+    @torch.no_grad()
+    def generate(self, queries: list[list[int]], sampling: Sampling | None = None) -> Samples:
+        """Sample responses with the KV cache from the global RNG (`self.sampling`, or `sampling`: greedy draws
+        no random number); R = max_new_tokens on every process."""
+        query, query_mask = left_pad(queries, self.tokenizer.pad_token_id, self.device)  # (B, P) each
+        policy = self.unwrapped_policy
+        with self.acc.autocast(), self.acc.gathered_for_generation(policy):
+            return sample(
+                policy.lm,
+                self.tokenizer,
+                query,
+                query_mask,
+                sampling or self.sampling,
+                pad_to_max_new_tokens=True,
+            )
+
+    def in_chunks(self, forward, samples: Samples):
+        """`forward` over chunks of micro-batch rows, outputs concatenated along the batch: a no-grad pass
+        over the whole rollout never holds its (B, R, V) logits and their softmax temporaries at once
+        (the peak memory of a LoRA step), and runs on as many rows as a training micro-batch. `forward` trims
+        each chunk to its own real tokens and returns (b, R) outputs."""
+        n = self.sizes.micro_batch_per_process
+        parts = [forward(samples.select(slice(i, i + n))) for i in range(0, samples.query.shape[0], n)]
+        if isinstance(parts[0], torch.Tensor):
+            return torch.cat(parts)  # (B, R)
+        return tuple(None if xs[0] is None else torch.cat(xs) for xs in zip(*parts))  # each (B, R) or None
+
+    def forward_policy(self, samples: Samples, *, train: bool = False):
+        """log pi_theta(y_t|s_t), V(s_t), entropy for the response tokens: (B, R) each, 0 at padding; V None
+        without a value function (the critic-free estimators).
+
+        The forward runs on `samples.trimmed()`: the rows' longest real query and response, not the padding
+        up to max_new_tokens (each rollout chunk and each shuffled micro-batch of every PPO epoch is trimmed
+        to its own rows; the shape may differ between processes, DDP's collectives are on gradients).
+        train=True goes through the DDP wrapper (gradients synchronised in backward); otherwise the
+        unwrapped module runs the same computation without DDP's gradient hooks. It is not free of
+        collectives under sharding: under FSDP2 (`fully_shard` units) and DeepSpeed ZeRO-3 every forward
+        all-gathers the parameters, so every process must call it the same number of times (PPO does: the
+        rollout's chunks, `in_chunks`, and the micro-batches are the same count on every process).
+        The log-probs are those of the distribution the tokens were drawn from (`self.sampling`: the
+        temperature, EOS masked before min_new_tokens).
+        """
+        R = samples.response.shape[1]
+        samples = samples.trimmed()  # (B, P') query, (B, R') response
+        unwrap = self.accelerator.unwrap_model
+        policy = self.policy if train else unwrap(self.policy)
+        # The entropy needs an autograd graph only when the loss uses it (ent_coef != 0).
+        entropy_mode = "grad" if train and self.cfg.ent_coef != 0 else "stats"
+        with self.acc.autocast(), self.acc.checkpointing(self.unwrapped_policy, train):
+            logprobs, values, entropy = response_logprobs_and_values(
+                policy, samples, self.sampling, eos_token_id=self.tokenizer.eos_token_id, entropy=entropy_mode
+            )
+            if self.critic is not None:
+                critic = self.critic if train else unwrap(self.critic)
+                P = samples.query.shape[1]
+                values = critic(samples.sequence, samples.attention_mask)[:, P - 1 : -1]  # (B, R')
+        return tuple(None if x is None else pad_columns(x.float(), R) for x in (logprobs, values, entropy))
+
+    @torch.no_grad()
+    def reference_logprobs(self, samples: Samples) -> torch.Tensor:
+        """log pi_ref(y_t|s_t): (B, R), 0 at padding; each chunk's forward on its real tokens (`Samples.trimmed`).
+        With LoRA: the policy's own network with the adapter disabled."""
+        R, eos = samples.response.shape[1], self.tokenizer.eos_token_id
+
+        def forward(part: Samples) -> torch.Tensor:
+            logprobs = response_logprobs_and_values(
+                self.ref_model, part.trimmed(), self.sampling, eos_token_id=eos, entropy="none"
+            )[0]
+            return pad_columns(logprobs, R)  # (b, R)
+
+        with self.acc.autocast(), self.reference_context():
+            logprobs = self.in_chunks(forward, samples)
+        return logprobs.float()
+
+    @torch.no_grad()
+    def score(self, samples: Samples) -> Scores:
+        """The scores of this process's samples and their parts (`scoring.Scorer`, the one scorer evaluation
+        uses too):
+
+            scores = rm_score + reward_fn_weight * reward_fn(prompts, responses)      (B,)
+
+        These are the scores `ppo_step` clips (score_clip), replaces for responses without EOS (eos_penalty)
+        and adds at the last response token (`ppo_math.shaped_rewards`), and then whitens only as part of the
+        per-token rewards (whiten_rewards) and the advantages. The RM runs under the policy's precision.
+
+        Each process calls the reward function on its own samples; nothing inside it is a collective.
+        Whether the call failed on any process (it raised, or returned a wrong number of scores or a
+        non-finite one: `RewardFn` checks) is one sum over the processes, so every process stops with the
+        same one-line error here instead of the others waiting at the next collective."""
+        if self.scorer.reward_fn is None:
+            return self.scorer(samples, self.tokenizer)
+        try:
+            scores, error = self.scorer(samples, self.tokenizer), None
+        except UserError as e:
+            scores, error = None, e
+        failed = self.global_sum(torch.tensor(float(error is not None)))  # processes whose call failed
+        if error is not None:
+            raise error
+        if failed > 0:
+            raise UserError(
+                f"reward_fn '{self.scorer.reward_fn.spec}' failed on another process (see its error)"
+            )
+        return scores
+
+    def train_on_rollout(
+        self, rollout: Rollout, advantages: torch.Tensor, returns: torch.Tensor | None
+    ) -> dict[str, float]:
+        """K epochs over shuffled minibatches; each minibatch is `gradient_accumulation_steps` micro-batches.
+
+        The loss of a micro-batch: the clipped policy loss, + vf_coef * the clipped value loss towards
+        `returns` with gae (the critic-free estimators have no value function: returns None), + kl_coef * the
+        mean k3 to the reference when the KL is in the loss (`ppo_math.kl_loss`; beta of the rollout, the
+        controller moves after the update), - ent_coef * entropy.
+
+        Every loss is a token mean over the global minibatch: a micro-batch's masked mean is weighted by
+        its share of the minibatch's tokens (times the number of processes, since DDP averages gradients),
+        so accumulation and data parallelism change only the float rounding, and so does trimming: each
+        micro-batch's forward runs on its own rows' real tokens (`forward_policy`). Gradients are
+        all-reduced once per minibatch, in the backward of its last micro-batch (`Accelerated.accumulating`).
+        The ratio guard and the approx-KL early stop decide on global statistics, so every process takes the
+        same branch; a skipped minibatch is counted, not averaged into the statistics.
+
+        The first epoch visits the rows in rollout order, the micro-batches on which `rollout` computed
+        the old log-probs (the rows are already in random prompt order, `next_queries`): the same rows
+        trimmed to the same widths, so rho == 1 exactly before the first update (SPEC); later epochs shuffle.
+
+        The policy-loss family (issue 37; with every key at its default the update above, with its arithmetic:
+        `Config.plain_policy_loss`): the token losses of policy_loss (`ppo_math.ppo_clip_token_losses` with
+        cliprange_low/high and dual_clip, `gspo_token_losses` or `cispo_token_losses`), times the sampler
+        correction's weights (`sampler_weights`), make the policy loss by `ppo_math.aggregate_loss` over the
+        normaliser N of loss_aggregation summed over the global minibatch (one all-reduce with its token count):
+        each micro-batch's share is a sum over its rows / N, so the shares add up to the minibatch's loss on
+        any split (times the number of processes, as DDP averages). With mask_truncated the truncated responses
+        leave the loss mask of every term (policy, value, KL, entropy) and the counts.
+        """
+        cfg, sizes = self.cfg, self.sizes
+        kl_coef = self.kl_ctl.value
+        # No old log-probs yet (`old_logprobs_from_update`): the policy this forward runs is the old policy, and
+        # its detached log-probs and entropy are the rollout's, filled in here for the metrics and the KL.
+        fill = rollout.logprobs is None
+        if fill:
+            rollout.logprobs, rollout.entropy = (torch.zeros_like(rollout.ref_logprobs) for _ in range(2))
+        plain, processes = cfg.plain_policy_loss, self.accelerator.num_processes
+        loss_mask = rollout.response_mask  # (B, R)
+        if cfg.mask_truncated:  # DAPO's overlong filtering
+            truncated = ~rollout.ended(self.tokenizer.eos_token_id)  # (B,)
+            loss_mask = ppo_math.mask_truncated(response_mask=loss_mask, truncated=truncated)  # (B, R)
+        weights, corrected = self.sampler_weights(rollout, loss_mask)  # (B, R) each, or None
+        # the policy loss's share is already divided by the global N: summed, not token-weighted, in the stats
+        summed = torch.tensor(
+            [k == ppo_metrics.LOSS_POLICY and not plain for k in self.train_stats], device=self.device
+        )
+        history, skipped, stopped_early = [], 0, False
+        for epoch in range(cfg.ppo_epochs):
+            order = (
+                torch.arange(sizes.rollout_per_process, device=self.device)
+                if epoch == 0
+                else torch.randperm(sizes.rollout_per_process, device=self.device)
+            )
+            for mb in order.split(sizes.mini_batch_per_process):
+                if plain:  # the tokens in the global minibatch
+                    mb_tokens = self.global_sum(rollout.response_mask[mb].sum())
+                else:  # and the normaliser N of `aggregate_loss`, both over the global minibatch
+                    mb_tokens, normaliser = self.global_sum(
+                        torch.stack(
+                            [
+                                loss_mask[mb].sum(),
+                                ppo_math.loss_normaliser(
+                                    loss_mask=loss_mask[mb],
+                                    aggregation=cfg.loss_aggregation,
+                                    max_new_tokens=cfg.max_new_tokens,
+                                ),
+                            ]
+                        )
+                    )
+                self.optimizer.zero_grad(set_to_none=True)
+                totals = torch.zeros(len(self.train_stats), device=self.device)
+                micro_batches = mb.split(sizes.micro_batch_per_process)
+                for i, mc in enumerate(micro_batches):
+                    part = rollout.select(mc)
+                    mask = part.response_mask if plain else loss_mask[mc]
+                    last = i == len(micro_batches) - 1
+                    with self.acc.accumulating((self.policy, self.critic), last=last):
+                        logprobs, values, entropy = self.forward_policy(part, train=True)
+                        old_logprobs = logprobs.detach() if fill else part.logprobs  # fill: ratio 1 exactly
+                        if fill:
+                            rollout.logprobs[mc], rollout.entropy[mc] = old_logprobs, entropy.detach()
+                        if plain:  # today's loss, with its arithmetic (bit-identical runs)
+                            pg_loss, pg = ppo_math.policy_loss(
+                                logprobs=logprobs,
+                                old_logprobs=old_logprobs,
+                                advantages=advantages[mc],
+                                response_mask=mask,
+                                cliprange=cfg.cliprange,
+                            )
+                            loss = pg_loss
+                            parts = {
+                                ppo_metrics.LOSS_POLICY: pg_loss,
+                                ppo_metrics.POLICY_APPROXKL: pg.approxkl,
+                                ppo_metrics.POLICY_CLIPFRAC: pg.clipfrac,
+                                ppo_metrics.POLICY_RATIO: ppo_math.masked_mean(pg.ratio, mask),
+                            }
+                        else:  # this micro-batch's share of the minibatch's policy loss
+                            pg_loss, parts = self.policy_loss_share(
+                                logprobs=logprobs,
+                                old_logprobs=old_logprobs,
+                                advantages=advantages[mc],
+                                loss_mask=mask,
+                                normaliser=normaliser,
+                                weights=None if weights is None else weights[mc],
+                            )
+                            if weights is not None:
+                                parts[ppo_metrics.SAMPLER_MEAN_WEIGHT] = ppo_math.masked_mean(
+                                    weights[mc], mask
+                                )
+                                parts[ppo_metrics.SAMPLER_CORRECTED_FRAC] = ppo_math.masked_mean(
+                                    corrected[mc].float(), mask
+                                )
+                            loss = torch.zeros((), device=self.device)  # the other terms: token means
+                        entropy = ppo_math.masked_mean(entropy, mask)
+                        parts[ppo_metrics.POLICY_ENTROPY] = entropy
+                        if cfg.estimator.critic:  # gae: the value head's or the critic's loss
+                            vf_loss, vf = ppo_math.value_loss(
+                                values=values,
+                                old_values=part.values,
+                                returns=returns[mc],
+                                response_mask=mask,
+                                cliprange_value=cfg.cliprange_value,
+                            )
+                            loss = loss + cfg.vf_coef * vf_loss
+                            parts.update(
+                                {ppo_metrics.LOSS_VALUE: vf_loss, ppo_metrics.VAL_CLIPFRAC: vf.clipfrac}
+                            )
+                        if cfg.kl_penalty_in_loss:
+                            kl_loss = ppo_math.kl_loss(
+                                logprobs=logprobs,
+                                ref_logprobs=part.ref_logprobs,
+                                response_mask=mask,
+                                kl_coef=kl_coef,
+                            )
+                            loss = loss + kl_loss
+                            parts[KL_LOSS_STAT] = kl_loss
+                        loss = loss - cfg.ent_coef * entropy
+                        weight = mask.sum() * self.accelerator.num_processes / mb_tokens.clamp(min=1)
+                        scaled = loss * weight if plain else pg_loss * processes + loss * weight
+                        self.acc.backward(self.policy, scaled, last=last)
+                    stat = torch.stack([parts[k].detach().float() for k in self.train_stats])
+                    totals += stat * weight if plain else stat * torch.where(summed, processes, weight)
+                stats = dict(
+                    zip(self.train_stats, self.accelerator.reduce(totals, reduction="mean").tolist())
+                )
+                if not all(np.isfinite(list(stats.values()))):  # the same global numbers on every process
+                    raise NonFiniteError(
+                        f"PPO step {self.step + 1}, train phase (epoch {epoch + 1}): non-finite loss "
+                        f"({', '.join(k for k, v in stats.items() if not np.isfinite(v))}); "
+                        + what_was_updated(len(history), this_step=False)
+                    )
+                if stats[ppo_metrics.POLICY_RATIO] > cfg.ratio_guard:  # a diverged minibatch: drop its update
+                    self.acc.discard_gradients(self.policy, self.optimizer)
+                    skipped += 1
+                    continue
+                self.optimizer_step(epoch, updates=len(history))
+                history.append(stats)  # one entry per optimiser step taken
+                if (
+                    cfg.target_approxkl is not None
+                    and stats[ppo_metrics.POLICY_APPROXKL] > cfg.target_approxkl
+                ):
+                    stopped_early = True
+                    break
+            if stopped_early:
+                break
+        out = {k: float(np.mean([h[k] for h in history])) if history else math.nan for k in self.train_stats}
+        out.update(
+            {
+                ppo_metrics.POLICY_SKIPPED_MINIBATCHES: float(skipped),
+                ppo_metrics.POLICY_EARLY_STOPPED: float(stopped_early),
+                ppo_metrics.LR: self.scheduler.get_last_lr()[0],
+            }
+        )
+        return out
+
+    def policy_loss_share(
+        self,
+        *,
+        logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        loss_mask: torch.Tensor,
+        normaliser: torch.Tensor,
+        weights: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """One micro-batch's share of its minibatch's policy loss under the policy-loss family, and its token
+        statistics (masked means over `loss_mask`):
+
+            l_t   = token loss of policy_loss (ppo_clip: clip-higher + dual clip; gspo; cispo)   (b, R)
+            l_t  *= w_t                        the sampler correction's weight (`sampler_weights`), if on
+            share = aggregate_loss(l, loss_aggregation, N)    N: the global minibatch's normaliser
+
+        logprobs (with grad), old_logprobs, advantages, weights: (b, R); loss_mask: (b, R) bool."""
+        cfg = self.cfg
+        common = dict(
+            logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, response_mask=loss_mask
+        )
+        if cfg.policy_loss == "gspo":
+            losses, st = ppo_math.gspo_token_losses(
+                **common, cliprange_low=cfg.clip_low, cliprange_high=cfg.clip_high
+            )
+        elif cfg.policy_loss == "cispo":
+            losses, st = ppo_math.cispo_token_losses(**common, cliprange_high=cfg.clip_high)
+        else:
+            losses, st = ppo_math.ppo_clip_token_losses(
+                **common, cliprange_low=cfg.clip_low, cliprange_high=cfg.clip_high, dual_clip=cfg.dual_clip
+            )  # (b, R)
+        if weights is not None:
+            losses = losses * weights  # (b, R)
+        share = ppo_math.aggregate_loss(
+            token_losses=losses, loss_mask=loss_mask, aggregation=cfg.loss_aggregation, normaliser=normaliser
+        )
+        with torch.no_grad():
+            mean = lambda x: ppo_math.masked_mean(x.float(), loss_mask)  # noqa: E731
+            parts = {
+                ppo_metrics.LOSS_POLICY: share,
+                ppo_metrics.POLICY_APPROXKL: 0.5 * mean((logprobs - old_logprobs) ** 2),
+                ppo_metrics.POLICY_CLIPFRAC: mean(st.clipped),
+                ppo_metrics.POLICY_RATIO: mean(st.ratio),
+                ppo_metrics.POLICY_CLIPFRAC_LOW: mean(st.clipped_low),
+                ppo_metrics.POLICY_CLIPFRAC_HIGH: mean(st.clipped_high),
+                DUAL_CLIP_STAT: mean(st.dual_clipped),
+            }
+        return share, parts
+
+    def sampler_weights(
+        self, rollout: Rollout, loss_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+        """sampler_correction's per-token weights and where they were truncated or masked, (B, R) each, from
+        the sampler's recorded log q(y_t) to the old policy's (`ppo_math.sampler_correction_weights`); the
+        same for every epoch. (None, None) when sampler_correction is none."""
+        cfg = self.cfg
+        if cfg.sampler_correction == "none":
+            return None, None
+        if rollout.sampler_logprobs is None:
+            raise UserError(
+                f"sampler_correction {cfg.sampler_correction}: the sampler recorded no log-probs of its tokens "
+                "(a model sampled through its own generate); use sampler_correction none"
+            )
+        weights, stats = ppo_math.sampler_correction_weights(
+            old_logprobs=rollout.logprobs,
+            sampler_logprobs=rollout.sampler_logprobs,
+            response_mask=loss_mask,
+            correction=cfg.sampler_correction,
+            cap=cfg.sampler_correction_cap,
+        )
+        return weights, stats.corrected
+
+    def optimizer_step(self, epoch: int, *, updates: int) -> None:
+        """Clip the gradients, step the optimiser, then the LR schedule: once per optimiser step on every
+        process, whatever their number. Under DeepSpeed the engine's step clips and steps the optimiser
+        (`Accelerated.clip_gradients`), and the gradient norm is checked after it. `updates`: the optimiser
+        steps this PPO step has already taken (for the error message)."""
+        deepspeed = self.acc.deepspeed
+        grad_norm = self.acc.clip_gradients(self.policy, self.trainable_parameters(), self.cfg.max_grad_norm)
+        if grad_norm is not None and not math.isfinite(float(grad_norm)):
+            raise NonFiniteError(
+                f"PPO step {self.step + 1}, train phase (epoch {epoch + 1}): non-finite gradient norm; "
+                + what_was_updated(updates, this_step=deepspeed)
+            )
+        if not deepspeed:
+            self.optimizer.step()
+        if not self.optimizer.step_was_skipped:  # an fp16 overflow: no update, so the schedule waits too
+            self.scheduler.step()
+
+    @property
+    def old_logprobs_from_update(self) -> bool:
+        """Whether `ppo_step` skips the rollout's old-policy forward and takes the old log-probs (and the
+        entropy) from the update's own forward, detached: ratio = exp(logp - sg(logp)) = 1 exactly, as TRL's
+        GRPOTrainer does with one iteration per batch. It skips work only where nothing changes, bit for bit:
+
+        - one optimiser step per PPO step (ppo_epochs 1, one minibatch): the policy the update's forward runs
+          is the old policy, on the rows the rollout's chunks hold, trimmed to the same widths (the first
+          epoch keeps rollout order, `train_on_rollout`), with dropout off (`ppo_run` keeps the policy in eval
+          mode), so the separate forward gave the same log-probs and the same gradient;
+        - no value function (critic-free): GAE needs the old values before the update;
+        - the KL in the loss (`Config.kl_penalty_in_loss`): in the reward, the advantages need the old
+          log-probs before the update (the KL metric and controller read them after it, either way);
+        - ent_coef 0: the update's entropy is then the rollout's (the same "stats" computation), which
+          objective/entropy reports.
+        """
+        cfg = self.cfg
+        return (
+            self.sizes.optimizer_steps_per_ppo_step == 1
+            and not cfg.dynamic_sampling  # `dynamic_rollout` runs its own forwards on the rows it keeps
+            and cfg.sampler_correction == "none"  # its weights read the old log-probs before the update
+            and not cfg.estimator.critic
+            and cfg.kl_penalty_in_loss
+            and cfg.ent_coef == 0
+        )
+
+    # --- the step's log line ------------------------------------------------------------------
+
+    def metrics(self, rollout: Rollout, *, kl, kl_coef, returns, times) -> dict[str, float]:
+        """The step's log line: objective/*, val/* (with a value function), lengths, EOS rate and times, global
+        over processes (`ppo_step` adds the update's statistics and the scores' parts, `score_term_means`).
+        kl: the per-token KL_t (B, R) of `rewards`; objective/non_score_reward is the KL penalty as the
+        objective counts it, -beta * KL_t, wherever it is optimised (in the reward, or as k3 in the loss), so
+        objective/rlhf_reward means the same for every estimator."""
+        mask = rollout.response_mask
+        lengths = mask.sum(-1).float()  # (B,)
+        kl_seq = ppo_math.sequence_kl(kl=kl, response_mask=mask)  # (B,)
+        non_score_reward = torch.where(mask, -kl_coef * kl, 0)  # (B, R)
+        non_score = ppo_math.masked_sum(non_score_reward, mask, dim=-1)  # (B,)
+        tokens = self.global_sum(lengths.sum())
+        step_time = sum(times.values())
+        return {
+            ppo_metrics.STEP: self.step,
+            ppo_metrics.EPISODES: self.step * self.sizes.episodes_per_step,
+            ppo_metrics.OBJECTIVE_SCORES: self.global_mean(rollout.scores.mean()),
+            ppo_metrics.OBJECTIVE_SCORES_STD: self.global_std(rollout.scores),
+            ppo_metrics.OBJECTIVE_KL: self.global_mean(kl_seq.mean()),
+            ppo_metrics.OBJECTIVE_KL_COEF: float(kl_coef),
+            ppo_metrics.OBJECTIVE_NON_SCORE_REWARD: self.global_mean(non_score.mean()),
+            ppo_metrics.OBJECTIVE_RLHF_REWARD: self.global_mean((rollout.scores + non_score).mean()),
+            ppo_metrics.OBJECTIVE_ENTROPY: self.global_mean(
+                ppo_math.masked_sum(rollout.entropy, mask, dim=-1).mean()
+            ),
+            **(self.value_metrics(rollout, returns) if rollout.values is not None else {}),
+            **(self.group_metrics(rollout) if self.cfg.samples_per_prompt > 1 else {}),
+            **(self.sampler_metrics(rollout, tokens) if rollout.sampler_logprobs is not None else {}),
+            ppo_metrics.RESPONSE_LENGTH: self.global_mean(lengths.mean()),
+            ppo_metrics.EOS_RATE: self.global_mean(rollout.ended(self.tokenizer.eos_token_id).float().mean()),
+            ppo_metrics.TIME_GENERATE: times["generate"],
+            ppo_metrics.TIME_SCORE: times["score"],
+            ppo_metrics.TIME_TRAIN: times["train"],
+            ppo_metrics.TIME_STEP: step_time,
+            ppo_metrics.TOKENS_PER_S: float(tokens) / step_time,
+        }
+
+    def value_metrics(self, rollout: Rollout, returns: torch.Tensor) -> dict[str, float]:
+        """val/explained_variance and val/mean of the value function (gae), global over processes."""
+        mask = rollout.response_mask
+        return {
+            ppo_metrics.VAL_EXPLAINED_VARIANCE: float(
+                ppo_math.explained_variance(
+                    values=rollout.values, returns=returns, mask=mask, reduce_sum=self.reduce_sum
+                )
+            ),
+            ppo_metrics.VAL_MEAN: self.global_mean(ppo_math.masked_mean(rollout.values, mask)),
+        }
+
+    def sampler_metrics(self, rollout: Rollout, tokens: torch.Tensor) -> dict[str, float]:
+        """objective/kl_sampler: KL(q || pi_theta) per response token between the sampler's distribution q
+        and the policy's, estimated on the sampled tokens (y_t ~ q) as the global mean of
+        log q(y_t|s_t) - log pi_theta(y_t|s_t) (the old log-probs). ~1e-7 in float32 (q differs from
+        pi_theta by float rounding only); with sampling_dtype bfloat16 the price of the faster sampler: the
+        tokens come from q, while the ratio and the KL to the reference are computed under pi_theta."""
+        gap = ppo_math.masked_sum(rollout.sampler_logprobs - rollout.logprobs, rollout.response_mask)  # ()
+        return {ppo_metrics.OBJECTIVE_KL_SAMPLER: float(self.global_sum(gap)) / max(float(tokens), 1.0)}
+
+    def group_metrics(self, rollout: Rollout) -> dict[str, float]:
+        """With k > 1 samples per prompt: objective/group_scores_std, the std of the scores within a prompt's
+        group (n - 1), averaged over the groups of every process, and objective/groups_tied, the share of
+        groups whose k scores are all equal (with the KL in the loss, grpo, dr_grpo and rloo give their
+        responses a zero advantage: the group teaches nothing). With dynamic_sampling these are the trained
+        groups (the tied groups it filled in at its cap); the dropped ones are sampling/groups_dropped."""
+        grouped = ppo_math.scores_by_prompt(
+            scores=rollout.scores, samples_per_prompt=self.cfg.samples_per_prompt
+        )  # (P, k)
+        tied = (grouped == grouped[:, :1]).all(dim=1).float()  # (P,)
+        return {
+            ppo_metrics.OBJECTIVE_GROUP_SCORES_STD: self.global_mean(grouped.std(dim=1, correction=1).mean()),
+            ppo_metrics.OBJECTIVE_GROUPS_TIED: self.global_mean(tied.mean()),
+        }
+
+    def score_term_means(self, scores: Scores) -> dict[str, float]:
+        """objective/<term> for each part of the scores (`Scores.terms`: objective/reward_fn,
+        objective/rm_score, objective/scores_member_<k>, objective/scores_disagreement): their means over
+        every process, all in one all-reduce; nothing when the scores have no parts."""
+        terms = scores.terms()
+        if not terms:
+            return {}
+        means = torch.stack([v.float().mean() for v in terms.values()])  # (n,) this process's
+        means = self.accelerator.reduce(means.to(self.device), reduction="mean")  # (n,) every process's
+        return {ppo_metrics.objective(name): float(v) for name, v in zip(terms, means)}
+
+    # --- distributed helpers ------------------------------------------------------------------
+
+    def global_sum(self, x: torch.Tensor) -> torch.Tensor:
+        return self.accelerator.reduce(x.detach().to(self.device).float(), reduction="sum")
+
+    def global_mean(self, x) -> float:
+        """Mean over every process (each holds the same number of episodes)."""
+        x = torch.as_tensor(x, dtype=torch.float32, device=self.device).mean()
+        return float(self.accelerator.reduce(x, reduction="mean"))
+
+    def global_std(self, x: torch.Tensor) -> float:
+        return float(self.accelerator.gather_for_metrics(x.float()).std())
+
+    @property
+    def reduce_sum(self):
+        """Sum over every process for the batch statistics of `ppo_math` (None with one process)."""
+        return self.global_sum if self.accelerator.num_processes > 1 else None
+
+    def whiten(self, x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+        """masked_whiten with statistics over every process's batch (the same as whitening the global batch)."""
+        return ppo_math.masked_whiten(x, mask, shift_mean=shift_mean, reduce_sum=self.reduce_sum)
+
+    def check_finite(self, phase: str, **tensors: torch.Tensor) -> None:
+        """Stop with a one-line error naming the step, the phase and the tensors when any entry is NaN or
+        inf on any process (the counts are summed over processes, so every process raises together)."""
+        counts = torch.stack([(~torch.isfinite(t.float())).sum() for t in tensors.values()])  # (n,)
+        counts = self.global_sum(counts)
+        if counts.sum() > 0:
+            bad = [f"{name} ({int(c)} entries)" for name, c in zip(tensors, counts) if c > 0]
+            raise NonFiniteError(
+                f"PPO step {self.step + 1}, {phase} phase: non-finite {', '.join(bad)}; nothing was updated"
+            )
+
+    # --- the models ---------------------------------------------------------------------------
+
+    @property
+    def unwrapped_policy(self):
+        return self.accelerator.unwrap_model(self.policy)
+
+    def trainable_parameters(self):
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        if self.critic is not None:
+            params += [p for p in self.critic.parameters() if p.requires_grad]
+        return params
+
+    def reference_context(self):
+        """With LoRA the reference is the policy's network with the adapter switched off."""
+        if self.cfg.use_lora:
+            return self.unwrapped_policy.lm.disable_adapter()
+        return nullcontext()

@@ -1,0 +1,594 @@
+"""The keys of `llm-rlhf ppo` (`Config`, also `llm_rlhf.PPOConfig`), their checks, and the batch-size
+arithmetic of a PPO step (`batch_sizes`).
+
+PPO trains a policy against a frozen reward model (or a reward function, or both), with a frozen reference
+for the KL penalty, in steps of: rollout -> reference log-probs -> scores -> per-token rewards -> advantages
+-> K epochs of clipped updates on minibatches -> KL controller update (`llm_rlhf.stages.ppo`). The
+`advantage_estimator` is a row of `llm_rlhf.rl.estimators`: GAE over a value function, or a critic-free
+estimator (GRPO, Dr. GRPO, RLOO, REINFORCE++, ReMax) on the same rollout, KL and update; a key the chosen
+estimator does not read, set to another value than its default, is an error naming the key. The keys of the
+policy-loss family (issue 37: policy_loss, the clip ranges, dual_clip, loss_aggregation, sampler_correction,
+overlong shaping, mask_truncated, dynamic_sampling) are checked against the same row (`check_policy_loss_keys`).
+Run it with `llm-rlhf ppo --config recipes/reviews/ppo.yaml [--key value ...]`, also under
+`accelerate launch` with several processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from llm_rlhf.core.callables import split_callable_spec
+from llm_rlhf.core.config import checked_keywords, help_field, is_off, require
+from llm_rlhf.core.data import DATA_FORMATS
+from llm_rlhf.models.scoring import check_score_keys
+from llm_rlhf.rl.estimators import (
+    ADVANTAGE_ESTIMATORS,
+    DEFAULT_ESTIMATOR,
+    ESTIMATORS,
+    ROWS,
+    Estimator,
+    help_text,
+    names,
+)
+from llm_rlhf.rl.ppo_math import LOSS_AGGREGATIONS, POLICY_LOSSES, SAMPLER_CORRECTIONS
+from llm_rlhf.rl.rollout import check_generation_controls
+
+
+@checked_keywords
+@dataclass
+class Config:
+    # --- models and data
+    model_name_or_path: str = help_field(
+        "runs/reviews/sft", "The SFT model (HF folder or hub name): initial policy and frozen reference."
+    )
+    reward_model_path: str | list[str] | None = help_field(
+        "runs/reviews/rm",
+        "The trained reward model folder (`llm-rlhf rm` output), or a list of them: an ensemble whose members "
+        "each score every response with their own normalisation, combined per response by ensemble_combine "
+        "(value_model 'reward' starts the critic from the first member); null or 'none': no reward model, "
+        "the score is reward_fn_weight * reward_fn alone.",
+    )
+    ensemble_combine: str = help_field(
+        "mean",
+        "With a list of reward models, one score per response from the members' scores: 'mean', 'min' (worst "
+        "case) or 'uncertainty' (mean - ensemble_uncertainty_coef * std across the members, the population "
+        "std). Ignored with one reward model.",
+    )
+    ensemble_uncertainty_coef: float = help_field(
+        1.0, "lambda of ensemble_combine 'uncertainty' (>= 0; 0 = the mean)."
+    )
+    reward_fn: str | None = help_field(
+        None,
+        "A reward function 'module:callable' (importable from the current directory or the python path) or "
+        "'path/to/file.py:callable': any callable (prompts: list[str], responses: list[str]) -> list[float] "
+        "(a class is built with no arguments). scores = rm_score + reward_fn_weight * reward_fn, the one "
+        "score per sequence at the last response token (rm_score = 0 without a reward model). Probed once "
+        "before training; every call is checked (one finite number per response). null = off.",
+    )
+    reward_fn_weight: float = help_field(1.0, "The weight of reward_fn in the score (see reward_fn).")
+    prompt_file: str = help_field(
+        "data/reviews/ppo_prompts.jsonl",
+        "Prompts to sample responses for (JSONL/CSV/Parquet or a hub dataset).",
+    )
+    output_dir: str = help_field("runs/reviews/ppo", "Where the policy, value head, logs and checkpoints go.")
+    trust_remote_code: bool = help_field(
+        False, "Allow model code from the hub (off unless you trust the source)."
+    )
+    dtype: str = help_field("float32", "Weights dtype: float32 | bfloat16 | float16.")
+    bf16: bool = help_field(False, "bf16 autocast for forward passes (CPU and GPU).")
+    gradient_checkpointing: bool = help_field(
+        False, "Recompute activations in the backward pass to save memory."
+    )
+    value_model: str = help_field(
+        "policy",
+        f"Critic of advantage_estimator {names(r for r in ROWS if r.critic)}: 'policy' (value head on the policy "
+        "trunk) or 'reward' (separate critic initialised from the reward model). The critic-free estimators "
+        "build neither.",
+    )
+    advantage_estimator: str = help_field(
+        DEFAULT_ESTIMATOR,
+        f"How the advantages are made (SPEC 'Critic-free estimators'; `llm_rlhf.rl.estimators`): {help_text()}. "
+        "The critic-free ones train no value head and no critic.",
+    )
+    samples_per_prompt: int = help_field(
+        1,
+        "k: responses sampled for each prompt of a rollout, in consecutive rows (a rollout holds "
+        "rollout_batch_size * k episodes per process; a prompt's k samples, its group, stay on one process). "
+        f"{names(r for r in ROWS if r.min_samples_per_prompt >= 2)} need k >= 2.",
+    )
+    kl_in_loss: bool | None = help_field(
+        None,
+        "Where the KL to the reference is penalised: true = in the loss, kl_coef * k3 per token (GRPO's form; "
+        "the rewards are the scores alone); false = in the reward, -kl_coef * KL_t per token with kl_estimator "
+        "(Ziegler et al.); null = each estimator's published form: in the loss for "
+        f"{names(r for r in ROWS if r.kl_in_loss)}, in the reward otherwise. Either way kl_coef is the KL "
+        "controller's beta and the controller follows the observed KL (objective/kl, kl_estimator).",
+    )
+    seed: int = help_field(0, "Random seed (each process adds its index).")
+    # --- budget and batch sizes (per process)
+    steps: int = help_field(40, "Number of PPO steps (rollout batches).")
+    rollout_batch_size: int = help_field(
+        64, "Prompts per rollout batch, per process (each sampled samples_per_prompt times)."
+    )
+    mini_batch_size: int = help_field(
+        16,
+        "Episodes (responses) per optimiser step, per process: divides rollout_batch_size * samples_per_prompt.",
+    )
+    gradient_accumulation_steps: int = help_field(
+        1, "Micro-batches per minibatch (micro = mini_batch_size / this)."
+    )
+    ppo_epochs: int = help_field(4, "K: passes over each rollout batch.")
+    # --- optimiser
+    learning_rate: float = help_field(1e-5, "AdamW learning rate (policy and value head).")
+    weight_decay: float = help_field(0.0, "AdamW weight decay.")
+    adam_eps: float = help_field(1e-5, "AdamW epsilon.")
+    lr_scheduler_type: str = help_field(
+        "constant", "'constant' or 'linear' decay to 0 over all optimiser steps."
+    )
+    max_grad_norm: float = help_field(1.0, "Gradient clipping norm.")
+    # --- generation
+    max_prompt_length: int = help_field(
+        32, "Prompts longer than this (tokens) are rejected with an error naming the row (see skip_long)."
+    )
+    data_format: str = help_field(
+        "auto",
+        "Schema of prompt_file and eval_prompt_file: 'auto' (detected from the columns) or 'hh' "
+        "(Anthropic/hh-rlhf dialogues, also detected by 'auto': the prompt is `chosen` up to and including "
+        "its last '\\n\\nAssistant:').",
+    )
+    skip_long: bool = help_field(
+        False,
+        "Leave out (and count) prompts longer than max_prompt_length; false = stop with an error naming "
+        "the row.",
+    )
+    max_new_tokens: int = help_field(32, "Maximum response length in tokens.")
+    temperature: float = help_field(1.0, "Sampling temperature (log-probs use the same temperature).")
+    top_k: int = help_field(
+        0,
+        "Must stay 0 (off): PPO's ratio and KL are log-probs of the full softmax at `temperature`, the "
+        "distribution the tokens must be drawn from; top-k draws from another one (tokens outside the "
+        "reference's top k would even have infinite KL). Evaluation may use it.",
+    )
+    top_p: float = help_field(1.0, "Must stay 1.0 (off), as top_k and for the same reason.")
+    stop_strings: list[str] = help_field(
+        [],
+        "A response ends at the token completing the first of these strings in its text (the token is kept, "
+        "as an EOS is): its end for the response mask, the score, the KL and the EOS trick. On the command "
+        "line a YAML list keeps spaces and escapes: --stop_strings '[\"\\n\"]'. [] = off.",
+    )
+    min_new_tokens: int = help_field(
+        0,
+        "EOS cannot be sampled before this many response tokens, and a stop string completed before then is "
+        "ignored (0 = off). PPO's log-probs are those of the same EOS-masked distribution.",
+    )
+    sampling_dtype: str = help_field(
+        "float32",
+        "The dtype of the linear layers while sampling: float32 | bfloat16. "
+        "float32 samples the policy's own distribution (up to float rounding); bfloat16, an opt-in, samples "
+        "from copies of the linear layers in bfloat16 (0.8x the float32 step at batch 32 on an AVX-512 CPU, "
+        "slower on an H100 at ~100M weights): another distribution than the one PPO's log-probs describe, "
+        "the gap logged per token as objective/kl_sampler.",
+    )
+    sampling_compile: bool = help_field(
+        False,
+        "Decode steps with a static KV cache through torch.compile (CUDA graphs on a GPU): the same "
+        "distribution, 5.7x faster decode steps on an H100 for a 135M model after a compilation of ~45 s per "
+        "batch size and prompt width bucket of 64; slower on CPUs. For long GPU runs; float32 sampling only.",
+    )
+    # --- rewards and KL
+    kl_estimator: str = help_field("k1", "Per-token KL estimator in the reward: k1 | k3 | abs | mse.")
+    kl_controller: str = help_field("adaptive", "'adaptive' (Ziegler et al. 2019) or 'fixed'.")
+    init_kl_coef: float = help_field(
+        0.1,
+        "Initial beta (>= 0; 0 = no KL penalty, with kl_controller 'fixed': the adaptive one would stay at 0).",
+    )
+    kl_target: float = help_field(6.0, "Adaptive controller: target per-sequence KL (nats).")
+    kl_horizon: int = help_field(10000, "Adaptive controller: horizon in episodes.")
+    eos_penalty: float | None = help_field(
+        None,
+        "EOS trick: score for responses that never emitted EOS nor a stop string (null = off; off by default:"
+        " such a response is scored as its text ending in the RM's EOS, README 'Generation controls').",
+    )
+    score_clip: float | None = help_field(None, "Clip RM scores to [-x, x] (null = off).")
+    whiten_rewards: bool = help_field(
+        False, "Whiten the per-token rewards over the batch before GAE (advantage_estimator gae only)."
+    )
+    # --- PPO
+    gamma: float = help_field(
+        1.0, "Discount (gae only: the critic-free estimators sum the rewards undiscounted)."
+    )
+    lam: float = help_field(0.95, "GAE lambda (gae only).")
+    cliprange: float = help_field(0.2, "Policy ratio clip epsilon.")
+    # --- the policy-loss family of 2025-26 (issue 37; SPEC "The policy-loss family of 2025-26")
+    policy_loss: str = help_field(
+        "ppo_clip",
+        "The token loss of the clipped update: 'ppo_clip' (PPO's clip, with cliprange_low/cliprange_high and "
+        "dual_clip; every estimator), 'gspo' (one length-normalised ratio per response, clipped per response; "
+        f"Zheng et al. 2025; {names(r for r in ROWS if 'gspo' in r.policy_losses)} only: it needs one advantage "
+        "per response, which gae and reinforce_pp do not give) or 'cispo' (a REINFORCE term weighted by the "
+        "ratio truncated at 1 + cliprange_high, stop-gradient: clipped tokens keep their gradient; MiniMax "
+        f"2025; {names(r for r in ROWS if 'cispo' in r.policy_losses)}).",
+    )
+    cliprange_low: float | None = help_field(
+        None,
+        "eps_low, the clip below 1 (clip-higher, DAPO: a separate cliprange_high). null = cliprange for "
+        "ppo_clip (the symmetric clip), 3e-4 for gspo (its paper's); not read by cispo. Every estimator.",
+    )
+    cliprange_high: float | None = help_field(
+        None,
+        "eps_high, the clip above 1 (DAPO's clip-higher: 0.28 with cliprange_low 0.2). null = cliprange for "
+        "ppo_clip and cispo (the truncation of its weight), 4e-4 for gspo. Every estimator.",
+    )
+    dual_clip: float | None = help_field(
+        None,
+        "c > 1: the loss of a token with a negative advantage is at most -c * A (Ye et al. 2020), a bound at "
+        "large ratios; policy_loss ppo_clip only, every estimator. null = off.",
+    )
+    loss_aggregation: str = help_field(
+        "token_mean",
+        "How a minibatch's token losses make its policy loss: 'token_mean' (over its response tokens; PPO, "
+        "DAPO), 'seq_mean_token_mean' (the mean over responses of each one's token mean; GRPO's original, "
+        "GSPO's objective) or 'token_sum_norm' (the token sum over the constant minibatch responses x "
+        "max_new_tokens; Dr. GRPO). Over the global minibatch: the same with gradient accumulation and any "
+        "number of processes. Every estimator.",
+    )
+    sampler_correction: str = help_field(
+        "none",
+        "Per-token importance weight on the policy loss from the sampler's recorded log-probs q to the old "
+        "policy's, for a sampler that is not the trainer (sampling_dtype bfloat16): 'tis' (truncated, "
+        "min(pi_old / q, cap)), 'mis' (masked: 0 outside [1/cap, cap]) or 'none'. Logged as "
+        f"sampler/mean_weight and sampler/corrected_frac. "
+        f"{names(r for r in ROWS if r.corrections)}.",
+    )
+    sampler_correction_cap: float = help_field(2.0, "C of sampler_correction (>= 1).")
+    overlong_buffer: int = help_field(
+        0,
+        "DAPO's overlong shaping: a penalty added to the score of a response longer than max_new_tokens - "
+        "this many tokens, growing linearly to -overlong_penalty at max_new_tokens, -overlong_penalty for a "
+        "truncated one (in [0, max_new_tokens]; 0 = off). Applied after score_clip; eos_penalty, when set, "
+        "still replaces the whole score of a truncated response. Logged as objective/overlong_penalty. "
+        "Every estimator.",
+    )
+    overlong_penalty: float = help_field(
+        1.0, "The largest overlong shaping penalty (>= 0; see overlong_buffer)."
+    )
+    mask_truncated: bool = help_field(
+        False,
+        "Leave the responses truncated at max_new_tokens (no EOS nor stop string) out of the update's losses "
+        "(policy, value, KL, entropy) and their normalisers: DAPO's overlong filtering. Every estimator.",
+    )
+    dynamic_sampling: bool = help_field(
+        False,
+        "DAPO's dynamic sampling: drop the groups whose samples_per_prompt scores all tie (their advantages are "
+        "0 under a group baseline) and sample further prompts until each process holds rollout_batch_size "
+        "untied groups, at most dynamic_sampling_max_rounds rounds (then filled with tied groups); logged as "
+        f"sampling/*. {names(r for r in ROWS if r.dynamic_sampling)} only, with samples_per_prompt >= 2.",
+    )
+    dynamic_sampling_max_rounds: int = help_field(
+        3, "With dynamic_sampling: the most sampling rounds of one PPO step (>= 1)."
+    )
+    cliprange_value: float = help_field(0.2, "Value clip epsilon (gae only).")
+    vf_coef: float = help_field(0.1, "c1: value loss coefficient (gae only).")
+    ent_coef: float = help_field(0.0, "c2: entropy bonus coefficient.")
+    target_approxkl: float | None = help_field(
+        None, "Stop the epochs early when approx-KL of a minibatch exceeds this (null = off)."
+    )
+    ratio_guard: float = help_field(
+        10.0, "Skip a minibatch whose mean ratio exceeds this (a diverged update)."
+    )
+    # --- LoRA
+    use_lora: bool = help_field(
+        False, "Train a LoRA adapter; the reference is the same network with the adapter disabled."
+    )
+    lora_r: int = help_field(16, "LoRA rank.")
+    lora_alpha: int = help_field(32, "LoRA alpha.")
+    lora_dropout: float = help_field(0.0, "LoRA dropout (0 keeps ratio == 1 at the first step).")
+    lora_target_modules: list[str] | None = help_field(
+        None, "Modules to adapt (null = peft's default for the architecture)."
+    )
+    merge_lora: bool = help_field(
+        True, "With LoRA: save the merged policy as a plain HF folder (the adapter is kept in adapter/)."
+    )
+    # --- held-out evaluation during training (the over-optimisation curve)
+    eval_prompt_file: str | None = help_field(
+        "data/reviews/eval_prompts.jsonl", "Held-out prompts evaluated every eval_every steps (null = off)."
+    )
+    eval_every: int = help_field(
+        10, "Evaluate on held-out prompts every N steps, and before the first (0 = off)."
+    )
+    eval_num_prompts: int = help_field(64, "How many held-out prompts each evaluation samples.")
+    eval_batch_size: int | None = help_field(
+        None,
+        "Held-out prompts sampled together (null = rollout_batch_size). Batch b is drawn after seeding with "
+        "seed + b, so the batch size fixes the evaluation's random draws, and its logits its peak memory: set it "
+        "to evaluate runs of different rollout shapes with the same draws.",
+    )
+    gold_judge: str = help_field(
+        "data/reviews/gold.json",
+        "Gold judge for held-out evaluation: a judge JSON (gold.json: sentiment and fluency), module:callable, or none.",
+    )
+    accuracy_fn: str | None = help_field(
+        None,
+        "A verifier: 'module:callable' or 'path/to/file.py:callable' with the reward-function interface "
+        "(prompts, responses) -> list of 1.0 (correct) / 0.0 (wrong), e.g. llm_rlhf.tasks.arithmetic:reward; when set, "
+        "held-out evaluation (eval_every > 0) reports accuracy in eval_log.jsonl: sampled (the mean over the "
+        "samples drawn as configured) and greedy (one greedy response per prompt, temperature 0 / argmax), "
+        "with standard errors; the pipeline's eval stage takes it too. null = off.",
+    )
+    # --- logging and checkpoints
+    log_samples_every: int = help_field(10, "Log a few sampled responses every N steps.")
+    num_log_samples: int = help_field(3, "How many samples to log.")
+    save_steps: int = help_field(20, "Checkpoint every N steps (0 = only at the end).")
+    resume: bool = help_field(False, "Continue from the last checkpoint in output_dir.")
+    report_to: str = help_field("none", "Also log to: none | tensorboard | wandb.")
+
+    def __post_init__(self):
+        require(self.data_format in DATA_FORMATS, "data_format", f"must be one of {', '.join(DATA_FORMATS)}")
+        check_reward_keys(self)
+        if self.accuracy_fn is not None:  # its form only: imported when the stage starts
+            split_callable_spec(self.accuracy_fn, "accuracy_fn")
+        require(self.steps > 0, "steps", "must be > 0")
+        require(
+            self.eval_batch_size is None or self.eval_batch_size > 0, "eval_batch_size", "must be > 0 or null"
+        )
+        episodes = self.rollout_batch_size * self.samples_per_prompt
+        require(
+            self.mini_batch_size > 0 and episodes % self.mini_batch_size == 0,
+            "mini_batch_size",
+            f"must divide rollout_batch_size ({self.rollout_batch_size})"
+            if self.samples_per_prompt == 1
+            else f"must divide the episodes of a rollout, rollout_batch_size * samples_per_prompt ({episodes})",
+        )
+        require(
+            self.gradient_accumulation_steps > 0
+            and self.mini_batch_size % self.gradient_accumulation_steps == 0,
+            "gradient_accumulation_steps",
+            f"must divide mini_batch_size ({self.mini_batch_size})",
+        )
+        require(self.kl_estimator in ("k1", "k3", "abs", "mse"), "kl_estimator", "must be k1, k3, abs or mse")
+        require(self.kl_controller in ("adaptive", "fixed"), "kl_controller", "must be 'adaptive' or 'fixed'")
+        require(self.value_model in ("policy", "reward"), "value_model", "must be 'policy' or 'reward'")
+        require(
+            self.lr_scheduler_type in ("constant", "linear"),
+            "lr_scheduler_type",
+            "must be 'constant' or 'linear'",
+        )
+        require(
+            self.report_to in ("none", "tensorboard", "wandb"),
+            "report_to",
+            "must be none, tensorboard or wandb",
+        )
+        require(self.temperature > 0, "temperature", "must be > 0")
+        sampled_as_scored = (
+            "PPO samples from the distribution its log-probs describe: the full softmax at temperature"
+        )
+        require(self.top_k == 0, "top_k", f"must be 0 (off); {sampled_as_scored}")
+        require(self.top_p == 1.0, "top_p", f"must be 1.0 (off); {sampled_as_scored}")
+        require(
+            self.kl_target > 0 and self.kl_horizon > 0, "kl_target", "kl_target and kl_horizon must be > 0"
+        )
+        require(self.init_kl_coef >= 0, "init_kl_coef", "must be >= 0 (a negative beta rewards moving away)")
+        require(
+            self.init_kl_coef > 0 or self.kl_controller != "adaptive",
+            "init_kl_coef",
+            "is 0 with kl_controller 'adaptive', which multiplies beta at each step and so keeps it at 0: "
+            "for no KL penalty use kl_controller 'fixed'",
+        )
+        require(0 < self.cliprange and 0 < self.cliprange_value, "cliprange", "clip ranges must be > 0")
+        require(self.max_new_tokens > 0, "max_new_tokens", "must be > 0")
+        check_generation_controls(self)
+        check_estimator_keys(self)
+        check_policy_loss_keys(self)
+
+    @property
+    def heldout_batch_size(self) -> int:
+        """Prompts per batch of the held-out evaluation: eval_batch_size, null = rollout_batch_size."""
+        return self.eval_batch_size or self.rollout_batch_size
+
+    @property
+    def estimator(self) -> Estimator:
+        """The row of `advantage_estimator` (`llm_rlhf.rl.estimators`): what the trainer reads of it."""
+        return ESTIMATORS[self.advantage_estimator]
+
+    @property
+    def clip_low(self) -> float:
+        """eps_low of the policy loss, cliprange_low resolved: null = cliprange for ppo_clip (so a config
+        without the key clips as before), GSPO's 3e-4 for gspo; cispo does not read it."""
+        if self.cliprange_low is not None:
+            return self.cliprange_low
+        return GSPO_CLIPRANGE[0] if self.policy_loss == "gspo" else self.cliprange
+
+    @property
+    def clip_high(self) -> float:
+        """eps_high of the policy loss, cliprange_high resolved: null = cliprange for ppo_clip and cispo,
+        GSPO's 4e-4 for gspo."""
+        if self.cliprange_high is not None:
+            return self.cliprange_high
+        return GSPO_CLIPRANGE[1] if self.policy_loss == "gspo" else self.cliprange
+
+    @property
+    def plain_policy_loss(self) -> bool:
+        """Every key of the policy-loss family at a value that changes nothing: the update is today's
+        `ppo_math.policy_loss` with its arithmetic (the defaults stay bit-identical to runs before the keys)."""
+        return (
+            self.policy_loss == "ppo_clip"
+            and self.cliprange_low in (None, self.cliprange)
+            and self.cliprange_high in (None, self.cliprange)
+            and self.dual_clip is None
+            and self.loss_aggregation == "token_mean"
+            and self.sampler_correction == "none"
+            and not self.mask_truncated
+        )
+
+    @property
+    def kl_penalty_in_loss(self) -> bool:
+        """Where the KL goes, kl_in_loss resolved: null = the estimator's published form (`Estimator.kl_in_loss`:
+        in the loss for GRPO, Shao et al. 2024, eq. 3, and Dr. GRPO; in the reward for the others, as Ziegler
+        et al. 2019, RLOO, REINFORCE++ and ReMax put it). Not written back into the config: the saved config
+        says what was given."""
+        if self.kl_in_loss is None:
+            return self.estimator.kl_in_loss
+        return self.kl_in_loss
+
+
+def check_estimator_keys(cfg) -> None:
+    """advantage_estimator, samples_per_prompt and the keys the estimator does not read: each a ConfigError
+    naming its key. A key of `Estimator.ignored_keys` (gamma, lam, vf_coef, ... with a critic-free
+    estimator) is an error when it differs from its default: a recipe or a flag set it, and the run would
+    silently not use it. The default itself is accepted, so a recipe that spells out every key (and a run's
+    saved config.yaml) still loads with any estimator."""
+    require(
+        cfg.advantage_estimator in ESTIMATORS,
+        "advantage_estimator",
+        f"must be one of {', '.join(ADVANTAGE_ESTIMATORS)}",
+    )
+    row = cfg.estimator
+    require(cfg.samples_per_prompt >= 1, "samples_per_prompt", "must be >= 1")
+    require(
+        cfg.samples_per_prompt >= row.min_samples_per_prompt,
+        "samples_per_prompt",
+        f"must be >= {row.min_samples_per_prompt} for advantage_estimator {row.name} (a group of one response "
+        "has no baseline)",
+    )
+    defaults = {f.name: f for f in dataclasses.fields(cfg)}
+    for key in row.ignored_keys:
+        default = defaults[key].default  # every key an estimator may ignore is a scalar
+        value = getattr(cfg, key)
+        users = names(r for r in ROWS if key not in r.ignored_keys)
+        require(
+            value == default,
+            key,
+            f"{value!r} is not used by advantage_estimator {row.name} (only by {users}): remove it or leave it "
+            f"at its default {default!r}",
+        )
+
+
+GSPO_CLIPRANGE = (3e-4, 4e-4)  # Zheng et al. 2025: (eps_low, eps_high) of a sequence-level ratio
+
+
+def check_policy_loss_keys(cfg) -> None:
+    """The keys of the policy-loss family (issue 37), each a ConfigError naming its key; what an estimator
+    accepts is its row's `policy_losses`, `corrections` and `dynamic_sampling` (the rows with dynamic sampling
+    have a group baseline and need samples_per_prompt >= 2: `check_estimator_keys` says so first)."""
+    row = cfg.estimator
+    require(cfg.policy_loss in POLICY_LOSSES, "policy_loss", f"must be one of {', '.join(POLICY_LOSSES)}")
+    require(
+        cfg.policy_loss in row.policy_losses,
+        "policy_loss",
+        f"'{cfg.policy_loss}' is not for advantage_estimator {row.name} (gspo clips one ratio per response "
+        "and needs one advantage per response; "
+        f"{row.name} accepts {', '.join(row.policy_losses)})",
+    )
+    for key in ("cliprange_low", "cliprange_high"):
+        value = getattr(cfg, key)
+        require(value is None or value > 0, key, "must be > 0 or null")
+    require(
+        cfg.cliprange_low is None or cfg.policy_loss != "cispo",
+        "cliprange_low",
+        "is not read by policy_loss cispo (its weight is truncated above only): leave it null",
+    )
+    require(cfg.dual_clip is None or cfg.dual_clip > 1, "dual_clip", "must be > 1 or null (c bounds -c * A)")
+    require(
+        cfg.dual_clip is None or cfg.policy_loss == "ppo_clip",
+        "dual_clip",
+        f"is for policy_loss ppo_clip only (not {cfg.policy_loss})",
+    )
+    require(
+        cfg.loss_aggregation in LOSS_AGGREGATIONS,
+        "loss_aggregation",
+        f"must be one of {', '.join(LOSS_AGGREGATIONS)}",
+    )
+    require(
+        cfg.sampler_correction == "none" or cfg.sampler_correction in SAMPLER_CORRECTIONS,
+        "sampler_correction",
+        f"must be none, {' or '.join(SAMPLER_CORRECTIONS)}",
+    )
+    require(
+        cfg.sampler_correction == "none" or cfg.sampler_correction in row.corrections,
+        "sampler_correction",
+        f"'{cfg.sampler_correction}' is not for advantage_estimator {row.name}",
+    )
+    require(
+        cfg.sampler_correction_cap >= 1,
+        "sampler_correction_cap",
+        f"must be >= 1 (got {cfg.sampler_correction_cap}): weights are truncated at C and kept in [1/C, C]",
+    )
+    require(
+        0 <= cfg.overlong_buffer <= cfg.max_new_tokens,
+        "overlong_buffer",
+        f"must be in [0, max_new_tokens = {cfg.max_new_tokens}] (got {cfg.overlong_buffer})",
+    )
+    require(cfg.overlong_penalty >= 0, "overlong_penalty", "must be >= 0")
+    require(cfg.dynamic_sampling_max_rounds >= 1, "dynamic_sampling_max_rounds", "must be >= 1")
+    if cfg.dynamic_sampling:
+        require(
+            row.dynamic_sampling,
+            "dynamic_sampling",
+            f"drops the groups whose scores tie, which carry no signal only under a group baseline: not for "
+            f"advantage_estimator {row.name} (only {names(r for r in ROWS if r.dynamic_sampling)})",
+        )
+
+
+def check_reward_keys(cfg) -> None:
+    """The score needs a reward model, a reward function or both (`scoring.check_score_keys` checks their
+    keys); the RM-initialised critic needs the RM."""
+    require(
+        not is_off(cfg.reward_model_path) or cfg.reward_fn is not None,
+        "reward_model_path",
+        "is none and reward_fn is not set: PPO needs a score (a reward model, a reward_fn or both)",
+    )
+    check_score_keys(cfg)  # the reward function's form only: it is imported when the stage starts
+    require(
+        cfg.value_model != "reward" or not is_off(cfg.reward_model_path),
+        "value_model",
+        "'reward' initialises the critic from the reward model: set reward_model_path",
+    )
+
+
+@dataclass(frozen=True)
+class BatchSizes:
+    """The batch-size arithmetic of one PPO step, in one place (printed at start, tested)."""
+
+    num_processes: int
+    samples_per_prompt: int
+    prompts_per_process: int  # rollout_batch_size
+    rollout_per_process: int  # episodes: prompts_per_process * samples_per_prompt
+    mini_batch_per_process: int
+    micro_batch_per_process: int
+    gradient_accumulation_steps: int
+    num_mini_batches: int  # optimiser steps per PPO epoch
+    optimizer_steps_per_ppo_step: int
+    prompts_per_step: int  # global: what the prompt schedule advances by (`next_queries`)
+    episodes_per_step: int  # global rollout batch: the n of the KL controller update
+    total_episodes: int
+
+
+def batch_sizes(
+    *,
+    rollout_batch_size: int,
+    mini_batch_size: int,
+    gradient_accumulation_steps: int,
+    ppo_epochs: int,
+    steps: int,
+    num_processes: int,
+    samples_per_prompt: int = 1,
+) -> BatchSizes:
+    """rollout_batch_size prompts per process, each sampled samples_per_prompt times: the rollout's episodes
+    per process; minibatches and micro-batches count episodes."""
+    episodes = rollout_batch_size * samples_per_prompt  # per process
+    num_mini_batches = episodes // mini_batch_size
+    return BatchSizes(
+        num_processes=num_processes,
+        samples_per_prompt=samples_per_prompt,
+        prompts_per_process=rollout_batch_size,
+        rollout_per_process=episodes,
+        mini_batch_per_process=mini_batch_size,
+        micro_batch_per_process=mini_batch_size // gradient_accumulation_steps,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        num_mini_batches=num_mini_batches,
+        optimizer_steps_per_ppo_step=num_mini_batches * ppo_epochs,
+        prompts_per_step=rollout_batch_size * num_processes,
+        episodes_per_step=episodes * num_processes,
+        total_episodes=episodes * num_processes * steps,
+    )

@@ -1,0 +1,584 @@
+"""`llm-rlhf ppo`: the PPO stage as a command around `llm_rlhf.stages.ppo.PPOTrainer`.
+
+    build the models (policy + value head (gae), frozen reference, frozen RM, optional critic) and the trainer
+    -> evaluate on held-out prompts -> loop: ppo_step, log (metrics.jsonl, samples, tensorboard/wandb),
+       evaluate every eval_every steps, checkpoint every save_steps
+    -> save the policy (HF folder) and its value head or critic (none for the critic-free estimators), then
+       metrics.json (last: the stage is done)
+
+A checkpoint holds everything needed to continue exactly (`--resume true`): trainable weights, optimiser,
+scheduler, the step (which fixes the data position), the KL controller and every process's RNG state.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from llm_rlhf.core.config import format_config, is_off, save_config
+from llm_rlhf.core.data import load_prompt_dataset, prompt_rules
+from llm_rlhf.core.errors import UserError
+from llm_rlhf.core.utils import (
+    append_jsonl,
+    atomic_write_json,
+    publish_files,
+    replace_dir,
+    seed_everything,
+    temp_dir_beside,
+)
+from llm_rlhf.models.accelerated import loading_whole_models
+from llm_rlhf.models.loading import (
+    PolicyWithValue,
+    Reference,
+    Trained,
+    ValueHead,
+    check_not_adapter_only,
+    check_positions,
+    freeze,
+    load_causal_lm,
+    tokenizer_or_load,
+    use_fused_gelu,
+)
+from llm_rlhf.models.reward_fn import RewardFn, decode_texts, load_reward_fn, probe
+from llm_rlhf.models.reward_model import (
+    check_members_exist,
+    load_reward_model,
+    member_paths,
+    save_reward_model,
+)
+from llm_rlhf.models.scoring import scoring_reward_model
+from llm_rlhf.rl.hacking import heldout_sample_rows
+from llm_rlhf.rl.rollout import encode_prompt, left_pad
+from llm_rlhf.stages import ppo_metrics
+from llm_rlhf.stages.evaluate import (
+    KLReference,
+    Measures,
+    PairedSampling,
+    evaluate_policy,
+    heldout_record,
+    load_heldout_inputs,
+    load_verifier,
+)
+from llm_rlhf.stages.ppo import PPOModels, PPOTrainer
+from llm_rlhf.stages.ppo_config import Config  # the keys of `llm-rlhf ppo`
+
+# ---------------------------------------------------------------------------------------------
+# Building the models and running the stage
+# ---------------------------------------------------------------------------------------------
+
+
+def load_prompts(cfg: Config, tokenizer, prompts=None) -> list[list[int]]:
+    """The training prompts as token ids: prompt_file's, or `prompts` (`data.InMemory` rows) in its place."""
+    ds = load_prompt_dataset(prompts or cfg.prompt_file, tokenizer, **prompt_rules(cfg))
+    return [encode_prompt(tokenizer, p) for p in ds["prompt"]]  # with BOS where the tokenizer adds one
+
+
+def build_models(cfg: Config, *, policy=None, reward_model=None) -> PPOModels:
+    """policy (+ value head with gae, unless a separate critic), reference, reward model (a `RewardEnsemble` when
+    reward_model_path is a list, its members loaded once; None when reward_model_path is none) and optional
+    critic (from the first member of an ensemble).
+
+    policy: a loaded causal LM in place of model_name_or_path (trained in place; the reference is a frozen
+    copy of it as it is now); reward_model: a `RewardModel` or a list of them (an ensemble combined with the
+    config's ensemble keys) in place of reward_model_path (the Python API)."""
+    if policy is None:
+        policy = load_causal_lm(
+            cfg.model_name_or_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code
+        )
+    lm = use_fused_gelu(policy)
+    if cfg.gradient_checkpointing:
+        lm.gradient_checkpointing_enable()
+    if cfg.use_lora:
+        lora = LoraConfig(
+            r=cfg.lora_r,
+            lora_alpha=cfg.lora_alpha,
+            lora_dropout=cfg.lora_dropout,
+            target_modules=cfg.lora_target_modules,
+            task_type="CAUSAL_LM",
+        )
+        lm = get_peft_model(lm, lora)
+        ref_model = Reference(lm)  # the same network; reference_context() disables the adapter
+    else:
+        ref_lm = freeze(copy.deepcopy(lm))  # the policy before any update: the same weights, its own memory
+        assert ref_lm is not lm and all(
+            a.data_ptr() != b.data_ptr() for a, b in zip(ref_lm.parameters(), lm.parameters())
+        )
+        ref_model = Reference(ref_lm)
+    lm.eval()  # dropout off for the policy too: ratio == 1 exactly at the first minibatch
+    hidden = (
+        lm.config.get_text_config().hidden_size
+        if hasattr(lm.config, "get_text_config")
+        else lm.config.hidden_size
+    )
+    # With a separate critic the policy has no value head: every trainable parameter takes part in the loss.
+    # The critic-free estimators (`Estimator.critic` false) have neither: no value function is built, trained,
+    # checkpointed or saved.
+    with_head = cfg.value_model == "policy" and cfg.estimator.critic
+    value_head = ValueHead(hidden).to(next(lm.parameters()).dtype) if with_head else None
+    policy = PolicyWithValue(lm, value_head)
+    # the one loading of a config's reward model (`scoring.scoring_reward_model`, as eval and compare load it);
+    # None with reward_model_path none: the score is the reward_fn's alone
+    reward_model = scoring_reward_model(cfg, reward_model, fused_gelu=True)
+    critic = None
+    if cfg.value_model == "reward":
+        critic = use_fused_gelu(
+            load_reward_model(
+                member_paths(cfg.reward_model_path)[0],
+                dtype=cfg.dtype,
+                trust_remote_code=cfg.trust_remote_code,
+            )
+        ).as_critic()
+    return PPOModels(policy, ref_model, reward_model=reward_model, critic=critic)
+
+
+def build_trainer(
+    cfg: Config,
+    accelerator,
+    tokenizer,
+    prompts: list[list[int]],
+    reward_fn: RewardFn | None = None,
+    *,
+    policy=None,
+    reward_model=None,
+) -> PPOTrainer:
+    """The models and the trainer. reward_fn: `cfg.reward_fn` already loaded (`train` loads and probes it
+    first), else loaded here; policy, reward_model: objects in place of the config's folders (`build_models`)."""
+    if cfg.reward_fn is not None and reward_fn is None:
+        reward_fn = load_reward_fn(cfg.reward_fn)
+    seed_everything(cfg.seed, accelerator.process_index)
+    with loading_whole_models(accelerator):  # not partitioned at load under ZeRO-3 (issue 39)
+        models = build_models(cfg, policy=policy, reward_model=reward_model)
+    if models.reward_model is not None:
+        models.reward_model.to(accelerator.device)
+    if not cfg.use_lora:
+        models.ref_model.to(accelerator.device)
+    return PPOTrainer(
+        cfg, accelerator=accelerator, models=models, tokenizer=tokenizer, prompts=prompts, reward_fn=reward_fn
+    )
+
+
+def last_checkpoint(output_dir: Path) -> Path | None:
+    ckpts = sorted((output_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    return ckpts[-1] if ckpts else None
+
+
+def run(cfg: Config) -> dict[str, float]:
+    """`llm-rlhf ppo`: `train` from the config's paths; returns the final metrics."""
+    return train(cfg).metrics
+
+
+def train(
+    cfg: Config,
+    *,
+    policy=None,
+    tokenizer=None,
+    reward_model=None,
+    reward_fn: RewardFn | None = None,
+    prompts=None,
+    on_step=None,
+) -> Trained:
+    """The PPO stage: check every input, build the models and the trainer, run the loop, save.
+
+    policy, tokenizer: a loaded causal LM (trained in place) and its tokenizer, in place of
+    model_name_or_path; reward_model: a `RewardModel` or a list of them, in place of reward_model_path;
+    reward_fn: a `RewardFn` in place of importing cfg.reward_fn; prompts: `data.InMemory` rows in place of
+    prompt_file; on_step: called on the main process with each step's metrics (the line of metrics.jsonl).
+    Returns the policy's LM, its tokenizer, its value head (None for the critic-free estimators or a
+    separate critic) and the final metrics (metrics.json's)."""
+    accelerator = Accelerator()
+    out = Path(cfg.output_dir)
+    if policy is None:
+        check_not_adapter_only(cfg.model_name_or_path)
+    tokenizer = tokenizer_or_load(cfg, tokenizer, policy, padding_side="left")
+    prompts = load_prompts(cfg, tokenizer, prompts)  # validates the data before anything is written
+    reward_fn = load_and_probe_reward_fn(
+        cfg, tokenizer, prompts, reward_fn
+    )  # a broken one stops the run here
+    eval_prompts, judge = load_heldout_inputs(cfg, tokenizer)
+    verifier = (  # accuracy on the held-out prompts: loaded and probed before any model, as the reward_fn
+        load_verifier(cfg.accuracy_fn, eval_prompts) if eval_prompts and cfg.accuracy_fn is not None else None
+    )
+    if reward_model is None and not is_off(cfg.reward_model_path):
+        check_members_exist(cfg.reward_model_path)
+    resume_from = last_checkpoint(out) if cfg.resume else None
+    if cfg.resume and resume_from is None and accelerator.is_main_process:
+        print(f"resume: no checkpoint in {out / 'checkpoints'}; starting from scratch")
+    if not cfg.resume and (out / "metrics.jsonl").exists():
+        raise UserError(
+            f"output_dir '{out}' already holds a PPO run; pass --resume true or choose another output_dir"
+        )
+
+    trainer = build_trainer(
+        cfg, accelerator, tokenizer, prompts, reward_fn, policy=policy, reward_model=reward_model
+    )
+    longest = max([len(q) for q in prompts] + [len(encode_prompt(tokenizer, p)) for p in eval_prompts])
+    check_positions(trainer.unwrapped_policy.lm, longest, cfg.max_new_tokens, "the policy")
+    if accelerator.is_main_process:
+        print(format_config(cfg))
+        print("batch sizes:", dataclasses.asdict(trainer.sizes))
+        out.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, out)
+    if resume_from is not None:
+        load_checkpoint(trainer, resume_from)
+        if accelerator.is_main_process:
+            print(f"resumed from {resume_from} at step {trainer.step}")
+            truncate_log(out / "metrics.jsonl", trainer.step)
+            truncate_log(out / "eval_log.jsonl", trainer.step)
+            truncate_log(out / "eval_samples.jsonl", trainer.step)
+
+    log_metrics, close_writer = make_writer(cfg, out) if accelerator.is_main_process else (None, None)
+    history = (
+        [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        if resume_from is not None and (out / "metrics.jsonl").exists()
+        else []
+    )
+
+    def maybe_evaluate():
+        # Every process evaluates (the same prompts and seed) and the main one writes: with sharded
+        # parameters (ZeRO-3, FSDP) each forward is a collective that every process must enter (issue 13).
+        if eval_prompts and trainer.step % cfg.eval_every == 0:
+            record, rows = evaluate_heldout(trainer, eval_prompts, judge, verifier)
+            if accelerator.is_main_process:
+                append_jsonl(out / "eval_log.jsonl", record)
+                for row in rows:  # per sample: the report's reward-hacking watch ranks their proxy-gold gaps
+                    append_jsonl(out / "eval_samples.jsonl", row)
+                tqdm.write(
+                    f"[eval step {trainer.step}] kl {record['kl']:.2f}  rm {signed(record['rm_score'])}  "
+                    f"gold {signed(record['gold_score'])}"
+                    + (f"  reward_fn {signed(record['reward_fn'])}" if cfg.reward_fn is not None else "")
+                    + (
+                        f"  accuracy {record['accuracy']:.3f} (greedy {record['accuracy_greedy']:.3f})"
+                        if verifier is not None
+                        else ""
+                    )
+                )
+        accelerator.wait_for_everyone()
+
+    try:
+        if resume_from is None:
+            maybe_evaluate()
+        bar = tqdm(total=cfg.steps, initial=trainer.step, desc="ppo", disable=not accelerator.is_main_process)
+        while trainer.step < cfg.steps:
+            metrics = trainer.ppo_step()
+            history.append(metrics)
+            if accelerator.is_main_process:
+                append_jsonl(out / "metrics.jsonl", metrics)
+                if log_metrics is not None:
+                    log_metrics(metrics)
+                if on_step is not None:
+                    on_step(dict(metrics))
+                bar.set_postfix(
+                    score=f"{metrics['objective/scores']:.2f}",
+                    kl=f"{metrics['objective/kl']:.2f}",
+                    beta=f"{metrics['objective/kl_coef']:.3f}",
+                )
+                bar.update(1)
+            if cfg.log_samples_every and (trainer.step % cfg.log_samples_every == 0 or trainer.step == 1):
+                log_samples(trainer, out)  # on every process, like evaluation; the main one writes
+            maybe_evaluate()
+            if cfg.save_steps and trainer.step % cfg.save_steps == 0 and trainer.step < cfg.steps:
+                save_checkpoint(trainer, out / "checkpoints" / f"step-{trainer.step}")
+        bar.close()
+    finally:
+        if close_writer is not None:
+            close_writer()  # writes the last steps' events, also when a step failed
+
+    final = summarize(history, cfg)
+    save_final(trainer, cfg, out, final)
+    policy = trainer.unwrapped_policy
+    return Trained(model=policy.lm, tokenizer=tokenizer, metrics=final, value_head=policy.value_head)
+
+
+def load_and_probe_reward_fn(
+    cfg: Config, tokenizer, prompts: list[list[int]], reward_fn: RewardFn | None = None
+) -> RewardFn | None:
+    """`cfg.reward_fn` imported and called once (`reward_fn.probe`) on the first two training prompts, as
+    text as training decodes them (`reward_fn.decode_texts`), with dummy responses: before any model is
+    loaded or any output written. Every process probes on the same inputs, so a deterministic function
+    fails on all of them alike. None without a reward_fn."""
+    if reward_fn is None and cfg.reward_fn is None:
+        return None
+    reward_fn = reward_fn or load_reward_fn(cfg.reward_fn)
+    query, query_mask = left_pad(prompts[:2], tokenizer.pad_token_id)  # (2, P) each
+    no_response = torch.zeros((query.shape[0], 0), dtype=torch.bool)  # (2, 0)
+    texts, _ = decode_texts(tokenizer, query, query_mask, no_response.long(), no_response)
+    probe(reward_fn, texts)
+    return reward_fn
+
+
+def signed(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:+.3f}"
+
+
+def truncate_log(path: Path, step: int) -> None:
+    """Drop log lines written after the checkpoint we resume from (they will be written again)."""
+    if path.exists():
+        lines = [
+            ln for ln in path.read_text().splitlines() if ln and json.loads(ln)[ppo_metrics.STEP] <= step
+        ]
+        path.write_text("".join(ln + "\n" for ln in lines))
+
+
+def summarize(history: list[dict], cfg: Config) -> dict[str, float]:
+    last = dict(history[-1])
+    first = history[0]
+    last.update(
+        {
+            ppo_metrics.SCORES_FIRST: first[ppo_metrics.OBJECTIVE_SCORES],
+            ppo_metrics.SCORES_STD_FIRST: first[ppo_metrics.OBJECTIVE_SCORES_STD],
+            ppo_metrics.SCORES_LAST: last[ppo_metrics.OBJECTIVE_SCORES],
+            ppo_metrics.KL_LAST: last[ppo_metrics.OBJECTIVE_KL],
+            ppo_metrics.KL_TARGET: cfg.kl_target,
+            ppo_metrics.TIME_PER_STEP_S: float(np.mean([h[ppo_metrics.TIME_STEP] for h in history])),
+        }
+    )
+    return last
+
+
+def log_samples(trainer: PPOTrainer, out: Path) -> None:
+    """Decode and score fresh samples of the first few prompts (the training rollout is not kept). Every
+    process samples (a collective with sharded parameters); the main process writes."""
+    tok, cfg = trainer.tokenizer, trainer.cfg
+    queries = trainer.prompts[: cfg.num_log_samples]
+    state = torch.get_rng_state()
+    samples = trainer.generate(queries)
+    scores = trainer.score(samples).scores  # (B,)
+    torch.set_rng_state(state)  # logging must not change the training run's random stream
+    if not trainer.accelerator.is_main_process:
+        return
+    for i in range(len(queries)):
+        q = tok.decode(samples.query[i][samples.query_mask[i].bool()])
+        r = tok.decode(samples.response[i][samples.response_mask[i]], skip_special_tokens=True)
+        append_jsonl(
+            out / "samples.jsonl",
+            {
+                ppo_metrics.STEP: trainer.step,
+                ppo_metrics.SAMPLE_QUERY: q,
+                ppo_metrics.SAMPLE_RESPONSE: r,
+                ppo_metrics.SAMPLE_SCORE: float(scores[i]),
+            },
+        )
+        tqdm.write(f"[step {trainer.step}] {q!r} -> {r!r} (score {float(scores[i]):+.2f})")
+
+
+def make_writer(cfg: Config, out: Path):
+    """`report_to`'s logger as (log(metrics), close()); (None, None) for none. close() writes what is still
+    buffered: nothing else does in a data-parallel run, whose processes end without the interpreter's exit
+    handlers (`utils.exit_process`)."""
+    if cfg.report_to == "tensorboard":
+        from torch.utils.tensorboard import SummaryWriter  # optional dependency (the tensorboard extra)
+
+        tb = SummaryWriter(str(out / "tensorboard"))
+
+        def log(m: dict) -> None:
+            for k, v in m.items():
+                if isinstance(v, (int, float)) and k != ppo_metrics.STEP:
+                    tb.add_scalar(k, v, m[ppo_metrics.STEP])
+
+        return log, tb.close
+    if cfg.report_to == "wandb":
+        import wandb  # optional dependency (the wandb extra)
+
+        run = wandb.init(project="llm_rlhf", config=dataclasses.asdict(cfg), dir=str(out))
+        return (lambda m: run.log(m, step=m[ppo_metrics.STEP])), run.finish
+    return None, None
+
+
+def save_final(trainer: PPOTrainer, cfg: Config, out: Path, final: dict) -> None:
+    """The policy as a plain HF causal-LM folder, the value head beside it (or the separate critic as an RM
+    folder in critic/), then metrics.json (last)."""
+    accelerator = trainer.accelerator
+    accelerator.wait_for_everyone()
+    if accelerator.is_fsdp2 or trainer.acc.zero3:
+        save_final_gathered(trainer, out, final)
+        return
+    if not accelerator.is_main_process:
+        return
+    policy = trainer.unwrapped_policy
+    tmp = temp_dir_beside(out / "final")
+    lm = policy.lm
+    if cfg.use_lora:
+        lm.save_pretrained(tmp / "adapter")
+        trainer.tokenizer.save_pretrained(tmp / "adapter")
+        if cfg.merge_lora:
+            lm = lm.merge_and_unload()
+    if not cfg.use_lora or cfg.merge_lora:
+        lm.save_pretrained(tmp, safe_serialization=True)
+    trainer.tokenizer.save_pretrained(tmp)
+    if policy.value_head is not None:
+        save_file(
+            {k: v.contiguous() for k, v in policy.value_head.state_dict().items()},
+            tmp / "value_head.safetensors",
+        )
+    if trainer.critic is not None:  # the trained critic, an RM folder (`load_reward_model` reads it)
+        critic = trainer.accelerator.unwrap_model(trainer.critic).reward_model
+        save_reward_model(critic, tmp / "critic", merge_lora=True)
+    publish_files(tmp, out)
+    write_final_metrics(out, final)
+
+
+def write_final_metrics(out: Path, final: dict) -> None:
+    atomic_write_json(
+        out / "metrics.json", {k: v for k, v in final.items() if not (isinstance(v, float) and math.isnan(v))}
+    )
+    print(
+        json.dumps(
+            {
+                k: final[k]
+                for k in (
+                    ppo_metrics.SCORES_FIRST,
+                    ppo_metrics.SCORES_LAST,
+                    ppo_metrics.SCORES_STD_FIRST,
+                    ppo_metrics.KL_LAST,
+                    ppo_metrics.KL_TARGET,
+                    ppo_metrics.TIME_PER_STEP_S,
+                )
+            },
+            indent=2,
+        )
+    )
+
+
+def save_final_gathered(trainer: PPOTrainer, out: Path, final: dict) -> None:
+    """FSDP2 and ZeRO-3 (parameters sharded): the full policy state gathered from the shards (a collective:
+    every process), then the main process writes the same folder as `save_final`: one full HF causal-LM
+    folder and the value head. (LoRA and the separate critic are not supported there yet: `PPOTrainer`
+    says so.)"""
+    policy = trainer.unwrapped_policy
+    if trainer.acc.zero3:
+        # DeepSpeed's consolidated 16-bit weights (the config's zero3_save_16bit_model), on rank 0 only
+        state = trainer.accelerator.get_state_dict(trainer.policy)
+    else:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0 only
+        state = get_model_state_dict(policy, options=options)
+    if trainer.accelerator.is_main_process:
+        tmp = temp_dir_beside(out / "final")
+        lm_state = {k.removeprefix("lm."): v for k, v in state.items() if k.startswith("lm.")}
+        for name in tied_duplicates(policy.lm):  # e.g. GPT-2's lm_head.weight is wte.weight: saved once
+            lm_state.pop(name, None)
+        policy.lm.save_pretrained(tmp, state_dict=lm_state, safe_serialization=True)
+        trainer.tokenizer.save_pretrained(tmp)
+        if policy.value_head is not None:
+            head = {
+                k.removeprefix("value_head."): v.contiguous()
+                for k, v in state.items()
+                if k.startswith("value_head.")
+            }
+            save_file(head, tmp / "value_head.safetensors")
+        publish_files(tmp, out)
+        write_final_metrics(out, final)
+    trainer.accelerator.wait_for_everyone()
+
+
+def tied_duplicates(model: torch.nn.Module) -> list[str]:
+    """Names of parameters that are another parameter registered again (tied weights), all but the first
+    name of each: what `save_pretrained` leaves out of a folder."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [name for group in names.values() for name in group[1:]]
+
+
+def evaluate_heldout(
+    trainer: PPOTrainer, prompts: list[str], judge, verifier: RewardFn | None = None
+) -> tuple[dict[str, float], list[dict]]:
+    """RM score, gold score, reward_fn score (unweighted; None without a reward_fn) and KL to the reference
+    on held-out prompts (`evaluate.evaluate_policy`, with the run's sampling settings and scorer; fixed seed:
+    every evaluation of the run samples with the same random numbers, in a fork of the RNG), as a line of
+    eval_log.jsonl (`evaluate.heldout_record`; with a reward-model ensemble also each member's score and their
+    disagreement, and the degeneracy rates; with a verifier, the loaded accuracy_fn, the accuracy of these
+    samples and of one greedy response per prompt, which draws no random number), and the samples' rows for
+    eval_samples.jsonl (`hacking.heldout_sample_rows`: the report's reward-hacking watch)."""
+    samples: list[dict] = []
+    policy = trainer.unwrapped_policy
+    lm, cfg = policy.lm, trainer.cfg
+    reference = KLReference(lm, lm.disable_adapter) if cfg.use_lora else KLReference(trainer.ref_model.lm)
+    draws = PairedSampling(trainer.sampling, seed=cfg.seed, batch_size=cfg.heldout_batch_size)
+    with trainer.acc.autocast(), trainer.acc.gathered_for_generation(policy):
+        measures = Measures(scorer=trainer.scorer, judge=judge, verifier=verifier)
+        result = evaluate_policy(
+            lm, trainer.tokenizer, prompts, draws, measures=measures, reference=reference, samples_out=samples
+        )
+    rows = heldout_sample_rows(samples, step=trainer.step, reward_fn_weight=cfg.reward_fn_weight)
+    return heldout_record(trainer.step, result), rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+# ---------------------------------------------------------------------------------------------
+
+
+def save_checkpoint(trainer: PPOTrainer, folder: Path) -> None:
+    """Atomically write everything needed to continue exactly: the weights and optimiser state
+    (`PPOTrainer.save_model_state`: trainable weights on one process or DDP, every process's shards under
+    FSDP2 and DeepSpeed), the trainer's state (`PPOTrainer.state_dict`: the step, which fixes the data
+    position, the KL controller and the LR schedule) and every process's RNG state. Every process calls it;
+    the folder appears whole (renamed at the end)."""
+    accelerator = trainer.accelerator
+    accelerator.wait_for_everyone()
+    rng_all = (
+        accelerator.gather_for_metrics([rng_state()], use_gather_object=True)
+        if accelerator.num_processes > 1
+        else [rng_state()]
+    )
+    tmp = folder.with_name(f".{folder.name}.tmp")  # the same path on every process
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    trainer.save_model_state(tmp)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        torch.save({**trainer.state_dict(), "rng": rng_all}, tmp / "trainer_state.pt")
+        (tmp / "step.json").write_text(json.dumps({"step": trainer.step}))
+        replace_dir(tmp, folder)
+    accelerator.wait_for_everyone()
+
+
+def load_checkpoint(trainer: PPOTrainer, folder: Path) -> None:
+    """What `save_checkpoint` wrote: the weights and optimiser state, the trainer's state and this process's
+    RNG state. A checkpoint written before issue 23 kept the LR schedule beside the optimiser state
+    (`optimizer.pt`, or `scheduler.pt` when sharded): it is read from there."""
+    trainer.load_model_state(folder)
+    state = torch.load(folder / "trainer_state.pt", weights_only=True, map_location="cpu")
+    if "scheduler" not in state:
+        old = folder / ("scheduler.pt" if (folder / "scheduler.pt").is_file() else "optimizer.pt")
+        state["scheduler"] = torch.load(old, weights_only=True, map_location="cpu")["scheduler"]
+    trainer.load_state_dict(state)
+    set_rng_state(state["rng"][trainer.accelerator.process_index])
+
+
+def rng_state() -> dict:
+    """Python, numpy and torch RNG states as plain tensors/tuples (loadable with weights_only=True)."""
+    np_state = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

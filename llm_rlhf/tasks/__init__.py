@@ -1,0 +1,1 @@
+"""Checkable tasks: their problems and verifiers (reward and accuracy functions named in configs)."""
