@@ -304,7 +304,7 @@ def test_stage_config_keys_for_hh(stage):
     from llm_rlhf.core.config import parse_config
     from llm_rlhf.core.errors import ConfigError
 
-    config = importlib.import_module(f"llm_rlhf.{stage}").Config
+    config = importlib.import_module(f"llm_rlhf.stages.{stage}").Config
     cfg = parse_config(config, ["--data_format", "hh", "--skip_long"])
     assert (cfg.data_format, cfg.skip_long) == ("hh", True)
     assert (config().data_format, config().skip_long) == ("auto", False)
