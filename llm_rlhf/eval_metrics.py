@@ -75,6 +75,7 @@ ACCURACY_GREEDY_STDERR = "accuracy_greedy_stderr"
 ACCURACY_KEYS = (ACCURACY, ACCURACY_STDERR, ACCURACY_GREEDY, ACCURACY_GREEDY_STDERR)
 DEGENERACY_KEYS = hacking.DEGENERACY_KEYS  # char_run_rate, repeated_ngram_rate, empty_rate
 COLLAPSE_KEYS = hacking.COLLAPSE_KEYS  # duplicate_rate, top_bigram_share, shared_bigram_rate, word_distinct_2
+DUPLICATE_RATE, TOP_BIGRAM_SHARE, SHARED_BIGRAM_RATE, WORD_DISTINCT_2 = COLLAPSE_KEYS
 # the counter rules of the reward-hacking alarm on the final evaluation, the policy's counters against the
 # baseline's (`hacking.counter_alarms`): the counters past their threshold ([] = quiet) and a line for each
 ALARM_RULES = "alarm_rules"
