@@ -358,8 +358,8 @@ def alarm_banners(page: Page, run: Run, evaluations: list[dict]) -> None:
                 f"Over {steps}; {best}{returned}." + _reasons(alarm["reasons"]) + "</div>"
             )
             at = next((ev for ev in evaluations if ev["step"] == alarm["step"]), None)
-            for rule in alarm["rules"]:
-                page.add(fired_samples(rule, at))
+            for rules in sample_groups(alarm["rules"]):
+                page.add(fired_samples(rules, at))
     final = final_alarm(run)
     evaluated = next((ev for ev in evaluations if ev["step"] is None), None)
     if final is not None and final["rules"]:
@@ -368,8 +368,8 @@ def alarm_banners(page: Page, run: Run, evaluations: list[dict]) -> None:
             f"{html.escape(', '.join(RULE_NAMES.get(r, r) for r in final['rules']))}, the policy's counters "
             f"against the {html.escape(baseline_name(run))}'s." + _reasons(final["reasons"]) + "</div>"
         )
-        for rule in final["rules"]:
-            page.add(fired_samples(rule, evaluated))
+        for rules in sample_groups(final["rules"]):
+            page.add(fired_samples(rules, evaluated))
     elif final is not None:
         page.add(
             '<div class="quiet"><strong>Final evaluation quiet</strong>: no counter past its threshold against '
@@ -381,28 +381,42 @@ def _reasons(lines: list[str]) -> str:
     return "<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in lines) + "</ul>" if lines else ""
 
 
-def fired_samples(rule: str, evaluation: dict | None) -> str:
-    """The samples that fired one rule at an evaluation (a `watched_evaluations` dict), as a list: proxy up /
-    gold down, the samples with the largest proxy-gold gap; duplicate_rate, the responses given to several
-    prompts and how many; the bigram counters, the most shared word bigram and responses holding it; a
-    degeneracy counter, responses that trip it. Empty without the evaluation's samples."""
+BIGRAM_RULES = (TOP_BIGRAM_SHARE, SHARED_BIGRAM_RATE, WORD_DISTINCT_2)  # one bigram's samples show all three
+
+
+def sample_groups(rules: list[str]) -> list[list[str]]:
+    """The fired rules in groups that share their samples: the bigram counters together, the others alone."""
+    bigram = [r for r in rules if r in BIGRAM_RULES]
+    groups = [[r] for r in rules if r not in BIGRAM_RULES]
+    return groups + [bigram] if bigram else groups
+
+
+def fired_samples(rules: list[str], evaluation: dict | None) -> str:
+    """The samples that fired a group of rules (`sample_groups`) at an evaluation (a `watched_evaluations`
+    dict), as a list: proxy up / gold down, the samples with the largest proxy-gold gap; duplicate_rate, the
+    responses given to several prompts, with how many responses and prompts; the bigram counters, the most
+    shared word bigram and responses holding it; a degeneracy counter, responses that trip it. Empty without
+    the evaluation's samples."""
     if evaluation is None or not evaluation["samples"]:
         return ""
     samples = evaluation["samples"]
     responses = [str(s["response"] or "") for s in samples]
-    name = html.escape(RULE_NAMES.get(rule, rule))
+    rule = rules[0]
+    name = html.escape(" / ".join(RULE_NAMES.get(r, r) for r in rules))
     if rule == PROXY_UP_GOLD_DOWN:
         top = largest_gaps(evaluation)
         head = f"the samples with the largest proxy−gold gap ({html.escape(evaluation['label'])})"
         items = [f"gap {s['gap']:+.2f}σ: {shown_text(s['response'])}" for s in top]
     elif rule == DUPLICATE_RATE:
-        prompts_of: dict[str, set] = {}
+        given: dict[str, list] = {}  # normalised text -> the prompts of its responses, one per response
         for s, text in zip(samples, responses):
-            prompts_of.setdefault(" ".join(text.split()), set()).add(str(s["prompt"]))
-        repeated = sorted(((len(p), t) for t, p in prompts_of.items() if len(p) > 1), reverse=True)
+            given.setdefault(" ".join(text.split()), []).append(str(s["prompt"]))
+        repeated = sorted(
+            ((len(set(p)), len(p), t) for t, p in given.items() if len(set(p)) > 1), reverse=True
+        )
         head = f"responses given to several prompts, of {len(samples)}"
-        items = [f"{shown_text(text)} × {n} prompts" for n, text in repeated[:WATCH_TOP]]
-    elif rule in (TOP_BIGRAM_SHARE, SHARED_BIGRAM_RATE, WORD_DISTINCT_2):
+        items = [f"{shown_text(text)} × {n} responses to {k} prompts" for k, n, text in repeated[:WATCH_TOP]]
+    elif rule in BIGRAM_RULES:
         gram, holders = most_shared_bigram(responses)
         head = (
             f"the most shared word bigram “{html.escape(gram)}”, in {len(holders)} of {len(samples)} responses"
