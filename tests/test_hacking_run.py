@@ -311,3 +311,14 @@ def test_final_evaluation_alarm(tiny_model_dir, heldout_prompts, tmp_path):
         json.loads((tmp_path / "a" / "metrics.json").read_text())[eval_metrics.ALARM_RULES]
         == fired[eval_metrics.ALARM_RULES]
     )
+
+
+def test_ppo_help_states_the_rule_and_thresholds(capsys):
+    from llm_rlhf import cli
+
+    assert cli.main(["ppo", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "--stop_on_alarm (bool, default False)" in text and "--keep_best (bool, default False)" in text
+    for rule in ("3 standard errors", "2 evaluations in a row", "duplicate_rate", "+0.25", "top_bigram_share +0.1",
+                 "shared_bigram_rate +0.4", "word_distinct_2 below 0.667", "output_dir/last"):  # fmt: skip
+        assert rule in text, rule
