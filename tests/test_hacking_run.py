@@ -16,7 +16,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SENTENCES, eval_config, ppo_config, write_jsonl
+from helpers import (
+    ROOT,
+    SENTENCES,
+    SENTIMENT_JUDGE,
+    eval_config,
+    launch,
+    ppo_cli_args,
+    ppo_config,
+    write_jsonl,
+)
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -322,3 +331,41 @@ def test_ppo_help_states_the_rule_and_thresholds(capsys):
     for rule in ("3 standard errors", "2 evaluations in a row", "duplicate_rate", "+0.25", "top_bigram_share +0.1",
                  "shared_bigram_rate +0.4", "word_distinct_2 below 0.667", "output_dir/last"):  # fmt: skip
         assert rule in text, rule
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["multi_gpu.yaml", "fsdp.yaml"])
+def test_keep_best_and_stop_on_alarm_on_two_processes(config, tiny_model_dir, heldout_prompts, tmp_path):
+    """`llm-rlhf ppo` on 2 processes (DDP, and FSDP2 whose saving is a collective): the main process decides,
+    every process saves the best checkpoint and the last policy and loads the best back together (a
+    mismatch would hang or fail the launch); the outputs say the same step everywhere."""
+    out = tmp_path / "run"
+    args = ppo_cli_args(
+        tiny_model_dir, "none", heldout_prompts, out, 3, reward_fn="tests/reward_fns.py:length", eval_every=1,
+        eval_prompt_file=heldout_prompts, eval_num_prompts=20, gold_judge=SENTIMENT_JUDGE, keep_best="true",
+        stop_on_alarm="true", save_steps=0,
+    )[2:]  # fmt: skip
+    script = (
+        [str(ROOT / "tests" / "scripts" / "fsdp2_on_cpu.py")] if config == "fsdp.yaml" else ["-m", "llm_rlhf"]
+    )
+    launch([*script, *args], 2, config=config)
+    log = read_jsonl(out / "eval_log.jsonl")
+    metrics = json.loads((out / "metrics.json").read_text())
+    last = log[-1]
+    assert [r["step"] for r in log] == list(range(len(log)))
+    assert metrics[ppo_metrics.STOPPED_ON_ALARM] == (last["alarm_step"] is not None)
+    assert len(log) == (last["alarm_step"] + 1 if last["alarm_step"] is not None else 4)
+    best = last["best_step"]
+    assert metrics[ppo_metrics.BEST_STEP] == metrics[ppo_metrics.RETURNED_STEP] == best
+    assert json.loads((out / "best" / "step.json").read_text())["step"] == best
+    assert (out / "last" / "model.safetensors").is_file() and (out / "model.safetensors").is_file()
+    final = load_file(out / "model.safetensors")
+    if config == "multi_gpu.yaml":  # the best checkpoint's trainable weights are the saved model's
+        checkpoint = load_file(out / "best" / "policy_trainable.safetensors")
+        assert all(torch.equal(checkpoint[f"lm.{k}"], v) for k, v in final.items())
+    else:  # FSDP2: every process's shards of it
+        assert len(list((out / "best" / "sharded").glob("*.distcp"))) == 2
+    if best != log[-1]["step"]:  # the returned policy is not the last one
+        last_model = load_file(out / "last" / "model.safetensors")
+        assert any(not torch.equal(final[k], last_model[k]) for k in final)
