@@ -366,7 +366,7 @@ def return_best(trainer: PPOTrainer, cfg: Config, out: Path) -> int:
         raise UserError(
             f"keep_best: no best checkpoint in {best} (it is written at each new best evaluation)"
         )
-    save_policy(trainer, cfg, out / "last")
+    save_policy(trainer, cfg, out / "last", merge_copies=True)
     trainer.load_model_state(best)
     return json.loads((best / "step.json").read_text())["step"]
 
@@ -479,9 +479,11 @@ def save_final(trainer: PPOTrainer, cfg: Config, out: Path, final: dict) -> None
     trainer.accelerator.wait_for_everyone()
 
 
-def save_policy(trainer: PPOTrainer, cfg: Config, out: Path) -> None:
+def save_policy(trainer: PPOTrainer, cfg: Config, out: Path, *, merge_copies: bool = False) -> None:
     """The policy as a plain HF causal-LM folder in `out`, the value head beside it (or the separate critic as
-    an RM folder in critic/). Every process calls it."""
+    an RM folder in critic/). Every process calls it. merge_copies: with LoRA, merge the adapters into copies
+    of the models (merging unloads them in place): the trainer's models keep theirs, for keep_best to load the
+    best checkpoint into after saving the last policy."""
     accelerator = trainer.accelerator
     accelerator.wait_for_everyone()
     if accelerator.is_fsdp2 or trainer.acc.zero3:
@@ -496,7 +498,7 @@ def save_policy(trainer: PPOTrainer, cfg: Config, out: Path) -> None:
         lm.save_pretrained(tmp / "adapter")
         trainer.tokenizer.save_pretrained(tmp / "adapter")
         if cfg.merge_lora:
-            lm = lm.merge_and_unload()
+            lm = (copy.deepcopy(lm) if merge_copies else lm).merge_and_unload()
     if not cfg.use_lora or cfg.merge_lora:
         lm.save_pretrained(tmp, safe_serialization=True)
     trainer.tokenizer.save_pretrained(tmp)
@@ -507,6 +509,7 @@ def save_policy(trainer: PPOTrainer, cfg: Config, out: Path) -> None:
         )
     if trainer.critic is not None:  # the trained critic, an RM folder (`load_reward_model` reads it)
         critic = trainer.accelerator.unwrap_model(trainer.critic).reward_model
+        critic = copy.deepcopy(critic) if merge_copies and cfg.use_lora else critic
         save_reward_model(critic, tmp / "critic", merge_lora=True)
     publish_files(tmp, out)
 

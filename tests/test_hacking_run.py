@@ -228,6 +228,31 @@ def test_keep_best_by_accuracy_with_a_verifier(tiny_model_dir, heldout_prompts, 
     assert json.loads((out / "best" / "step.json").read_text())["step"] == best
 
 
+def test_keep_best_with_lora(tiny_model_dir, heldout_prompts, tmp_path):
+    """With a LoRA adapter (merged on saving) the last policy is saved from merged copies, so the best
+    checkpoint's adapter loads back into the trainer's model: the returned adapter is the best one's."""
+    out = tmp_path / "ppo"
+    trained, _ = watched_run(
+        tiny_model_dir, heldout_prompts, out, collapse=False, keep_best=True, use_lora=True, lora_r=4,
+        lora_alpha=8, learning_rate=5e-2, steps=2,
+    )  # fmt: skip
+    best = trained.metrics[ppo_metrics.BEST_STEP]
+    assert trained.metrics[ppo_metrics.RETURNED_STEP] == best
+    checkpoint = load_file(out / "best" / "policy_trainable.safetensors")
+    adapter = load_file(out / "adapter" / "adapter_model.safetensors")  # saved from the returned model
+    lora = {k.removeprefix("lm.").replace(".default", ""): v for k, v in checkpoint.items() if "lora_" in k}
+    assert lora and lora.keys() == adapter.keys()
+    assert all(torch.equal(adapter[k], v) for k, v in lora.items())
+    saved = load_file(out / "model.safetensors")  # the returned model, merged
+    returned = {k.removeprefix("base_model.model."): v for k, v in trained.model.state_dict().items()}
+    assert all(torch.equal(returned[k], v) for k, v in saved.items())
+    for folder in (out, out / "last"):  # each a merged HF folder and its adapter
+        assert (folder / "model.safetensors").is_file() and (folder / "adapter").is_dir()
+    if best != 2:  # trained on, the last policy differs from the returned one
+        final, last = load_file(out / "model.safetensors"), load_file(out / "last" / "model.safetensors")
+        assert any(not torch.equal(final[k], last[k]) for k in final)
+
+
 def test_a_healthy_run_stays_quiet(quiet):
     trained, run = quiet
     out = run / "ppo"
