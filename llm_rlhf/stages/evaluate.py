@@ -1083,6 +1083,11 @@ def format_metrics(metrics: dict[str, Any]) -> str:
         lines.append(
             f"{key:<24}{num(metrics[key]):>10}" + (f"  (+/- {stderr:.4f})" if stderr is not None else "")
         )
+    for key in eval_metrics.COLLAPSE_KEYS:  # the reward-hacking alarm's counters (`llm_rlhf.hacking`)
+        lines.append(f"{key:<24}{num(metrics[key]):>10}{num(metrics[key + eval_metrics.BASELINE]):>10}")
+    reasons = metrics.get(eval_metrics.ALARM_REASONS)
+    if reasons is not None:
+        lines.append("reward-hacking alarm: " + ("; ".join(reasons) if reasons else "quiet"))
     if metrics.get("accuracy") is not None:  # the verifier's (accuracy_fn), stderr over the prompts
         for key in ("accuracy", "accuracy_greedy"):
             stderrs = [metrics[key + "_stderr" + suffix] for suffix in ("", "_baseline")]
