@@ -101,7 +101,9 @@ LOG_STEP = "step"  # the PPO step evaluated (0: the model PPO started from)
 LOG_KL = "kl"  # KL_TO_REF's mean
 LOG_RM_DISAGREEMENT = "rm_disagreement"
 LOG_RESPONSE_LENGTH = "response_length"
-LOG_PROXY = hacking.PROXY  # the mean score PPO maximised: COMBINED_SCORE's with a reward function, else RM_SCORE's
+LOG_PROXY = (
+    hacking.PROXY
+)  # the mean score PPO maximised: COMBINED_SCORE's with a reward function, else RM_SCORE's
 LOG_PROXY_STDERR = "proxy_stderr"  # its standard error (GOLD_SCORE_STDERR: the gold's), for the alarm's rule
 # what the alarm says after each held-out evaluation (`hacking.watch_fields`): the step where it first fired
 # (None: quiet so far), its rules and lines there, and the step of the best gold (or accuracy) so far
