@@ -120,7 +120,8 @@ def train_ppo(
     in place of reward_model_path; reward_fn, any callable (prompts, responses) -> list[float] (a lambda
     works), in place of the config's reward_fn; prompts (strings, chat `messages` lists, dicts, a Dataset)
     in place of prompt_file. Returns the policy's LM, its tokenizer, its value head (None without one) and
-    metrics.json's figures."""
+    metrics.json's figures: the last step's policy, or with keep_best the best held-out evaluation's weights
+    loaded into it (metrics' returned_step; `ppo_run`)."""
     cfg, objects = _policy_and_scorer(
         PPOConfig, config, "model_name_or_path", policy, reward_model, reward_fn, prompts
     )

@@ -7,10 +7,14 @@ reads the files by these names. Stdlib only.
                            per-sample field of the policy and the baseline
     ppo/eval_log.jsonl     one line per held-out evaluation during PPO (`evaluate.heldout_record`)
 
-The degeneracy rates (char_run_rate, ...) are `hacking.DEGENERACY_KEYS`.
+The degeneracy rates (char_run_rate, ...) are `hacking.DEGENERACY_KEYS`, the collapse counters (duplicate_rate,
+...) `hacking.COLLAPSE_KEYS`, both in every evaluation's figures (the baseline's with BASELINE) and in every line
+of eval_log.jsonl; the alarm's fields are `hacking.WATCH_KEYS` (named below).
 """
 
 from __future__ import annotations
+
+from llm_rlhf.rl import hacking
 
 BASELINE = "_baseline"  # suffix: the baseline's figure of a metrics.json key
 STDERR = "_stderr"  # suffix: a win rate's standard error
@@ -69,6 +73,13 @@ ACCURACY_STDERR = "accuracy_stderr"  # over the prompts
 ACCURACY_GREEDY = "accuracy_greedy"  # over one greedy response per prompt
 ACCURACY_GREEDY_STDERR = "accuracy_greedy_stderr"
 ACCURACY_KEYS = (ACCURACY, ACCURACY_STDERR, ACCURACY_GREEDY, ACCURACY_GREEDY_STDERR)
+DEGENERACY_KEYS = hacking.DEGENERACY_KEYS  # char_run_rate, repeated_ngram_rate, empty_rate
+COLLAPSE_KEYS = hacking.COLLAPSE_KEYS  # duplicate_rate, top_bigram_share, shared_bigram_rate, word_distinct_2
+DUPLICATE_RATE, TOP_BIGRAM_SHARE, SHARED_BIGRAM_RATE, WORD_DISTINCT_2 = COLLAPSE_KEYS
+# the counter rules of the reward-hacking alarm on the final evaluation, the policy's counters against the
+# baseline's (`hacking.counter_alarms`): the counters past their threshold ([] = quiet) and a line for each
+ALARM_RULES = "alarm_rules"
+ALARM_REASONS = "alarm_reasons"
 
 # eval/metrics.json: what was evaluated, and how
 NUM_PROMPTS = "num_prompts"
@@ -84,8 +95,16 @@ GOLD_JUDGE_HELDOUT_ACCURACY = "gold_judge_heldout_accuracy"  # the gold's sentim
 GOLD_JUDGE_VALIDITY = "gold_judge_validity"  # the fluency-aware gold's checks (its judge JSON's)
 
 # ppo/eval_log.jsonl (`evaluate.heldout_record`): these, and RM_SCORE, RM_SCORE_MEMBER + k, GOLD_SCORE,
-# REWARD_FN, SENTIMENT, FLUENCY_PERPLEXITY, EOS_RATE, the degeneracy rates and ACCURACY_KEYS
+# REWARD_FN, SENTIMENT, FLUENCY_PERPLEXITY, EOS_RATE, GOLD_SCORE_STDERR, the degeneracy and collapse counters
+# and ACCURACY_KEYS
 LOG_STEP = "step"  # the PPO step evaluated (0: the model PPO started from)
 LOG_KL = "kl"  # KL_TO_REF's mean
 LOG_RM_DISAGREEMENT = "rm_disagreement"
 LOG_RESPONSE_LENGTH = "response_length"
+LOG_PROXY = (
+    hacking.PROXY
+)  # the mean score PPO maximised: COMBINED_SCORE's with a reward function, else RM_SCORE's
+LOG_PROXY_STDERR = "proxy_stderr"  # its standard error (GOLD_SCORE_STDERR: the gold's), for the alarm's rule
+# what the alarm says after each held-out evaluation (`hacking.watch_fields`): the step where it first fired
+# (None: quiet so far), its rules and lines there, and the step of the best gold (or accuracy) so far
+LOG_ALARM_STEP, LOG_ALARM_RULES, LOG_ALARM_REASONS, LOG_BEST_STEP = hacking.WATCH_KEYS

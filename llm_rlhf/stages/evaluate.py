@@ -37,6 +37,11 @@ metrics.json (written last; `_baseline` keys hold the same figures for the basel
     distinct_1, distinct_2  unique / total token n-grams over all responses (EOS excluded; Li et al. 2016)
     char_run_rate, repeated_ngram_rate, empty_rate   fraction of responses with a run of one repeated
                       character, a repeated word 3-gram, or no text (`llm_rlhf.rl.hacking`: signs of reward hacking)
+    duplicate_rate, top_bigram_share, shared_bigram_rate, word_distinct_2   the collapse counters of the
+                      responses (`hacking.collapse_rates`; a repeat counts only as the response to another prompt)
+    alarm_rules, alarm_reasons   the reward-hacking alarm's counter rules, the policy's counters against the
+                      baseline's (`hacking.counter_alarms`): the counters past their threshold ([] = quiet) and
+                      a line for each (no `_baseline` copy)
     accuracy          with a verifier (`--accuracy_fn module:callable`, e.g. llm_rlhf.tasks.arithmetic:reward: the
                       reward-function interface, every score 1.0 = correct or 0.0 = wrong): its mean over the
                       samples drawn as configured (samples_per_prompt per prompt, temperature, ...)
@@ -106,7 +111,13 @@ from llm_rlhf.models.reward_fn import RewardFn, load_reward_fn, probe
 from llm_rlhf.models.reward_model import RewardEnsemble, check_members_exist
 from llm_rlhf.models.scoring import Scorer, Scores, build_scorer, check_score_keys
 from llm_rlhf.rl import ppo_math
-from llm_rlhf.rl.hacking import DEGENERACY_KEYS, degeneracy_rates
+from llm_rlhf.rl.hacking import (
+    COLLAPSE_KEYS,
+    DEGENERACY_KEYS,
+    collapse_rates,
+    counter_alarms,
+    degeneracy_rates,
+)
 from llm_rlhf.rl.rollout import (
     Samples,
     Sampling,
@@ -536,7 +547,10 @@ def summarize(
     out[eval_metrics.EOS_RATE + suffix] = mean_and_stderr([float(r["eos"]) for r in records])[0]
     out[eval_metrics.DISTINCT_1 + suffix] = distinct_n([r["response_ids"] for r in records], 1)
     out[eval_metrics.DISTINCT_2 + suffix] = distinct_n([r["response_ids"] for r in records], 2)
-    out.update(degeneracy_rates([r["response"] for r in records], suffix))  # issue 28: the hacking watch
+    responses = [r["response"] for r in records]
+    out.update(degeneracy_rates(responses, suffix))  # issue 28: the hacking watch
+    # issue 40: a policy collapsed onto one phrase trips no degeneracy counter; a repeat counts across prompts
+    out.update(collapse_rates(responses, prompts=[r["prompt"] for r in records], suffix=suffix))
     if records[0].get("rm_member_scores") is not None:  # an ensemble: each member, and their disagreement
         per_member = zip(*[r["rm_member_scores"] for r in records])  # K tuples of one score per sample
         for k, scores in enumerate(per_member):
@@ -599,14 +613,22 @@ def load_heldout_inputs(cfg, tokenizer=None) -> tuple[list[str], Any]:
 def heldout_record(step: int, result: dict[str, Any]) -> dict[str, Any]:
     """One line of PPO's eval_log.jsonl from `evaluate_policy`'s figures: step, kl, rm_score (with an ensemble
     also rm_score_member_<k> and rm_disagreement), gold_score, reward_fn (unweighted; None without one),
-    sentiment, fluency_perplexity, eos_rate, response_length, the degeneracy rates (`hacking.DEGENERACY_KEYS`)
-    and accuracy, accuracy_stderr, accuracy_greedy, accuracy_greedy_stderr (`ACCURACY_KEYS`; None without an
-    accuracy_fn)."""
+    sentiment, fluency_perplexity, eos_rate, response_length, the degeneracy rates (`hacking.DEGENERACY_KEYS`),
+    the collapse counters (`hacking.COLLAPSE_KEYS`), accuracy, accuracy_stderr, accuracy_greedy,
+    accuracy_greedy_stderr (`ACCURACY_KEYS`; None without an accuracy_fn), and what the alarm's proxy-up /
+    gold-down rule reads (`hacking.trajectory_point`): gold_score_stderr, and proxy with proxy_stderr, the mean
+    and standard error of the score PPO maximised (combined_score with a reward function, else rm_score)."""
     members = {
         key.removesuffix("_mean"): value
         for key, value in result.items()
         if key.startswith((eval_metrics.RM_SCORE_MEMBER, eval_metrics.LOG_RM_DISAGREEMENT))
     }  # only with an ensemble
+    with_fn = result[eval_metrics.COMBINED_SCORE_MEAN] is not None  # the proxy: what PPO maximised
+    proxy, proxy_stderr = (
+        (eval_metrics.COMBINED_SCORE_MEAN, eval_metrics.COMBINED_SCORE_STDERR)
+        if with_fn
+        else (eval_metrics.RM_SCORE_MEAN, eval_metrics.RM_SCORE_STDERR)
+    )
     return {
         eval_metrics.LOG_STEP: step,
         eval_metrics.LOG_KL: result[eval_metrics.KL_TO_REF],
@@ -619,7 +641,11 @@ def heldout_record(step: int, result: dict[str, Any]) -> dict[str, Any]:
         eval_metrics.EOS_RATE: result[eval_metrics.EOS_RATE],
         eval_metrics.LOG_RESPONSE_LENGTH: result[eval_metrics.RESPONSE_LENGTH_MEAN],
         **{key: result[key] for key in DEGENERACY_KEYS},
+        **{key: result[key] for key in COLLAPSE_KEYS},
         **{key: result[key] for key in ACCURACY_KEYS},
+        eval_metrics.GOLD_SCORE_STDERR: result[eval_metrics.GOLD_SCORE_STDERR],
+        eval_metrics.LOG_PROXY: result[proxy],
+        eval_metrics.LOG_PROXY_STDERR: result[proxy_stderr],
     }
 
 
@@ -931,18 +957,31 @@ def win_rates(
 
 def eval_figures(cfg: Config, inputs: EvalInputs, models: EvalModels, measured: Measured) -> dict[str, Any]:
     """Step 4: metrics.json's figures (but time_s): the win rates, each model's means (`summarize`) and
-    accuracy (`accuracy_figures`), then what was evaluated (`run_info`)."""
+    accuracy (`accuracy_figures`), the alarm's counter rules (`final_alarm`), then what was evaluated
+    (`run_info`)."""
     k = cfg.samples_per_prompt
+    policy = summarize(measured.policy, samples_per_prompt=k)
+    baseline = summarize(measured.baseline, samples_per_prompt=k)
     return {
         **win_rates(measured.policy, measured.baseline, samples_per_prompt=k),
-        **summarize(measured.policy, samples_per_prompt=k),
-        **summarize(measured.baseline, suffix="_baseline", samples_per_prompt=k),
+        **policy,
+        **{key + eval_metrics.BASELINE: value for key, value in baseline.items()},
         **accuracy_figures(measured.policy, measured.policy_greedy, samples_per_prompt=k),
         **accuracy_figures(
             measured.baseline, measured.baseline_greedy, samples_per_prompt=k, suffix="_baseline"
         ),
+        **final_alarm(policy, baseline),
         **run_info(cfg, inputs, models),
     }
+
+
+def final_alarm(policy: dict[str, Any], baseline: dict[str, Any]) -> dict[str, list[str]]:
+    """The reward-hacking alarm's counter rules on the final evaluation (`hacking.counter_alarms`): the policy's
+    collapse and degeneracy counters against the baseline's (`summarize`'s figures, the baseline's without
+    their suffix), as alarm_rules (the counters past their threshold, [] = quiet) and alarm_reasons (a line
+    each). The proxy-up / gold-down rule needs a trajectory: PPO's held-out evaluations have it."""
+    alarms = counter_alarms(policy, baseline=baseline)
+    return {eval_metrics.ALARM_RULES: list(alarms), eval_metrics.ALARM_REASONS: list(alarms.values())}
 
 
 def run_info(cfg: Config, inputs: EvalInputs, models: EvalModels) -> dict[str, Any]:
@@ -1044,6 +1083,11 @@ def format_metrics(metrics: dict[str, Any]) -> str:
         lines.append(
             f"{key:<24}{num(metrics[key]):>10}" + (f"  (+/- {stderr:.4f})" if stderr is not None else "")
         )
+    for key in eval_metrics.COLLAPSE_KEYS:  # the reward-hacking alarm's counters (`llm_rlhf.hacking`)
+        lines.append(f"{key:<24}{num(metrics[key]):>10}{num(metrics[key + eval_metrics.BASELINE]):>10}")
+    reasons = metrics.get(eval_metrics.ALARM_REASONS)
+    if reasons is not None:
+        lines.append("reward-hacking alarm: " + ("; ".join(reasons) if reasons else "quiet"))
     if metrics.get("accuracy") is not None:  # the verifier's (accuracy_fn), stderr over the prompts
         for key in ("accuracy", "accuracy_greedy"):
             stderrs = [metrics[key + "_stderr" + suffix] for suffix in ("", "_baseline")]

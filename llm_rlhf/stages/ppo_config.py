@@ -22,6 +22,7 @@ from llm_rlhf.core.callables import split_callable_spec
 from llm_rlhf.core.config import checked_keywords, help_field, is_off, require
 from llm_rlhf.core.data import DATA_FORMATS
 from llm_rlhf.models.scoring import check_score_keys
+from llm_rlhf.rl import hacking
 from llm_rlhf.rl.estimators import (
     ADVANTAGE_ESTIMATORS,
     DEFAULT_ESTIMATOR,
@@ -322,6 +323,28 @@ class Config:
     save_steps: int = help_field(20, "Checkpoint every N steps (0 = only at the end).")
     resume: bool = help_field(False, "Continue from the last checkpoint in output_dir.")
     report_to: str = help_field("none", "Also log to: none | tensorboard | wandb.")
+    # --- the reward-hacking alarm (issue 40; `llm_rlhf.rl.hacking`), read at every held-out evaluation
+    stop_on_alarm: bool = help_field(
+        False,
+        "Stop the run at the held-out evaluation where the reward-hacking alarm fires (eval_every > 0; logged "
+        "either way in eval_log.jsonl: alarm_step, alarm_rules, alarm_reasons). It fires at the first "
+        f"evaluation where (a) the gold (the verifier's accuracy with accuracy_fn) has fallen and the proxy (the "
+        f"score PPO maximises) risen against the evaluation of the best gold so far, each by >= {hacking.Z:g} "
+        f"standard errors of the difference, at {hacking.K_EVALS} evaluations in a row; or (b) a counter of "
+        "the responses crosses its threshold against the step-0 evaluation (the model PPO started from): "
+        f"duplicate_rate, char_run_rate, repeated_ngram_rate or empty_rate +{hacking.RATE_MARGIN:g}, "
+        f"top_bigram_share +{hacking.TOP_BIGRAM_MARGIN:g}, shared_bigram_rate +{hacking.SHARED_BIGRAM_MARGIN:g}, "
+        f"word_distinct_2 below {hacking.DISTINCT_RATIO:.3g} x step 0's. The run then saves and returns its "
+        "policy of that step (with keep_best: the best evaluation's).",
+    )
+    keep_best: bool = help_field(
+        False,
+        "Return the policy of the held-out evaluation with the best gold (gold_judge's mean; the verifier's "
+        "accuracy with accuracy_fn) instead of the last step's: each new best is checkpointed in "
+        "output_dir/best, and at the end its weights are the run's output (output_dir, and the model train_ppo "
+        "returns; metrics.json's best_step and returned_step say which), the last step's policy going to "
+        "output_dir/last. Needs eval_every > 0 and a gold_judge or an accuracy_fn.",
+    )
 
     def __post_init__(self):
         require(self.data_format in DATA_FORMATS, "data_format", f"must be one of {', '.join(DATA_FORMATS)}")
@@ -380,6 +403,7 @@ class Config:
         check_generation_controls(self)
         check_estimator_keys(self)
         check_policy_loss_keys(self)
+        check_watch_keys(self)
 
     @property
     def heldout_batch_size(self) -> int:
@@ -528,6 +552,23 @@ def check_policy_loss_keys(cfg) -> None:
             f"drops the groups whose scores tie, which carry no signal only under a group baseline: not for "
             f"advantage_estimator {row.name} (only {names(r for r in ROWS if r.dynamic_sampling)})",
         )
+
+
+def check_watch_keys(cfg) -> None:
+    """stop_on_alarm and keep_best read the held-out evaluations: each needs them on (eval_every > 0 and an
+    eval_prompt_file), and keep_best something to rank them by (a gold_judge or an accuracy_fn)."""
+    heldout = cfg.eval_every > 0 and not is_off(cfg.eval_prompt_file)
+    for key in ("stop_on_alarm", "keep_best"):
+        require(
+            not getattr(cfg, key) or heldout,
+            key,
+            "reads the held-out evaluations: set eval_every > 0 and an eval_prompt_file",
+        )
+    require(
+        not cfg.keep_best or not is_off(cfg.gold_judge) or cfg.accuracy_fn is not None,
+        "keep_best",
+        "ranks the held-out evaluations by the gold or the verifier's accuracy: set gold_judge or accuracy_fn",
+    )
 
 
 def check_reward_keys(cfg) -> None:

@@ -12,6 +12,8 @@ beside their writers; `llm_rlhf.interfaces.report` reads the logs by these names
 
 from __future__ import annotations
 
+from llm_rlhf.rl import hacking
+
 STEP = "step"  # PPO steps done: 1 on the first line
 EPISODES = "episodes"  # responses sampled so far, over every process
 LR = "lr"  # the learning rate after the step's schedule
@@ -80,6 +82,12 @@ SCORES_LAST = "scores_last"
 KL_LAST = "kl_last"
 KL_TARGET = "kl_target"  # the config's (the adaptive controller's aim)
 TIME_PER_STEP_S = "time_per_step_s"
+# the reward-hacking alarm over the held-out evaluations (`hacking.watch_fields`, eval_log.jsonl's lines): the
+# step where it fired (None: quiet), its rules there, the step of the best gold (or accuracy); whether
+# stop_on_alarm stopped the run there, and the step of the policy the run returned (keep_best: best_step's)
+ALARM_STEP, ALARM_RULES, ALARM_REASONS, BEST_STEP = hacking.WATCH_KEYS
+STOPPED_ON_ALARM = "stopped_on_alarm"
+RETURNED_STEP = "returned_step"
 
 # ppo/samples.jsonl: a few responses logged every log_samples_every steps (`ppo_run.log_samples`), with STEP
 SAMPLE_QUERY = "query"

@@ -2,12 +2,20 @@
 
     build the models (policy + value head (gae), frozen reference, frozen RM, optional critic) and the trainer
     -> evaluate on held-out prompts -> loop: ppo_step, log (metrics.jsonl, samples, tensorboard/wandb),
-       evaluate every eval_every steps, checkpoint every save_steps
+       evaluate every eval_every steps (and read the reward-hacking alarm), checkpoint every save_steps
     -> save the policy (HF folder) and its value head or critic (none for the critic-free estimators), then
        metrics.json (last: the stage is done)
 
 A checkpoint holds everything needed to continue exactly (`--resume true`): trainable weights, optimiser,
 scheduler, the step (which fixes the data position), the KL controller and every process's RNG state.
+
+The reward-hacking alarm (issue 40, `hacking.watch_fields`) is read after every held-out evaluation and logged
+on its line of eval_log.jsonl (alarm_step, alarm_rules, alarm_reasons, best_step). What the run returns:
+the last step's policy; with stop_on_alarm, the policy of the evaluation where the alarm fired (the loop stops
+there); with keep_best, the policy of the held-out evaluation with the best gold (or accuracy), checkpointed
+in output_dir/best when it was evaluated (`save_checkpoint`; resume ignores the folder), loaded back at the
+end and saved as the final model, the last step's policy going to output_dir/last. metrics.json says which:
+alarm_step, alarm_rules, alarm_reasons, stopped_on_alarm, best_step, returned_step.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
@@ -59,9 +68,9 @@ from llm_rlhf.models.reward_model import (
     save_reward_model,
 )
 from llm_rlhf.models.scoring import scoring_reward_model
-from llm_rlhf.rl.hacking import heldout_sample_rows
+from llm_rlhf.rl.hacking import heldout_sample_rows, watch_fields
 from llm_rlhf.rl.rollout import encode_prompt, left_pad
-from llm_rlhf.stages import ppo_metrics
+from llm_rlhf.stages import eval_metrics, ppo_metrics
 from llm_rlhf.stages.evaluate import (
     KLReference,
     Measures,
@@ -196,7 +205,8 @@ def train(
     reward_fn: a `RewardFn` in place of importing cfg.reward_fn; prompts: `data.InMemory` rows in place of
     prompt_file; on_step: called on the main process with each step's metrics (the line of metrics.jsonl).
     Returns the policy's LM, its tokenizer, its value head (None for the critic-free estimators or a
-    separate critic) and the final metrics (metrics.json's)."""
+    separate critic) and the final metrics (metrics.json's): the last step's policy, or with keep_best the
+    best held-out evaluation's (metrics.json's returned_step; the module docstring)."""
     accelerator = Accelerator()
     out = Path(cfg.output_dir)
     if policy is None:
@@ -244,12 +254,26 @@ def train(
         if resume_from is not None and (out / "metrics.jsonl").exists()
         else []
     )
+    # the held-out evaluations so far, oldest first (the main process's: it decides for every process)
+    heldout_log = (
+        read_jsonl(out / "eval_log.jsonl") if resume_from is not None and accelerator.is_main_process else []
+    )
+    watch = decide(cfg, heldout_log, accelerator, step=None)  # what a resumed run's log already says
 
-    def maybe_evaluate():
+    def maybe_evaluate() -> dict:
         # Every process evaluates (the same prompts and seed) and the main one writes: with sharded
         # parameters (ZeRO-3, FSDP) each forward is a collective that every process must enter (issue 13).
+        # The main process reads the alarm and decides; every process saves the best checkpoint and stops
+        # alike (saving is a collective under FSDP2 and ZeRO-3).
+        nonlocal watch
         if eval_prompts and trainer.step % cfg.eval_every == 0:
             record, rows = evaluate_heldout(trainer, eval_prompts, judge, verifier)
+            if accelerator.is_main_process:
+                heldout_log.append(record)
+                record.update(watch_fields(heldout_log, reward_fn_weight=cfg.reward_fn_weight))
+            watch = decide(cfg, heldout_log, accelerator, step=trainer.step)
+            if watch["save_best"]:  # before the line that names it: a logged best_step has its checkpoint
+                save_checkpoint(trainer, out / "best")
             if accelerator.is_main_process:
                 append_jsonl(out / "eval_log.jsonl", record)
                 for row in rows:  # per sample: the report's reward-hacking watch ranks their proxy-gold gaps
@@ -264,13 +288,19 @@ def train(
                         else ""
                     )
                 )
+                if record[eval_metrics.LOG_ALARM_STEP] == trainer.step:
+                    tqdm.write(
+                        f"[eval step {trainer.step}] reward-hacking alarm: "
+                        + "; ".join(record[eval_metrics.LOG_ALARM_REASONS])
+                    )
         accelerator.wait_for_everyone()
+        return watch
 
     try:
         if resume_from is None:
             maybe_evaluate()
         bar = tqdm(total=cfg.steps, initial=trainer.step, desc="ppo", disable=not accelerator.is_main_process)
-        while trainer.step < cfg.steps:
+        while trainer.step < cfg.steps and not watch["stop"]:
             metrics = trainer.ppo_step()
             history.append(metrics)
             if accelerator.is_main_process:
@@ -287,7 +317,8 @@ def train(
                 bar.update(1)
             if cfg.log_samples_every and (trainer.step % cfg.log_samples_every == 0 or trainer.step == 1):
                 log_samples(trainer, out)  # on every process, like evaluation; the main one writes
-            maybe_evaluate()
+            if maybe_evaluate()["stop"]:
+                break  # stop_on_alarm: no checkpoint after the alarm, the policy of this step is saved below
             if cfg.save_steps and trainer.step % cfg.save_steps == 0 and trainer.step < cfg.steps:
                 save_checkpoint(trainer, out / "checkpoints" / f"step-{trainer.step}")
         bar.close()
@@ -295,10 +326,61 @@ def train(
         if close_writer is not None:
             close_writer()  # writes the last steps' events, also when a step failed
 
-    final = summarize(history, cfg)
+    final = {**summarize(history, cfg), **watch["summary"], ppo_metrics.RETURNED_STEP: trainer.step}
+    if cfg.keep_best and watch["summary"][ppo_metrics.BEST_STEP] is not None:
+        final[ppo_metrics.RETURNED_STEP] = return_best(trainer, cfg, out)
     save_final(trainer, cfg, out, final)
     policy = trainer.unwrapped_policy
     return Trained(model=policy.lm, tokenizer=tokenizer, metrics=final, value_head=policy.value_head)
+
+
+def decide(cfg: Config, heldout_log: list[dict], accelerator, *, step: int | None) -> dict:
+    """What the run does after a held-out evaluation at `step` (None: before any, on resume), decided on the
+    main process from its held-out log (`hacking.watch_fields` of its lines) and broadcast, so that every
+    process enters the same collectives: {"stop": stop_on_alarm and the alarm has fired, "save_best": keep_best
+    and this evaluation is the best so far, "summary": metrics.json's alarm_step, alarm_rules, alarm_reasons,
+    best_step and stopped_on_alarm}."""
+    decision = [None]
+    if accelerator.is_main_process:
+        fields = watch_fields(heldout_log, reward_fn_weight=cfg.reward_fn_weight)
+        stop = cfg.stop_on_alarm and fields[eval_metrics.LOG_ALARM_STEP] is not None
+        decision = [
+            {
+                "stop": stop,
+                "save_best": cfg.keep_best
+                and step is not None
+                and fields[eval_metrics.LOG_BEST_STEP] == step,
+                "summary": {
+                    ppo_metrics.ALARM_STEP: fields[eval_metrics.LOG_ALARM_STEP],
+                    ppo_metrics.ALARM_RULES: fields[eval_metrics.LOG_ALARM_RULES],
+                    ppo_metrics.ALARM_REASONS: fields[eval_metrics.LOG_ALARM_REASONS],
+                    ppo_metrics.BEST_STEP: fields[eval_metrics.LOG_BEST_STEP],
+                    ppo_metrics.STOPPED_ON_ALARM: stop,
+                },
+            }
+        ]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(decision)
+    return decision[0]
+
+
+def return_best(trainer: PPOTrainer, cfg: Config, out: Path) -> int:
+    """keep_best at the end of the run: the last step's policy saved to output_dir/last (`save_policy`), then
+    the best held-out evaluation's weights loaded back from output_dir/best (every process); returns their
+    step (the checkpoint's own record of it)."""
+    best = out / "best"
+    if not (best / "step.json").is_file():
+        raise UserError(
+            f"keep_best: no best checkpoint in {best} (it is written at each new best evaluation)"
+        )
+    save_policy(trainer, cfg, out / "last", merge_copies=True)
+    trainer.load_model_state(best)
+    return json.loads((best / "step.json").read_text())["step"]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """A JSONL log's lines (none when the file is absent)."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
 
 
 def load_and_probe_reward_fn(
@@ -397,12 +479,22 @@ def make_writer(cfg: Config, out: Path):
 
 
 def save_final(trainer: PPOTrainer, cfg: Config, out: Path, final: dict) -> None:
-    """The policy as a plain HF causal-LM folder, the value head beside it (or the separate critic as an RM
-    folder in critic/), then metrics.json (last)."""
+    """The policy (`save_policy`), then metrics.json (last)."""
+    save_policy(trainer, cfg, out)
+    if trainer.accelerator.is_main_process:
+        write_final_metrics(out, final)
+    trainer.accelerator.wait_for_everyone()
+
+
+def save_policy(trainer: PPOTrainer, cfg: Config, out: Path, *, merge_copies: bool = False) -> None:
+    """The policy as a plain HF causal-LM folder in `out`, the value head beside it (or the separate critic as
+    an RM folder in critic/). Every process calls it. merge_copies: with LoRA, merge the adapters into copies
+    of the models (merging unloads them in place): the trainer's models keep theirs, for keep_best to load the
+    best checkpoint into after saving the last policy."""
     accelerator = trainer.accelerator
     accelerator.wait_for_everyone()
     if accelerator.is_fsdp2 or trainer.acc.zero3:
-        save_final_gathered(trainer, out, final)
+        save_policy_gathered(trainer, out)
         return
     if not accelerator.is_main_process:
         return
@@ -413,7 +505,7 @@ def save_final(trainer: PPOTrainer, cfg: Config, out: Path, final: dict) -> None
         lm.save_pretrained(tmp / "adapter")
         trainer.tokenizer.save_pretrained(tmp / "adapter")
         if cfg.merge_lora:
-            lm = lm.merge_and_unload()
+            lm = (copy.deepcopy(lm) if merge_copies else lm).merge_and_unload()
     if not cfg.use_lora or cfg.merge_lora:
         lm.save_pretrained(tmp, safe_serialization=True)
     trainer.tokenizer.save_pretrained(tmp)
@@ -424,9 +516,9 @@ def save_final(trainer: PPOTrainer, cfg: Config, out: Path, final: dict) -> None
         )
     if trainer.critic is not None:  # the trained critic, an RM folder (`load_reward_model` reads it)
         critic = trainer.accelerator.unwrap_model(trainer.critic).reward_model
+        critic = copy.deepcopy(critic) if merge_copies and cfg.use_lora else critic
         save_reward_model(critic, tmp / "critic", merge_lora=True)
     publish_files(tmp, out)
-    write_final_metrics(out, final)
 
 
 def write_final_metrics(out: Path, final: dict) -> None:
@@ -451,9 +543,9 @@ def write_final_metrics(out: Path, final: dict) -> None:
     )
 
 
-def save_final_gathered(trainer: PPOTrainer, out: Path, final: dict) -> None:
+def save_policy_gathered(trainer: PPOTrainer, out: Path) -> None:
     """FSDP2 and ZeRO-3 (parameters sharded): the full policy state gathered from the shards (a collective:
-    every process), then the main process writes the same folder as `save_final`: one full HF causal-LM
+    every process), then the main process writes the same folder as `save_policy`: one full HF causal-LM
     folder and the value head. (LoRA and the separate critic are not supported there yet: `PPOTrainer`
     says so.)"""
     policy = trainer.unwrapped_policy
@@ -480,7 +572,6 @@ def save_final_gathered(trainer: PPOTrainer, out: Path, final: dict) -> None:
             }
             save_file(head, tmp / "value_head.safetensors")
         publish_files(tmp, out)
-        write_final_metrics(out, final)
     trainer.accelerator.wait_for_everyone()
 
 

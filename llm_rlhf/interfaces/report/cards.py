@@ -11,7 +11,9 @@ from llm_rlhf.interfaces.report.runs import (
     Run,
     baseline_name,
     config_value,
+    final_alarm,
     final_value,
+    heldout_alarm,
     kl_target,
     planned,
     without_reward_model,
@@ -30,7 +32,7 @@ def _card(label: str, value: str, sub: str = "") -> str:
 
 def headline_cards(run: Run) -> str:
     """The cards: SFT and RM (when part of the run), PPO's score and KL, the estimator, held-out accuracy,
-    the gold's win rate and its parts, the wall time."""
+    the gold's win rate and its parts, the reward-hacking alarm, the wall time."""
     accuracy = accuracy_cards(run)  # with no gold, held-out accuracy takes the gold win rate's place
     gold = final_value(run, "eval", eval_metrics.GOLD_WIN_RATE)
     cards = [
@@ -40,6 +42,7 @@ def headline_cards(run: Run) -> str:
         *accuracy,
         *([] if accuracy and gold is None else [gold_card(run)]),
         *gold_part_cards(run),
+        *watch_cards(run),
     ]
     wall = sum(
         num((e or {}).get("wall_time_s")) or 0.0 for e in (run.pipeline or {}).values() if isinstance(e, dict)
@@ -151,3 +154,28 @@ def estimator_card(run: Run) -> list[str]:
     k = config_value(run, "ppo", "samples_per_prompt")
     sub = f"{critic}; {k} samples / prompt" if k not in (None, 1) else critic
     return [_card("Advantage estimator", str(estimator), sub)]
+
+
+def watch_cards(run: Run) -> list[str]:
+    """The reward-hacking alarm (`llm_rlhf.hacking`): fired at PPO step N (its rules) or quiet over PPO's held-out
+    evaluations, with the best evaluation's step and the step the run returned; else the final evaluation's
+    counter rules alone. No card when neither was logged."""
+    alarm, final = heldout_alarm(run), final_alarm(run)
+    if alarm is None and final is None:
+        return []
+    parts = []
+    if alarm is not None and alarm["best_step"] is not None:
+        parts.append(f"best gold at step {alarm['best_step']:g}")
+    if alarm is not None and alarm["returned_step"] is not None:
+        parts.append(f"returned step {alarm['returned_step']:g}")
+    if final is not None:
+        parts.append(f"final evaluation: {', '.join(final['rules']) or 'quiet'}")
+    if alarm is not None and alarm["step"] is not None:
+        stopped = " (stopped)" if alarm["stopped"] else ""
+        value = f"fired at step {alarm['step']:g}{stopped}"
+        parts.insert(0, ", ".join(alarm["rules"]))
+    elif final is not None and final["rules"]:
+        value = "fired on the final evaluation"
+    else:
+        value = "quiet"
+    return [_card("Reward-hacking alarm", value, "; ".join(parts))]

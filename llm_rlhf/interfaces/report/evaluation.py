@@ -161,6 +161,12 @@ EVAL_GROUPS: tuple[tuple[str, tuple[EvalRow, ...]], ...] = (
         EvalRow("a repeated word 3-gram", hacking.REPEATED_NGRAM_RATE),
         EvalRow("empty", hacking.EMPTY_RATE),
     )),
+    ("Collapse (onto one phrase: the reward-hacking alarm's counters, `llm_rlhf.hacking`)", (
+        EvalRow("the response to another prompt too (fraction)", eval_metrics.DUPLICATE_RATE),
+        EvalRow("the most frequent word bigram's share", eval_metrics.TOP_BIGRAM_SHARE),
+        EvalRow("holding the most shared word bigram (fraction)", eval_metrics.SHARED_BIGRAM_RATE),
+        EvalRow("word distinct-2", eval_metrics.WORD_DISTINCT_2),
+    )),
 )  # fmt: skip
 
 

@@ -1,5 +1,6 @@
-"""Section 5, the reward-hacking watch: the samples the proxy likes far more than the gold, and the
-degeneracy counters (`llm_rlhf.rl.hacking`).
+"""Section 5, the reward-hacking watch: the alarm (where it fired, its rule and the samples that fired it, or
+that it stayed quiet), the samples the proxy likes far more than the gold, and the degeneracy and collapse
+counters (`llm_rlhf.rl.hacking`).
 """
 
 from __future__ import annotations
@@ -13,21 +14,27 @@ from llm_rlhf.interfaces.report.cards import accuracy_cards
 from llm_rlhf.interfaces.report.figures import new_figure, no_data, nth_color
 from llm_rlhf.interfaces.report.numbers import first_of, num, series
 from llm_rlhf.interfaces.report.page import Page, num_cell, pct, table
-from llm_rlhf.interfaces.report.runs import Run, baseline_name, final_value
+from llm_rlhf.interfaces.report.runs import Run, baseline_name, final_alarm, final_value, heldout_alarm
 from llm_rlhf.interfaces.report.samples import shown_text
 from llm_rlhf.rl.hacking import (
     CHAR_RUN_RATE,
+    COUNTER_RULES,
     DEGENERACY_KEYS,
     EMPTY_RATE,
     PROXY,
+    PROXY_UP_GOLD_DOWN,
     REPEATED_NGRAM_RATE,
+    collapse_rates,
     degeneracy_flags,
     degeneracy_rates,
+    most_shared_bigram,
     standardised_gaps,
 )
 from llm_rlhf.stages.eval_metrics import (
     BASELINE,
+    COLLAPSE_KEYS,
     COMBINED_SCORE,
+    DUPLICATE_RATE,
     GOLD_SCORE,
     KL_TO_REF,
     LOG_KL,
@@ -35,6 +42,9 @@ from llm_rlhf.stages.eval_metrics import (
     PROMPT,
     RESPONSE,
     RM_SCORE,
+    SHARED_BIGRAM_RATE,
+    TOP_BIGRAM_SHARE,
+    WORD_DISTINCT_2,
     side,
 )
 
@@ -47,6 +57,14 @@ DEGENERACY_NAMES = {
     REPEATED_NGRAM_RATE: "a repeated word 3-gram",
     EMPTY_RATE: "empty",
 }
+COLLAPSE_NAMES = {
+    DUPLICATE_RATE: "the response to another prompt too",
+    TOP_BIGRAM_SHARE: "the most frequent word bigram's share",
+    SHARED_BIGRAM_RATE: "holding the most shared word bigram",
+    WORD_DISTINCT_2: "word distinct-2",
+}
+RULE_NAMES = {PROXY_UP_GOLD_DOWN: "proxy up, gold down", **DEGENERACY_NAMES, **COLLAPSE_NAMES}
+DEGENERACY_FLAG = {CHAR_RUN_RATE: "char_run", REPEATED_NGRAM_RATE: "repeated_ngram", EMPTY_RATE: "empty"}
 
 
 def watched_evaluations(run: Run) -> list[dict]:
@@ -100,7 +118,7 @@ def ppo_evaluations(run: Run) -> list[dict]:
             f"PPO step {step:g}", kl_at.get(step),
             [{"prompt": r.get(PROMPT), "response": r.get(RESPONSE)} for r in by_step[step]],
             [num(r.get(PROXY)) for r in by_step[step]], [num(r.get(GOLD_SCORE)) for r in by_step[step]],
-            reference="the step-0 evaluation (the SFT model)", ref=ref,
+            reference="the step-0 evaluation (the SFT model)", ref=ref, step=step,
         )
         for step in sorted(by_step, reverse=True)
     ]  # fmt: skip
@@ -110,8 +128,11 @@ def _complete(values: list | None) -> list | None:
     return values if values and None not in values else None
 
 
-def _watched(label: str, kl, samples: list[dict], proxy: list, gold: list, *, reference: str, ref) -> dict:
-    """One evaluation of `watched_evaluations`; ref: (samples, proxy, gold) of the reference set, or None."""
+def _watched(
+    label: str, kl, samples: list[dict], proxy: list, gold: list, *, reference: str, ref, step=None
+) -> dict:
+    """One evaluation of `watched_evaluations` (step: PPO's, None for the final evaluation); ref: (samples,
+    proxy, gold) of the reference set, or None."""
     gaps = None
     if _complete(proxy) and _complete(gold):
         ref_proxy, ref_gold = (_complete(ref[1]), _complete(ref[2])) if ref else (None, None)
@@ -121,11 +142,13 @@ def _watched(label: str, kl, samples: list[dict], proxy: list, gold: list, *, re
         gaps = standardised_gaps(proxy=proxy, gold=gold, ref_proxy=ref_proxy, ref_gold=ref_gold)
     for i, sample in enumerate(samples):
         sample.update(proxy=proxy[i], gold=gold[i], gap=gaps[i] if gaps else None)
+    responses = [str(s["response"] or "") for s in samples]
     return {
-        "label": label, "kl": kl, "reference": reference, "samples": samples,
+        "label": label, "step": step, "kl": kl, "reference": reference, "samples": samples,
         "proxy_mean": float(np.mean(proxy)) if _complete(proxy) else None,
         "gold_mean": float(np.mean(gold)) if _complete(gold) else None,
-        **degeneracy_rates([str(s["response"] or "") for s in samples]),
+        **degeneracy_rates(responses),
+        **collapse_rates(responses, prompts=[str(s["prompt"]) for s in samples]),
     }  # fmt: skip
 
 
@@ -164,13 +187,14 @@ def watch_table(evaluations: list[dict]) -> str:
 
 
 def counters_table(evaluations: list[dict]) -> str:
-    """One row per evaluation, oldest first: KL, mean proxy and gold, the largest gap and the degeneracy rates."""
+    """One row per evaluation, oldest first: KL, mean proxy and gold, the largest gap, the degeneracy rates and
+    the collapse counters (`hacking.collapse_rates`)."""
     rows = []
     oldest_first = [e for later in reversed(evaluations) for e in (later.get("baseline"), later) if e]
     for ev in oldest_first:  # the SFT baseline's row just before the final evaluation's
         top = largest_gaps(ev, 1)
         rows.append([ev["label"], ev["kl"], ev["proxy_mean"], ev["gold_mean"], top[0]["gap"] if top else None,
-                     *[pct(ev[k]) for k in DEGENERACY_KEYS]])  # fmt: skip
+                     *[pct(ev[k]) for k in DEGENERACY_KEYS], *[pct(ev[k]) for k in COLLAPSE_KEYS]])  # fmt: skip
     header = [
         "evaluation",
         "KL",
@@ -178,6 +202,7 @@ def counters_table(evaluations: list[dict]) -> str:
         "gold (mean)",
         "largest gap (σ)",
         *DEGENERACY_NAMES.values(),
+        *COLLAPSE_NAMES.values(),
     ]
     return table(header, rows, css_class="counters")
 
@@ -222,6 +247,7 @@ def section_hacking(page: Page, run: Run) -> None:
         "evaluations when the proxy rises and the gold does not. Orange tags: the degeneracy counters a "
         "response trips.</p>"
     )
+    alarm_banners(page, run, evaluations)
     gap_tables(page, run, evaluations)
     degeneracy_counters(page, run, evaluations)
 
@@ -268,4 +294,144 @@ def degeneracy_counters(page: Page, run: Run, evaluations: list[dict]) -> None:
             '<p class="note">No response of PPO\'s held-out evaluations tripped a counter (a run of one character '
             "repeated 4 or more times, a word 3-gram said twice, no text): nothing to plot.</p>"
         )
+    if any(num(r.get(k)) is not None for r in run.eval_log or () for k in COLLAPSE_KEYS):
+        page.figure(
+            plot_collapse(run.eval_log),
+            "collapse",
+            "Collapse counters against step",
+            "PPO's held-out evaluations: the fraction of responses that are also the response to another prompt, "
+            "the most frequent word bigram's share of all bigrams, the fraction of responses holding the most "
+            "shared bigram, and word distinct-2; dashed: the alarm's threshold, set against the step-0 "
+            "evaluation's value (`llm_rlhf.rl.hacking`).",
+        )
     page.add(counters_table(evaluations))
+
+
+def plot_collapse(eval_log: list[dict]):
+    """The collapse counters of PPO's held-out evaluations against the step, one panel each, with the alarm's
+    threshold against the step-0 evaluation dashed (`hacking.COUNTER_RULES`)."""
+    fig, axes = new_figure(1, len(COLLAPSE_KEYS), 14, 3.2)
+    start = next((r for r in eval_log or () if num(r.get(LOG_STEP)) == 0), None)
+    for i, key in enumerate(COLLAPSE_KEYS):
+        ax = axes[0, i]
+        x, y = series(eval_log, key, x=LOG_STEP)
+        if not len(x):
+            no_data(ax)
+            continue
+        ax.plot(x, y, "o-", color=nth_color(i), markersize=3)
+        base = num((start or {}).get(key))
+        if base is not None:
+            kind, threshold = COUNTER_RULES[key]
+            ax.axhline(
+                base + threshold if kind == "above" else threshold * base, color="#b42318", ls="--", lw=1
+            )
+        ax.set(title=COLLAPSE_NAMES[key], xlabel="PPO step", ylim=(0, 1.05))
+    return fig
+
+
+def alarm_banners(page: Page, run: Run, evaluations: list[dict]) -> None:
+    """Where the alarm fired over PPO's held-out evaluations (the step, its rules and reasons, and the samples
+    that fired each rule: `fired_samples`) or that it stayed quiet, with the best evaluation and the step the
+    run returned; then the same for the final evaluation's counter rules (policy against the baseline)."""
+    alarm = heldout_alarm(run)
+    if alarm is not None:
+        steps = (
+            f"{len(alarm['steps'])} held-out evaluations (steps {alarm['steps'][0]:g}–{alarm['steps'][-1]:g})"
+        )
+        best = (
+            f"best gold at step {alarm['best_step']:g}"
+            if alarm["best_step"] is not None
+            else "no gold to rank"
+        )
+        returned = (
+            f"; the run returned the policy of step {alarm['returned_step']:g}"
+            if alarm["returned_step"] is not None
+            else ""
+        )
+        if alarm["step"] is None:
+            page.add(f'<div class="quiet"><strong>Alarm quiet</strong> over {steps}; {best}{returned}.</div>')
+        else:
+            stopped = " The run stopped there (stop_on_alarm)." if alarm["stopped"] else ""
+            page.add(
+                f'<div class="alarm"><strong>Reward-hacking alarm at PPO step {alarm["step"]:g}</strong>: '
+                f"{html.escape(', '.join(RULE_NAMES.get(r, r) for r in alarm['rules']))}.{stopped} "
+                f"Over {steps}; {best}{returned}." + _reasons(alarm["reasons"]) + "</div>"
+            )
+            at = next((ev for ev in evaluations if ev["step"] == alarm["step"]), None)
+            for rules in sample_groups(alarm["rules"]):
+                page.add(fired_samples(rules, at))
+    final = final_alarm(run)
+    evaluated = next((ev for ev in evaluations if ev["step"] is None), None)
+    if final is not None and final["rules"]:
+        page.add(
+            '<div class="alarm"><strong>Reward-hacking alarm on the final evaluation</strong>: '
+            f"{html.escape(', '.join(RULE_NAMES.get(r, r) for r in final['rules']))}, the policy's counters "
+            f"against the {html.escape(baseline_name(run))}'s." + _reasons(final["reasons"]) + "</div>"
+        )
+        for rules in sample_groups(final["rules"]):
+            page.add(fired_samples(rules, evaluated))
+    elif final is not None:
+        page.add(
+            '<div class="quiet"><strong>Final evaluation quiet</strong>: no counter past its threshold against '
+            f"the {html.escape(baseline_name(run))}'s.</div>"
+        )
+
+
+def _reasons(lines: list[str]) -> str:
+    return "<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in lines) + "</ul>" if lines else ""
+
+
+BIGRAM_RULES = (TOP_BIGRAM_SHARE, SHARED_BIGRAM_RATE, WORD_DISTINCT_2)  # one bigram's samples show all three
+
+
+def sample_groups(rules: list[str]) -> list[list[str]]:
+    """The fired rules in groups that share their samples: the bigram counters together, the others alone."""
+    bigram = [r for r in rules if r in BIGRAM_RULES]
+    groups = [[r] for r in rules if r not in BIGRAM_RULES]
+    return groups + [bigram] if bigram else groups
+
+
+def fired_samples(rules: list[str], evaluation: dict | None) -> str:
+    """The samples that fired a group of rules (`sample_groups`) at an evaluation (a `watched_evaluations`
+    dict), as a list: proxy up / gold down, the samples with the largest proxy-gold gap; duplicate_rate, the
+    responses given to several prompts, with how many responses and prompts; the bigram counters, the most
+    shared word bigram and responses holding it; a degeneracy counter, responses that trip it. Empty without
+    the evaluation's samples."""
+    if evaluation is None or not evaluation["samples"]:
+        return ""
+    samples = evaluation["samples"]
+    responses = [str(s["response"] or "") for s in samples]
+    rule = rules[0]
+    name = html.escape(" / ".join(RULE_NAMES.get(r, r) for r in rules))
+    if rule == PROXY_UP_GOLD_DOWN:
+        top = largest_gaps(evaluation)
+        head = f"the samples with the largest proxy−gold gap ({html.escape(evaluation['label'])})"
+        items = [f"gap {s['gap']:+.2f}σ: {shown_text(s['response'])}" for s in top]
+    elif rule == DUPLICATE_RATE:
+        given: dict[str, list] = {}  # normalised text -> the prompts of its responses, one per response
+        for s, text in zip(samples, responses):
+            given.setdefault(" ".join(text.split()), []).append(str(s["prompt"]))
+        repeated = sorted(
+            ((len(set(p)), len(p), t) for t, p in given.items() if len(set(p)) > 1), reverse=True
+        )
+        head = f"responses given to several prompts, of {len(samples)}"
+        items = [f"{shown_text(text)} × {n} responses to {k} prompts" for k, n, text in repeated[:WATCH_TOP]]
+    elif rule in BIGRAM_RULES:
+        gram, holders = most_shared_bigram(responses)
+        head = (
+            f"the most shared word bigram “{html.escape(gram)}”, in {len(holders)} of {len(samples)} responses"
+            if gram is not None
+            else "no response has two words"
+        )
+        items = [shown_text(samples[i]["response"]) for i in holders[:WATCH_TOP]]
+    elif rule in DEGENERACY_FLAG:
+        tripped = [s for s, text in zip(samples, responses) if degeneracy_flags(text)[DEGENERACY_FLAG[rule]]]
+        head = f"{len(tripped)} of {len(samples)} responses"
+        items = [shown_text(s["response"]) for s in tripped[:WATCH_TOP]]
+    else:
+        return ""
+    return (
+        f'<p class="note"><strong>{name}</strong>: {head}</p><ul class="fired">'
+        + "".join(f"<li>{item}</li>" for item in items)
+        + "</ul>"
+    )

@@ -62,6 +62,8 @@ img { max-width: 100%; height: auto; border: 1px solid #eee; }
 figure { margin: 1em 0; } figcaption { color: #666; font-size: 0.85em; }
 .note { color: #555; }
 .missing { color: #a15c00; background: #fff6e5; border-left: 4px solid #f0a020; padding: 0.4em 0.8em; }
+.alarm { color: #7a1a12; background: #fdecea; border-left: 4px solid #b42318; padding: 0.4em 0.8em; }
+.quiet { color: #1a5c2e; background: #eef8f0; border-left: 4px solid #1a7f37; padding: 0.4em 0.8em; }
 details { margin: 0.4em 0; } summary { cursor: pointer; font-weight: 600; }
 pre { background: #f6f8fa; padding: 0.8em; overflow-x: auto; font-size: 0.85em; }
 nav a { margin-right: 1em; }

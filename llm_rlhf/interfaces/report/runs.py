@@ -15,7 +15,8 @@ import yaml
 from llm_rlhf.core.config import is_off
 from llm_rlhf.interfaces.report.numbers import num
 from llm_rlhf.rl.estimators import DEFAULT_ESTIMATOR
-from llm_rlhf.stages import ppo_metrics
+from llm_rlhf.rl.hacking import WATCH_KEYS, watch_fields
+from llm_rlhf.stages import eval_metrics, ppo_metrics
 
 STAGES = ("sft", "rm", "ppo", "eval")
 
@@ -218,3 +219,42 @@ def baseline_name(run: Run) -> str:
     """What the evaluation compares the policy with: the SFT model, or the model PPO started from when the
     run has no SFT stage (`stages: [ppo, eval]`)."""
     return "SFT baseline" if planned(run, "sft") else "starting model"
+
+
+def heldout_alarm(run: Run) -> dict | None:
+    """The reward-hacking alarm over PPO's held-out evaluations (`hacking.watch_fields`): {"step": where it
+    fired (None: quiet), "rules", "reasons", "best_step", "steps": the evaluated steps, "stopped": stop_on_alarm
+    stopped the run there, "returned_step": the step of the policy the run returned (None when metrics.json
+    does not say)}. Read from the last line of ppo/eval_log.jsonl, the run's own verdict; a log written before
+    the alarm existed is read again with watch_fields (its older lines lack the collapse counters and the
+    standard errors: fewer rules can fire). None without a held-out log."""
+    log = [r for r in run.eval_log or () if num(r.get(eval_metrics.LOG_STEP)) is not None]
+    if not log:
+        return None
+    if all(key in log[-1] for key in WATCH_KEYS):
+        fields = {key: log[-1][key] for key in WATCH_KEYS}
+    else:
+        weight = num(config_value(run, "ppo", "reward_fn_weight"))
+        fields = watch_fields(log, reward_fn_weight=1.0 if weight is None else weight)
+    final = run.metrics.get("ppo") or {}
+    return {
+        "step": fields[eval_metrics.LOG_ALARM_STEP],
+        "rules": list(fields[eval_metrics.LOG_ALARM_RULES] or []),
+        "reasons": list(fields[eval_metrics.LOG_ALARM_REASONS] or []),
+        "best_step": fields[eval_metrics.LOG_BEST_STEP],
+        "steps": [num(r[eval_metrics.LOG_STEP]) for r in log],
+        "stopped": final.get(ppo_metrics.STOPPED_ON_ALARM) is True,
+        "returned_step": num(final.get(ppo_metrics.RETURNED_STEP)),
+    }
+
+
+def final_alarm(run: Run) -> dict | None:
+    """The alarm's counter rules on the final evaluation (eval/metrics.json, `evaluate.final_alarm`): {"rules",
+    "reasons"}; None when metrics.json does not hold them (an older evaluation, or none)."""
+    metrics = run.metrics.get("eval") or {}
+    if not isinstance(metrics.get(eval_metrics.ALARM_RULES), list):
+        return None
+    return {
+        "rules": list(metrics[eval_metrics.ALARM_RULES]),
+        "reasons": list(metrics.get(eval_metrics.ALARM_REASONS) or []),
+    }
