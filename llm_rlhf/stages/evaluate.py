@@ -1083,7 +1083,7 @@ def format_metrics(metrics: dict[str, Any]) -> str:
         lines.append(
             f"{key:<24}{num(metrics[key]):>10}" + (f"  (+/- {stderr:.4f})" if stderr is not None else "")
         )
-    for key in eval_metrics.COLLAPSE_KEYS:  # the reward-hacking alarm's counters (`llm_rlhf.hacking`)
+    for key in eval_metrics.COLLAPSE_KEYS:  # the reward-hacking alarm's counters (`llm_rlhf.rl.hacking`)
         lines.append(f"{key:<24}{num(metrics[key]):>10}{num(metrics[key + eval_metrics.BASELINE]):>10}")
     reasons = metrics.get(eval_metrics.ALARM_REASONS)
     if reasons is not None:

@@ -157,7 +157,7 @@ def estimator_card(run: Run) -> list[str]:
 
 
 def watch_cards(run: Run) -> list[str]:
-    """The reward-hacking alarm (`llm_rlhf.hacking`): fired at PPO step N (its rules) or quiet over PPO's held-out
+    """The reward-hacking alarm (`llm_rlhf.rl.hacking`): fired at PPO step N (its rules) or quiet over PPO's held-out
     evaluations, with the best evaluation's step and the step the run returned; else the final evaluation's
     counter rules alone. No card when neither was logged."""
     alarm, final = heldout_alarm(run), final_alarm(run)

@@ -161,7 +161,7 @@ EVAL_GROUPS: tuple[tuple[str, tuple[EvalRow, ...]], ...] = (
         EvalRow("a repeated word 3-gram", hacking.REPEATED_NGRAM_RATE),
         EvalRow("empty", hacking.EMPTY_RATE),
     )),
-    ("Collapse (onto one phrase: the reward-hacking alarm's counters, `llm_rlhf.hacking`)", (
+    ("Collapse (onto one phrase: the reward-hacking alarm's counters, `llm_rlhf.rl.hacking`)", (
         EvalRow("the response to another prompt too (fraction)", eval_metrics.DUPLICATE_RATE),
         EvalRow("the most frequent word bigram's share", eval_metrics.TOP_BIGRAM_SHARE),
         EvalRow("holding the most shared word bigram (fraction)", eval_metrics.SHARED_BIGRAM_RATE),
