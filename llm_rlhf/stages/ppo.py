@@ -712,7 +712,6 @@ class PPOTrainer:
         leave the loss mask of every term (policy, value, KL, entropy) and the counts.
         """
         cfg, sizes = self.cfg, self.sizes
-        kl_coef = self.kl_ctl.value
         # No old log-probs yet (`old_logprobs_from_update`): the policy this forward runs is the old policy, and
         # its detached log-probs and entropy are the rollout's, filled in here for the metrics and the KL.
         fill = rollout.logprobs is None
@@ -763,62 +762,18 @@ class PPOTrainer:
                         old_logprobs = logprobs.detach() if fill else part.logprobs  # fill: ratio 1 exactly
                         if fill:
                             rollout.logprobs[mc], rollout.entropy[mc] = old_logprobs, entropy.detach()
-                        if plain:  # today's loss, with its arithmetic (bit-identical runs)
-                            pg_loss, pg = ppo_math.policy_loss(
-                                logprobs=logprobs,
-                                old_logprobs=old_logprobs,
-                                advantages=advantages[mc],
-                                response_mask=mask,
-                                cliprange=cfg.cliprange,
-                            )
-                            loss = pg_loss
-                            parts = {
-                                ppo_metrics.LOSS_POLICY: pg_loss,
-                                ppo_metrics.POLICY_APPROXKL: pg.approxkl,
-                                ppo_metrics.POLICY_CLIPFRAC: pg.clipfrac,
-                                ppo_metrics.POLICY_RATIO: ppo_math.masked_mean(pg.ratio, mask),
-                            }
-                        else:  # this micro-batch's share of the minibatch's policy loss
-                            pg_loss, parts = self.policy_loss_share(
-                                logprobs=logprobs,
-                                old_logprobs=old_logprobs,
-                                advantages=advantages[mc],
-                                loss_mask=mask,
-                                normaliser=normaliser,
-                                weights=None if weights is None else weights[mc],
-                            )
-                            if weights is not None:
-                                parts[ppo_metrics.SAMPLER_MEAN_WEIGHT] = ppo_math.masked_mean(
-                                    weights[mc], mask
-                                )
-                                parts[ppo_metrics.SAMPLER_CORRECTED_FRAC] = ppo_math.masked_mean(
-                                    corrected[mc].float(), mask
-                                )
-                            loss = torch.zeros((), device=self.device)  # the other terms: token means
-                        entropy = ppo_math.masked_mean(entropy, mask)
-                        parts[ppo_metrics.POLICY_ENTROPY] = entropy
-                        if cfg.estimator.critic:  # gae: the value head's or the critic's loss
-                            vf_loss, vf = ppo_math.value_loss(
-                                values=values,
-                                old_values=part.values,
-                                returns=returns[mc],
-                                response_mask=mask,
-                                cliprange_value=cfg.cliprange_value,
-                            )
-                            loss = loss + cfg.vf_coef * vf_loss
-                            parts.update(
-                                {ppo_metrics.LOSS_VALUE: vf_loss, ppo_metrics.VAL_CLIPFRAC: vf.clipfrac}
-                            )
-                        if cfg.kl_penalty_in_loss:
-                            kl_loss = ppo_math.kl_loss(
-                                logprobs=logprobs,
-                                ref_logprobs=part.ref_logprobs,
-                                response_mask=mask,
-                                kl_coef=kl_coef,
-                            )
-                            loss = loss + kl_loss
-                            parts[KL_LOSS_STAT] = kl_loss
-                        loss = loss - cfg.ent_coef * entropy
+                        pg_loss, loss, parts = self.policy_terms(
+                            logprobs=logprobs,
+                            old_logprobs=old_logprobs,
+                            advantages=advantages[mc],
+                            mask=mask,
+                            normaliser=None if plain else normaliser,
+                            sampler=None if weights is None else (weights[mc], corrected[mc]),
+                        )
+                        loss = self.other_terms(
+                            loss, parts, part=part, logprobs=logprobs, values=values, entropy=entropy,
+                            returns=None if returns is None else returns[mc], mask=mask,
+                        )  # fmt: skip
                         weight = mask.sum() * self.accelerator.num_processes / mb_tokens.clamp(min=1)
                         scaled = loss * weight if plain else pg_loss * processes + loss * weight
                         self.acc.backward(self.policy, scaled, last=last)
@@ -856,6 +811,91 @@ class PPOTrainer:
             }
         )
         return out
+
+    def policy_terms(
+        self,
+        *,
+        logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        normaliser: torch.Tensor | None,
+        sampler: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """A micro-batch's policy loss: (pg_loss, the loss its other terms add to, the statistics).
+
+        normaliser None (`Config.plain_policy_loss`): the clipped loss as a token mean over this micro-batch's
+        mask, which `train_on_rollout` weights by its share of the minibatch's tokens (today's arithmetic,
+        bit for bit), and the loss starts from it. Else this micro-batch's share of `ppo_math.aggregate_loss`
+        over the global normaliser (`policy_loss_share`), the sampler correction's (weights, corrected) (B, R)
+        applied, and the other terms start from 0 (they keep their token-share weights)."""
+        if normaliser is None:  # today's loss, with its arithmetic (bit-identical runs)
+            pg_loss, pg = ppo_math.policy_loss(
+                logprobs=logprobs,
+                old_logprobs=old_logprobs,
+                advantages=advantages,
+                response_mask=mask,
+                cliprange=self.cfg.cliprange,
+            )
+            parts = {
+                ppo_metrics.LOSS_POLICY: pg_loss,
+                ppo_metrics.POLICY_APPROXKL: pg.approxkl,
+                ppo_metrics.POLICY_CLIPFRAC: pg.clipfrac,
+                ppo_metrics.POLICY_RATIO: ppo_math.masked_mean(pg.ratio, mask),
+            }
+            return pg_loss, pg_loss, parts
+        weights, corrected = sampler if sampler is not None else (None, None)
+        pg_loss, parts = self.policy_loss_share(
+            logprobs=logprobs,
+            old_logprobs=old_logprobs,
+            advantages=advantages,
+            loss_mask=mask,
+            normaliser=normaliser,
+            weights=weights,
+        )
+        if weights is not None:
+            parts[ppo_metrics.SAMPLER_MEAN_WEIGHT] = ppo_math.masked_mean(weights, mask)
+            parts[ppo_metrics.SAMPLER_CORRECTED_FRAC] = ppo_math.masked_mean(corrected.float(), mask)
+        return pg_loss, torch.zeros((), device=self.device), parts
+
+    def other_terms(
+        self,
+        loss: torch.Tensor,
+        parts: dict[str, torch.Tensor],
+        *,
+        part: Rollout,
+        logprobs: torch.Tensor,
+        values: torch.Tensor | None,
+        entropy: torch.Tensor,
+        returns: torch.Tensor | None,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """loss + vf_coef * the clipped value loss (gae) + the k3 KL loss (the KL in the loss) - ent_coef *
+        entropy, each a token mean over `mask`, added in this order (the float rounding of every run so far);
+        their statistics go into `parts`."""
+        cfg = self.cfg
+        entropy = ppo_math.masked_mean(entropy, mask)
+        parts[ppo_metrics.POLICY_ENTROPY] = entropy
+        if cfg.estimator.critic:  # gae: the value head's or the critic's loss
+            vf_loss, vf = ppo_math.value_loss(
+                values=values,
+                old_values=part.values,
+                returns=returns,
+                response_mask=mask,
+                cliprange_value=cfg.cliprange_value,
+            )
+            loss = loss + cfg.vf_coef * vf_loss
+            parts.update({ppo_metrics.LOSS_VALUE: vf_loss, ppo_metrics.VAL_CLIPFRAC: vf.clipfrac})
+        if cfg.kl_penalty_in_loss:
+            kl_loss = ppo_math.kl_loss(
+                logprobs=logprobs,
+                ref_logprobs=part.ref_logprobs,
+                response_mask=mask,
+                kl_coef=self.kl_ctl.value,
+            )
+            loss = loss + kl_loss
+            parts[KL_LOSS_STAT] = kl_loss
+        return loss - cfg.ent_coef * entropy
 
     def policy_loss_share(
         self,
