@@ -39,6 +39,7 @@ from transformers import AutoModelForCausalLM
 from transformers.pytorch_utils import Conv1D
 from trl import DPOConfig, DPOTrainer
 
+from llm_rlhf.accelerated import loading_whole_models
 from llm_rlhf.config import help_field, require
 from llm_rlhf.data import load_preference_dataset
 from llm_rlhf.errors import UserError
@@ -55,6 +56,7 @@ from llm_rlhf.trainer_stage import (
     log_callback,
     start_outputs,
     training_metrics,
+    whole_model,
 )
 from llm_rlhf.utils import atomic_write_json, publish_files, seed_everything, temp_dir_beside
 
@@ -375,16 +377,17 @@ def run(cfg: Config) -> dict[str, float]:
     trainer.accelerator.wait_for_everyone()
 
     metrics: dict[str, float] = {}
+    model = whole_model(trainer, dtype=torch_dtype(cfg.dtype))  # every process: a gather under ZeRO-3
     if main:
-        model = trainer.accelerator.unwrap_model(trainer.model)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         tmp = temp_dir_beside(output_dir / "final")  # inside output_dir: moving files out of it is atomic
         saved = save_policy(model, tokenizer, tmp, merge_lora=cfg.merge_lora)
-        check_reload(
-            saved, lambda: load_saved_policy(tmp, dtype=cfg.dtype),
-            lambda model, prompts, responses: response_logprobs(model, tokenizer, prompts, responses),
-            inputs.eval, what="the saved policy gives other log-probs", rtol=1e-4,
-        )  # fmt: skip
+        with loading_whole_models(trainer.accelerator):  # ZeRO-3: from_pretrained off zero.Init
+            check_reload(
+                saved, lambda: load_saved_policy(tmp, dtype=cfg.dtype),
+                lambda model, prompts, responses: response_logprobs(model, tokenizer, prompts, responses),
+                inputs.eval, what="the saved policy gives other log-probs", rtol=1e-4,
+            )  # fmt: skip
         publish_files(tmp, output_dir)
         metrics = {key: float(value) for key, value in eval_metrics.items() if key in EVAL_METRICS}
         metrics.update({
