@@ -1,12 +1,13 @@
 """Run under `accelerate launch` with 1 process, or 2 under multi_gpu.yaml / deepspeed_zero2.yaml /
-deepspeed_zero3.yaml: the SFT and RM stages (TRL's trainers) on a fixed global batch, each run twice.
+deepspeed_zero3.yaml: the SFT, RM and DPO stages (TRL's trainers) on a fixed global batch, each run twice.
 
     python trainer_stage_ranks.py MODEL_DIR SFT_TRAIN SFT_VAL PREF_TRAIN PREF_VAL OUT_DIR
 
 Each stage trains 2 steps of a global batch of 8 rows (per process 8 / world; the training files hold exactly
 8 rows, so every step sees all of them whatever the split across processes, and the gradient of a correctly
 scaled loss does not depend on the split), with a checkpoint every step, into OUT_DIR/<stage>/a; then
-OUT_DIR/<stage>/b, holding only a's checkpoint-1, resumes to step 2 (`resume: true`). OUT_DIR/ranks.json
+OUT_DIR/<stage>/b, holding only a's checkpoint-1, resumes to step 2 (`resume: true`). RM and DPO train on
+the preference pairs, from MODEL_DIR as SFT does. OUT_DIR/ranks.json
 (main process) holds the distributed type, the world size, per stage the RAW gradient of the first update
 (whole, flattened in the parameters' order, before clipping) and the main process's local parameter size
 (under ZeRO-3 its partitions: smaller than the whole). The logs and final folders are in OUT_DIR.
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from llm_rlhf import reward, sft
+from llm_rlhf import dpo, reward, sft
 from llm_rlhf.utils import use_cpu_ddp_without_gpus
 
 GLOBAL_BATCH = 8
@@ -69,8 +70,9 @@ def record_raw_gradients() -> None:
             RECORDED.append(
                 {
                     "grad": torch.cat([safe_get_full_grad(p).detach().flatten().float() for p in trainable]),
-                    "local_numel": sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel()
-                                       for p in trainable),  # fmt: skip
+                    "local_numel": sum(
+                        p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in trainable
+                    ),  # fmt: skip
                 }
             )
         return step(self, *args, **kwargs)
@@ -88,14 +90,16 @@ def shard_everything_under_zero3() -> None:
         post_init(self)
         if self.zero_stage == 3:
             self.deepspeed_config["zero_optimization"].update(
-                stage3_param_persistence_threshold=0, stage3_max_live_parameters=0, stage3_max_reuse_distance=0
+                stage3_param_persistence_threshold=0,
+                stage3_max_live_parameters=0,
+                stage3_max_reuse_distance=0,
             )
 
     DeepSpeedPlugin.__post_init__ = post_init_sharding_everything
 
 
 def stage_twice(module, values: dict, out: Path, world: int, main: bool) -> dict:
-    """`module.train` 2 steps into out/a; out/b (a's checkpoint-1 only) resumes to step 2."""
+    """`module.run` 2 steps into out/a; out/b (a's checkpoint-1 only) resumes to step 2."""
     common = dict(
         max_steps=2,
         max_length=32,
@@ -111,13 +115,15 @@ def stage_twice(module, values: dict, out: Path, world: int, main: bool) -> dict
         **values,
     )
     RECORDED.clear()
-    module.train(module.Config(**common, output_dir=str(out / "a")))
+    module.run(module.Config(**common, output_dir=str(out / "a")))
     first = RECORDED[0]
     if main:
-        shutil.copytree(out / "a" / "checkpoints" / "checkpoint-1", out / "b" / "checkpoints" / "checkpoint-1")
+        shutil.copytree(
+            out / "a" / "checkpoints" / "checkpoint-1", out / "b" / "checkpoints" / "checkpoint-1"
+        )
     if world > 1:
         torch.distributed.barrier()  # b's checkpoint is in place
-    module.train(module.Config(**common, output_dir=str(out / "b"), resume=True))
+    module.run(module.Config(**common, output_dir=str(out / "b"), resume=True))
     return {"grad": first["grad"].tolist(), "local_numel": first["local_numel"]}
 
 
@@ -134,17 +140,35 @@ def main() -> None:
     record = {
         "sft": stage_twice(
             sft,
-            dict(model_name_or_path=model_dir, train_file=sft_train, eval_file=sft_val, num_samples=4,
-                 max_new_tokens=4),  # fmt: skip
+            dict(
+                model_name_or_path=model_dir,
+                train_file=sft_train,
+                eval_file=sft_val,
+                num_samples=4,
+                max_new_tokens=4,
+            ),  # fmt: skip
             out / "sft",
             world,
             is_main,
         ),
         "rm": stage_twice(
             reward,
-            dict(model_name_or_path=model_dir, train_file=pref_train, eval_file=pref_val,
-                 test_file=None, normalization_samples=8, disable_dropout=True),  # fmt: skip
+            dict(
+                model_name_or_path=model_dir,
+                train_file=pref_train,
+                eval_file=pref_val,
+                test_file=None,
+                normalization_samples=8,
+                disable_dropout=True,
+            ),  # fmt: skip
             out / "rm",
+            world,
+            is_main,
+        ),
+        "dpo": stage_twice(
+            dpo,
+            dict(model_name_or_path=model_dir, train_file=pref_train, eval_file=pref_val),
+            out / "dpo",
             world,
             is_main,
         ),
