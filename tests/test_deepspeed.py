@@ -1,6 +1,7 @@
 """DeepSpeed ZeRO-2 and ZeRO-3 for real on 2 CPU processes (gloo), launched with the project's own
 accelerate_configs/deepspeed_zero2.yaml and deepspeed_zero3.yaml (issue 39). `llm-rlhf` turns DeepSpeed on
-without GPUs itself (`utils.run_deepspeed_on_cpu`); the scripts here patch nothing of accelerate."""
+without GPUs itself (`utils.run_deepspeed_on_cpu`); the scripts here change nothing of how accelerate runs
+DeepSpeed (they read the raw gradients and set ZeRO-3's thresholds, see each script's docstring)."""
 
 from __future__ import annotations
 
