@@ -1,6 +1,7 @@
 """DeepSpeed ZeRO-2 and ZeRO-3 for real on 2 CPU processes (gloo), launched with the project's own
 accelerate_configs/deepspeed_zero2.yaml and deepspeed_zero3.yaml (issue 39). `llm-rlhf` turns DeepSpeed on
-without GPUs itself (`utils.run_deepspeed_on_cpu`); the scripts here patch nothing of accelerate."""
+without GPUs itself (`utils.run_deepspeed_on_cpu`); the scripts here change nothing of how accelerate runs
+DeepSpeed (they read the raw gradients and set ZeRO-3's thresholds, see each script's docstring)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, flags, launch, ppo_cli_args
+from helpers import ROOT, SENTENCES, flags, launch, ppo_cli_args, preference_rows, write_jsonl
 
 SCRIPTS = ROOT / "tests" / "scripts"
 
@@ -193,17 +194,117 @@ def test_pipeline_sft_rm_ppo_eval_and_dpo_under_zero2(
     AutoModelForCausalLM.from_pretrained(dpo)
 
 
-def test_trainer_stages_refuse_zero3_and_a_precision_mismatch_in_one_line(monkeypatch):
+STAGES = ("sft", "rm", "dpo")
+UNCHECKPOINTED = ("num_tokens", "eval_num_tokens")  # TRL's token counters restart at 0 on resume
+
+
+def stage_runs(model_dir, files, out: Path, config: str | None) -> dict:
+    """tests/scripts/trainer_stage_ranks.py on one process (config None) or on 2 under `config`, fp32
+    (--mixed_precision no: the Trainer's bf16 needs a GPU, and fp32 compares tightly); what it wrote."""
+    args = [str(SCRIPTS / "trainer_stage_ranks.py"), str(model_dir), *map(str, files), str(out)]
+    if config is None:
+        launch(args, 1)
+    else:
+        launch(args, 2, config=config, mixed_precision="no", timeout=600)
+    return json.loads((out / "ranks.json").read_text())
+
+
+def logged_lines(folder: Path) -> list[dict]:
+    return [json.loads(x) for x in (folder / "log.jsonl").read_text().splitlines()]
+
+
+def same_figures(got: dict, expected: dict) -> None:
+    """The figures two log lines share, runtimes and TRL's token counters aside, equal within fp32 rounding."""
+    for key, value in expected.items():
+        if not key.endswith(("_runtime", "_per_second")) and key not in UNCHECKPOINTED:
+            assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_sft_rm_dpo_under_zero2_and_zero3_equal_one_process_and_ddp_resume_and_save(tiny_model_dir, tmp_path):
+    """SFT, RM and DPO (TRL's trainers) through tests/scripts/trainer_stage_ranks.py: 2 steps on a training
+    set of exactly one global batch (8 rows: the split across processes cannot change a correctly scaled
+    gradient), on one process and on 2 under DDP (multi_gpu.yaml), ZeRO-2 and ZeRO-3 (every parameter
+    partitioned, nothing kept live: each process holds half the parameters, and a forward on the main process
+    alone after training would hang). The RAW gradient of the first update (before clipping; gathered whole
+    from DeepSpeed's partitions) and the logged loss and grad norm equal one process's; a run resumed from
+    step 1's checkpoint (the engine's, one ZeRO partition of the optimizer state per process) logs step 2
+    and its evaluation as the uninterrupted run did and saves the same weights; the final folder is one plain
+    HF folder that `from_pretrained` loads. Dropout is off so that one process and two draw no masks."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    (model_dir / "config.json").write_text(json.dumps(config))
+    sft_rows = [{"prompt": " ".join(s.split(" ")[:3]), "completion": " " + " ".join(s.split(" ")[3:])}
+                for s in SENTENCES]  # fmt: skip
+    pairs = preference_rows()
+    files = (
+        write_jsonl(tmp_path / "sft_train.jsonl", sft_rows[:8]),
+        write_jsonl(tmp_path / "sft_val.jsonl", sft_rows[:4]),
+        write_jsonl(tmp_path / "prefs_train.jsonl", (pairs * 2)[:8]),
+        write_jsonl(tmp_path / "prefs_val.jsonl", pairs),
+    )
+    start = load_file(model_dir / "model.safetensors")
+    one = stage_runs(model_dir, files, tmp_path / "one", None)
+    assert one["world"] == 1
+    for config in (None, "multi_gpu.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3.yaml"):
+        out = tmp_path / (config or "one")
+        run = one if config is None else stage_runs(model_dir, files, out, config)
+        kind = {None: "NO", "multi_gpu.yaml": "MULTI_CPU"}.get(config, "DEEPSPEED")
+        assert (run["world"], run["distributed_type"]) == (1 if config is None else 2, kind)
+        for stage in STAGES:
+            grad, expected = torch.tensor(run[stage]["grad"]), torch.tensor(one[stage]["grad"])
+            assert expected.abs().max() > 0
+            torch.testing.assert_close(grad, expected, atol=1e-7, rtol=1e-4, msg=f"{config} {stage}")
+            first, resumed = logged_lines(out / stage / "a"), logged_lines(out / stage / "b")
+            for key in ("loss", "grad_norm"):
+                assert first[0][key] == pytest.approx(logged_lines(tmp_path / "one" / stage / "a")[0][key],
+                                                      rel=1e-5), (config, stage, key)  # fmt: skip
+            assert [m["step"] for m in resumed[:2]] == [2, 2] and "eval_loss" in resumed[1]
+            same_figures(resumed[0], first[1])  # step 2's training figures
+            same_figures(resumed[1], first[2])  # step 2's evaluation
+            if config == "deepspeed_zero3.yaml":
+                assert run[stage]["local_numel"] < 0.6 * len(grad)  # partitioned
+            else:
+                assert run[stage]["local_numel"] == len(grad)  # ZeRO-2 partitions gradients, optimizer only
+            if kind == "DEEPSPEED":
+                (step,) = (out / stage / "a" / "checkpoints" / "checkpoint-1").glob("global_step1")
+                assert len(list(step.glob("zero_pp_rank_*_optim_states.pt"))) == 2, (config, stage)
+            final_a = load_file(out / stage / "a" / "model.safetensors")
+            final_b = load_file(out / stage / "b" / "model.safetensors")
+            assert final_a.keys() == final_b.keys()
+            assert any(not torch.equal(final_a[k], start[k]) for k in start if k in final_a)  # trained
+            for k in final_a:
+                torch.testing.assert_close(final_b[k], final_a[k], msg=f"{config} {stage} {k}")
+            if stage == "rm":
+                AutoModelForSequenceClassification.from_pretrained(out / stage / "a", num_labels=1)
+            else:
+                AutoModelForCausalLM.from_pretrained(out / stage / "a")
+
+
+def test_trainer_stages_refuse_lora_under_zero3_and_a_precision_mismatch_in_one_line(monkeypatch):
     """SFT, RM and DPO under a DeepSpeed launch (accelerate passes the config in ACCELERATE_* variables):
-    ZeRO-3 is refused, and so is a bf16 key that disagrees with the launch's mixed_precision."""
+    LoRA under ZeRO-3 is refused (ZeRO-3 itself runs, and LoRA under ZeRO-2), and so is a bf16 key that
+    disagrees with the launch's mixed_precision."""
     from llm_rlhf.core.errors import ConfigError, UserError
+    from llm_rlhf.stages import sft
     from llm_rlhf.stages.trainer_stage import check_deepspeed_launch
 
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
-    with pytest.raises(UserError, match="ZeRO-3 is supported by the ppo stage only"):
-        check_deepspeed_launch(bf16=False)
+    check_deepspeed_launch(bf16=False)
+    with pytest.raises(
+        UserError, match="config key 'use_lora': LoRA is not supported under DeepSpeed ZeRO-3"
+    ):
+        sft.Config(use_lora=True).training_arguments()  # what every stage's TrainingArguments start from
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
+    check_deepspeed_launch(bf16=False, use_lora=True)
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
     with pytest.raises(
         ConfigError, match="config key 'bf16' is false but the DeepSpeed launch's mixed_precision"

@@ -43,6 +43,7 @@ from llm_rlhf.core.config import help_field, require
 from llm_rlhf.core.data import load_preference_dataset
 from llm_rlhf.core.errors import UserError
 from llm_rlhf.core.utils import atomic_write_json, publish_files, seed_everything, temp_dir_beside
+from llm_rlhf.models.accelerated import loading_whole_models
 from llm_rlhf.models.loading import (
     check_not_adapter_only,
     freeze,
@@ -62,6 +63,7 @@ from llm_rlhf.stages.trainer_stage import (
     log_callback,
     start_outputs,
     training_metrics,
+    whole_model,
 )
 
 LOSS_TYPES = ("sigmoid", "hinge", "ipo")  # TRL's losses that need nothing but beta
@@ -381,16 +383,17 @@ def run(cfg: Config) -> dict[str, float]:
     trainer.accelerator.wait_for_everyone()
 
     metrics: dict[str, float] = {}
+    model = whole_model(trainer, dtype=torch_dtype(cfg.dtype))  # every process: a gather under ZeRO-3
     if main:
-        model = trainer.accelerator.unwrap_model(trainer.model)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         tmp = temp_dir_beside(output_dir / "final")  # inside output_dir: moving files out of it is atomic
         saved = save_policy(model, tokenizer, tmp, merge_lora=cfg.merge_lora)
-        check_reload(
-            saved, lambda: load_saved_policy(tmp, dtype=cfg.dtype),
-            lambda model, prompts, responses: response_logprobs(model, tokenizer, prompts, responses),
-            inputs.eval, what="the saved policy gives other log-probs", rtol=1e-4,
-        )  # fmt: skip
+        with loading_whole_models(trainer.accelerator):  # ZeRO-3: from_pretrained off zero.Init
+            check_reload(
+                saved, lambda: load_saved_policy(tmp, dtype=cfg.dtype),
+                lambda model, prompts, responses: response_logprobs(model, tokenizer, prompts, responses),
+                inputs.eval, what="the saved policy gives other log-probs", rtol=1e-4,
+            )  # fmt: skip
         publish_files(tmp, output_dir)
         metrics = {key: float(value) for key, value in eval_metrics.items() if key in EVAL_METRICS}
         metrics.update({

@@ -32,8 +32,9 @@ from llm_rlhf.core.config import checked_keywords, help_field, require
 from llm_rlhf.core.data import load_preference_dataset, load_rows
 from llm_rlhf.core.errors import ConfigError, DataError, UserError
 from llm_rlhf.core.utils import atomic_write_json, publish_files, seed_everything, temp_dir_beside
+from llm_rlhf.models.accelerated import loading_whole_models
 from llm_rlhf.models.baseline import fit_bow_baseline, pairwise_accuracy
-from llm_rlhf.models.loading import Trained, check_not_adapter_only, tokenizer_or_load
+from llm_rlhf.models.loading import Trained, check_not_adapter_only, tokenizer_or_load, torch_dtype
 from llm_rlhf.models.reward_model import (
     RewardModel,
     add_pad_token,
@@ -52,6 +53,7 @@ from llm_rlhf.stages.trainer_stage import (
     log_callback,
     start_outputs,
     training_metrics,
+    whole_model,
 )
 
 
@@ -447,16 +449,17 @@ def train(
 
     metrics: dict[str, float] = {}
     reward_model = None
+    model = whole_model(trainer, dtype=torch_dtype(cfg.dtype))  # every process: a gather under ZeRO-3
     if main:
-        model = trainer.accelerator.unwrap_model(trainer.model)
         reward_model = RewardModel(model, tokenizer).eval()
         metrics = normalize_and_evaluate(cfg, reward_model, inputs)
         tmp = temp_dir_beside(output_dir / "final")
         save_reward_model(reward_model, tmp, merge_lora=cfg.merge_lora)
-        check_reload(
-            reward_model, lambda: load_reward_model(tmp, dtype=cfg.dtype), score_pairs, inputs.eval,
-            what="the saved reward model scores differently", rtol=1e-3,
-        )  # fmt: skip
+        with loading_whole_models(trainer.accelerator):  # ZeRO-3: from_pretrained off zero.Init
+            check_reload(
+                reward_model, lambda: load_reward_model(tmp, dtype=cfg.dtype), score_pairs, inputs.eval,
+                what="the saved reward model scores differently", rtol=1e-3,
+            )  # fmt: skip
         publish_files(tmp, output_dir)
         metrics.update({
             **training_metrics(trainer, train_output),

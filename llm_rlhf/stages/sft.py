@@ -33,7 +33,7 @@ from llm_rlhf.core.utils import (
     seed_everything,
     temp_dir_beside,
 )
-from llm_rlhf.models.loading import Trained, load_causal_lm, tokenizer_or_load
+from llm_rlhf.models.loading import Trained, load_causal_lm, tokenizer_or_load, torch_dtype
 from llm_rlhf.rl.rollout import Sampling, encode_prompt, left_pad, sample
 from llm_rlhf.stages.trainer_stage import (
     TrainerStageConfig,
@@ -42,6 +42,7 @@ from llm_rlhf.stages.trainer_stage import (
     log_callback,
     start_outputs,
     training_metrics,
+    whole_model,
 )
 
 SAMPLE_BATCH_SIZE = 32  # generation batch for the eos_rate samples (larger batches were slower on CPU)
@@ -226,7 +227,8 @@ def train(
     model, tokenizer: a loaded causal LM (a peft model trains its adapter) and its tokenizer, in place of
     model_name_or_path (the model is trained in place); train_data, eval_data: `data.InMemory` rows in place
     of train_file, eval_file; callbacks: more transformers `TrainerCallback`s. Returns the trained model (as
-    saved: merged when merge_lora), its tokenizer and the metrics."""
+    saved: merged when merge_lora; None off the main process under DeepSpeed ZeRO-3), its tokenizer and the
+    metrics."""
     started = time.time()
     tokenizer, model, train_dataset, eval_dataset = load_inputs(
         cfg, model=model, tokenizer=tokenizer, train_data=train_data, eval_data=eval_data
@@ -252,7 +254,7 @@ def train(
     trainer.accelerator.wait_for_everyone()
 
     metrics: dict[str, float | None] = {}
-    model = trainer.accelerator.unwrap_model(trainer.model)
+    model = whole_model(trainer, dtype=torch_dtype(cfg.dtype))  # every process: a gather under ZeRO-3
     if main:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         tmp = temp_dir_beside(output_dir / "final")  # inside output_dir: moving files out of it is atomic

@@ -2,7 +2,8 @@
 TRL's DPOTrainer) share: the config fields with their help, their checks, the training arguments, the LoRA
 arguments, the output-dir and checkpoint checks, the log.jsonl callback, and the steps every stage's `run`
 takes alike: its first writes (`start_outputs`), the final evaluation (`final_eval`), the training figures
-of metrics.json (`training_metrics`) and the check that the saved folder reloads (`check_reload`).
+of metrics.json (`training_metrics`), the trained model with whole weights on the main process
+(`whole_model`, also under DeepSpeed ZeRO-3) and the check that the saved folder reloads (`check_reload`).
 
 `TrainerStageConfig` is the base of `sft.Config`, `reward.Config` and `dpo.Config`; a stage re-declares a
 field only to change its default or its help. The user still sees one flat config per stage (YAML keys, `--key value`
@@ -11,6 +12,7 @@ flags, `--help`, the saved config.yaml).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib.util
 import os
@@ -25,6 +27,7 @@ from llm_rlhf.core.config import format_config, help_field, require, save_config
 from llm_rlhf.core.data import DATA_FORMATS
 from llm_rlhf.core.errors import ConfigError, UserError
 from llm_rlhf.core.utils import append_jsonl
+from llm_rlhf.models.accelerated import loading_whole_models
 from llm_rlhf.models.loading import check_local_folder
 
 SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
@@ -163,7 +166,7 @@ class TrainerStageConfig:
     def training_arguments(self) -> dict[str, Any]:
         """The TrainingArguments both stages set the same way (each stage adds its own and builds TRL's
         SFTConfig / RewardConfig from them)."""
-        check_deepspeed_launch(bf16=self.bf16)
+        check_deepspeed_launch(bf16=self.bf16, use_lora=self.use_lora)
         return dict(
             output_dir=str(Path(self.output_dir) / "checkpoints"),
             max_length=self.max_length,
@@ -245,19 +248,19 @@ def final_eval(trainer) -> dict[str, float]:
     return done[-1] if done else trainer.evaluate()
 
 
-def check_deepspeed_launch(*, bf16: bool) -> None:
+def check_deepspeed_launch(*, bf16: bool, use_lora: bool = False) -> None:
     """Under `accelerate launch` with a DeepSpeed config (accelerate passes it in ACCELERATE_* variables):
-    ZeRO-2 runs TRL's trainers for real (on 2 CPU processes in tests/test_deepspeed.py); ZeRO-3 is refused,
-    because after training the main process alone saves, samples from and scores the model, whose parameters
-    are partitions under ZeRO-3 (a forward there is a collective the other processes never enter). The
-    engine trains in the launch's mixed_precision and the Trainer checks its config against `bf16`: a
-    mismatch is one line here instead of the Trainer's traceback."""
+    ZeRO-2 and ZeRO-3 run TRL's trainers for real (on 2 CPU processes in tests/test_deepspeed.py; after
+    training every process enters the gather of ZeRO-3's partitions, `whole_model`). LoRA is refused under
+    ZeRO-3: the gathered weights are the full model's, and the stages merge or save the adapter from a peft
+    model. The engine trains in the launch's mixed_precision and the Trainer checks its config against
+    `bf16`: a mismatch is one line here instead of the Trainer's traceback."""
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
         return
-    if os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3":
+    if use_lora and os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3":
         raise UserError(
-            "DeepSpeed ZeRO-3 is supported by the ppo stage only (sft, rm and dpo save and sample on the main "
-            "process): launch this stage with accelerate_configs/deepspeed_zero2.yaml or multi_gpu.yaml"
+            "config key 'use_lora': LoRA is not supported under DeepSpeed ZeRO-3 yet (the final save gathers "
+            "full weights, not an adapter); launch with accelerate_configs/deepspeed_zero2.yaml or multi_gpu.yaml"
         )
     mixed_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     if mixed_precision not in ("no", "bf16") or bf16 != (mixed_precision == "bf16"):
@@ -265,6 +268,29 @@ def check_deepspeed_launch(*, bf16: bool) -> None:
             f"config key 'bf16' is {str(bf16).lower()} but the DeepSpeed launch's mixed_precision is "
             f"{mixed_precision}: set bf16 true with mixed_precision bf16, or false with --mixed_precision no"
         )
+
+
+def whole_model(trainer, *, dtype: torch.dtype):
+    """The trained model with whole weights, for the stage's final save, sampling and scoring on the main
+    process: the unwrapped model itself, except under DeepSpeed ZeRO-3. There the model's parameters are
+    partitions (a forward on one process alone is a collective the others never enter, and hangs), so every
+    process must call this: the whole weights are gathered (DeepSpeed's consolidated state dict, a
+    collective; keep the config's zero3_save_16bit_model true, as the Trainer's own checkpoints need too)
+    into a copy of the model built outside ZeRO (`loading_whole_models`) in `dtype`, the stage's weights
+    dtype, on the main process; None on the others."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    plugin = trainer.accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        return model
+    state = trainer.accelerator.get_state_dict(trainer.model_wrapped)  # whole on the main process, else None
+    if not trainer.accelerator.is_main_process:
+        return None
+    with loading_whole_models(trainer.accelerator):
+        whole = type(model)(model.config).to(dtype)
+    whole.load_state_dict(state)
+    if getattr(model, "generation_config", None) is not None:  # a causal LM's: its EOS, pad, defaults
+        whole.generation_config = copy.deepcopy(model.generation_config)
+    return whole.train(model.training)
 
 
 def training_metrics(trainer, train_output) -> dict[str, float]:
