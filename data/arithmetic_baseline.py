@@ -1,7 +1,8 @@
 """The accuracy of a model on the "arithmetic" task's held-out problems, greedy and sampled, by the verifier.
 
     python data/arithmetic_baseline.py [--model data/smollm2-135m-instruct] \\
-        [--prompts data/arithmetic/eval_prompts.jsonl] [--max_new_tokens 24] [--samples 1] [--out rows.jsonl]
+        [--prompts data/arithmetic/eval_prompts.jsonl] [--max_new_tokens 24] [--samples 1] [--out rows.jsonl] \\
+        [--system_prompt TEXT]
 
 The prompts are read as `llm-rlhf ppo` reads them (`load_prompt_dataset`: chat `messages` rendered with the
 model's chat template and its generation prompt, token ids as `tokenizer(prompt)`), each response is cut
@@ -76,13 +77,20 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=None, help="only the first N problems")
     parser.add_argument("--batch_size", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--system_prompt",
+        default=None,
+        help="the system turn of every prompt (as the config key; '' = empty)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="JSONL of every problem's responses")
     args = parser.parse_args()
 
     start = time.time()
     tokenizer = load_tokenizer(args.model)
     model = load_causal_lm(args.model).eval()
-    prompts = load_prompt_dataset(args.prompts, tokenizer, max_prompt_length=512)["prompt"][: args.limit]
+    prompts = load_prompt_dataset(
+        args.prompts, tokenizer, max_prompt_length=512, system_prompt=args.system_prompt
+    )["prompt"][: args.limit]
     torch.manual_seed(args.seed)
     greedy = generate(
         model,

@@ -36,7 +36,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llm_rlhf.core.config import parse_config, save_config
 from llm_rlhf.core.data import load_prompt_dataset
-from llm_rlhf.core.errors import ConfigError
+from llm_rlhf.core.errors import ConfigError, DataError
 from llm_rlhf.interfaces import cli
 from llm_rlhf.models.gold import judge_details, load_judge
 from llm_rlhf.models.loading import Reference, freeze, load_causal_lm, load_tokenizer
@@ -469,6 +469,50 @@ def test_ppo_eval_and_judge_take_chat_prompts(chat_model_dir, tiny_rm_dir, tmp_p
     assert [r["prompt"] for r in judged] == RENDERED and [r["id"] for r in judged] == [0, 1, 2]
     expected = judge_details(load_judge(SENTIMENT_JUDGE), RENDERED, responses)["gold_score"]
     assert [r["gold_score"] for r in judged] == pytest.approx(expected)
+
+
+def test_system_prompt_is_the_system_turn_of_prompts_without_one_in_ppo_and_eval(
+    chat_model_dir, tiny_rm_dir, tmp_path
+):
+    """`system_prompt` (issue 41: the recipes' shorter system message) goes in front of every chat prompt that
+    has no system turn of its own, in PPO's rollouts and held-out evaluation and in the eval stage, and is
+    saved with the run's config; a prompt with its own system turn keeps it."""
+    chats = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in CHATS])
+    with_system = [
+        "system: Be brief.\nuser: The film is\nassistant:",
+        "system: Be kind.\nuser: A gorgeous\nassistant:",  # its own system turn, kept
+        "system: Be brief.\nuser: The acting\nassistant:",
+    ]
+    out = tmp_path / "ppo"
+    argv = ["ppo", "--model_name_or_path", str(chat_model_dir), "--reward_model_path", str(tiny_rm_dir),
+            "--prompt_file", str(chats), "--eval_prompt_file", str(chats), "--eval_every", "1",
+            "--eval_num_prompts", "3", "--output_dir", str(out), "--steps", "1", "--rollout_batch_size", "3",
+            "--mini_batch_size", "3", "--ppo_epochs", "1", "--max_new_tokens", "4", "--max_prompt_length", "40",
+            "--log_samples_every", "1", "--num_log_samples", "3", "--save_steps", "0",
+            "--system_prompt", "Be brief."]  # fmt: skip
+    assert cli.main(argv) == 0
+    logged = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert sorted(s["query"] for s in logged[:3]) == sorted(with_system)
+    heldout = [json.loads(line) for line in (out / "eval_samples.jsonl").read_text().splitlines()]
+    assert {s["prompt"] for s in heldout} == set(with_system)
+    assert parse_config(ppo.Config, ["--config", str(out / "config.yaml")]).system_prompt == "Be brief."
+
+    common = dict(policy_path=str(chat_model_dir), baseline_path=str(chat_model_dir),
+                  reward_model_path=str(tiny_rm_dir), prompt_file=str(chats), num_prompts=None,
+                  max_prompt_length=40, max_new_tokens=4, print_samples=0)  # fmt: skip
+    evaluate.run(evaluate.Config(**common, system_prompt="", output_dir=str(tmp_path / "eval")))
+    samples = [json.loads(line) for line in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
+    assert [s["prompt"] for s in samples] == [
+        "system: \nuser: The film is\nassistant:",  # '' = an empty system turn
+        "system: Be kind.\nuser: A gorgeous\nassistant:",
+        "system: \nuser: The acting\nassistant:",
+    ]
+
+    plain = write_jsonl(tmp_path / "plain.jsonl", [{"prompt": "The film is"}])
+    with pytest.raises(DataError, match=f"{plain}: system_prompt is set, but these prompts are not chat"):
+        evaluate.run(evaluate.Config(**{**common, "prompt_file": str(plain)}, system_prompt="Be brief.",
+                                     output_dir=str(tmp_path / "eval-plain")))  # fmt: skip
+    assert not (tmp_path / "eval-plain" / "metrics.json").exists()
 
 
 BAD_ROWS = [

@@ -64,6 +64,7 @@ def prompt_rules(cfg) -> dict:
         "max_prompt_length": cfg.max_prompt_length,
         "data_format": cfg.data_format,
         "skip_long": cfg.skip_long,
+        "system_prompt": cfg.system_prompt,
     }
 
 
@@ -430,11 +431,17 @@ def adds_bos(tokenizer) -> bool:
     return bos is not None and len(with_special) > len(plain) and with_special[0] == bos
 
 
-def chat_prompt(tokenizer, record: dict[str, Any], *, file: str, row: int) -> str:
+def chat_prompt(
+    tokenizer, record: dict[str, Any], *, file: str, row: int, system_prompt: str | None = None
+) -> str:
     """The prompt of a chat `messages` record: every turn before its last assistant turn (all of them when
-    it has none), rendered with the generation prompt, the text `load_prompt_dataset` gives."""
+    it has none), rendered with the generation prompt, the text `load_prompt_dataset` gives. `system_prompt`
+    (when not None) is the system turn of a record that has none of its own, in place of whatever the
+    template writes then (SmolLM2's writes a default system message of 16 tokens); "" is an empty one."""
     messages, last = _record_messages(record, file=file, row=row)
     turns = messages[:last] if last is not None else messages
+    if system_prompt is not None and turns and turns[0]["role"] != "system":
+        turns = [{"role": "system", "content": system_prompt}, *turns]
     if not turns:
         raise DataError(
             "no turn before the assistant turn to use as the prompt", file=file, row=row, field="messages"
@@ -668,28 +675,45 @@ def load_prompt_dataset(
     name: str | None = None,
     data_format: str = "auto",
     skip_long: bool = False,
+    system_prompt: str | None = None,
 ):
     """Prompts as one `prompt` column: from a `prompt` field, chat `messages` (every turn before the last
     assistant turn, rendered with the generation prompt), `text`, or HH rows (the `chosen` dialogue up to
     and including its last "\\n\\nAssistant:"). Prompts longer than `max_prompt_length` tokens are an
-    error (they are never silently cut), or with `skip_long` left out and counted."""
+    error (they are never silently cut), or with `skip_long` left out and counted. `system_prompt` (chat
+    `messages` only; `chat_prompt`) is the system turn of the records that have none."""
     rows = _read(source, split, name)
     columns = rows.columns()
-    prompts = []
+    prompts, chat = [], False
     if _is_hh(columns, data_format):
         prompts = [_hh_dialogue(rows, i)[0] for i in range(len(rows.records))]
     elif "prompt" in columns:
         prompts = [_field(rows, i, "prompt") for i in range(len(rows.records))]
     elif "messages" in columns:
+        chat = True
         _require_chat_template(tokenizer, rows)
         for i in range(len(rows.records)):
-            prompts.append(chat_prompt(tokenizer, rows.records[i], file=rows.file, row=rows.numbers[i]))
+            prompts.append(
+                chat_prompt(
+                    tokenizer,
+                    rows.records[i],
+                    file=rows.file,
+                    row=rows.numbers[i],
+                    system_prompt=system_prompt,
+                )
+            )
     elif "text" in columns:
         prompts = [_field(rows, i, "text") for i in range(len(rows.records))]
     else:
         raise DataError(
             "no prompt schema found: expected a column prompt, messages or text, or columns chosen/rejected; "
             f"found {', '.join(columns)}",
+            file=rows.file,
+        )
+    if system_prompt is not None and not chat:
+        raise DataError(
+            "system_prompt is set, but these prompts are not chat `messages` (a system turn needs a chat "
+            "template)",
             file=rows.file,
         )
     keep = _check_prompt_lengths(

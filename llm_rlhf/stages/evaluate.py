@@ -197,6 +197,12 @@ class Config:
         "Leave out (and count) prompts longer than max_prompt_length; false = stop with an error naming "
         "the row.",
     )
+    system_prompt: str | None = help_field(
+        None,
+        "Chat `messages` prompts (prompt_file): the system turn of every prompt that has none of its own "
+        "('' = an empty one); null = whatever the chat template writes (SmolLM2's: a default system message "
+        "of 16 tokens, carried through every forward).",
+    )
     samples_per_prompt: int = help_field(1, "Paired samples per prompt and model.")
     # --- sampling (defaults: the PPO recipe's)
     max_new_tokens: int = help_field(32, "Maximum response length in tokens.")

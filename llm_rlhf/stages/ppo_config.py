@@ -143,6 +143,12 @@ class Config:
         "Leave out (and count) prompts longer than max_prompt_length; false = stop with an error naming "
         "the row.",
     )
+    system_prompt: str | None = help_field(
+        None,
+        "Chat `messages` prompts (prompt_file and eval_prompt_file): the system turn of every prompt that has none of its own "
+        "('' = an empty one); null = whatever the chat template writes (SmolLM2's: a default system message "
+        "of 16 tokens, carried through every forward).",
+    )
     max_new_tokens: int = help_field(32, "Maximum response length in tokens.")
     temperature: float = help_field(1.0, "Sampling temperature (log-probs use the same temperature).")
     top_k: int = help_field(
