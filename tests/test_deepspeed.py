@@ -86,6 +86,35 @@ def test_zero2_and_zero3_first_updates_equal_one_process_and_ddp(
             assert run["local_numel"] == full  # DDP; ZeRO-2 partitions gradients and optimizer states only
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_zero3_lora_first_update_equals_one_process(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
+    """PPO with a LoRA adapter (tests/scripts/ppo_ranks.py MODE lora: gae, value head; the reference is the
+    policy with the adapter disabled) on the fixed global batch, on one process and on 2 under ZeRO-3 with
+    every parameter partitioned, the adapter's included: the RAW gradient of the first update (before
+    clipping; gathered whole from DeepSpeed's partitions: the adapter and the value head, the only trainable
+    parameters) and the step's metrics are one process's; KL is 0 at the first step (the reference forward
+    with the adapter disabled runs on the partitioned network), and the sampling with rank 0's responses
+    ending at once and rank 1's running to max_new_tokens ends."""
+    import torch
+
+    args = [str(SCRIPTS / "ppo_ranks.py"), str(tiny_model_dir), str(tiny_rm_dir), str(prompt_file)]
+    launch([*args, str(tmp_path / "one.json"), "lora"], 1)
+    one = json.loads((tmp_path / "one.json").read_text())
+    launch([*args, str(tmp_path / "zero3.json"), "lora"], 2, config="deepspeed_zero3.yaml",
+           mixed_precision="no", timeout=600)  # fmt: skip
+    run = json.loads((tmp_path / "zero3.json").read_text())
+    assert (one["world"], run["world"], run["distributed_type"]) == (1, 2, "DEEPSPEED")
+    grads, expected = torch.tensor(run["grads"]), torch.tensor(one["grads"])
+    assert expected.abs().max() > 0 and len(expected) == one["local_numel"]
+    torch.testing.assert_close(grads, expected, atol=1e-7, rtol=1e-4)
+    for key in ("loss/policy", "loss/value", "objective/kl", "objective/scores", "val/explained_variance"):
+        assert run["metrics"][0][key] == pytest.approx(one["metrics"][0][key], rel=1e-4, abs=1e-6), key
+    assert run["metrics"][0]["objective/kl"] == one["metrics"][0]["objective/kl"] == 0.0
+    assert run["local_numel"] < 0.6 * len(expected)  # the adapter and the head partitioned too
+    assert run["sampled_lengths"] == [1, 6]  # rank 0: EOS; rank 1: 6 tokens
+
+
 def logged(out: Path) -> list[dict]:
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -100,14 +129,20 @@ def logged(out: Path) -> list[dict]:
             "deepspeed_zero3.yaml",
             ["--eval_every", "1", "--eval_num_prompts", "4", "--log_samples_every", "1"],
         ),
-        # a critic-free estimator with LoRA (LoRA is refused under ZeRO-3: the final save has no adapter path)
+        # a critic-free estimator with LoRA, under ZeRO-2 and under ZeRO-3 (the adapter partitioned too)
         (
             "deepspeed_zero2.yaml",
             ["--advantage_estimator", "grpo", "--samples_per_prompt", "2", "--rollout_batch_size", "2"]
             + ["--use_lora", "true", "--lora_r", "4"],
         ),
+        (
+            "deepspeed_zero3.yaml",
+            ["--advantage_estimator", "grpo", "--samples_per_prompt", "2", "--rollout_batch_size", "2"]
+            + ["--use_lora", "true", "--lora_r", "4"]
+            + ["--eval_every", "1", "--eval_num_prompts", "4", "--log_samples_every", "1"],
+        ),
     ],
-    ids=["zero3-gae", "zero2-grpo-lora"],
+    ids=["zero3-gae", "zero2-grpo-lora", "zero3-grpo-lora"],
 )
 def test_ppo_under_deepspeed_resumes_and_saves_one_hf_folder(
     tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, config, extra
@@ -115,8 +150,11 @@ def test_ppo_under_deepspeed_resumes_and_saves_one_hf_folder(
     """`llm-rlhf ppo` with the DeepSpeed file as shipped (bf16) on 2 CPU processes: 2 steps with the engine's
     own checkpoint every step; then, in another folder holding only step 1's checkpoint and log line, a
     resume to step 2 logs what the uninterrupted run logged and saves the same weights; the final policy is
-    one plain HF folder that `from_pretrained` loads."""
+    one plain HF folder that `from_pretrained` loads. With LoRA the folder is the merged policy and adapter/
+    holds the adapter: the start model (in the engine's bf16) with that adapter merged is the saved policy
+    (under ZeRO-3 both come from the partitions gathered at the end)."""
     import torch
+    from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -148,7 +186,16 @@ def test_ppo_under_deepspeed_resumes_and_saves_one_hf_folder(
     model = AutoModelForCausalLM.from_pretrained(a)
     assert model.config.vocab_size == start["transformer.wte.weight"].shape[0]
     assert (a / "value_head.safetensors").is_file() == ("--advantage_estimator" not in extra)
-    if config == "deepspeed_zero3.yaml":
+    if "--use_lora" in extra:
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+        # the adapter in bf16 as saved (peft would upcast it, and round the merge differently)
+        lora = PeftModel.from_pretrained(base, a / "adapter", autocast_adapter_dtype=False)
+        merged = lora.merge_and_unload().state_dict()
+        moved = [k for k in start if not torch.equal(merged[k], start[k].to(torch.bfloat16))]
+        assert moved  # the adapter is not zero
+        for k in start:
+            assert torch.equal(final_a[k], merged[k]), k
+    if "--eval_every" in extra:
         assert len((a / "samples.jsonl").read_text().splitlines()) > 0
         assert len((a / "eval_log.jsonl").read_text().splitlines()) == 3  # steps 0, 1, 2
 

@@ -33,7 +33,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from llm_rlhf.core.errors import UserError
 
 
-def check_deepspeed_config(plugin, *, micro_batch_size: int, critic: bool, lora: bool = False) -> None:
+def check_deepspeed_config(plugin, *, micro_batch_size: int, critic: bool) -> None:
     """Under DeepSpeed the PPO loop accumulates micro-batches itself (`Accelerated.backward`): the engine
     must not divide the loss by an accumulation count of its own, and it is told the micro-batch size
     (there is no dataloader for accelerate to read it from). The LR schedule is PPO's (`optimizer_step`),
@@ -42,11 +42,6 @@ def check_deepspeed_config(plugin, *, micro_batch_size: int, critic: bool, lora:
         raise UserError(
             "value_model: 'reward' is not supported under DeepSpeed (accelerate builds one DeepSpeed engine "
             "per Accelerator); use value_model: policy"
-        )
-    if lora and plugin.zero_stage == 3:
-        raise UserError(
-            "use_lora is not supported under DeepSpeed ZeRO-3 yet (the final save gathers full weights, not "
-            "an adapter); use ZeRO-2 or DDP for LoRA"
         )
     config = plugin.deepspeed_config
     if config.get("gradient_accumulation_steps", 1) not in (1, "auto"):
@@ -153,7 +148,6 @@ class Accelerated:
                 accelerator.state.deepspeed_plugin,
                 micro_batch_size=micro_batch_size,
                 critic=critic is not None,
-                lora=lora,
             )
         if critic is not None:
             policy, critic, optimizer = accelerator.prepare(policy, critic, optimizer)

@@ -36,6 +36,10 @@ parameter partitioned, none kept live: the tiny model is under the default thres
 updates, samples with the real sampler while rank 0's responses all end at once (EOS forced) and the other
 rank's run to max_new_tokens: "sampled_lengths" holds each rank's longest response (issue 39: that hung).
 
+MODE "lora": "same" with a LoRA adapter (LORA; the reference is the policy with the adapter disabled), on one
+process or under DeepSpeed as in MODE gae_grpo (under ZeRO-3 the adapter's and the base model's parameters
+partitioned alike, then the sampling with rank 0 ending at once).
+
 MODE "loss_options": for each configuration of LOSS_OPTIONS (the policy-loss family of issue 37: clip-higher,
 dual clip, the loss aggregations, the sampler corrections, overlong shaping, truncated masking, GSPO, CISPO,
 dynamic sampling), a trainer runs 2 steps of 2 epochs, with ordinary minibatches and with micro-batches of one
@@ -72,6 +76,7 @@ LOSS_OPTIONS = {  # name: (advantage_estimator, samples per prompt, the keys of 
                              sampler_correction_cap=1.5)),
     "cispo": ("gae", 1, dict(policy_loss="cispo", cliprange_high=0.28)),
 }  # fmt: skip
+LORA = dict(use_lora=True, lora_r=4, lora_dropout=0.0)  # MODE lora: "same" with a LoRA adapter
 
 
 def run(
@@ -279,12 +284,13 @@ def main() -> None:
                     *args, estimator=estimator, k=k, options=options, accumulate=accumulate
                 )
     else:
-        result = run(*args)
+        result = run(*args, options=LORA if mode == "lora" else None)
         record = {
             "grads": result["grads"][0],
             "metrics": result["metrics"],
             "all_reduces": result["all_reduces"],
             "local_numel": result["local_numel"],
+            "sampled_lengths": result["sampled_lengths"],
             "distributed_type": accelerator.distributed_type.value,
         }
     if accelerator.is_main_process:
