@@ -202,22 +202,26 @@ def test_ppo_under_deepspeed_resumes_and_saves_one_hf_folder(
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_pipeline_sft_rm_ppo_eval_and_dpo_under_zero2(
-    tmp_path, tiny_model_dir, sft_files, pref_files, prompt_file
+@pytest.mark.parametrize("config", ["deepspeed_zero2.yaml", "deepspeed_zero3.yaml"], ids=["zero2", "zero3"])
+def test_pipeline_sft_rm_ppo_eval_and_dpo_under_deepspeed(
+    tmp_path, tiny_model_dir, sft_files, pref_files, prompt_file, config
 ):
     """`llm-rlhf pipeline` (SFT and RM through TRL's trainers, then PPO and evaluation) under
-    deepspeed_zero2.yaml on 2 CPU processes, fp32 (`--mixed_precision no`: the Trainer's bf16 needs a GPU):
-    each stage trains with DeepSpeed's engine (its checkpoints hold one ZeRO partition of the optimizer
-    state per process) and ends in a plain HF folder that `from_pretrained` loads."""
+    deepspeed_zero2.yaml and deepspeed_zero3.yaml on 2 CPU processes, fp32 (`--mixed_precision no`: the
+    Trainer's bf16 needs a GPU): each stage trains with DeepSpeed's engine (its checkpoints hold one ZeRO
+    partition of the optimizer state per process) and ends in a plain HF folder that `from_pretrained`
+    loads, and the evaluation (the main process alone) writes its figures. Under ZeRO-3 the evaluation hung
+    before it loaded its models outside `zero.Init` (the stages before it leave accelerate's DeepSpeed
+    config registered with transformers). Then, under ZeRO-2, `llm-rlhf dpo` from the SFT folder (DPO under
+    ZeRO-3: test_sft_rm_dpo_under_zero2_and_zero3_*)."""
     from helpers import pipeline_argv
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    out = tmp_path / "zero2"
+    out = tmp_path / "pipeline"
     argv = pipeline_argv(out, tiny_model_dir, sft_files, pref_files, prompt_file, report="false")
-    proc = launch(
-        ["-m", "llm_rlhf", "pipeline", *argv], 2, config="deepspeed_zero2.yaml", mixed_precision="no"
-    )
+    proc = launch(["-m", "llm_rlhf", "pipeline", *argv], 2, config=config, mixed_precision="no", timeout=600)
     assert proc.stdout.count("== eval: running") == 1
+    assert json.loads((out / "eval" / "metrics.json").read_text())["gold_win_rate"] is not None
     for stage in ("sft", "rm"):
         (step,) = (out / stage / "checkpoints").glob("checkpoint-*/global_step*")
         assert sorted(p.name for p in step.glob("zero_pp_rank_*_optim_states.pt")) == [
@@ -229,6 +233,8 @@ def test_pipeline_sft_rm_ppo_eval_and_dpo_under_zero2(
     AutoModelForSequenceClassification.from_pretrained(out / "rm", num_labels=1)
     AutoModelForCausalLM.from_pretrained(out / "ppo")
     assert json.loads((out / "ppo" / "metrics.json").read_text())["episodes"] == 4 * 4 * 2
+    if config == "deepspeed_zero3.yaml":
+        return
     # DPO (TRL's DPOTrainer, its frozen reference beside the engine) from the SFT folder, under ZeRO-2 too
     dpo = tmp_path / "dpo"
     values = dict(model_name_or_path=out / "sft", train_file=pref_files[0], eval_file=pref_files[1],
