@@ -251,10 +251,11 @@ STAGES = ("sft", "rm", "dpo")
 UNCHECKPOINTED = ("num_tokens", "eval_num_tokens")  # TRL's token counters restart at 0 on resume
 
 
-def stage_runs(model_dir, files, out: Path, config: str | None) -> dict:
+def stage_runs(model_dir, files, out: Path, config: str | None, *extra: str) -> dict:
     """tests/scripts/trainer_stage_ranks.py on one process (config None) or on 2 under `config`, fp32
-    (--mixed_precision no: the Trainer's bf16 needs a GPU, and fp32 compares tightly); what it wrote."""
-    args = [str(SCRIPTS / "trainer_stage_ranks.py"), str(model_dir), *map(str, files), str(out)]
+    (--mixed_precision no: the Trainer's bf16 needs a GPU, and fp32 compares tightly); what it wrote.
+    extra: the script's optional argument (lora)."""
+    args = [str(SCRIPTS / "trainer_stage_ranks.py"), str(model_dir), *map(str, files), str(out), *extra]
     if config is None:
         launch(args, 1)
     else:
@@ -273,22 +274,9 @@ def same_figures(got: dict, expected: dict) -> None:
             assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 
 
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_sft_rm_dpo_under_zero2_and_zero3_equal_one_process_and_ddp_resume_and_save(tiny_model_dir, tmp_path):
-    """SFT, RM and DPO (TRL's trainers) through tests/scripts/trainer_stage_ranks.py: 2 steps on a training
-    set of exactly one global batch (8 rows: the split across processes cannot change a correctly scaled
-    gradient), on one process and on 2 under DDP (multi_gpu.yaml), ZeRO-2 and ZeRO-3 (every parameter
-    partitioned, nothing kept live: each process holds half the parameters, and a forward on the main process
-    alone after training would hang). The RAW gradient of the first update (before clipping; gathered whole
-    from DeepSpeed's partitions) and the logged loss and grad norm equal one process's; a run resumed from
-    step 1's checkpoint (the engine's, one ZeRO partition of the optimizer state per process) logs step 2
-    and its evaluation as the uninterrupted run did and saves the same weights; the final folder is one plain
-    HF folder that `from_pretrained` loads. Dropout is off so that one process and two draw no masks."""
-    import torch
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
+def stage_inputs(tiny_model_dir, tmp_path: Path) -> tuple[Path, tuple[Path, ...]]:
+    """The tiny model with dropout off (one process and two draw no masks) and the script's four files: SFT
+    rows and preference pairs, each training file exactly one global batch (8 rows)."""
     model_dir = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model_dir)
     config = json.loads((model_dir / "config.json").read_text())
@@ -303,61 +291,108 @@ def test_sft_rm_dpo_under_zero2_and_zero3_equal_one_process_and_ddp_resume_and_s
         write_jsonl(tmp_path / "prefs_train.jsonl", (pairs * 2)[:8]),
         write_jsonl(tmp_path / "prefs_val.jsonl", pairs),
     )
+    return model_dir, files
+
+
+def check_stage_runs(run: dict, one: dict, out: Path, one_out: Path, config: str | None, start: dict) -> None:
+    """Per stage, a run of tests/scripts/trainer_stage_ranks.py (written to `out`) against one process's
+    (`one`, written to `one_out`): the first raw gradient, the first logged loss and grad norm; the resumed
+    run's step 2 and evaluation equal the uninterrupted run's; the final folders hold the same weights,
+    trained away from `start`, and load with `from_pretrained`."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    kind = {None: "NO", "multi_gpu.yaml": "MULTI_CPU"}.get(config, "DEEPSPEED")
+    assert (run["world"], run["distributed_type"]) == (1 if config is None else 2, kind)
+    for stage in STAGES:
+        grad, expected = torch.tensor(run[stage]["grad"]), torch.tensor(one[stage]["grad"])
+        assert expected.abs().max() > 0
+        torch.testing.assert_close(grad, expected, atol=1e-7, rtol=1e-4, msg=f"{config} {stage}")
+        first, resumed = logged_lines(out / stage / "a"), logged_lines(out / stage / "b")
+        for key in ("loss", "grad_norm"):
+            assert first[0][key] == pytest.approx(logged_lines(one_out / stage / "a")[0][key],
+                                                  rel=1e-5), (config, stage, key)  # fmt: skip
+        assert [m["step"] for m in resumed[:2]] == [2, 2] and "eval_loss" in resumed[1]
+        same_figures(resumed[0], first[1])  # step 2's training figures
+        same_figures(resumed[1], first[2])  # step 2's evaluation
+        if config == "deepspeed_zero3.yaml":
+            assert run[stage]["local_numel"] < 0.6 * len(grad)  # partitioned
+        else:
+            assert run[stage]["local_numel"] == len(grad)  # ZeRO-2 partitions gradients, optimizer only
+        if kind == "DEEPSPEED":
+            (step,) = (out / stage / "a" / "checkpoints" / "checkpoint-1").glob("global_step1")
+            assert len(list(step.glob("zero_pp_rank_*_optim_states.pt"))) == 2, (config, stage)
+        final_a = load_file(out / stage / "a" / "model.safetensors")
+        final_b = load_file(out / stage / "b" / "model.safetensors")
+        assert final_a.keys() == final_b.keys()
+        assert any(not torch.equal(final_a[k], start[k]) for k in start if k in final_a)  # trained
+        for k in final_a:
+            torch.testing.assert_close(final_b[k], final_a[k], msg=f"{config} {stage} {k}")
+        if stage == "rm":
+            AutoModelForSequenceClassification.from_pretrained(out / stage / "a", num_labels=1)
+        else:
+            AutoModelForCausalLM.from_pretrained(out / stage / "a")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_sft_rm_dpo_under_zero2_and_zero3_equal_one_process_and_ddp_resume_and_save(tiny_model_dir, tmp_path):
+    """SFT, RM and DPO (TRL's trainers) through tests/scripts/trainer_stage_ranks.py: 2 steps on a training
+    set of exactly one global batch (8 rows: the split across processes cannot change a correctly scaled
+    gradient), on one process and on 2 under DDP (multi_gpu.yaml), ZeRO-2 and ZeRO-3 (every parameter
+    partitioned, nothing kept live: each process holds half the parameters, and a forward on the main process
+    alone after training would hang). The RAW gradient of the first update (before clipping; gathered whole
+    from DeepSpeed's partitions) and the logged loss and grad norm equal one process's; a run resumed from
+    step 1's checkpoint (the engine's, one ZeRO partition of the optimizer state per process) logs step 2
+    and its evaluation as the uninterrupted run did and saves the same weights; the final folder is one plain
+    HF folder that `from_pretrained` loads. Dropout is off so that one process and two draw no masks."""
+    from safetensors.torch import load_file
+
+    model_dir, files = stage_inputs(tiny_model_dir, tmp_path)
     start = load_file(model_dir / "model.safetensors")
     one = stage_runs(model_dir, files, tmp_path / "one", None)
     assert one["world"] == 1
     for config in (None, "multi_gpu.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3.yaml"):
         out = tmp_path / (config or "one")
         run = one if config is None else stage_runs(model_dir, files, out, config)
-        kind = {None: "NO", "multi_gpu.yaml": "MULTI_CPU"}.get(config, "DEEPSPEED")
-        assert (run["world"], run["distributed_type"]) == (1 if config is None else 2, kind)
-        for stage in STAGES:
-            grad, expected = torch.tensor(run[stage]["grad"]), torch.tensor(one[stage]["grad"])
-            assert expected.abs().max() > 0
-            torch.testing.assert_close(grad, expected, atol=1e-7, rtol=1e-4, msg=f"{config} {stage}")
-            first, resumed = logged_lines(out / stage / "a"), logged_lines(out / stage / "b")
-            for key in ("loss", "grad_norm"):
-                assert first[0][key] == pytest.approx(logged_lines(tmp_path / "one" / stage / "a")[0][key],
-                                                      rel=1e-5), (config, stage, key)  # fmt: skip
-            assert [m["step"] for m in resumed[:2]] == [2, 2] and "eval_loss" in resumed[1]
-            same_figures(resumed[0], first[1])  # step 2's training figures
-            same_figures(resumed[1], first[2])  # step 2's evaluation
-            if config == "deepspeed_zero3.yaml":
-                assert run[stage]["local_numel"] < 0.6 * len(grad)  # partitioned
-            else:
-                assert run[stage]["local_numel"] == len(grad)  # ZeRO-2 partitions gradients, optimizer only
-            if kind == "DEEPSPEED":
-                (step,) = (out / stage / "a" / "checkpoints" / "checkpoint-1").glob("global_step1")
-                assert len(list(step.glob("zero_pp_rank_*_optim_states.pt"))) == 2, (config, stage)
-            final_a = load_file(out / stage / "a" / "model.safetensors")
-            final_b = load_file(out / stage / "b" / "model.safetensors")
-            assert final_a.keys() == final_b.keys()
-            assert any(not torch.equal(final_a[k], start[k]) for k in start if k in final_a)  # trained
-            for k in final_a:
-                torch.testing.assert_close(final_b[k], final_a[k], msg=f"{config} {stage} {k}")
-            if stage == "rm":
-                AutoModelForSequenceClassification.from_pretrained(out / stage / "a", num_labels=1)
-            else:
-                AutoModelForCausalLM.from_pretrained(out / stage / "a")
+        check_stage_runs(run, one, out, tmp_path / "one", config, start)
 
 
-def test_trainer_stages_refuse_lora_under_zero3_and_a_precision_mismatch_in_one_line(monkeypatch):
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_sft_rm_dpo_with_lora_under_zero3_equal_one_process_resume_and_save(tiny_model_dir, tmp_path):
+    """The same with a LoRA adapter in every stage (the script's `lora`: merged into the saved folder; the
+    RM's score head trained in full beside it; DPO's reference the policy with the adapter disabled), on one
+    process and on 2 under ZeRO-3 with every parameter partitioned, the adapter's included: the first raw
+    gradient (the trainable parameters') equals one process's, the resume continues exactly, and the merged
+    folder, gathered from the partitions at the end (`trainer_stage.whole_model`: a whole peft copy on the
+    main process), loads with `from_pretrained`."""
+    from safetensors.torch import load_file
+
+    model_dir, files = stage_inputs(tiny_model_dir, tmp_path)
+    start = load_file(model_dir / "model.safetensors")
+    one = stage_runs(model_dir, files, tmp_path / "one", None, "lora")
+    zero3 = stage_runs(model_dir, files, tmp_path / "zero3", "deepspeed_zero3.yaml", "lora")
+    assert len(one["sft"]["grad"]) < 0.25 * sum(v.numel() for v in start.values())  # the adapter only
+    check_stage_runs(one, one, tmp_path / "one", tmp_path / "one", None, start)
+    check_stage_runs(zero3, one, tmp_path / "zero3", tmp_path / "one", "deepspeed_zero3.yaml", start)
+
+
+def test_trainer_stages_run_lora_under_zero3_and_refuse_a_precision_mismatch_in_one_line(monkeypatch):
     """SFT, RM and DPO under a DeepSpeed launch (accelerate passes the config in ACCELERATE_* variables):
-    LoRA under ZeRO-3 is refused (ZeRO-3 itself runs, and LoRA under ZeRO-2), and so is a bf16 key that
-    disagrees with the launch's mixed_precision."""
-    from llm_rlhf.core.errors import ConfigError, UserError
+    LoRA passes the checks under ZeRO-3 (it runs there: test_sft_rm_dpo_with_lora_under_zero3_*) and
+    ZeRO-2; a bf16 key that disagrees with the launch's mixed_precision is refused."""
+    from llm_rlhf.core.errors import ConfigError
     from llm_rlhf.stages import sft
     from llm_rlhf.stages.trainer_stage import check_deepspeed_launch
 
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
     check_deepspeed_launch(bf16=False)
-    with pytest.raises(
-        UserError, match="config key 'use_lora': LoRA is not supported under DeepSpeed ZeRO-3"
-    ):
-        sft.Config(use_lora=True).training_arguments()  # what every stage's TrainingArguments start from
+    assert sft.Config(use_lora=True).training_arguments()["bf16"] is False  # what every stage's start from
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
-    check_deepspeed_launch(bf16=False, use_lora=True)
+    check_deepspeed_launch(bf16=False)
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
     with pytest.raises(
         ConfigError, match="config key 'bf16' is false but the DeepSpeed launch's mixed_precision"
