@@ -423,3 +423,29 @@ def test_deepspeed_launch_without_deepspeed_stops_in_one_line(monkeypatch, capsy
         "pip install -e '.[deepspeed]'\n"
     )
     assert accelerate.state.AcceleratorState.__init__ is init
+
+
+def test_outside_zero_init_steps_out_of_a_registered_zero3_config_and_back():
+    """What the eval stage runs in (`accelerated.outside_zero_init`): with a ZeRO-3 config registered with
+    transformers (as a ZeRO-3 stage earlier in the process leaves it; `from_pretrained` then builds under
+    zero.Init), transformers sees no ZeRO-3 inside; the registration is back after, and without one nothing
+    changes. The pipeline test's zero3 case runs it for real."""
+    from transformers.integrations import (
+        HfDeepSpeedConfig,
+        is_deepspeed_zero3_enabled,
+        unset_hf_deepspeed_config,
+    )
+
+    from llm_rlhf.models.accelerated import outside_zero_init
+
+    with outside_zero_init():
+        assert not is_deepspeed_zero3_enabled()
+    registered = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+    try:
+        assert is_deepspeed_zero3_enabled()
+        with outside_zero_init():
+            assert not is_deepspeed_zero3_enabled()
+        assert is_deepspeed_zero3_enabled()
+    finally:
+        unset_hf_deepspeed_config()
+        del registered
