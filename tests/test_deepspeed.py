@@ -95,8 +95,14 @@ def test_zero3_lora_first_update_equals_one_process(tiny_model_dir, tiny_rm_dir,
     clipping; gathered whole from DeepSpeed's partitions: the adapter and the value head, the only trainable
     parameters) and the step's metrics are one process's; KL is 0 at the first step (the reference forward
     with the adapter disabled runs on the partitioned network), and the sampling with rank 0's responses
-    ending at once and rank 1's running to max_new_tokens ends."""
+    ending at once and rank 1's running to max_new_tokens ends. The policy saved after the update with
+    merge_lora false (under ZeRO-3 gathered from the partitions into a whole copy) is what one process
+    saves: adapter/ (the adapter's weights after one Adam step, equal within fp32 rounding) and the value
+    head, no merged model; the adapter loads onto the start model with peft."""
     import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
 
     args = [str(SCRIPTS / "ppo_ranks.py"), str(tiny_model_dir), str(tiny_rm_dir), str(prompt_file)]
     launch([*args, str(tmp_path / "one.json"), "lora"], 1)
@@ -113,6 +119,15 @@ def test_zero3_lora_first_update_equals_one_process(tiny_model_dir, tiny_rm_dir,
     assert run["metrics"][0]["objective/kl"] == one["metrics"][0]["objective/kl"] == 0.0
     assert run["local_numel"] < 0.6 * len(expected)  # the adapter and the head partitioned too
     assert run["sampled_lengths"] == [1, 6]  # rank 0: EOS; rank 1: 6 tokens
+    for name in ("adapter/adapter_model.safetensors", "value_head.safetensors"):
+        saved, expected_saved = load_file(tmp_path / "zero3" / name), load_file(tmp_path / "one" / name)
+        assert saved.keys() == expected_saved.keys()
+        for k in expected_saved:
+            torch.testing.assert_close(saved[k], expected_saved[k], atol=1e-6, rtol=1e-4, msg=k)
+    assert not (tmp_path / "zero3" / "model.safetensors").exists()  # merge_lora false: the adapter alone
+    PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path / "zero3" / "adapter"
+    )
 
 
 def logged(out: Path) -> list[dict]:
