@@ -588,9 +588,9 @@ def whole_lora_policy(trainer: PPOTrainer) -> PolicyWithValue | None:
     if not trainer.accelerator.is_main_process:
         return None
     policy = trainer.unwrapped_policy
-    base = policy.lm.get_base_model()
+    base, lora = policy.lm.get_base_model(), copy.deepcopy(policy.lm.peft_config[policy.lm.active_adapter])
     with loading_whole_models(trainer.accelerator):
-        lm = get_peft_model(type(base)(base.config), copy.deepcopy(policy.lm.peft_config["default"]))
+        lm = get_peft_model(type(base)(base.config), lora)
         head = None if policy.value_head is None else ValueHead(policy.value_head.summary.in_features)
     whole = PolicyWithValue(lm, head).to(next(iter(state.values())).dtype)
     whole.load_state_dict(state)
