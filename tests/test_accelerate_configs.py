@@ -409,10 +409,6 @@ def test_deepspeed_config_checks():
             micro_batch_size=micro,
             critic=False,
         )
-    plugin.zero_stage = 3
-    check_deepspeed_config(plugin, micro_batch_size=micro, critic=False, lora=False)
-    with pytest.raises(UserError, match="use_lora is not supported under DeepSpeed ZeRO-3"):
-        check_deepspeed_config(plugin, micro_batch_size=micro, critic=False, lora=True)
 
 
 def trained_zero3_trainer(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch):

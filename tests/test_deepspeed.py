@@ -86,6 +86,50 @@ def test_zero2_and_zero3_first_updates_equal_one_process_and_ddp(
             assert run["local_numel"] == full  # DDP; ZeRO-2 partitions gradients and optimizer states only
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_zero3_lora_first_update_equals_one_process(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
+    """PPO with a LoRA adapter (tests/scripts/ppo_ranks.py MODE lora: gae, value head; the reference is the
+    policy with the adapter disabled) on the fixed global batch, on one process and on 2 under ZeRO-3 with
+    every parameter partitioned, the adapter's included: the RAW gradient of the first update (before
+    clipping; gathered whole from DeepSpeed's partitions: the adapter and the value head, the only trainable
+    parameters) and the step's metrics are one process's; KL is 0 at the first step (the reference forward
+    with the adapter disabled runs on the partitioned network), and the sampling with rank 0's responses
+    ending at once and rank 1's running to max_new_tokens ends. The policy saved after the update with
+    merge_lora false (under ZeRO-3 gathered from the partitions into a whole copy) is what one process
+    saves: adapter/ (the adapter's weights after one Adam step, equal within fp32 rounding) and the value
+    head, no merged model; the adapter loads onto the start model with peft."""
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    args = [str(SCRIPTS / "ppo_ranks.py"), str(tiny_model_dir), str(tiny_rm_dir), str(prompt_file)]
+    launch([*args, str(tmp_path / "one.json"), "lora"], 1)
+    one = json.loads((tmp_path / "one.json").read_text())
+    launch([*args, str(tmp_path / "zero3.json"), "lora"], 2, config="deepspeed_zero3.yaml",
+           mixed_precision="no", timeout=600)  # fmt: skip
+    run = json.loads((tmp_path / "zero3.json").read_text())
+    assert (one["world"], run["world"], run["distributed_type"]) == (1, 2, "DEEPSPEED")
+    grads, expected = torch.tensor(run["grads"]), torch.tensor(one["grads"])
+    assert expected.abs().max() > 0 and len(expected) == one["local_numel"]
+    torch.testing.assert_close(grads, expected, atol=1e-7, rtol=1e-4)
+    for key in ("loss/policy", "loss/value", "objective/kl", "objective/scores", "val/explained_variance"):
+        assert run["metrics"][0][key] == pytest.approx(one["metrics"][0][key], rel=1e-4, abs=1e-6), key
+    assert run["metrics"][0]["objective/kl"] == one["metrics"][0]["objective/kl"] == 0.0
+    assert run["local_numel"] < 0.6 * len(expected)  # the adapter and the head partitioned too
+    assert run["sampled_lengths"] == [1, 6]  # rank 0: EOS; rank 1: 6 tokens
+    for name in ("adapter/adapter_model.safetensors", "value_head.safetensors"):
+        saved, expected_saved = load_file(tmp_path / "zero3" / name), load_file(tmp_path / "one" / name)
+        assert saved.keys() == expected_saved.keys()
+        for k in expected_saved:
+            torch.testing.assert_close(saved[k], expected_saved[k], atol=1e-6, rtol=1e-4, msg=k)
+    assert not (tmp_path / "zero3" / "model.safetensors").exists()  # merge_lora false: the adapter alone
+    PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path / "zero3" / "adapter"
+    )
+
+
 def logged(out: Path) -> list[dict]:
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -100,14 +144,20 @@ def logged(out: Path) -> list[dict]:
             "deepspeed_zero3.yaml",
             ["--eval_every", "1", "--eval_num_prompts", "4", "--log_samples_every", "1"],
         ),
-        # a critic-free estimator with LoRA (LoRA is refused under ZeRO-3: the final save has no adapter path)
+        # a critic-free estimator with LoRA, under ZeRO-2 and under ZeRO-3 (the adapter partitioned too)
         (
             "deepspeed_zero2.yaml",
             ["--advantage_estimator", "grpo", "--samples_per_prompt", "2", "--rollout_batch_size", "2"]
             + ["--use_lora", "true", "--lora_r", "4"],
         ),
+        (
+            "deepspeed_zero3.yaml",
+            ["--advantage_estimator", "grpo", "--samples_per_prompt", "2", "--rollout_batch_size", "2"]
+            + ["--use_lora", "true", "--lora_r", "4"]
+            + ["--eval_every", "1", "--eval_num_prompts", "4", "--log_samples_every", "1"],
+        ),
     ],
-    ids=["zero3-gae", "zero2-grpo-lora"],
+    ids=["zero3-gae", "zero2-grpo-lora", "zero3-grpo-lora"],
 )
 def test_ppo_under_deepspeed_resumes_and_saves_one_hf_folder(
     tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, config, extra
@@ -115,8 +165,11 @@ def test_ppo_under_deepspeed_resumes_and_saves_one_hf_folder(
     """`llm-rlhf ppo` with the DeepSpeed file as shipped (bf16) on 2 CPU processes: 2 steps with the engine's
     own checkpoint every step; then, in another folder holding only step 1's checkpoint and log line, a
     resume to step 2 logs what the uninterrupted run logged and saves the same weights; the final policy is
-    one plain HF folder that `from_pretrained` loads."""
+    one plain HF folder that `from_pretrained` loads. With LoRA the folder is the merged policy and adapter/
+    holds the adapter: the start model (in the engine's bf16) with that adapter merged is the saved policy
+    (under ZeRO-3 both come from the partitions gathered at the end)."""
     import torch
+    from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -148,29 +201,42 @@ def test_ppo_under_deepspeed_resumes_and_saves_one_hf_folder(
     model = AutoModelForCausalLM.from_pretrained(a)
     assert model.config.vocab_size == start["transformer.wte.weight"].shape[0]
     assert (a / "value_head.safetensors").is_file() == ("--advantage_estimator" not in extra)
-    if config == "deepspeed_zero3.yaml":
+    if "--use_lora" in extra:
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+        # the adapter in bf16 as saved (peft would upcast it, and round the merge differently)
+        lora = PeftModel.from_pretrained(base, a / "adapter", autocast_adapter_dtype=False)
+        merged = lora.merge_and_unload().state_dict()
+        moved = [k for k in start if not torch.equal(merged[k], start[k].to(torch.bfloat16))]
+        assert moved  # the adapter is not zero
+        for k in start:
+            assert torch.equal(final_a[k], merged[k]), k
+    if "--eval_every" in extra:
         assert len((a / "samples.jsonl").read_text().splitlines()) > 0
         assert len((a / "eval_log.jsonl").read_text().splitlines()) == 3  # steps 0, 1, 2
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_pipeline_sft_rm_ppo_eval_and_dpo_under_zero2(
-    tmp_path, tiny_model_dir, sft_files, pref_files, prompt_file
+@pytest.mark.parametrize("config", ["deepspeed_zero2.yaml", "deepspeed_zero3.yaml"], ids=["zero2", "zero3"])
+def test_pipeline_sft_rm_ppo_eval_and_dpo_under_deepspeed(
+    tmp_path, tiny_model_dir, sft_files, pref_files, prompt_file, config
 ):
     """`llm-rlhf pipeline` (SFT and RM through TRL's trainers, then PPO and evaluation) under
-    deepspeed_zero2.yaml on 2 CPU processes, fp32 (`--mixed_precision no`: the Trainer's bf16 needs a GPU):
-    each stage trains with DeepSpeed's engine (its checkpoints hold one ZeRO partition of the optimizer
-    state per process) and ends in a plain HF folder that `from_pretrained` loads."""
+    deepspeed_zero2.yaml and deepspeed_zero3.yaml on 2 CPU processes, fp32 (`--mixed_precision no`: the
+    Trainer's bf16 needs a GPU): each stage trains with DeepSpeed's engine (its checkpoints hold one ZeRO
+    partition of the optimizer state per process) and ends in a plain HF folder that `from_pretrained`
+    loads, and the evaluation (the main process alone) writes its figures. Under ZeRO-3 the evaluation hung
+    before it loaded its models outside `zero.Init` (the stages before it leave accelerate's DeepSpeed
+    config registered with transformers). Then, under ZeRO-2, `llm-rlhf dpo` from the SFT folder (DPO under
+    ZeRO-3: test_sft_rm_dpo_under_zero2_and_zero3_*)."""
     from helpers import pipeline_argv
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    out = tmp_path / "zero2"
+    out = tmp_path / "pipeline"
     argv = pipeline_argv(out, tiny_model_dir, sft_files, pref_files, prompt_file, report="false")
-    proc = launch(
-        ["-m", "llm_rlhf", "pipeline", *argv], 2, config="deepspeed_zero2.yaml", mixed_precision="no"
-    )
+    proc = launch(["-m", "llm_rlhf", "pipeline", *argv], 2, config=config, mixed_precision="no", timeout=600)
     assert proc.stdout.count("== eval: running") == 1
+    assert json.loads((out / "eval" / "metrics.json").read_text())["gold_win_rate"] is not None
     for stage in ("sft", "rm"):
         (step,) = (out / stage / "checkpoints").glob("checkpoint-*/global_step*")
         assert sorted(p.name for p in step.glob("zero_pp_rank_*_optim_states.pt")) == [
@@ -182,6 +248,8 @@ def test_pipeline_sft_rm_ppo_eval_and_dpo_under_zero2(
     AutoModelForSequenceClassification.from_pretrained(out / "rm", num_labels=1)
     AutoModelForCausalLM.from_pretrained(out / "ppo")
     assert json.loads((out / "ppo" / "metrics.json").read_text())["episodes"] == 4 * 4 * 2
+    if config == "deepspeed_zero3.yaml":
+        return
     # DPO (TRL's DPOTrainer, its frozen reference beside the engine) from the SFT folder, under ZeRO-2 too
     dpo = tmp_path / "dpo"
     values = dict(model_name_or_path=out / "sft", train_file=pref_files[0], eval_file=pref_files[1],
@@ -198,10 +266,11 @@ STAGES = ("sft", "rm", "dpo")
 UNCHECKPOINTED = ("num_tokens", "eval_num_tokens")  # TRL's token counters restart at 0 on resume
 
 
-def stage_runs(model_dir, files, out: Path, config: str | None) -> dict:
+def stage_runs(model_dir, files, out: Path, config: str | None, *extra: str) -> dict:
     """tests/scripts/trainer_stage_ranks.py on one process (config None) or on 2 under `config`, fp32
-    (--mixed_precision no: the Trainer's bf16 needs a GPU, and fp32 compares tightly); what it wrote."""
-    args = [str(SCRIPTS / "trainer_stage_ranks.py"), str(model_dir), *map(str, files), str(out)]
+    (--mixed_precision no: the Trainer's bf16 needs a GPU, and fp32 compares tightly); what it wrote.
+    extra: the script's optional argument (lora)."""
+    args = [str(SCRIPTS / "trainer_stage_ranks.py"), str(model_dir), *map(str, files), str(out), *extra]
     if config is None:
         launch(args, 1)
     else:
@@ -220,22 +289,9 @@ def same_figures(got: dict, expected: dict) -> None:
             assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 
 
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_sft_rm_dpo_under_zero2_and_zero3_equal_one_process_and_ddp_resume_and_save(tiny_model_dir, tmp_path):
-    """SFT, RM and DPO (TRL's trainers) through tests/scripts/trainer_stage_ranks.py: 2 steps on a training
-    set of exactly one global batch (8 rows: the split across processes cannot change a correctly scaled
-    gradient), on one process and on 2 under DDP (multi_gpu.yaml), ZeRO-2 and ZeRO-3 (every parameter
-    partitioned, nothing kept live: each process holds half the parameters, and a forward on the main process
-    alone after training would hang). The RAW gradient of the first update (before clipping; gathered whole
-    from DeepSpeed's partitions) and the logged loss and grad norm equal one process's; a run resumed from
-    step 1's checkpoint (the engine's, one ZeRO partition of the optimizer state per process) logs step 2
-    and its evaluation as the uninterrupted run did and saves the same weights; the final folder is one plain
-    HF folder that `from_pretrained` loads. Dropout is off so that one process and two draw no masks."""
-    import torch
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
+def stage_inputs(tiny_model_dir, tmp_path: Path) -> tuple[Path, tuple[Path, ...]]:
+    """The tiny model with dropout off (one process and two draw no masks) and the script's four files: SFT
+    rows and preference pairs, each training file exactly one global batch (8 rows)."""
     model_dir = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model_dir)
     config = json.loads((model_dir / "config.json").read_text())
@@ -250,61 +306,109 @@ def test_sft_rm_dpo_under_zero2_and_zero3_equal_one_process_and_ddp_resume_and_s
         write_jsonl(tmp_path / "prefs_train.jsonl", (pairs * 2)[:8]),
         write_jsonl(tmp_path / "prefs_val.jsonl", pairs),
     )
+    return model_dir, files
+
+
+def check_stage_runs(run: dict, one: dict, out: Path, one_out: Path, config: str | None, start: dict) -> None:
+    """Per stage, a run of tests/scripts/trainer_stage_ranks.py (written to `out`) against one process's
+    (`one`, written to `one_out`): the first raw gradient, the first logged loss and grad norm; the resumed
+    run's step 2 and evaluation equal the uninterrupted run's; the final folders hold the same weights,
+    trained away from `start`, and load with `from_pretrained`."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    kind = {None: "NO", "multi_gpu.yaml": "MULTI_CPU"}.get(config, "DEEPSPEED")
+    assert (run["world"], run["distributed_type"]) == (1 if config is None else 2, kind)
+    for stage in STAGES:
+        grad, expected = torch.tensor(run[stage]["grad"]), torch.tensor(one[stage]["grad"])
+        assert expected.abs().max() > 0
+        torch.testing.assert_close(grad, expected, atol=1e-7, rtol=1e-4, msg=f"{config} {stage}")
+        first, resumed = logged_lines(out / stage / "a"), logged_lines(out / stage / "b")
+        for key in ("loss", "grad_norm"):
+            assert first[0][key] == pytest.approx(logged_lines(one_out / stage / "a")[0][key],
+                                                  rel=1e-5), (config, stage, key)  # fmt: skip
+        assert [m["step"] for m in resumed[:2]] == [2, 2] and "eval_loss" in resumed[1]
+        same_figures(resumed[0], first[1])  # step 2's training figures
+        same_figures(resumed[1], first[2])  # step 2's evaluation
+        if config == "deepspeed_zero3.yaml":
+            assert run[stage]["local_numel"] < 0.6 * len(grad)  # partitioned
+        else:
+            assert run[stage]["local_numel"] == len(grad)  # ZeRO-2 partitions gradients, optimizer only
+        if kind == "DEEPSPEED":
+            (step,) = (out / stage / "a" / "checkpoints" / "checkpoint-1").glob("global_step1")
+            assert len(list(step.glob("zero_pp_rank_*_optim_states.pt"))) == 2, (config, stage)
+        final_a = load_file(out / stage / "a" / "model.safetensors")
+        final_b = load_file(out / stage / "b" / "model.safetensors")
+        assert final_a.keys() == final_b.keys()
+        assert any(not torch.equal(final_a[k], start[k]) for k in start if k in final_a)  # trained
+        for k in final_a:
+            torch.testing.assert_close(final_b[k], final_a[k], msg=f"{config} {stage} {k}")
+        if stage == "rm":
+            AutoModelForSequenceClassification.from_pretrained(out / stage / "a", num_labels=1)
+        else:
+            AutoModelForCausalLM.from_pretrained(out / stage / "a")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_sft_rm_dpo_under_zero2_and_zero3_equal_one_process_and_ddp_resume_and_save(tiny_model_dir, tmp_path):
+    """SFT, RM and DPO (TRL's trainers) through tests/scripts/trainer_stage_ranks.py: 2 steps on a training
+    set of exactly one global batch (8 rows: the split across processes cannot change a correctly scaled
+    gradient), on one process and on 2 under DDP (multi_gpu.yaml), ZeRO-2 and ZeRO-3 (every parameter
+    partitioned, nothing kept live: each process holds half the parameters, and a forward on the main process
+    alone after training would hang). The RAW gradient of the first update (before clipping; gathered whole
+    from DeepSpeed's partitions) and the logged loss and grad norm equal one process's; a run resumed from
+    step 1's checkpoint (the engine's, one ZeRO partition of the optimizer state per process) logs step 2
+    and its evaluation as the uninterrupted run did and saves the same weights; the final folder is one plain
+    HF folder that `from_pretrained` loads. Dropout is off so that one process and two draw no masks."""
+    from safetensors.torch import load_file
+
+    model_dir, files = stage_inputs(tiny_model_dir, tmp_path)
     start = load_file(model_dir / "model.safetensors")
     one = stage_runs(model_dir, files, tmp_path / "one", None)
     assert one["world"] == 1
     for config in (None, "multi_gpu.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3.yaml"):
         out = tmp_path / (config or "one")
         run = one if config is None else stage_runs(model_dir, files, out, config)
-        kind = {None: "NO", "multi_gpu.yaml": "MULTI_CPU"}.get(config, "DEEPSPEED")
-        assert (run["world"], run["distributed_type"]) == (1 if config is None else 2, kind)
-        for stage in STAGES:
-            grad, expected = torch.tensor(run[stage]["grad"]), torch.tensor(one[stage]["grad"])
-            assert expected.abs().max() > 0
-            torch.testing.assert_close(grad, expected, atol=1e-7, rtol=1e-4, msg=f"{config} {stage}")
-            first, resumed = logged_lines(out / stage / "a"), logged_lines(out / stage / "b")
-            for key in ("loss", "grad_norm"):
-                assert first[0][key] == pytest.approx(logged_lines(tmp_path / "one" / stage / "a")[0][key],
-                                                      rel=1e-5), (config, stage, key)  # fmt: skip
-            assert [m["step"] for m in resumed[:2]] == [2, 2] and "eval_loss" in resumed[1]
-            same_figures(resumed[0], first[1])  # step 2's training figures
-            same_figures(resumed[1], first[2])  # step 2's evaluation
-            if config == "deepspeed_zero3.yaml":
-                assert run[stage]["local_numel"] < 0.6 * len(grad)  # partitioned
-            else:
-                assert run[stage]["local_numel"] == len(grad)  # ZeRO-2 partitions gradients, optimizer only
-            if kind == "DEEPSPEED":
-                (step,) = (out / stage / "a" / "checkpoints" / "checkpoint-1").glob("global_step1")
-                assert len(list(step.glob("zero_pp_rank_*_optim_states.pt"))) == 2, (config, stage)
-            final_a = load_file(out / stage / "a" / "model.safetensors")
-            final_b = load_file(out / stage / "b" / "model.safetensors")
-            assert final_a.keys() == final_b.keys()
-            assert any(not torch.equal(final_a[k], start[k]) for k in start if k in final_a)  # trained
-            for k in final_a:
-                torch.testing.assert_close(final_b[k], final_a[k], msg=f"{config} {stage} {k}")
-            if stage == "rm":
-                AutoModelForSequenceClassification.from_pretrained(out / stage / "a", num_labels=1)
-            else:
-                AutoModelForCausalLM.from_pretrained(out / stage / "a")
+        check_stage_runs(run, one, out, tmp_path / "one", config, start)
 
 
-def test_trainer_stages_refuse_lora_under_zero3_and_a_precision_mismatch_in_one_line(monkeypatch):
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_sft_rm_dpo_with_lora_under_zero2_and_zero3_resume_and_save(tiny_model_dir, tmp_path):
+    """The same with a LoRA adapter in every stage (the script's `lora`: merged into the saved folder; the
+    RM's score head trained in full beside it; DPO's reference the policy with the adapter disabled), on one
+    process and on 2 under ZeRO-2 and ZeRO-3 (every parameter partitioned, the adapter's included): the first
+    raw gradient (the trainable parameters') equals one process's, the resume continues exactly, and the
+    merged folder (under ZeRO-3 gathered from the partitions at the end, `trainer_stage.whole_model`: a whole
+    peft copy on the main process) loads with `from_pretrained`."""
+    from safetensors.torch import load_file
+
+    model_dir, files = stage_inputs(tiny_model_dir, tmp_path)
+    start = load_file(model_dir / "model.safetensors")
+    one = stage_runs(model_dir, files, tmp_path / "one", None, "lora")
+    assert len(one["sft"]["grad"]) < 0.25 * sum(v.numel() for v in start.values())  # the adapter only
+    check_stage_runs(one, one, tmp_path / "one", tmp_path / "one", None, start)
+    for config in ("deepspeed_zero2.yaml", "deepspeed_zero3.yaml"):
+        run = stage_runs(model_dir, files, tmp_path / config, config, "lora")
+        check_stage_runs(run, one, tmp_path / config, tmp_path / "one", config, start)
+
+
+def test_trainer_stages_run_lora_under_zero3_and_refuse_a_precision_mismatch_in_one_line(monkeypatch):
     """SFT, RM and DPO under a DeepSpeed launch (accelerate passes the config in ACCELERATE_* variables):
-    LoRA under ZeRO-3 is refused (ZeRO-3 itself runs, and LoRA under ZeRO-2), and so is a bf16 key that
-    disagrees with the launch's mixed_precision."""
-    from llm_rlhf.core.errors import ConfigError, UserError
+    LoRA passes the checks under ZeRO-3 (it runs there: test_sft_rm_dpo_with_lora_*) and
+    ZeRO-2; a bf16 key that disagrees with the launch's mixed_precision is refused."""
+    from llm_rlhf.core.errors import ConfigError
     from llm_rlhf.stages import sft
     from llm_rlhf.stages.trainer_stage import check_deepspeed_launch
 
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
     check_deepspeed_launch(bf16=False)
-    with pytest.raises(
-        UserError, match="config key 'use_lora': LoRA is not supported under DeepSpeed ZeRO-3"
-    ):
-        sft.Config(use_lora=True).training_arguments()  # what every stage's TrainingArguments start from
+    assert sft.Config(use_lora=True).training_arguments()["bf16"] is False  # what every stage's start from
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
-    check_deepspeed_launch(bf16=False, use_lora=True)
+    check_deepspeed_launch(bf16=False)
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
     with pytest.raises(
         ConfigError, match="config key 'bf16' is false but the DeepSpeed launch's mixed_precision"
@@ -334,3 +438,29 @@ def test_deepspeed_launch_without_deepspeed_stops_in_one_line(monkeypatch, capsy
         "pip install -e '.[deepspeed]'\n"
     )
     assert accelerate.state.AcceleratorState.__init__ is init
+
+
+def test_outside_zero_init_steps_out_of_a_registered_zero3_config_and_back():
+    """What the eval stage runs in (`accelerated.outside_zero_init`): with a ZeRO-3 config registered with
+    transformers (as a ZeRO-3 stage earlier in the process leaves it; `from_pretrained` then builds under
+    zero.Init), transformers sees no ZeRO-3 inside; the registration is back after, and without one nothing
+    changes. The pipeline test's zero3 case runs it for real."""
+    from transformers.integrations import (
+        HfDeepSpeedConfig,
+        is_deepspeed_zero3_enabled,
+        unset_hf_deepspeed_config,
+    )
+
+    from llm_rlhf.models.accelerated import outside_zero_init
+
+    with outside_zero_init():
+        assert not is_deepspeed_zero3_enabled()
+    registered = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+    try:
+        assert is_deepspeed_zero3_enabled()
+        with outside_zero_init():
+            assert not is_deepspeed_zero3_enabled()
+        assert is_deepspeed_zero3_enabled()
+    finally:
+        unset_hf_deepspeed_config()
+        del registered

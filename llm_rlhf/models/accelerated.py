@@ -3,6 +3,7 @@
 
     check_deepspeed_config   what the DeepSpeed config must say for PPO's own accumulation and LR schedule
     loading_whole_models     PPO's models loaded whole on every process under ZeRO-3 (not under zero.Init)
+    outside_zero_init        models loaded on one process alone while ZeRO-3 is registered (the eval stage)
     Accelerated              one accelerator's ways with the policy (and critic):
         prepare              the checks of the distributed type (FSDP1 rejected), then `accelerator.prepare`; the frozen
                              reference and RM cast to the dtype the policy computes in (FSDP2's param_dtype,
@@ -33,7 +34,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from llm_rlhf.core.errors import UserError
 
 
-def check_deepspeed_config(plugin, *, micro_batch_size: int, critic: bool, lora: bool = False) -> None:
+def check_deepspeed_config(plugin, *, micro_batch_size: int, critic: bool) -> None:
     """Under DeepSpeed the PPO loop accumulates micro-batches itself (`Accelerated.backward`): the engine
     must not divide the loss by an accumulation count of its own, and it is told the micro-batch size
     (there is no dataloader for accelerate to read it from). The LR schedule is PPO's (`optimizer_step`),
@@ -42,11 +43,6 @@ def check_deepspeed_config(plugin, *, micro_batch_size: int, critic: bool, lora:
         raise UserError(
             "value_model: 'reward' is not supported under DeepSpeed (accelerate builds one DeepSpeed engine "
             "per Accelerator); use value_model: policy"
-        )
-    if lora and plugin.zero_stage == 3:
-        raise UserError(
-            "use_lora is not supported under DeepSpeed ZeRO-3 yet (the final save gathers full weights, not "
-            "an adapter); use ZeRO-2 or DDP for LoRA"
         )
     config = plugin.deepspeed_config
     if config.get("gradient_accumulation_steps", 1) not in (1, "auto"):
@@ -83,6 +79,28 @@ def loading_whole_models(accelerator):
         yield
     finally:
         plugin.set_deepspeed_weakref()
+
+
+@contextmanager
+def outside_zero_init():
+    """The context for one process to load and run models alone while DeepSpeed ZeRO-3 is registered with
+    transformers (the evaluation stage, whose main process evaluates while the others wait): every stage
+    that built a ZeRO-3 Accelerator earlier in the process (`llm-rlhf pipeline`: SFT, RM, PPO) leaves
+    accelerate's config registered, and `from_pretrained` would then build the model under
+    `deepspeed.zero.Init`, a collective the waiting processes never enter: the evaluation hung there
+    (issue 39; the stack dump showed the main process in zero.Init's module __init__, the others at the
+    stage's barrier). The registration is restored after. Elsewhere nothing changes."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    if not hf_deepspeed.is_deepspeed_zero3_enabled():
+        yield
+        return
+    registered = hf_deepspeed._hf_deepspeed_config_weak_ref()  # held alive by accelerate's DeepSpeed plugin
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed.set_hf_deepspeed_config(registered)
 
 
 def deepspeed_param_dtype(config: dict) -> torch.dtype | None:
@@ -153,7 +171,6 @@ class Accelerated:
                 accelerator.state.deepspeed_plugin,
                 micro_batch_size=micro_batch_size,
                 critic=critic is not None,
-                lora=lora,
             )
         if critic is not None:
             policy, critic, optimizer = accelerator.prepare(policy, critic, optimizer)

@@ -98,6 +98,7 @@ from llm_rlhf.core.config import checked_keywords, format_config, help_field, is
 from llm_rlhf.core.data import DATA_FORMATS, load_prompt_dataset, prompt_rules
 from llm_rlhf.core.errors import UserError
 from llm_rlhf.core.utils import atomic_write_json, atomic_write_text
+from llm_rlhf.models.accelerated import outside_zero_init
 from llm_rlhf.models.gold import FluentGoldJudge, GoldJudge, judge_pairs, load_judge
 from llm_rlhf.models.loading import (
     check_embeddings,
@@ -775,7 +776,8 @@ def run(cfg: Config, **objects: Any) -> dict[str, Any] | None:
         state.wait_for_everyone()
         return None
     try:
-        return _run(cfg, given)
+        with outside_zero_init():  # the main process alone: no model of it is built under zero.Init
+            return _run(cfg, given)
     finally:
         if state.num_processes > 1:
             state.wait_for_everyone()

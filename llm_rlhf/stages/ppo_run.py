@@ -493,12 +493,14 @@ def save_policy(trainer: PPOTrainer, cfg: Config, out: Path, *, merge_copies: bo
     best checkpoint into after saving the last policy."""
     accelerator = trainer.accelerator
     accelerator.wait_for_everyone()
-    if accelerator.is_fsdp2 or trainer.acc.zero3:
+    if accelerator.is_fsdp2 or (trainer.acc.zero3 and not cfg.use_lora):
         save_policy_gathered(trainer, out)
         return
+    policy = trainer.unwrapped_policy
+    if trainer.acc.zero3:  # LoRA: the partitions gathered into a whole copy (every process enters the gather)
+        policy, merge_copies = whole_lora_policy(trainer), False  # the copy is this function's to merge
     if not accelerator.is_main_process:
         return
-    policy = trainer.unwrapped_policy
     tmp = temp_dir_beside(out / "final")
     lm = policy.lm
     if cfg.use_lora:
@@ -546,8 +548,8 @@ def write_final_metrics(out: Path, final: dict) -> None:
 def save_policy_gathered(trainer: PPOTrainer, out: Path) -> None:
     """FSDP2 and ZeRO-3 (parameters sharded): the full policy state gathered from the shards (a collective:
     every process), then the main process writes the same folder as `save_policy`: one full HF causal-LM
-    folder and the value head. (LoRA and the separate critic are not supported there yet: `PPOTrainer`
-    says so.)"""
+    folder and the value head. (LoRA under ZeRO-3 takes `whole_lora_policy` instead; FSDP2 refuses LoRA, and
+    both refuse the separate critic: `Accelerated.prepare`.)"""
     policy = trainer.unwrapped_policy
     if trainer.acc.zero3:
         # DeepSpeed's consolidated 16-bit weights (the config's zero3_save_16bit_model), on rank 0 only
@@ -573,6 +575,27 @@ def save_policy_gathered(trainer: PPOTrainer, out: Path) -> None:
             save_file(head, tmp / "value_head.safetensors")
         publish_files(tmp, out)
     trainer.accelerator.wait_for_everyone()
+
+
+def whole_lora_policy(trainer: PPOTrainer) -> PolicyWithValue | None:
+    """ZeRO-3 with LoRA: the policy (peft model and value head) with whole weights, for `save_policy` to write
+    the folder the unsharded LoRA path writes (adapter/, the merged model with merge_lora). Every process
+    calls it: DeepSpeed's consolidated 16-bit state dict is a gather (keep the config's
+    zero3_save_16bit_model true); the main process loads it into a copy built outside ZeRO
+    (`loading_whole_models`: the base model from its config, the run's LoRA config, a new value head) in the
+    engine's dtype; None on the others."""
+    state = trainer.accelerator.get_state_dict(trainer.policy)  # whole on the main process, else None
+    if not trainer.accelerator.is_main_process:
+        return None
+    policy = trainer.unwrapped_policy
+    base, lora = policy.lm.get_base_model(), copy.deepcopy(policy.lm.peft_config[policy.lm.active_adapter])
+    with loading_whole_models(trainer.accelerator):
+        lm = get_peft_model(type(base)(base.config), lora)
+        head = None if policy.value_head is None else ValueHead(policy.value_head.summary.in_features)
+    whole = PolicyWithValue(lm, head).to(next(iter(state.values())).dtype)
+    whole.load_state_dict(state)
+    lm.generation_config = copy.deepcopy(base.generation_config)
+    return whole.eval()
 
 
 def tied_duplicates(model: torch.nn.Module) -> list[str]:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from peft import PeftModel, get_peft_model
 from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
@@ -166,7 +167,7 @@ class TrainerStageConfig:
     def training_arguments(self) -> dict[str, Any]:
         """The TrainingArguments both stages set the same way (each stage adds its own and builds TRL's
         SFTConfig / RewardConfig from them)."""
-        check_deepspeed_launch(bf16=self.bf16, use_lora=self.use_lora)
+        check_deepspeed_launch(bf16=self.bf16)
         return dict(
             output_dir=str(Path(self.output_dir) / "checkpoints"),
             max_length=self.max_length,
@@ -248,20 +249,14 @@ def final_eval(trainer) -> dict[str, float]:
     return done[-1] if done else trainer.evaluate()
 
 
-def check_deepspeed_launch(*, bf16: bool, use_lora: bool = False) -> None:
+def check_deepspeed_launch(*, bf16: bool) -> None:
     """Under `accelerate launch` with a DeepSpeed config (accelerate passes it in ACCELERATE_* variables):
-    ZeRO-2 and ZeRO-3 run TRL's trainers for real (on 2 CPU processes in tests/test_deepspeed.py; after
-    training every process enters the gather of ZeRO-3's partitions, `whole_model`). LoRA is refused under
-    ZeRO-3: the gathered weights are the full model's, and the stages merge or save the adapter from a peft
-    model. The engine trains in the launch's mixed_precision and the Trainer checks its config against
-    `bf16`: a mismatch is one line here instead of the Trainer's traceback."""
+    ZeRO-2 and ZeRO-3 run TRL's trainers for real, LoRA included (on 2 CPU processes in
+    tests/test_deepspeed.py; after training every process enters the gather of ZeRO-3's partitions,
+    `whole_model`). The engine trains in the launch's mixed_precision and the Trainer checks its config
+    against `bf16`: a mismatch is one line here instead of the Trainer's traceback."""
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
         return
-    if use_lora and os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3":
-        raise UserError(
-            "config key 'use_lora': LoRA is not supported under DeepSpeed ZeRO-3 yet (the final save gathers "
-            "full weights, not an adapter); launch with accelerate_configs/deepspeed_zero2.yaml or multi_gpu.yaml"
-        )
     mixed_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     if mixed_precision not in ("no", "bf16") or bf16 != (mixed_precision == "bf16"):
         raise ConfigError(
@@ -277,7 +272,8 @@ def whole_model(trainer, *, dtype: torch.dtype):
     process must call this: the whole weights are gathered (DeepSpeed's consolidated state dict, a
     collective; keep the config's zero3_save_16bit_model true, as the Trainer's own checkpoints need too)
     into a copy of the model built outside ZeRO (`loading_whole_models`) in `dtype`, the stage's weights
-    dtype, on the main process; None on the others."""
+    dtype, on the main process; None on the others. With LoRA the copy is a peft model (the base model
+    from its config, the run's LoRA config), so the stage merges or saves its adapter as without ZeRO-3."""
     model = trainer.accelerator.unwrap_model(trainer.model)
     plugin = trainer.accelerator.state.deepspeed_plugin
     if plugin is None or plugin.zero_stage != 3:
@@ -286,7 +282,12 @@ def whole_model(trainer, *, dtype: torch.dtype):
     if not trainer.accelerator.is_main_process:
         return None
     with loading_whole_models(trainer.accelerator):
-        whole = type(model)(model.config).to(dtype)
+        if isinstance(model, PeftModel):
+            base = model.get_base_model()
+            lora = copy.deepcopy(model.peft_config[model.active_adapter])
+            whole = get_peft_model(type(base)(base.config).to(dtype), lora)
+        else:
+            whole = type(model)(model.config).to(dtype)
     whole.load_state_dict(state)
     if getattr(model, "generation_config", None) is not None:  # a causal LM's: its EOS, pad, defaults
         whole.generation_config = copy.deepcopy(model.generation_config)

@@ -36,6 +36,12 @@ parameter partitioned, none kept live: the tiny model is under the default thres
 updates, samples with the real sampler while rank 0's responses all end at once (EOS forced) and the other
 rank's run to max_new_tokens: "sampled_lengths" holds each rank's longest response (issue 39: that hung).
 
+MODE "lora": "same" with a LoRA adapter (LORA; the reference is the policy with the adapter disabled), on one
+process or under DeepSpeed as in MODE gae_grpo (under ZeRO-3 the adapter's and the base model's parameters
+partitioned alike, then the sampling with rank 0 ending at once); after the update the policy is saved with
+merge_lora false (`ppo_run.save_policy`: under ZeRO-3 gathered from the partitions) into OUT_JSON's path
+without its suffix.
+
 MODE "loss_options": for each configuration of LOSS_OPTIONS (the policy-loss family of issue 37: clip-higher,
 dual clip, the loss aggregations, the sampler corrections, overlong shaping, truncated masking, GSPO, CISPO,
 dynamic sampling), a trainer runs 2 steps of 2 epochs, with ordinary minibatches and with micro-batches of one
@@ -49,9 +55,11 @@ b1 and a2; 2 processes: rank 0 takes a2, rank 1 b1).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
@@ -72,6 +80,7 @@ LOSS_OPTIONS = {  # name: (advantage_estimator, samples per prompt, the keys of 
                              sampler_correction_cap=1.5)),
     "cispo": ("gae", 1, dict(policy_loss="cispo", cliprange_high=0.28)),
 }  # fmt: skip
+LORA = dict(use_lora=True, lora_r=4, lora_dropout=0.0)  # MODE lora: "same" with a LoRA adapter
 
 
 def run(
@@ -85,9 +94,11 @@ def run(
     k=1,
     options=None,
     accumulate=False,
+    save_to=None,
 ) -> dict:
     """Build a trainer (as `llm-rlhf ppo` does) whose rollouts are fixed, run its steps and record them.
-    options: keys of the policy-loss family (MODE loss_options); accumulate: micro-batches of one episode."""
+    options: keys of the policy-loss family (MODE loss_options) or LORA; accumulate: micro-batches of one
+    episode; save_to: a folder to save the policy into after the steps, with merge_lora false (MODE lora)."""
     world, rank = accelerator.num_processes, accelerator.process_index
     local = GLOBAL_BATCH // world  # episodes per rank: whole groups (k divides it)
     loss_options = mode == "loss_options"
@@ -184,6 +195,8 @@ def run(
     steps = 2 if mode in ("degenerate", "estimators", "loss_options") or estimator != "gae" else 1
     metrics = [trainer.ppo_step() for _ in range(steps)]
     accelerator.clip_grad_norm_ = clip
+    if save_to is not None:
+        ppo_run.save_policy(trainer, dataclasses.replace(cfg, merge_lora=False), save_to)
     lengths = []
     if trainer.acc.zero3:
         trainer.generate = real_generate
@@ -279,12 +292,15 @@ def main() -> None:
                     *args, estimator=estimator, k=k, options=options, accumulate=accumulate
                 )
     else:
-        result = run(*args)
+        lora = mode == "lora"
+        save_to = Path(out_json).with_suffix("") if lora else None
+        result = run(*args, options=LORA if lora else None, save_to=save_to)
         record = {
             "grads": result["grads"][0],
             "metrics": result["metrics"],
             "all_reduces": result["all_reduces"],
             "local_numel": result["local_numel"],
+            "sampled_lengths": result["sampled_lengths"],
             "distributed_type": accelerator.distributed_type.value,
         }
     if accelerator.is_main_process:

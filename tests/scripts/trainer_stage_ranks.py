@@ -1,7 +1,11 @@
 """Run under `accelerate launch` with 1 process, or 2 under multi_gpu.yaml / deepspeed_zero2.yaml /
 deepspeed_zero3.yaml: the SFT, RM and DPO stages (TRL's trainers) on a fixed global batch, each run twice.
 
-    python trainer_stage_ranks.py MODEL_DIR SFT_TRAIN SFT_VAL PREF_TRAIN PREF_VAL OUT_DIR
+    python trainer_stage_ranks.py MODEL_DIR SFT_TRAIN SFT_VAL PREF_TRAIN PREF_VAL OUT_DIR [lora]
+
+With `lora` every stage trains a LoRA adapter (LORA: rank 4, no dropout, merged into the saved folder; the
+RM's score head trained in full beside it, DPO's reference the policy with the adapter disabled), and the
+raw gradient is that of the trainable parameters (the adapter, and the RM's score head).
 
 Each stage trains 2 steps of a global batch of 8 rows (per process 8 / world; the training files hold exactly
 8 rows, so every step sees all of them whatever the split across processes, and the gradient of a correctly
@@ -34,6 +38,7 @@ from llm_rlhf.core.utils import use_cpu_ddp_without_gpus
 from llm_rlhf.stages import dpo, reward, sft
 
 GLOBAL_BATCH = 8
+LORA = dict(use_lora=True, lora_r=4, lora_dropout=0.0, merge_lora=True)
 RECORDED: list[dict] = []  # per optimizer step: the raw gradient and the local parameter size
 
 
@@ -130,6 +135,7 @@ def stage_twice(module, values: dict, out: Path, world: int, main: bool) -> dict
 def main() -> None:
     model_dir, sft_train, sft_val, pref_train, pref_val, out = sys.argv[1:7]
     out = Path(out)
+    lora = LORA if sys.argv[7:] == ["lora"] else {}
     use_cpu_ddp_without_gpus()
     shard_everything_under_zero3()
     record_raw_gradients()
@@ -146,6 +152,7 @@ def main() -> None:
                 eval_file=sft_val,
                 num_samples=4,
                 max_new_tokens=4,
+                **lora,
             ),  # fmt: skip
             out / "sft",
             world,
@@ -160,6 +167,7 @@ def main() -> None:
                 test_file=None,
                 normalization_samples=8,
                 disable_dropout=True,
+                **lora,
             ),  # fmt: skip
             out / "rm",
             world,
@@ -167,7 +175,7 @@ def main() -> None:
         ),
         "dpo": stage_twice(
             dpo,
-            dict(model_name_or_path=model_dir, train_file=pref_train, eval_file=pref_val),
+            dict(model_name_or_path=model_dir, train_file=pref_train, eval_file=pref_val, **lora),
             out / "dpo",
             world,
             is_main,
