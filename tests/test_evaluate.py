@@ -82,6 +82,24 @@ def test_policy_against_itself(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_pat
     assert (out / "config.yaml").is_file()
 
 
+def test_a_model_that_is_its_own_reference_is_run_once_for_its_kl(
+    tiny_model_dir, other_model_dir, prompt_file, tmp_path, monkeypatch
+):
+    """The baseline that is the reference (issue 41): one forward of its samples for kl_to_ref instead of two,
+    KL exactly 0; the policy, another model, still gets both forwards and KL > 0."""
+    forwards = []
+    real = evaluate.response_logits
+    monkeypatch.setattr(evaluate, "response_logits", lambda m, b: forwards.append(m) or real(m, b))
+    kw = dict(gold_judge="none", num_prompts=4, batch_size=4, samples_per_prompt=1)
+    metrics = evaluate.run(eval_config(other_model_dir, tiny_model_dir, prompt_file, tmp_path / "a", **kw))
+    assert metrics["kl_to_ref_baseline"] == 0.0 and metrics["kl_to_ref"] > 0
+    policy, baseline = (
+        forwards[0],
+        forwards[2],
+    )  # the policy's batch: its forward, the reference's; then the baseline's
+    assert len(forwards) == 3 and forwards[1] is baseline and policy is not baseline
+
+
 @pytest.mark.slow
 def test_different_policy_is_deterministic(tiny_model_dir, other_model_dir, prompt_file, tmp_path):
     """A policy that differs from the reference: KL > 0 on its samples, the baseline (= reference) has KL
