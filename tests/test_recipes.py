@@ -328,8 +328,4 @@ def test_the_rule_recipe_runs_through_the_pipeline_on_a_tiny_chat_llama(tmp_path
     assert metrics["accuracy_fn"] == "llm_rlhf.tasks.arithmetic:reward" and metrics["num_pairs"] == 6
     for key in ("accuracy", "accuracy_greedy", "accuracy_baseline", "accuracy_greedy_baseline"):
         assert 0.0 <= metrics[key] <= 1.0, key
-    samples = [json.loads(line) for line in (out / "eval" / "samples.jsonl").read_text().splitlines()]
-    assert all(
-        s["prompt"].startswith("<|system|>\n<|user|>") for s in samples
-    )  # the recipes' system_prompt ""
     assert (out / "report.html").is_file()
