@@ -23,8 +23,9 @@ DIR/report/. What the report reads (any of it may be missing: that section says 
 When DIR holds several runs, DIR/report.html overlays their PPO curves (legend = folder name),
 tabulates their headline metrics and the config keys in which they differ, and draws gold and
 proxy reward against KL for each, so one sees what the KL penalty buys, and, with a verifier, every run's
-held-out accuracy against step and KL (a sweep of estimators, or of seeds: one curve per run, no average);
-each run gets its own report.html as well. A stage that pipeline_config.yaml's `stages` leaves out (PPO
+held-out accuracy against step and KL (a sweep of estimators, or of seeds: one curve per run), then the runs
+that differ only by their seed averaged (`seeds`: final accuracy and KL, mean ± standard error over the seeds,
+and the mean accuracy against responses sampled, KL and wall seconds); each run gets its own report.html as well. A stage that pipeline_config.yaml's `stages` leaves out (PPO
 straight from an instruct model: `stages: [ppo, eval]`) gets one line saying so, and its files are not
 missing. matplotlib is imported only here (an optional dependency of the core).
 """

@@ -5,7 +5,6 @@ curves overlaid.
 from __future__ import annotations
 
 import html
-import json
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +24,13 @@ from llm_rlhf.interfaces.report.runs import (
     Run,
     as_dict,
     baseline_name,
+    differing_keys,
     final_value,
     load_compare,
+    masked_run,
     run_estimator,
 )
+from llm_rlhf.interfaces.report.seeds import section_seeds
 from llm_rlhf.stages import eval_metrics, ppo_metrics
 
 # Headline columns of the side-by-side table: (stage whose final metrics hold it, key); a column no run has a
@@ -64,15 +66,9 @@ def config_differences(runs: list[Run]) -> list[tuple[str, list[Any]]]:
             for key, value in data.items() if isinstance(data, dict) else ():
                 if prefix == "pipeline" and isinstance(value, dict):
                     continue  # its per-stage overrides show up in the stages' own configs
-                if isinstance(value, str):
-                    value = value.replace(str(run.path), "<run>").replace(run.name, "<run>")
-                values[f"{prefix}.{key}"] = value
+                values[f"{prefix}.{key}"] = masked_run(value, run)
         flat.append(values)
-    keys = [k for k in dict.fromkeys(k for values in flat for k in values)]
-    rows = [(k, [values.get(k) for values in flat]) for k in keys]
-    return [
-        (k, vals) for k, vals in rows if len({json.dumps(v, sort_keys=True, default=str) for v in vals}) > 1
-    ]
+    return differing_keys(flat)
 
 
 def compare_columns(runs: list[Run]) -> list[tuple[str, str]]:
@@ -101,7 +97,7 @@ def compare_accuracy(page: Page, runs: list[Run]) -> None:
         "compare_accuracy",
         "Held-out accuracy of every run against step and KL",
         "PPO's held-out evaluations (ppo/eval_log.jsonl) of each run, ± one standard error (shaded; bars "
-        "against KL); every run is its own curve (seeds too: nothing is averaged)."
+        "against KL); every run is its own curve (seeds too: their average is the next section)."
         + (
             " One colour per advantage estimator, a line style per run with it."
             if grouped
@@ -176,6 +172,7 @@ def compare_curves(page: Page, runs: list[Run]) -> None:
     accuracy = any(accuracy_logged(r.eval_log) for r in runs)
     if accuracy:
         compare_accuracy(page, runs)
+        section_seeds(page, runs)
     if any(r.eval_log and len(eval_points(r.eval_log)[0]) for r in runs):
         page.add("<h2>What the KL penalty buys: gold and proxy reward against KL</h2>")
         page.figure(

@@ -185,6 +185,24 @@ def config_value(run: Run, stage: str, key: str) -> Any:
     return (yaml.safe_load(run.configs.get(f"{stage}/config.yaml") or "") or {}).get(key)
 
 
+def masked_run(value: Any, run: Run) -> Any:
+    """A config value with the run's own folder (its path, its name) written "<run>": the paths every run
+    writes under itself (output_dir) read the same in every run."""
+    if isinstance(value, str):
+        return value.replace(str(run.path), "<run>").replace(run.name, "<run>")
+    return value
+
+
+def differing_keys(configs: list[dict[str, Any]]) -> list[tuple[str, list[Any]]]:
+    """(key, the value in each config) of the keys whose values differ between the configs, in the order the
+    keys first appear; a key a config lacks is None there."""
+    keys = list(dict.fromkeys(k for config in configs for k in config))
+    rows = [(k, [config.get(k) for config in configs]) for k in keys]
+    return [
+        (k, vals) for k, vals in rows if len({json.dumps(v, sort_keys=True, default=str) for v in vals}) > 1
+    ]
+
+
 def kl_target(run: Run) -> float | None:
     """The PPO run's KL target; None with a fixed beta (`kl_controller: fixed`), where nothing aims at it."""
     if config_value(run, "ppo", "kl_controller") == "fixed":
