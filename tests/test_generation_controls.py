@@ -486,7 +486,7 @@ def test_system_prompt_is_the_system_turn_of_prompts_without_one_in_ppo_and_eval
     out = tmp_path / "ppo"
     argv = ["ppo", "--model_name_or_path", str(chat_model_dir), "--reward_model_path", str(tiny_rm_dir),
             "--prompt_file", str(chats), "--eval_prompt_file", str(chats), "--eval_every", "1",
-            "--eval_num_prompts", "3", "--output_dir", str(out), "--steps", "1", "--rollout_batch_size", "3",
+            "--eval_num_prompts", "3", "--gold_judge", "none", "--output_dir", str(out), "--steps", "1", "--rollout_batch_size", "3",
             "--mini_batch_size", "3", "--ppo_epochs", "1", "--max_new_tokens", "4", "--max_prompt_length", "40",
             "--log_samples_every", "1", "--num_log_samples", "3", "--save_steps", "0",
             "--system_prompt", "Be brief."]  # fmt: skip
@@ -499,7 +499,7 @@ def test_system_prompt_is_the_system_turn_of_prompts_without_one_in_ppo_and_eval
 
     common = dict(policy_path=str(chat_model_dir), baseline_path=str(chat_model_dir),
                   reward_model_path=str(tiny_rm_dir), prompt_file=str(chats), num_prompts=None,
-                  max_prompt_length=40, max_new_tokens=4, print_samples=0)  # fmt: skip
+                  max_prompt_length=40, max_new_tokens=4, print_samples=0, gold_judge="none")  # fmt: skip
     evaluate.run(evaluate.Config(**common, system_prompt="", output_dir=str(tmp_path / "eval")))
     samples = [json.loads(line) for line in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
     assert [s["prompt"] for s in samples] == [

@@ -327,7 +327,8 @@ def test_config_dataclass_is_flat(tmp_path):
     changed = {  # a value of each field's type, valid together, none equal to the default but the estimator's
         "reward_model_path": ["a", "b"], "reward_fn": "m:f", "accuracy_fn": "m:g", "lora_target_modules": ["c_attn"],
         "stop_strings": ["\n"], "eos_penalty": -1.0, "score_clip": 3.0, "target_approxkl": 0.5,
-        "eval_prompt_file": "eval.jsonl", "data_format": "hh", "dtype": "bfloat16", "value_model": "reward",
+        "eval_prompt_file": "eval.jsonl", "data_format": "hh", "system_prompt": "", "dtype": "bfloat16",
+            "value_model": "reward",
         "lr_scheduler_type": "linear", "kl_estimator": "k3", "kl_controller": "fixed", "report_to": "tensorboard",
         "ensemble_combine": "min", "rollout_batch_size": 32, "mini_batch_size": 8, "min_new_tokens": 2,
         "advantage_estimator": "gae", "kl_in_loss": True, "eval_batch_size": 16, "sampling_dtype": "bfloat16",
