@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_report import PNG_MAGIC, _jsonl, _write  # the report tests' run-folder writers
 
 from llm_rlhf.interfaces.report import load_run, write_report
 from llm_rlhf.interfaces.report.figures import plot_style
@@ -26,17 +27,6 @@ from llm_rlhf.interfaces.report.seeds import (
     shared_steps,
     wall_seconds,
 )
-
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-def _write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text, encoding="utf-8")
-
-
-def _jsonl(path: Path, rows: list[dict]) -> None:
-    _write(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def make_seed_run(
