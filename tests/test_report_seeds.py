@@ -16,6 +16,7 @@ from llm_rlhf.interfaces.report import load_run, write_report
 from llm_rlhf.interfaces.report.figures import plot_style
 from llm_rlhf.interfaces.report.page import Page
 from llm_rlhf.interfaces.report.seeds import (
+    COMMON_LABEL,
     group_evaluations,
     group_labels,
     mean_stderr_text,
@@ -127,6 +128,14 @@ def test_runs_differing_only_by_seed_are_grouped_by_config(tmp_path):
     ]
     assert group_labels([groups[0], groups[3]]) == ["learning_rate: 0.0002", "learning_rate: 0.0001"]
     assert group_labels(groups[:1]) == ["grpo, k = 4"]  # one group: its estimator
+    # four groups: a key is left out where the group holds the value most groups share (grpo, k 4, 8 prompts,
+    # lr 2e-4), so each variant is named by what it changed and the base by COMMON_LABEL
+    assert group_labels(groups) == [
+        COMMON_LABEL,
+        "advantage_estimator: gae, samples_per_prompt: 1, rollout_batch_size: 32",
+        "advantage_estimator: rloo",
+        "learning_rate: 0.0001",
+    ]
 
 
 def test_group_evaluations_at_the_steps_every_seed_made(tmp_path):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import html
 import json
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -108,14 +109,33 @@ def _seed_order(run: Run) -> tuple:
     return (seed is None, seed or 0.0, run.name)
 
 
+COMMON_LABEL = "the common values"  # the group whose every differing key holds its most common value
+
+
 def group_labels(groups: list[list[Run]]) -> list[str]:
     """What tells the groups apart: "key: value" of each PPO config key in which their seed-free configs differ
-    ("advantage_estimator: grpo, samples_per_prompt: 4"); a lone group is named by its estimator."""
+    ("advantage_estimator: grpo, samples_per_prompt: 4"), leaving out a key where the group holds the value
+    that more groups hold than any other (of three groups or more: one variant of a base config is named by
+    what it changed, "policy_loss: cispo", not by every key some other variant changed). The group that holds
+    every such common value is COMMON_LABEL; a lone group is named by its estimator."""
     configs = [seed_free_config(group[0]) or {} for group in groups]
     diffs = differing_keys(configs)
     if not diffs:
         return [run_estimator(group[0]) or "all runs" for group in groups]
-    return [", ".join(f"{key}: {_value(values[i])}" for key, values in diffs) for i in range(len(groups))]
+    labels = []
+    for i in range(len(groups)):
+        parts = [f"{key}: {_value(values[i])}" for key, values in diffs if not _most_common(values, i)]
+        labels.append(", ".join(parts) or COMMON_LABEL)
+    return labels
+
+
+def _most_common(values: list[Any], i: int) -> bool:
+    """values[i] is held by more of `values` than any other value, and by two or more."""
+    counts = Counter(json.dumps(v, sort_keys=True, default=str) for v in values)
+    ranked = counts.most_common()
+    mine = json.dumps(values[i], sort_keys=True, default=str)
+    top, n = ranked[0]
+    return mine == top and n >= 2 and (len(ranked) == 1 or ranked[1][1] < n)
 
 
 def _value(value: Any) -> str:
