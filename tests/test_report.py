@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from llm_rlhf.interfaces import cli, report
-from llm_rlhf.interfaces.report import find_runs, parse_jsonl, write_report
+from llm_rlhf.interfaces.report import find_runs, parse_jsonl, ppo_curves, write_report
 from llm_rlhf.interfaces.report.accuracy import (
     accuracy_logged,
     accuracy_points,
@@ -27,6 +27,7 @@ from llm_rlhf.interfaces.report.ppo_curves import (
     COMPARE_PANELS,
     PPO_PANELS,
     compare_panels,
+    plot_compare_ppo,
     plot_ppo,
     ppo_panels,
 )
@@ -616,6 +617,24 @@ def make_accuracy_run(
             })  # fmt: skip
     _jsonl(run / "eval" / "samples.jsonl", samples)
     return run
+
+
+def test_the_reward_panels_name_a_reward_functions_score_as_such(tmp_path, monkeypatch):
+    """A run scored by a reward function (reward_model_path: none) titles its reward panel and the side-by-side
+    score panel as a score, not an RM's; an RM run, and a mix of the two side by side, keep "RM score"."""
+    rm_run = report.load_run(make_run(tmp_path / "rm"))
+    fn_run = report.load_run(make_accuracy_run(tmp_path / "fn"))
+    with plot_style():
+        assert visible_titles(plot_ppo(rm_run.ppo_history, 6.0))[0] == "RM score and RLHF reward"
+        fig = plot_ppo(fn_run.ppo_history, None, reward_model=False)
+        assert visible_titles(fig)[0] == "Score and RLHF reward"
+        assert fig.axes[0].get_ylabel() == "reward (the reward function's units)"
+        assert visible_titles(plot_compare_ppo([fn_run, fn_run]))[0] == "Score (reward function)"
+        assert visible_titles(plot_compare_ppo([rm_run, fn_run]))[0] == "RM score"
+    drawn = []  # the report draws each run's panels with its own scorer's words
+    monkeypatch.setattr(ppo_curves, "plot_ppo", lambda *a, **kw: drawn.append(a[2]) or plot_ppo(*a, **kw))
+    write_report(fn_run.path), write_report(rm_run.path)
+    assert drawn == [False, True]
 
 
 def _cells(row: str) -> list[str]:

@@ -419,6 +419,10 @@ def test_the_estimator_sweep_is_six_estimators_by_three_seeds_at_equal_responses
         assert ppo_cfg.rollout_batch_size * ppo_cfg.samples_per_prompt * ppo_cfg.steps == 32 * 12
         assert ppo_cfg.prompt_file == "data/tasks/chain_sum-t2d1/train_prompts.jsonl"
         assert eval_cfg.policy_path == ppo_cfg.output_dir == f"{run.output_dir}/ppo"
+        # PPO only: the final accuracy is the last held-out evaluation, on every held-out problem
+        assert run.stages == ["ppo"] and ppo_cfg.steps % ppo_cfg.eval_every == 0
+        held_out = (ROOT / ppo_cfg.eval_prompt_file).read_text(encoding="utf-8").splitlines()
+        assert ppo_cfg.eval_num_prompts == len(held_out) == 64
         seen.add((ppo_cfg.advantage_estimator, ppo_cfg.seed))
     estimators = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "remax")
     assert seen == {(e, s) for e in estimators for s in (0, 1, 2)} and len(runs) == 18

@@ -21,11 +21,24 @@ from llm_rlhf.interfaces.report.figures import (
 from llm_rlhf.interfaces.report.numbers import logged, num, series
 from llm_rlhf.interfaces.report.overoptimisation import eval_points, section_overoptimisation
 from llm_rlhf.interfaces.report.page import Page, fmt, metrics_table, skip_section, wall_time_line
-from llm_rlhf.interfaces.report.runs import Run, kl_target
+from llm_rlhf.interfaces.report.runs import Run, kl_target, without_reward_model
 from llm_rlhf.interfaces.report.samples import ppo_samples_table
 from llm_rlhf.stages import ppo_metrics
 
-# PPO small multiples: (title, left y label, left keys, (right key, right y label) or None).
+# What PPO's score is called on a panel: (title of the reward panel, its y label, the side-by-side panel's title,
+# its y label), by whether the score is a reward model's or, with reward_model_path: none, a reward function's.
+SCORE_WORDS = {
+    True: ("RM score and RLHF reward", "reward (normalised RM units)", "RM score", "normalised RM units"),
+    False: (
+        "Score and RLHF reward",
+        "reward (the reward function's units)",
+        "Score (reward function)",
+        "reward",
+    ),
+}
+
+# PPO small multiples: (title, left y label, left keys, (right key, right y label) or None); the reward panel's
+# words are SCORE_WORDS' for the run.
 PPO_PANELS = (
     (
         "RM score and RLHF reward",
@@ -114,10 +127,13 @@ def _panel_grid(panels: int, panel_width: float, row_height: float):
     return fig, list(axes.flat[:panels])
 
 
-def plot_ppo(history: list[dict], kl_target: float | None):
+def plot_ppo(history: list[dict], kl_target: float | None, reward_model: bool = True):
+    """PPO_PANELS for one run; `reward_model`: its score is a reward model's (False: a reward function's)."""
     panels = ppo_panels(history)
     fig, axes = _panel_grid(len(panels), 4, 9.5 / 3)
     for ax, (title, ylabel, keys, right) in zip(axes, panels):
+        if keys[0] == ppo_metrics.OBJECTIVE_SCORES:
+            title, ylabel = SCORE_WORDS[reward_model][:2]
         ax.set(title=title, xlabel="PPO step", ylabel=ylabel)
         if keys == ppo_metrics.TIME_PHASES:
             drawn = _time_panel(ax, history)
@@ -201,6 +217,8 @@ def plot_compare_ppo(runs: list[Run]):
     panels = compare_panels(runs)
     fig, axes = _panel_grid(len(panels), 4, 10 / 3)
     for ax, (key, title, ylabel) in zip(axes, panels):
+        if key == ppo_metrics.OBJECTIVE_SCORES:  # a reward model's words unless no run has one
+            title, ylabel = SCORE_WORDS[not all(map(without_reward_model, runs))][2:]
         ax.set(title=title, xlabel="PPO step", ylabel=ylabel)
         drawn = False
         for i, run in enumerate(runs):
@@ -233,7 +251,9 @@ def section_ppo(page: Page, run: Run) -> None:
         left_out = [panel[0] for panel in PPO_PANELS if panel not in ppo_panels(run.ppo_history)]
         if left_out:
             caption += f" Not drawn, nothing logged for them: {', '.join(left_out)}."
-        page.figure(plot_ppo(run.ppo_history, target), "ppo", "PPO curves", caption)
+        page.figure(
+            plot_ppo(run.ppo_history, target, not without_reward_model(run)), "ppo", "PPO curves", caption
+        )
         if ensemble_members(run.ppo_history):
             page.figure(
                 plot_ensemble(run.ppo_history),
