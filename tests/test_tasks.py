@@ -428,6 +428,39 @@ def test_the_estimator_sweep_is_six_estimators_by_three_seeds_at_equal_responses
     assert seen == {(e, s) for e in estimators for s in (0, 1, 2)} and len(runs) == 18
 
 
+def test_the_second_rung_sweep_is_three_estimators_and_the_loss_family_by_three_seeds(monkeypatch):
+    """recipes/gym-chain_sum-t3d1/sweep: rung 1's best three estimators, the DAPO shape, GSPO and CISPO, each on
+    seeds 0, 1, 2, every run the rung-2 recipe with 32 trained responses a step; the loss-family runs are GRPO
+    groups of 4 with only their published keys changed."""
+    monkeypatch.chdir(ROOT)
+    cfg = parse_config(
+        pipeline.Config, ["--config", str(RECIPES / "gym-chain_sum-t3d1" / "sweep" / "pipeline.yaml")]
+    )
+    runs = pipeline.sweep_runs(cfg)
+    by_name = {}
+    for run in runs:
+        ppo_cfg = pipeline.stage_config(run, "ppo")
+        assert run.stages == ["ppo"] and ppo_cfg.rollout_batch_size * ppo_cfg.samples_per_prompt == 32
+        assert ppo_cfg.prompt_file == "data/tasks/chain_sum-t3d1/train_prompts.jsonl" and ppo_cfg.steps == 12
+        assert ppo_cfg.eval_prompt_file == "data/tasks/chain_sum-t3d1/eval_prompts.jsonl"
+        name, seed = Path(run.output_dir).name.rsplit("-seed", 1)
+        assert ppo_cfg.seed == int(seed)
+        by_name.setdefault(name, []).append(ppo_cfg)
+    assert len(runs) == 18 and all(len(cfgs) == 3 for cfgs in by_name.values())
+    losses = {"dapo": "ppo_clip", "gspo": "gspo", "cispo": "cispo"}
+    estimators = [n for n in by_name if n not in losses]
+    assert len(estimators) == 3 and all(by_name[n][0].advantage_estimator == n for n in estimators)
+    for name, loss in losses.items():
+        c = by_name[name][0]
+        assert c.policy_loss == loss and c.advantage_estimator == "grpo" and c.samples_per_prompt == 4
+    dapo = by_name["dapo"][0]
+    assert dapo.dynamic_sampling and dapo.init_kl_coef == 0.0 and dapo.cliprange_high > dapo.cliprange_low
+    assert (
+        by_name["gspo"][0].loss_aggregation == "seq_mean_token_mean"
+        and not by_name["cispo"][0].dynamic_sampling
+    )
+
+
 @pytest.mark.slow
 def test_a_gym_recipe_runs_through_the_pipeline_on_a_tiny_chat_llama(tmp_path, monkeypatch):
     """`llm-rlhf pipeline --config recipes/gym-chain_sum-t2d1/pipeline.yaml` with a tiny Llama (a chat template of
