@@ -41,8 +41,7 @@ SCORE_WORDS = {
 # words are SCORE_WORDS' for the run.
 PPO_PANELS = (
     (
-        "RM score and RLHF reward",
-        "reward (normalised RM units)",
+        *SCORE_WORDS[True][:2],
         (
             ppo_metrics.OBJECTIVE_SCORES,
             ppo_metrics.OBJECTIVE_RLHF_REWARD,
@@ -85,7 +84,7 @@ PPO_PANELS = (
 
 # Side-by-side PPO panels: one key each, one line per run.
 COMPARE_PANELS = (
-    (ppo_metrics.OBJECTIVE_SCORES, "RM score", "normalised RM units"),
+    (ppo_metrics.OBJECTIVE_SCORES, *SCORE_WORDS[True][2:]),
     (ppo_metrics.OBJECTIVE_KL, "KL to reference (dashed: target)", "nats / response"),
     (ppo_metrics.OBJECTIVE_KL_COEF, "KL coefficient β", "β"),
     (ppo_metrics.OBJECTIVE_RLHF_REWARD, "RLHF reward (score − β·KL)", "reward"),
