@@ -449,16 +449,17 @@ def test_the_second_rung_sweep_is_three_estimators_and_the_loss_family_by_three_
     assert len(runs) == 18 and all(len(cfgs) == 3 for cfgs in by_name.values())
     losses = {"dapo": "ppo_clip", "gspo": "gspo", "cispo": "cispo"}
     estimators = [n for n in by_name if n not in losses]
-    assert len(estimators) == 3 and all(by_name[n][0].advantage_estimator == n for n in estimators)
-    for name, loss in losses.items():
-        c = by_name[name][0]
-        assert c.policy_loss == loss and c.advantage_estimator == "grpo" and c.samples_per_prompt == 4
-    dapo = by_name["dapo"][0]
-    assert dapo.dynamic_sampling and dapo.init_kl_coef == 0.0 and dapo.cliprange_high > dapo.cliprange_low
-    assert (
-        by_name["gspo"][0].loss_aggregation == "seq_mean_token_mean"
-        and not by_name["cispo"][0].dynamic_sampling
+    assert len(estimators) == 3
+    assert all(
+        c.advantage_estimator == n and c.policy_loss == "ppo_clip" for n in estimators for c in by_name[n]
     )
+    for name, loss in losses.items():  # every seed of a variant, not only the first
+        for c in by_name[name]:
+            assert c.policy_loss == loss and c.advantage_estimator == "grpo" and c.samples_per_prompt == 4
+            assert c.dynamic_sampling == (name == "dapo") and (c.init_kl_coef == 0.0) == (name == "dapo")
+    for dapo in by_name["dapo"]:
+        assert dapo.cliprange_high > dapo.cliprange_low and dapo.overlong_buffer > 0
+    assert all(c.loss_aggregation == "seq_mean_token_mean" for c in by_name["gspo"])
 
 
 @pytest.mark.slow
