@@ -19,6 +19,7 @@ from llm_rlhf.interfaces.report.seeds import (
     COMMON_LABEL,
     group_evaluations,
     group_labels,
+    name_stem,
     mean_stderr_text,
     plot_seed_groups,
     responses_sampled,
@@ -135,6 +136,30 @@ def test_runs_differing_only_by_seed_are_grouped_by_config(tmp_path):
         "advantage_estimator: gae, samples_per_prompt: 1, rollout_batch_size: 32",
         "advantage_estimator: rloo",
         "learning_rate: 0.0001",
+    ]
+
+
+def test_a_sweeps_groups_are_named_by_their_variant_names(tmp_path):
+    """Folders named as a sweep names them ("gae-seed0", ...): each group is its variant's name without the seed,
+    not every key in which the configs differ; names that do not share a stem within a group (seed-0 and seed-1
+    of one config; r1, r2 ...) fall back to the keys."""
+    assert [name_stem(n) for n in ("gae-seed2", "lr1e-4_seed_0", "seed-1", "cispo.seed10", "r1")] == [
+        "gae", "lr1e-4", "", "cispo", "r1"
+    ]  # fmt: skip
+    names = ("gae", "remax", "grpo", "rloo")  # the folder names of a sweep of the estimators
+    runs = [
+        load_run(make_seed_run(tmp_path / f"{name}-seed{seed}", seed=seed, estimator=name), name=f"{name}-seed{seed}")
+        for name in names
+        for seed in (0, 1)
+    ]
+    groups = seed_groups(runs)
+    assert group_labels(groups) == ["gae", "remax", "grpo", "rloo"]
+    unnamed = [load_run(run.path, name=f"seed-{i % 2}") for i, run in enumerate(runs)]
+    assert group_labels(seed_groups(unnamed)) == [
+        "advantage_estimator: gae, samples_per_prompt: 1, rollout_batch_size: 32",
+        "advantage_estimator: remax",
+        "advantage_estimator: grpo",
+        "advantage_estimator: rloo",
     ]
 
 

@@ -3,8 +3,9 @@ responses"): a table of each group's final held-out accuracy and KL, mean ± sta
 figure of the seeds' mean held-out accuracy against the responses sampled, the KL and PPO's wall seconds.
 
 A seed group is the runs whose PPO configs (ppo/config.yaml) are equal once `seed` and `output_dir` are left out
-and each run's own folder is masked out of the paths (`seed_groups`); folder names are not read. A group of two
-runs or more is averaged and named by the keys in which the averaged groups' configs differ (`group_labels`).
+and each run's own folder is masked out of the paths (`seed_groups`); folder names do not group runs. A group of two
+runs or more is averaged and named by its runs' common folder name without the seed ("gspo" for gspo-seed0,
+gspo-seed1, ...), or where the names say nothing by the keys in which the groups' configs differ (`group_labels`).
 The math is in small pure functions over arrays (`seed_mean_stderr`, `responses_sampled`, `wall_seconds`,
 `shared_steps`); the rest reads the runs and draws.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import html
 import json
+import re
 from collections import Counter
 from typing import Any
 
@@ -109,15 +111,23 @@ def _seed_order(run: Run) -> tuple:
     return (seed is None, seed or 0.0, run.name)
 
 
+SEED_SUFFIX = re.compile(r"[-_.]?seed[-_.]?\d+$")  # a sweep variant's name ends in its seed: "gspo-seed1"
 COMMON_LABEL = "the common values"  # the group whose every differing key holds its most common value
 
 
 def group_labels(groups: list[list[Run]]) -> list[str]:
-    """What tells the groups apart: "key: value" of each PPO config key in which their seed-free configs differ
+    """What tells the groups apart. A sweep's names first: where every run of a group has the same folder name
+    once a seed suffix is cut (`name_stem`: "gspo-seed0", "gspo-seed1" -> "gspo") and the groups' stems differ,
+    the stems. Otherwise "key: value" of each PPO config key in which their seed-free configs differ
     ("advantage_estimator: grpo, samples_per_prompt: 4"), leaving out a key where the group holds the value
     that more groups hold than any other (of three groups or more: one variant of a base config is named by
     what it changed, "policy_loss: cispo", not by every key some other variant changed). The group that holds
     every such common value is COMMON_LABEL; a lone group is named by its estimator."""
+    stems = [{name_stem(run.name) for run in group} for group in groups]  # a set per group
+    if len(groups) > 1 and all(len(s) == 1 and "" not in s for s in stems):
+        names = [next(iter(s)) for s in stems]
+        if len(set(names)) == len(names):
+            return names
     configs = [seed_free_config(group[0]) or {} for group in groups]
     diffs = differing_keys(configs)
     if not diffs:
@@ -127,6 +137,12 @@ def group_labels(groups: list[list[Run]]) -> list[str]:
         parts = [f"{key}: {_value(values[i])}" for key, values in diffs if not _most_common(values, i)]
         labels.append(", ".join(parts) or COMMON_LABEL)
     return labels
+
+
+def name_stem(name: str) -> str:
+    """A run's folder name without its seed suffix: "gae-seed2" -> "gae", "lr1e-4_seed_0" -> "lr1e-4";
+    a name that is only a seed ("seed-1") -> ""."""
+    return SEED_SUFFIX.sub("", name)
 
 
 def _most_common(values: list[Any], i: int) -> bool:
@@ -328,7 +344,7 @@ def section_seeds(page: Page, runs: list[Run]) -> None:
         return
     page.add(
         '<p class="meta">A row per group of runs whose PPO configs are equal but for seed and output_dir, named '
-        "by the config keys in which the groups differ. At the last held-out evaluation (ppo/eval_log.jsonl) "
+        "by its runs' folder name without the seed, or by the config keys in which the groups differ. At the last held-out evaluation (ppo/eval_log.jsonl) "
         "every seed of the group made: accuracy and KL as the mean over the seeds ± its standard error (the "
         "seeds' standard deviation, with n − 1, over √n), each seed's value in brackets; the responses sampled "
         "by then (those dynamic sampling discarded included; ReMax's greedy baselines not) and PPO's wall "
