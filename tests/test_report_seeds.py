@@ -204,6 +204,11 @@ def test_the_compare_page_has_the_seed_table_and_figure(tmp_path):
     assert "Not averaged (no other seed of the same config): r6, r7." in text
     assert (tmp_path / "sweep" / "report" / "compare_seeds.png").read_bytes().startswith(PNG_MAGIC)
     assert 'alt="Each group&#x27;s held-out accuracy, the mean over its seeds' in text
+    # the headline table of PPO-only runs: each run's last held-out evaluation (r4 stopped at step 4)
+    rows = _between(text, "<h2>Headline metrics</h2>").split("<tr>")[2:]
+    headline = {row.split("</a>")[0].rsplit(">", 1)[-1]: row for row in rows}
+    assert "accuracy, held-out during PPO" in text and "80.0% ± 5.0% (step 8)" in headline["r1"]
+    assert "30.0% ± 5.0% (step 4)" in headline["r4"] and "90.0% ± 5.0% (step 8)" in headline["r1"]  # greedy
 
 
 def test_the_seed_figure_draws_the_means(tmp_path):

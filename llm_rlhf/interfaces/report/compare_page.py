@@ -17,6 +17,7 @@ from llm_rlhf.interfaces.report.accuracy import (
     run_styles,
 )
 from llm_rlhf.interfaces.report.methods import section_methods
+from llm_rlhf.interfaces.report.numbers import num
 from llm_rlhf.interfaces.report.overoptimisation import eval_points, plot_compare_overoptimisation
 from llm_rlhf.interfaces.report.page import Page, Raw, RawNumber, page_header, plus_minus, table
 from llm_rlhf.interfaces.report.ppo_curves import plot_compare_ppo
@@ -80,6 +81,18 @@ def compare_columns(runs: list[Run]) -> list[tuple[str, str]]:
     ]
 
 
+def heldout_accuracy(run: Run, key: str) -> Any:
+    """A headline cell for a run that PPO evaluated on held-out problems: the last held-out evaluation with
+    `key` (ppo/eval_log.jsonl) as a percentage ± its standard error and its step, "62.5% ± 4.1% (step 12)";
+    None where none has it. A sweep with no eval stage (`stages: [ppo]`) has only these."""
+    rows = [row for row in run.eval_log or () if num(row.get(key)) is not None]
+    if not rows:
+        return None
+    last = rows[-1]
+    text = plus_minus(num(last[key]), num(last.get(key + eval_metrics.STDERR)))
+    return RawNumber(html.escape(f"{text} (step {last.get(eval_metrics.LOG_STEP)})"))
+
+
 def column_value(run: Run, stage: str, key: str) -> Any:
     """A cell of the side-by-side table: the final value; an accuracy as a percentage ± its standard error."""
     value = final_value(run, stage, key)
@@ -133,13 +146,24 @@ def headline_table(page: Page, runs: list[Run], folder: Path) -> None:
     """A row per run (its name links to its own report): the estimator and the COMPARE_COLUMNS some run has."""
     page.add("<h2>Headline metrics</h2>")
     columns = compare_columns(runs)
-    header = ["run", "estimator", *[f"{key} ({stage})" if stage == "ppo" else key for stage, key in columns]]
+    heldout = [key for key, _ in ACCURACY_KINDS if any(heldout_accuracy(run, key) for run in runs)]
+    header = [
+        "run",
+        "estimator",
+        *[f"{key}, held-out during PPO" for key in heldout],
+        *[f"{key} ({stage})" if stage == "ppo" else key for stage, key in columns],
+    ]
     rows = []
     for run in runs:
         link = Raw(
             f'<a href="{html.escape(run.path.relative_to(folder).as_posix())}/report.html">{html.escape(run.name)}</a>'
         )
-        rows.append([link, run_estimator(run), *[column_value(run, stage, key) for stage, key in columns]])
+        rows.append([
+            link,
+            run_estimator(run),
+            *[heldout_accuracy(run, key) for key in heldout],
+            *[column_value(run, stage, key) for stage, key in columns],
+        ])  # fmt: skip
     # the run and estimator cells unbroken (table.runs); a table wider than the page scrolls
     page.add('<div class="wide">', table(header, rows, css_class="runs"), "</div>")
     baselines = sorted({baseline_name(run) for run in runs})  # "SFT baseline" and/or "starting model"
@@ -151,6 +175,12 @@ def headline_table(page: Page, runs: list[Run], folder: Path) -> None:
     page.add(
         f'<p class="meta">{evaluated}The ppo columns are the last PPO step\'s rollout statistics. estimator: '
         "the PPO stage's advantage_estimator, with k = samples_per_prompt when a prompt was sampled more than once."
+        + (
+            " held-out during PPO: PPO's last held-out evaluation (ppo/eval_log.jsonl) ± its standard error, at the"
+            " step in brackets."
+            if heldout
+            else ""
+        )
         + (
             " accuracy: the final evaluation's held-out accuracy ± its standard error."
             if any(("eval", key) in columns for key, _ in ACCURACY_KINDS)
