@@ -289,10 +289,12 @@ def test_sampler_corrections_with_bfloat16_sampling(tiny_model_dir, prompt_file,
         metrics = ppo_trainer(cfg).ppo_step()
         assert metrics["objective/kl_sampler"] != 0.0
         assert 0 < metrics["sampler/corrected_frac"] < 1, correction
+        assert metrics["sampler/weight_std"] > 0, correction  # some weights truncated or masked: a spread
         if correction == "tis":
             assert metrics["sampler/mean_weight"] <= 1.0001
         else:
             assert metrics["sampler/mean_weight"] == pytest.approx(1 - metrics["sampler/corrected_frac"])
+            assert metrics["sampler/weight_std"] <= 0.5  # weights of 0 and 1: at most 1/2
     trainer = ppo_trainer(cfg)
     use_fixed_responses(trainer)  # Samples without sampler log-probs
     with pytest.raises(UserError, match="^sampler_correction mis: the sampler recorded no log-probs"):

@@ -23,6 +23,7 @@ from llm_rlhf.rl.ppo_math import (
     logprobs_from_logits,
     masked_mean,
     masked_sum,
+    masked_std,
     masked_var,
     masked_whiten,
     policy_loss,
@@ -327,6 +328,16 @@ def test_masked_var_matches_torch_var_on_the_selected_entries(unbiased):
 def test_masked_var_needs_two_entries():
     with pytest.raises(ValueError, match="at least 2"):
         masked_var(torch.ones(2, 2), torch.tensor([[True, False], [False, False]]))
+
+
+def test_masked_std_is_the_population_spread_of_the_selected_entries():
+    """(1, 2, 3) selected, 10 and NaN not: mean 2, std sqrt(2/3); torch.std with the 1/n formula agrees; nothing
+    selected: 0, not NaN (a logged spread of an empty minibatch)."""
+    x = t64([[1.0, 2.0, 10.0], [3.0, math.nan, 7.0]])
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    torch.testing.assert_close(masked_std(x, mask), t64(math.sqrt(2 / 3)), **TIGHT)
+    torch.testing.assert_close(masked_std(x, mask), torch.std(x[mask], unbiased=False), **TIGHT)
+    assert masked_std(x, torch.zeros_like(mask)).item() == 0.0
 
 
 def test_masked_whiten():

@@ -145,6 +145,16 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     return masked_sum(centered**2, mask) / (count - 1 if unbiased else count)
 
 
+def masked_std(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Population standard deviation of the entries of x selected by mask, a scalar; 0 when none is selected.
+
+        std = sqrt( sum_mask (x - mean)^2 / n )
+
+    A spread to log (the sampler correction's weights), not a statistic to divide by: `masked_var` for that.
+    """
+    return masked_mean((x - masked_mean(x, mask)) ** 2, mask).sqrt()
+
+
 def masked_whiten(
     x: torch.Tensor,
     mask: torch.Tensor,

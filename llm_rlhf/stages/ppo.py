@@ -77,7 +77,11 @@ CLIP_SIDE_STATS = (
     ppo_metrics.POLICY_CLIPFRAC_HIGH,
 )  # clip-higher, gspo, cispo
 DUAL_CLIP_STAT = ppo_metrics.POLICY_DUAL_CLIPFRAC  # dual_clip
-SAMPLER_STATS = (ppo_metrics.SAMPLER_MEAN_WEIGHT, ppo_metrics.SAMPLER_CORRECTED_FRAC)  # sampler_correction
+SAMPLER_STATS = (
+    ppo_metrics.SAMPLER_MEAN_WEIGHT,
+    ppo_metrics.SAMPLER_CORRECTED_FRAC,
+    ppo_metrics.SAMPLER_WEIGHT_STD,
+)  # sampler_correction
 
 
 # ---------------------------------------------------------------------------------------------
@@ -856,6 +860,7 @@ class PPOTrainer:
         if weights is not None:
             parts[ppo_metrics.SAMPLER_MEAN_WEIGHT] = ppo_math.masked_mean(weights, mask)
             parts[ppo_metrics.SAMPLER_CORRECTED_FRAC] = ppo_math.masked_mean(corrected.float(), mask)
+            parts[ppo_metrics.SAMPLER_WEIGHT_STD] = ppo_math.masked_std(weights, mask)
         return pg_loss, torch.zeros((), device=self.device), parts
 
     def other_terms(

@@ -57,6 +57,7 @@ POLICY_CLIPFRAC_HIGH = "policy/clipfrac_high"  # tokens clipped at 1 + cliprange
 POLICY_DUAL_CLIPFRAC = "policy/dual_clipfrac"  # dual_clip: tokens whose loss the bound -c*A replaced
 SAMPLER_MEAN_WEIGHT = "sampler/mean_weight"  # sampler_correction: mean importance weight on the tokens
 SAMPLER_CORRECTED_FRAC = "sampler/corrected_frac"  # tokens truncated (tis) or masked (mis)
+SAMPLER_WEIGHT_STD = "sampler/weight_std"  # the weights' standard deviation over the tokens (their spread)
 SAMPLING_ROUNDS = "sampling/rounds"  # dynamic_sampling: rounds of sampling this step
 SAMPLING_GROUPS_DROPPED = "sampling/groups_dropped"  # tied groups left out
 SAMPLING_TIED_GROUPS_TRAINED = "sampling/tied_groups_trained"  # tied groups kept to fill the step at the cap
