@@ -23,7 +23,6 @@ from llm_rlhf.rl.ppo_math import (
     logprobs_from_logits,
     masked_mean,
     masked_sum,
-    masked_std,
     masked_var,
     masked_whiten,
     policy_loss,
@@ -35,6 +34,7 @@ from llm_rlhf.rl.ppo_math import (
     scores_by_prompt,
     sequence_kl,
     shaped_rewards,
+    spread_about_one,
     token_advantages,
     value_loss,
 )
@@ -330,14 +330,14 @@ def test_masked_var_needs_two_entries():
         masked_var(torch.ones(2, 2), torch.tensor([[True, False], [False, False]]))
 
 
-def test_masked_std_is_the_population_spread_of_the_selected_entries():
-    """(1, 2, 3) selected, 10 and NaN not: mean 2, std sqrt(2/3); torch.std with the 1/n formula agrees; nothing
-    selected: 0, not NaN (a logged spread of an empty minibatch)."""
-    x = t64([[1.0, 2.0, 10.0], [3.0, math.nan, 7.0]])
-    mask = torch.tensor([[True, True, False], [True, False, False]])
-    torch.testing.assert_close(masked_std(x, mask), t64(math.sqrt(2 / 3)), **TIGHT)
-    torch.testing.assert_close(masked_std(x, mask), torch.std(x[mask], unbiased=False), **TIGHT)
-    assert masked_std(x, torch.zeros_like(mask)).item() == 0.0
+def test_spread_about_one_by_hand_and_against_torch():
+    """w = (0.5, 1.0, 1.5): E[w] = 1, E[(w - 1)^2] = 1/6, std sqrt(1/6); weights near 1 (1 +- 1e-4) against
+    torch.std with the 1/n formula, in float64; a rounding below zero gives 0."""
+    assert spread_about_one(mean=1.0, mean_sq_dev=1 / 6) == pytest.approx(math.sqrt(1 / 6), rel=1e-12)
+    w = 1 + 1e-4 * torch.randn(1000, generator=torch.Generator().manual_seed(0), dtype=F64)
+    spread = spread_about_one(mean=float(w.mean()), mean_sq_dev=float(((w - 1) ** 2).mean()))
+    assert spread == pytest.approx(float(torch.std(w, unbiased=False)), rel=1e-9)
+    assert spread_about_one(mean=1.1, mean_sq_dev=0.0099999) == 0.0
 
 
 def test_masked_whiten():

@@ -19,8 +19,8 @@ from llm_rlhf.interfaces.report.seeds import (
     COMMON_LABEL,
     group_evaluations,
     group_labels,
-    name_stem,
     mean_stderr_text,
+    name_stem,
     plot_seed_groups,
     responses_sampled,
     section_seeds,
@@ -148,7 +148,10 @@ def test_a_sweeps_groups_are_named_by_their_variant_names(tmp_path):
     ]  # fmt: skip
     names = ("gae", "remax", "grpo", "rloo")  # the folder names of a sweep of the estimators
     runs = [
-        load_run(make_seed_run(tmp_path / f"{name}-seed{seed}", seed=seed, estimator=name), name=f"{name}-seed{seed}")
+        load_run(
+            make_seed_run(tmp_path / f"{name}-seed{seed}", seed=seed, estimator=name),
+            name=f"{name}-seed{seed}",
+        )
         for name in names
         for seed in (0, 1)
     ]

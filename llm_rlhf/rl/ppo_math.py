@@ -145,16 +145,6 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     return masked_sum(centered**2, mask) / (count - 1 if unbiased else count)
 
 
-def masked_std(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Population standard deviation of the entries of x selected by mask, a scalar; 0 when none is selected.
-
-        std = sqrt( sum_mask (x - mean)^2 / n )
-
-    A spread to log (the sampler correction's weights), not a statistic to divide by: `masked_var` for that.
-    """
-    return masked_mean((x - masked_mean(x, mask)) ** 2, mask).sqrt()
-
-
 def masked_whiten(
     x: torch.Tensor,
     mask: torch.Tensor,
@@ -1005,6 +995,18 @@ def sampler_correction_weights(
             corrected_frac=masked_mean(corrected.to(weights.dtype), response_mask),
         )
     return weights, stats
+
+
+def spread_about_one(*, mean: float, mean_sq_dev: float) -> float:
+    """The standard deviation of weights w from two token means that add up over any split of the tokens,
+    E[w] and E[(w - 1)^2] (what a minibatch's micro-batches and processes can average exactly):
+
+        std = sqrt( E[(w - 1)^2] - (E[w] - 1)^2 )      (0 where rounding makes it negative)
+
+    Taken about 1, where importance weights sit, so weights within 1e-3 of 1 keep their digits in float32.
+    Example: w = (0.5, 1.0, 1.5): E[w] = 1, E[(w - 1)^2] = 1/6, std = sqrt(1/6) = 0.40825.
+    """
+    return math.sqrt(max(mean_sq_dev - (mean - 1.0) ** 2, 0.0))
 
 
 def overlong_penalty(

@@ -80,8 +80,8 @@ DUAL_CLIP_STAT = ppo_metrics.POLICY_DUAL_CLIPFRAC  # dual_clip
 SAMPLER_STATS = (
     ppo_metrics.SAMPLER_MEAN_WEIGHT,
     ppo_metrics.SAMPLER_CORRECTED_FRAC,
-    ppo_metrics.SAMPLER_WEIGHT_STD,
-)  # sampler_correction
+    ppo_metrics.SAMPLER_WEIGHT_SQ_DEV,
+)  # sampler_correction; the last becomes SAMPLER_WEIGHT_STD (`ppo_math.spread_about_one`)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -807,6 +807,11 @@ class PPOTrainer:
             if stopped_early:
                 break
         out = {k: float(np.mean([h[k] for h in history])) if history else math.nan for k in self.train_stats}
+        if ppo_metrics.SAMPLER_WEIGHT_SQ_DEV in out:  # the weights' spread, from token means that split
+            mean_sq_dev = out.pop(ppo_metrics.SAMPLER_WEIGHT_SQ_DEV)
+            out[ppo_metrics.SAMPLER_WEIGHT_STD] = ppo_math.spread_about_one(
+                mean=out[ppo_metrics.SAMPLER_MEAN_WEIGHT], mean_sq_dev=mean_sq_dev
+            )
         out.update(
             {
                 ppo_metrics.POLICY_SKIPPED_MINIBATCHES: float(skipped),
@@ -860,7 +865,7 @@ class PPOTrainer:
         if weights is not None:
             parts[ppo_metrics.SAMPLER_MEAN_WEIGHT] = ppo_math.masked_mean(weights, mask)
             parts[ppo_metrics.SAMPLER_CORRECTED_FRAC] = ppo_math.masked_mean(corrected.float(), mask)
-            parts[ppo_metrics.SAMPLER_WEIGHT_STD] = ppo_math.masked_std(weights, mask)
+            parts[ppo_metrics.SAMPLER_WEIGHT_SQ_DEV] = ppo_math.masked_mean((weights - 1.0) ** 2, mask)
         return pg_loss, torch.zeros((), device=self.device), parts
 
     def other_terms(
