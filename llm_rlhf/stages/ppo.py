@@ -721,16 +721,13 @@ class PPOTrainer:
         fill = rollout.logprobs is None
         if fill:
             rollout.logprobs, rollout.entropy = (torch.zeros_like(rollout.ref_logprobs) for _ in range(2))
-        plain, processes = cfg.plain_policy_loss, self.accelerator.num_processes
         loss_mask = rollout.response_mask  # (B, R)
         if cfg.mask_truncated:  # DAPO's overlong filtering
             truncated = ~rollout.ended(self.tokenizer.eos_token_id)  # (B,)
             loss_mask = ppo_math.mask_truncated(response_mask=loss_mask, truncated=truncated)  # (B, R)
-        weights, corrected = self.sampler_weights(rollout, loss_mask)  # (B, R) each, or None
-        # the policy loss's share is already divided by the global N: summed, not token-weighted, in the stats
-        summed = torch.tensor(
-            [k == ppo_metrics.LOSS_POLICY and not plain for k in self.train_stats], device=self.device
-        )
+        sampler = self.sampler_weights(
+            rollout, loss_mask
+        )  # (weights, corrected), (B, R) each, or (None, None)
         history, skipped, stopped_early = [], 0, False
         for epoch in range(cfg.ppo_epochs):
             order = (
@@ -739,53 +736,10 @@ class PPOTrainer:
                 else torch.randperm(sizes.rollout_per_process, device=self.device)
             )
             for mb in order.split(sizes.mini_batch_per_process):
-                if plain:  # the tokens in the global minibatch
-                    mb_tokens = self.global_sum(rollout.response_mask[mb].sum())
-                else:  # and the normaliser N of `aggregate_loss`, both over the global minibatch
-                    mb_tokens, normaliser = self.global_sum(
-                        torch.stack(
-                            [
-                                loss_mask[mb].sum(),
-                                ppo_math.loss_normaliser(
-                                    loss_mask=loss_mask[mb],
-                                    aggregation=cfg.loss_aggregation,
-                                    max_new_tokens=cfg.max_new_tokens,
-                                ),
-                            ]
-                        )
-                    )
-                self.optimizer.zero_grad(set_to_none=True)
-                totals = torch.zeros(len(self.train_stats), device=self.device)
-                micro_batches = mb.split(sizes.micro_batch_per_process)
-                for i, mc in enumerate(micro_batches):
-                    part = rollout.select(mc)
-                    mask = part.response_mask if plain else loss_mask[mc]
-                    last = i == len(micro_batches) - 1
-                    with self.acc.accumulating((self.policy, self.critic), last=last):
-                        logprobs, values, entropy = self.forward_policy(part, train=True)
-                        old_logprobs = logprobs.detach() if fill else part.logprobs  # fill: ratio 1 exactly
-                        if fill:
-                            rollout.logprobs[mc], rollout.entropy[mc] = old_logprobs, entropy.detach()
-                        pg_loss, loss, parts = self.policy_terms(
-                            logprobs=logprobs,
-                            old_logprobs=old_logprobs,
-                            advantages=advantages[mc],
-                            mask=mask,
-                            normaliser=None if plain else normaliser,
-                            sampler=None if weights is None else (weights[mc], corrected[mc]),
-                        )
-                        loss = self.other_terms(
-                            loss, parts, part=part, logprobs=logprobs, values=values, entropy=entropy,
-                            returns=None if returns is None else returns[mc], mask=mask,
-                        )  # fmt: skip
-                        weight = mask.sum() * self.accelerator.num_processes / mb_tokens.clamp(min=1)
-                        scaled = loss * weight if plain else pg_loss * processes + loss * weight
-                        self.acc.backward(self.policy, scaled, last=last)
-                    stat = torch.stack([parts[k].detach().float() for k in self.train_stats])
-                    totals += stat * weight if plain else stat * torch.where(summed, processes, weight)
-                stats = dict(
-                    zip(self.train_stats, self.accelerator.reduce(totals, reduction="mean").tolist())
-                )
+                stats = self.accumulate_minibatch(
+                    rollout, mb, advantages=advantages, returns=returns, loss_mask=loss_mask, sampler=sampler,
+                    fill=fill,
+                )  # fmt: skip
                 if not all(np.isfinite(list(stats.values()))):  # the same global numbers on every process
                     raise NonFiniteError(
                         f"PPO step {self.step + 1}, train phase (epoch {epoch + 1}): non-finite loss "
@@ -820,6 +774,79 @@ class PPOTrainer:
             }
         )
         return out
+
+    def minibatch_counts(
+        self, mb: torch.Tensor, loss_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The global minibatch's token count and, with the policy-loss family, the normaliser N of
+        `ppo_math.aggregate_loss`, both summed over processes in one all-reduce. `mb` (b,) the rows of this
+        process's part; without the family the count is of response tokens and N is None."""
+        cfg = self.cfg
+        if cfg.plain_policy_loss:
+            return self.global_sum(loss_mask[mb].sum()), None
+        normaliser = ppo_math.loss_normaliser(
+            loss_mask=loss_mask[mb], aggregation=cfg.loss_aggregation, max_new_tokens=cfg.max_new_tokens
+        )
+        tokens, normaliser = self.global_sum(torch.stack([loss_mask[mb].sum(), normaliser]))
+        return tokens, normaliser
+
+    def accumulate_minibatch(
+        self,
+        rollout: Rollout,
+        mb: torch.Tensor,
+        *,
+        advantages: torch.Tensor,
+        returns: torch.Tensor | None,
+        loss_mask: torch.Tensor,
+        sampler: tuple[torch.Tensor | None, torch.Tensor | None],
+        fill: bool,
+    ) -> dict[str, float]:
+        """One minibatch's gradients, accumulated over its micro-batches and all-reduced in the backward of the
+        last, and its global statistics (`train_stats`, the same numbers on every process).
+
+        A micro-batch's loss is weighted by its share of the global minibatch's tokens (times the number of
+        processes, as DDP averages); with the policy-loss family the policy loss is already a share of the
+        global N (`minibatch_counts`) and only multiplied by the processes. `mb` (b,) this process's rows;
+        `loss_mask` (B, R); `sampler` the correction's (weights, corrected) (B, R), or Nones; `fill`: the
+        rollout has no old log-probs yet and this forward writes them (the ratio is 1 exactly)."""
+        cfg, sizes = self.cfg, self.sizes
+        plain, processes = cfg.plain_policy_loss, self.accelerator.num_processes
+        weights, corrected = sampler
+        # the policy loss's share is already divided by the global N: summed, not token-weighted, in the stats
+        summed = torch.tensor(
+            [k == ppo_metrics.LOSS_POLICY and not plain for k in self.train_stats], device=self.device
+        )
+        mb_tokens, normaliser = self.minibatch_counts(mb, loss_mask)
+        self.optimizer.zero_grad(set_to_none=True)
+        totals = torch.zeros(len(self.train_stats), device=self.device)
+        micro_batches = mb.split(sizes.micro_batch_per_process)
+        for i, mc in enumerate(micro_batches):
+            part = rollout.select(mc)
+            mask = loss_mask[mc]  # (b, R)
+            last = i == len(micro_batches) - 1
+            with self.acc.accumulating((self.policy, self.critic), last=last):
+                logprobs, values, entropy = self.forward_policy(part, train=True)
+                old_logprobs = logprobs.detach() if fill else part.logprobs  # fill: ratio 1 exactly
+                if fill:
+                    rollout.logprobs[mc], rollout.entropy[mc] = old_logprobs, entropy.detach()
+                pg_loss, loss, parts = self.policy_terms(
+                    logprobs=logprobs,
+                    old_logprobs=old_logprobs,
+                    advantages=advantages[mc],
+                    mask=mask,
+                    normaliser=normaliser,
+                    sampler=None if weights is None else (weights[mc], corrected[mc]),
+                )
+                loss = self.other_terms(
+                    loss, parts, part=part, logprobs=logprobs, values=values, entropy=entropy,
+                    returns=None if returns is None else returns[mc], mask=mask,
+                )  # fmt: skip
+                weight = mask.sum() * processes / mb_tokens.clamp(min=1)
+                scaled = loss * weight if plain else pg_loss * processes + loss * weight
+                self.acc.backward(self.policy, scaled, last=last)
+            stat = torch.stack([parts[k].detach().float() for k in self.train_stats])
+            totals += stat * weight if plain else stat * torch.where(summed, processes, weight)
+        return dict(zip(self.train_stats, self.accelerator.reduce(totals, reduction="mean").tolist()))
 
     def policy_terms(
         self,

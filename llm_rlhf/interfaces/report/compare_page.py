@@ -146,7 +146,8 @@ def headline_table(page: Page, runs: list[Run], folder: Path) -> None:
     """A row per run (its name links to its own report): the estimator and the COMPARE_COLUMNS some run has."""
     page.add("<h2>Headline metrics</h2>")
     columns = compare_columns(runs)
-    heldout = [key for key, _ in ACCURACY_KINDS if any(heldout_accuracy(run, key) for run in runs)]
+    cells = {key: [heldout_accuracy(run, key) for run in runs] for key, _ in ACCURACY_KINDS}
+    heldout = [key for key, column in cells.items() if any(column)]  # only the kinds some run has
     header = [
         "run",
         "estimator",
@@ -154,14 +155,14 @@ def headline_table(page: Page, runs: list[Run], folder: Path) -> None:
         *[f"{key} ({stage})" if stage == "ppo" else key for stage, key in columns],
     ]
     rows = []
-    for run in runs:
+    for index, run in enumerate(runs):
         link = Raw(
             f'<a href="{html.escape(run.path.relative_to(folder).as_posix())}/report.html">{html.escape(run.name)}</a>'
         )
         rows.append([
             link,
             run_estimator(run),
-            *[heldout_accuracy(run, key) for key in heldout],
+            *[cells[key][index] for key in heldout],
             *[column_value(run, stage, key) for stage, key in columns],
         ])  # fmt: skip
     # the run and estimator cells unbroken (table.runs); a table wider than the page scrolls

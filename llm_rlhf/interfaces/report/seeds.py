@@ -344,8 +344,8 @@ def section_seeds(page: Page, runs: list[Run]) -> None:
         return
     page.add(
         '<p class="meta">A row per group of runs whose PPO configs are equal but for seed and output_dir, named '
-        "by its runs' folder name without the seed, or by the config keys in which the groups differ. At the last held-out evaluation (ppo/eval_log.jsonl) "
-        "every seed of the group made: accuracy and KL as the mean over the seeds ± its standard error (the "
+        "by its runs' folder name without the seed, or by the config keys in which the groups differ. At the "
+        "last held-out evaluation (ppo/eval_log.jsonl) every seed of the group made: accuracy and KL as the mean over the seeds ± its standard error (the "
         "seeds' standard deviation, with n − 1, over √n), each seed's value in brackets; the responses sampled "
         "by then (those dynamic sampling discarded included; ReMax's greedy baselines not) and PPO's wall "
         "seconds to then (time/step summed: held-out evaluations not counted), the mean over the seeds.</p>",
