@@ -794,6 +794,21 @@ def test_run_styles_colour_estimators_when_seeds_repeat_them(tmp_path):
     ]  # a sweep of one estimator: a colour per run
 
 
+def test_run_styles_colour_a_sweeps_variants_that_share_an_estimator(tmp_path):
+    """GSPO and CISPO are both `grpo` runs: named "gspo-seed0", ... they get a colour per variant, not one."""
+    runs = []
+    for name in ("gspo-seed0", "gspo-seed1", "cispo-seed0", "cispo-seed1", "gae-seed0"):
+        run = report.Run(path=tmp_path / name, name=name)
+        run.configs["ppo/config.yaml"] = (
+            f"advantage_estimator: {'gae' if name.startswith('gae') else 'grpo'}\n"
+        )
+        runs.append(run)
+    with plot_style():
+        styles = run_styles(runs)
+    assert styles == [(nth_color(0), "-"), (nth_color(0), "--"), (nth_color(1), "-"),
+                      (nth_color(1), "--"), (nth_color(2), "-")]  # fmt: skip
+
+
 @pytest.mark.slow
 def test_a_sweep_of_estimators_and_seeds_draws_every_accuracy_curve(tmp_path):
     """Two estimators x two seeds: one curve per run (no average), a colour per estimator; accuracy ± stderr in
@@ -806,7 +821,7 @@ def test_a_sweep_of_estimators_and_seeds_draws_every_accuracy_curve(tmp_path):
     text = write_report(sweep).read_text(encoding="utf-8")
     assert "<h2>Held-out accuracy against step and KL</h2>" in text and "What the KL penalty buys" not in text
     assert (sweep / "report" / "compare_accuracy.png").read_bytes().startswith(PNG_MAGIC)
-    assert "One colour per advantage estimator" in text and 'class="missing"' not in text
+    assert "One colour per variant" in text and 'class="missing"' not in text
     headline = _between(text, "<h2>Headline metrics</h2>")
     assert "<th>accuracy</th><th>accuracy_greedy</th>" in headline and headline.count("87.5% ± 12.5%") == 4
     assert "(vs the starting model)" in text and "SFT baseline" not in text  # stages [ppo, eval]: no SFT

@@ -9,7 +9,7 @@ import numpy as np
 from llm_rlhf.interfaces.report.figures import add_legend, new_figure, no_data, nth_color
 from llm_rlhf.interfaces.report.numbers import logged, num
 from llm_rlhf.interfaces.report.page import Page
-from llm_rlhf.interfaces.report.runs import Run, config_value, run_estimator
+from llm_rlhf.interfaces.report.runs import Run, config_value, name_stem, run_estimator
 from llm_rlhf.stages import eval_metrics
 
 # Held-out accuracy on a task with a verifier (issue 25): (key, what it is). The key's standard error is
@@ -94,17 +94,21 @@ def plot_accuracy(eval_log: list[dict]):
 
 
 def run_styles(runs: list[Run]) -> list[tuple]:
-    """(colour, line style) of each run's accuracy curves: a colour per run; but where runs repeat an advantage
-    estimator (its seeds) and there is more than one estimator, a colour per estimator and a line style per run
-    within it, so four estimators x three seeds read as four colours."""
-    estimators = [run_estimator(run) for run in runs]
-    distinct = list(dict.fromkeys(estimators))
+    """(colour, line style) of each run's accuracy curves: a colour per run; but where runs repeat a variant
+    (its seeds) and there is more than one variant, a colour per variant and a line style per run within it,
+    so four variants x three seeds read as four colours. A variant is the run's folder name without its seed
+    (`name_stem`) where those repeat (a sweep's "gspo-seed0", "gspo-seed1", ...: GSPO and CISPO share an
+    estimator), otherwise its advantage estimator."""
+    stems = [name_stem(run.name) for run in runs]
+    by_name = "" not in stems and len(set(stems)) < len(stems)
+    variants = stems if by_name else [run_estimator(run) for run in runs]
+    distinct = list(dict.fromkeys(variants))
     if len(distinct) in (1, len(runs)):
         return [(nth_color(i), "-") for i in range(len(runs))]
     styles = []
-    for i, estimator in enumerate(estimators):
-        repeat = estimators[:i].count(estimator)
-        styles.append((nth_color(distinct.index(estimator)), ("-", "--", ":", "-.")[repeat % 4]))
+    for i, variant in enumerate(variants):
+        repeat = variants[:i].count(variant)
+        styles.append((nth_color(distinct.index(variant)), ("-", "--", ":", "-.")[repeat % 4]))
     return styles
 
 

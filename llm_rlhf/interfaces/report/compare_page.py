@@ -112,7 +112,8 @@ def compare_accuracy(page: Page, runs: list[Run]) -> None:
         "PPO's held-out evaluations (ppo/eval_log.jsonl) of each run, ± one standard error (shaded; bars "
         "against KL); every run is its own curve (seeds too: their average is the next section)."
         + (
-            " One colour per advantage estimator, a line style per run with it."
+            " One colour per variant (the run's name without its seed, or else its advantage estimator), a line"
+            " style per run of it."
             if grouped
             else " One colour per run."
         ),

@@ -6,6 +6,7 @@ estimator).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -222,6 +223,15 @@ def without_reward_model(run: Run) -> bool:
     the key is not evidence of that)."""
     config = yaml.safe_load(run.configs.get("ppo/config.yaml") or "") or {}
     return isinstance(config, dict) and "reward_model_path" in config and is_off(config["reward_model_path"])
+
+
+SEED_SUFFIX = re.compile(r"[-_.]?seed[-_.]?\d+$")  # a sweep variant's name ends in its seed: "gspo-seed1"
+
+
+def name_stem(name: str) -> str:
+    """A run's folder name without its seed suffix: "gae-seed2" -> "gae", "lr1e-4_seed_0" -> "lr1e-4";
+    a name that is only a seed ("seed-1") -> ""."""
+    return SEED_SUFFIX.sub("", name)
 
 
 def run_estimator(run: Run) -> str | None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import html
 import json
-import re
 from collections import Counter
 from typing import Any
 
@@ -25,7 +24,14 @@ from llm_rlhf.interfaces.report.accuracy import ACCURACY_KINDS
 from llm_rlhf.interfaces.report.figures import new_figure, no_data, nth_color
 from llm_rlhf.interfaces.report.numbers import first_of, logged, num
 from llm_rlhf.interfaces.report.page import Page, RawNumber, table
-from llm_rlhf.interfaces.report.runs import Run, config_value, differing_keys, masked_run, run_estimator
+from llm_rlhf.interfaces.report.runs import (
+    Run,
+    config_value,
+    differing_keys,
+    masked_run,
+    name_stem,
+    run_estimator,
+)
 from llm_rlhf.stages import eval_metrics, ppo_metrics
 
 SEED_FREE = ("seed", "output_dir")  # the PPO config keys in which a group's runs may differ
@@ -111,7 +117,6 @@ def _seed_order(run: Run) -> tuple:
     return (seed is None, seed or 0.0, run.name)
 
 
-SEED_SUFFIX = re.compile(r"[-_.]?seed[-_.]?\d+$")  # a sweep variant's name ends in its seed: "gspo-seed1"
 COMMON_LABEL = "the common values"  # the group whose every differing key holds its most common value
 
 
@@ -137,12 +142,6 @@ def group_labels(groups: list[list[Run]]) -> list[str]:
         parts = [f"{key}: {_value(values[i])}" for key, values in diffs if not _most_common(values, i)]
         labels.append(", ".join(parts) or COMMON_LABEL)
     return labels
-
-
-def name_stem(name: str) -> str:
-    """A run's folder name without its seed suffix: "gae-seed2" -> "gae", "lr1e-4_seed_0" -> "lr1e-4";
-    a name that is only a seed ("seed-1") -> ""."""
-    return SEED_SUFFIX.sub("", name)
 
 
 def _most_common(values: list[Any], i: int) -> bool:
