@@ -326,6 +326,14 @@ def test_dynamic_sampling_trains_untied_groups(tiny_model_dir, prompt_file, tmp_
                       steps=3)  # fmt: skip
     trainer = ppo_trainer(cfg)
     kept = keep_dynamic_rollouts(trainer)
+    sampled, real_score = [], trainer.score  # every round's scores, the dropped groups' too
+
+    def score(samples):
+        out = real_score(samples)
+        sampled.append((trainer.step, out.scores.clone()))
+        return out
+
+    trainer.score = score
     torch.manual_seed(0)
     metrics = [trainer.ppo_step() for _ in range(3)]
     rounds = [m["sampling/rounds"] for m in metrics]
@@ -338,6 +346,10 @@ def test_dynamic_sampling_trains_untied_groups(tiny_model_dir, prompt_file, tmp_
         assert int(tied.sum()) == m["sampling/tied_groups_trained"] == m["objective/groups_tied"] * 4
         assert m["sampling/groups_dropped"] == 4 * m["sampling/rounds"] - 4
         assert m["policy/ratio"] == 1.0 and m["policy/approxkl"] == 0.0
+    for step, m in enumerate(metrics):  # the mean over all it sampled, not only the kept groups
+        this_step = torch.cat([scores for at, scores in sampled if at == step])
+        assert this_step.numel() == 8 * m["sampling/rounds"]
+        assert m["sampling/scores_sampled"] == pytest.approx(float(this_step.mean()), abs=1e-6)
     assert trainer.extra_prompts == 4 * (sum(rounds) - 3)
     assert metrics[-1]["sampling/sampled_per_trained"] == pytest.approx(sum(rounds) / 3)
     assert trainer.state_dict()["extra_prompts"] == trainer.extra_prompts

@@ -491,7 +491,9 @@ class PPOTrainer:
 
         Returns the rollout, its scores' parts and the statistics sampling/rounds, sampling/groups_dropped
         (sampled groups not trained, over every process), sampling/tied_groups_trained (the fill, over every
-        process) and sampling/sampled_per_trained (responses sampled per response trained, over the run)."""
+        process), sampling/sampled_per_trained (responses sampled per response trained, over the run) and
+        sampling/scores_sampled (the mean score of every response sampled this step, the dropped groups' too:
+        what the policy earns, where objective/scores, over the kept groups, is raised by the selection)."""
         cfg, sizes, k = self.cfg, self.sizes, self.cfg.samples_per_prompt
         need = sizes.prompts_per_process
         samples, scores, tied = [], [], []
@@ -545,6 +547,10 @@ class PPOTrainer:
             ppo_metrics.SAMPLING_GROUPS_DROPPED: float(counts[0]),
             ppo_metrics.SAMPLING_TIED_GROUPS_TRAINED: float(counts[1]),
             ppo_metrics.SAMPLING_SAMPLED_PER_TRAINED: drawn / trained,
+            # every process sampled the same rounds of the same size: the mean of the processes' means
+            ppo_metrics.SAMPLING_SCORES_SAMPLED: self.global_mean(
+                torch.cat([s.scores for s in scores]).float()
+            ),
         }
         return rollout, kept_scores, stats
 

@@ -63,6 +63,9 @@ SAMPLING_ROUNDS = "sampling/rounds"  # dynamic_sampling: rounds of sampling this
 SAMPLING_GROUPS_DROPPED = "sampling/groups_dropped"  # tied groups left out
 SAMPLING_TIED_GROUPS_TRAINED = "sampling/tied_groups_trained"  # tied groups kept to fill the step at the cap
 SAMPLING_SAMPLED_PER_TRAINED = "sampling/sampled_per_trained"  # responses sampled per response trained, run
+SAMPLING_SCORES_SAMPLED = (
+    "sampling/scores_sampled"  # mean score of every response sampled this step, dropped too
+)
 VAL_CLIPFRAC = "val/clipfrac"
 VAL_EXPLAINED_VARIANCE = "val/explained_variance"  # 1 - Var(R - V) / Var(R)
 VAL_MEAN = "val/mean"
