@@ -6,6 +6,8 @@
                       tokenizer adds BOS), naive_sample (the sampling loop `rollout.sample` must equal)
     scoring           eos_rows (stopped, truncated and finished responses as `Samples`), scores_alone
     files             write_jsonl, preference_rows, flags (a dict as command-line flags)
+    comparing         approx_numbers (a record's numbers approximately, everything else exactly),
+                      sum_tolerance (the rounding of a sum of n terms in a dtype)
     PPO               ppo_config (the one PPO config builder of the tests), ppo_trainer (a real trainer on one
                       CPU process), recording_rollouts, record_raw_grads, one_update, use_fixed_responses,
                       ppo_cli_args
@@ -45,6 +47,34 @@ SENTENCES = [
     "Great performances make this a joy to watch.",
     "Bad writing makes this a chore to sit through.",
 ]
+
+
+# --- comparing -----------------------------------------------------------------------------------------
+
+
+def approx_numbers(record):
+    """`record` with each float (at any depth of dicts and lists) wrapped in `pytest.approx` and everything else
+    kept: `written == approx_numbers(metrics)` compares the numbers approximately and the lists and strings
+    exactly. pytest 9.2's `approx` refuses a dict holding lists (`alarm_rules`), so a whole record cannot
+    be passed to it."""
+    import pytest
+
+    if isinstance(record, dict):
+        return {k: approx_numbers(v) for k, v in record.items()}
+    if isinstance(record, list):
+        return [approx_numbers(v) for v in record]
+    if isinstance(record, float):
+        return pytest.approx(record, nan_ok=True)
+    return record
+
+
+def sum_tolerance(reference: torch.Tensor, terms: int, dtype: torch.dtype = torch.float32) -> dict:
+    """assert_close's tolerances for two ways of summing the same `terms` terms in `dtype` (micro-batches
+    against one batch, a rescaled mean against a sum): each partial sum rounds by at most eps * |partial|,
+    so the two results differ by at most ~ terms * eps * max|term| <= terms * eps * max|reference|.
+    One CPU's rounding is not the bound: the order of the additions differs between kernels and machines."""
+    eps = torch.finfo(dtype).eps
+    return {"atol": terms * eps * float(reference.abs().max()), "rtol": terms * eps}
 
 
 # --- files ---------------------------------------------------------------------------------------------
