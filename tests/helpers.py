@@ -32,6 +32,9 @@ import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+# where the commands put their models on this machine (accelerate's choice): a test that compares an in-process
+# run with a command's puts its models here, as sampling draws from the device's own generator
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SENTIMENT_JUDGE = str(
     ROOT / "data" / "reviews" / "gold_judge.json"
 )  # gold.json needs the 538 MB SmolLM2 folder
@@ -303,8 +306,9 @@ def ppo_config(model_dir, rm_dir, prompt_file, out, **kw):
     return ppo_config.Config(**base)
 
 
-def ppo_trainer(cfg, mixed_precision: str = "no"):
-    """The real trainer on one CPU process, built as `llm-rlhf ppo` builds it (`ppo_run.build_trainer`)."""
+def ppo_trainer(cfg, mixed_precision: str = "no", *, cpu: bool = True):
+    """The real trainer on one process, built as `llm-rlhf ppo` builds it (`ppo_run.build_trainer`): on the CPU
+    (the same figures on every machine), or with cpu=False on accelerate's device (a GPU's tests)."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
@@ -315,7 +319,7 @@ def ppo_trainer(cfg, mixed_precision: str = "no"):
     tokenizer = load_tokenizer(cfg.model_name_or_path, padding_side="left")
     prompts = ppo_run.load_prompts(cfg, tokenizer)
     return ppo_run.build_trainer(
-        cfg, Accelerator(cpu=True, mixed_precision=mixed_precision), tokenizer, prompts
+        cfg, Accelerator(cpu=cpu, mixed_precision=mixed_precision), tokenizer, prompts
     )
 
 
@@ -376,9 +380,12 @@ def use_fixed_responses(trainer, seed: int = 7) -> None:
 
     eos, pad, R = trainer.tokenizer.eos_token_id, trainer.tokenizer.pad_token_id, trainer.cfg.max_new_tokens
 
+    device = trainer.accelerator.device  # where `generate` would have sampled them
+
     def fixed(queries, sampling=None):
-        query, query_mask = left_pad(queries, pad)
+        query, query_mask = left_pad(queries, pad, device)
         response = torch.randint(5, 200, (len(queries), R), generator=torch.Generator().manual_seed(seed))
+        response = response.to(device)
         for i in range(len(queries)):
             if i % 3:
                 response[i, i % R] = eos

@@ -123,10 +123,11 @@ def test_trl_loss_and_rewards_equal_a_naive_computation(tmp_path, tiny_model_dir
     with torch.no_grad():  # move the policy away from the reference, so the log-ratios are not all 0
         g = torch.Generator().manual_seed(0)
         for p in trainer.model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
+            p.add_(0.05 * torch.randn(p.shape, generator=g).to(p.device))  # drawn on the CPU: any device
     features = [trainer.train_dataset[i] for i in (0, 1, 2, 5)]
     batch = trainer.data_collator(features)  # (2B, T): chosen rows, then rejected rows
     assert batch["attention_mask"].min() == 0  # the batch is padded
+    batch = {k: v.to(trainer.model.device) if torch.is_tensor(v) else v for k, v in batch.items()}
     trainer.model.eval()
     with torch.no_grad():
         loss = trainer.compute_loss(trainer.model, dict(batch))

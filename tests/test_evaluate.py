@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SENTIMENT_JUDGE, approx_numbers, build_model, eval_config
+from helpers import DEVICE, SENTIMENT_JUDGE, approx_numbers, build_model, eval_config
 
 from llm_rlhf.core.errors import UserError
 from llm_rlhf.models.loading import freeze, load_causal_lm, load_tokenizer
@@ -140,7 +140,9 @@ def test_evaluate_policy_matches_the_command(
         )
     )
     tokenizer = load_tokenizer(str(other_model_dir))
-    policy = load_causal_lm(str(other_model_dir))
+    policy = load_causal_lm(str(other_model_dir)).to(
+        DEVICE
+    )  # where the command ran: its draws are the device's
     policy.train()
     prompts = evaluate.load_prompts(
         eval_config(other_model_dir, tiny_model_dir, prompt_file, tmp_path), tokenizer
@@ -150,8 +152,8 @@ def test_evaluate_policy_matches_the_command(
     result = evaluate.evaluate_policy(
         policy=policy, tokenizer=tokenizer, prompts=prompts,
         draws=evaluate.PairedSampling(Sampling(max_new_tokens=6), seed=0, batch_size=5),
-        measures=evaluate.Measures(Scorer(freeze(load_reward_model(str(tiny_rm_dir)))), GoldJudge.load(SENTIMENT_JUDGE)),
-        reference=evaluate.KLReference(freeze(load_causal_lm(str(tiny_model_dir)))),
+        measures=evaluate.Measures(Scorer(freeze(load_reward_model(str(tiny_rm_dir)).to(DEVICE))), GoldJudge.load(SENTIMENT_JUDGE)),
+        reference=evaluate.KLReference(freeze(load_causal_lm(str(tiny_model_dir)).to(DEVICE))),
     )  # fmt: skip
     assert torch.equal(torch.get_rng_state(), state)
     assert policy.training  # restored

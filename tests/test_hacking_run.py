@@ -196,8 +196,8 @@ def test_keep_best_returns_the_best_evaluations_weights(kept):
     assert ppo_run.last_checkpoint(out) == out / "checkpoints" / "step-3"  # resume reads checkpoints/ alone
 
     checkpoint = load_file(out / "best" / "policy_trainable.safetensors")  # the policy's and the value head's
-    returned = {f"lm.{k}": v for k, v in trained.model.state_dict().items()}
-    returned.update({f"value_head.{k}": v for k, v in trained.value_head.state_dict().items()})
+    returned = {f"lm.{k}": v.cpu() for k, v in trained.model.state_dict().items()}  # from the run's device
+    returned.update({f"value_head.{k}": v.cpu() for k, v in trained.value_head.state_dict().items()})
     for name, value in checkpoint.items():
         assert torch.equal(returned[name], value), name
     assert trained.model is model and not collapsed(model.state_dict())
@@ -210,7 +210,9 @@ def test_keep_best_returns_the_best_evaluations_weights(kept):
     assert (out / "last" / "value_head.safetensors").is_file() and (out / "last" / "tokenizer.json").is_file()
     # and the folder loads as the model the run returned
     reloaded = AutoModelForCausalLM.from_pretrained(out)
-    assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), model.state_dict().values()))
+    assert all(
+        torch.equal(a, b.cpu()) for a, b in zip(reloaded.state_dict().values(), model.state_dict().values())
+    )
 
 
 def test_keep_best_by_accuracy_with_a_verifier(tiny_model_dir, heldout_prompts, tmp_path):
@@ -244,7 +246,7 @@ def test_keep_best_with_lora(tiny_model_dir, heldout_prompts, tmp_path):
     assert lora and lora.keys() == adapter.keys()
     assert all(torch.equal(adapter[k], v) for k, v in lora.items())
     saved = load_file(out / "model.safetensors")  # the returned model, merged
-    returned = {k.removeprefix("base_model.model."): v for k, v in trained.model.state_dict().items()}
+    returned = {k.removeprefix("base_model.model."): v.cpu() for k, v in trained.model.state_dict().items()}
     assert all(torch.equal(returned[k], v) for k, v in saved.items())
     for folder in (out, out / "last"):  # each a merged HF folder and its adapter
         assert (folder / "model.safetensors").is_file() and (folder / "adapter").is_dir()

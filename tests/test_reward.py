@@ -183,10 +183,12 @@ def test_training_scores_and_loss_equal_the_reward_model(tmp_path, tiny_model_di
     batch = trainer.data_collator(features)  # input_ids: (2B, T), chosen rows first, then rejected
     assert batch["attention_mask"].min() == 0  # the batch is padded
     model = trainer.model.eval()
+    device = model.device  # the Trainer's (a GPU's when there is one): its batches are moved there
+    batch = {k: v.to(device) for k, v in batch.items()}
     with torch.no_grad():
         loss, outputs = trainer.compute_loss(model, dict(batch), return_outputs=True)
         rm = RewardModel(model, inputs.tokenizer)
-        alone = torch.cat([rm(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))
+        alone = torch.cat([rm(torch.tensor([ids], device=device), torch.ones(1, len(ids), dtype=torch.long, device=device))
                            for ids in [f["chosen_ids"] for f in features] + [f["rejected_ids"] for f in features]])  # fmt: skip
     torch.testing.assert_close(outputs.logits.squeeze(-1), alone, atol=1e-5, rtol=1e-5)
     chosen, rejected = alone.chunk(2)

@@ -893,7 +893,7 @@ class EvalModels:
 def load_models(cfg: Config, given: EvalObjects, inputs: EvalInputs) -> EvalModels:
     """Step 2: each model path loaded once (a given object in its place, put in eval mode: sampled without
     gradients), the sampled models checked to hold the longest prompt + max_new_tokens, and the scorer."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = PartialState().device  # this process's accelerator (cuda:<local rank>), else the CPU
     live = given.models(cfg)
     models = {
         p: freeze(load_causal_lm(p, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)).to(device)
