@@ -93,7 +93,7 @@ class DevicePlacement(TorchFunctionMode):
     def is_placed(self, t: torch.Tensor) -> bool:
         try:
             return t.untyped_storage() in self.placed
-        except (RuntimeError, NotImplementedError):  # no storage (oneDNN's prepacked weights): the tensor itself
+        except (RuntimeError, NotImplementedError):  # no storage (oneDNN's prepacked weights): the tensor
             return self.placed_objects.get(id(t)) is t
 
     def tag(self, obj, placed: bool) -> None:
@@ -157,8 +157,8 @@ class DevicePlacement(TorchFunctionMode):
             moves, target = _to_target(args, kwargs)
             if moves and target is None:  # to(other_tensor)
                 target = placed[1] if len(placed) > 1 else False
-        if name == "cuda":
-            args, kwargs = (source,), {}  # no CUDA here: the op is a no-op copy on the CPU
+        if name == "cuda" and not torch.cuda.is_available():
+            args, kwargs = (source,), {}  # no CUDA here: the move is a copy on the CPU
             func = torch.Tensor.cpu
         out = func(*args, **kwargs)
         if not moves or target == placed[0]:

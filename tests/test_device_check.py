@@ -45,7 +45,7 @@ def test_host_ids_into_a_placed_model_raise_and_moved_ids_pass():
         assert tracer.is_placed(out[torch.tensor([0])])  # host indices into a placed tensor
         back = out.cpu()
         assert not tracer.is_placed(back) and tracer.is_placed(out)  # a move copies
-        assert not tracer.is_placed(out.to("cpu"))
+        assert not tracer.is_placed(out.to("cpu")) and tracer.is_placed(torch.ones(2).cuda())
         with pytest.raises(TypeError, match="can't convert cuda:0 device type tensor to numpy"):
             out.detach().numpy()
         assert out.tolist() == expected.tolist()
@@ -92,15 +92,26 @@ def test_scoring_a_placed_reward_model(tiny_rm, tiny_model_dir):
         assert tracer.is_placed(tiny_rm.score_samples(ids, mask, tokenizer))
 
 
-def test_train_ppo_with_a_placed_policy_and_reward_model(tiny_model_dir, tiny_rm, tmp_path):
+@pytest.mark.parametrize("peft", [False, True])
+def test_train_ppo_with_a_placed_policy_and_reward_model(
+    peft, tiny_model_dir, tiny_rm, prompt_file, tmp_path
+):
+    """Objects on the device, with the held-out evaluation PPO runs between steps and keep_best's reload of
+    the best evaluation's weights; a peft policy (its reference: the policy with the adapter disabled)."""
     policy, tokenizer = load_causal_lm(str(tiny_model_dir)), load_tokenizer(str(tiny_model_dir))
+    if peft:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True, task_type="CAUSAL_LM")
+        policy = get_peft_model(policy, lora)
+    keys = dict(TINY_PPO, steps=2, eval_every=1, eval_prompt_file=str(prompt_file), eval_num_prompts=4,
+                keep_best=True, gold_judge=SENTIMENT_JUDGE, output_dir=str(tmp_path / "ppo"))  # fmt: skip
     with on_device(policy, tiny_rm):
         result = llm_rlhf.train_ppo(
-            {**TINY_PPO, "output_dir": str(tmp_path / "ppo")}, policy=policy, tokenizer=tokenizer,
-            reward_model=[tiny_rm, tiny_rm], reward_fn=lambda prompts, responses: [len(r) for r in responses],
-            prompts=PROMPTS,
+            keys, policy=policy, tokenizer=tokenizer, reward_model=[tiny_rm, tiny_rm],
+            reward_fn=lambda prompts, responses: [len(r) for r in responses], prompts=PROMPTS,
         )  # fmt: skip
-    assert result.model is policy and result.metrics["objective/scores"] is not None
+    assert result.model is policy and result.metrics["returned_step"] is not None
 
 
 def test_train_ppo_from_folders(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
@@ -126,7 +137,10 @@ def test_train_reward_model_on_a_placed_model(tiny_model_dir, tmp_path):
 
 def test_train_sft_on_a_placed_model(tiny_model_dir, tmp_path):
     model = load_causal_lm(str(tiny_model_dir))
-    rows = [{"prompt": "the film was", "completion": " good and fun"}, {"prompt": "a plot", "completion": " dull"}]
+    rows = [
+        {"prompt": "the film was", "completion": " good and fun"},
+        {"prompt": "a plot", "completion": " dull"},
+    ]
     keys = dict(output_dir=str(tmp_path / "sft"), max_steps=1, per_device_train_batch_size=2, logging_steps=1,
                 eval_steps=0, num_samples=2, max_new_tokens=4, max_length=32)  # fmt: skip
     with on_device(model):
@@ -159,3 +173,39 @@ def test_run_eval_from_folders(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_pat
     with on_device():
         metrics = llm_rlhf.run_eval(keys)
     assert metrics["rm_score_mean"] is not None
+
+
+def test_helpers_a_user_calls_with_a_model_object(tiny_model_dir, tiny_rm):
+    """The scoring and sampling helpers that take a model object: `score.score_texts`, DPO's
+    `response_logprobs`, evaluation's `sample_batch` and `evaluate_policy` with the scorer PPO uses."""
+    from llm_rlhf.models.scoring import Scorer
+    from llm_rlhf.rl.rollout import Sampling
+    from llm_rlhf.stages.dpo import response_logprobs
+    from llm_rlhf.stages.evaluate import KLReference, Measures, PairedSampling, evaluate_policy, sample_batch
+    from llm_rlhf.stages.score import score_texts
+
+    policy, reference = load_causal_lm(str(tiny_model_dir)), load_causal_lm(str(tiny_model_dir))
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    responses = [" good", " bad", " fine", " dull"]
+    draws = PairedSampling(Sampling(max_new_tokens=4))
+    with on_device(policy, reference, tiny_rm) as tracer:
+        assert len(score_texts(tiny_rm, PROMPTS, responses)) == 4
+        assert response_logprobs(policy, tokenizer, PROMPTS, responses).shape == (4,)
+        assert tracer.is_placed(sample_batch(policy, tokenizer, PROMPTS, draws.sampling, seed=0).response)
+        measures = Measures(scorer=Scorer(tiny_rm, reward_fn=None))
+        figures = evaluate_policy(policy, tokenizer, PROMPTS, draws, measures=measures,
+                                  reference=KLReference(reference))  # fmt: skip
+    assert figures["rm_score_mean"] is not None and figures["kl_to_ref"] == 0.0
+
+
+def test_dpo_from_folders(tiny_model_dir, pref_files, tmp_path):
+    """`llm-rlhf dpo`: TRL's trainer places the policy and the reference; the stage's own log-probs follow."""
+    from llm_rlhf.stages import dpo
+
+    train, val = pref_files
+    cfg = dpo.Config(model_name_or_path=str(tiny_model_dir), train_file=str(train), eval_file=str(val),
+                     output_dir=str(tmp_path / "dpo"), max_length=32, max_steps=1, per_device_train_batch_size=4,
+                     logging_steps=1, eval_steps=0, save_steps=100)  # fmt: skip
+    with on_device():
+        metrics = dpo.run(cfg)
+    assert metrics["global_step"] == 1
