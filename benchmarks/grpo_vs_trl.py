@@ -2,6 +2,8 @@
 
     python benchmarks/grpo_vs_trl.py --shape tiny       # 2-layer 128-dim GPT-2, 16 prompts x 4 x 16 tokens
     python benchmarks/grpo_vs_trl.py --shape smollm2    # SmolLM2-135M + LoRA r=16, 8 prompts x 4 x 24 tokens
+    python benchmarks/grpo_vs_trl.py --shape smollm2 --device cuda --bf16   # both on a GPU, bf16 autocast
+    python benchmarks/grpo_vs_trl.py --shape smollm2 --device cuda --trl-continuous-batching
 
 Ours: `llm_rlhf.stages.ppo.PPOTrainer.ppo_step`, the trainer built by `ppo_run.build_trainer` as `llm-rlhf ppo` and
 `benchmarks/ppo_step.py` build it (the model folders, tokenizer, prompts and phase timers are ppo_step.py's).
@@ -31,9 +33,20 @@ The settings that must match (and do, below):
 | activations | kept (`gradient_checkpointing: false`, the default) | `gradient_checkpointing: False` (GRPOConfig's default is True) |
 | LoRA (smollm2) | `use_lora`, r 16, alpha 32, dropout 0, q_proj and v_proj; the reference = adapter disabled | `peft_config` the same; the reference = adapter disabled |
 
-Both models are float32 with no autocast, on the same thread count (`--threads`). With one optimiser step per
+Both trainers run on --device (default: cuda when there is one): ours through its Accelerator, TRL's through
+`GRPOConfig(use_cpu=...)` (a single card: the current one). Both models are float32 with no autocast (TRL's
+`bf16` is set False: GRPOConfig turns it on by itself otherwise), or with --bf16 both in bf16 mixed precision:
+float32 weights, the forwards under bf16 autocast (accelerate's `mixed_precision: bf16` for both, one
+process-wide accelerate state; ours also with its `bf16: true`, the same autocast). Neither sets TF32
+(torch's default: off; the JSON records it). On the CPU both run on the same thread count (`--threads`); on
+CUDA every clock waits for the queued work (`torch.cuda.synchronize`) first. With one optimiser step per
 batch neither trainer runs a separate forward for the old policy: TRL takes the ratio against the detached
 log-probs of the update's forward, and so does ours (`PPOTrainer.old_logprobs_from_update`).
+
+--trl-continuous-batching: TRL generates with transformers' continuous batching engine
+(`use_transformers_continuous_batching`, `generate_batch`, paged attention) instead of its default
+`generate`; ours is unchanged. With --bf16 TRL then casts the policy's weights to bfloat16 before generating
+(`GRPOTrainer._generate_single_turn`), so it no longer trains float32 weights: compare it in float32.
 
 The tiny shape (GPT-2, n_layer 2, n_head 4, n_embd 128, vocabulary 4096, prompts of 16 random tokens) is
 ppo_step.py's `--model small` with the issue's overrides. The smollm2 shape is the arithmetic recipe's
@@ -65,7 +78,7 @@ sys.path.insert(0, str(REPO))
 
 
 def load_script(name: str):
-    """A benchmark script of this folder as a module (ppo_step.py, rollout.py: their helpers, not copies)."""
+    """A benchmark script of this folder as a module (ppo_step.py: its helpers, not copies)."""
     spec = importlib.util.spec_from_file_location(f"{name}_benchmark", BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -94,7 +107,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     p.add_argument("--steps", type=int, default=10, help="timed steps of each trainer")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps of each first")
-    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    p.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where both trainers run: cpu, cuda (default: cuda when there is one)",
+    )
+    p.add_argument(
+        "--bf16",
+        action="store_true",
+        help="both trainers in bf16 mixed precision (float32 weights, bf16 autocast); default float32",
+    )
+    p.add_argument(
+        "--trl-continuous-batching",
+        action="store_true",
+        help="TRL generates with transformers' continuous batching (use_transformers_continuous_batching)",
+    )
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (on the CPU only)")
     p.add_argument("--prompts", type=int, help="override the shape: prompts per step")
     p.add_argument("--samples", type=int, help="completions per prompt")
     p.add_argument("--new-tokens", type=int, help="max new tokens")
@@ -114,6 +142,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--workdir", help="where to build the model folder (default: a temporary folder)")
     args = p.parse_args(argv)
+    args.device = torch.device(args.device)
     for key, value in SHAPES[args.shape].items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
@@ -122,24 +151,21 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build_policy(args, workdir: Path) -> tuple[Path, str]:
     """The policy folder (model + tokenizer) and where its weights come from."""
-    from transformers import GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     if args.shape == "smollm2" and Path(args.smollm2_dir).is_dir():
         return Path(args.smollm2_dir), str(args.smollm2_dir)
     folder = workdir / "policy"
     torch.manual_seed(0)
-    if args.shape == "smollm2":
-        rollout = load_script("rollout")
-        # ppo_step.py's tokenizer: <|endoftext|> = 0 is bos, eos and pad
-        ids = dict(bos_token_id=0, eos_token_id=0, pad_token_id=0)
-        lm = LlamaForCausalLM(LlamaConfig(**{**rollout.SMOLLM2_CONFIG, **ids}))
+    if args.shape == "smollm2":  # ppo_step.py's `--model smollm2`
+        shape = argparse.Namespace(model="smollm2", n_layer=None, n_head=None, n_embd=None, vocab_size=None)
         source = f"random weights of SmolLM2-135M's config ({args.smollm2_dir} missing)"
     else:
-        shape = argparse.Namespace(
-            model="small", n_layer=2, n_head=4, n_embd=128, vocab_size=args.vocab_size, model_dir=None
-        )
-        lm = GPT2LMHeadModel(ppo_step.model_config(shape))
+        shape = argparse.Namespace(model="small", n_layer=2, n_head=4, n_embd=128, vocab_size=args.vocab_size)
         source = "random weights"
+    lm = AutoModelForCausalLM.from_config(
+        ppo_step.model_config(argparse.Namespace(**vars(shape), model_dir=None))
+    )
     tokenizer = ppo_step.build_tokenizer(lm.config.vocab_size)
     lm.generation_config.pad_token_id = tokenizer.eos_token_id
     lm.save_pretrained(folder, safe_serialization=True)
@@ -156,7 +182,7 @@ def prompt_texts(args, tokenizer, n: int) -> list[str]:
 
 
 def our_trainer(args, policy_dir: Path, texts: list[str], workdir: Path, total_steps: int):
-    """`ppo_run.build_trainer` on the settings of the docstring's table."""
+    """`ppo_run.build_trainer` on the settings of the docstring's table, on --device."""
     from accelerate import Accelerator
 
     from llm_rlhf.models.loading import load_tokenizer
@@ -194,24 +220,24 @@ def our_trainer(args, policy_dir: Path, texts: list[str], workdir: Path, total_s
         lora_alpha=LORA_ALPHA,
         lora_dropout=0.0,
         lora_target_modules=LORA_TARGETS if args.lora else None,
+        bf16=args.bf16,
         eval_every=0,
         save_steps=0,
         log_samples_every=0,
     )
     reward_fn = RewardFn(reward, cfg.reward_fn)
-    trainer = ppo_run.build_trainer(cfg, Accelerator(cpu=True), tokenizer, queries, reward_fn)
+    # TRL's Trainer makes an Accelerator of its own, with mixed_precision "bf16" or "no": accelerate's state is
+    # one per process, so ours must say the same (else "AcceleratorState has already been initialized").
+    accelerator = Accelerator(cpu=args.device.type == "cpu", mixed_precision="bf16" if args.bf16 else "no")
+    trainer = ppo_run.build_trainer(cfg, accelerator, tokenizer, queries, reward_fn)
+    assert trainer.accelerator.device.type == args.device.type, (trainer.accelerator.device, args.device)
     return trainer, queries
 
 
-def trl_trainer(args, policy_dir: Path, texts: list[str], workdir: Path, total_steps: int, callback):
-    """TRL's GRPOTrainer on the settings of the docstring's table."""
-    from datasets import Dataset
-    from transformers import AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
+def trl_config(args, workdir: Path, total_steps: int):
+    """TRL's GRPOConfig on the settings of the docstring's table, on --device, in --bf16 or float32."""
+    from trl import GRPOConfig
 
-    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
     config = GRPOConfig(
         output_dir=str(workdir / "trl"),
         max_steps=total_steps,
@@ -237,15 +263,32 @@ def trl_trainer(args, policy_dir: Path, texts: list[str], workdir: Path, total_s
         disable_dropout=True,
         gradient_checkpointing=False,  # GRPOConfig's default is True; ours is off (`gradient_checkpointing`)
         use_vllm=False,
-        use_cpu=True,
-        bf16=False,
-        model_init_kwargs={"dtype": "float32"},
+        use_transformers_continuous_batching=args.trl_continuous_batching,
+        use_cpu=args.device.type == "cpu",
+        bf16=args.bf16,  # GRPOConfig's default is True: set either way
+        fp16=False,
+        model_init_kwargs={"dtype": "float32"},  # the weights; --bf16 is autocast, as ours
         save_strategy="no",
         report_to="none",
         logging_steps=10,
         log_completions=False,
         seed=0,
     )
+    # ACCELERATE_MIXED_PRECISION (set by `accelerate launch`) would override bf16=False: refused, not mixed
+    want = "bf16" if args.bf16 else "no"
+    assert config.mixed_precision == want, f"TRL's mixed precision is {config.mixed_precision}, not {want}"
+    return config
+
+
+def trl_trainer(args, policy_dir: Path, texts: list[str], workdir: Path, total_steps: int, callback):
+    """TRL's GRPOTrainer on `trl_config`."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
     peft_config = None
     if args.lora:
         from peft import LoraConfig
@@ -260,7 +303,7 @@ def trl_trainer(args, policy_dir: Path, texts: list[str], workdir: Path, total_s
     trainer = GRPOTrainer(
         model=str(policy_dir),
         reward_funcs=[reward],
-        args=config,
+        args=trl_config(args, workdir, total_steps),
         train_dataset=Dataset.from_dict({"prompt": texts}),
         processing_class=tokenizer,
         callbacks=[callback],
@@ -277,7 +320,11 @@ def main(argv=None) -> dict:
     from transformers import TrainerCallback
 
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
+    device = args.device
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    elif device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # both trainers' accelerate state takes the current card
     tmp = tempfile.TemporaryDirectory(prefix="grpo_vs_trl_") if not args.workdir else None
     workdir = Path(args.workdir or tmp.name)
     policy_dir, source = build_policy(args, workdir)
@@ -287,7 +334,8 @@ def main(argv=None) -> dict:
     texts = prompt_texts(args, load_tokenizer(str(policy_dir)), args.prompts * total)
 
     ours, queries = our_trainer(args, policy_dir, texts, workdir, total)
-    timer = ppo_step.PhaseTimer(torch.device("cpu"))
+    timer = ppo_step.PhaseTimer(device)
+    sync = ppo_step.sync  # on CUDA: the queued work done before each clock is read
     ppo_step.instrument(ours, timer)
     times = {"trl": [], "ours": []}
     phases: list[dict[str, float]] = []
@@ -297,15 +345,18 @@ def main(argv=None) -> dict:
         """After each TRL step: its time, then one of our steps, timed."""
 
         def on_train_begin(self, *a, **kw):
+            sync(device)
             mark["t"] = time.perf_counter()
 
         def on_step_end(self, *a, **kw):
+            sync(device)
             times["trl"].append(time.perf_counter() - mark["t"])
             timer.seconds.clear()
             sampler = timer.wrap(ppo_step.fast_sampling.generate, lambda *a, **kw: "generate")
             with mock.patch.object(ppo_step.fast_sampling, "generate", sampler):
                 t = time.perf_counter()
                 ours.ppo_step()
+                sync(device)
                 times["ours"].append(time.perf_counter() - t)
             phases.append({k: v for k, v in timer.seconds.items() if k != "rollout_other"})
             mark["t"] = time.perf_counter()
@@ -322,7 +373,12 @@ def main(argv=None) -> dict:
         "shape": args.shape,
         "model": source,
         "config": {k: getattr(args, k) for k in ("prompts", "samples", "new_tokens", "prompt_len", "lora")},
-        "threads": args.threads,
+        "device": str(device),
+        "device_name": ppo_step.device_name(device),
+        "dtype": "bfloat16 autocast, float32 weights" if args.bf16 else "float32",
+        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32 if device.type == "cuda" else None,
+        "trl_generation": "continuous batching" if args.trl_continuous_batching else "generate",
+        "threads": torch.get_num_threads() if device.type == "cpu" else None,
         "mean_prompt_tokens": sum(map(len, queries)) / len(queries),
         "steps": args.steps,
         "old_forward_skipped": skip,
@@ -336,8 +392,13 @@ def main(argv=None) -> dict:
     print(
         f"## GRPO step, {args.shape}: {source}; {c['prompts']} prompts x {c['samples']} completions x "
         f"{c['new_tokens']} new tokens, prompts of {result['mean_prompt_tokens']:.1f} tokens"
-        f"{', LoRA r=16' if c['lora'] else ''}; {args.threads} threads; {args.steps} timed steps each, "
-        f"alternated; our old-policy forward {'skipped' if result['old_forward_skipped'] else 'run'}"
+        f"{', LoRA r=16' if c['lora'] else ''}; {args.steps} timed steps each, alternated; our old-policy "
+        f"forward {'skipped' if result['old_forward_skipped'] else 'run'}"
+    )
+    print(
+        f"on {result['device_name']} ({result['device']}"
+        + (f", {result['threads']} threads" if result["threads"] else "")
+        + f"), {result['dtype']}; TRL's generation: {result['trl_generation']}"
     )
     print(f"ours (llm_rlhf ppo_step): median {result['median_ours']:.4f} s  {fmt(timed['ours'])}")
     print(f"TRL GRPOTrainer:          median {result['median_trl']:.4f} s  {fmt(timed['trl'])}")

@@ -7,10 +7,12 @@
     python benchmarks/ppo_step.py --advantage-estimator grpo --samples-per-prompt 4 --rollout 8
                                                     # critic-free: 8 prompts x 4 samples, no value head
     python benchmarks/ppo_step.py --model-dir data/smollm2-135m-instruct --lora   # any local causal LM
+    python benchmarks/ppo_step.py --model smollm2 --lora --device cuda   # SmolLM2-135M's shape on a GPU
 
 Models are built from a config with random weights (never downloaded) and saved as HF folders in a
-temporary directory: the policy (`GPT2LMHeadModel` + a byte-level BPE tokenizer whose vocabulary has
-exactly the model's `vocab_size`) and a reward model saved by `llm_rlhf.models.reward_model.save_reward_model`.
+temporary directory: the policy (`GPT2LMHeadModel`, or `LlamaForCausalLM` of SmolLM2-135M's config for
+`--model smollm2`, + a byte-level BPE tokenizer whose vocabulary has exactly the model's `vocab_size`) and
+a reward model saved by `llm_rlhf.models.reward_model.save_reward_model`.
 With --model-dir the policy is that folder (any causal-LM architecture) and the reward model is its
 trunk with a fresh score head (`AutoModelForSequenceClassification`), as `llm-rlhf rm` starts from the
 SFT model. The trainer is built by `llm_rlhf.stages.ppo_run.build_trainer`, as `llm-rlhf ppo` does.
@@ -40,13 +42,20 @@ without native bf16 matmuls the bf16 peak alone takes minutes).
 
 Peak memory: max RSS of this process (CPU) or max allocated (CUDA). Each --matrix entry runs in its own
 process so the peaks do not mix.
+
+--device (default: cuda when there is one) is where the trainer's Accelerator puts the models, and where the
+matmul peak, the peak memory and the clocks are taken: on CUDA every timer waits for the queued work
+(`torch.cuda.synchronize`) before it reads the clock. --threads sets torch's CPU threads on the CPU only.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import math
 import os
+import platform
 import resource
 import subprocess
 import sys
@@ -63,10 +72,12 @@ sys.path.insert(0, str(REPO))
 
 from llm_rlhf.rl import fast_sampling  # noqa: E402
 
-# The reviews task's base model (data/make_base_model.py defaults) and GPT-2 124M (GPT2Config() defaults).
+# The reviews task's base model (data/make_base_model.py defaults) and GPT-2 124M (GPT2Config() defaults);
+# smollm2: SmolLM2-135M's Llama config (`smollm2_config`), not a GPT-2 shape.
 SHAPES = {
     "small": dict(n_layer=4, n_head=4, n_embd=256, n_positions=128, vocab_size=4096),
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768, n_positions=1024, vocab_size=50257),
+    "smollm2": None,
 }
 PHASES = ("generate", "old_logprobs_values", "reference", "reward_model", "update")
 
@@ -74,6 +85,11 @@ PHASES = ("generate", "old_logprobs_values", "reference", "reward_model", "updat
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=sorted(SHAPES), default="small", help="model shape (random weights)")
+    p.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where the models, the matmul peak and the clocks run: cpu, cuda (default: cuda when there is one)",
+    )
     p.add_argument(
         "--model-dir",
         help="use this HF causal-LM folder as the policy instead, any architecture "
@@ -116,8 +132,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--sampling-compile",
+        "--compile-sampler",
         action="store_true",
-        help="sampling_compile (decode steps compiled, static cache)",
+        help="sampling_compile (decode steps compiled, static cache; CUDA graphs on a GPU)",
     )
     p.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing")
     p.add_argument(
@@ -132,7 +149,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--gen-reps", type=int, default=3, help="rounds of bare vs rollout generation, side by side"
     )
-    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (on the CPU only)")
     p.add_argument("--peak-size", type=int, default=2048, help="n of the n x n matmul that defines the peak")
     p.add_argument("--profile", help="write a torch.profiler table of one extra step to this file")
     p.add_argument(
@@ -150,16 +167,42 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ---------------------------------------------------------------------------------------------
 
 
+def smollm2_config(*, n_layer=None, n_head=None, n_embd=None, vocab_size=None):
+    """SmolLM2-135M's architecture (`rollout.py`'s SMOLLM2_CONFIG, its config.json: Llama, 30 layers, d 576,
+    9 heads of 64, 3 KV heads, MLP 1536, vocabulary 49152, tied LM head) with this script's tokenizer's ids
+    (<|endoftext|> = 0 is bos, eos and pad). The overrides (the tests' tiny versions) keep its proportions:
+    head_dim = d / heads, the KV heads a divisor of the heads, the MLP 1536/576 of d."""
+    from transformers import LlamaConfig
+
+    spec = importlib.util.spec_from_file_location("rollout_benchmark", REPO / "benchmarks" / "rollout.py")
+    rollout = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rollout)
+    c = dict(rollout.SMOLLM2_CONFIG, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if n_embd or n_head:
+        d, heads = n_embd or c["hidden_size"], n_head or c["num_attention_heads"]
+        c.update(
+            intermediate_size=c["intermediate_size"] * d // c["hidden_size"],
+            hidden_size=d,
+            num_attention_heads=heads,
+            head_dim=d // heads,
+            num_key_value_heads=math.gcd(c["num_key_value_heads"], heads),
+        )
+    c["num_hidden_layers"] = n_layer or c["num_hidden_layers"]
+    c["vocab_size"] = vocab_size or c["vocab_size"]
+    return LlamaConfig(**c)
+
+
 def model_config(args):
-    """The policy's config: the --model-dir folder's (any architecture) or a GPT-2 shape."""
+    """The policy's config: the --model-dir folder's (any architecture), SmolLM2-135M's or a GPT-2 shape."""
     from transformers import AutoConfig, GPT2Config
 
     if args.model_dir:
         return AutoConfig.from_pretrained(args.model_dir)
+    overrides = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size")}
+    if args.model == "smollm2":
+        return smollm2_config(**overrides)
     shape = dict(SHAPES[args.model])
-    for key in ("n_layer", "n_head", "n_embd", "vocab_size"):
-        if getattr(args, key) is not None:
-            shape[key] = getattr(args, key)
+    shape.update({k: v for k, v in overrides.items() if v is not None})
     return GPT2Config(**shape, bos_token_id=0, eos_token_id=0)
 
 
@@ -197,7 +240,12 @@ def build_tokenizer(vocab_size: int):
 
 def build_folders(args, workdir: Path) -> tuple[Path, Path]:
     """policy folder (causal LM + tokenizer) and reward-model folder (as `llm-rlhf rm` saves it)."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer, GPT2LMHeadModel
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+    )
 
     from llm_rlhf.models.loading import load_tokenizer
     from llm_rlhf.models.reward_model import (
@@ -210,8 +258,9 @@ def build_folders(args, workdir: Path) -> tuple[Path, Path]:
     config = model_config(args)
     policy_dir, rm_dir = workdir / "policy", workdir / "rm"
     if (rm_dir / "config.json").exists() and not args.model_dir:  # built before in this --workdir
-        saved = json.loads((policy_dir / "config.json").read_text())
-        if all(saved.get(k) == getattr(config, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size")):
+        saved = AutoConfig.from_pretrained(policy_dir)
+        keys = ("model_type", "num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size")
+        if all(getattr(saved, k) == getattr(config, k) for k in keys):
             return policy_dir, rm_dir
     if args.model_dir:
         policy_dir = Path(args.model_dir)
@@ -219,7 +268,7 @@ def build_folders(args, workdir: Path) -> tuple[Path, Path]:
     else:
         tokenizer = build_tokenizer(config.vocab_size)
         torch.manual_seed(0)
-        lm = GPT2LMHeadModel(config)
+        lm = AutoModelForCausalLM.from_config(config)
         lm.generation_config.pad_token_id = tokenizer.eos_token_id
         lm.save_pretrained(policy_dir, safe_serialization=True)
         tokenizer.save_pretrained(policy_dir)
@@ -253,8 +302,23 @@ def build_folders(args, workdir: Path) -> tuple[Path, Path]:
 
 
 def sync(device: torch.device) -> None:
+    """Wait for the device's queued work before a clock is read (CUDA runs asynchronously)."""
     if device.type == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
+
+
+def device_name(device: torch.device) -> str:
+    """The card (`torch.cuda.get_device_name`) or the CPU (`lscpu`'s model name) the figures were taken on."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        out = subprocess.run(
+            ["lscpu"], capture_output=True, text=True, check=True, env={**os.environ, "LC_ALL": "C"}
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        out = ""
+    names = [line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name:")]
+    return names[0] if names else platform.processor() or "cpu"
 
 
 def matmul_peak(n: int, dtype: torch.dtype, device: torch.device, seconds: float = 1.5) -> float:
@@ -518,8 +582,11 @@ def run_one(args) -> dict:
     from llm_rlhf.models.loading import load_tokenizer
     from llm_rlhf.stages import ppo, ppo_run
 
-    torch.set_num_threads(args.threads)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    elif device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # accelerate's one process takes the current card
     tmp = tempfile.TemporaryDirectory(prefix="ppo_bench_") if not args.workdir else None
     workdir = Path(args.workdir or tmp.name)
     if args.policy_dir:
@@ -560,6 +627,7 @@ def run_one(args) -> dict:
     tokenizer = load_tokenizer(str(policy_dir), padding_side="left")
     prompts = make_prompts(args, cfg, tokenizer, len(tokenizer), args.rollout * total_steps)
     trainer = ppo_run.build_trainer(cfg, Accelerator(cpu=device.type == "cpu"), tokenizer, prompts)
+    assert trainer.accelerator.device.type == device.type, (trainer.accelerator.device, device)
     load_peak_mb = peak_memory_mb(device)
     lm = trainer.unwrapped_policy.lm
     critic = trainer.accelerator.unwrap_model(trainer.critic) if trainer.critic is not None else None
@@ -604,7 +672,7 @@ def run_one(args) -> dict:
         "sys_s": usage1.ru_stime - usage0.ru_stime,
     }
     # < 1: this process did not get its threads' worth of CPU (other jobs on the machine).
-    cpu["utilization"] = (cpu["user_s"] + cpu["sys_s"]) / (sum(step_seconds) * args.threads)
+    cpu["utilization"] = (cpu["user_s"] + cpu["sys_s"]) / (sum(step_seconds) * torch.get_num_threads())
     peak_end = matmul_peak(args.peak_size, peak_dtype, device)
     peak = max(peak_start, peak_end)
     n = args.steps
@@ -648,9 +716,10 @@ def run_one(args) -> dict:
             "sampling_dtype": args.sampling_dtype,
             "sampling_compile": args.sampling_compile,
             "grad_ckpt": args.grad_ckpt,
-            "threads": args.threads,
+            "threads": torch.get_num_threads() if device.type == "cpu" else None,
             "steps": n,
             "device": str(device),
+            "device_name": device_name(device),
         },
         "step_seconds": step_s,
         "step_seconds_all": step_seconds,
@@ -673,16 +742,16 @@ def run_one(args) -> dict:
         "load_avg_1min": os.getloadavg()[0],
     }
     if args.profile:
-        result["profile_file"] = profile_step(trainer, args.profile)
+        result["profile_file"] = profile_step(trainer, args.profile, device)
     if tmp is not None:
         tmp.cleanup()
     return result
 
 
-def profile_step(trainer, path: str) -> str:
+def profile_step(trainer, path: str, device: torch.device) -> str:
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities, record_shapes=True) as prof:
         trainer.ppo_step()
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60)
@@ -738,6 +807,12 @@ def label(r: dict) -> str:
     )
 
 
+def where(c: dict) -> str:
+    """The device the figures are of: the card, or the CPU and its threads."""
+    name = c.get("device_name", c.get("device", "cpu"))
+    return f"{name}, {c['threads']} threads" if c.get("threads") else name
+
+
 def format_table(results: list[dict]) -> str:
     lines = []
     for r in results:
@@ -745,7 +820,7 @@ def format_table(results: list[dict]) -> str:
         lines.append(
             f"## {label(r)}: rollout {c['rollout']} prompts x {c.get('samples_per_prompt', 1)}, prompt {c['prompt_len']} + {c['new_tokens']} new tokens, "
             f"minibatch {c['mini_batch']}, {c['ppo_epochs']} PPO epoch(s), {c['steps']} timed steps, "
-            f"{c['threads']} threads, load {r['load_avg_1min']:.1f}, CPU utilisation "
+            f"{where(c)}, load {r['load_avg_1min']:.1f}, CPU utilisation "
             f"{r['cpu_time_during_steps']['utilization']:.2f} (sys {r['cpu_time_during_steps']['sys_s']:.1f} s); "
             f"mean response {r['response_length']:.1f} tokens"
         )

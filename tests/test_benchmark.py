@@ -1,9 +1,12 @@
 """benchmarks/ppo_step.py runs: a Llama folder with LoRA and the separate critic, a GPT-2 folder with the
 value head, a GPT-2 folder with ReMax and 2 samples per prompt (one short step each on the tiny models),
-and its FLOP count follows the shapes that ran.
+the smollm2 shape (SmolLM2-135M's config, random weights) scaled down, and its FLOP count follows the shapes
+that ran.
 benchmarks/rollout.py runs every sampling path on the tiny models and counts the roofline's weights;
 benchmarks/static_cache.py draws the same tokens with a static cache and a compiled step.
-benchmarks/grpo_vs_trl.py alternates our GRPO step with TRL's GRPOTrainer and prints both medians and the ratio."""
+benchmarks/grpo_vs_trl.py alternates our GRPO step with TRL's GRPOTrainer and prints both medians and the ratio,
+in float32 and in bf16 mixed precision, and sets TRL's precision, device and generation from its flags.
+The runs pass `--device cpu` (the default is the GPU where there is one): the code path a GPU takes, on the CPU."""
 
 from __future__ import annotations
 
@@ -12,16 +15,28 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location("ppo_step_benchmark", ROOT / "benchmarks" / "ppo_step.py")
+def load_benchmark(name: str = "ppo_step"):
+    spec = importlib.util.spec_from_file_location(f"{name}_benchmark", ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture()
+def fresh_accelerate_state():
+    """accelerate's state is one per process and keeps the first mixed_precision it was given: grpo_vs_trl.py's
+    two Accelerators (ours, TRL's Trainer's) must agree with each other, not with an earlier test's."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 @pytest.mark.parametrize(
@@ -41,10 +56,11 @@ def test_benchmark_runs_on_any_causal_lm_folder(
     out = tmp_path / "result.json"
     args = ["--model-dir", str(model_dir), "--rollout", "4", "--mini-batch", "2", "--new-tokens", "4"]
     args += ["--steps", "1", "--warmup", "0", "--gen-reps", "1", "--peak-size", "64", "--threads", "2"]
-    bench.main(args + extra + ["--workdir", str(tmp_path / "work"), "--json", str(out)])
+    bench.main(args + extra + ["--device", "cpu", "--workdir", str(tmp_path / "work"), "--json", str(out)])
     result = json.loads(out.read_text())
     assert "| **step** |" in capsys.readouterr().out
     c = result["config"]
+    assert c["device"] == "cpu" and c["device_name"] and c["threads"] == 2
     assert c["architecture"] == ("Llama" if policy == "llama" else "GPT2")
     assert c["value_model"] == ("reward" if "--value_model" in extra else "policy")
     assert set(result["matmul_peak_gflops"]) == {"fp32"}  # no bf16 peak unless --bf16
@@ -59,6 +75,64 @@ def test_benchmark_runs_on_any_causal_lm_folder(
     assert (
         0 < result["tokens_per_step"]["update"] <= 4 * k * (16 + 4)
     )  # 4 * k rows of at most prompt + response
+
+
+def test_smollm2_shape_is_smollm2_135ms_config():
+    """`--model smollm2` is SmolLM2-135M's architecture (rollout.py's SMOLLM2_CONFIG) with the benchmark
+    tokenizer's ids; the overrides scale it down with its proportions (heads of d / heads, KV heads dividing
+    the heads, the MLP 1536/576 of d). --compile-sampler is sampling_compile."""
+    bench = load_benchmark()
+    c = bench.model_config(bench.parse_args(["--model", "smollm2"]))
+    assert type(c).__name__ == "LlamaConfig"
+    shape = (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+    assert shape == (576, 30, 9, 3, 64)
+    assert (c.intermediate_size, c.vocab_size, c.tie_word_embeddings) == (1536, 49152, True)
+    assert c.bos_token_id == c.eos_token_id == c.pad_token_id == 0
+    tiny = bench.smollm2_config(n_layer=2, n_head=3, n_embd=48, vocab_size=512)
+    assert (tiny.num_hidden_layers, tiny.hidden_size, tiny.head_dim, tiny.num_key_value_heads) == (
+        2,
+        48,
+        16,
+        3,
+    )
+    assert (tiny.intermediate_size, tiny.vocab_size) == (128, 512)
+    assert bench.smollm2_config(n_head=4).num_key_value_heads == 1  # gcd(3, 4): KV heads divide the heads
+    assert bench.parse_args(["--compile-sampler"]).sampling_compile
+    assert bench.parse_args([]).device == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_ppo_step_benchmark_runs_the_smollm2_shape_with_random_weights(tmp_path, capsys):
+    """`--model smollm2` builds the policy and the reward model from the config with random weights (no folder),
+    scaled down here, and runs a GRPO step with bf16 autocast on --device cpu."""
+    bench = load_benchmark()
+    out = tmp_path / "result.json"
+    args = ["--model", "smollm2", "--n-layer", "2", "--n-head", "3", "--n-embd", "48", "--vocab-size", "512"]
+    args += [
+        "--lora",
+        "--bf16",
+        "--advantage-estimator",
+        "grpo",
+        "--samples-per-prompt",
+        "2",
+        "--rollout",
+        "2",
+    ]
+    args += ["--mini-batch", "4", "--new-tokens", "4", "--steps", "1", "--warmup", "0", "--gen-reps", "1"]
+    bench.main(
+        args + ["--peak-size", "64", "--device", "cpu", "--workdir", str(tmp_path), "--json", str(out)]
+    )
+    result = json.loads(out.read_text())
+    c = result["config"]
+    assert (c["model"], c["architecture"], c["n_layer"], c["n_embd"], c["vocab_size"]) == (
+        "smollm2",
+        "Llama",
+        2,
+        48,
+        512,
+    )
+    assert c["device"] == "cpu" and c["bf16"] and set(result["matmul_peak_gflops"]) == {"bf16"}
+    assert f"{c['device_name']}, 2 threads" in capsys.readouterr().out
+    assert result["phases"]["update"]["seconds"] > 0 and result["mfu"] > 0
 
 
 def test_flops_count_the_shapes_that_ran():
@@ -175,18 +249,24 @@ def test_static_cache_benchmark_draws_the_same_tokens_in_every_mode(tiny_llama_d
     assert "| 3 | compiled-static |" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("shape", ["tiny", "smollm2"])
-def test_grpo_vs_trl_prints_both_medians_and_the_ratio(shape, tiny_llama_dir, tmp_path, capsys):
-    """benchmarks/grpo_vs_trl.py, one step of each trainer at a reduced shape: the tiny GPT-2, and the smollm2
-    path (LoRA on both sides) with the tiny Llama standing in for the SmolLM2 folder."""
-    spec = importlib.util.spec_from_file_location("grpo_vs_trl", ROOT / "benchmarks" / "grpo_vs_trl.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+@pytest.mark.parametrize("shape, extra", [("tiny", []), ("smollm2", []), ("tiny", ["--bf16"])])
+def test_grpo_vs_trl_prints_both_medians_and_the_ratio(
+    shape, extra, tiny_llama_dir, tmp_path, capsys, fresh_accelerate_state
+):
+    """benchmarks/grpo_vs_trl.py, one step of each trainer at a reduced shape: the tiny GPT-2, the smollm2
+    path (LoRA on both sides) with the tiny Llama standing in for the SmolLM2 folder, and both trainers in
+    bf16 mixed precision (one accelerate state: ours and TRL's Accelerator must ask for the same)."""
+    bench = load_benchmark("grpo_vs_trl")
     args = ["--shape", shape, "--prompts", "2", "--samples", "2", "--new-tokens", "3", "--prompt-len", "4"]
     args += ["--steps", "1", "--warmup", "0", "--vocab-size", "512", "--smollm2-dir", str(tiny_llama_dir)]
     out = tmp_path / "result.json"
-    result = bench.main(args + ["--workdir", str(tmp_path / "work"), "--json", str(out)])
+    result = bench.main(
+        args + extra + ["--device", "cpu", "--workdir", str(tmp_path / "work"), "--json", str(out)]
+    )
     printed = capsys.readouterr().out
+    assert (result["device"], result["threads"], result["trl_generation"]) == ("cpu", 2, "generate")
+    assert result["dtype"] == ("bfloat16 autocast, float32 weights" if extra else "float32")
+    assert f"on {result['device_name']} (cpu, 2 threads), {result['dtype']}" in printed
     assert "ours (llm_rlhf ppo_step): median" in printed and "TRL GRPOTrainer:          median" in printed
     assert f"ratio ours / TRL: {result['ratio']:.3f}" in printed
     assert json.loads(out.read_text())["ratio"] == result["ratio"]
@@ -196,3 +276,14 @@ def test_grpo_vs_trl_prints_both_medians_and_the_ratio(shape, tiny_llama_dir, tm
     assert result["model"] == (str(tiny_llama_dir) if shape == "smollm2" else "random weights")
     assert "old_logprobs_values" not in result["our_phases_median"]  # one update: the old forward is skipped
     assert result["our_phases_median"]["update"] > 0 and result["our_phases_median"]["reference"] > 0
+
+
+def test_grpo_vs_trl_puts_trl_on_the_device_and_precision_it_is_given(tmp_path, fresh_accelerate_state):
+    """TRL's GRPOConfig from the flags: its CPU switch from --device, bf16 off unless --bf16 (GRPOConfig's
+    own default is on), the model loaded in float32 either way, continuous batching only when asked."""
+    bench = load_benchmark("grpo_vs_trl")
+    for flags in ([], ["--bf16", "--trl-continuous-batching"]):
+        c = bench.trl_config(bench.parse_args(["--device", "cpu", *flags]), tmp_path, 1)
+        assert c.use_cpu and not c.fp16 and c.model_init_kwargs == {"dtype": "float32"}
+        assert c.bf16 == c.use_transformers_continuous_batching == bool(flags)
+        assert not c.gradient_checkpointing and c.mixed_precision == ("bf16" if flags else "no")
