@@ -160,7 +160,8 @@ class RewardModel(nn.Module):
     is 1 (left, right or both-sided padding; the pad id does not matter; columns that are padding in
     every row are dropped first, `trim_padding_columns`). score(...) -> (B,) normalised:
     (raw - mean) / std. Attributes: `model`, `tokenizer` (with its dedicated pad token), `mean`, `std`,
-    `normalization` (the stored record, None if the folder has none: then mean 0, std 1).
+    `normalization` (the stored record, None if the folder has none: then mean 0, std 1), `device` (where
+    its weights are, as a transformers model's: the device its inputs go to).
     """
 
     def __init__(self, model, tokenizer, normalization: dict | None = None):
@@ -171,6 +172,10 @@ class RewardModel(nn.Module):
         self.mean = float(normalization["mean"]) if normalization else 0.0
         self.std = float(normalization["std"]) if normalization else 1.0
         self._vocab = (None, False)  # (the tokenizer last seen, whether it shares this RM's vocabulary)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
 
     def _trunk_and_head(self):
         """(transformer trunk, score head) of the sequence classifier, looking through a peft wrapper."""
