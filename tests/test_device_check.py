@@ -92,6 +92,20 @@ def test_scoring_a_placed_reward_model(tiny_rm, tiny_model_dir):
         assert tracer.is_placed(tiny_rm.score_samples(ids, mask, tokenizer))
 
 
+def test_a_placed_reward_model_scores_host_samples(tiny_rm, tiny_model_dir):
+    """A policy's samples on the host (a CPU policy, or one on another card) scored by a reward model on the
+    device: the RM moves the ids to itself, and `score_samples` gives the scores back beside the samples.
+    (On an H200 this raised inside the RM's embedding before RewardModel.forward moved its inputs.)"""
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    encoded = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    ids, mask = encoded["input_ids"], encoded["attention_mask"]  # on the host
+    expected = tiny_rm.score_samples(ids, mask, tokenizer)
+    with on_device(tiny_rm) as tracer:
+        scores = tiny_rm.score_samples(ids, mask, tokenizer)
+        assert tracer.is_placed(tiny_rm.score(ids, mask))  # forward's scores: on the RM's device
+    torch.testing.assert_close(scores, expected, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("peft", [False, True])
 def test_train_ppo_with_a_placed_policy_and_reward_model(
     peft, tiny_model_dir, tiny_rm, prompt_file, tmp_path

@@ -195,7 +195,10 @@ class RewardModel(nn.Module):
         return out.last_hidden_state  # (B, T, H)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Raw scores (B,) on the RM's device, wherever the ids come from (a policy's rollouts may be on another
+        device than the RM: a GPU's RM scoring a CPU policy's samples, or one given on another card)."""
         _, head = self._trunk_and_head()
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
         # (B, T') each: no compute on columns that are padding in every row
         input_ids, attention_mask = trim_padding_columns(input_ids, attention_mask)
         hidden = self.hidden_states(input_ids, attention_mask)  # (B, T', H)
@@ -213,17 +216,20 @@ class RewardModel(nn.Module):
         policy's): (B,). Every row is read as the RM was trained to read text, ending with the RM's own EOS,
         whether the response ended with EOS, was cut by a stop string or was truncated at max_new_tokens:
         with the same vocabulary the ids go in with that EOS put at their end (`end_with_eos`); with another
-        the text is re-encoded (`score_tokens`). What PPO, evaluation and best-of-n score (`scoring.Scorer`)."""
+        the text is re-encoded (`score_tokens`). What PPO, evaluation and best-of-n score (`scoring.Scorer`).
+        The scores are on the device of `input_ids`, whichever device the RM is on."""
         if self._vocab[0] is not tokenizer:  # comparing vocabularies costs a dict walk: once per tokenizer
             self._vocab = (tokenizer, shares_vocab(tokenizer, self.tokenizer))
         if not self._vocab[1]:
             return self.score_tokens(input_ids, attention_mask, tokenizer)
+        where = input_ids.device
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
         rows = torch.arange(input_ids.shape[0], device=input_ids.device)  # (B,)
         finished = input_ids[rows, last_token_index(attention_mask)] == tokenizer.eos_token_id  # (B,)
         ids, mask = end_with_eos(
             input_ids, attention_mask, eos_token_id=self.tokenizer.eos_token_id, finished=finished
         )  # (B, T + 1) each
-        return self.score(ids, mask)
+        return self.score(ids, mask).to(where)  # beside the samples it scores
 
     def score_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, tokenizer) -> torch.Tensor:
         """Normalised scores of sequences written in another tokenizer's ids (a policy's rollouts): (B,).
@@ -244,8 +250,8 @@ class RewardModel(nn.Module):
                 text = text[len(bos) :]  # the RM tokenizer adds its own BOS
             texts.append(text)
         encoded = encode_pairs(self.tokenizer, texts, [""] * len(texts))  # each ends with the RM's EOS
-        rm_ids, rm_mask = pad_right(encoded, self.tokenizer.pad_token_id, device=input_ids.device)
-        return self.score(rm_ids, rm_mask)
+        rm_ids, rm_mask = pad_right(encoded, self.tokenizer.pad_token_id, device=self.device)
+        return self.score(rm_ids, rm_mask).to(input_ids.device)  # beside the samples it scores
 
     def as_critic(self) -> RewardCritic:
         """A trainable critic initialised from this RM (shares its weights: load a fresh RM for it)."""
