@@ -5,8 +5,9 @@
 #   bash benchmarks/gpu_check.sh OUT_DIR
 #
 #   1. env        the card, the driver, the versions (env.txt)
-#   2. install    wheels from $WHEELS (a folder; packages the machine lacks: it may have no network), then
-#                 this checkout (pip install -e . --no-deps)
+#   2. install    wheels from $WHEELS (a folder; packages the machine lacks: it may have no network;
+#                 `bash benchmarks/gpu_wheels.sh DIR` fetches this workplace's set), then this checkout
+#                 (pip install -e . --no-deps)
 #   3. suite      the fast suite on CUDA, 14 workers: python -m pytest -m "not slow and not multiprocess";
 #                 the GPU tier (tests/test_gpu.py) runs here, skipped on machines without CUDA
 #   4. smollm2    data/smollm2-135m-instruct from SmolLM2-135M's config with random weights, when the folder is
