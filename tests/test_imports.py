@@ -16,6 +16,7 @@ first-party imports are at module top only. `python tests/test_imports.py` print
 from __future__ import annotations
 
 import ast
+import subprocess
 import sys
 from pathlib import Path
 
@@ -134,9 +135,29 @@ def test_layering():
 
 def test_public_api_unchanged():
     import llm_rlhf
+    from llm_rlhf.interfaces import api
 
     for name in llm_rlhf.API:
         assert getattr(llm_rlhf, name) is not None, name
+    assert sorted(llm_rlhf.__all__) == sorted(llm_rlhf.API) == sorted(api.__all__)
+
+
+def test_dir_lists_the_api_without_importing_it():
+    """`dir(llm_rlhf)` (a notebook's tab completion) lists the lazy API, and neither it nor `import llm_rlhf`
+    imports the stages' libraries (issue 50: it listed only `API` and `importlib`)."""
+    code = (
+        "import sys, llm_rlhf; names = dir(llm_rlhf); "
+        "print(repr((names, sorted({'torch', 'transformers', 'trl', 'llm_rlhf.interfaces.api'} & set(sys.modules)))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=PACKAGE.parent
+    )
+    names, heavy = ast.literal_eval(out.stdout)
+    import llm_rlhf
+
+    public = [n for n in names if not n.startswith("_")]
+    assert public == sorted([*llm_rlhf.API, "API"]) and "__version__" in names
+    assert heavy == []
 
 
 def format_graph() -> str:
