@@ -10,6 +10,8 @@ import math
 import pytest
 import torch
 
+from llm_rlhf.rl.policy_losses import ROWS as LOSS_ROWS
+from llm_rlhf.rl.policy_losses import LossInputs
 from llm_rlhf.rl.ppo_math import (
     LOSS_AGGREGATIONS,
     aggregate_loss,
@@ -293,8 +295,8 @@ def test_aggregation_matches_the_naive_loop(aggregation):
 
 
 @pytest.mark.parametrize("aggregation", LOSS_AGGREGATIONS)
-@pytest.mark.parametrize("policy", ["ppo_clip", "gspo", "cispo"])
-def test_aggregation_is_invariant_under_accumulation_and_processes(aggregation, policy):
+@pytest.mark.parametrize("row", LOSS_ROWS, ids=lambda r: r.name)
+def test_aggregation_is_invariant_under_accumulation_and_processes(aggregation, row):
     """Two simulated processes of two micro-batches each (rows of different lengths, micro-batches trimmed to
     their own widths as `forward_policy` does): each micro-batch back-propagates num_processes * its
     aggregate_loss over the global normaliser, DDP averages the processes' gradients; the loss and the
@@ -305,15 +307,12 @@ def test_aggregation_is_invariant_under_accumulation_and_processes(aggregation, 
     def token_losses(rows):
         width = max(int(mask[rows].sum(-1).max()), 1)  # trimmed to the micro-batch's longest response
         lp, m = logprobs[rows, :width], mask[rows, :width]
-        common = dict(
-            logprobs=lp, old_logprobs=old[rows, :width], advantages=advantages[rows, :width], response_mask=m
-        )
-        if policy == "ppo_clip":
-            losses, _ = ppo_clip_token_losses(**common, cliprange_low=0.2, cliprange_high=0.28, dual_clip=3.0)
-        elif policy == "gspo":
-            losses, _ = gspo_token_losses(**common, cliprange_low=0.05, cliprange_high=0.05)
-        else:
-            losses, _ = cispo_token_losses(**common, cliprange_high=0.28)
+        losses, _ = row.token_losses(
+            LossInputs(
+                logprobs=lp, old_logprobs=old[rows, :width], advantages=advantages[rows, :width],
+                response_mask=m, cliprange_low=0.05, cliprange_high=0.28, dual_clip=3.0,
+            )
+        )  # fmt: skip
         return losses, m
 
     everything = torch.arange(mask.shape[0])
@@ -691,19 +690,18 @@ def test_select_groups_needs_enough_groups_and_group_rows():
     assert scores[group_rows(groups=groups, samples_per_prompt=2)].tolist() == [0.0, 1, 1, 0]
 
 
-@pytest.mark.parametrize("policy", ["ppo_clip", "gspo", "cispo"])
-def test_token_losses_and_flags_are_zero_off_the_mask(policy):
+@pytest.mark.parametrize("row", LOSS_ROWS, ids=lambda r: r.name)
+def test_token_losses_and_flags_are_zero_off_the_mask(row):
     """Padding with wild ratios and advantages reaches neither a loss, a flag nor a gradient."""
     logprobs, old, advantages, mask = varied_minibatch(6)
     wild = torch.where(mask, logprobs, 50.0)  # rho = e^50 at the padding
     wild_advantages = torch.where(mask, advantages, -7.0)
-    common = dict(logprobs=wild, old_logprobs=old, advantages=wild_advantages, response_mask=mask)
-    if policy == "ppo_clip":
-        losses, stats = ppo_clip_token_losses(**common, cliprange_low=0.2, cliprange_high=0.28, dual_clip=3.0)
-    elif policy == "gspo":
-        losses, stats = gspo_token_losses(**common)
-    else:
-        losses, stats = cispo_token_losses(**common, cliprange_high=0.28)
+    losses, stats = row.token_losses(
+        LossInputs(
+            logprobs=wild, old_logprobs=old, advantages=wild_advantages, response_mask=mask,
+            cliprange_low=0.2, cliprange_high=0.28, dual_clip=3.0,
+        )
+    )  # fmt: skip
     assert (losses[~mask] == 0).all() and losses.isfinite().all()
     assert not (stats.clipped_high | stats.clipped_low | stats.dual_clipped)[~mask].any()
     (grad,) = torch.autograd.grad(losses.sum(), logprobs)

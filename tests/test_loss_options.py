@@ -125,7 +125,7 @@ def test_the_command_rejects_gspo_with_gae_in_one_line(capsys):
 
 def test_help_says_which_estimators_accept_each_option():
     text = " ".join(format_help(Config).split())
-    assert f"Zheng et al. 2025; {names(r for r in ROWS if 'gspo' in r.policy_losses)} only" in text
+    assert f"Zheng et al. 2025; {names(r for r in ROWS if r.response_advantages)} only" in text
     assert f"{names(r for r in ROWS if r.dynamic_sampling)} only, with samples_per_prompt >= 2" in text
     for key in ("cliprange_low", "cliprange_high", "dual_clip", "loss_aggregation", "sampler_correction",
                 "sampler_correction_cap", "overlong_buffer", "overlong_penalty", "mask_truncated",

@@ -2,10 +2,10 @@
 
 A row says whether the estimator trains a value function, how many samples of a prompt it needs, where its
 KL goes by default, whether it samples a greedy baseline, what its advantages are divided by, which config
-keys it does not read, what the policy-loss family of issue 37 may combine it with, and its advantage
-function. The config (`ppo_config`), the trainer (`ppo`), the command (`ppo_run`) and the report read the
-row and never the name. The math is the pure functions of `ppo_math`; the functions here only hand them
-a rollout's tensors:
+keys it does not read, whether its advantage is one number per response, what the policy-loss family of
+issue 37 may combine it with, and its advantage function. The config (`ppo_config`), the trainer (`ppo`),
+the command (`ppo_run`) and the report read the row and never the name. The math is the pure functions of
+`ppo_math`; the functions here only hand them a rollout's tensors:
 
     estimator     critic  k >= 1  KL in   greedy  divided by       (SPEC "Critic-free estimators")
     gae           yes     1       reward  no      batch std        GAE over the values, whitened
@@ -66,10 +66,12 @@ class Estimator:
     response per prompt is sampled and scored as the baseline (`AdvantageInputs.baseline`). std_scaling:
     what the advantages are divided by: 'batch' (whitened over the global batch), 'group' (the group's std)
     or 'none'. ignored_keys: config keys it does not read; set to another value than their default they are
-    a ConfigError. policy_losses, corrections, dynamic_sampling: what the policy-loss family (issue 37) may
-    combine it with: 'gspo' needs one advantage per response (the same on each token: a group baseline of
-    the sequence reward), the sampler corrections ('tis', 'mis') apply to every estimator, and dropping the
-    groups whose scores tie needs a group baseline. advantages: the advantage function."""
+    a ConfigError. response_advantages: its advantage is one number per response, the same on each token (a
+    baseline of the sequence reward), which a policy loss with a sequence-level ratio needs
+    (`PolicyLoss.response_advantages`, `llm_rlhf.rl.policy_losses`: gspo). corrections, dynamic_sampling: what
+    else the policy-loss family (issue 37) may combine it with: the sampler corrections ('tis', 'mis') apply
+    to every estimator, and dropping the groups whose scores tie needs a group baseline. advantages: the
+    advantage function."""
 
     name: str
     description: str
@@ -79,7 +81,7 @@ class Estimator:
     greedy_baseline: bool
     std_scaling: str
     ignored_keys: tuple[str, ...]
-    policy_losses: tuple[str, ...]
+    response_advantages: bool
     corrections: tuple[str, ...]
     dynamic_sampling: bool
     advantages: Callable[[AdvantageInputs], Advantages]
@@ -159,7 +161,7 @@ ROWS = (
         greedy_baseline=False,
         std_scaling="batch",
         ignored_keys=(),
-        policy_losses=("ppo_clip", "cispo"),
+        response_advantages=False,
         corrections=SAMPLER_CORRECTIONS,
         dynamic_sampling=False,
         advantages=_gae,
@@ -173,7 +175,7 @@ ROWS = (
         greedy_baseline=False,
         std_scaling="group",
         ignored_keys=CRITIC_FREE_IGNORED,
-        policy_losses=("ppo_clip", "gspo", "cispo"),
+        response_advantages=True,
         corrections=SAMPLER_CORRECTIONS,
         dynamic_sampling=True,
         advantages=_grpo,
@@ -187,7 +189,7 @@ ROWS = (
         greedy_baseline=False,
         std_scaling="none",
         ignored_keys=CRITIC_FREE_IGNORED,
-        policy_losses=("ppo_clip", "gspo", "cispo"),
+        response_advantages=True,
         corrections=SAMPLER_CORRECTIONS,
         dynamic_sampling=True,
         advantages=_dr_grpo,
@@ -201,7 +203,7 @@ ROWS = (
         greedy_baseline=False,
         std_scaling="none",
         ignored_keys=CRITIC_FREE_IGNORED,
-        policy_losses=("ppo_clip", "gspo", "cispo"),
+        response_advantages=True,
         corrections=SAMPLER_CORRECTIONS,
         dynamic_sampling=True,
         advantages=_rloo,
@@ -215,7 +217,7 @@ ROWS = (
         greedy_baseline=False,
         std_scaling="batch",
         ignored_keys=CRITIC_FREE_IGNORED,
-        policy_losses=("ppo_clip", "cispo"),  # per-token advantages: no sequence-level ratio
+        response_advantages=False,  # per-token advantages: no sequence-level ratio
         corrections=SAMPLER_CORRECTIONS,
         dynamic_sampling=False,
         advantages=_reinforce_pp,
@@ -229,7 +231,7 @@ ROWS = (
         greedy_baseline=True,
         std_scaling="none",
         ignored_keys=CRITIC_FREE_IGNORED,
-        policy_losses=("ppo_clip", "gspo", "cispo"),
+        response_advantages=True,
         corrections=SAMPLER_CORRECTIONS,
         dynamic_sampling=False,  # its baseline is the greedy response, not the group
         advantages=_remax,

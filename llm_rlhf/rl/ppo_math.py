@@ -690,8 +690,8 @@ def explained_variance(
 #     loss = aggregate_loss(token_losses=..., loss_mask=..., aggregation=..., normaliser=N)
 #
 # with N = the sum of `loss_normaliser` over the whole minibatch (every micro-batch, every process).
+# Which token loss, with which clip keys and aggregation: a row of `llm_rlhf.rl.policy_losses`.
 
-POLICY_LOSSES = ("ppo_clip", "gspo", "cispo")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "token_sum_norm")
 SAMPLER_CORRECTIONS = ("tis", "mis")
 

@@ -46,6 +46,7 @@ from llm_rlhf.models.accelerated import Accelerated
 from llm_rlhf.models.scoring import Scorer, Scores
 from llm_rlhf.rl import ppo_math
 from llm_rlhf.rl.estimators import AdvantageInputs
+from llm_rlhf.rl.policy_losses import LossInputs
 from llm_rlhf.rl.rollout import (
     Rollout,
     Samples,
@@ -237,7 +238,7 @@ class PPOTrainer:
         self.train_stats = tuple(s for s in TRAIN_STATS if cfg.estimator.critic or s not in VALUE_STATS) + (
             (KL_LOSS_STAT,) if cfg.kl_penalty_in_loss else ()
         )
-        clip_sides = cfg.policy_loss != "ppo_clip" or (cfg.cliprange_low, cfg.cliprange_high) != (None, None)
+        clip_sides = not cfg.policy_loss_row.plain or (cfg.cliprange_low, cfg.cliprange_high) != (None, None)
         self.train_stats += (
             (CLIP_SIDE_STATS if clip_sides else ())
             + ((DUAL_CLIP_STAT,) if cfg.dual_clip is not None else ())
@@ -713,8 +714,8 @@ class PPOTrainer:
         trimmed to the same widths, so rho == 1 exactly before the first update (SPEC); later epochs shuffle.
 
         The policy-loss family (issue 37; with every key at its default the update above, with its arithmetic:
-        `Config.plain_policy_loss`): the token losses of policy_loss (`ppo_math.ppo_clip_token_losses` with
-        cliprange_low/high and dual_clip, `gspo_token_losses` or `cispo_token_losses`), times the sampler
+        `Config.plain_policy_loss`; `llm_rlhf.rl.policy_losses` says why two paths): the token losses of
+        policy_loss (its row's `token_losses`, with the clip keys it reads), times the sampler
         correction's weights (`sampler_weights`), make the policy loss by `ppo_math.aggregate_loss` over the
         normaliser N of loss_aggregation summed over the global minibatch (one all-reduce with its token count):
         each micro-batch's share is a sum over its rows / N, so the shares add up to the minibatch's loss on
@@ -791,7 +792,7 @@ class PPOTrainer:
         if cfg.plain_policy_loss:
             return self.global_sum(loss_mask[mb].sum()), None
         normaliser = ppo_math.loss_normaliser(
-            loss_mask=loss_mask[mb], aggregation=cfg.loss_aggregation, max_new_tokens=cfg.max_new_tokens
+            loss_mask=loss_mask[mb], aggregation=cfg.aggregation, max_new_tokens=cfg.max_new_tokens
         )
         tokens, normaliser = self.global_sum(torch.stack([loss_mask[mb].sum(), normaliser]))
         return tokens, normaliser
@@ -953,29 +954,22 @@ class PPOTrainer:
         """One micro-batch's share of its minibatch's policy loss under the policy-loss family, and its token
         statistics (masked means over `loss_mask`):
 
-            l_t   = token loss of policy_loss (ppo_clip: clip-higher + dual clip; gspo; cispo)   (b, R)
+            l_t   = token loss of policy_loss (its row's `token_losses`, `llm_rlhf.rl.policy_losses`)  (b, R)
             l_t  *= w_t                        the sampler correction's weight (`sampler_weights`), if on
             share = aggregate_loss(l, loss_aggregation, N)    N: the global minibatch's normaliser
 
         logprobs (with grad), old_logprobs, advantages, weights: (b, R); loss_mask: (b, R) bool."""
         cfg = self.cfg
-        common = dict(
-            logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, response_mask=loss_mask
-        )
-        if cfg.policy_loss == "gspo":
-            losses, st = ppo_math.gspo_token_losses(
-                **common, cliprange_low=cfg.clip_low, cliprange_high=cfg.clip_high
+        losses, st = cfg.policy_loss_row.token_losses(
+            LossInputs(
+                logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, response_mask=loss_mask,
+                cliprange_low=cfg.clip_low, cliprange_high=cfg.clip_high, dual_clip=cfg.dual_clip,
             )
-        elif cfg.policy_loss == "cispo":
-            losses, st = ppo_math.cispo_token_losses(**common, cliprange_high=cfg.clip_high)
-        else:
-            losses, st = ppo_math.ppo_clip_token_losses(
-                **common, cliprange_low=cfg.clip_low, cliprange_high=cfg.clip_high, dual_clip=cfg.dual_clip
-            )  # (b, R)
+        )  # (b, R)  # fmt: skip
         if weights is not None:
             losses = losses * weights  # (b, R)
         share = ppo_math.aggregate_loss(
-            token_losses=losses, loss_mask=loss_mask, aggregation=cfg.loss_aggregation, normaliser=normaliser
+            token_losses=losses, loss_mask=loss_mask, aggregation=cfg.aggregation, normaliser=normaliser
         )
         with torch.no_grad():
             mean = lambda x: ppo_math.masked_mean(x.float(), loss_mask)  # noqa: E731

@@ -8,7 +8,8 @@ for the KL penalty, in steps of: rollout -> reference log-probs -> scores -> per
 estimator (GRPO, Dr. GRPO, RLOO, REINFORCE++, ReMax) on the same rollout, KL and update; a key the chosen
 estimator does not read, set to another value than its default, is an error naming the key. The keys of the
 policy-loss family (issue 37: policy_loss, the clip ranges, dual_clip, loss_aggregation, sampler_correction,
-overlong shaping, mask_truncated, dynamic_sampling) are checked against the same row (`check_policy_loss_keys`).
+overlong shaping, mask_truncated, dynamic_sampling) are checked against the same row and the `policy_loss`'s
+row of `llm_rlhf.rl.policy_losses` (`check_policy_loss_keys`).
 Run it with `llm-rlhf ppo --config recipes/reviews/ppo.yaml [--key value ...]`, also under
 `accelerate launch` with several processes.
 """
@@ -32,8 +33,25 @@ from llm_rlhf.rl.estimators import (
     help_text,
     names,
 )
-from llm_rlhf.rl.ppo_math import LOSS_AGGREGATIONS, POLICY_LOSSES, SAMPLER_CORRECTIONS
+from llm_rlhf.rl.policy_losses import CLIP_KEYS, DEFAULT_LOSS, LOSSES, POLICY_LOSSES, PolicyLoss
+from llm_rlhf.rl.policy_losses import ROWS as LOSS_ROWS
+from llm_rlhf.rl.policy_losses import help_text as loss_help_text
+from llm_rlhf.rl.ppo_math import LOSS_AGGREGATIONS, SAMPLER_CORRECTIONS
 from llm_rlhf.rl.rollout import check_generation_controls
+
+
+def clip_default_text(side: int) -> str:
+    """What a null cliprange_low (side 0) or cliprange_high (side 1) resolves to for each policy loss, from
+    the rows: "cliprange for ppo_clip, 3e-4 for gspo; not read by cispo and sapo"."""
+    key = CLIP_KEYS[side]
+    readers = [r for r in LOSS_ROWS if key in r.clip_keys]
+    values = {}  # the resolved default -> the losses with it, in table order
+    for row in readers:
+        default = row.clip_defaults[side]
+        values.setdefault("cliprange" if default is None else f"{default:g}", []).append(row)
+    text = ", ".join(f"{value} for {names(rows)}" for value, rows in values.items())
+    others = [r for r in LOSS_ROWS if key not in r.clip_keys]
+    return text + (f"; not read by {names(others)}" if others else "")
 
 
 @checked_keywords
@@ -209,35 +227,35 @@ class Config:
     cliprange: float = help_field(0.2, "Policy ratio clip epsilon.")
     # --- the policy-loss family of 2025-26 (issue 37; SPEC "The policy-loss family of 2025-26")
     policy_loss: str = help_field(
-        "ppo_clip",
-        "The token loss of the clipped update: 'ppo_clip' (PPO's clip, with cliprange_low/cliprange_high and "
-        "dual_clip; every estimator), 'gspo' (one length-normalised ratio per response, clipped per response; "
-        f"Zheng et al. 2025; {names(r for r in ROWS if 'gspo' in r.policy_losses)} only: it needs one advantage "
-        "per response, which gae and reinforce_pp do not give) or 'cispo' (a REINFORCE term weighted by the "
-        "ratio truncated at 1 + cliprange_high, stop-gradient: clipped tokens keep their gradient; MiniMax "
-        f"2025; {names(r for r in ROWS if 'cispo' in r.policy_losses)}).",
+        DEFAULT_LOSS,
+        "The token loss of the clipped update (`llm_rlhf.rl.policy_losses`): "
+        f"{loss_help_text(names(r for r in ROWS if r.response_advantages))}. A loss with one ratio per response "
+        "needs one advantage per response, which the estimators of per-token advantages do not give.",
     )
     cliprange_low: float | None = help_field(
         None,
-        "eps_low, the clip below 1 (clip-higher, DAPO: a separate cliprange_high). null = cliprange for "
-        "ppo_clip (the symmetric clip), 3e-4 for gspo (its paper's); not read by cispo. Every estimator.",
+        "eps_low, the clip below 1 (clip-higher, DAPO: a separate cliprange_high). null = "
+        f"{clip_default_text(0)}. Every estimator.",
     )
     cliprange_high: float | None = help_field(
         None,
-        "eps_high, the clip above 1 (DAPO's clip-higher: 0.28 with cliprange_low 0.2). null = cliprange for "
-        "ppo_clip and cispo (the truncation of its weight), 4e-4 for gspo. Every estimator.",
+        "eps_high, the clip above 1 (DAPO's clip-higher: 0.28 with cliprange_low 0.2; cispo's truncation of "
+        f"its weight). null = {clip_default_text(1)}. Every estimator.",
     )
     dual_clip: float | None = help_field(
         None,
         "c > 1: the loss of a token with a negative advantage is at most -c * A (Ye et al. 2020), a bound at "
-        "large ratios; policy_loss ppo_clip only, every estimator. null = off.",
+        f"large ratios; policy_loss {names(r for r in LOSS_ROWS if 'dual_clip' in r.clip_keys)} only, every "
+        "estimator. null = off.",
     )
-    loss_aggregation: str = help_field(
-        "token_mean",
+    loss_aggregation: str | None = help_field(
+        None,
         "How a minibatch's token losses make its policy loss: 'token_mean' (over its response tokens; PPO, "
         "DAPO), 'seq_mean_token_mean' (the mean over responses of each one's token mean; GRPO's original, "
         "GSPO's objective) or 'token_sum_norm' (the token sum over the constant minibatch responses x "
-        "max_new_tokens; Dr. GRPO). Over the global minibatch: the same with gradient accumulation and any "
+        "max_new_tokens; Dr. GRPO). null = the policy loss's own (its paper's: "
+        f"{', '.join(f'{r.aggregation} for {r.name}' for r in LOSS_ROWS)}); another one than its papers' is "
+        "used with a note at the start. Over the global minibatch: the same with gradient accumulation and any "
         "number of processes. Every estimator.",
     )
     sampler_correction: str = help_field(
@@ -422,31 +440,58 @@ class Config:
         return ESTIMATORS[self.advantage_estimator]
 
     @property
+    def policy_loss_row(self) -> PolicyLoss:
+        """The row of `policy_loss` (`llm_rlhf.rl.policy_losses`): what the trainer reads of it."""
+        return LOSSES[self.policy_loss]
+
+    @property
     def clip_low(self) -> float:
-        """eps_low of the policy loss, cliprange_low resolved: null = cliprange for ppo_clip (so a config
-        without the key clips as before), GSPO's 3e-4 for gspo; cispo does not read it."""
+        """eps_low of the policy loss, cliprange_low resolved: null = the row's `clip_defaults` (cliprange for
+        ppo_clip, so a config without the key clips as before; GSPO's 3e-4 for gspo); a loss whose
+        `clip_keys` lack it does not read it."""
         if self.cliprange_low is not None:
             return self.cliprange_low
-        return GSPO_CLIPRANGE[0] if self.policy_loss == "gspo" else self.cliprange
+        default = self.policy_loss_row.clip_defaults[0]
+        return self.cliprange if default is None else default
 
     @property
     def clip_high(self) -> float:
-        """eps_high of the policy loss, cliprange_high resolved: null = cliprange for ppo_clip and cispo,
-        GSPO's 4e-4 for gspo."""
+        """eps_high of the policy loss, cliprange_high resolved: null = the row's `clip_defaults` (cliprange
+        for ppo_clip and cispo, GSPO's 4e-4 for gspo)."""
         if self.cliprange_high is not None:
             return self.cliprange_high
-        return GSPO_CLIPRANGE[1] if self.policy_loss == "gspo" else self.cliprange
+        default = self.policy_loss_row.clip_defaults[1]
+        return self.cliprange if default is None else default
+
+    @property
+    def aggregation(self) -> str:
+        """loss_aggregation resolved: null = the policy loss's own, its paper's (`PolicyLoss.aggregation`:
+        token_mean for ppo_clip, seq_mean_token_mean for gspo). Not written back into the config."""
+        return self.policy_loss_row.aggregation if self.loss_aggregation is None else self.loss_aggregation
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """What the run prints as `note:` lines at its start: a choice that is allowed but departs from the
+        papers (an explicit loss_aggregation that is not one of the policy loss's `aggregations`)."""
+        row = self.policy_loss_row
+        if self.aggregation in row.aggregations:
+            return ()
+        return (
+            f"loss_aggregation {self.aggregation} is not the form of policy_loss {row.name}'s paper "
+            f"({' or '.join(row.aggregations)}, its default when loss_aggregation is null)",
+        )
 
     @property
     def plain_policy_loss(self) -> bool:
         """Every key of the policy-loss family at a value that changes nothing: the update is today's
-        `ppo_math.policy_loss` with its arithmetic (the defaults stay bit-identical to runs before the keys)."""
+        `ppo_math.policy_loss` with its arithmetic (the defaults stay bit-identical to runs before the keys;
+        `llm_rlhf.rl.policy_losses` says why the trainer keeps this path beside the family's)."""
         return (
-            self.policy_loss == "ppo_clip"
+            self.policy_loss_row.plain
             and self.cliprange_low in (None, self.cliprange)
             and self.cliprange_high in (None, self.cliprange)
             and self.dual_clip is None
-            and self.loss_aggregation == "token_mean"
+            and self.aggregation == "token_mean"
             and self.sampler_correction == "none"
             and not self.mask_truncated
         )
@@ -494,40 +539,35 @@ def check_estimator_keys(cfg) -> None:
         )
 
 
-GSPO_CLIPRANGE = (3e-4, 4e-4)  # Zheng et al. 2025: (eps_low, eps_high) of a sequence-level ratio
-
-
 def check_policy_loss_keys(cfg) -> None:
-    """The keys of the policy-loss family (issue 37), each a ConfigError naming its key; what an estimator
-    accepts is its row's `policy_losses`, `corrections` and `dynamic_sampling` (the rows with dynamic sampling
-    have a group baseline and need samples_per_prompt >= 2: `check_estimator_keys` says so first)."""
+    """The keys of the policy-loss family (issue 37), each a ConfigError naming its key; what they may be is
+    read in two rows: the estimator's (`response_advantages`, `corrections`, `dynamic_sampling`; the rows with
+    dynamic sampling have a group baseline and need samples_per_prompt >= 2: `check_estimator_keys` says so
+    first) and the policy loss's (`clip_keys`, `response_advantages`, `sampler_correction`)."""
     row = cfg.estimator
-    require(cfg.policy_loss in POLICY_LOSSES, "policy_loss", f"must be one of {', '.join(POLICY_LOSSES)}")
+    require(cfg.policy_loss in LOSSES, "policy_loss", f"must be one of {', '.join(POLICY_LOSSES)}")
+    loss = cfg.policy_loss_row
     require(
-        cfg.policy_loss in row.policy_losses,
+        row.response_advantages or not loss.response_advantages,
         "policy_loss",
-        f"'{cfg.policy_loss}' is not for advantage_estimator {row.name} (gspo clips one ratio per response "
-        "and needs one advantage per response; "
-        f"{row.name} accepts {', '.join(row.policy_losses)})",
+        f"'{loss.name}' is not for advantage_estimator {row.name} ({loss.name} clips one ratio per response and "
+        f"needs one advantage per response: {names(r for r in ROWS if r.response_advantages)} give one)",
     )
     for key in ("cliprange_low", "cliprange_high"):
         value = getattr(cfg, key)
         require(value is None or value > 0, key, "must be > 0 or null")
-    require(
-        cfg.cliprange_low is None or cfg.policy_loss != "cispo",
-        "cliprange_low",
-        "is not read by policy_loss cispo (its weight is truncated above only): leave it null",
-    )
     require(cfg.dual_clip is None or cfg.dual_clip > 1, "dual_clip", "must be > 1 or null (c bounds -c * A)")
+    for key in CLIP_KEYS:
+        require(
+            getattr(cfg, key) is None or key in loss.clip_keys,
+            key,
+            f"is not read by policy_loss {loss.name} (only by {names(r for r in LOSS_ROWS if key in r.clip_keys)}):"
+            " leave it null",
+        )
     require(
-        cfg.dual_clip is None or cfg.policy_loss == "ppo_clip",
-        "dual_clip",
-        f"is for policy_loss ppo_clip only (not {cfg.policy_loss})",
-    )
-    require(
-        cfg.loss_aggregation in LOSS_AGGREGATIONS,
+        cfg.loss_aggregation is None or cfg.loss_aggregation in LOSS_AGGREGATIONS,
         "loss_aggregation",
-        f"must be one of {', '.join(LOSS_AGGREGATIONS)}",
+        f"must be one of {', '.join(LOSS_AGGREGATIONS)} or null (the policy loss's own)",
     )
     require(
         cfg.sampler_correction == "none" or cfg.sampler_correction in SAMPLER_CORRECTIONS,
@@ -538,6 +578,11 @@ def check_policy_loss_keys(cfg) -> None:
         cfg.sampler_correction == "none" or cfg.sampler_correction in row.corrections,
         "sampler_correction",
         f"'{cfg.sampler_correction}' is not for advantage_estimator {row.name}",
+    )
+    require(
+        cfg.sampler_correction == "none" or loss.sampler_correction,
+        "sampler_correction",
+        f"'{cfg.sampler_correction}' is not for policy_loss {loss.name}",
     )
     require(
         cfg.sampler_correction_cap >= 1,

@@ -238,6 +238,8 @@ def train(
     if accelerator.is_main_process:
         print(format_config(cfg))
         print("batch sizes:", dataclasses.asdict(trainer.sizes))
+        for note in cfg.notes:  # allowed choices that depart from the papers (`Config.notes`)
+            print(f"note: {note}", flush=True)
         out.mkdir(parents=True, exist_ok=True)
         save_config(cfg, out)
     if resume_from is not None:

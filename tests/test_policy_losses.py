@@ -1,0 +1,193 @@
+"""The policy-loss table (issue 50, `llm_rlhf/rl/policy_losses.py`): its names are the config's choices and
+the help's, no code outside it branches on a loss's name, each row's facts agree with its function (the clip
+keys it reads, one ratio per response, its paper's aggregation), and the config reads the row: the clip keys
+a loss does not read are errors naming the key, `loss_aggregation` null is the row's, an explicit one wins
+with a note where it departs from the paper. The math and the SPEC's worked examples (SAPO's too) are
+tests/test_loss_family.py; the losses through the trainer tests/test_loss_options.py."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+
+import pytest
+import torch
+from helpers import ROOT, ppo_cli_args, ppo_config
+
+from llm_rlhf.core.config import format_help
+from llm_rlhf.core.errors import ConfigError
+from llm_rlhf.rl import estimators, ppo_math
+from llm_rlhf.rl.policy_losses import (
+    CLIP_KEYS,
+    DEFAULT_LOSS,
+    LOSSES,
+    POLICY_LOSSES,
+    ROWS,
+    LossInputs,
+)
+from llm_rlhf.stages.ppo_config import Config
+
+F64 = torch.float64
+
+
+def grpo(**kw) -> Config:
+    """A grpo config (one advantage per response: every loss is accepted), `kw` wins."""
+    return ppo_config(
+        "m", "rm", "p.jsonl", "out", **{"advantage_estimator": "grpo", "samples_per_prompt": 2, **kw}
+    )
+
+
+def wild_inputs(**clip) -> LossInputs:
+    """A minibatch where every clip binds somewhere: per-response advantages of both signs, log-ratios of
+    std 0.5 (some responses' mean beyond any clip tried below) and one ratio of e^2 under a negative A (the
+    dual clip at c = 3 and 5 binds differently there)."""
+    g = torch.Generator().manual_seed(0)
+    mask = torch.arange(5).unsqueeze(0) < torch.tensor([5, 3, 4, 2, 5, 1]).unsqueeze(1)  # (6, 5)
+    old = 0.5 * torch.randn(6, 5, generator=g, dtype=F64)
+    logprobs = old + 0.5 * torch.randn(6, 5, generator=g, dtype=F64)
+    logprobs[1, 0] = old[1, 0] + 2.0  # rho = e^2 on a response with A < 0
+    a = torch.tensor([0.8, -1.2, 0.5, -0.3, -0.9, 1.5], dtype=F64)
+    advantages = ppo_math.token_advantages(advantages=a, response_mask=mask)
+    base = dict(cliprange_low=0.2, cliprange_high=0.28, dual_clip=3.0)
+    return LossInputs(logprobs=logprobs, old_logprobs=old, advantages=advantages, response_mask=mask,
+                      **{**base, **clip})  # fmt: skip
+
+
+# --- the table is the config's choices ------------------------------------------------------------------
+
+
+def test_table_is_the_accepted_names_and_the_help():
+    assert POLICY_LOSSES == tuple(LOSSES) == tuple(row.name for row in ROWS)
+    assert DEFAULT_LOSS in LOSSES and Config().policy_loss == DEFAULT_LOSS
+    with pytest.raises(ConfigError, match=f"must be one of {', '.join(POLICY_LOSSES)}$"):
+        Config(policy_loss="ppo")
+    text = " ".join(format_help(Config).split())
+    for row in ROWS:
+        assert f"'{row.name}' ({row.description}" in text
+        assert f"{row.aggregation} for {row.name}" in text  # loss_aggregation's null, per loss
+
+
+def test_no_branch_on_a_loss_name_outside_the_table():
+    """Outside `llm_rlhf/rl/policy_losses.py` no comparison names a policy loss (`x == "gspo"`,
+    `"gspo" in row.policy_losses`, `x in ("ppo_clip", ...)`): what a loss is, is its row."""
+    found, paths = [], sorted((ROOT / "llm_rlhf").rglob("*.py"))
+    assert len(paths) > 30 and any(p.name == "ppo.py" for p in paths)  # the scan reads the whole package
+    for path in paths:
+        if path.name == "policy_losses.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Compare):
+                for side in (node.left, *node.comparators):
+                    names = [side] if isinstance(side, ast.Constant) else getattr(side, "elts", [])
+                    if any(isinstance(n, ast.Constant) and n.value in POLICY_LOSSES for n in names):
+                        found.append(f"{path.name}:{node.lineno}")
+    assert found == []
+
+
+# --- each row agrees with its function -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("row", ROWS, ids=lambda r: r.name)
+def test_each_row_agrees_with_its_function(row):
+    """clip_keys: a key the row reads changes its losses, one it does not read changes nothing;
+    response_advantages: its ratio is one per response; aggregations: known modes; plain: only a row that
+    reads every clip key (PPO's symmetric clip is its default)."""
+    x = wild_inputs()
+    losses, stats = row.token_losses(x)
+    mask = x.response_mask
+    assert losses.shape == mask.shape and (losses[~mask] == 0).all() and losses.isfinite().all()
+    for key, other in (("cliprange_low", 0.05), ("cliprange_high", 0.05), ("dual_clip", 5.0)):
+        changed, _ = row.token_losses(dataclasses.replace(x, **{key: other}))
+        assert (not torch.equal(changed, losses)) is (key in row.clip_keys), key
+    assert set(row.clip_keys) <= set(CLIP_KEYS)
+    assert all(d is None for d, key in zip(row.clip_defaults, CLIP_KEYS) if key not in row.clip_keys)
+    same = torch.isclose(stats.ratio, stats.ratio[:, :1], rtol=1e-12, atol=0)  # (B, T), up to float rounding
+    one_ratio = bool((same | ~mask).all())
+    assert one_ratio is row.response_advantages
+    assert row.aggregations and set(row.aggregations) <= set(ppo_math.LOSS_AGGREGATIONS)
+    assert row.aggregation == row.aggregations[0]
+    assert not row.plain or set(row.clip_keys) == set(CLIP_KEYS)
+    assert row.sampler_correction  # every loss today takes the TIS / MIS weights
+
+
+@pytest.mark.parametrize("row", ROWS, ids=lambda r: r.name)
+def test_the_config_reads_the_row(row):
+    """loss_aggregation null is the row's; an explicit one wins, with a note where it is not the paper's; the
+    clip ranges resolve to the row's defaults; the plain update only for a plain row at its defaults."""
+    cfg = grpo(policy_loss=row.name)
+    assert cfg.policy_loss_row is row and cfg.loss_aggregation is None
+    assert cfg.aggregation == row.aggregation and cfg.notes == ()
+    assert cfg.plain_policy_loss is (row.plain and row.aggregation == "token_mean")
+    for side, (resolved, default) in enumerate(zip((cfg.clip_low, cfg.clip_high), row.clip_defaults)):
+        if CLIP_KEYS[side] in row.clip_keys:
+            assert resolved == (cfg.cliprange if default is None else default)
+    for aggregation in ppo_math.LOSS_AGGREGATIONS:
+        explicit = grpo(policy_loss=row.name, loss_aggregation=aggregation)
+        assert explicit.aggregation == aggregation
+        notes = explicit.notes
+        assert (notes == ()) is (aggregation in row.aggregations)
+        if notes:
+            assert f"loss_aggregation {aggregation}" in notes[0] and row.name in notes[0]
+
+
+@pytest.mark.parametrize("row", ROWS, ids=lambda r: r.name)
+@pytest.mark.parametrize("key", CLIP_KEYS)
+def test_a_clip_key_the_loss_does_not_read_is_an_error_naming_it(row, key):
+    value = 3.0 if key == "dual_clip" else 0.1
+    if key in row.clip_keys:
+        assert getattr(grpo(policy_loss=row.name, **{key: value}), key) == value
+        return
+    with pytest.raises(ConfigError) as e:
+        grpo(policy_loss=row.name, **{key: value})
+    assert f"config key '{key}'" in str(e.value) and f"policy_loss {row.name}" in str(e.value)
+
+
+@pytest.mark.parametrize("row", ROWS, ids=lambda r: r.name)
+@pytest.mark.parametrize("estimator", estimators.ROWS, ids=lambda r: r.name)
+def test_a_loss_of_one_ratio_per_response_needs_one_advantage_per_response(row, estimator):
+    keys = dict(policy_loss=row.name, advantage_estimator=estimator.name,
+                samples_per_prompt=max(2, estimator.min_samples_per_prompt))  # fmt: skip
+    if estimator.response_advantages or not row.response_advantages:
+        assert ppo_config("m", "rm", "p.jsonl", "out", **keys).policy_loss_row is row
+        return
+    with pytest.raises(ConfigError, match="config key 'policy_loss'"):
+        ppo_config("m", "rm", "p.jsonl", "out", **keys)
+
+
+def test_gspo_defaults_to_its_papers_aggregation():
+    """Issue 50: on the SPEC example GSPO's objective is the mean over responses, -0.250275; the token mean
+    that was the default before gives -0.000233 (the responses' losses weighted by their lengths cancel)."""
+    mask = torch.tensor([[True, True, False, False], [True, True, True, True]])
+    ratios = torch.tensor([[1.3, 0.9, 1.0, 1.0], [1.1, 0.7, 1.0, 1.25]], dtype=F64)
+    x = LossInputs(
+        logprobs=ratios.log(), old_logprobs=torch.zeros_like(ratios),
+        advantages=ppo_math.token_advantages(advantages=torch.tensor([1.0, -0.5], dtype=F64), response_mask=mask),
+        response_mask=mask, cliprange_low=3e-4, cliprange_high=4e-4, dual_clip=None,
+    )  # fmt: skip
+    losses, _ = LOSSES["gspo"].token_losses(x)
+
+    def loss(aggregation):
+        n = ppo_math.loss_normaliser(loss_mask=mask, aggregation=aggregation, max_new_tokens=4)
+        return ppo_math.aggregate_loss(
+            token_losses=losses, loss_mask=mask, aggregation=aggregation, normaliser=n
+        )
+
+    gspo = grpo(policy_loss="gspo")
+    assert (gspo.clip_low, gspo.clip_high) == (3e-4, 4e-4)
+    assert abs(loss(gspo.aggregation).item() - -0.250275) < 5e-7
+    token_mean = grpo(policy_loss="gspo", loss_aggregation="token_mean")
+    assert abs(loss(token_mean.aggregation).item() - -0.000233) < 5e-7
+    assert token_mean.notes and "seq_mean_token_mean" in token_mean.notes[0]
+
+
+def test_the_note_is_printed_at_the_start_of_the_run(tiny_model_dir, prompt_file, tmp_path, capsys):
+    """`llm-rlhf ppo` prints each `Config.notes` line as `note: ...` (main process), beside the config."""
+    from llm_rlhf.interfaces import cli
+
+    args = ppo_cli_args(tiny_model_dir, None, prompt_file, tmp_path / "run", steps=1, advantage_estimator="grpo",
+                        samples_per_prompt=2, rollout_batch_size=2, mini_batch_size=4, ppo_epochs=1,
+                        reward_fn=str(ROOT / "tests" / "reward_fns.py") + ":even_length", eval_every=0,
+                        policy_loss="gspo", loss_aggregation="token_mean")  # fmt: skip
+    assert args[:3] == ["-m", "llm_rlhf", "ppo"] and cli.main(args[2:]) == 0
+    out = capsys.readouterr().out
+    assert "note: loss_aggregation token_mean is not the form of policy_loss gspo's paper" in out
