@@ -1,6 +1,6 @@
 """The policy-loss family of 2025-26 (SPEC section of that name, issue 37) against its worked examples,
 naive loops and naive autograd versions: clip-higher and the dual clip, the loss aggregations and their
-invariance under gradient accumulation and processes, GSPO, CISPO, the sampler correction, overlong
+invariance under gradient accumulation and processes, GSPO, CISPO, SAPO, the sampler correction, overlong
 shaping and dynamic sampling's group selection."""
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from llm_rlhf.rl.ppo_math import (
     policy_loss,
     ppo_clip_token_losses,
     sampler_correction_weights,
+    sapo_token_losses,
     select_groups,
     tied_groups,
     token_advantages,
@@ -509,6 +510,98 @@ def test_cispo_matches_the_naive_loop_and_keeps_every_gradient():
     torch.testing.assert_close(grad, expected_grad, **TIGHT)
     assert stats.clipped_high.any()  # some weights truncated, and their tokens still have a gradient
     assert (grad[stats.clipped_high] != 0).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# SAPO
+# ----------------------------------------------------------------------------------------------
+
+
+def sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+def naive_sapo(rho: float, a: float, tau_pos: float = 1.0, tau_neg: float = 1.05) -> tuple[float, float]:
+    """One token's SAPO loss and d loss / d log pi by hand, in python floats: l = -(4/tau) sigmoid(tau (rho -
+    1)) A; with rho = exp(log pi - log pi_old), d rho / d log pi = rho and d sigmoid(x) / dx = s (1 - s), so
+    d l / d log pi = -A * rho * 4 s (1 - s)."""
+    tau = tau_pos if a > 0 else tau_neg
+    s = sigmoid(tau * (rho - 1.0))
+    return -(4.0 / tau) * s * a, -a * rho * 4.0 * s * (1.0 - s)
+
+
+def sapo(ratios, advantages, mask=None):
+    """`sapo_token_losses` with log pi_old = 0 (rho = exp(logprobs)): (losses, stats, d sum(losses) / d log pi)."""
+    logprobs = t64(ratios).log().requires_grad_()
+    mask = torch.ones_like(logprobs, dtype=torch.bool) if mask is None else mask
+    losses, stats = sapo_token_losses(
+        logprobs=logprobs,
+        old_logprobs=torch.zeros_like(logprobs),
+        advantages=t64(advantages),
+        response_mask=mask,
+    )
+    (grad,) = torch.autograd.grad(losses.sum(), logprobs)
+    return losses, stats, grad
+
+
+def test_worked_example_sapo():
+    """SPEC: rho = (1.2, 0.9, 1.0), A = (1.0, -0.5, 2.0) -> losses (-2.199336, 0.902427, -4.0), d loss / d log
+    pi = (-1.188080, 0.448762, -2.0) (PPO's clip at 0.2: -1.2, 0.45, -2.0)."""
+    losses, stats, grad = sapo([1.2, 0.9, 1.0], [1.0, -0.5, 2.0])
+    spec_digits(losses, [-2.199336, 0.902427, -4.0], [6, 6, 6])
+    spec_digits(grad, [-1.188080, 0.448762, -2.0], [6, 6, 6])
+    # by hand: a1 tau_pos = 1: -4 sigmoid(0.2); a2 tau_neg = 1.05: (4 / 1.05) sigmoid(-0.105) * 0.5
+    s1, s2 = sigmoid(0.2), sigmoid(1.05 * -0.1)
+    torch.testing.assert_close(losses, t64([-4.0 * s1, 0.5 * (4.0 / 1.05) * s2, -4.0]), **TIGHT)
+    expected_grad = [-1.2 * 4 * s1 * (1 - s1), 0.5 * 0.9 * 4 * s2 * (1 - s2), -2.0 * 1.0 * 4 * 0.25]
+    torch.testing.assert_close(grad, t64(expected_grad), **TIGHT)
+    assert not (stats.clipped_high | stats.clipped_low | stats.dual_clipped).any()  # no hard clip
+    # PPO's clip at 0.2 on the same tokens, for the comparison the SPEC prints
+    ppo_lp = t64([1.2, 0.9, 1.0]).log().requires_grad_()
+    ppo, _ = ppo_clip_token_losses(
+        logprobs=ppo_lp, old_logprobs=torch.zeros(3, dtype=F64), advantages=t64([1.0, -0.5, 2.0]),
+        response_mask=torch.ones(3, dtype=torch.bool), cliprange_low=0.2, cliprange_high=0.2,
+    )  # fmt: skip
+    (ppo_grad,) = torch.autograd.grad(ppo.sum(), ppo_lp)
+    torch.testing.assert_close(ppo_grad, t64([-1.2, 0.45, -2.0]), **TIGHT)
+
+
+def test_sapo_fades_off_policy_where_ppo_stops():
+    """SPEC: far off-policy with A = 1, rho = 2 -> gradient -1.572895, rho = 3 -> -1.259923, where PPO's clip
+    gives 0; at rho = 1 the gradient is the plain policy gradient -A whatever the sign and tau."""
+    _, _, grad = sapo([2.0, 3.0], [1.0, 1.0])
+    spec_digits(grad, [-1.572895, -1.259923], [6, 6])
+    s2, s3 = sigmoid(1.0), sigmoid(2.0)
+    torch.testing.assert_close(grad, t64([-2.0 * 4 * s2 * (1 - s2), -3.0 * 4 * s3 * (1 - s3)]), **TIGHT)
+    _, _, at_one = sapo([1.0, 1.0, 1.0], [1.0, -0.5, 3.0])
+    torch.testing.assert_close(at_one, t64([-1.0, 0.5, -3.0]), **TIGHT)
+
+
+def test_sapo_matches_the_naive_loop_with_each_sides_temperature():
+    """Random ratios, advantages of both signs and a mask: every token's loss and gradient are the hand
+    formula's with tau_pos where A > 0 and tau_neg elsewhere; the padding gets neither."""
+    logprobs, old, advantages, mask = varied_minibatch(7)
+    losses, stats = sapo_token_losses(
+        logprobs=logprobs,
+        old_logprobs=old,
+        advantages=advantages,
+        response_mask=mask,
+        tau_pos=0.7,
+        tau_neg=1.3,
+    )
+    (grad,) = torch.autograd.grad(losses.sum(), logprobs)
+    B, T = mask.shape
+    expected_losses, expected_grad = torch.zeros(B, T, dtype=F64), torch.zeros(B, T, dtype=F64)
+    for b in range(B):
+        for t in range(T):
+            if mask[b, t]:
+                rho = math.exp(logprobs[b, t].item() - old[b, t].item())
+                loss, g = naive_sapo(rho, advantages[b, t].item(), tau_pos=0.7, tau_neg=1.3)
+                expected_losses[b, t], expected_grad[b, t] = loss, g
+    assert (advantages[mask] > 0).any() and (advantages[mask] < 0).any()
+    torch.testing.assert_close(losses, expected_losses, **TIGHT)
+    torch.testing.assert_close(grad, expected_grad, **TIGHT)
+    torch.testing.assert_close(stats.ratio[mask], torch.exp(logprobs - old).detach()[mask], **TIGHT)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ the bad combinations are one-line ConfigErrors naming the key.
     dual_clip                test_dual_clip_bounds_..., multi-process dapo
     policy_loss gspo         test_gspo_clips_whole_responses, multi-process gspo
     policy_loss cispo        test_cispo_keeps_the_gradient_of_clipped_tokens, LoRA, multi-process cispo
+    policy_loss sapo         test_sapo_fades_the_gradient_where_ppo_clips_it (and tests/test_policy_losses.py)
     loss_aggregation         test_aggregations_..._accumulation (all three), multi-process (all three), FSDP2
     sampler_correction(+cap) test_sampler_corrections_with_bfloat16_sampling, multi-process dapo (tis), gspo (mis)
     overlong_buffer/penalty  test_overlong_penalty_in_the_rewards, multi-process dapo, the DAPO recipe
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import signal
 import subprocess
@@ -218,6 +220,32 @@ def test_cispo_keeps_the_gradient_of_clipped_tokens(tiny_model_dir, prompt_file,
     assert torch.equal(raw_gradient(cfg, shifted, adv), torch.zeros_like(at_one))
     cispo = grpo_config(tiny_model_dir, prompt_file, tmp_path, policy_loss="cispo", cliprange_high=0.28)
     torch.testing.assert_close(raw_gradient(cispo, shifted, adv), 1.28 * at_one, atol=1e-7, rtol=1e-5)
+
+
+def test_sapo_fades_the_gradient_where_ppo_clips_it(tiny_model_dir, prompt_file, tmp_path):
+    """policy_loss sapo through the trainer, at its paper's aggregation (seq_mean_token_mean, the row's, with
+    loss_aggregation null): at ratio 1 its gradient is PPO's (d f / d rho = 1 there); with every ratio e^2
+    and positive advantages PPO's clip gives 0 and SAPO the gradient at ratio 1 times rho * 4 s (1 - s),
+    s = sigmoid(tau_pos (rho - 1)), tau_pos = 1 (by hand: 0.049483); nothing is counted as clipped."""
+    sapo = grpo_config(tiny_model_dir, prompt_file, tmp_path, policy_loss="sapo")
+    assert sapo.loss_aggregation is None and sapo.aggregation == "seq_mean_token_mean"
+    ppo = grpo_config(tiny_model_dir, prompt_file, tmp_path, loss_aggregation="seq_mean_token_mean")
+    rollout, adv = fixed_rollout(sapo)
+    adv = adv.abs()
+    at_one = raw_gradient(ppo, rollout, adv)
+    torch.testing.assert_close(raw_gradient(sapo, rollout, adv), at_one, atol=1e-7, rtol=1e-5)
+    shifted = dataclasses.replace(rollout, logprobs=rollout.logprobs - 2.0 * rollout.response_mask)
+    assert torch.equal(raw_gradient(ppo, shifted, adv), torch.zeros_like(at_one))
+    rho = math.exp(2.0)
+    s = 1.0 / (1.0 + math.exp(-(rho - 1.0)))
+    factor = rho * 4.0 * s * (1.0 - s)
+    assert abs(factor - 0.049483) < 5e-7
+    expected = factor * at_one
+    # float32's sigmoid gradient s (1 - s) at s = 0.9983 keeps ~4 digits: a tolerance of 0.1% of the largest
+    tolerance = dict(atol=1e-3 * float(expected.abs().max()), rtol=1e-3)
+    torch.testing.assert_close(raw_gradient(sapo, shifted, adv), expected, **tolerance)
+    stats = ppo_trainer(sapo).train_on_rollout(shifted, adv, None)
+    assert stats["policy/clipfrac"] == 0.0 and stats["policy/ratio"] == pytest.approx(rho, rel=1e-5)
 
 
 def test_aggregations_are_the_same_with_gradient_accumulation(tiny_model_dir, prompt_file, tmp_path):

@@ -11,6 +11,7 @@ and never the name; the math is the pure functions of `ppo_math` (SPEC "The poli
               token_sum_norm (PPO/DAPO, GRPO, Dr. GRPO) dual_clip
     gspo      seq_mean_token_mean                      cliprange_low/high          3e-4/4e-4  yes
     cispo     token_mean                               cliprange_high              cliprange  no
+    sapo      seq_mean_token_mean                      none (tau 1.0 / 1.05)       -          no
 
 Why two update paths (`Config.plain_policy_loss`, `PPOTrainer.policy_terms`): with every key of the family at
 its default, ppo_clip with a symmetric clip and token_mean, the trainer computes the loss of every run before
@@ -109,6 +110,13 @@ def _cispo(x: LossInputs):
     return ppo_math.cispo_token_losses(**_tokens(x), cliprange_high=x.cliprange_high)
 
 
+SAPO_TAU = (1.0, 1.05)  # Gao et al. 2025: (tau_pos, tau_neg), the gate's temperatures for A > 0 and A < 0
+
+
+def _sapo(x: LossInputs):
+    return ppo_math.sapo_token_losses(**_tokens(x), tau_pos=SAPO_TAU[0], tau_neg=SAPO_TAU[1])
+
+
 ROWS = (
     PolicyLoss(
         name="ppo_clip",
@@ -143,6 +151,18 @@ ROWS = (
         sampler_correction=True,
         plain=False,
         token_losses=_cispo,
+    ),
+    PolicyLoss(
+        name="sapo",
+        description=f"no hard clip: a sigmoid gate of the ratio, tau {SAPO_TAU[0]:g} where A > 0 and "
+        f"{SAPO_TAU[1]:g} where A < 0, fades the gradient off-policy; Gao et al. 2025",
+        aggregations=("seq_mean_token_mean",),  # Gao et al. 2025: GRPO's mean over responses of token means
+        clip_keys=(),
+        clip_defaults=(None, None),
+        response_advantages=False,
+        sampler_correction=True,
+        plain=False,
+        token_losses=_sapo,
     ),
 )
 LOSSES: dict[str, PolicyLoss] = {row.name: row for row in ROWS}

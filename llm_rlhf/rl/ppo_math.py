@@ -685,7 +685,7 @@ def explained_variance(
 # The losses below return per-token losses (B, T), 0 off the mask; `aggregate_loss` turns them into the
 # minibatch's scalar. A caller composes them as
 #
-#     token_losses, stats = ppo_clip_token_losses(...)        # or gspo_token_losses / cispo_token_losses
+#     token_losses, stats = ppo_clip_token_losses(...)        # or gspo_, cispo_, sapo_token_losses
 #     token_losses = token_losses * weights                   # sampler_correction_weights (optional)
 #     loss = aggregate_loss(token_losses=..., loss_mask=..., aggregation=..., normaliser=N)
 #
@@ -698,8 +698,9 @@ SAMPLER_CORRECTIONS = ("tis", "mis")
 
 @dataclass(frozen=True)
 class TokenLossStats:
-    """Detached diagnostics of `ppo_clip_token_losses`, `gspo_token_losses` and `cispo_token_losses`, all
-    (B, T); the flags are False off the response mask; the caller reduces them (`masked_mean`) into metrics.
+    """Detached diagnostics of `ppo_clip_token_losses`, `gspo_token_losses`, `cispo_token_losses` and
+    `sapo_token_losses`, all (B, T); the flags are False off the response mask; the caller reduces them
+    (`masked_mean`) into metrics.
 
     ratio:         the ratio each token's loss uses: rho_t = pi_theta / pi_old (GSPO: its response's s_i),
                    at every position (reduce it with the mask).
@@ -709,7 +710,8 @@ class TokenLossStats:
     dual_clipped:  True where the dual clip binds (ppo_clip with dual_clip; False otherwise).
 
     For ppo_clip and gspo the gradient is 0 wherever one of the three is True; CISPO keeps the gradient of
-    every token. `policy/clipfrac` = masked_mean(clipped_high | clipped_low).
+    every token, and SAPO clips none (its flags are all False).
+    `policy/clipfrac` = masked_mean(clipped_high | clipped_low).
     """
 
     ratio: torch.Tensor
@@ -868,6 +870,51 @@ def cispo_token_losses(
             clipped_high=(ratio > 1.0 + cliprange_high) & response_mask,
             clipped_low=torch.zeros_like(response_mask),
             dual_clipped=torch.zeros_like(response_mask),
+        )
+    return torch.where(response_mask, losses, 0), stats
+
+
+def sapo_token_losses(
+    *,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+) -> tuple[torch.Tensor, TokenLossStats]:
+    """SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization", arXiv 2511.20347): no hard clip; the ratio passes
+    through a soft, sigmoid gate whose temperature depends on the sign of the advantage:
+
+        rho_t = exp(log pi_theta(y_t) - log pi_old(y_t))
+        tau_t = tau_pos where A_t > 0, tau_neg otherwise
+        f(rho) = (4 / tau) * sigmoid(tau * (rho - 1))
+        l_t   = -f(rho_t) * A_t
+        d l_t / d log pi_theta(y_t) = -A_t * rho_t * 4 * s * (1 - s),   s = sigmoid(tau_t * (rho_t - 1))
+
+    d f / d rho = 4 s (1 - s) is 1 at rho = 1 (the plain policy gradient there) and fades smoothly as the
+    token goes off-policy, instead of PPO's step to 0 at the clip; tau_neg > tau_pos fades the negative
+    advantages faster (the paper: a negative update raises the logits of every other token of the
+    vocabulary, the less stable side).
+    The value of l_t at rho = 1 is -2 A_t / tau_t, not -A_t: the gate's gradient, not its value, is PPO's.
+
+    SPEC example, rho = (1.2, 0.9, 1.0), A = (1.0, -0.5, 2.0): l = (-2.199336, 0.902427, -4.0), d l / d log pi
+    = (-1.188080, 0.448762, -2.0); far off-policy, A = 1: rho = 2 -> -1.572895, rho = 3 -> -1.259923.
+
+    For every advantage estimator (per-token or per-response advantages).
+    logprobs (with grad), old_logprobs, advantages: (B, T); response_mask: (B, T) bool.
+    Returns (token losses (B, T), 0 off the mask; TokenLossStats: no flag is ever set, nothing is clipped).
+    """
+    ratio = torch.exp(logprobs - old_logprobs)  # (B, T)
+    tau = torch.where(
+        advantages > 0, advantages.new_tensor(tau_pos), advantages.new_tensor(tau_neg)
+    )  # (B, T)
+    gate = (4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0))  # (B, T) f(rho)
+    losses = -gate * advantages  # (B, T)
+    with torch.no_grad():
+        never = torch.zeros_like(response_mask)
+        stats = TokenLossStats(
+            ratio=ratio.detach(), clipped_high=never, clipped_low=never, dual_clipped=never
         )
     return torch.where(response_mask, losses, 0), stats
 
