@@ -5,7 +5,8 @@
 Each task of the YAML (`llm_rlhf.tasks.gym.Task`: dataset, config, seed, n_train, n_eval, extract, instruction)
 becomes `<out>/<name>/` with train_prompts.jsonl, eval_prompts.jsonl, task.json (the task, the reasoning-gym
 version, the command) and verifier.py (`reward_fn: <out>/<name>/verifier.py:reward`, `accuracy_fn:
-...:accuracy`); `llm_rlhf/tasks/gym.py` says how. Running it again writes the same bytes
+...:accuracy`; a recipe's pipeline.yaml names the task once, `task: <name>`, and its stages read these files);
+`llm_rlhf/tasks/gym.py` says how, `data/tasks/README.md` how to add a task. Running it again writes the same bytes
 (`tests/test_tasks.py` compares a fresh run with the committed folders).
 """
 

@@ -23,10 +23,11 @@ from llm_rlhf.core.errors import ConfigError, UserError
 from llm_rlhf.interfaces import pipeline
 from llm_rlhf.models.reward_fn import decode_texts, load_reward_fn, probe
 from llm_rlhf.rl.rollout import Samples, left_pad
-from llm_rlhf.stages import evaluate, ppo
+from llm_rlhf.stages import evaluate
 from llm_rlhf.tasks.gym import (
     INSTRUCTION,
     MAX_ANSWER_CHARS,
+    TASK_KEYS,
     Task,
     Verifier,
     answer_line,
@@ -34,6 +35,7 @@ from llm_rlhf.tasks.gym import (
     load_tasks,
     make_splits,
     question_key,
+    task_keys,
     write_task,
 )
 
@@ -358,12 +360,9 @@ def test_committed_folders_are_disjoint_and_score_their_answers():
 
 
 def gym_configs(name: str) -> dict:
-    folder = RECIPES / name
-    return {
-        "ppo": parse_config(ppo.Config, ["--config", str(folder / "ppo.yaml")]),
-        "eval": parse_config(evaluate.Config, ["--config", str(folder / "eval.yaml")]),
-        "pipeline": parse_config(pipeline.Config, ["--config", str(folder / "pipeline.yaml")]),
-    }
+    """A gym recipe's pipeline and the ppo and eval configs it resolves (the task's keys from its `task:`)."""
+    recipe = parse_config(pipeline.Config, ["--config", str(RECIPES / name / "pipeline.yaml")])
+    return {"pipeline": recipe, **{stage: pipeline.stage_config(recipe, stage) for stage in ("ppo", "eval")}}
 
 
 @pytest.mark.parametrize("name", GYM_RECIPES)
@@ -373,6 +372,13 @@ def test_a_gym_recipe_is_task_files_and_the_tasks_verifier(name, monkeypatch):
     ppo_cfg, eval_cfg = cfg["ppo"], cfg["eval"]
     folder = Path(ppo_cfg.prompt_file).parent
     assert folder.parent == Path("data/tasks") and (ROOT / folder / "task.json").is_file()
+    assert folder.name == cfg["pipeline"].task in {t.name for t in load_tasks(TASKS_YAML)}  # named once
+    for stage in ("ppo", "eval"):  # the stage files name none of the task's keys (the pipeline refuses them)
+        written = yaml.safe_load((RECIPES / name / f"{stage}.yaml").read_text())
+        assert not set(written) & set(TASK_KEYS[stage]), stage
+        # the same file in every gym recipe (the READMEs say so): a new recipe copies it unchanged
+        same = (RECIPES / GYM_RECIPES[0] / f"{stage}.yaml").read_bytes()
+        assert (RECIPES / name / f"{stage}.yaml").read_bytes() == same, stage
     assert ppo_cfg.prompt_file == str(folder / "train_prompts.jsonl")
     assert ppo_cfg.eval_prompt_file == eval_cfg.prompt_file == str(folder / "eval_prompts.jsonl")
     assert ppo_cfg.reward_fn == eval_cfg.reward_fn == f"{folder}/verifier.py:reward"
@@ -401,10 +407,66 @@ def test_the_wording_folders_ask_no_training_problem_of_their_rung():
         path = RECIPES / name / "generalise" / "wording.yaml"
         if path.is_file():
             wording = Path(yaml.safe_load(path.read_text())["prompt_file"]).parent
-            rung = Path(yaml.safe_load((RECIPES / name / "ppo.yaml").read_text())["prompt_file"]).parent
+            rung = TASKS_DIR / yaml.safe_load((RECIPES / name / "pipeline.yaml").read_text())["task"]
             trained = {r["metadata"]["expression"] for r in read(ROOT / rung / "train_prompts.jsonl")}
             asked = [r["metadata"]["expression"] for r in read(ROOT / wording / "eval_prompts.jsonl")]
             assert asked and not trained & set(asked), name
+
+
+# The task of each gym recipe, and the keys its stage files spelled out before a pipeline named the task (issue 50)
+NAMED_BEFORE = {"gym-chain_sum-t2d1": "chain_sum-t2d1", "gym-chain_sum-t2d2": "chain_sum-t2d2",
+                "gym-chain_sum-t3d1": "chain_sum-t3d1", "gym-leg_counting-a1": "leg_counting-a1",
+                "gym-letter_counting-w2": "letter_counting-w2"}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(NAMED_BEFORE))
+def test_a_recipes_task_resolves_to_the_files_and_verifier_its_stage_files_named(name, monkeypatch):
+    """`task: <name>` in a pipeline gives PPO and eval exactly the keys the recipe's ppo.yaml and eval.yaml
+    wrote out before (the lines removed from them, as they stood), and the sweeps of a rung train on its task."""
+    monkeypatch.chdir(ROOT)
+    task = NAMED_BEFORE[name]
+    cfg = gym_configs(name)
+    assert cfg["pipeline"].task == task
+    before = {
+        "ppo": {"reward_fn": f"data/tasks/{task}/verifier.py:reward",
+                "prompt_file": f"data/tasks/{task}/train_prompts.jsonl",
+                "eval_prompt_file": f"data/tasks/{task}/eval_prompts.jsonl",
+                "accuracy_fn": f"data/tasks/{task}/verifier.py:accuracy",
+                "output_dir": f"runs/{name}/ppo"},
+        "eval": {"policy_path": f"runs/{name}/ppo",
+                 "reward_fn": f"data/tasks/{task}/verifier.py:reward",
+                 "accuracy_fn": f"data/tasks/{task}/verifier.py:accuracy",
+                 "prompt_file": f"data/tasks/{task}/eval_prompts.jsonl",
+                 "output_dir": f"runs/{name}/eval"},
+    }  # fmt: skip
+    for stage, keys in before.items():
+        assert {key: getattr(cfg[stage], key) for key in keys} == keys, stage
+        assert task_keys(task, stage) == {key: keys[key] for key in TASK_KEYS[stage]}
+    for sweep in sorted((RECIPES / name).glob("sweep/pipeline.yaml")):
+        run = pipeline.sweep_runs(parse_config(pipeline.Config, ["--config", str(sweep)]))[0]
+        ppo_cfg = pipeline.stage_config(run, "ppo")
+        assert {k: getattr(ppo_cfg, k) for k in TASK_KEYS["ppo"]} == task_keys(task, "ppo"), sweep
+
+
+def test_a_pipelines_task_is_named_once_and_overrides_win(tmp_path, monkeypatch):
+    """An unknown task and a stage file that names a task key too are one ConfigError line each; the
+    pipeline's own `ppo:` block still wins over the task (a user's explicit key)."""
+    monkeypatch.chdir(ROOT)
+    recipe = RECIPES / "gym-chain_sum-t2d1" / "pipeline.yaml"
+
+    def resolved(*argv: str):
+        return pipeline.stage_config(parse_config(pipeline.Config, ["--config", str(recipe), *argv]), "ppo")
+
+    with pytest.raises(ConfigError, match=r"^task 'no_such': no data/tasks/no_such/task.json .*tasks.yaml"):
+        resolved("--task", "no_such")
+    assert resolved("--ppo", '{"prompt_file": "mine.jsonl"}').prompt_file == "mine.jsonl"
+    stage_file = tmp_path / "ppo.yaml"
+    stage_file.write_text((RECIPES / "gym-chain_sum-t2d1" / "ppo.yaml").read_text()
+                          + "prompt_file: data/tasks/chain_sum-t2d1/train_prompts.jsonl\n")  # fmt: skip
+    with pytest.raises(
+        ConfigError, match=r"ppo.yaml: prompt_file come from the pipeline's task 'chain_sum-t2d1'"
+    ):
+        resolved("--ppo_config", str(stage_file))
 
 
 def test_the_estimator_sweep_is_six_estimators_by_three_seeds_at_equal_responses(monkeypatch):

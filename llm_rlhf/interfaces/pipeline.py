@@ -28,6 +28,11 @@ reward_fn_weight, and where a response ends, stop_strings and min_new_tokens), s
 on one member of an ensemble, or with a reward function, is evaluated on that score; it takes PPO's verifier
 (accuracy_fn) too; `eval:` overrides still win.
 
+A reasoning-gym task (`task: chain_sum-t2d1`, a task of data/tasks/tasks.yaml): PPO's prompt_file,
+eval_prompt_file, reward_fn and accuracy_fn and evaluation's prompt_file, reward_fn and accuracy_fn are the
+files of data/tasks/<task>/ (`llm_rlhf.tasks.gym.task_keys`), so a recipe names its task once (issue 50); a
+stage file that sets one of them too is a ConfigError, and `ppo:` / `eval:` overrides still win.
+
 Only the stages of the run are chained: without `sft` in `stages` PPO (and RM, DPO, compare) start from
 their recipes' model_name_or_path, without `rm` PPO scores with its recipe's reward_model_path and reward_fn,
 and evaluation's baseline is then PPO's starting model (e.g. `stages: [ppo, eval]`: PPO straight from an
@@ -57,6 +62,7 @@ from llm_rlhf.interfaces.report import write_report
 from llm_rlhf.models.scoring import scored_as
 from llm_rlhf.stages import compare, dpo, evaluate, ppo_run, reward, sft
 from llm_rlhf.stages.trainer_stage import last_checkpoint as trainer_last_checkpoint
+from llm_rlhf.tasks.gym import task_keys
 
 STAGES = ("sft", "rm", "ppo", "eval")  # the default stages, in order
 OPTIONAL_STAGES = ("dpo", "compare")  # run only when `stages` names them
@@ -82,6 +88,12 @@ class Config:
     compare_config: str | None = help_field(
         "recipes/reviews/compare.yaml",
         "Recipe of the compare stage (when stages name it; null: its defaults).",
+    )
+    task: str | None = help_field(
+        None,
+        "A reasoning-gym task of data/tasks/tasks.yaml, e.g. chain_sum-t2d1: PPO's prompt_file, eval_prompt_file, "
+        "reward_fn and accuracy_fn and evaluation's prompt_file, reward_fn and accuracy_fn are the files of "
+        "data/tasks/<task>/ (its prompts and verifier); the stage files must not set them. null: none.",
     )
     sft: dict = help_field({}, "Overrides of SFT config keys, e.g. {num_train_epochs: 2}.")
     rm: dict = help_field({}, "Overrides of reward-model config keys.")
@@ -173,11 +185,21 @@ def upstream_stages(cfg: Config) -> tuple[str, ...]:
 
 
 def stage_config(cfg: Config, stage: str) -> Any:
-    """recipe file < chaining keys < this config's overrides for `stage`; validated by the stage's Config."""
+    """recipe file < task keys < chaining keys < this config's overrides for `stage`; validated by the stage's
+    Config."""
     stage_cls = MODULES[stage].Config
     valid = [f.name for f in dataclasses.fields(stage_cls)]
     recipe = getattr(cfg, f"{stage}_config")
     values: dict[str, Any] = load_yaml_config(recipe, valid) if recipe else {}
+    if cfg.task is not None:  # the task's files and verifier, named once in the pipeline (issue 50)
+        from_task = task_keys(cfg.task, stage)
+        twice = sorted(set(from_task) & set(values))
+        if twice:
+            raise ConfigError(
+                f"{recipe}: {', '.join(twice)} come from the pipeline's task '{cfg.task}'; drop them from the "
+                f"stage file (or override them in the pipeline's '{stage}:' block)"
+            )
+        values.update(from_task)
     shared = Path(cfg.shared_dir) if cfg.shared_dir else None
     upstream = upstream_stages(cfg)
     values.update(chained_paths(Path(cfg.output_dir), shared, cfg.rm_members, upstream)[stage])

@@ -16,6 +16,11 @@ is read back (`extract`). `write_task` writes its folder:
                              reward_fn: data/tasks/<name>/verifier.py:reward       (graded, 0..1)
                              accuracy_fn: data/tasks/<name>/verifier.py:accuracy   (1.0 or 0.0)
 
+A recipe names its task once (issue 50): `task: <name>` in its pipeline.yaml, and the pipeline gives the
+PPO and evaluation stages the keys of `TASK_KEYS` (`task_keys`), each a file of `data/tasks/<name>/`; the
+stage files set none of them. Adding a task is one entry of data/tasks/tasks.yaml (then `python
+data/make_tasks.py --only <name>`) and, to train on it, a recipe folder whose pipeline.yaml names it.
+
 Train and held-out are disjoint by construction (`make_splits`): the generator's items are taken in index
 order from one seeded dataset, the first `n_eval` distinct questions are held out, and every later item
 whose question text is a held-out one is dropped from training (asserted).
@@ -62,6 +67,16 @@ from llm_rlhf.core.errors import ConfigError
 from llm_rlhf.tasks.arithmetic import NUMBER
 
 INSTRUCTION = "Give the final answer as: Answer: <answer>"
+# where a pipeline's `task:` is found, relative to the repo root (as recipes name their files)
+TASKS_DIR = "data/tasks"
+TRAIN_FILE, EVAL_FILE, VERIFIER_FILE = "train_prompts.jsonl", "eval_prompts.jsonl", "verifier.py"
+# The stage keys that a pipeline's `task: <name>` decides, by stage: each a file of its folder (issue 50).
+TASK_KEYS = {
+    "ppo": {"prompt_file": TRAIN_FILE, "eval_prompt_file": EVAL_FILE,
+            "reward_fn": f"{VERIFIER_FILE}:reward", "accuracy_fn": f"{VERIFIER_FILE}:accuracy"},
+    "eval": {"prompt_file": EVAL_FILE,
+             "reward_fn": f"{VERIFIER_FILE}:reward", "accuracy_fn": f"{VERIFIER_FILE}:accuracy"},
+}  # fmt: skip
 EXTRACT_MODES = ("line", "number")
 MAX_ANSWER_CHARS = 4000
 DRAWS_PER_ROW = 20  # how many generator items a row may cost before the task is too small for its sizes
@@ -133,6 +148,20 @@ def load_tasks(path: Path) -> list[Task]:
             raise ConfigError(f"{path}: task '{name}' needs a 'dataset' (a reasoning-gym dataset name)")
         tasks.append(Task(name=str(name), **values))
     return tasks
+
+
+def task_keys(name: str, stage: str, tasks_dir: str = TASKS_DIR) -> dict[str, str]:
+    """The keys of `stage`'s config that the task `name` decides (`TASK_KEYS`), as paths under `tasks_dir`:
+    for "ppo" {"prompt_file": "data/tasks/<name>/train_prompts.jsonl", "eval_prompt_file": ...eval_prompts.jsonl,
+    "reward_fn": ".../verifier.py:reward", "accuracy_fn": ".../verifier.py:accuracy"}; {} for a stage no task
+    feeds. A name without a written folder is a ConfigError."""
+    folder = f"{tasks_dir}/{name}"
+    if not Path(folder, "task.json").is_file():
+        raise ConfigError(
+            f"task '{name}': no {folder}/task.json (a task of {tasks_dir}/tasks.yaml, written by `python "
+            f"data/make_tasks.py --only {name}`; recipes run from the repo root)"
+        )
+    return {key: f"{folder}/{file}" for key, file in TASK_KEYS.get(stage, {}).items()}
 
 
 def reasoning_gym():
@@ -227,7 +256,7 @@ def write_task(task: Task, out: Path, *, command: str) -> Path:
     """Write the task's folder `out / task.name` (module docstring); the same task writes the same bytes."""
     avoid = frozenset()
     if task.avoid_task is not None:
-        other = Path(out) / task.avoid_task / "train_prompts.jsonl"
+        other = Path(out) / task.avoid_task / TRAIN_FILE
         if not other.is_file():
             raise ConfigError(
                 f"task '{task.name}': avoid_task '{task.avoid_task}' has no {other} (write it first)"
@@ -237,8 +266,8 @@ def write_task(task: Task, out: Path, *, command: str) -> Path:
     train, held_out = make_splits(task, avoid)
     folder = Path(out) / task.name
     folder.mkdir(parents=True, exist_ok=True)
-    write_jsonl(folder / "train_prompts.jsonl", [prompt_row(task, e) for e in train])
-    write_jsonl(folder / "eval_prompts.jsonl", [prompt_row(task, e) for e in held_out])
+    write_jsonl(folder / TRAIN_FILE, [prompt_row(task, e) for e in train])
+    write_jsonl(folder / EVAL_FILE, [prompt_row(task, e) for e in held_out])
     provenance = {
         **dataclasses.asdict(task),
         "reasoning_gym_version": gym_version(),
@@ -250,7 +279,7 @@ def write_task(task: Task, out: Path, *, command: str) -> Path:
     (folder / "task.json").write_text(
         json.dumps(provenance, indent=2, sort_keys=True) + "\n", encoding="utf-8"
     )
-    (folder / "verifier.py").write_text(VERIFIER_PY, encoding="utf-8")
+    (folder / VERIFIER_FILE).write_text(VERIFIER_PY, encoding="utf-8")
     return folder
 
 
@@ -302,7 +331,7 @@ class Verifier:
         fields = {f.name for f in dataclasses.fields(Task)}
         self.task = Task(**{k: v for k, v in info.items() if k in fields})
         self.entries = {}  # the question as the user message writes it -> the generator's entry
-        for name in ("train_prompts.jsonl", "eval_prompts.jsonl"):
+        for name in (TRAIN_FILE, EVAL_FILE):
             with (self.folder / name).open(encoding="utf-8") as f:
                 for line in f:
                     row = json.loads(line)
