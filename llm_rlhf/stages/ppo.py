@@ -11,7 +11,7 @@ One PPO step (`ppo_step`) reads like the algorithm box of Ziegler et al. (2019) 
 
 The policy-loss family of issue 37 (`policy_loss`: PPO's clip with clip-higher and the dual clip, GSPO, CISPO;
 `loss_aggregation`; `sampler_correction`; `mask_truncated`) changes the update (`train_on_rollout`), overlong
-shaping the scores (`reward_scores`) and `dynamic_sampling` the rollout (`dynamic_rollout`); with every key at
+shaping the scores (`shaped_scores`) and `dynamic_sampling` the rollout (`dynamic_rollout`); with every key at
 its default the step is the one above, bit for bit.
 
 `advantage_estimator` swaps GAE for a critic-free estimator (SPEC "Critic-free estimators": GRPO, Dr. GRPO,
@@ -164,12 +164,24 @@ class PPOTrainer:
     """Holds the models, the optimiser and the KL controller; `ppo_step` is one iteration.
 
     models: `PPOModels`; reward_fn: a loaded `llm_rlhf.models.reward_fn.RewardFn`, or None. The reward model and
-    the reward function (at least one of them) make the scores (`scoring.Scorer`). The precision and sharding
-    plumbing of each accelerate config is `self.acc` (`accelerated.Accelerated`). `state_dict()` is what a
-    checkpoint keeps of the trainer besides the models' weights and optimiser state."""
+    the reward function (at least one of them) make the scores (`scoring.Scorer`); verifier: the task's loaded
+    accuracy_fn (a binary `RewardFn`) or None, read only by dynamic sampling (`tie_scores`). The precision and
+    sharding plumbing of each accelerate config is `self.acc` (`accelerated.Accelerated`). `state_dict()` is
+    what a checkpoint keeps of the trainer besides the models' weights and optimiser state."""
 
-    def __init__(self, cfg: Config, *, accelerator, models: PPOModels, tokenizer, prompts, reward_fn=None):
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        accelerator,
+        models: PPOModels,
+        tokenizer,
+        prompts,
+        reward_fn=None,
+        verifier=None,
+    ):
         self.cfg, self.accelerator, self.tokenizer = cfg, accelerator, tokenizer
+        self.verifier = verifier  # accuracy_fn loaded: dynamic sampling ties on its verdicts (`tie_scores`)
         if models.reward_model is None and reward_fn is None:
             raise UserError("reward_model_path: PPO needs a reward model, a reward_fn or both")
         self.sizes = batch_sizes(
@@ -231,6 +243,7 @@ class PPOTrainer:
             reward_fn_weight=cfg.reward_fn_weight,
             rm_context=self.acc.autocast,
         )
+        self.verifier_scorer = Scorer(None, verifier)  # its Scores.reward_fn: the verdicts, 1.0 / 0.0
         self.sampling = Sampling.of(cfg)
         # ReMax's baseline response: the same settings, greedy (temperature 0: argmax, no random draw).
         self.greedy = dataclasses.replace(self.sampling, temperature=0.0)
@@ -291,9 +304,9 @@ class PPOTrainer:
         # y ~ pi_theta(.|x), logprobs (and values with gae), ref_logprobs, scores; with one update per step
         # the old log-probs and entropy come from the update's own forward instead (`old_logprobs_from_update`)
         from_update = self.old_logprobs_from_update
-        sampling_stats = {}
+        sampling_stats, dropped_kl = {}, None
         if cfg.dynamic_sampling:  # DAPO: untied groups, from further prompts where some tie
-            rollout, scores, sampling_stats = self.dynamic_rollout(queries, times)
+            rollout, scores, sampling_stats, dropped_kl = self.dynamic_rollout(queries, times)
         else:
             rollout, scores = self.rollout(self.in_groups(queries), times, old_logprobs=not from_update)
         greedy = None  # ReMax: one greedy response per prompt, its logprobs, ref_logprobs and scores
@@ -330,9 +343,13 @@ class PPOTrainer:
             _, kl = self.rewards(rollout, kl_coef)
 
         kl_seq = ppo_math.sequence_kl(kl=kl, response_mask=rollout.response_mask)  # (B,)
-        self.kl_ctl.update(self.global_mean(kl_seq), self.sizes.episodes_per_step)  # n in episodes
+        if dropped_kl is not None:  # every sampled group's KL, the dropped ones' too (`dynamic_rollout`)
+            kl_seq = torch.cat([kl_seq, dropped_kl])  # (rounds * P * k,), as many on every process
+        sampled_kl = self.global_mean(kl_seq)
+        self.kl_ctl.update(sampled_kl, self.sizes.episodes_per_step)  # n in episodes
         self.step += 1
         metrics = self.metrics(rollout, kl=kl, kl_coef=kl_coef, returns=returns, times=times)
+        metrics[ppo_metrics.OBJECTIVE_KL] = sampled_kl
         if greedy is not None:
             metrics[ppo_metrics.OBJECTIVE_GREEDY_SCORES] = self.global_mean(greedy.scores.mean())
         if cfg.overlong_buffer > 0:
@@ -384,15 +401,6 @@ class PPOTrainer:
         if cfg.overlong_buffer > 0:
             scores = scores + self.overlong(samples)
         return scores
-
-    def reward_scores(self, samples: Samples, scores: torch.Tensor) -> torch.Tensor:
-        """The score `shaped_rewards` puts at each response's last token, (B,): `shaped_scores`, then the EOS
-        trick (eos_penalty where the response did not end). Dynamic sampling compares these for ties: they
-        are what the group baseline sees."""
-        scores = self.shaped_scores(samples, scores)
-        if self.cfg.eos_penalty is None:
-            return scores
-        return torch.where(samples.ended(self.tokenizer.eos_token_id), scores, self.cfg.eos_penalty)  # (B,)
 
     def overlong(self, samples: Samples) -> torch.Tensor:
         """DAPO's overlong penalty of each response, (B,) (`ppo_math.overlong_penalty`): its length counts its
@@ -476,54 +484,34 @@ class PPOTrainer:
     @torch.no_grad()
     def dynamic_rollout(
         self, queries: list[list[int]], times: dict[str, float]
-    ) -> tuple[Rollout, Scores, dict[str, float]]:
+    ) -> tuple[Rollout, Scores, dict[str, float], torch.Tensor]:
         """DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2): the rollout of rollout_batch_size groups per
-        process whose scores do not all tie, when the rounds allow it.
+        process whose verdicts (or unshaped scores, `tie_scores`) do not all tie, when the rounds allow it.
 
-            round 1: sample and score the groups of `queries`; mark the tied ones (`ppo_math.tied_groups` on
-                     `reward_scores`, what the group baseline sees)
-            while some process holds fewer untied groups than rollout_batch_size (one global sum, so every
-                     process takes the same number of rounds and its collectives match) and the rounds are
-                     fewer than dynamic_sampling_max_rounds: sample and score the next prompts of the stream
+            rounds   sample and score groups until every process holds rollout_batch_size untied ones or
+                     dynamic_sampling_max_rounds were sampled (`sample_rounds`)
             keep the first rollout_batch_size untied groups, filled up with tied ones when too few
                      (`ppo_math.select_groups`): every step trains the same number of groups
-            then the policy's (and value's) and the reference's forwards on the kept rows only, in the
-                     micro-batches the first epoch visits, so rho == 1 exactly before the first update
+            then the policy's (and value's) and the reference's forwards on the kept rows, in the
+                     micro-batches the first epoch visits, so rho == 1 exactly before the first update,
+                     and on the dropped rows for their KL alone (`dropped_kl`)
 
-        Returns the rollout, its scores' parts and the statistics sampling/rounds, sampling/groups_dropped
+        Returns the rollout, its scores' parts, the statistics sampling/rounds, sampling/groups_dropped
         (sampled groups not trained, over every process), sampling/tied_groups_trained (the fill, over every
         process), sampling/sampled_per_trained (responses sampled per response trained, over the run) and
         sampling/scores_sampled (the mean score of every response sampled this step, the dropped groups' too:
-        what the policy earns, where objective/scores, over the kept groups, is raised by the selection)."""
-        cfg, sizes, k = self.cfg, self.sizes, self.cfg.samples_per_prompt
+        what the policy earns, where objective/scores, over the kept groups, is raised by the selection), and
+        the dropped rows' sequence KL, (D,): `ppo_step` gives objective/kl and the KL controller the KL of every
+        sampled group (issue 50), since which groups are kept depends on the prompts (the ones the policy
+        always or never solves are dropped) and the controller steers the policy's KL over the prompt stream.
+        The KL penalty itself (in the reward or the loss) can only act on the rows that are trained."""
+        sizes, k = self.sizes, self.cfg.samples_per_prompt
         need = sizes.prompts_per_process
-        samples, scores, tied = [], [], []
-        while True:
-            t0 = time.perf_counter()
-            part = self.generate(self.in_groups(queries))  # y ~ pi_theta(.|x)
-            t1 = time.perf_counter()
-            part_scores = self.score(part)
-            times["generate"] = times.get("generate", 0.0) + t1 - t0
-            times["score"] = times.get("score", 0.0) + time.perf_counter() - t1
-            samples.append(part)
-            scores.append(part_scores)
-            tied.append(
-                ppo_math.tied_groups(
-                    scores=self.reward_scores(part, part_scores.scores), samples_per_prompt=k
-                )
-            )  # (P,)
-            missing = max(need - int((~torch.cat(tied)).sum()), 0)  # untied groups this process lacks
-            if (
-                self.global_sum(torch.tensor(float(missing))) == 0
-                or len(tied) == cfg.dynamic_sampling_max_rounds
-            ):
-                break
-            self.extra_prompts += sizes.prompts_per_step
-            queries = self.next_queries()
-        tied = torch.cat(tied)  # (rounds * P,)
+        samples, scores, tied = self.sample_rounds(queries, times)  # tied: (rounds * P,)
         groups = ppo_math.select_groups(tied=tied, num_groups=need)  # (P,)
         rows = ppo_math.group_rows(groups=groups, samples_per_prompt=k)  # (P * k,)
-        kept = concat_samples(samples, self.tokenizer.pad_token_id).select(rows.to(self.device))
+        sampled = concat_samples(samples, self.tokenizer.pad_token_id)
+        kept = sampled.select(rows.to(self.device))
         kept_scores = concat_scores(scores, rows)
         t0 = time.perf_counter()
         logprobs, values, entropy = self.in_chunks(self.forward_policy, kept)
@@ -538,6 +526,7 @@ class PPOTrainer:
         )
         times["generate"] += t1 - t0
         times["score"] += time.perf_counter() - t1
+        dropped_kl = self.dropped_kl(sampled, rows, times)  # (D,)
         counts = self.global_sum(
             torch.stack([torch.tensor(float(len(tied) - need)), tied[groups].sum().float()])
         )
@@ -553,7 +542,70 @@ class PPOTrainer:
                 torch.cat([s.scores for s in scores]).float()
             ),
         }
-        return rollout, kept_scores, stats
+        return rollout, kept_scores, stats, dropped_kl
+
+    def sample_rounds(
+        self, queries: list[list[int]], times: dict[str, float]
+    ) -> tuple[list[Samples], list[Scores], torch.Tensor]:
+        """Dynamic sampling's rounds: each samples and scores the groups of `queries` and marks the tied ones
+        (`ppo_math.tied_groups` on `tie_scores`); while some process holds fewer untied groups than
+        rollout_batch_size (one global sum, so every process takes the same number of rounds and its
+        collectives match) and the rounds are fewer than dynamic_sampling_max_rounds, the next prompts of the
+        stream are sampled (`extra_prompts`). Returns each round's samples and scores, and tied (rounds * P,)."""
+        cfg, sizes, k = self.cfg, self.sizes, self.cfg.samples_per_prompt
+        samples, scores, tied = [], [], []
+        while True:
+            t0 = time.perf_counter()
+            part = self.generate(self.in_groups(queries))  # y ~ pi_theta(.|x)
+            t1 = time.perf_counter()
+            part_scores = self.score(part)
+            tied.append(ppo_math.tied_groups(scores=self.tie_scores(part, part_scores), samples_per_prompt=k))
+            times["generate"] = times.get("generate", 0.0) + t1 - t0
+            times["score"] = times.get("score", 0.0) + time.perf_counter() - t1
+            samples.append(part)
+            scores.append(part_scores)
+            # the untied groups this process lacks
+            missing = max(sizes.prompts_per_process - int((~torch.cat(tied)).sum()), 0)
+            if (
+                self.global_sum(torch.tensor(float(missing))) == 0
+                or len(tied) == cfg.dynamic_sampling_max_rounds
+            ):
+                return samples, scores, torch.cat(tied)  # tied: (rounds * P,)
+            self.extra_prompts += sizes.prompts_per_step
+            queries = self.next_queries()
+
+    def tie_scores(self, samples: Samples, scores: Scores) -> torch.Tensor:
+        """What dynamic sampling compares within a group, (B,): the verifier's verdicts (accuracy_fn: 1.0 or
+        0.0) where the task has one, else the scorer's scores as they came, before score_clip, the overlong
+        penalty and the EOS penalty. DAPO filters on accuracy (SPEC: a group is not untied by a length penalty
+        alone separating correct answers): on the shaped scores an all-correct group of different lengths was
+        kept, and GRPO's division by the group's std made a length-only penalty into advantages of full size,
+        (1.16, 0.39, -0.39, -1.16) (issue 50). With a verifier a group of partial credits that are all wrong
+        ties too (its verdicts are all 0.0)."""
+        if self.verifier is None:
+            return scores.scores
+        verdicts = self.agreed(self.verifier, lambda: self.verifier_scorer(samples, self.tokenizer))
+        return verdicts.reward_fn  # (B,) float64, 1.0 / 0.0
+
+    def dropped_kl(self, sampled: Samples, kept_rows: torch.Tensor, times: dict[str, float]) -> torch.Tensor:
+        """The sequence KL (`ppo_math.sequence_kl`, kl_estimator) of the sampled rows dynamic sampling does not
+        train, (D,) with D = (rounds - 1) * P * k, from the policy's and the reference's forwards on those rows
+        (no generation: forwards only, about what the kept rows cost each round; 0 rows with one round)."""
+        dropped = torch.ones(sampled.query.shape[0], dtype=torch.bool)  # (rounds * P * k,)
+        dropped[kept_rows] = False
+        if not dropped.any():
+            return torch.zeros(0, device=self.device)
+        rows = sampled.select(dropped.nonzero().flatten().to(self.device))
+        t0 = time.perf_counter()
+        logprobs, _, _ = self.in_chunks(self.forward_policy, rows)
+        t1 = time.perf_counter()
+        ref_logprobs = self.reference_logprobs(rows)
+        times["generate"] += t1 - t0
+        times["score"] += time.perf_counter() - t1
+        kl = ppo_math.kl_penalty(
+            logprobs=logprobs, ref_logprobs=ref_logprobs, estimator=self.cfg.kl_estimator
+        )  # (D, R)
+        return ppo_math.sequence_kl(kl=kl, response_mask=rows.response_mask)  # (D,)
 
     def next_queries(self) -> list[list[int]]:
         """This process's prompts for the current step (rollout_batch_size of them): a seeded permutation per
@@ -675,21 +727,25 @@ class PPOTrainer:
         Each process calls the reward function on its own samples; nothing inside it is a collective.
         Whether the call failed on any process (it raised, or returned a wrong number of scores or a
         non-finite one: `RewardFn` checks) is one sum over the processes, so every process stops with the
-        same one-line error here instead of the others waiting at the next collective."""
+        same one-line error here instead of the others waiting at the next collective (`agreed`)."""
         if self.scorer.reward_fn is None:
             return self.scorer(samples, self.tokenizer)
+        return self.agreed(self.scorer.reward_fn, lambda: self.scorer(samples, self.tokenizer))
+
+    def agreed(self, fn, call):
+        """`call()`, which calls the user's function `fn` (a `RewardFn`: the reward_fn or the accuracy_fn), with
+        whether it failed on any process summed over the processes: every process raises the same one-line
+        UserError, none waits at a collective that a failed one never reaches."""
         try:
-            scores, error = self.scorer(samples, self.tokenizer), None
+            out, error = call(), None
         except UserError as e:
-            scores, error = None, e
+            out, error = None, e
         failed = self.global_sum(torch.tensor(float(error is not None)))  # processes whose call failed
         if error is not None:
             raise error
         if failed > 0:
-            raise UserError(
-                f"reward_fn '{self.scorer.reward_fn.spec}' failed on another process (see its error)"
-            )
-        return scores
+            raise UserError(f"{fn.key} '{fn.spec}' failed on another process (see its error)")
+        return out
 
     def train_on_rollout(
         self, rollout: Rollout, advantages: torch.Tensor, returns: torch.Tensor | None
@@ -1057,7 +1113,8 @@ class PPOTrainer:
         over processes (`ppo_step` adds the update's statistics and the scores' parts, `score_term_means`).
         kl: the per-token KL_t (B, R) of `rewards`; objective/non_score_reward is the KL penalty as the
         objective counts it, -beta * KL_t, wherever it is optimised (in the reward, or as k3 in the loss), so
-        objective/rlhf_reward means the same for every estimator."""
+        objective/rlhf_reward means the same for every estimator. With dynamic_sampling these are over the kept
+        groups, except objective/kl, which `ppo_step` sets to the KL of every sampled group (the controller's)."""
         mask = rollout.response_mask
         lengths = mask.sum(-1).float()  # (B,)
         kl_seq = ppo_math.sequence_kl(kl=kl, response_mask=mask)  # (B,)

@@ -285,10 +285,14 @@ class Config:
     )
     dynamic_sampling: bool = help_field(
         False,
-        "DAPO's dynamic sampling: drop the groups whose samples_per_prompt scores all tie (their advantages are "
-        "0 under a group baseline) and sample further prompts until each process holds rollout_batch_size "
-        "untied groups, at most dynamic_sampling_max_rounds rounds (then filled with tied groups); logged as "
-        f"sampling/*. {names(r for r in ROWS if r.dynamic_sampling)} only, with samples_per_prompt >= 2.",
+        "DAPO's dynamic sampling: drop the groups that tie (their advantages are 0 under a group baseline) and "
+        "sample further prompts until each process holds rollout_batch_size untied groups, at most "
+        "dynamic_sampling_max_rounds rounds (then filled with tied groups); logged as sampling/*. A group ties "
+        "when its samples_per_prompt verdicts tie where accuracy_fn is set (the task's verifier), else its scores "
+        "as the scorer gave them (before score_clip, overlong_buffer's penalty and eos_penalty: a length penalty "
+        "alone does not untie correct answers). objective/kl and the adaptive KL controller read every sampled "
+        "group's KL (the dropped rows get forwards for it). "
+        f"{names(r for r in ROWS if r.dynamic_sampling)} only, with samples_per_prompt >= 2.",
     )
     dynamic_sampling_max_rounds: int = help_field(
         3, "With dynamic_sampling: the most sampling rounds of one PPO step (>= 1)."
@@ -339,7 +343,8 @@ class Config:
         "(prompts, responses) -> list of 1.0 (correct) / 0.0 (wrong), e.g. llm_rlhf.tasks.arithmetic:reward; when set, "
         "held-out evaluation (eval_every > 0) reports accuracy in eval_log.jsonl: sampled (the mean over the "
         "samples drawn as configured) and greedy (one greedy response per prompt, temperature 0 / argmax), "
-        "with standard errors; the pipeline's eval stage takes it too. null = off.",
+        "with standard errors; the pipeline's eval stage takes it too. With dynamic_sampling a group ties when "
+        "its verdicts tie (DAPO filters on accuracy). null = off.",
     )
     # --- logging and checkpoints
     log_samples_every: int = help_field(10, "Log a few sampled responses every N steps.")

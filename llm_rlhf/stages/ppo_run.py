@@ -161,11 +161,15 @@ def build_trainer(
     *,
     policy=None,
     reward_model=None,
+    verifier: RewardFn | None = None,
 ) -> PPOTrainer:
     """The models and the trainer. reward_fn: `cfg.reward_fn` already loaded (`train` loads and probes it
-    first), else loaded here; policy, reward_model: objects in place of the config's folders (`build_models`)."""
+    first), else loaded here; policy, reward_model: objects in place of the config's folders (`build_models`);
+    verifier: `cfg.accuracy_fn` loaded, else loaded here where dynamic sampling ties groups on its verdicts."""
     if cfg.reward_fn is not None and reward_fn is None:
         reward_fn = load_reward_fn(cfg.reward_fn)
+    if cfg.dynamic_sampling and cfg.accuracy_fn is not None and verifier is None:
+        verifier = load_reward_fn(cfg.accuracy_fn, key="accuracy_fn", binary=True)
     seed_everything(cfg.seed, accelerator.process_index)
     with loading_whole_models(accelerator):  # not partitioned at load under ZeRO-3 (issue 39)
         models = build_models(cfg, policy=policy, reward_model=reward_model)
@@ -174,7 +178,13 @@ def build_trainer(
     if not cfg.use_lora:
         models.ref_model.to(accelerator.device)
     return PPOTrainer(
-        cfg, accelerator=accelerator, models=models, tokenizer=tokenizer, prompts=prompts, reward_fn=reward_fn
+        cfg,
+        accelerator=accelerator,
+        models=models,
+        tokenizer=tokenizer,
+        prompts=prompts,
+        reward_fn=reward_fn,
+        verifier=verifier if cfg.dynamic_sampling else None,
     )
 
 
@@ -217,9 +227,7 @@ def train(
         cfg, tokenizer, prompts, reward_fn
     )  # a broken one stops the run here
     eval_prompts, judge = load_heldout_inputs(cfg, tokenizer)
-    verifier = (  # accuracy on the held-out prompts: loaded and probed before any model, as the reward_fn
-        load_verifier(cfg.accuracy_fn, eval_prompts) if eval_prompts and cfg.accuracy_fn is not None else None
-    )
+    verifier = load_and_probe_verifier(cfg, tokenizer, prompts, eval_prompts)
     if reward_model is None and not is_off(cfg.reward_model_path):
         check_members_exist(cfg.reward_model_path)
     resume_from = last_checkpoint(out) if cfg.resume else None
@@ -231,7 +239,14 @@ def train(
         )
 
     trainer = build_trainer(
-        cfg, accelerator, tokenizer, prompts, reward_fn, policy=policy, reward_model=reward_model
+        cfg,
+        accelerator,
+        tokenizer,
+        prompts,
+        reward_fn,
+        policy=policy,
+        reward_model=reward_model,
+        verifier=verifier,
     )
     longest = max([len(q) for q in prompts] + [len(encode_prompt(tokenizer, p)) for p in eval_prompts])
     check_positions(trainer.unwrapped_policy.lm, longest, cfg.max_new_tokens, "the policy")
@@ -395,11 +410,26 @@ def load_and_probe_reward_fn(
     if reward_fn is None and cfg.reward_fn is None:
         return None
     reward_fn = reward_fn or load_reward_fn(cfg.reward_fn)
-    query, query_mask = left_pad(prompts[:2], tokenizer.pad_token_id)  # (2, P) each
-    no_response = torch.zeros((query.shape[0], 0), dtype=torch.bool)  # (2, 0)
-    texts, _ = decode_texts(tokenizer, query, query_mask, no_response.long(), no_response)
-    probe(reward_fn, texts)
+    probe(reward_fn, prompt_texts(tokenizer, prompts[:2]))
     return reward_fn
+
+
+def load_and_probe_verifier(
+    cfg: Config, tokenizer, prompts: list[list[int]], eval_prompts: list[str]
+) -> RewardFn | None:
+    """`cfg.accuracy_fn` loaded and probed before any model, as the reward_fn (`evaluate.load_verifier`),
+    where something reads it: held-out evaluation's accuracy (probed on the held-out prompts) or dynamic
+    sampling, which ties groups on its verdicts (probed on the first two training prompts). Else None."""
+    if cfg.accuracy_fn is None or not (eval_prompts or cfg.dynamic_sampling):
+        return None
+    return load_verifier(cfg.accuracy_fn, eval_prompts or prompt_texts(tokenizer, prompts[:2]))
+
+
+def prompt_texts(tokenizer, prompts: list[list[int]]) -> list[str]:
+    """Prompts (token ids) as text, as training decodes them for a reward function (`reward_fn.decode_texts`)."""
+    query, query_mask = left_pad(prompts, tokenizer.pad_token_id)  # (n, P) each
+    no_response = torch.zeros((query.shape[0], 0), dtype=torch.bool)  # (n, 0)
+    return decode_texts(tokenizer, query, query_mask, no_response.long(), no_response)[0]
 
 
 def signed(x: float | None) -> str:
