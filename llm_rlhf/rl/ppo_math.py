@@ -1112,8 +1112,9 @@ def tied_groups(*, scores: torch.Tensor, samples_per_prompt: int) -> torch.Tenso
         scores    1 1 1 1 | 0 1 0 0         k = 4
         result    True      False
 
-    For the group-baseline estimators (grpo, dr_grpo, rloo); pass the scores the baseline sees, without the
-    KL term (a KL in the reward breaks every tie). scores: (B,), groups in consecutive rows
+    For the group-baseline estimators (grpo, dr_grpo, rloo); pass the verifier's verdicts where the task has
+    one, else the scores before any shaping (a length penalty or a KL in the reward would untie groups whose
+    answers are equally right: `PPOTrainer.tie_scores`, issue 50). scores: (B,), groups in consecutive rows
     (`scores_by_prompt`). Returns (P,) bool.
     """
     grouped = scores_by_prompt(scores=scores, samples_per_prompt=samples_per_prompt)  # (P, k)
