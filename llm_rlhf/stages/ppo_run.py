@@ -198,6 +198,19 @@ def run(cfg: Config) -> dict[str, float]:
     return train(cfg).metrics
 
 
+@dataclasses.dataclass(frozen=True)
+class RunInputs:
+    """Everything a run reads besides the models, checked before anything is written: the tokenizer, the
+    training prompts (ids), the reward function (probed), the held-out prompts and gold judge, the verifier."""
+
+    tokenizer: object
+    prompts: list[list[int]]
+    reward_fn: RewardFn | None
+    eval_prompts: list[str]
+    judge: object
+    verifier: RewardFn | None
+
+
 def train(
     cfg: Config,
     *,
@@ -217,19 +230,41 @@ def train(
     Returns the policy's LM, its tokenizer, its value head (None for the critic-free estimators or a
     separate critic) and the final metrics (metrics.json's): the last step's policy, or with keep_best the
     best held-out evaluation's (metrics.json's returned_step; the module docstring)."""
-    accelerator = Accelerator()
-    out = Path(cfg.output_dir)
+    accelerator, out = Accelerator(), Path(cfg.output_dir)
+    inputs = check_inputs(cfg, policy=policy, tokenizer=tokenizer, reward_model=reward_model,
+                          reward_fn=reward_fn, prompts=prompts)  # fmt: skip
+    resume_from = resume_point(cfg, out, accelerator)
+    trainer = build_trainer(cfg, accelerator, inputs.tokenizer, inputs.prompts, inputs.reward_fn,
+                            policy=policy, reward_model=reward_model, verifier=inputs.verifier)  # fmt: skip
+    start(cfg, trainer, inputs, out, resume_from)
+    heldout = HeldOut(cfg, trainer, inputs, out, resumed=resume_from is not None)
+    history = loop(cfg, trainer, heldout, out, resumed=resume_from is not None, on_step=on_step)
+    final = {**summarize(history, cfg), **heldout.watch["summary"], ppo_metrics.RETURNED_STEP: trainer.step}
+    if cfg.keep_best and heldout.watch["summary"][ppo_metrics.BEST_STEP] is not None:
+        final[ppo_metrics.RETURNED_STEP] = return_best(trainer, cfg, out)
+    save_final(trainer, cfg, out, final)
+    policy = trainer.unwrapped_policy
+    return Trained(model=policy.lm, tokenizer=inputs.tokenizer, metrics=final, value_head=policy.value_head)
+
+
+def check_inputs(cfg: Config, *, policy, tokenizer, reward_model, reward_fn, prompts) -> RunInputs:
+    """Step 1: the tokenizer, the prompts (validated row by row), the reward function and the verifier (each
+    called once on real prompts: a broken one stops the run here), the held-out inputs, the RM folders."""
     if policy is None:
         check_not_adapter_only(cfg.model_name_or_path)
     tokenizer = tokenizer_or_load(cfg, tokenizer, policy, padding_side="left")
-    prompts = load_prompts(cfg, tokenizer, prompts)  # validates the data before anything is written
-    reward_fn = load_and_probe_reward_fn(
-        cfg, tokenizer, prompts, reward_fn
-    )  # a broken one stops the run here
+    prompts = load_prompts(cfg, tokenizer, prompts)
+    reward_fn = load_and_probe_reward_fn(cfg, tokenizer, prompts, reward_fn)
     eval_prompts, judge = load_heldout_inputs(cfg, tokenizer)
     verifier = load_and_probe_verifier(cfg, tokenizer, prompts, eval_prompts)
     if reward_model is None and not is_off(cfg.reward_model_path):
         check_members_exist(cfg.reward_model_path)
+    return RunInputs(tokenizer, prompts, reward_fn, eval_prompts, judge, verifier)
+
+
+def resume_point(cfg: Config, out: Path, accelerator) -> Path | None:
+    """The checkpoint to resume from (resume: the last in output_dir/checkpoints, None when there is none);
+    without resume, an output_dir that already holds a run is refused."""
     resume_from = last_checkpoint(out) if cfg.resume else None
     if cfg.resume and resume_from is None and accelerator.is_main_process:
         print(f"resume: no checkpoint in {out / 'checkpoints'}; starting from scratch")
@@ -237,18 +272,17 @@ def train(
         raise UserError(
             f"output_dir '{out}' already holds a PPO run; pass --resume true or choose another output_dir"
         )
+    return resume_from
 
-    trainer = build_trainer(
-        cfg,
-        accelerator,
-        tokenizer,
-        prompts,
-        reward_fn,
-        policy=policy,
-        reward_model=reward_model,
-        verifier=verifier,
+
+def start(cfg: Config, trainer: PPOTrainer, inputs: RunInputs, out: Path, resume_from: Path | None) -> None:
+    """Step 3: the policy checked to hold the longest prompt + max_new_tokens; the config, batch sizes and
+    notes printed and config.yaml saved (main process); a resumed run's checkpoint loaded and its logs cut
+    back to its step."""
+    accelerator, tokenizer = trainer.accelerator, inputs.tokenizer
+    longest = max(
+        [len(q) for q in inputs.prompts] + [len(encode_prompt(tokenizer, p)) for p in inputs.eval_prompts]
     )
-    longest = max([len(q) for q in prompts] + [len(encode_prompt(tokenizer, p)) for p in eval_prompts])
     check_positions(trainer.unwrapped_policy.lm, longest, cfg.max_new_tokens, "the policy")
     if accelerator.is_main_process:
         print(format_config(cfg))
@@ -261,63 +295,25 @@ def train(
         load_checkpoint(trainer, resume_from)
         if accelerator.is_main_process:
             print(f"resumed from {resume_from} at step {trainer.step}")
-            truncate_log(out / "metrics.jsonl", trainer.step)
-            truncate_log(out / "eval_log.jsonl", trainer.step)
-            truncate_log(out / "eval_samples.jsonl", trainer.step)
+            for log in ("metrics.jsonl", "eval_log.jsonl", "eval_samples.jsonl"):
+                truncate_log(out / log, trainer.step)
 
+
+def loop(
+    cfg: Config, trainer: PPOTrainer, heldout: HeldOut, out: Path, *, resumed: bool, on_step
+) -> list[dict]:
+    """Step 4, the loop: (held-out evaluation first, unless resumed) -> until `steps` or the alarm stops it:
+    ppo_step, its line of metrics.jsonl (and tensorboard/wandb, on_step), samples every log_samples_every,
+    held-out evaluation every eval_every, a checkpoint every save_steps. Returns every step's metrics (a
+    resumed run's earlier ones first)."""
+    accelerator = trainer.accelerator
     log_metrics, close_writer = make_writer(cfg, out) if accelerator.is_main_process else (None, None)
-    history = (
-        [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        if resume_from is not None and (out / "metrics.jsonl").exists()
-        else []
-    )
-    # the held-out evaluations so far, oldest first (the main process's: it decides for every process)
-    heldout_log = (
-        read_jsonl(out / "eval_log.jsonl") if resume_from is not None and accelerator.is_main_process else []
-    )
-    watch = decide(cfg, heldout_log, accelerator, step=None)  # what a resumed run's log already says
-
-    def maybe_evaluate() -> dict:
-        # Every process evaluates (the same prompts and seed) and the main one writes: with sharded
-        # parameters (ZeRO-3, FSDP) each forward is a collective that every process must enter (issue 13).
-        # The main process reads the alarm and decides; every process saves the best checkpoint and stops
-        # alike (saving is a collective under FSDP2 and ZeRO-3).
-        nonlocal watch
-        if eval_prompts and trainer.step % cfg.eval_every == 0:
-            record, rows = evaluate_heldout(trainer, eval_prompts, judge, verifier)
-            if accelerator.is_main_process:
-                heldout_log.append(record)
-                record.update(watch_fields(heldout_log, reward_fn_weight=cfg.reward_fn_weight))
-            watch = decide(cfg, heldout_log, accelerator, step=trainer.step)
-            if watch["save_best"]:  # before the line that names it: a logged best_step has its checkpoint
-                save_checkpoint(trainer, out / "best")
-            if accelerator.is_main_process:
-                append_jsonl(out / "eval_log.jsonl", record)
-                for row in rows:  # per sample: the report's reward-hacking watch ranks their proxy-gold gaps
-                    append_jsonl(out / "eval_samples.jsonl", row)
-                tqdm.write(
-                    f"[eval step {trainer.step}] kl {record['kl']:.2f}  rm {signed(record['rm_score'])}  "
-                    f"gold {signed(record['gold_score'])}"
-                    + (f"  reward_fn {signed(record['reward_fn'])}" if cfg.reward_fn is not None else "")
-                    + (
-                        f"  accuracy {record['accuracy']:.3f} (greedy {record['accuracy_greedy']:.3f})"
-                        if verifier is not None
-                        else ""
-                    )
-                )
-                if record[eval_metrics.LOG_ALARM_STEP] == trainer.step:
-                    tqdm.write(
-                        f"[eval step {trainer.step}] reward-hacking alarm: "
-                        + "; ".join(record[eval_metrics.LOG_ALARM_REASONS])
-                    )
-        accelerator.wait_for_everyone()
-        return watch
-
+    history = read_jsonl(out / "metrics.jsonl") if resumed else []
     try:
-        if resume_from is None:
-            maybe_evaluate()
+        if not resumed:
+            heldout.maybe_evaluate()
         bar = tqdm(total=cfg.steps, initial=trainer.step, desc="ppo", disable=not accelerator.is_main_process)
-        while trainer.step < cfg.steps and not watch["stop"]:
+        while trainer.step < cfg.steps and not heldout.watch["stop"]:
             metrics = trainer.ppo_step()
             history.append(metrics)
             if accelerator.is_main_process:
@@ -326,15 +322,12 @@ def train(
                     log_metrics(metrics)
                 if on_step is not None:
                     on_step(dict(metrics))
-                bar.set_postfix(
-                    score=f"{metrics['objective/scores']:.2f}",
-                    kl=f"{metrics['objective/kl']:.2f}",
-                    beta=f"{metrics['objective/kl_coef']:.3f}",
-                )
+                bar.set_postfix(score=f"{metrics['objective/scores']:.2f}", kl=f"{metrics['objective/kl']:.2f}",
+                                beta=f"{metrics['objective/kl_coef']:.3f}")  # fmt: skip
                 bar.update(1)
             if cfg.log_samples_every and (trainer.step % cfg.log_samples_every == 0 or trainer.step == 1):
                 log_samples(trainer, out)  # on every process, like evaluation; the main one writes
-            if maybe_evaluate()["stop"]:
+            if heldout.maybe_evaluate()["stop"]:
                 break  # stop_on_alarm: no checkpoint after the alarm, the policy of this step is saved below
             if cfg.save_steps and trainer.step % cfg.save_steps == 0 and trainer.step < cfg.steps:
                 save_checkpoint(trainer, out / "checkpoints" / f"step-{trainer.step}")
@@ -342,13 +335,63 @@ def train(
     finally:
         if close_writer is not None:
             close_writer()  # writes the last steps' events, also when a step failed
+    return history
 
-    final = {**summarize(history, cfg), **watch["summary"], ppo_metrics.RETURNED_STEP: trainer.step}
-    if cfg.keep_best and watch["summary"][ppo_metrics.BEST_STEP] is not None:
-        final[ppo_metrics.RETURNED_STEP] = return_best(trainer, cfg, out)
-    save_final(trainer, cfg, out, final)
-    policy = trainer.unwrapped_policy
-    return Trained(model=policy.lm, tokenizer=tokenizer, metrics=final, value_head=policy.value_head)
+
+class HeldOut:
+    """The run's held-out evaluations: `log`, the records so far, oldest first (the main process's: it
+    decides for every process), and `watch`, what the last decision says (`decide`: stop, save_best, the
+    summary for metrics.json); a resumed run starts from its eval_log.jsonl."""
+
+    def __init__(self, cfg: Config, trainer: PPOTrainer, inputs: RunInputs, out: Path, *, resumed: bool):
+        self.cfg, self.trainer, self.inputs, self.out = cfg, trainer, inputs, out
+        main = trainer.accelerator.is_main_process
+        self.log = read_jsonl(out / "eval_log.jsonl") if resumed and main else []
+        self.watch = decide(cfg, self.log, trainer.accelerator, step=None)  # what a resumed log already says
+
+    def maybe_evaluate(self) -> dict:
+        """At every eval_every-th step: every process evaluates (the same prompts and seed) and the main one
+        writes: with sharded parameters (ZeRO-3, FSDP) each forward is a collective that every process must
+        enter (issue 13). The main process reads the alarm and decides; every process saves the best
+        checkpoint and stops alike (saving is a collective under FSDP2 and ZeRO-3). Returns `watch`."""
+        cfg, trainer, inputs, accelerator = self.cfg, self.trainer, self.inputs, self.trainer.accelerator
+        if inputs.eval_prompts and trainer.step % cfg.eval_every == 0:
+            record, rows = evaluate_heldout(trainer, inputs.eval_prompts, inputs.judge, inputs.verifier)
+            if accelerator.is_main_process:
+                self.log.append(record)
+                record.update(watch_fields(self.log, reward_fn_weight=cfg.reward_fn_weight))
+            self.watch = decide(cfg, self.log, accelerator, step=trainer.step)
+            if self.watch[
+                "save_best"
+            ]:  # before the line that names it: a logged best_step has its checkpoint
+                save_checkpoint(trainer, self.out / "best")
+            if accelerator.is_main_process:
+                self.write(record, rows)
+        accelerator.wait_for_everyone()
+        return self.watch
+
+    def write(self, record: dict, rows: list[dict]) -> None:
+        """The evaluation's line of eval_log.jsonl, its samples' lines of eval_samples.jsonl (the report's
+        reward-hacking watch ranks their proxy-gold gaps) and its line on the console."""
+        step, verifier = self.trainer.step, self.inputs.verifier
+        append_jsonl(self.out / "eval_log.jsonl", record)
+        for row in rows:
+            append_jsonl(self.out / "eval_samples.jsonl", row)
+        tqdm.write(
+            f"[eval step {step}] kl {record['kl']:.2f}  rm {signed(record['rm_score'])}  "
+            f"gold {signed(record['gold_score'])}"
+            + (f"  reward_fn {signed(record['reward_fn'])}" if self.cfg.reward_fn is not None else "")
+            + (
+                f"  accuracy {record['accuracy']:.3f} (greedy {record['accuracy_greedy']:.3f})"
+                if verifier is not None
+                else ""
+            )
+        )
+        if record[eval_metrics.LOG_ALARM_STEP] == step:
+            tqdm.write(
+                f"[eval step {step}] reward-hacking alarm: "
+                + "; ".join(record[eval_metrics.LOG_ALARM_REASONS])
+            )
 
 
 def decide(cfg: Config, heldout_log: list[dict], accelerator, *, step: int | None) -> dict:
