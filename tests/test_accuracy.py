@@ -16,7 +16,7 @@ from helpers import ROOT, approx_numbers, build_model, eval_config, ppo_config
 
 from llm_rlhf.core.errors import ConfigError, UserError
 from llm_rlhf.models.loading import load_causal_lm, load_tokenizer
-from llm_rlhf.stages import evaluate, ppo_run
+from llm_rlhf.stages import evaluate, measures, ppo_run
 from llm_rlhf.tasks.arithmetic import prompt_answer, reward
 
 EVEN = "reward_fns:even_length"  # tests/reward_fns.py: 1.0 iff the response has an even number of characters
@@ -61,12 +61,12 @@ def test_stderr_is_over_prompts_not_samples():
     """3 prompts x 2 samples: per-prompt means (0.5, 1, 0), mean 0.5, sd 0.5, stderr 0.5 / sqrt(3); over the 6
     samples as if independent it would be sqrt(0.3) / sqrt(6)."""
     values = [1.0, 0.0, 1.0, 1.0, 0.0, 0.0]
-    mean, stderr = evaluate.mean_and_stderr_over_prompts(values, 2)
+    mean, stderr = measures.mean_and_stderr_over_prompts(values, 2)
     assert mean == 0.5 and stderr == pytest.approx(0.5 / math.sqrt(3))
-    assert evaluate.mean_and_stderr(values)[1] == pytest.approx(math.sqrt(0.3) / math.sqrt(6))
-    assert evaluate.mean_and_stderr_over_prompts(values, 1) == evaluate.mean_and_stderr(values)
+    assert measures.mean_and_stderr(values)[1] == pytest.approx(math.sqrt(0.3) / math.sqrt(6))
+    assert measures.mean_and_stderr_over_prompts(values, 1) == measures.mean_and_stderr(values)
     with pytest.raises(ValueError, match="samples_per_prompt=4"):
-        evaluate.mean_and_stderr_over_prompts(values, 4)
+        measures.mean_and_stderr_over_prompts(values, 4)
 
 
 # --- llm-rlhf eval -----------------------------------------------------------------------------------------
@@ -130,7 +130,7 @@ def test_greedy_draws_nothing_random_and_off_means_null(
 
     kw.pop("accuracy_fn")
     off = evaluate.run(eval_config(other_model_dir, tiny_model_dir, prompt_file, tmp_path / "off", **kw))
-    for key in evaluate.ACCURACY_KEYS:
+    for key in measures.ACCURACY_KEYS:
         assert off[key] is None and off[key + "_baseline"] is None, key
     assert off["accuracy_fn"] is None and "accuracy" not in evaluate.format_metrics(off)
     for row in read_jsonl(tmp_path / "off" / "samples.jsonl"):
@@ -202,9 +202,9 @@ def test_ppo_eval_log_has_accuracy_and_training_is_unchanged(tiny_model_dir, pro
     assert log[0]["accuracy_greedy_stderr"] == pytest.approx(statistics.stdev(greedy) / math.sqrt(6))
 
     off = read_jsonl(tmp_path / "off" / "eval_log.jsonl")
-    measured = (*evaluate.ACCURACY_KEYS, "best_step")  # the watch ranks by accuracy where there is one
+    measured = (*measures.ACCURACY_KEYS, "best_step")  # the watch ranks by accuracy where there is one
     for a, b in zip(log, off):
-        assert all(b[key] is None for key in evaluate.ACCURACY_KEYS)
+        assert all(b[key] is None for key in measures.ACCURACY_KEYS)
         assert {k: v for k, v in a.items() if k not in measured} == {
             k: v for k, v in b.items() if k not in measured
         }

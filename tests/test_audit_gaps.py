@@ -42,7 +42,7 @@ from helpers import (
 
 from llm_rlhf.models.loading import load_causal_lm
 from llm_rlhf.rl import ppo_math
-from llm_rlhf.stages import evaluate
+from llm_rlhf.stages import evaluate, measures
 from llm_rlhf.stages.ppo_config import batch_sizes
 
 
@@ -349,7 +349,7 @@ def test_eval_win_rates_and_standard_errors_are_over_prompts(
     assert len(rows) == 36 and [r["sample"] for r in rows[:4]] == [0, 1, 2, 0]
     for key in ("gold_score", "reward_fn", "combined_score"):  # sentiment: measured with a fluency gold only
         a, b = [r[f"policy_{key}"] for r in rows], [r[f"baseline_{key}"] for r in rows]
-        points = evaluate.win_points(a, b)
+        points = measures.win_points(a, b)
         name = key.removesuffix("_score")
         mean, stderr = over_prompts(points, k)
         assert metrics[f"{name}_win_rate"] == pytest.approx(mean), key

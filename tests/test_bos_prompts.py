@@ -11,7 +11,7 @@ from llm_rlhf.models.loading import load_causal_lm, load_tokenizer
 from llm_rlhf.models.reward_model import encode_pair
 from llm_rlhf.rl.rollout import Sampling, encode_prompt
 from llm_rlhf.stages import dpo, ppo, ppo_run, sft
-from llm_rlhf.stages.evaluate import sample_batch
+from llm_rlhf.stages.measures import sample_batch
 
 PROMPTS = ["The film is", "A tedious, boring"]
 COMPLETIONS = [" a delight from start to finish.", " waste."]

@@ -24,7 +24,7 @@ from llm_rlhf.models.scoring import Scorer
 from llm_rlhf.rl import ppo_math
 from llm_rlhf.rl.rollout import Sampling
 from llm_rlhf.stages import compare
-from llm_rlhf.stages.evaluate import Measures, PairedSampling, sample_and_score
+from llm_rlhf.stages.measures import Measures, PairedSampling, sample_and_score
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -241,7 +241,7 @@ def test_dpo_and_best_of_n_are_scored_by_the_scorer_ppo_trained_against(
 
     from llm_rlhf.core.config import save_config
     from llm_rlhf.models.reward_model import save_reward_model
-    from llm_rlhf.stages.evaluate import sample_batch
+    from llm_rlhf.stages.measures import sample_batch
 
     monkeypatch.chdir(tmp_path)
     # member 0 where the compare recipe names its RM (runs/reviews/rm): what a compare scoring with it alone finds

@@ -195,7 +195,7 @@ def test_helpers_a_user_calls_with_a_model_object(tiny_model_dir, tiny_rm):
     from llm_rlhf.models.scoring import Scorer
     from llm_rlhf.rl.rollout import Sampling
     from llm_rlhf.stages.dpo import response_logprobs
-    from llm_rlhf.stages.evaluate import KLReference, Measures, PairedSampling, evaluate_policy, sample_batch
+    from llm_rlhf.stages.measures import KLReference, Measures, PairedSampling, evaluate_policy, sample_batch
     from llm_rlhf.stages.score import score_texts
 
     policy, reference = load_causal_lm(str(tiny_model_dir)), load_causal_lm(str(tiny_model_dir))

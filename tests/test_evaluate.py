@@ -14,24 +14,24 @@ from llm_rlhf.core.errors import UserError
 from llm_rlhf.models.loading import freeze, load_causal_lm, load_tokenizer
 from llm_rlhf.models.scoring import Scorer
 from llm_rlhf.rl.rollout import Sampling
-from llm_rlhf.stages import evaluate
+from llm_rlhf.stages import evaluate, measures
 
 # --- pure helpers ---------------------------------------------------------------------------------
 
 
 def test_win_rate_counts_ties_half():
-    assert evaluate.win_rate([3.0, 1.0, 2.0, 2.0], [1.0, 1.0, 5.0, 0.0]) == 0.625  # win, tie, loss, win
-    assert evaluate.win_rate([1.0, 2.0], [1.0, 2.0]) == 0.5
-    assert evaluate.win_points([0.0, 1.0, 2.0], [1.0, 1.0, 1.0]) == [0.0, 0.5, 1.0]
+    assert measures.win_rate([3.0, 1.0, 2.0, 2.0], [1.0, 1.0, 5.0, 0.0]) == 0.625  # win, tie, loss, win
+    assert measures.win_rate([1.0, 2.0], [1.0, 2.0]) == 0.5
+    assert measures.win_points([0.0, 1.0, 2.0], [1.0, 1.0, 1.0]) == [0.0, 0.5, 1.0]
     with pytest.raises(ValueError):
-        evaluate.win_rate([1.0], [1.0, 2.0])
+        measures.win_rate([1.0], [1.0, 2.0])
 
 
 def test_distinct_n_hand_example():
     sequences = [[1, 2, 1, 2], [1, 3]]
-    assert evaluate.distinct_n(sequences, 1) == 3 / 6  # {1, 2, 3} of 6 tokens
-    assert evaluate.distinct_n(sequences, 2) == 3 / 4  # (1,2) (2,1) (1,2) (1,3): 3 unique of 4
-    assert evaluate.distinct_n([[7]], 2) == 0.0
+    assert measures.distinct_n(sequences, 1) == 3 / 6  # {1, 2, 3} of 6 tokens
+    assert measures.distinct_n(sequences, 2) == 3 / 4  # (1,2) (2,1) (1,2) (1,3): 3 unique of 4
+    assert measures.distinct_n([[7]], 2) == 0.0
 
 
 def test_config_rejects_bad_values():
@@ -88,8 +88,8 @@ def test_a_model_that_is_its_own_reference_is_run_once_for_its_kl(
     """The baseline that is the reference (issue 41): one forward of its samples for kl_to_ref instead of two,
     KL exactly 0; the policy, another model, still gets both forwards and KL > 0."""
     forwards = []
-    real = evaluate.response_logits
-    monkeypatch.setattr(evaluate, "response_logits", lambda m, b: forwards.append(m) or real(m, b))
+    real = measures.response_logits
+    monkeypatch.setattr(measures, "response_logits", lambda m, b: forwards.append(m) or real(m, b))
     kw = dict(gold_judge="none", num_prompts=4, batch_size=4, samples_per_prompt=1)
     metrics = evaluate.run(eval_config(other_model_dir, tiny_model_dir, prompt_file, tmp_path / "a", **kw))
     assert metrics["kl_to_ref_baseline"] == 0.0 and metrics["kl_to_ref"] > 0
@@ -149,11 +149,11 @@ def test_evaluate_policy_matches_the_command(
     )
     torch.manual_seed(123)
     state = torch.get_rng_state()
-    result = evaluate.evaluate_policy(
+    result = measures.evaluate_policy(
         policy=policy, tokenizer=tokenizer, prompts=prompts,
-        draws=evaluate.PairedSampling(Sampling(max_new_tokens=6), seed=0, batch_size=5),
-        measures=evaluate.Measures(Scorer(freeze(load_reward_model(str(tiny_rm_dir)).to(DEVICE))), GoldJudge.load(SENTIMENT_JUDGE)),
-        reference=evaluate.KLReference(freeze(load_causal_lm(str(tiny_model_dir)).to(DEVICE))),
+        draws=measures.PairedSampling(Sampling(max_new_tokens=6), seed=0, batch_size=5),
+        measures=measures.Measures(Scorer(freeze(load_reward_model(str(tiny_rm_dir)).to(DEVICE))), GoldJudge.load(SENTIMENT_JUDGE)),
+        reference=measures.KLReference(freeze(load_causal_lm(str(tiny_model_dir)).to(DEVICE))),
     )  # fmt: skip
     assert torch.equal(torch.get_rng_state(), state)
     assert policy.training  # restored

@@ -53,7 +53,7 @@ from llm_rlhf.rl.rollout import (
     sample,
     stop_string_ends,
 )
-from llm_rlhf.stages import evaluate, ppo, ppo_run
+from llm_rlhf.stages import evaluate, measures, ppo, ppo_run
 
 ROOT = Path(__file__).resolve().parents[1]
 STOPS = ["e", "a"]  # in about one token of five of the tiny tokenizer's: some responses stop, some do not
@@ -363,10 +363,10 @@ def test_eval_scores_the_cut_responses(eos_prone_dir, tiny_model_dir, tiny_rm_di
 
     sampling = Sampling(max_new_tokens=10, temperature=1.0, stop_strings=tuple(STOPS), min_new_tokens=2)
     prompts = PROMPTS * 3
-    draws = evaluate.PairedSampling(sampling, seed=3, batch_size=len(prompts))
-    records = evaluate.sample_and_score(lm, tokenizer, prompts, draws, measures=evaluate.Measures(Scorer(rm), judge),
-                                        reference=evaluate.KLReference(ref))  # fmt: skip
-    batch = evaluate.sample_batch(lm, tokenizer, prompts, sampling, seed=3)  # the same draws (seed + batch 0)
+    draws = measures.PairedSampling(sampling, seed=3, batch_size=len(prompts))
+    records = measures.sample_and_score(lm, tokenizer, prompts, draws, measures=measures.Measures(Scorer(rm), judge),
+                                        reference=measures.KLReference(ref))  # fmt: skip
+    batch = measures.sample_batch(lm, tokenizer, prompts, sampling, seed=3)  # the same draws (seed + batch 0)
     eos = tokenizer.eos_token_id
     assert seen == [r["response"] for r in records]
     assert any(batch.stopped) and not all(batch.stopped)
@@ -389,7 +389,7 @@ def test_eval_scores_the_cut_responses(eos_prone_dir, tiny_model_dir, tiny_rm_di
                         response_mask=torch.ones((1, len(ids)), dtype=torch.bool))  # fmt: skip
         assert record["rm_score"] == pytest.approx(Scorer(rm)(alone, tokenizer).rm_score.item(), abs=1e-5)
         assert record["kl_to_ref"] == pytest.approx(kl[b].item(), abs=1e-4)
-    summary = evaluate.summarize(records)
+    summary = measures.summarize(records)
     assert summary["eos_rate"] == pytest.approx(float(batch.ended(eos).float().mean()))
 
 

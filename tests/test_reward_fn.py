@@ -29,7 +29,7 @@ from llm_rlhf.models.reward_fn import (
 from llm_rlhf.models.reward_model import load_reward_model
 from llm_rlhf.models.scoring import Scorer
 from llm_rlhf.rl.hacking import DEGENERACY_KEYS, degeneracy_rates
-from llm_rlhf.stages import evaluate, ppo, ppo_run
+from llm_rlhf.stages import evaluate, measures, ppo, ppo_run
 
 ROOT = Path(__file__).resolve().parents[1]
 FILE_SPEC = "tests/reward_fns.py:keyword"  # the file form, relative to the repo root
@@ -370,7 +370,7 @@ def test_eval_reward_fn_beside_the_rm(tiny_model_dir, tiny_rm_dir, prompt_file, 
         assert [s[f"{who}_reward_fn"] for s in samples] == fn
         for s, f in zip(samples, fn):
             assert s[f"{who}_combined_score"] == pytest.approx(s[f"{who}_rm_score"] + 2.0 * f)
-    wins = evaluate.win_rate(
+    wins = measures.win_rate(
         [s["policy_reward_fn"] for s in samples], [s["baseline_reward_fn"] for s in samples]
     )
     assert metrics["reward_fn_win_rate"] == wins

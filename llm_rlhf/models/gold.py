@@ -256,7 +256,7 @@ def judge_pairs(
     """`judge_details` of the rows, each distinct (prompt, response) judged once (in the order first seen) and
     its parts given to every row that holds it: one float per row under each key. Where the gold of a sample
     is judged, for `llm-rlhf eval`, PPO's held-out evaluation and `compare` (whose best-of-n draws the same
-    response to a prompt more than once) alike (`evaluate.sample_and_score`); rows without a repeat make
+    response to a prompt more than once) alike (`measures.sample_and_score`); rows without a repeat make
     exactly `judge_details`' call."""
     pairs = list(dict.fromkeys(zip(prompts, responses)))  # distinct, in order
     parts = judge_details(judge, [p for p, _ in pairs], [r for _, r in pairs])

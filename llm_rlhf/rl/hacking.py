@@ -169,7 +169,7 @@ HELDOUT_SAMPLE_KEYS = (
 
 
 def heldout_sample_rows(records: list[dict], *, step: int, reward_fn_weight: float) -> list[dict]:
-    """One line of PPO's eval_samples.jsonl per sample of a held-out evaluation (`evaluate.sample_and_score`
+    """One line of PPO's eval_samples.jsonl per sample of a held-out evaluation (`measures.sample_and_score`
     records): the step, HELDOUT_SAMPLE_KEYS, and `proxy`, the score PPO maximised, rm_score +
     reward_fn_weight * reward_fn with a reward function (rm_score 0 without an RM; `evaluate.combined_score`),
     else rm_score (None when neither scored)."""
@@ -233,7 +233,7 @@ def collapse_rates(
         word_distinct_2     #{distinct g} / sum_g count(g)
 
     The three bigram counters are 0.0 when no response has two words (word_distinct_2 then says nothing: 0.0,
-    as `evaluate.distinct_n`); every counter is 0.0 for no responses."""
+    as `measures.distinct_n`); every counter is 0.0 for no responses."""
     counts, reach = _bigram_counts(responses)
     total = sum(counts.values())
     return {

@@ -62,7 +62,7 @@ from llm_rlhf.models.scoring import Scorer, build_scorer
 from llm_rlhf.rl import ppo_math
 from llm_rlhf.rl.rollout import Sampling
 from llm_rlhf.stages import dpo, ppo_config
-from llm_rlhf.stages.evaluate import (
+from llm_rlhf.stages.measures import (
     KLReference,
     Measures,
     PairedSampling,

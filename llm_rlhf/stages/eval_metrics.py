@@ -5,7 +5,7 @@ reads the files by these names. Stdlib only.
                            key + BASELINE, a win rate's standard error under win rate + STDERR
     eval/samples.jsonl     one line per pair of samples: PROMPT, SAMPLE, then `side(who, field)` for each
                            per-sample field of the policy and the baseline
-    ppo/eval_log.jsonl     one line per held-out evaluation during PPO (`evaluate.heldout_record`)
+    ppo/eval_log.jsonl     one line per held-out evaluation during PPO (`measures.heldout_record`)
 
 The degeneracy rates (char_run_rate, ...) are `hacking.DEGENERACY_KEYS`, the collapse counters (duplicate_rate,
 ...) `hacking.COLLAPSE_KEYS`, both in every evaluation's figures (the baseline's with BASELINE) and in every line
@@ -19,7 +19,7 @@ from llm_rlhf.rl import hacking
 BASELINE = "_baseline"  # suffix: the baseline's figure of a metrics.json key
 STDERR = "_stderr"  # suffix: a win rate's standard error
 
-# per-sample fields: `evaluate.sample_and_score`'s records, and eval/samples.jsonl's columns (`side`)
+# per-sample fields: `measures.sample_and_score`'s records, and eval/samples.jsonl's columns (`side`)
 PROMPT = "prompt"
 SAMPLE = "sample"  # samples.jsonl: which of its prompt's samples_per_prompt samples
 RESPONSE = "response"
@@ -94,7 +94,7 @@ GOLD_JUDGE = "gold_judge"
 GOLD_JUDGE_HELDOUT_ACCURACY = "gold_judge_heldout_accuracy"  # the gold's sentiment part on held-out data
 GOLD_JUDGE_VALIDITY = "gold_judge_validity"  # the fluency-aware gold's checks (its judge JSON's)
 
-# ppo/eval_log.jsonl (`evaluate.heldout_record`): these, and RM_SCORE, RM_SCORE_MEMBER + k, GOLD_SCORE,
+# ppo/eval_log.jsonl (`measures.heldout_record`): these, and RM_SCORE, RM_SCORE_MEMBER + k, GOLD_SCORE,
 # REWARD_FN, SENTIMENT, FLUENCY_PERPLEXITY, EOS_RATE, GOLD_SCORE_STDERR, the degeneracy and collapse counters
 # and ACCURACY_KEYS
 LOG_STEP = "step"  # the PPO step evaluated (0: the model PPO started from)

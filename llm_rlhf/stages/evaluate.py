@@ -71,27 +71,20 @@ Your own gold judge: `--gold_judge mypackage.judges:score` (a function) or `mypa
 class built with no arguments), any callable (prompts: list[str], responses: list[str]) -> list[float]
 with higher = better; see `llm_rlhf.models.gold`.
 
-For PPO (or any training loop) `evaluate_policy(...)` runs the same sampling and scoring for one
-already-loaded policy and returns the summary figures (`heldout_record`: a line of PPO's eval_log.jsonl;
-`load_heldout_inputs`: a PPO config's held-out prompts and gold judge). Every score is the one scorer's
+The sampling and the measures are `llm_rlhf.stages.measures`'s, which PPO's held-out evaluations (its
+`evaluate_policy`, for one already-loaded policy) and `llm-rlhf compare` share. Every score is the one scorer's
 (`llm_rlhf.models.scoring.Scorer`), the one PPO adds at the last response token.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 import time
-from collections.abc import Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from accelerate import PartialState
-from tqdm.auto import tqdm
 
 from llm_rlhf.core.callables import split_callable_spec
 from llm_rlhf.core.config import checked_keywords, format_config, help_field, is_off, require, save_config
@@ -99,7 +92,7 @@ from llm_rlhf.core.data import DATA_FORMATS, load_prompt_dataset, prompt_rules
 from llm_rlhf.core.errors import UserError
 from llm_rlhf.core.utils import atomic_write_json, atomic_write_text
 from llm_rlhf.models.accelerated import outside_zero_init
-from llm_rlhf.models.gold import FluentGoldJudge, GoldJudge, judge_pairs, load_judge
+from llm_rlhf.models.gold import FluentGoldJudge, GoldJudge, load_judge
 from llm_rlhf.models.loading import (
     check_embeddings,
     check_positions,
@@ -110,25 +103,29 @@ from llm_rlhf.models.loading import (
 )
 from llm_rlhf.models.reward_fn import RewardFn, load_reward_fn, probe
 from llm_rlhf.models.reward_model import RewardEnsemble, check_members_exist
-from llm_rlhf.models.scoring import Scorer, Scores, build_scorer, check_score_keys
-from llm_rlhf.rl import ppo_math
+from llm_rlhf.models.scoring import Scorer, build_scorer, check_score_keys
 from llm_rlhf.rl.hacking import (
-    COLLAPSE_KEYS,
-    DEGENERACY_KEYS,
-    collapse_rates,
     counter_alarms,
-    degeneracy_rates,
 )
 from llm_rlhf.rl.rollout import (
-    Samples,
     Sampling,
     check_generation_controls,
     encode_prompt,
-    left_pad,
-    response_logits,
-    sample,
 )
 from llm_rlhf.stages import eval_metrics
+from llm_rlhf.stages.measures import (
+    KLReference,
+    Measures,
+    PairedSampling,
+    accuracy_figures,
+    greedy_records,
+    load_verifier,
+    mean_and_stderr_over_prompts,
+    sample_and_score,
+    summarize,
+    win_points,
+    win_rate,
+)
 
 
 @checked_keywords
@@ -261,406 +258,6 @@ class Config:
         require(self.batch_size > 0, "batch_size", "must be > 0")
         require(self.print_samples >= 0, "print_samples", "must be >= 0")
         check_generation_controls(self)
-
-
-# ---------------------------------------------------------------------------------------------
-# Metrics: small pure functions
-# ---------------------------------------------------------------------------------------------
-
-
-def win_rate(scores: list[float], baseline_scores: list[float]) -> float:
-    """Fraction of pairs where scores[i] > baseline_scores[i]; a tie counts one half."""
-    if len(scores) != len(baseline_scores) or not scores:
-        raise ValueError(
-            f"need two equally long, non-empty lists (got {len(scores)} and {len(baseline_scores)})"
-        )
-    return sum(win_points(scores, baseline_scores)) / len(scores)
-
-
-def win_points(scores: list[float], baseline_scores: list[float]) -> list[float]:
-    """Per pair: 1 for a win, 0.5 for a tie, 0 for a loss."""
-    return [1.0 if a > b else 0.5 if a == b else 0.0 for a, b in zip(scores, baseline_scores)]
-
-
-def distinct_n(sequences: list[list], n: int) -> float:
-    """Unique n-grams / total n-grams, pooled over all sequences (0.0 when there is no n-gram)."""
-    grams = [tuple(seq[i : i + n]) for seq in sequences for i in range(len(seq) - n + 1)]
-    return len(set(grams)) / len(grams) if grams else 0.0
-
-
-def mean_and_stderr(values: list[float]) -> tuple[float, float]:
-    """Mean and standard error of the mean (sample std / sqrt(n); 0 for one value)."""
-    n = len(values)
-    mean = sum(values) / n
-    var = sum((v - mean) ** 2 for v in values) / (n - 1) if n > 1 else 0.0
-    return mean, math.sqrt(var / n)
-
-
-def mean_and_stderr_over_prompts(values: list[float], samples_per_prompt: int) -> tuple[float, float]:
-    """Mean and standard error with each prompt counted once: `values` holds samples_per_prompt consecutive
-    values per prompt (prompt-major, as `llm-rlhf eval` lays out its samples). Each prompt's values are
-    averaged first, m_i = mean_j values[i, j], then `mean_and_stderr` over the n prompts: sd(m, n - 1) / sqrt(n).
-    The mean is the mean over all values; the stderr is not the one over the samples, which would count a
-    prompt's samples as independent draws of the task (they share the prompt: an easy problem is easy for all)."""
-    k = samples_per_prompt
-    if k < 1 or not values or len(values) % k:
-        raise ValueError(f"{len(values)} values are not whole groups of samples_per_prompt={k}")
-    per_prompt = [sum(values[i : i + k]) / k for i in range(0, len(values), k)]  # (n,) m_i
-    return mean_and_stderr(per_prompt)
-
-
-# ---------------------------------------------------------------------------------------------
-# Sampling and scoring
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PairedSampling:
-    """How evaluation samples, so that two models' samples pair up: the prompts cut into the same batches of
-    `batch_size`, batch b drawn with `sampling` after torch.manual_seed(seed + b) (in a fork of the RNG)."""
-
-    sampling: Sampling
-    seed: int = 0
-    batch_size: int = 32
-
-    def greedy(self) -> PairedSampling:
-        """The same batches and ends (EOS, stop_strings, min_new_tokens, max_new_tokens), decoded greedily:
-        temperature 0, the argmax at every token (`rollout.Sampling`), no random draw, so the same responses
-        whatever the seed."""
-        return dataclasses.replace(self, sampling=dataclasses.replace(self.sampling, temperature=0.0))
-
-
-@dataclass(frozen=True)
-class KLReference:
-    """pi_ref of kl_to_ref: a causal LM, and with LoRA the context that turns the policy's adapter off (the
-    reference is then the policy's own network, `lm.disable_adapter`)."""
-
-    lm: Any
-    context: Any = None
-
-
-def _rng_devices(device: torch.device) -> list:
-    return [device] if device.type == "cuda" else []
-
-
-@torch.no_grad()
-def sample_batch(model, tokenizer, prompts: list[str], sampling: Sampling, *, seed: int) -> Samples:
-    """Left-padded batched `generate` (HF derives the positions from the attention mask), seeded with
-    `seed` without touching the global RNG; stops at EOS (possibly at once, unless min_new_tokens) or at a
-    stop string, sampled as in PPO (`rollout.sample`)."""
-    device = next(model.parameters()).device
-    queries = [encode_prompt(tokenizer, p) for p in prompts]  # as PPO, SFT and the RM tokenize prompts
-    if any(len(q) == 0 for q in queries):
-        raise UserError("a prompt tokenizes to no tokens; every prompt needs at least one")
-    query, query_mask = left_pad(queries, tokenizer.pad_token_id, device)  # (B, P) each
-    with torch.random.fork_rng(devices=_rng_devices(device)):
-        torch.manual_seed(seed)
-        return sample(model, tokenizer, query, query_mask, sampling)
-
-
-@torch.no_grad()
-def sequence_kl_to_ref(
-    model, reference: KLReference, batch: Samples, sampling: Sampling, *, eos_token_id: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """k1 sequence KL of each sample, sum_t log pi(y_t|s_t) - log pi_ref(y_t|s_t) over its response tokens,
-    with both log-probs at temperature 1 and at the sampling temperature, both from logits with EOS masked
-    before min_new_tokens as in sampling (`ppo_math.mask_eos_logits`, as PPO). Returns two (B,) tensors.
-
-    A model that is its own reference (the baseline of an evaluation whose reference is the baseline: the SFT
-    model of the default pipeline, the instruct model of the arithmetic recipe) is not run twice: the second
-    forward would give the same logits bit for bit, so its KL is exactly 0 either way (issue 41)."""
-    mask = dict(eos_token_id=eos_token_id, min_new_tokens=sampling.min_new_tokens)
-    logits = ppo_math.mask_eos_logits(logits=response_logits(model, batch), **mask)  # (B, R, V)
-    if reference.lm is model and reference.context is None:
-        ref_logits = logits
-    else:
-        with reference.context() if reference.context is not None else nullcontext():
-            ref_logits = ppo_math.mask_eos_logits(
-                logits=response_logits(reference.lm, batch), **mask
-            )  # (B, R, V)
-    out = []
-    for tau in (1.0, sampling.temperature):
-        logprobs = ppo_math.logprobs_from_logits(
-            logits=logits, labels=batch.response, temperature=tau
-        )  # (B, R)
-        ref_logprobs = ppo_math.logprobs_from_logits(
-            logits=ref_logits, labels=batch.response, temperature=tau
-        )
-        kl = ppo_math.kl_penalty(logprobs=logprobs, ref_logprobs=ref_logprobs, estimator="k1")  # (B, R)
-        out.append(ppo_math.sequence_kl(kl=kl, response_mask=batch.response_mask))  # (B,)
-    return out[0], out[1]
-
-
-def _floats(x: torch.Tensor | None, i: int) -> float | None:
-    return float(x[i]) if x is not None else None
-
-
-@dataclass(frozen=True)
-class Measures:
-    """What scores a sample beside its KL, each None to skip its figures: the scorer (PPO's score,
-    `scoring.Scorer`: the reward model or ensemble and the reward function), the gold judge (any (prompts,
-    responses) -> list[float], `gold.load_judge`) and the verifier (a loaded accuracy_fn, `load_verifier`)."""
-
-    scorer: Scorer | None = None
-    judge: Any = None
-    verifier: RewardFn | None = None
-
-
-@torch.no_grad()
-def sample_and_score(
-    model,
-    tokenizer,
-    prompts: list[str],
-    draws: PairedSampling,
-    *,
-    measures: Measures = Measures(),
-    reference: KLReference | None = None,
-    progress: str | None = None,
-) -> list[dict[str, Any]]:
-    """One record per prompt: prompt, response (text; a stop string that ended it is kept, as the RM scored
-    it), response_ids (EOS excluded), length (tokens, EOS included), eos (ended: EOS or a stop string),
-    kl_to_ref and kl_to_ref_at_temperature (None without `reference`), then the `measures.scorer`'s parts (PPO's
-    score, `scoring.Scorer`): rm_score (None without a reward model; a `RewardEnsemble`'s combined score),
-    rm_member_scores (a list of K floats) and rm_disagreement (their population std; both None unless the
-    reward model is an ensemble), reward_fn (None without a reward function: its unweighted score of the
-    prompt and the response text) and combined_score (rm_score + reward_fn_weight * reward_fn, the score PPO
-    maximises; None without a reward function), then gold_score (None without a judge) and sentiment,
-    fluency_nll, fluency_perplexity (None unless the judge reports them, as the fluency-aware gold does; each
-    distinct (prompt, response) judged once, `llm_rlhf.models.gold.judge_pairs`), then correct: the verifier's verdict
-    on the prompt and the response text, 1.0 or 0.0 (None without a verifier: `accuracy_fn`). Batch b is
-    sampled with seed + b (`PairedSampling`)."""
-    if not prompts:
-        raise ValueError("no prompts to sample")
-    sampling, scorer = draws.sampling, measures.scorer
-    records: list[dict[str, Any]] = []
-    starts = range(0, len(prompts), draws.batch_size)
-    for b, start in enumerate(tqdm(starts, desc=progress, disable=progress is None, leave=False)):
-        chunk = prompts[start : start + draws.batch_size]
-        batch = sample_batch(model, tokenizer, chunk, sampling, seed=draws.seed + b)
-        kls = (
-            sequence_kl_to_ref(model, reference, batch, sampling, eos_token_id=tokenizer.eos_token_id)
-            if reference is not None
-            else (None, None)
-        )
-        scores = scorer(batch, tokenizer, chunk) if scorer is not None else Scores(None)
-        records += batch_records(chunk, batch, tokenizer, kls, scores)
-    texts = [r["prompt"] for r in records], [r["response"] for r in records]
-    if measures.judge is not None:
-        parts = judge_pairs(measures.judge, *texts)
-        for i, record in enumerate(records):
-            record.update({key: values[i] for key, values in parts.items() if key in record})
-    if measures.verifier is not None:  # one checked call: every verdict 1.0 or 0.0 (`load_verifier`)
-        for record, verdict in zip(records, measures.verifier(*texts)):
-            record["correct"] = verdict
-    return records
-
-
-def batch_records(
-    prompts: list[str], batch: Samples, tokenizer, kls: tuple, scores: Scores
-) -> list[dict[str, Any]]:
-    """`sample_and_score`'s records of one sampled batch: the response, its length and end, its two KLs
-    (None each without a reference) and the scorer's parts; the judge's and the verifier's keys None."""
-    combined = scores.scores if scores.reward_fn is not None else None  # (B,) the sum PPO maximises
-    eos = (batch.response == tokenizer.eos_token_id) & batch.response_mask  # (B, R) the first EOS, if any
-    ended = batch.ended(tokenizer.eos_token_id)  # (B,) EOS or a stop string
-    records = []
-    for i, prompt in enumerate(prompts):
-        ids = batch.response[i][batch.response_mask[i] & ~eos[i]].tolist()  # the response without its EOS
-        records.append(
-            {
-                "prompt": prompt,
-                "response": tokenizer.decode(ids, skip_special_tokens=True),
-                "response_ids": ids,
-                "length": int(batch.response_mask[i].sum()),
-                "eos": bool(ended[i]),
-                "kl_to_ref": _floats(kls[0], i),
-                "kl_to_ref_at_temperature": _floats(kls[1], i),
-                "rm_score": _floats(scores.rm_score, i),
-                "rm_member_scores": (
-                    scores.member_scores[:, i].tolist() if scores.member_scores is not None else None
-                ),
-                "rm_disagreement": _floats(scores.disagreement, i),
-                "reward_fn": _floats(scores.reward_fn, i),
-                "combined_score": _floats(combined, i),
-                "gold_score": None,
-                "sentiment": None,
-                "fluency_nll": None,
-                "fluency_perplexity": None,
-                "correct": None,
-            }
-        )
-    return records
-
-
-def greedy_records(model, tokenizer, prompts: list[str], draws: PairedSampling, verifier: RewardFn):
-    """One greedy response per prompt (`PairedSampling.greedy`: the argmax at every token, in draws' batches,
-    ending as draws' responses end), with the verifier's verdict: `sample_and_score`'s records, `correct` set
-    and nothing else scored."""
-    return sample_and_score(model, tokenizer, prompts, draws.greedy(), measures=Measures(verifier=verifier))
-
-
-ACCURACY_KEYS = eval_metrics.ACCURACY_KEYS
-
-
-def accuracy_figures(
-    sampled: list[dict[str, Any]],
-    greedy: list[dict[str, Any]] | None,
-    *,
-    samples_per_prompt: int = 1,
-    suffix: str = "",
-) -> dict[str, float | None]:
-    """`ACCURACY_KEYS` (+ suffix) from the verdicts (`correct`) of one model's records: accuracy, the mean over
-    the sampled records (samples_per_prompt consecutive records per prompt), accuracy_greedy the mean over the
-    greedy records (one per prompt), each with its standard error over the prompts
-    (`mean_and_stderr_over_prompts`). All None when greedy is None (no verifier: not measured)."""
-    if greedy is None:
-        return {key + suffix: None for key in ACCURACY_KEYS}
-    accuracy, stderr = mean_and_stderr_over_prompts([r["correct"] for r in sampled], samples_per_prompt)
-    accuracy_greedy, greedy_stderr = mean_and_stderr_over_prompts([r["correct"] for r in greedy], 1)
-    figures = (accuracy, stderr, accuracy_greedy, greedy_stderr)
-    return {key + suffix: value for key, value in zip(ACCURACY_KEYS, figures)}
-
-
-def load_verifier(spec: str, prompts: Sequence[str]) -> RewardFn:
-    """`accuracy_fn: SPEC` loaded as a reward function is (`reward_fn.load_reward_fn`: its errors name
-    accuracy_fn, and every score must be 1.0 or 0.0) and probed the same way (`reward_fn.probe`, on the first
-    two prompts with dummy responses): a broken verifier, or one that grades, stops the run with one line
-    before any model loads."""
-    verifier = load_reward_fn(spec, key="accuracy_fn", binary=True)
-    probe(verifier, prompts)
-    return verifier
-
-
-def summarize(
-    records: list[dict[str, Any]], suffix: str = "", samples_per_prompt: int = 1
-) -> dict[str, float | None]:
-    """Means over the samples of one model, and standard errors over the prompts (`records` prompt-major,
-    samples_per_prompt consecutive records per prompt: `mean_and_stderr_over_prompts`); keys end with `suffix`."""
-    out: dict[str, float | None] = {}
-    for key, name in (
-        (eval_metrics.GOLD_SCORE, eval_metrics.GOLD_SCORE_MEAN),
-        (eval_metrics.SENTIMENT, eval_metrics.SENTIMENT_MEAN),
-        (eval_metrics.RM_SCORE, eval_metrics.RM_SCORE_MEAN),
-        (eval_metrics.REWARD_FN, eval_metrics.REWARD_FN_MEAN),
-        (eval_metrics.COMBINED_SCORE, eval_metrics.COMBINED_SCORE_MEAN),
-        (eval_metrics.KL_TO_REF, eval_metrics.KL_TO_REF),
-        (eval_metrics.KL_TO_REF_AT_TEMPERATURE, eval_metrics.KL_TO_REF_AT_TEMPERATURE),
-    ):
-        values = [r.get(key) for r in records]
-        mean, stderr = None, None
-        if None not in values:  # the mean over the samples, its standard error over the prompts
-            mean = mean_and_stderr(values)[0]
-            stderr = mean_and_stderr_over_prompts(values, samples_per_prompt)[1]
-        out[name + suffix] = mean
-        out[name.removesuffix("_mean") + eval_metrics.STDERR + suffix] = stderr
-    nll = [r["fluency_nll"] for r in records]  # geometric mean of the per-response perplexities:
-    out[eval_metrics.FLUENCY_PERPLEXITY + suffix] = (
-        math.exp(mean_and_stderr(nll)[0]) if None not in nll else None
-    )
-    out[eval_metrics.RESPONSE_LENGTH_MEAN + suffix] = mean_and_stderr([r["length"] for r in records])[0]
-    out[eval_metrics.EOS_RATE + suffix] = mean_and_stderr([float(r["eos"]) for r in records])[0]
-    out[eval_metrics.DISTINCT_1 + suffix] = distinct_n([r["response_ids"] for r in records], 1)
-    out[eval_metrics.DISTINCT_2 + suffix] = distinct_n([r["response_ids"] for r in records], 2)
-    responses = [r["response"] for r in records]
-    out.update(degeneracy_rates(responses, suffix))  # issue 28: the hacking watch
-    # issue 40: a policy collapsed onto one phrase trips no degeneracy counter; a repeat counts across prompts
-    out.update(collapse_rates(responses, prompts=[r["prompt"] for r in records], suffix=suffix))
-    if records[0].get("rm_member_scores") is not None:  # an ensemble: each member, and their disagreement
-        per_member = zip(*[r["rm_member_scores"] for r in records])  # K tuples of one score per sample
-        for k, scores in enumerate(per_member):
-            out[f"{eval_metrics.RM_SCORE_MEMBER}{k}_mean" + suffix] = mean_and_stderr(list(scores))[0]
-        out[eval_metrics.RM_DISAGREEMENT_MEAN + suffix] = mean_and_stderr(
-            [r["rm_disagreement"] for r in records]
-        )[0]
-    return out
-
-
-def evaluate_policy(
-    policy,
-    tokenizer,
-    prompts: list[str],
-    draws: PairedSampling,
-    *,
-    measures: Measures = Measures(),
-    reference: KLReference | None = None,
-    samples_out: list[dict[str, Any]] | None = None,
-) -> dict[str, float | None]:
-    """Sample one response per prompt from `policy` and score it: for evaluation during training.
-
-    policy: a causal LM (e.g. PPO's `policy.lm` unwrapped from DDP); reference: a `KLReference` (the
-    reference's `lm`; with LoRA the policy's `lm` again with `context=lm.disable_adapter`), None to skip the
-    KL; measures: the scorer (as PPO scores), the gold judge and the verifier (`Measures`). Deterministic for a
-    given seed, and the global RNG is left untouched. The policy is put in eval mode for the call and restored.
-    Returns `summarize`'s keys: gold_score_mean, rm_score_mean, reward_fn_mean, combined_score_mean,
-    kl_to_ref, kl_to_ref_at_temperature, response_length_mean, eos_rate, distinct_1, distinct_2, the degeneracy rates
-    (+ stderrs), and `ACCURACY_KEYS`: with a verifier (a loaded `accuracy_fn`, `load_verifier`) accuracy, the
-    verifier's mean over these samples, and accuracy_greedy over one more, greedy response per prompt
-    (`greedy_records`; no random draw), each with its stderr over the prompts; None without one. samples_out:
-    a list that gets `sample_and_score`'s per-sample records appended (PPO logs them for the report's
-    reward-hacking watch); None = not kept.
-    """
-    was_training = policy.training
-    policy.eval()
-    prompts = list(prompts)
-    try:
-        records = sample_and_score(policy, tokenizer, prompts, draws, measures=measures, reference=reference)
-        verifier = measures.verifier
-        greedy = greedy_records(policy, tokenizer, prompts, draws, verifier) if verifier is not None else None
-    finally:
-        policy.train(was_training)
-    if samples_out is not None:
-        samples_out.extend(records)
-    return {**summarize(records), **accuracy_figures(records, greedy)}
-
-
-def load_heldout_inputs(cfg, tokenizer=None) -> tuple[list[str], Any]:
-    """A PPO config's held-out prompts (the first eval_num_prompts of eval_prompt_file) and its gold judge, or
-    nothing when its held-out evaluation is off (eval_every 0 or no eval_prompt_file). `compare` reads a PPO
-    run's the same way. tokenizer: the policy's (chat prompts are rendered with it), else model_name_or_path's."""
-    if not cfg.eval_every or not cfg.eval_prompt_file:
-        return [], None
-    tokenizer = tokenizer or load_tokenizer(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
-    prompts = load_prompt_dataset(cfg.eval_prompt_file, tokenizer, **prompt_rules(cfg))["prompt"]
-    return list(prompts[: cfg.eval_num_prompts]), load_judge(cfg.gold_judge)
-
-
-def heldout_record(step: int, result: dict[str, Any]) -> dict[str, Any]:
-    """One line of PPO's eval_log.jsonl from `evaluate_policy`'s figures: step, kl, rm_score (with an ensemble
-    also rm_score_member_<k> and rm_disagreement), gold_score, reward_fn (unweighted; None without one),
-    sentiment, fluency_perplexity, eos_rate, response_length, the degeneracy rates (`hacking.DEGENERACY_KEYS`),
-    the collapse counters (`hacking.COLLAPSE_KEYS`), accuracy, accuracy_stderr, accuracy_greedy,
-    accuracy_greedy_stderr (`ACCURACY_KEYS`; None without an accuracy_fn), and what the alarm's proxy-up /
-    gold-down rule reads (`hacking.trajectory_point`): gold_score_stderr, and proxy with proxy_stderr, the mean
-    and standard error of the score PPO maximised (combined_score with a reward function, else rm_score)."""
-    members = {
-        key.removesuffix("_mean"): value
-        for key, value in result.items()
-        if key.startswith((eval_metrics.RM_SCORE_MEMBER, eval_metrics.LOG_RM_DISAGREEMENT))
-    }  # only with an ensemble
-    with_fn = result[eval_metrics.COMBINED_SCORE_MEAN] is not None  # the proxy: what PPO maximised
-    proxy, proxy_stderr = (
-        (eval_metrics.COMBINED_SCORE_MEAN, eval_metrics.COMBINED_SCORE_STDERR)
-        if with_fn
-        else (eval_metrics.RM_SCORE_MEAN, eval_metrics.RM_SCORE_STDERR)
-    )
-    return {
-        eval_metrics.LOG_STEP: step,
-        eval_metrics.LOG_KL: result[eval_metrics.KL_TO_REF],
-        eval_metrics.RM_SCORE: result[eval_metrics.RM_SCORE_MEAN],
-        **members,
-        eval_metrics.GOLD_SCORE: result[eval_metrics.GOLD_SCORE_MEAN],
-        eval_metrics.REWARD_FN: result[eval_metrics.REWARD_FN_MEAN],
-        eval_metrics.SENTIMENT: result[eval_metrics.SENTIMENT_MEAN],
-        eval_metrics.FLUENCY_PERPLEXITY: result[eval_metrics.FLUENCY_PERPLEXITY],
-        eval_metrics.EOS_RATE: result[eval_metrics.EOS_RATE],
-        eval_metrics.LOG_RESPONSE_LENGTH: result[eval_metrics.RESPONSE_LENGTH_MEAN],
-        **{key: result[key] for key in DEGENERACY_KEYS},
-        **{key: result[key] for key in COLLAPSE_KEYS},
-        **{key: result[key] for key in ACCURACY_KEYS},
-        eval_metrics.GOLD_SCORE_STDERR: result[eval_metrics.GOLD_SCORE_STDERR],
-        eval_metrics.LOG_PROXY: result[proxy],
-        eval_metrics.LOG_PROXY_STDERR: result[proxy_stderr],
-    }
 
 
 # ---------------------------------------------------------------------------------------------

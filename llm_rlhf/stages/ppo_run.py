@@ -71,7 +71,7 @@ from llm_rlhf.models.scoring import scoring_reward_model
 from llm_rlhf.rl.hacking import heldout_sample_rows, watch_fields
 from llm_rlhf.rl.rollout import encode_prompt, left_pad
 from llm_rlhf.stages import eval_metrics, ppo_metrics
-from llm_rlhf.stages.evaluate import (
+from llm_rlhf.stages.measures import (
     KLReference,
     Measures,
     PairedSampling,
@@ -460,7 +460,7 @@ def load_and_probe_reward_fn(
 def load_and_probe_verifier(
     cfg: Config, tokenizer, prompts: list[list[int]], eval_prompts: list[str]
 ) -> RewardFn | None:
-    """`cfg.accuracy_fn` loaded and probed before any model, as the reward_fn (`evaluate.load_verifier`),
+    """`cfg.accuracy_fn` loaded and probed before any model, as the reward_fn (`measures.load_verifier`),
     where something reads it: held-out evaluation's accuracy (probed on the held-out prompts) or dynamic
     sampling, which ties groups on its verdicts (probed on the first two training prompts). Else None."""
     if cfg.accuracy_fn is None or not (eval_prompts or cfg.dynamic_sampling):
@@ -686,9 +686,9 @@ def evaluate_heldout(
     trainer: PPOTrainer, prompts: list[str], judge, verifier: RewardFn | None = None
 ) -> tuple[dict[str, float], list[dict]]:
     """RM score, gold score, reward_fn score (unweighted; None without a reward_fn) and KL to the reference
-    on held-out prompts (`evaluate.evaluate_policy`, with the run's sampling settings and scorer; fixed seed:
+    on held-out prompts (`measures.evaluate_policy`, with the run's sampling settings and scorer; fixed seed:
     every evaluation of the run samples with the same random numbers, in a fork of the RNG), as a line of
-    eval_log.jsonl (`evaluate.heldout_record`; with a reward-model ensemble also each member's score and their
+    eval_log.jsonl (`measures.heldout_record`; with a reward-model ensemble also each member's score and their
     disagreement, and the degeneracy rates; with a verifier, the loaded accuracy_fn, the accuracy of these
     samples and of one greedy response per prompt, which draws no random number), and the samples' rows for
     eval_samples.jsonl (`hacking.heldout_sample_rows`: the report's reward-hacking watch)."""
