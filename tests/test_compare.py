@@ -21,7 +21,7 @@ from llm_rlhf.models.gold import GoldJudge
 from llm_rlhf.models.loading import freeze, load_causal_lm, load_tokenizer
 from llm_rlhf.models.reward_model import load_reward_model
 from llm_rlhf.models.scoring import Scorer
-from llm_rlhf.rl import ppo_math
+from llm_rlhf.rl import reward_math
 from llm_rlhf.rl.rollout import Sampling
 from llm_rlhf.stages import compare
 from llm_rlhf.stages.measures import Measures, PairedSampling, sample_and_score
@@ -65,7 +65,7 @@ def test_best_of_n_points_are_the_expectations_over_the_samples(tiny_model_dir, 
     best = rm.argmax(1)
     assert by_n[8]["rm_score"] == pytest.approx(rm.max(1).values.mean().item(), abs=1e-6)
     assert by_n[8]["gold_score"] == pytest.approx(gold[torch.arange(3), best].mean().item(), abs=1e-6)
-    assert by_n[2]["kl"] == ppo_math.best_of_n_kl(2)
+    assert by_n[2]["kl"] == reward_math.best_of_n_kl(2)
     assert by_n[1]["rm_score"] <= by_n[2]["rm_score"] <= by_n[8]["rm_score"]
     with pytest.raises(ValueError, match="num_samples"):
         compare.best_of_n_points(
@@ -131,7 +131,7 @@ def test_compare_stage_puts_ppo_dpo_and_best_of_n_on_one_plot(
     fit = metrics["fits"]["best_of_n"]  # 3 points with KL > 0: fitted, flagged poor (fewer than 4)
     assert fit["form"] == "bon" and fit["poor"] and len(fit["curve"]) == 50
     d0, gold0 = fit["curve"][0]
-    law = ppo_math.gao_bon_law(torch.tensor(d0), alpha=fit["alpha"], beta=fit["beta"])
+    law = reward_math.gao_bon_law(torch.tensor(d0), alpha=fit["alpha"], beta=fit["beta"])
     assert gold0 == pytest.approx(fit["origin"] + float(law))
     assert metrics["best_of_n_best_gold"] == max(p["gold_score"] for p in bon)
     assert read_json(out / "pipeline.json")["compare"]["metrics"] == metrics
@@ -283,7 +283,8 @@ def test_dpo_and_best_of_n_are_scored_by_the_scorer_ppo_trained_against(
     assert differs.any() and not differs.all()
     bon = {p["n"]: p for p in points if p["method"] == "best_of_n"}
     for n in (1, 4):
-        weights = ppo_math.best_of_n_weights(rewards=proxy, n=n)  # (3, 4): n = 4 keeps the highest PPO score
+        # (3, 4): n = 4 keeps the highest PPO score
+        weights = reward_math.best_of_n_weights(rewards=proxy, n=n)
         assert bon[n]["rm_score"] == pytest.approx(compare.expectation(weights, rm_score), abs=1e-5)
         assert bon[n]["reward_fn"] == pytest.approx(compare.expectation(weights, fn), abs=1e-9)
     assert bon[4]["rm_score"] + 0.5 * bon[4]["reward_fn"] > bon[1]["rm_score"] + 0.5 * bon[1]["reward_fn"]

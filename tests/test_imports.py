@@ -3,7 +3,8 @@
     core -> rl -> models, tasks -> stages -> interfaces -> llm_rlhf/__init__, __main__
 
 - core        errors, the config system, callables named in configs, data files
-- rl          the math and sampling: ppo_math (torch only), the estimator table, the sampler, hacking (stdlib)
+- rl          the math and sampling: ppo_math and reward_math (torch only), the estimator and policy-loss
+              tables, the sampler, hacking (stdlib)
 - models      loading, reward models, reward functions, the scorer, the judges, device plumbing
 - tasks       checkable tasks and their verifiers
 - stages      one command each (sft, rm, dpo, ppo, eval, compare, score, judge)
@@ -121,9 +122,10 @@ def test_no_cycle():
 
 def test_layering():
     graph = import_graph()
-    ppo_math = graph["rl.ppo_math"]
-    assert ppo_math["top"] == [] and ppo_math["nested"] == []
-    assert set(ppo_math["external"]) <= {"torch", "__future__"} | set(sys.stdlib_module_names)
+    for math_module in ("rl.ppo_math", "rl.reward_math"):  # the equations, reviewable on their own
+        entry = graph[math_module]
+        assert entry["top"] == [] and entry["nested"] == [], math_module
+        assert set(entry["external"]) <= {"torch", "__future__"} | set(sys.stdlib_module_names), math_module
     hacking = graph[
         "rl.hacking"
     ]  # pure functions over texts and scores: evaluation and the report share them

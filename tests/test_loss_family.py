@@ -11,13 +11,11 @@ import pytest
 import torch
 
 from llm_rlhf.rl.policy_losses import ROWS as LOSS_ROWS
-from llm_rlhf.rl.policy_losses import LossInputs
+from llm_rlhf.rl.policy_losses import LossInputs, cispo_token_losses, gspo_token_losses, sapo_token_losses
 from llm_rlhf.rl.ppo_math import (
     LOSS_AGGREGATIONS,
     aggregate_loss,
-    cispo_token_losses,
     group_rows,
-    gspo_token_losses,
     loss_normaliser,
     mask_truncated,
     masked_mean,
@@ -25,7 +23,6 @@ from llm_rlhf.rl.ppo_math import (
     policy_loss,
     ppo_clip_token_losses,
     sampler_correction_weights,
-    sapo_token_losses,
     select_groups,
     tied_groups,
     token_advantages,

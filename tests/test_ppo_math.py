@@ -9,15 +9,15 @@ import pytest
 import torch
 
 from llm_rlhf.rl import ppo_math as pm
+from llm_rlhf.rl import reward_math
+from llm_rlhf.rl.estimators import grpo_advantages, remax_advantages, rloo_advantages
 from llm_rlhf.rl.ppo_math import (
     AdaptiveKLController,
     FixedKLController,
-    bradley_terry_loss,
     clip_scores,
     compute_gae,
     entropy_from_logits,
     explained_variance,
-    grpo_advantages,
     kl_loss,
     kl_penalty,
     logprobs_from_logits,
@@ -26,11 +26,8 @@ from llm_rlhf.rl.ppo_math import (
     masked_var,
     masked_whiten,
     policy_loss,
-    ranking_to_pairs,
     reinforce_pp_advantages,
-    remax_advantages,
     response_mask_from_tokens,
-    rloo_advantages,
     scores_by_prompt,
     sequence_kl,
     shaped_rewards,
@@ -38,6 +35,7 @@ from llm_rlhf.rl.ppo_math import (
     token_advantages,
     value_loss,
 )
+from llm_rlhf.rl.reward_math import bradley_terry_loss, ranking_to_pairs
 
 F64 = torch.float64
 TIGHT = {"rtol": 0, "atol": 1e-12}
@@ -584,11 +582,11 @@ def test_kl_controllers_state_dict_round_trip():
 
 
 def test_best_of_n_kl_formula():
-    assert pm.best_of_n_kl(1) == 0.0
-    assert pm.best_of_n_kl(2) == pytest.approx(math.log(2) - 0.5)
-    assert pm.best_of_n_kl(64) == pytest.approx(math.log(64) - 63 / 64)
+    assert reward_math.best_of_n_kl(1) == 0.0
+    assert reward_math.best_of_n_kl(2) == pytest.approx(math.log(2) - 0.5)
+    assert reward_math.best_of_n_kl(64) == pytest.approx(math.log(64) - 63 / 64)
     with pytest.raises(ValueError):
-        pm.best_of_n_kl(0)
+        reward_math.best_of_n_kl(0)
 
 
 def naive_best_of_n_weights(rewards: list[float], n: int) -> list[float]:
@@ -607,7 +605,7 @@ def naive_best_of_n_weights(rewards: list[float], n: int) -> list[float]:
 @pytest.mark.parametrize("n", [1, 2, 3, 6])
 def test_best_of_n_weights_match_enumeration_of_subsets(n):
     rewards = torch.tensor([[0.3, -1.2, 2.0, 0.7, 0.1, -0.4], [1.0, 0.0, 1.0, 2.0, 0.0, 1.0]])  # row 2 ties
-    weights = pm.best_of_n_weights(rewards=rewards, n=n)
+    weights = reward_math.best_of_n_weights(rewards=rewards, n=n)
     for row, w in zip(rewards.tolist(), weights):
         assert w.tolist() == pytest.approx(naive_best_of_n_weights(row, n), abs=1e-12)
 
@@ -617,39 +615,39 @@ def test_best_of_n_weights_estimate_the_mean_of_the_best():
     torch.manual_seed(0)
     rewards = torch.rand(2000, 32)
     for n in (1, 4, 16):
-        estimate = (pm.best_of_n_weights(rewards=rewards, n=n) * rewards.double()).sum(1).mean()
+        estimate = (reward_math.best_of_n_weights(rewards=rewards, n=n) * rewards.double()).sum(1).mean()
         assert float(estimate) == pytest.approx(n / (n + 1), abs=0.01)
     with pytest.raises(ValueError):
-        pm.best_of_n_weights(rewards=rewards, n=33)
+        reward_math.best_of_n_weights(rewards=rewards, n=33)
 
 
 def test_best_of_n_empirical_kl():
     # Distinct rewards: the analytic value, up to the finite sample (0.041 nats at n = N = 64).
     rewards = torch.randn(2, 64)
     for n in (1, 2, 8, 16):
-        kl = pm.best_of_n_empirical_kl(rewards=rewards, n=n)
-        assert kl.tolist() == pytest.approx([pm.best_of_n_kl(n)] * 2, abs=0.005)
-    kl64 = float(pm.best_of_n_empirical_kl(rewards=rewards, n=64)[0])
-    assert pm.best_of_n_kl(64) - 0.05 < kl64 < pm.best_of_n_kl(64)
+        kl = reward_math.best_of_n_empirical_kl(rewards=rewards, n=n)
+        assert kl.tolist() == pytest.approx([reward_math.best_of_n_kl(n)] * 2, abs=0.005)
+    kl64 = float(reward_math.best_of_n_empirical_kl(rewards=rewards, n=64)[0])
+    assert reward_math.best_of_n_kl(64) - 0.05 < kl64 < reward_math.best_of_n_kl(64)
     # Ties by hand: values 0 (p 1/2), 1 (1/4), 2 (1/4); F = 1/2, 3/4, 1; q = F^2 - F(-)^2 = 1/4, 5/16, 7/16.
-    kl = pm.best_of_n_empirical_kl(rewards=torch.tensor([[0.0, 1.0, 0.0, 2.0]]), n=2)
+    kl = reward_math.best_of_n_empirical_kl(rewards=torch.tensor([[0.0, 1.0, 0.0, 2.0]]), n=2)
     expected = 0.25 * math.log(0.5) + 0.3125 * math.log(1.25) + 0.4375 * math.log(1.75)
     assert float(kl[0]) == pytest.approx(expected, abs=1e-12)
     one_response = torch.ones(1, 8)  # every sample the same: best-of-n has no choice
-    assert float(pm.best_of_n_empirical_kl(rewards=one_response, n=4)[0]) == 0.0
+    assert float(reward_math.best_of_n_empirical_kl(rewards=one_response, n=4)[0]) == 0.0
 
 
-@pytest.mark.parametrize("form, law", [("bon", pm.gao_bon_law), ("rl", pm.gao_rl_law)])
+@pytest.mark.parametrize("form, law", [("bon", reward_math.gao_bon_law), ("rl", reward_math.gao_rl_law)])
 def test_fit_gao_law_recovers_its_coefficients(form, law):
     d = torch.linspace(0.2, 4.0, 12, dtype=torch.float64)
-    fit = pm.fit_gao_law(d=d, gain=law(d, alpha=1.3, beta=0.4), form=form)
+    fit = reward_math.fit_gao_law(d=d, gain=law(d, alpha=1.3, beta=0.4), form=form)
     assert (fit.alpha, fit.beta) == (pytest.approx(1.3, abs=1e-9), pytest.approx(0.4, abs=1e-9))
     assert fit.rmse < 1e-9 and fit.num_points == 12
     torch.manual_seed(0)
-    noisy = pm.fit_gao_law(d=d, gain=law(d, alpha=1.3, beta=0.4) + 0.05 * torch.randn(12), form=form)
+    noisy = reward_math.fit_gao_law(d=d, gain=law(d, alpha=1.3, beta=0.4) + 0.05 * torch.randn(12), form=form)
     assert abs(noisy.alpha - 1.3) < 3 * noisy.alpha_stderr + 1e-3 and noisy.rmse > 0.02
     with pytest.raises(ValueError):
-        pm.fit_gao_law(d=torch.tensor([0.0, 1.0, 2.0]), gain=torch.zeros(3), form=form)
+        reward_math.fit_gao_law(d=torch.tensor([0.0, 1.0, 2.0]), gain=torch.zeros(3), form=form)
 
 
 def test_mask_eos_logits_hand_example_and_gradient():

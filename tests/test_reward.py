@@ -24,7 +24,7 @@ from llm_rlhf.models.reward_model import (
     save_reward_model,
     score_pairs,
 )
-from llm_rlhf.rl import ppo_math
+from llm_rlhf.rl import reward_math
 from llm_rlhf.rl.ppo_math import position_ids_from_mask
 from llm_rlhf.stages.reward import Config, build_trainer, load_inputs, reference_texts, run
 
@@ -66,17 +66,17 @@ def tiny_config(model_dir, pref_files, output_dir, **overrides) -> Config:
 def test_bradley_terry_loss_hand_computed():
     chosen, rejected = torch.tensor([2.0, 0.5]), torch.tensor([1.0, 1.5])  # differences +1, -1
     # -log sigmoid(1) = log(1 + e^-1) = 0.313262;  -log sigmoid(-1) = log(1 + e) = 1.313262
-    loss = ppo_math.bradley_terry_loss(chosen_scores=chosen, rejected_scores=rejected)
+    loss = reward_math.bradley_terry_loss(chosen_scores=chosen, rejected_scores=rejected)
     assert loss.item() == pytest.approx((0.313262 + 1.313262) / 2, abs=1e-5)
     # margin 0.5: differences 0.5 and -1.5 -> log(1 + e^-0.5) = 0.474077, log(1 + e^1.5) = 1.701413
-    loss = ppo_math.bradley_terry_loss(
+    loss = reward_math.bradley_terry_loss(
         chosen_scores=chosen, rejected_scores=rejected, margin=torch.tensor([0.5, 0.5])
     )
     assert loss.item() == pytest.approx((0.474077 + 1.701413) / 2, abs=1e-5)
 
 
 def test_ranking_expands_into_all_pairs(tmp_path, tiny_model_dir):
-    assert ppo_math.ranking_to_pairs(["B", "A", "D", "C"]) == [
+    assert reward_math.ranking_to_pairs(["B", "A", "D", "C"]) == [
         ("B", "A"), ("B", "D"), ("B", "C"), ("A", "D"), ("A", "C"), ("D", "C"),
     ]  # fmt: skip
     from llm_rlhf.core.data import load_preference_dataset
@@ -86,7 +86,7 @@ def test_ranking_expands_into_all_pairs(tmp_path, tiny_model_dir):
         tmp_path / "ranked.jsonl", [{"prompt": "The film", "ranked": [" B", " A", " D", " C"]}]
     )
     pairs = load_preference_dataset(str(path), load_tokenizer(str(tiny_model_dir)), max_length=32)
-    assert list(zip(pairs["chosen"], pairs["rejected"])) == ppo_math.ranking_to_pairs(
+    assert list(zip(pairs["chosen"], pairs["rejected"])) == reward_math.ranking_to_pairs(
         [" B", " A", " D", " C"]
     )
 
@@ -192,7 +192,7 @@ def test_training_scores_and_loss_equal_the_reward_model(tmp_path, tiny_model_di
                            for ids in [f["chosen_ids"] for f in features] + [f["rejected_ids"] for f in features]])  # fmt: skip
     torch.testing.assert_close(outputs.logits.squeeze(-1), alone, atol=1e-5, rtol=1e-5)
     chosen, rejected = alone.chunk(2)
-    expected = ppo_math.bradley_terry_loss(
+    expected = reward_math.bradley_terry_loss(
         chosen_scores=chosen, rejected_scores=rejected, margin=batch["margin"]
     )
     assert batch["margin"].tolist() == [0.5 * (1.0 + i % 3) for i in range(4)]

@@ -44,7 +44,7 @@ from llm_rlhf.models.reward_model import (
     save_reward_model,
 )
 from llm_rlhf.models.scoring import Scorer, scored_as
-from llm_rlhf.rl import ppo_math
+from llm_rlhf.rl import ppo_math, reward_math
 from llm_rlhf.stages import evaluate, ppo, reward
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,13 +61,13 @@ S = torch.tensor([[0.0, -1.0], [0.0, -1.0], [2.0, 3.0], [2.0, 3.0]])
 
 
 def combine(mode: str, coef: float = 1.0, scores: torch.Tensor = S) -> torch.Tensor:
-    return ppo_math.combine_member_scores(member_scores=scores, combine=mode, uncertainty_coef=coef)
+    return reward_math.combine_member_scores(member_scores=scores, combine=mode, uncertainty_coef=coef)
 
 
 def test_combine_modes_against_hand_computed_values():
     assert combine("mean").tolist() == [1.0, 1.0]
     assert combine("min").tolist() == [0.0, -1.0]
-    assert ppo_math.member_disagreement(member_scores=S).tolist() == [
+    assert reward_math.member_disagreement(member_scores=S).tolist() == [
         1.0,
         2.0,
     ]  # population std, not 1.15, 2.31
@@ -80,8 +80,8 @@ def test_combine_modes_against_hand_computed_values():
 
 def test_one_member_is_returned_exactly_by_every_mode():
     one = torch.tensor([[0.123456789, -2.5, 7.25]])  # (K=1, B=3)
-    assert torch.equal(ppo_math.member_disagreement(member_scores=one), torch.zeros(3))
-    for mode in ppo_math.ENSEMBLE_COMBINES:
+    assert torch.equal(reward_math.member_disagreement(member_scores=one), torch.zeros(3))
+    for mode in reward_math.ENSEMBLE_COMBINES:
         assert torch.equal(combine(mode, 3.0, one), one[0]), mode
 
 
@@ -160,7 +160,7 @@ def test_members_disagree_and_keep_their_own_normalisation(members, tiny_model_d
     mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
     got = ensemble.member_scores(ids, mask, tokenizer)  # (K, B)
     torch.testing.assert_close(got, separate_scores(members, ids, mask), atol=1e-6, rtol=1e-6)
-    assert ppo_math.member_disagreement(member_scores=got).min() > 0.01  # the members disagree
+    assert reward_math.member_disagreement(member_scores=got).min() > 0.01  # the members disagree
 
 
 def test_a_member_with_another_tokenizer_reads_the_text(tiny_rm_dir, other_tokenizer_member, tiny_model_dir):
@@ -228,7 +228,7 @@ def test_ppo_step_with_an_ensemble_scores_and_logs_every_member(
     torch.testing.assert_close(rollout.scores, combined, atol=1e-5, rtol=1e-5)
     for k in range(3):
         assert metrics[f"objective/scores_member_{k}"] == pytest.approx(float(expected[k].mean()), abs=1e-5)
-    disagreement = ppo_math.member_disagreement(member_scores=expected)
+    disagreement = reward_math.member_disagreement(member_scores=expected)
     assert metrics["objective/scores_disagreement"] == pytest.approx(float(disagreement.mean()), abs=1e-5)
     assert metrics["objective/scores_disagreement"] > 0.01
     assert metrics["objective/scores"] == pytest.approx(float(combined.mean()), abs=1e-5)
@@ -351,7 +351,7 @@ def test_eval_with_an_ensemble_reports_each_member_and_the_combined_score(
     combined = combine("uncertainty", 0.5, member_scores)  # (N,)
     assert [s["policy_rm_score"] for s in samples] == pytest.approx(combined.tolist(), abs=1e-5)
     assert ensemble["rm_score_mean"] == pytest.approx(float(combined.mean()), abs=1e-5)
-    spread = ppo_math.member_disagreement(member_scores=member_scores)
+    spread = reward_math.member_disagreement(member_scores=member_scores)
     assert (
         ensemble["rm_disagreement_mean"] == pytest.approx(float(spread.mean()), abs=1e-5) and spread.min() > 0
     )

@@ -34,7 +34,7 @@ unique prompt + response texts (chosen and rejected) of the training pairs, are 
 and returns raw scores.
 
 Ensembles (`RewardEnsemble`, `load_reward_models`): K saved RMs score the same sequences, each normalised
-with its own stored statistics, and `ppo_math.combine_member_scores` makes one score per sequence of them
+with its own stored statistics, and `reward_math.combine_member_scores` makes one score per sequence of them
 (mean, min, or mean - lambda * std across the members; Coste et al. 2024). PPO and evaluation take one
 folder or a list of folders as `reward_model_path`.
 """
@@ -59,7 +59,7 @@ from llm_rlhf.core.config import require
 from llm_rlhf.core.errors import UserError
 from llm_rlhf.core.utils import atomic_write_json, read_json
 from llm_rlhf.models.loading import load_tokenizer, shares_vocab, torch_dtype
-from llm_rlhf.rl import ppo_math
+from llm_rlhf.rl import reward_math
 from llm_rlhf.rl.ppo_math import position_ids_from_mask
 
 PAD_TOKEN = "<|pad|>"
@@ -403,7 +403,7 @@ class RewardEnsemble(nn.Module):
     against over-optimisation):
 
         member_scores[k] = (raw_k(x, y) - mean_k) / std_k     each member normalised with its own statistics
-        scores           = ppo_math.combine_member_scores(member_scores, combine, uncertainty_coef)
+        scores           = reward_math.combine_member_scores(member_scores, combine, uncertainty_coef)
 
     member_scores(input_ids, attention_mask, tokenizer) -> (K, B); combine((K, B)) -> (B,). The sequences
     are written in `tokenizer`'s ids (a policy's samples); a member that shares that vocabulary reads the
@@ -427,7 +427,7 @@ class RewardEnsemble(nn.Module):
         super().__init__()
         if not members:
             raise ValueError("an ensemble needs at least one member")
-        if combine not in ppo_math.ENSEMBLE_COMBINES:
+        if combine not in reward_math.ENSEMBLE_COMBINES:
             raise ValueError(f"unknown ensemble combine {combine!r}")
         self.members = nn.ModuleList(members)
         self.combine_mode, self.uncertainty_coef = combine, uncertainty_coef
@@ -442,8 +442,8 @@ class RewardEnsemble(nn.Module):
         return torch.stack(rows)  # (K, B)
 
     def combine(self, member_scores: torch.Tensor) -> torch.Tensor:
-        """(K, B) -> (B,): `ppo_math.combine_member_scores` with this ensemble's mode and lambda."""
-        return ppo_math.combine_member_scores(
+        """(K, B) -> (B,): `reward_math.combine_member_scores` with this ensemble's mode and lambda."""
+        return reward_math.combine_member_scores(
             member_scores=member_scores, combine=self.combine_mode, uncertainty_coef=self.uncertainty_coef
         )
 
@@ -466,9 +466,9 @@ def check_ensemble_keys(cfg) -> None:
         )
         require(len(set(path)) == len(path), "reward_model_path", f"lists a folder twice: {path}")
     require(
-        cfg.ensemble_combine in ppo_math.ENSEMBLE_COMBINES,
+        cfg.ensemble_combine in reward_math.ENSEMBLE_COMBINES,
         "ensemble_combine",
-        f"must be one of {', '.join(ppo_math.ENSEMBLE_COMBINES)}, got {cfg.ensemble_combine!r}",
+        f"must be one of {', '.join(reward_math.ENSEMBLE_COMBINES)}, got {cfg.ensemble_combine!r}",
     )
     require(
         math.isfinite(cfg.ensemble_uncertainty_coef) and cfg.ensemble_uncertainty_coef >= 0,

@@ -40,7 +40,7 @@ from llm_rlhf.core.config import is_off, require
 from llm_rlhf.models.loading import freeze, use_fused_gelu
 from llm_rlhf.models.reward_fn import RewardFn, decode_texts, load_reward_fn
 from llm_rlhf.models.reward_model import RewardEnsemble, check_ensemble_keys, load_reward_models
-from llm_rlhf.rl import ppo_math
+from llm_rlhf.rl import reward_math
 from llm_rlhf.rl.rollout import Samples, Sampling
 
 
@@ -85,7 +85,7 @@ class Scores:
     rm_score       (B,) float32: the reward model's normalised score, an ensemble's combined (None: no RM)
     reward_fn      (B,) float64: the reward function's numbers as it returned them, unweighted (None: none)
     member_scores  (K, B) float32: each ensemble member's normalised score (None: not an ensemble)
-    disagreement   (B,) float32: the std across the members (`ppo_math.member_disagreement`; None likewise)
+    disagreement   (B,) float32: the std across the members (`reward_math.member_disagreement`; None likewise)
     """
 
     scores: torch.Tensor | None
@@ -138,7 +138,7 @@ class Scorer:
             with self.rm_context():
                 rm, members = self.rm_scores(samples, tokenizer)
             if members is not None:
-                disagreement = ppo_math.member_disagreement(member_scores=members)  # (B,)
+                disagreement = reward_math.member_disagreement(member_scores=members)  # (B,)
         if self.reward_fn is None:
             return Scores(scores=rm, rm_score=rm, member_scores=members, disagreement=disagreement)
         fn = self.reward_fn_scores(samples, tokenizer, prompts)  # (B,) float64

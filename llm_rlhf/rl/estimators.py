@@ -4,8 +4,9 @@ A row says whether the estimator trains a value function, how many samples of a 
 KL goes by default, whether it samples a greedy baseline, what its advantages are divided by, which config
 keys it does not read, whether its advantage is one number per response, what the policy-loss family of
 issue 37 may combine it with, and its advantage function. The config (`ppo_config`), the trainer (`ppo`),
-the command (`ppo_run`) and the report read the row and never the name. The math is the pure functions of
-`ppo_math`; the functions here only hand them a rollout's tensors:
+the command (`ppo_run`) and the report read the row and never the name. The math is pure functions: the
+group baselines of grpo, dr_grpo, rloo and remax below, GAE and REINFORCE++'s returns in `ppo_math` with
+PPO's other equations; the adapters here only hand them a rollout's tensors:
 
     estimator     critic  k >= 1  KL in   greedy  divided by       (SPEC "Critic-free estimators")
     gae           yes     1       reward  no      batch std        GAE over the values, whitened
@@ -15,8 +16,8 @@ the command (`ppo_run`) and the report read the row and never the name. The math
     reinforce_pp  no      1       reward  no      batch std        gamma = 1 returns, whitened
     remax         no      1       reward  yes     -                score - greedy response's score
 
-Adding an estimator: its pure function in `ppo_math` with its tests, one `Estimator` row below with an
-adapter in the style of `_gae`, and its row in the tests of tests/test_estimators.py.
+Adding an estimator: its pure function below with its tests, one `Estimator` row with an adapter in the
+style of `_gae`, and its row in the tests of tests/test_estimators.py.
 """
 
 from __future__ import annotations
@@ -93,6 +94,106 @@ CRITIC_KEYS = ("lam", "vf_coef", "cliprange_value", "whiten_rewards", "value_mod
 CRITIC_FREE_IGNORED = ("gamma", *CRITIC_KEYS)
 SAMPLER_CORRECTIONS = ("tis", "mis")
 
+# ---------------------------------------------------------------------------------------------
+# The baselines of the critic-free estimators: one advantage per sequence from the scores of its group
+# (SPEC "Critic-free estimators"); the rollout's groups are `ppo_math.scores_by_prompt`'s rows
+# ---------------------------------------------------------------------------------------------
+
+
+def _require_a_group(name: str, samples_per_prompt: int) -> None:
+    if samples_per_prompt < 2:
+        raise ValueError(
+            f"{name} needs samples_per_prompt >= 2 (got {samples_per_prompt}): "
+            "a group of one response has no baseline"
+        )
+
+
+def grpo_advantages(
+    *, scores: torch.Tensor, samples_per_prompt: int, scale_by_std: bool = True, eps: float = 1e-4
+) -> torch.Tensor:
+    """Group-relative advantage of each sequence (Shao et al. 2024, "DeepSeekMath", sec. 4.1.2, the
+    outcome-supervision form), scores r_1..r_k of one prompt's group:
+
+        A_i = (r_i - mean(r)) / (std(r) + eps)       std with n - 1 (Bessel), eps = 1e-4
+        A_i =  r_i - mean(r)                         scale_by_std=False: Dr. GRPO (Liu et al. 2025,
+                                                     "Understanding R1-Zero-Like Training")
+
+    Dr. GRPO drops the division because it up-weights the groups whose scores barely differ (too easy or
+    too hard prompts). A group of equal scores gets A = 0 either way. The vectorised form equals the loop
+
+        for p in range(P):
+            r = scores[p * k : (p + 1) * k]
+            mean = sum(r) / k
+            std = sqrt(sum((r_j - mean) ** 2 for r_j in r) / (k - 1))
+            for i in range(k):
+                advantages[p * k + i] = (r[i] - mean) / (std + eps)  if scale_by_std else  r[i] - mean
+
+    SPEC example, k = 4, r = (1, 0, 0, 3): GRPO (0, -0.7071, -0.7071, 1.4142), Dr. GRPO (0, -1, -1, 2).
+    scores: (B,), B = P * k, groups in consecutive rows (`ppo_math.scores_by_prompt`). Returns (B,); spread it
+    over the response with `ppo_math.token_advantages`. Raises ValueError for samples_per_prompt < 2.
+    """
+    _require_a_group("grpo_advantages", samples_per_prompt)
+    grouped = ppo_math.scores_by_prompt(scores=scores, samples_per_prompt=samples_per_prompt)  # (P, k)
+    centered = grouped - grouped.mean(dim=1, keepdim=True)  # (P, k)
+    if scale_by_std:
+        centered = centered / (grouped.std(dim=1, correction=1, keepdim=True) + eps)  # (P, k)
+    return centered.reshape(-1)  # (B,)
+
+
+def rloo_advantages(*, scores: torch.Tensor, samples_per_prompt: int) -> torch.Tensor:
+    """REINFORCE leave-one-out advantage (Kool et al. 2019, "Buy 4 REINFORCE samples, get a baseline for
+    free"; Ahmadian et al. 2024, "Back to Basics"): the baseline of sample i is the mean score of
+    the other k - 1 samples of its prompt, which does not depend on sample i, so the gradient stays
+    unbiased:
+
+        A_i = r_i - 1/(k - 1) * sum_{j != i} r_j   (= k/(k - 1) * (r_i - mean(r)))
+
+    The loop it replaces:
+
+        for p in range(P):
+            r = scores[p * k : (p + 1) * k]
+            for i in range(k):
+                advantages[p * k + i] = r[i] - sum(r[j] for j in range(k) if j != i) / (k - 1)
+
+    SPEC example, k = 4, r = (1, 0, 0, 3): A = (0, -1.3333, -1.3333, 2.6667).
+    scores: (B,), B = P * k, groups in consecutive rows (`ppo_math.scores_by_prompt`). Returns (B,).
+    Raises ValueError for samples_per_prompt < 2.
+    """
+    _require_a_group("rloo_advantages", samples_per_prompt)
+    grouped = ppo_math.scores_by_prompt(scores=scores, samples_per_prompt=samples_per_prompt)  # (P, k)
+    others = (grouped.sum(dim=1, keepdim=True) - grouped) / (samples_per_prompt - 1)  # (P, k) leave-one-out
+    return (grouped - others).reshape(-1)  # (B,)
+
+
+def remax_advantages(
+    *, scores: torch.Tensor, baseline_scores: torch.Tensor, samples_per_prompt: int
+) -> torch.Tensor:
+    """ReMax advantage (Li et al. 2023, "ReMax"): the baseline of a sampled response is the
+    score of the greedy response to the same prompt, generated and scored only for this:
+
+        A_{p,i} = r(y_{p,i}) - r(greedy_p)
+
+        for p in range(P):
+            for i in range(k):
+                advantages[p * k + i] = scores[p * k + i] - baseline_scores[p]
+
+    One greedy response per prompt, so one baseline score per prompt; with k = 1 (ReMax as published)
+    P = B. scores: (B,), B = P * k, groups in consecutive rows (`ppo_math.scores_by_prompt`);
+    baseline_scores: (P,). Returns (B,).
+    """
+    grouped = ppo_math.scores_by_prompt(scores=scores, samples_per_prompt=samples_per_prompt)  # (P, k)
+    if baseline_scores.shape != grouped.shape[:1]:
+        raise ValueError(
+            f"baseline_scores must hold one greedy score per prompt, shape ({grouped.shape[0]},); "
+            f"got shape {tuple(baseline_scores.shape)}"
+        )
+    return (grouped - baseline_scores.unsqueeze(1)).reshape(-1)  # (B,)
+
+
+# ---------------------------------------------------------------------------------------------
+# The rows: each estimator's adapter from a rollout's tensors, then its facts
+# ---------------------------------------------------------------------------------------------
+
 
 def _gae(x: AdvantageInputs) -> Advantages:
     """GAE over the values (`ppo_math.compute_gae`), the advantages whitened over the global batch."""
@@ -130,24 +231,22 @@ def _on_every_token(x: AdvantageInputs, advantages: torch.Tensor) -> Advantages:
 
 def _grpo(x: AdvantageInputs) -> Advantages:
     scores, k = _sequence_rewards(x), x.samples_per_prompt
-    return _on_every_token(x, ppo_math.grpo_advantages(scores=scores, samples_per_prompt=k))
+    return _on_every_token(x, grpo_advantages(scores=scores, samples_per_prompt=k))
 
 
 def _dr_grpo(x: AdvantageInputs) -> Advantages:
     scores, k = _sequence_rewards(x), x.samples_per_prompt
-    return _on_every_token(
-        x, ppo_math.grpo_advantages(scores=scores, samples_per_prompt=k, scale_by_std=False)
-    )
+    return _on_every_token(x, grpo_advantages(scores=scores, samples_per_prompt=k, scale_by_std=False))
 
 
 def _rloo(x: AdvantageInputs) -> Advantages:
     scores, k = _sequence_rewards(x), x.samples_per_prompt
-    return _on_every_token(x, ppo_math.rloo_advantages(scores=scores, samples_per_prompt=k))
+    return _on_every_token(x, rloo_advantages(scores=scores, samples_per_prompt=k))
 
 
 def _remax(x: AdvantageInputs) -> Advantages:
     scores, k = _sequence_rewards(x), x.samples_per_prompt
-    advantages = ppo_math.remax_advantages(scores=scores, baseline_scores=x.baseline, samples_per_prompt=k)
+    advantages = remax_advantages(scores=scores, baseline_scores=x.baseline, samples_per_prompt=k)
     return _on_every_token(x, advantages)
 
 

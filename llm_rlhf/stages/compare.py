@@ -20,15 +20,15 @@ reward_fn the function's, unweighted), and best-of-n keeps the response it score
     best-of-n  see below
 
 Gao et al. (2022) fitted  R(d) = d (alpha - beta d)  to best-of-n and  R(d) = d (alpha - beta log d)  to RL,
-with d = sqrt(KL) and R the gold gain over the initial policy; `ppo_math.fit_gao_law` fits them here (the RL
+with d = sqrt(KL) and R the gold gain over the initial policy; `reward_math.fit_gao_law` fits them here (the RL
 form to PPO and to DPO) with the coefficients' standard errors and R^2, and a fit is flagged poor when
 R^2 < 0.8 or it rests on fewer than 4 points.
 
 Best-of-n (an evaluation-time policy): sample N responses per prompt from the SFT model, keep the one the
 proxy scores highest (rm_score + reward_fn_weight * reward_fn with a reward function, as PPO maximised). Each
 n in `ns` is one point, estimated from the same N samples with the unbiased best-of-n weights
-(`ppo_math.best_of_n_weights`); its KL to the SFT model is the analytic log n - (n - 1)/n
-(`ppo_math.best_of_n_kl`) beside the KL measured on the samples (`ppo_math.best_of_n_empirical_kl`, smaller
+(`reward_math.best_of_n_weights`); its KL to the SFT model is the analytic log n - (n - 1)/n
+(`reward_math.best_of_n_kl`) beside the KL measured on the samples (`reward_math.best_of_n_empirical_kl`, smaller
 where responses tie).
 """
 
@@ -59,7 +59,7 @@ from llm_rlhf.core.utils import atomic_write_json, atomic_write_text
 from llm_rlhf.models.loading import freeze, load_causal_lm, load_tokenizer
 from llm_rlhf.models.reward_model import check_members_exist
 from llm_rlhf.models.scoring import Scorer, build_scorer
-from llm_rlhf.rl import ppo_math
+from llm_rlhf.rl import reward_math
 from llm_rlhf.rl.rollout import Sampling
 from llm_rlhf.stages import dpo, ppo_config
 from llm_rlhf.stages.measures import (
@@ -113,12 +113,12 @@ def best_of_n_points(
     }
     points = []
     for n in ns:
-        weights = ppo_math.best_of_n_weights(rewards=proxy, n=n)  # (P, N), rows sum to 1
+        weights = reward_math.best_of_n_weights(rewards=proxy, n=n)  # (P, N), rows sum to 1
         mean = {key: expectation(weights, x) for key, x in per_sample.items()}
         point = {
             "n": n,
-            "kl": ppo_math.best_of_n_kl(n),
-            "kl_measured": float(ppo_math.best_of_n_empirical_kl(rewards=proxy, n=n).mean()),
+            "kl": reward_math.best_of_n_kl(n),
+            "kl_measured": float(reward_math.best_of_n_empirical_kl(rewards=proxy, n=n).mean()),
             "rm_score": mean.get("rm_score"),
             "reward_fn": mean.get("reward_fn"),
             "gold_score": mean["gold_score"],
@@ -241,10 +241,10 @@ def law_fit(points: list[dict[str, Any]], origin: float, form: str) -> dict[str,
         return None
     d = torch.tensor([math.sqrt(p["kl"]) for p in fitted], dtype=torch.float64)
     gain = torch.tensor([p["gold_score"] - origin for p in fitted], dtype=torch.float64)
-    fit = ppo_math.fit_gao_law(d=d, gain=gain, form=form)
+    fit = reward_math.fit_gao_law(d=d, gain=gain, form=form)
     total = float((gain - gain.mean()).pow(2).sum())
     r2 = 1 - fit.rmse**2 * len(fitted) / total if total > 0 else float("nan")
-    law = ppo_math.gao_bon_law if form == "bon" else ppo_math.gao_rl_law
+    law = reward_math.gao_bon_law if form == "bon" else reward_math.gao_rl_law
     grid = torch.linspace(float(d.min()), float(d.max()), 50, dtype=torch.float64)  # (50,)
     curve = origin + law(grid, alpha=fit.alpha, beta=fit.beta)  # (50,) the fitted gold, for the plot
     return {
