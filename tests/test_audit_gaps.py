@@ -122,29 +122,28 @@ def test_two_ranks_draw_different_prompts_whose_union_is_one_process_prompts(tin
         cfg = ppo_config(tiny_model_dir, None, prompts, tmp_path, reward_fn="reward_fns:half",
                          rollout_batch_size=rollout_batch_size, mini_batch_size=rollout_batch_size, seed=3)  # fmt: skip
         trainer = ppo_trainer(cfg)
-        trainer.sizes = batch_sizes(rollout_batch_size=rollout_batch_size, mini_batch_size=rollout_batch_size,
+        trainer.sizes = trainer.room.sizes = batch_sizes(rollout_batch_size=rollout_batch_size, mini_batch_size=rollout_batch_size,
                                         gradient_accumulation_steps=1, ppo_epochs=cfg.ppo_epochs, steps=cfg.steps,
                                         num_processes=num_processes)  # fmt: skip
         return trainer
 
     one, ranks = trainer_for(6, 1), trainer_for(3, 2)
     assert ranks.sizes.prompts_per_step == one.sizes.prompts_per_step == 6
-    real_accelerator, seen = ranks.accelerator, []
+    real_accelerator, seen = ranks.room.accelerator, []
     for step in range(4):  # step 3 starts the second pass, in another order
-        one.step = ranks.step = step
         drawn = []
         for rank in (0, 1):
-            ranks.accelerator = SimpleNamespace(process_index=rank)
-            drawn.append(ranks.next_queries())
-        ranks.accelerator = real_accelerator
+            ranks.room.accelerator = SimpleNamespace(process_index=rank)
+            drawn.append(ranks.room.queries(step))
+        ranks.room.accelerator = real_accelerator
         assert len(drawn[0]) == len(drawn[1]) == 3
         assert not set(map(tuple, drawn[0])) & set(map(tuple, drawn[1])), (
             f"step {step}: the ranks share a prompt"
         )
-        assert drawn[0] + drawn[1] == one.next_queries(), step
+        assert drawn[0] + drawn[1] == one.room.queries(step), step
         if step < 3:
             seen += drawn[0] + drawn[1]
-    assert sorted(seen) == sorted(one.prompts), "the first pass holds every prompt once"
+    assert sorted(seen) == sorted(one.room.prompts), "the first pass holds every prompt once"
 
 
 # --- micro-batches and the global batch ----------------------------------------------------------------------
@@ -248,7 +247,7 @@ def test_reinforce_pp_whitens_over_every_process(tiny_model_dir, tiny_rm_dir, pr
     per process."""
     trainer = ppo_trainer(reinforce_pp_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path))
     use_fixed_responses(trainer)
-    rollout, _ = trainer.rollout(trainer.in_groups(trainer.next_queries()))
+    rollout, _ = trainer.rollout(trainer.room.in_groups(trainer.room.queries(trainer.step)))
     rewards, _ = trainer.rewards(rollout, 0.5)
     whole, _ = trainer.advantages(rollout, rewards)  # one process
     torch.testing.assert_close(whole.double(), naive_reinforce_pp(rollout, beta=0.5), atol=1e-5, rtol=1e-5)

@@ -39,7 +39,7 @@ from llm_rlhf.rl.estimators import (
     SAMPLER_CORRECTIONS,
     AdvantageInputs,
 )
-from llm_rlhf.stages import ppo, ppo_run
+from llm_rlhf.stages import ppo_rollouts, ppo_run
 from llm_rlhf.stages.ppo_config import Config, batch_sizes
 
 CRITIC_FREE = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "remax")
@@ -364,7 +364,7 @@ def test_advantages_are_each_groups_own(tiny_model_dir, tiny_rm_dir, prompt_file
                            kl_in_loss=False, kl_controller="fixed", init_kl_coef=beta, learning_rate=1e-2)  # fmt: skip
     trainer = ppo_trainer(cfg)
     trainer.ppo_step()
-    queries = trainer.next_queries()
+    queries = trainer.room.queries(trainer.step)
     rollouts, advantages = recording_rollouts(trainer), recording_advantages(trainer)
     metrics = trainer.ppo_step()
     rollout, (given,) = rollouts[0], advantages
@@ -485,13 +485,13 @@ def test_remax_baseline_is_the_greedy_response(
 
     cfg = estimator_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, "remax", max_new_tokens=6)
     trainer = ppo_trainer(cfg)
-    calls, real_sample = [], ppo.sample
+    calls, real_sample = [], ppo_rollouts.sample
 
     def counting(lm, tokenizer, query, query_mask, sampling, **kw):
         calls.append((query.shape[0], sampling.temperature))
         return real_sample(lm, tokenizer, query, query_mask, sampling, **kw)
 
-    monkeypatch.setattr(ppo, "sample", counting)
+    monkeypatch.setattr(ppo_rollouts, "sample", counting)  # the rollout room's sampler
     rollouts = recording_rollouts(trainer)
     policy_at_rollout = copy.deepcopy(trainer.unwrapped_policy.lm)
     metrics = trainer.ppo_step()
@@ -502,7 +502,7 @@ def test_remax_baseline_is_the_greedy_response(
     mask = greedy.response_mask
     assert torch.equal(logits.argmax(-1)[mask], greedy.response[mask])
     state = torch.get_rng_state()
-    trainer.generate(trainer.next_queries(), sampling=trainer.greedy)
+    trainer.room.generate(trainer.room.queries(trainer.step), sampling=trainer.greedy)
     assert torch.equal(torch.get_rng_state(), state)
 
 

@@ -51,13 +51,12 @@ from llm_rlhf.rl.rollout import (
     Rollout,
     Samples,
     Sampling,
-    left_pad,
     pad_columns,
     response_logprobs_and_values,
-    sample,
 )
 from llm_rlhf.stages import ppo_metrics
 from llm_rlhf.stages.ppo_config import Config, batch_sizes
+from llm_rlhf.stages.ppo_rollouts import RolloutRoom
 
 TRAIN_STATS = (
     ppo_metrics.LOSS_POLICY,
@@ -125,41 +124,6 @@ def what_was_updated(updates: int, *, this_step: bool) -> str:
     )
 
 
-def concat_samples(parts: list[Samples], pad_token_id: int) -> Samples:
-    """The rows of several `Samples` in one (dynamic sampling's rounds), in order: the queries left-padded to
-    the widest (pad_token_id, mask 0), the responses already max_new_tokens wide (`generate` pads them).
-
-        round 1   pad q q | r r        round 2   q q q | r r     ->   pad q q | r r
-                                                                      q   q q | r r
-    """
-    width = max(p.query.shape[1] for p in parts)  # P
-    out = {}
-    for f in dataclasses.fields(Samples):
-        xs = [getattr(p, f.name) for p in parts]
-        if xs[0] is None:
-            out[f.name] = None
-            continue
-        if f.name in ("query", "query_mask"):  # (b, P_i) -> (b, P): columns added on the left
-            fill = pad_token_id if f.name == "query" else 0
-            xs = [torch.nn.functional.pad(x, (width - x.shape[1], 0), value=fill) for x in xs]
-        out[f.name] = torch.cat(xs)  # (sum b, ...)
-    return Samples(**out)
-
-
-def concat_scores(parts: list[Scores], rows: torch.Tensor) -> Scores:
-    """The rows `rows` (long, into the concatenation) of several `Scores` in one; member_scores is (K, B)."""
-    out = {}
-    for f in dataclasses.fields(Scores):
-        xs = [getattr(p, f.name) for p in parts]
-        if xs[0] is None:
-            out[f.name] = None
-        elif f.name == "member_scores":
-            out[f.name] = torch.cat(xs, dim=1)[:, rows.to(xs[0].device)]  # (K, len(rows))
-        else:
-            out[f.name] = torch.cat(xs)[rows.to(xs[0].device)]  # (len(rows),)
-    return Scores(**out)
-
-
 class PPOTrainer:
     """Holds the models, the optimiser and the KL controller; `ppo_step` is one iteration.
 
@@ -181,7 +145,6 @@ class PPOTrainer:
         verifier=None,
     ):
         self.cfg, self.accelerator, self.tokenizer = cfg, accelerator, tokenizer
-        self.verifier = verifier  # accuracy_fn loaded: dynamic sampling ties on its verdicts (`tie_scores`)
         if models.reward_model is None and reward_fn is None:
             raise UserError("reward_model_path: PPO needs a reward model, a reward_fn or both")
         self.sizes = batch_sizes(
@@ -237,13 +200,6 @@ class PPOTrainer:
         )
         self.acc.set_up_root(self.policy, tokenizer.eos_token_id)
         self.ref_model = models.ref_model
-        self.scorer = Scorer(
-            models.reward_model,
-            reward_fn,
-            reward_fn_weight=cfg.reward_fn_weight,
-            rm_context=self.acc.autocast,
-        )
-        self.verifier_scorer = Scorer(None, verifier)  # its Scores.reward_fn: the verdicts, 1.0 / 0.0
         self.sampling = Sampling.of(cfg)
         # ReMax's baseline response: the same settings, greedy (temperature 0: argmax, no random draw).
         self.greedy = dataclasses.replace(self.sampling, temperature=0.0)
@@ -262,28 +218,33 @@ class PPOTrainer:
             if cfg.kl_controller == "adaptive"
             else ppo_math.FixedKLController(cfg.init_kl_coef)
         )
-        self.prompts = prompts  # list of token-id lists
         self.step = 0
-        self.extra_prompts = 0  # global prompts drawn by dynamic sampling's further rounds (`next_queries`)
         self.device = accelerator.device
+        # prompts, sampling, scoring and dynamic sampling (`ppo_rollouts`): what the forwards and the update
+        # below receive as token ids, masks and scores
+        scorer = Scorer(models.reward_model, reward_fn, reward_fn_weight=cfg.reward_fn_weight,
+                        rm_context=self.acc.autocast)  # fmt: skip
+        self.room = RolloutRoom(cfg, accelerator=accelerator, acc=self.acc, policy=self.policy, tokenizer=tokenizer,
+                                prompts=prompts, sizes=self.sizes, sampling=self.sampling, scorer=scorer,
+                                verifier=verifier, global_sum=self.global_sum, global_mean=self.global_mean)  # fmt: skip
 
     # --- the trainer's state ------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """What continues the run exactly besides the models' weights and optimiser state (written by
         `accelerated.Accelerated.save_model_state`) and the RNG: the step (which fixes the data position,
-        `next_queries`), the KL controller and the LR schedule; with dynamic sampling the prompts its further
-        rounds drew (the rest of the data position)."""
+        `RolloutRoom.queries`), the KL controller and the LR schedule; with dynamic sampling the prompts its
+        further rounds drew (the rest of the data position, the room's state)."""
         return {
             "step": self.step,
             "kl_ctl": self.kl_ctl.state_dict(),
             "scheduler": self.scheduler.state_dict(),
-            **({"extra_prompts": self.extra_prompts} if self.cfg.dynamic_sampling else {}),
+            **self.room.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = state["step"]
-        self.extra_prompts = state.get("extra_prompts", 0)
+        self.room.load_state_dict(state)
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.scheduler.load_state_dict(state["scheduler"])
 
@@ -300,7 +261,7 @@ class PPOTrainer:
         """One PPO iteration (Ziegler et al. 2019, Algorithm 1; Stiennon et al. 2020, Appendix B); the
         critic-free estimators (`advantage_estimator`) change only how the advantages are made."""
         cfg, times = self.cfg, {}
-        queries = self.next_queries()  # this process's prompts, each sampled k times below
+        queries = self.room.queries(self.step)  # this process's prompts, each sampled k times below
         # y ~ pi_theta(.|x), logprobs (and values with gae), ref_logprobs, scores; with one update per step
         # the old log-probs and entropy come from the update's own forward instead (`old_logprobs_from_update`)
         from_update = self.old_logprobs_from_update
@@ -308,7 +269,7 @@ class PPOTrainer:
         if cfg.dynamic_sampling:  # DAPO: untied groups, from further prompts where some tie
             rollout, scores, sampling_stats, dropped_kl = self.dynamic_rollout(queries, times)
         else:
-            rollout, scores = self.rollout(self.in_groups(queries), times, old_logprobs=not from_update)
+            rollout, scores = self.rollout(self.room.in_groups(queries), times, old_logprobs=not from_update)
         greedy = None  # ReMax: one greedy response per prompt, its logprobs, ref_logprobs and scores
         if cfg.estimator.greedy_baseline:
             greedy, _ = self.rollout(queries, times, sampling=self.greedy)
@@ -461,13 +422,13 @@ class PPOTrainer:
         old_logprobs False: no policy forward; logprobs, values and entropy stay None for `train_on_rollout`
         to fill in from the update's own forward (`old_logprobs_from_update`)."""
         t0 = time.perf_counter()
-        samples = self.generate(queries, sampling=sampling)  # y ~ pi_theta(.|x)
+        samples = self.room.generate(queries, sampling=sampling)  # y ~ pi_theta(.|x)
         logprobs = values = entropy = None
         if old_logprobs:
             logprobs, values, entropy = self.in_chunks(self.forward_policy, samples)
         t1 = time.perf_counter()
         ref_logprobs = self.reference_logprobs(samples)  # log pi_ref(y_t|s_t)
-        scores = self.score(samples)  # r_phi(x, y), normalised (+ reward_fn_weight * reward_fn)
+        scores = self.room.score(samples)  # r_phi(x, y), normalised (+ reward_fn_weight * reward_fn)
         rollout = Rollout.of(
             samples,
             logprobs=logprobs,
@@ -486,33 +447,19 @@ class PPOTrainer:
         self, queries: list[list[int]], times: dict[str, float]
     ) -> tuple[Rollout, Scores, dict[str, float], torch.Tensor]:
         """DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2): the rollout of rollout_batch_size groups per
-        process whose verdicts (or unshaped scores, `tie_scores`) do not all tie, when the rounds allow it.
+        process whose verdicts (or unshaped scores) do not all tie, when the rounds allow it
+        (`RolloutRoom.collect_untied`: the rounds, the selection and the sampling/* statistics); then the
+        policy's (and value's) and the reference's forwards on the kept rows, in the micro-batches the first
+        epoch visits, so rho == 1 exactly before the first update, and on the dropped rows for their KL alone
+        (`dropped_kl`).
 
-            rounds   sample and score groups until every process holds rollout_batch_size untied ones or
-                     dynamic_sampling_max_rounds were sampled (`sample_rounds`)
-            keep the first rollout_batch_size untied groups, filled up with tied ones when too few
-                     (`ppo_math.select_groups`): every step trains the same number of groups
-            then the policy's (and value's) and the reference's forwards on the kept rows, in the
-                     micro-batches the first epoch visits, so rho == 1 exactly before the first update,
-                     and on the dropped rows for their KL alone (`dropped_kl`)
-
-        Returns the rollout, its scores' parts, the statistics sampling/rounds, sampling/groups_dropped
-        (sampled groups not trained, over every process), sampling/tied_groups_trained (the fill, over every
-        process), sampling/sampled_per_trained (responses sampled per response trained, over the run) and
-        sampling/scores_sampled (the mean score of every response sampled this step, the dropped groups' too:
-        what the policy earns, where objective/scores, over the kept groups, is raised by the selection), and
-        the dropped rows' sequence KL, (D,): `ppo_step` gives objective/kl and the KL controller the KL of every
-        sampled group (issue 50), since which groups are kept depends on the prompts (the ones the policy
-        always or never solves are dropped) and the controller steers the policy's KL over the prompt stream.
-        The KL penalty itself (in the reward or the loss) can only act on the rows that are trained."""
-        sizes, k = self.sizes, self.cfg.samples_per_prompt
-        need = sizes.prompts_per_process
-        samples, scores, tied = self.sample_rounds(queries, times)  # tied: (rounds * P,)
-        groups = ppo_math.select_groups(tied=tied, num_groups=need)  # (P,)
-        rows = ppo_math.group_rows(groups=groups, samples_per_prompt=k)  # (P * k,)
-        sampled = concat_samples(samples, self.tokenizer.pad_token_id)
-        kept = sampled.select(rows.to(self.device))
-        kept_scores = concat_scores(scores, rows)
+        Returns the rollout, its scores' parts, the statistics, and the dropped rows' sequence KL, (D,):
+        `ppo_step` gives objective/kl and the KL controller the KL of every sampled group (issue 50), since
+        which groups are kept depends on the prompts (the ones the policy always or never solves are dropped)
+        and the controller steers the policy's KL over the prompt stream. The KL penalty itself (in the reward
+        or the loss) can only act on the rows that are trained."""
+        episodes = self.room.collect_untied(queries, self.step, times)
+        kept = episodes.samples
         t0 = time.perf_counter()
         logprobs, values, entropy = self.in_chunks(self.forward_policy, kept)
         t1 = time.perf_counter()
@@ -522,138 +469,28 @@ class PPOTrainer:
             values=values,
             entropy=entropy,
             ref_logprobs=self.reference_logprobs(kept),
-            scores=kept_scores.scores,
+            scores=episodes.scores.scores,
         )
         times["generate"] += t1 - t0
         times["score"] += time.perf_counter() - t1
-        dropped_kl = self.dropped_kl(sampled, rows, times)  # (D,)
-        counts = self.global_sum(
-            torch.stack([torch.tensor(float(len(tied) - need)), tied[groups].sum().float()])
-        )
-        trained = (self.step + 1) * sizes.prompts_per_step  # global prompts trained on, this step's too
-        drawn = trained + self.extra_prompts  # and sampled
-        stats = {
-            ppo_metrics.SAMPLING_ROUNDS: float(len(samples)),
-            ppo_metrics.SAMPLING_GROUPS_DROPPED: float(counts[0]),
-            ppo_metrics.SAMPLING_TIED_GROUPS_TRAINED: float(counts[1]),
-            ppo_metrics.SAMPLING_SAMPLED_PER_TRAINED: drawn / trained,
-            # every process sampled the same rounds of the same size: the mean of the processes' means
-            ppo_metrics.SAMPLING_SCORES_SAMPLED: self.global_mean(
-                torch.cat([s.scores for s in scores]).float()
-            ),
-        }
-        return rollout, kept_scores, stats, dropped_kl
+        return rollout, episodes.scores, episodes.stats, self.dropped_kl(episodes.dropped, times)
 
-    def sample_rounds(
-        self, queries: list[list[int]], times: dict[str, float]
-    ) -> tuple[list[Samples], list[Scores], torch.Tensor]:
-        """Dynamic sampling's rounds: each samples and scores the groups of `queries` and marks the tied ones
-        (`ppo_math.tied_groups` on `tie_scores`); while some process holds fewer untied groups than
-        rollout_batch_size (one global sum, so every process takes the same number of rounds and its
-        collectives match) and the rounds are fewer than dynamic_sampling_max_rounds, the next prompts of the
-        stream are sampled (`extra_prompts`). Returns each round's samples and scores, and tied (rounds * P,)."""
-        cfg, sizes, k = self.cfg, self.sizes, self.cfg.samples_per_prompt
-        samples, scores, tied = [], [], []
-        while True:
-            t0 = time.perf_counter()
-            part = self.generate(self.in_groups(queries))  # y ~ pi_theta(.|x)
-            t1 = time.perf_counter()
-            part_scores = self.score(part)
-            tied.append(ppo_math.tied_groups(scores=self.tie_scores(part, part_scores), samples_per_prompt=k))
-            times["generate"] = times.get("generate", 0.0) + t1 - t0
-            times["score"] = times.get("score", 0.0) + time.perf_counter() - t1
-            samples.append(part)
-            scores.append(part_scores)
-            # the untied groups this process lacks
-            missing = max(sizes.prompts_per_process - int((~torch.cat(tied)).sum()), 0)
-            if (
-                self.global_sum(torch.tensor(float(missing))) == 0
-                or len(tied) == cfg.dynamic_sampling_max_rounds
-            ):
-                return samples, scores, torch.cat(tied)  # tied: (rounds * P,)
-            self.extra_prompts += sizes.prompts_per_step
-            queries = self.next_queries()
-
-    def tie_scores(self, samples: Samples, scores: Scores) -> torch.Tensor:
-        """What dynamic sampling compares within a group, (B,): the verifier's verdicts (accuracy_fn: 1.0 or
-        0.0) where the task has one, else the scorer's scores as they came, before score_clip, the overlong
-        penalty and the EOS penalty. DAPO filters on accuracy (SPEC: a group is not untied by a length penalty
-        alone separating correct answers): on the shaped scores an all-correct group of different lengths was
-        kept, and GRPO's division by the group's std made a length-only penalty into advantages of full size,
-        (1.16, 0.39, -0.39, -1.16) (issue 50). With a verifier a group of partial credits that are all wrong
-        ties too (its verdicts are all 0.0)."""
-        if self.verifier is None:
-            return scores.scores
-        verdicts = self.agreed(self.verifier, lambda: self.verifier_scorer(samples, self.tokenizer))
-        return verdicts.reward_fn  # (B,) float64, 1.0 / 0.0
-
-    def dropped_kl(self, sampled: Samples, kept_rows: torch.Tensor, times: dict[str, float]) -> torch.Tensor:
+    def dropped_kl(self, dropped: Samples | None, times: dict[str, float]) -> torch.Tensor:
         """The sequence KL (`ppo_math.sequence_kl`, kl_estimator) of the sampled rows dynamic sampling does not
         train, (D,) with D = (rounds - 1) * P * k, from the policy's and the reference's forwards on those rows
         (no generation: forwards only, about what the kept rows cost each round; 0 rows with one round)."""
-        dropped = torch.ones(sampled.query.shape[0], dtype=torch.bool)  # (rounds * P * k,)
-        dropped[kept_rows] = False
-        if not dropped.any():
+        if dropped is None:
             return torch.zeros(0, device=self.device)
-        rows = sampled.select(dropped.nonzero().flatten().to(self.device))
         t0 = time.perf_counter()
-        logprobs, _, _ = self.in_chunks(self.forward_policy, rows)
+        logprobs, _, _ = self.in_chunks(self.forward_policy, dropped)
         t1 = time.perf_counter()
-        ref_logprobs = self.reference_logprobs(rows)
+        ref_logprobs = self.reference_logprobs(dropped)
         times["generate"] += t1 - t0
         times["score"] += time.perf_counter() - t1
         kl = ppo_math.kl_penalty(
             logprobs=logprobs, ref_logprobs=ref_logprobs, estimator=self.cfg.kl_estimator
         )  # (D, R)
-        return ppo_math.sequence_kl(kl=kl, response_mask=rows.response_mask)  # (D,)
-
-    def next_queries(self) -> list[list[int]]:
-        """This process's prompts for the current step (rollout_batch_size of them): a seeded permutation per
-        pass over the data.
-
-        Global prompt index e = step * prompts_per_step + process_index * rollout_batch_size + i, so the data
-        position follows from the step alone (exact resume) and processes never share a prompt. Each prompt is
-        then sampled samples_per_prompt times on this process (`in_groups`).
-        With dynamic sampling, its further rounds draw the next prompts of the same stream: e is shifted by the
-        global prompts they drew so far (`extra_prompts`, in the checkpoint).
-        """
-        n, per_step = len(self.prompts), self.sizes.prompts_per_step
-        start = (
-            self.step * per_step
-            + self.extra_prompts
-            + self.accelerator.process_index * self.sizes.prompts_per_process
-        )
-        out = []
-        for e in range(start, start + self.sizes.prompts_per_process):
-            epoch, i = divmod(e, n)
-            perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed * 100003 + epoch))
-            out.append(self.prompts[perm[i]])
-        return out
-
-    def in_groups(self, queries: list[list[int]]) -> list[list[int]]:
-        """Each query k = samples_per_prompt times in consecutive rows, the layout of `ppo_math.scores_by_prompt`:
-
-            queries   q0 q1             k = 3
-            rows      q0 q0 q0 q1 q1 q1      (row = prompt_index * k + sample_index)
-
-        A group is on one process and is sampled in one `generate` call; with k = 1 the queries themselves."""
-        return [q for q in queries for _ in range(self.cfg.samples_per_prompt)]
-
-    @torch.no_grad()
-    def generate(self, queries: list[list[int]], sampling: Sampling | None = None) -> Samples:
-        """Sample responses with the KV cache from the global RNG (`self.sampling`, or `sampling`: greedy draws
-        no random number); R = max_new_tokens on every process."""
-        query, query_mask = left_pad(queries, self.tokenizer.pad_token_id, self.device)  # (B, P) each
-        policy = self.unwrapped_policy
-        with self.acc.autocast(), self.acc.gathered_for_generation(policy):
-            return sample(
-                policy.lm,
-                self.tokenizer,
-                query,
-                query_mask,
-                sampling or self.sampling,
-                pad_to_max_new_tokens=True,
-            )
+        return ppo_math.sequence_kl(kl=kl, response_mask=dropped.response_mask)  # (D,)
 
     def in_chunks(self, forward, samples: Samples):
         """`forward` over chunks of micro-batch rows, outputs concatenated along the batch: a no-grad pass
@@ -712,40 +549,6 @@ class PPOTrainer:
         with self.acc.autocast(), self.reference_context():
             logprobs = self.in_chunks(forward, samples)
         return logprobs.float()
-
-    @torch.no_grad()
-    def score(self, samples: Samples) -> Scores:
-        """The scores of this process's samples and their parts (`scoring.Scorer`, the one scorer evaluation
-        uses too):
-
-            scores = rm_score + reward_fn_weight * reward_fn(prompts, responses)      (B,)
-
-        These are the scores `ppo_step` clips (score_clip), replaces for responses without EOS (eos_penalty)
-        and adds at the last response token (`ppo_math.shaped_rewards`), and then whitens only as part of the
-        per-token rewards (whiten_rewards) and the advantages. The RM runs under the policy's precision.
-
-        Each process calls the reward function on its own samples; nothing inside it is a collective.
-        Whether the call failed on any process (it raised, or returned a wrong number of scores or a
-        non-finite one: `RewardFn` checks) is one sum over the processes, so every process stops with the
-        same one-line error here instead of the others waiting at the next collective (`agreed`)."""
-        if self.scorer.reward_fn is None:
-            return self.scorer(samples, self.tokenizer)
-        return self.agreed(self.scorer.reward_fn, lambda: self.scorer(samples, self.tokenizer))
-
-    def agreed(self, fn, call):
-        """`call()`, which calls the user's function `fn` (a `RewardFn`: the reward_fn or the accuracy_fn), with
-        whether it failed on any process summed over the processes: every process raises the same one-line
-        UserError, none waits at a collective that a failed one never reaches."""
-        try:
-            out, error = call(), None
-        except UserError as e:
-            out, error = None, e
-        failed = self.global_sum(torch.tensor(float(error is not None)))  # processes whose call failed
-        if error is not None:
-            raise error
-        if failed > 0:
-            raise UserError(f"{fn.key} '{fn.spec}' failed on another process (see its error)")
-        return out
 
     def train_on_rollout(
         self, rollout: Rollout, advantages: torch.Tensor, returns: torch.Tensor | None

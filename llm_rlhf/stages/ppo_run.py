@@ -508,10 +508,10 @@ def log_samples(trainer: PPOTrainer, out: Path) -> None:
     """Decode and score fresh samples of the first few prompts (the training rollout is not kept). Every
     process samples (a collective with sharded parameters); the main process writes."""
     tok, cfg = trainer.tokenizer, trainer.cfg
-    queries = trainer.prompts[: cfg.num_log_samples]
+    queries = trainer.room.prompts[: cfg.num_log_samples]
     state = torch.get_rng_state()
-    samples = trainer.generate(queries)
-    scores = trainer.score(samples).scores  # (B,)
+    samples = trainer.room.generate(queries)
+    scores = trainer.room.score(samples).scores  # (B,)
     torch.set_rng_state(state)  # logging must not change the training run's random stream
     if not trainer.accelerator.is_main_process:
         return
@@ -698,7 +698,7 @@ def evaluate_heldout(
     reference = KLReference(lm, lm.disable_adapter) if cfg.use_lora else KLReference(trainer.ref_model.lm)
     draws = PairedSampling(trainer.sampling, seed=cfg.seed, batch_size=cfg.heldout_batch_size)
     with trainer.acc.autocast(), trainer.acc.gathered_for_generation(policy):
-        measures = Measures(scorer=trainer.scorer, judge=judge, verifier=verifier)
+        measures = Measures(scorer=trainer.room.scorer, judge=judge, verifier=verifier)
         result = evaluate_policy(
             lm, trainer.tokenizer, prompts, draws, measures=measures, reference=reference, samples_out=samples
         )

@@ -15,13 +15,13 @@ import sys
 from pathlib import Path
 
 from llm_rlhf.interfaces import cli
-from llm_rlhf.stages import evaluate, ppo
+from llm_rlhf.stages import measures, ppo_rollouts
 
 
 def main() -> None:
     out, args = Path(sys.argv[1]), sys.argv[2:]
     calls = [0]
-    for module in (ppo, evaluate):
+    for module in (ppo_rollouts, measures):  # PPO's rollout room; evaluation's and held-out sampling
         original = module.sample
 
         def counted(*a, _original=original, **kw):

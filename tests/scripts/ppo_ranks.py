@@ -168,7 +168,7 @@ def run(
             sampler_logprobs=torch.where(mask, sampler_logprobs[rows], 0.0) if loss_options else None,
         )
 
-    real_generate, trainer.generate = trainer.generate, fixed_rollout
+    real_generate, trainer.room.generate = trainer.room.generate, fixed_rollout
     grads, clip, local_numel = [], accelerator.clip_grad_norm_, [0]
     if trainer.acc.deepspeed:
         record_deepspeed_grads(trainer, grads, local_numel)
@@ -199,7 +199,7 @@ def run(
         ppo_run.save_policy(trainer, dataclasses.replace(cfg, merge_lora=False), save_to)
     lengths = []
     if trainer.acc.zero3:
-        trainer.generate = real_generate
+        trainer.room.generate = real_generate
         lengths = sampled_lengths_with_rank_0_ending_at_once(trainer, prompts[: local // k])
     return {
         "grads": [g.tolist() for g in grads],
@@ -244,7 +244,7 @@ def sampled_lengths_with_rank_0_ending_at_once(trainer, queries) -> list[int]:
         return logits.index_fill(-1, torch.tensor([eos]), -1e4)
 
     hook = lm.get_output_embeddings().register_forward_hook(force)
-    samples = trainer.generate(queries)
+    samples = trainer.room.generate(queries)
     hook.remove()
     longest = samples.response_mask.sum(-1).max().reshape(1)  # (1,)
     return trainer.accelerator.gather(longest).tolist()
