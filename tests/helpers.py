@@ -375,7 +375,7 @@ def one_update(cfg, hook=None, *, fixed_responses: bool = False) -> dict[str, to
 def use_fixed_responses(trainer, seed: int = 7) -> None:
     """Replace sampling by fixed responses to the trainer's own prompts: EOS at varied positions (rows
     1, 2, 4, 5, 7 end early, the others never emit EOS), the same on every call (whatever its `sampling`)."""
-    from llm_rlhf.rl import ppo_math
+    from llm_rlhf.rl import token_math
     from llm_rlhf.rl.rollout import Samples, left_pad
 
     eos, pad, R = trainer.tokenizer.eos_token_id, trainer.tokenizer.pad_token_id, trainer.cfg.max_new_tokens
@@ -389,7 +389,7 @@ def use_fixed_responses(trainer, seed: int = 7) -> None:
         for i in range(len(queries)):
             if i % 3:
                 response[i, i % R] = eos
-        mask = ppo_math.response_mask_from_tokens(response=response, eos_token_id=eos)
+        mask = token_math.response_mask_from_tokens(response=response, eos_token_id=eos)
         return Samples(
             query=query, query_mask=query_mask, response=torch.where(mask, response, pad), response_mask=mask
         )

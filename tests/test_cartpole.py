@@ -14,15 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from llm_rlhf.rl.ppo_math import (
-    compute_gae,
-    entropy_from_logits,
-    logprobs_from_logits,
-    masked_mean,
-    masked_whiten,
-    policy_loss,
-    value_loss,
-)
+from llm_rlhf.rl.ppo_math import compute_gae, masked_mean, masked_whiten, policy_loss, value_loss
+from llm_rlhf.rl.token_math import entropy_from_logits, logprobs_from_logits
 
 # CartPole-v1 of gym (Barto, Sutton & Anderson 1983), explicit Euler integration.
 GRAVITY, MASSCART, MASSPOLE = 9.8, 1.0, 0.1

@@ -42,7 +42,7 @@ from llm_rlhf.models.gold import judge_details, load_judge
 from llm_rlhf.models.loading import Reference, freeze, load_causal_lm, load_tokenizer
 from llm_rlhf.models.reward_model import load_reward_model
 from llm_rlhf.models.scoring import Scorer
-from llm_rlhf.rl import fast_sampling, ppo_math
+from llm_rlhf.rl import fast_sampling, ppo_math, token_math
 from llm_rlhf.rl.rollout import (
     Samples,
     Sampling,
@@ -180,9 +180,9 @@ def test_stop_string_ends_hand_examples(tiny_model_dir):
     assert end(["xyz"]) is None
     assert end(["e"], mask=torch.arange(9)[None] < 4) is None  # only the tokens the mask marks are read
 
-    # the response mask ends at the stop token, as at an EOS (ppo_math.response_mask_from_tokens)
+    # the response mask ends at the stop token, as at an EOS (token_math.response_mask_from_tokens)
     stops = stop_string_ends(tokenizer, response, mask, ["pped"])
-    got = ppo_math.response_mask_from_tokens(
+    got = token_math.response_mask_from_tokens(
         response=response, eos_token_id=tokenizer.eos_token_id, stops=stops
     )
     assert got.tolist() == [[True] * 7 + [False] * 2]

@@ -15,7 +15,7 @@ import torch
 from helpers import ROOT, ppo_config, ppo_trainer, record_raw_grads, use_fixed_responses
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from llm_rlhf.rl import fast_sampling, ppo_math
+from llm_rlhf.rl import fast_sampling, token_math
 from llm_rlhf.rl.rollout import Sampling, generation_config_hidden, left_pad, sample
 
 pytestmark = [
@@ -51,7 +51,7 @@ def test_compiled_sampling_on_cuda_draws_from_the_model(tiny_llama_dir):
         logits = logits[
             :, got.query.shape[1] - 1 : -1
         ]  # (B, R): the logits each response token was drawn from
-        forced = ppo_math.logprobs_from_logits(logits=logits, labels=got.response, temperature=1.0)
+        forced = token_math.logprobs_from_logits(logits=logits, labels=got.response, temperature=1.0)
     forced = torch.where(got.response_mask, forced, 0.0)
     torch.testing.assert_close(got.sampler_logprobs, forced, atol=2e-4, rtol=1e-4)
 

@@ -3,7 +3,7 @@
     core -> rl -> models, tasks -> stages -> interfaces -> llm_rlhf/__init__, __main__
 
 - core        errors, the config system, callables named in configs, data files
-- rl          the math and sampling: ppo_math and reward_math (torch only), the estimator and policy-loss
+- rl          the math and sampling: ppo_math, reward_math and token_math (torch only), the estimator and policy-loss
               tables, the sampler, hacking (stdlib)
 - models      loading, reward models, reward functions, the scorer, the judges, device plumbing
 - tasks       checkable tasks and their verifiers
@@ -122,7 +122,7 @@ def test_no_cycle():
 
 def test_layering():
     graph = import_graph()
-    for math_module in ("rl.ppo_math", "rl.reward_math"):  # the equations, reviewable on their own
+    for math_module in ("rl.ppo_math", "rl.reward_math", "rl.token_math"):  # the equations, reviewable alone
         entry = graph[math_module]
         assert entry["top"] == [] and entry["nested"] == [], math_module
         assert set(entry["external"]) <= {"torch", "__future__"} | set(sys.stdlib_module_names), math_module

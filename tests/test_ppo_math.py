@@ -8,26 +8,22 @@ import math
 import pytest
 import torch
 
-from llm_rlhf.rl import ppo_math as pm
-from llm_rlhf.rl import reward_math
+from llm_rlhf.rl import reward_math, token_math
 from llm_rlhf.rl.estimators import grpo_advantages, remax_advantages, rloo_advantages
 from llm_rlhf.rl.ppo_math import (
     AdaptiveKLController,
     FixedKLController,
     clip_scores,
     compute_gae,
-    entropy_from_logits,
     explained_variance,
     kl_loss,
     kl_penalty,
-    logprobs_from_logits,
     masked_mean,
     masked_sum,
     masked_var,
     masked_whiten,
     policy_loss,
     reinforce_pp_advantages,
-    response_mask_from_tokens,
     scores_by_prompt,
     sequence_kl,
     shaped_rewards,
@@ -36,6 +32,7 @@ from llm_rlhf.rl.ppo_math import (
     value_loss,
 )
 from llm_rlhf.rl.reward_math import bradley_terry_loss, ranking_to_pairs
+from llm_rlhf.rl.token_math import entropy_from_logits, logprobs_from_logits, response_mask_from_tokens
 
 F64 = torch.float64
 TIGHT = {"rtol": 0, "atol": 1e-12}
@@ -655,11 +652,13 @@ def test_mask_eos_logits_hand_example_and_gradient():
     those of softmax over the other tokens there, the entropy is finite, and no gradient is NaN."""
     logits = torch.tensor([[[1.0, 2.0, 3.0, 0.5], [0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 4.0, 1.0]]], dtype=F64)
     logits.requires_grad_(True)
-    masked = pm.mask_eos_logits(logits=logits, eos_token_id=2, min_new_tokens=2)  # (1, 3, 4)
+    masked = token_math.mask_eos_logits(logits=logits, eos_token_id=2, min_new_tokens=2)  # (1, 3, 4)
     inf = -math.inf
     expected = [[[1.0, 2.0, inf, 0.5], [0.0, 0.0, inf, 0.0], [1.0, 1.0, 4.0, 1.0]]]
     assert masked.tolist() == expected
-    assert pm.mask_eos_logits(logits=logits, eos_token_id=2, min_new_tokens=0) is logits  # off: no copy
+    assert (
+        token_math.mask_eos_logits(logits=logits, eos_token_id=2, min_new_tokens=0) is logits
+    )  # off: no copy
     labels = torch.tensor([[0, 1, 2]])
     logprobs = logprobs_from_logits(logits=masked, labels=labels)  # (1, 3)
     by_hand = [1.0 - math.log(math.e + math.e**2 + math.e**0.5), -math.log(3.0)]

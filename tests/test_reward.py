@@ -25,7 +25,7 @@ from llm_rlhf.models.reward_model import (
     score_pairs,
 )
 from llm_rlhf.rl import reward_math
-from llm_rlhf.rl.ppo_math import position_ids_from_mask
+from llm_rlhf.rl.token_math import position_ids_from_mask
 from llm_rlhf.stages.reward import Config, build_trainer, load_inputs, reference_texts, run
 
 RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "reviews" / "rm.yaml"

@@ -10,7 +10,7 @@ import torch
 from helpers import ppo_config, ppo_trainer
 
 from llm_rlhf.models import reward_model
-from llm_rlhf.rl import ppo_math
+from llm_rlhf.rl import token_math
 from llm_rlhf.rl.rollout import Rollout, Samples, left_pad, pad_columns
 from llm_rlhf.stages import ppo
 
@@ -103,7 +103,7 @@ def fixed_samples(trainer: ppo.PPOTrainer) -> Samples:
     response = torch.randint(eos + 1, len(tok), (8, R), generator=torch.Generator().manual_seed(0))
     for i, t in enumerate(EOS_AT):
         response[i, t] = eos
-    response_mask = ppo_math.response_mask_from_tokens(response=response, eos_token_id=eos)  # (8, R)
+    response_mask = token_math.response_mask_from_tokens(response=response, eos_token_id=eos)  # (8, R)
     response = torch.where(response_mask, response, pad)
     return Samples(query=query, query_mask=query_mask, response=response, response_mask=response_mask)
 

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.activations import GELUTanh, NewGELUActivation
 
 from llm_rlhf.core.errors import ConfigError, UserError
-from llm_rlhf.rl.ppo_math import position_ids_from_mask
+from llm_rlhf.rl.token_math import position_ids_from_mask
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -60,7 +60,7 @@ from llm_rlhf.core.errors import UserError
 from llm_rlhf.core.utils import atomic_write_json, read_json
 from llm_rlhf.models.loading import load_tokenizer, shares_vocab, torch_dtype
 from llm_rlhf.rl import reward_math
-from llm_rlhf.rl.ppo_math import position_ids_from_mask
+from llm_rlhf.rl.token_math import position_ids_from_mask
 
 PAD_TOKEN = "<|pad|>"
 NORMALIZATION_FILE = "reward_normalization.json"

@@ -32,8 +32,8 @@ from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaLis
 
 from llm_rlhf.core.config import require
 from llm_rlhf.core.errors import UserError
-from llm_rlhf.rl import fast_sampling, ppo_math
-from llm_rlhf.rl.ppo_math import position_ids_from_mask
+from llm_rlhf.rl import fast_sampling, token_math
+from llm_rlhf.rl.token_math import position_ids_from_mask
 
 
 @dataclass
@@ -98,7 +98,7 @@ class Samples:
             pad q   q   q q  | r EOS pad pad pad pad         q   q   q q    | r EOS pad
 
         Every real token keeps its token id, mask and position (positions count real tokens only,
-        `ppo_math.position_ids_from_mask`), and no real position attends to a dropped column (padding), so a
+        `token_math.position_ids_from_mask`), and no real position attends to a dropped column (padding), so a
         forward over the trimmed rows gives the same outputs at every real position up to float rounding
         (matmuls of another shape; `tests/test_trim.py`). Shorter prompts and responses of the batch stay
         padded. Fields: query and query_mask are cut on the left, every other field with a column axis
@@ -359,7 +359,7 @@ def sample(
     tokens only, from the attention mask. It
     stops at EOS, which may be the first token unless min_new_tokens > 0: then EOS cannot be drawn at response
     positions t < min_new_tokens (transformers' MinNewTokensLengthLogitsProcessor: the distribution is that of
-    `ppo_math.mask_eos_logits`, which every log-prob computation must apply too). A response also ends at
+    `token_math.mask_eos_logits`, which every log-prob computation must apply too). A response also ends at
     the token completing its first stop string (`stop_string_ends`; none before min_new_tokens), cut after
     sampling: the kept tokens are draws of the same distribution, the tokens after the end are padding.
     pad_to_max_new_tokens: R = max_new_tokens even when every row ended early (the same shape on every
@@ -409,10 +409,10 @@ def sample(
     if pad_to_max_new_tokens and response.shape[1] < width:  # generate stopped: every row ended
         fill = response.new_full((response.shape[0], width - response.shape[1]), pad)
         response = torch.cat([response, fill], dim=1)  # (B, max_new_tokens)
-    eos_mask = ppo_math.response_mask_from_tokens(response=response, eos_token_id=eos)  # (B, R) up to EOS
+    eos_mask = token_math.response_mask_from_tokens(response=response, eos_token_id=eos)  # (B, R) up to EOS
     before_eos = eos_mask & (response != eos)  # (B, R): an EOS ends its response itself, whatever its text
     stops = stop_string_ends(tokenizer, response, before_eos, stop_strings, min_new_tokens=min_new_tokens)
-    response_mask = ppo_math.response_mask_from_tokens(response=response, eos_token_id=eos, stops=stops)
+    response_mask = token_math.response_mask_from_tokens(response=response, eos_token_id=eos, stops=stops)
     response = torch.where(response_mask, response, pad)  # (B, R) padding after the first EOS or stop
     sampler_logprobs = None
     if token_logprobs:
@@ -434,7 +434,7 @@ def response_logprobs_and_values(
     """One forward of `models.PolicyWithValue` or `models.Reference` over query + response; outputs
     aligned with the response tokens. The log-probs and the entropy are those of the distribution `sampling`
     drew the tokens from: softmax(logits / temperature), with EOS masked before response token
-    min_new_tokens when min_new_tokens > 0 (`ppo_math.mask_eos_logits`).
+    min_new_tokens when min_new_tokens > 0 (`token_math.mask_eos_logits`).
 
     The LM head runs only at the R positions whose logits are used (`logits_to_keep`), not at the query.
     entropy: "grad" (differentiable), "stats" (a metric only: no autograd graph over the (B, R, V)
@@ -454,16 +454,18 @@ def response_logprobs_and_values(
     # `prepare` returns the policy's logits in float32 and the reference's stay bf16, and CPU autocast
     # runs log_softmax in the input's dtype, so without this KL != 0 at the first step (issue 13).
     logits = logits.float()
-    logits = ppo_math.mask_eos_logits(
+    logits = token_math.mask_eos_logits(
         logits=logits, eos_token_id=eos_token_id, min_new_tokens=sampling.min_new_tokens
     )
-    logprobs = ppo_math.logprobs_from_logits(logits=logits, labels=samples.response, temperature=temperature)
+    logprobs = token_math.logprobs_from_logits(
+        logits=logits, labels=samples.response, temperature=temperature
+    )
     if entropy == "grad":
-        entropy = ppo_math.entropy_from_logits(logits=logits, temperature=temperature)
+        entropy = token_math.entropy_from_logits(logits=logits, temperature=temperature)
     elif entropy == "stats":  # a metric: no graph, and chunks of 4 rows keep its (B, R, V) temporaries small
         with torch.no_grad():
             entropy = torch.cat(
-                [ppo_math.entropy_from_logits(logits=z, temperature=temperature) for z in logits.split(4)]
+                [token_math.entropy_from_logits(logits=z, temperature=temperature) for z in logits.split(4)]
             )  # (B, R)
     else:
         entropy = None

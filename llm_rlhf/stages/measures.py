@@ -33,7 +33,7 @@ from llm_rlhf.models.loading import (
 )
 from llm_rlhf.models.reward_fn import RewardFn, load_reward_fn, probe
 from llm_rlhf.models.scoring import Scorer, Scores
-from llm_rlhf.rl import ppo_math
+from llm_rlhf.rl import ppo_math, token_math
 from llm_rlhf.rl.hacking import (
     COLLAPSE_KEYS,
     DEGENERACY_KEYS,
@@ -151,26 +151,26 @@ def sequence_kl_to_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """k1 sequence KL of each sample, sum_t log pi(y_t|s_t) - log pi_ref(y_t|s_t) over its response tokens,
     with both log-probs at temperature 1 and at the sampling temperature, both from logits with EOS masked
-    before min_new_tokens as in sampling (`ppo_math.mask_eos_logits`, as PPO). Returns two (B,) tensors.
+    before min_new_tokens as in sampling (`token_math.mask_eos_logits`, as PPO). Returns two (B,) tensors.
 
     A model that is its own reference (the baseline of an evaluation whose reference is the baseline: the SFT
     model of the default pipeline, the instruct model of the arithmetic recipe) is not run twice: the second
     forward would give the same logits bit for bit, so its KL is exactly 0 either way (issue 41)."""
     mask = dict(eos_token_id=eos_token_id, min_new_tokens=sampling.min_new_tokens)
-    logits = ppo_math.mask_eos_logits(logits=response_logits(model, batch), **mask)  # (B, R, V)
+    logits = token_math.mask_eos_logits(logits=response_logits(model, batch), **mask)  # (B, R, V)
     if reference.lm is model and reference.context is None:
         ref_logits = logits
     else:
         with reference.context() if reference.context is not None else nullcontext():
-            ref_logits = ppo_math.mask_eos_logits(
+            ref_logits = token_math.mask_eos_logits(
                 logits=response_logits(reference.lm, batch), **mask
             )  # (B, R, V)
     out = []
     for tau in (1.0, sampling.temperature):
-        logprobs = ppo_math.logprobs_from_logits(
+        logprobs = token_math.logprobs_from_logits(
             logits=logits, labels=batch.response, temperature=tau
         )  # (B, R)
-        ref_logprobs = ppo_math.logprobs_from_logits(
+        ref_logprobs = token_math.logprobs_from_logits(
             logits=ref_logits, labels=batch.response, temperature=tau
         )
         kl = ppo_math.kl_penalty(logprobs=logprobs, ref_logprobs=ref_logprobs, estimator="k1")  # (B, R)

@@ -66,7 +66,7 @@ from accelerate import Accelerator
 
 from llm_rlhf.core.utils import use_cpu_ddp_without_gpus
 from llm_rlhf.models.loading import load_tokenizer
-from llm_rlhf.rl import ppo_math
+from llm_rlhf.rl import token_math
 from llm_rlhf.rl.rollout import Samples, left_pad
 from llm_rlhf.stages import ppo, ppo_run
 
@@ -159,7 +159,7 @@ def run(
                 responses[rows] = torch.randint(5, 200, (n, R), generator=g)  # all truncated
         query, query_mask = left_pad([queries[i] for i in rows], pad)
         response = responses[rows]
-        mask = ppo_math.response_mask_from_tokens(response=response, eos_token_id=eos)
+        mask = token_math.response_mask_from_tokens(response=response, eos_token_id=eos)
         return Samples(
             query=query,
             query_mask=query_mask,
