@@ -282,7 +282,10 @@ def as_deepspeed(trainer, monkeypatch, zero_stage: int = 2) -> StandInDeepSpeedE
     engine, trainer.optimizer = stand_in_engine(
         trainer.accelerator, monkeypatch, trainer.policy, optimizer, zero_stage
     )
-    trainer.policy = engine
+    trainer.policy = trainer.update.policy = trainer.room.policy = (
+        engine  # the trainer's, its update's, its room's
+    )
+    trainer.update.optimizer = trainer.optimizer
     return engine
 
 

@@ -122,7 +122,7 @@ def test_two_ranks_draw_different_prompts_whose_union_is_one_process_prompts(tin
         cfg = ppo_config(tiny_model_dir, None, prompts, tmp_path, reward_fn="reward_fns:half",
                          rollout_batch_size=rollout_batch_size, mini_batch_size=rollout_batch_size, seed=3)  # fmt: skip
         trainer = ppo_trainer(cfg)
-        trainer.sizes = trainer.room.sizes = batch_sizes(rollout_batch_size=rollout_batch_size, mini_batch_size=rollout_batch_size,
+        trainer.sizes = trainer.room.sizes = trainer.update.sizes = batch_sizes(rollout_batch_size=rollout_batch_size, mini_batch_size=rollout_batch_size,
                                         gradient_accumulation_steps=1, ppo_epochs=cfg.ppo_epochs, steps=cfg.steps,
                                         num_processes=num_processes)  # fmt: skip
         return trainer

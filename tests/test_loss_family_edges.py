@@ -246,7 +246,7 @@ def on_two_ranks(trainers, work) -> list:
     pair, out, errors = TwoRanks.pair(), [None, None], []
     real = [t.accelerator for t in trainers]
     for rank, t in enumerate(trainers):
-        t.accelerator = t.room.accelerator = TwoRanks(rank, pair, t.accelerator)  # the rollout room's too
+        t.accelerator = t.room.accelerator = t.update.accelerator = TwoRanks(rank, pair, t.accelerator)
 
     def run(rank: int) -> None:
         try:
@@ -261,7 +261,7 @@ def on_two_ranks(trainers, work) -> list:
     for t in threads:
         t.join()
     for t, accelerator in zip(trainers, real):
-        t.accelerator = t.room.accelerator = accelerator
+        t.accelerator = t.room.accelerator = t.update.accelerator = accelerator
     if errors:
         raise errors[0]
     return out
@@ -273,7 +273,7 @@ def rank_trainer(cfg, **sizes):
     keys = dict(rollout_batch_size=cfg.rollout_batch_size, mini_batch_size=cfg.mini_batch_size,
                 gradient_accumulation_steps=cfg.gradient_accumulation_steps, ppo_epochs=cfg.ppo_epochs,
                 steps=cfg.steps, samples_per_prompt=cfg.samples_per_prompt)  # fmt: skip
-    trainer.sizes = trainer.room.sizes = batch_sizes(
+    trainer.sizes = trainer.room.sizes = trainer.update.sizes = batch_sizes(
         **{**keys, **sizes, "num_processes": 2}
     )  # the room's too
     return trainer
