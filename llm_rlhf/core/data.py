@@ -628,33 +628,7 @@ def load_preference_dataset(
             add(prompt, chosen, rejected, rows.numbers[i])
     elif hh:
         for i in range(len(rows.records)):
-            row = rows.numbers[i]
-            chosen, rejected = _field(rows, i, "chosen"), _field(rows, i, "rejected")
-            if chosen == rejected:
-                raise DataError(
-                    "identical to 'chosen': a pair needs two different responses",
-                    file=rows.file,
-                    row=row,
-                    field="rejected",
-                )
-            prompt, chosen_response, rejected_response = split_shared_prompt(chosen, rejected)
-            if not prompt.strip():
-                raise DataError(
-                    "shares no prefix with 'rejected' to use as the prompt (HH-style rows are "
-                    "full texts: a common dialogue followed by two responses)",
-                    file=rows.file,
-                    row=row,
-                    field="chosen",
-                )
-            for field, response in (("chosen", chosen_response), ("rejected", rejected_response)):
-                if not response.strip():
-                    raise DataError(
-                        "has no response after the shared prompt (one text is a prefix of the other)",
-                        file=rows.file,
-                        row=row,
-                        field=field,
-                    )
-            add(prompt, chosen_response, rejected_response, row)
+            add(*_hh_pair(rows, i), rows.numbers[i])
     else:
         raise DataError(
             "no preference schema found: expected columns prompt/chosen/rejected, chosen/rejected or "
@@ -664,6 +638,39 @@ def load_preference_dataset(
     keep = _fit_in_max_length(rows, out["prompt"], numbers, tokenizer, max_length=max_length, skip=skip_long,
                               what="pairs whose prompt is too long")  # fmt: skip
     return _to_dataset(_select(out, keep))
+
+
+def _hh_pair(rows, i: int) -> tuple[str, str, str]:
+    """Row i of an HH-style file (full texts `chosen` and `rejected`: a common dialogue, then two responses)
+    as (prompt, chosen, rejected): the shared prefix (`split_shared_prompt`) and what follows it in each, each
+    checked (different texts, a non-empty prompt, two non-empty responses)."""
+    row = rows.numbers[i]
+    chosen, rejected = _field(rows, i, "chosen"), _field(rows, i, "rejected")
+    if chosen == rejected:
+        raise DataError(
+            "identical to 'chosen': a pair needs two different responses",
+            file=rows.file,
+            row=row,
+            field="rejected",
+        )
+    prompt, chosen_response, rejected_response = split_shared_prompt(chosen, rejected)
+    if not prompt.strip():
+        raise DataError(
+            "shares no prefix with 'rejected' to use as the prompt (HH-style rows are "
+            "full texts: a common dialogue followed by two responses)",
+            file=rows.file,
+            row=row,
+            field="chosen",
+        )
+    for field, response in (("chosen", chosen_response), ("rejected", rejected_response)):
+        if not response.strip():
+            raise DataError(
+                "has no response after the shared prompt (one text is a prefix of the other)",
+                file=rows.file,
+                row=row,
+                field=field,
+            )
+    return prompt, chosen_response, rejected_response
 
 
 def load_prompt_dataset(

@@ -326,14 +326,10 @@ def decode(
     the draws of rows that have not ended are those of the unsynced loop. Returns sequences (B, P + R),
     R <= max_new_tokens."""
     logits_processor = logits_processors(
-        temperature=sampling.temperature,
-        top_k=sampling.top_k,
-        top_p=sampling.top_p,
-        min_new_tokens=sampling.min_new_tokens,
-        prompt_length=query.shape[1],
-        eos_token_id=eos_token_id,
+        temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+        min_new_tokens=sampling.min_new_tokens, prompt_length=query.shape[1], eos_token_id=eos_token_id,
         device=query.device,
-    )
+    )  # fmt: skip
     max_new_tokens = sampling.max_new_tokens
     compile_steps = sampling.sampling_compile
     synced = steps_on_every_process(lm)  # before any decoding copy: the parameters themselves carry ds_id
@@ -344,16 +340,10 @@ def decode(
     keep = {"logits_to_keep": 1} if "logits_to_keep" in params else {}  # the LM head at the last position
     B, P = query.shape
     pad = (-P % PROMPT_BUCKET) if compile_steps else 0  # left padding added for the compiled step's bucket
-    if pad:
-        query = torch.cat([query.new_full((B, pad), pad_token_id), query], dim=1)  # (B, W), W = P + pad
-        query_mask = torch.cat([query_mask.new_zeros(B, pad), query_mask], dim=1)  # (B, W)
+    query, sequences, mask, positions = decode_buffers(
+        query, query_mask, pad=pad, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id
+    )
     W = P + pad
-    padded = torch.full((B, W + max_new_tokens), pad_token_id, dtype=query.dtype, device=query.device)
-    padded[:, :W] = query  # (B, W + max_new_tokens)
-    sequences = padded[:, pad:]  # (B, P + max_new_tokens): what the processors, criteria and caller see
-    mask = query_mask.new_zeros(B, W + max_new_tokens, dtype=torch.long)  # (B, W + max_new_tokens)
-    mask[:, :W] = query_mask  # then a column of ones per token drawn; zeros ahead of the current token
-    positions = (mask[:, :W].cumsum(-1) - 1).masked_fill(mask[:, :W] == 0, 0)  # (B, W): real tokens counted
     unfinished = torch.ones(B, dtype=torch.bool, device=query.device)  # (B,)
     if compile_steps:  # fixed shapes: a static cache and the whole mask; the prefill eager (its width varies)
         cache = StaticCache(config=inner.config, max_cache_len=W + max_new_tokens)
@@ -368,15 +358,7 @@ def decode(
         out = forward(input_ids=inputs, attention_mask=attention, position_ids=positions, **kwargs)
         logits = out.logits[:, -1].to(dtype=torch.float32, copy=True)  # (B, V): the next token's logits
         scores = logits_processor(sequences[:, : P + t], logits)  # (B, V)
-        if draw is None:
-            token = scores.argmax(-1)  # (B,)
-        else:
-            probs = torch.softmax(scores, dim=-1)  # (B, V)
-            token = draw(probs)  # (B,)
-            if token_logprobs is not None:  # log q(y_t) from the probabilities drawn from (each > 0)
-                token_logprobs.append(
-                    torch.where(unfinished, probs.gather(-1, token[:, None])[:, 0].log(), 0.0)
-                )
+        token = next_token(scores, draw, unfinished, token_logprobs)  # (B,)
         token = torch.where(unfinished, token, pad_token_id)  # (B,): padding after a row's end
         sequences[:, P + t] = token
         unfinished &= token != eos_token_id
@@ -388,6 +370,42 @@ def decode(
         mask[:, W + t] = 1  # the new token's column
         positions = positions[:, -1:] + 1  # (B, 1): the new token's position
     return sequences
+
+
+def decode_buffers(
+    query: torch.Tensor, query_mask: torch.Tensor, *, pad: int, max_new_tokens: int, pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`decode`'s buffers for queries (B, P) left-padded by `pad` more columns (the compiled step's bucket,
+    W = P + pad): the query (B, W); the sequences (B, P + max_new_tokens), a view of one (B, W +
+    max_new_tokens) buffer that the drawn tokens fill (what the processors, criteria and caller see); the
+    attention mask (B, W + max_new_tokens), the query's then a column of ones per token drawn (zeros ahead of
+    the current token); the prefill's positions (B, W), real tokens counted."""
+    B, P = query.shape
+    if pad:
+        query = torch.cat([query.new_full((B, pad), pad_token_id), query], dim=1)  # (B, W), W = P + pad
+        query_mask = torch.cat([query_mask.new_zeros(B, pad), query_mask], dim=1)  # (B, W)
+    W = P + pad
+    padded = torch.full((B, W + max_new_tokens), pad_token_id, dtype=query.dtype, device=query.device)
+    padded[:, :W] = query  # (B, W + max_new_tokens)
+    mask = query_mask.new_zeros(B, W + max_new_tokens, dtype=torch.long)  # (B, W + max_new_tokens)
+    mask[:, :W] = query_mask
+    positions = (mask[:, :W].cumsum(-1) - 1).masked_fill(mask[:, :W] == 0, 0)  # (B, W)
+    return query, padded[:, pad:], mask, positions
+
+
+def next_token(
+    scores: torch.Tensor, draw, unfinished: torch.Tensor, token_logprobs: list[torch.Tensor] | None
+) -> torch.Tensor:
+    """The (B,) tokens of one decode step from the processed logits `scores` (B, V): the argmax when `draw` is
+    None (greedy), else `draw`(softmax(scores)); with token_logprobs, appends each row's log q(y_t), the
+    log of the probability it was drawn with (each > 0; 0 for rows that had ended)."""
+    if draw is None:
+        return scores.argmax(-1)  # (B,)
+    probs = torch.softmax(scores, dim=-1)  # (B, V)
+    token = draw(probs)  # (B,)
+    if token_logprobs is not None:
+        token_logprobs.append(torch.where(unfinished, probs.gather(-1, token[:, None])[:, 0].log(), 0.0))
+    return token
 
 
 def unfinished_anywhere(unfinished: torch.Tensor) -> bool:

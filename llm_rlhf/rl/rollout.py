@@ -369,11 +369,8 @@ def sample(
     criteria = StoppingCriteriaList()
     stop_strings, min_new_tokens = sampling.stop_strings, sampling.min_new_tokens
     if stop_strings:
-        criteria.append(
-            StopStringsCriteria(
-                tokenizer, stop_strings, prompt_length=query.shape[1], min_new_tokens=min_new_tokens
-            )
-        )
+        criteria.append(StopStringsCriteria(tokenizer, stop_strings, prompt_length=query.shape[1],
+                                            min_new_tokens=min_new_tokens))  # fmt: skip
     token_logprobs: list[torch.Tensor] = []  # (B,) per step: the sampler's log q(y_t)
     if fast_sampling.supports(lm):  # issue 26: generate's loop, the same distribution, faster
         sequences = fast_sampling.generate(
