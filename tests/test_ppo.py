@@ -339,6 +339,7 @@ def test_config_dataclass_is_flat(tmp_path):
         "policy_loss": "cispo", "cliprange_low": None, "cliprange_high": 0.28, "dual_clip": None,
         "loss_aggregation": "token_sum_norm", "sampler_correction": "tis", "sampler_correction_cap": 1.5,
         "overlong_buffer": 4, "overlong_penalty": 0.5, "dynamic_sampling": False,
+        "environment": None,  # episodes: set in the critic-free config below (min_new_tokens 0 there)
     }  # fmt: skip
     for f in dataclasses.fields(Config):
         value = getattr(default, f.name)
@@ -361,8 +362,11 @@ def test_config_dataclass_is_flat(tmp_path):
         "policy_loss": "ppo_clip",
         "cliprange_low": 0.1,
         "dual_clip": 3.0,
+        "environment": "calculator",
+        "min_new_tokens": 0,
     }
-    grouped = {**critic_free, "advantage_estimator": "grpo", "dynamic_sampling": True, "policy_loss": "gspo"}
+    grouped = {**critic_free, "advantage_estimator": "grpo", "dynamic_sampling": True, "policy_loss": "gspo",
+               "environment": None}  # fmt: skip
     grouped["dual_clip"] = None
     for values in (changed, critic_free, grouped):
         recipe = tmp_path / "ppo.yaml"

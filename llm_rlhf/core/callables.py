@@ -71,9 +71,10 @@ def import_file(path: Path, what: str):
     return module
 
 
-def resolve_callable(spec: str, key: str, forms: str = CALLABLE_FORMS) -> Any:
+def resolve_callable(spec: str, key: str, forms: str = CALLABLE_FORMS, *, build: bool = True) -> Any:
     """The callable `spec` names (see the module docstring), for the config key `key`; a class is built with
-    no arguments. Every failure is one UserError line starting "<key> '<spec>'"."""
+    no arguments unless build is False (an environment: one instance per episode). Every failure is one
+    UserError line starting "<key> '<spec>'"."""
     where, attr = split_callable_spec(spec, key, forms)
     what = f"{key} '{spec}'"
     if where.endswith(".py") or "/" in where or os.sep in where:
@@ -90,7 +91,7 @@ def resolve_callable(spec: str, key: str, forms: str = CALLABLE_FORMS) -> Any:
         if not hasattr(obj, part):
             raise UserError(f"{what}: '{where}' has no attribute '{attr}'")
         obj = getattr(obj, part)
-    if isinstance(obj, type):
+    if isinstance(obj, type) and build:
         try:
             obj = obj()
         except Exception as e:

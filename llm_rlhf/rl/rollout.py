@@ -60,18 +60,30 @@ class Samples:
     response_mask: torch.Tensor
     stopped: torch.Tensor | None = None
     sampler_logprobs: torch.Tensor | None = None
+    env_mask: torch.Tensor | None = None
+    env_rewards: torch.Tensor | None = None
+    turns: torch.Tensor | None = None
 
     @property
     def sequence(self) -> torch.Tensor:
         return torch.cat([self.query, self.response], dim=1)  # (B, P + R)
 
     @property
+    def tokens_mask(self) -> torch.Tensor:
+        """(B, R) bool: the response's real tokens, the policy's and (in an episode) the environment's."""
+        return self.response_mask if self.env_mask is None else self.response_mask | self.env_mask
+
+    @property
     def attention_mask(self) -> torch.Tensor:
-        return torch.cat([self.query_mask.long(), self.response_mask.long()], dim=1)  # (B, P + R) long
+        return torch.cat([self.query_mask.long(), self.tokens_mask.long()], dim=1)  # (B, P + R) long
 
     def ended_with_eos(self, eos_token_id: int) -> torch.Tensor:
-        """(B,) True where the response contains EOS (its last unmasked token); False if truncated."""
-        return ((self.response == eos_token_id) & self.response_mask).any(-1)
+        """(B,) True where the response's last policy token is EOS (a response's first EOS is its last
+        unmasked token; an episode's last turn ended with one); False if truncated."""
+        mask = self.response_mask
+        R = mask.shape[1]
+        last = R - 1 - mask.flip(1).int().argmax(1)  # (B,) the last True column (R - 1 when none)
+        return (self.response.gather(1, last[:, None])[:, 0] == eos_token_id) & mask.any(1)
 
     def ended(self, eos_token_id: int) -> torch.Tensor:
         """(B,) True where the response ended, with EOS or a stop string; False if truncated at
@@ -107,7 +119,7 @@ class Samples:
         tokens no longer pay for max_new_tokens = 48 in the reference, RM and every PPO epoch.
         """
         has_query = self.query_mask.bool().any(0)  # (P,) a real query token in some row
-        has_response = self.response_mask.bool().any(0)  # (R,) a real response token in some row
+        has_response = self.tokens_mask.bool().any(0)  # (R,) a real response token in some row
         query_start = int(has_query.int().argmax())  # the first such column (0 if none)
         response_end = len(has_response) - int(has_response.flip(0).int().argmax())  # one past the last
         return self.columns(query_start, response_end)

@@ -104,6 +104,7 @@ from llm_rlhf.models.loading import (
 from llm_rlhf.models.reward_fn import RewardFn, load_reward_fn, probe
 from llm_rlhf.models.reward_model import RewardEnsemble, check_members_exist
 from llm_rlhf.models.scoring import Scorer, build_scorer, check_score_keys
+from llm_rlhf.rl.episodes import EPISODE_KEYS, check_episode_keys
 from llm_rlhf.rl.hacking import (
     counter_alarms,
 )
@@ -168,6 +169,12 @@ class Config:
         "evaluation reports accuracy: sampled (the mean over the samples drawn as configured) and greedy (one "
         "greedy response per prompt, temperature 0 / argmax), with standard errors over the prompts; null = off.",
     )
+    # --- episodes of several turns (issue 51; `llm_rlhf.rl.episodes`)
+    environment: str | None = help_field(*EPISODE_KEYS["environment"])
+    max_turns: int = help_field(*EPISODE_KEYS["max_turns"])
+    max_episode_tokens: int = help_field(*EPISODE_KEYS["max_episode_tokens"])
+    max_reply_tokens: int = help_field(*EPISODE_KEYS["max_reply_tokens"])
+    environment_timeout: float = help_field(*EPISODE_KEYS["environment_timeout"])
     gold_judge: str = help_field(
         "data/reviews/gold.json",
         "Gold judge: a judge JSON (data/reviews/gold.json: sentiment and fluency; gold_judge.json: sentiment only), 'module:function' or 'module:Class' (a callable (prompts, responses) -> list[float], higher = better), or 'none'.",
@@ -240,6 +247,7 @@ class Config:
     def __post_init__(self):
         require(self.data_format in DATA_FORMATS, "data_format", f"must be one of {', '.join(DATA_FORMATS)}")
         check_score_keys(self)  # the reward function's form only: `run` imports it
+        check_episode_keys(self)
         if self.accuracy_fn is not None:  # its form only: `run` imports it
             split_callable_spec(self.accuracy_fn, "accuracy_fn")
         require(

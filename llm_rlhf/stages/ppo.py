@@ -56,7 +56,7 @@ from llm_rlhf.rl.rollout import (
 )
 from llm_rlhf.stages import ppo_metrics
 from llm_rlhf.stages.ppo_config import Config, batch_sizes
-from llm_rlhf.stages.ppo_rollouts import RolloutRoom
+from llm_rlhf.stages.ppo_rollouts import EpisodeRoom, RolloutRoom
 from llm_rlhf.stages.ppo_update import PPOUpdate
 
 # ---------------------------------------------------------------------------------------------
@@ -120,10 +120,13 @@ class PPOTrainer:
         prompts,
         reward_fn=None,
         verifier=None,
+        make_environment=None,
     ):
         self.cfg, self.accelerator, self.tokenizer = cfg, accelerator, tokenizer
-        if models.reward_model is None and reward_fn is None:
-            raise UserError("reward_model_path: PPO needs a reward model, a reward_fn or both")
+        if models.reward_model is None and reward_fn is None and make_environment is None:
+            raise UserError(
+                "reward_model_path: PPO needs a reward model, a reward_fn, an environment or several"
+            )
         self.sizes = batch_sizes(
             rollout_batch_size=cfg.rollout_batch_size,
             mini_batch_size=cfg.mini_batch_size,
@@ -167,11 +170,17 @@ class PPOTrainer:
         # below receive as token ids, masks and scores
         scorer = Scorer(models.reward_model, reward_fn, reward_fn_weight=cfg.reward_fn_weight,
                         rm_context=self.acc.autocast)  # fmt: skip
-        self.room = RolloutRoom(
-            cfg, accelerator=accelerator, acc=self.acc, policy=self.policy, tokenizer=tokenizer, prompts=prompts,
+        room = dict(
+            accelerator=accelerator, acc=self.acc, policy=self.policy, tokenizer=tokenizer, prompts=prompts,
             sizes=self.sizes, sampling=self.sampling, scorer=scorer, verifier=verifier,
             global_sum=self.global_sum, global_mean=self.global_mean,
         )  # fmt: skip
+        # episodes of several turns with an environment (issue 51), else one response per row
+        self.room = (
+            EpisodeRoom(cfg, make_environment=make_environment, **room)
+            if make_environment is not None
+            else RolloutRoom(cfg, **room)
+        )
         # K epochs of clipped minibatch updates (`ppo_update`): the optimiser, the schedule, the losses
         self.update = PPOUpdate(
             cfg, accelerator=accelerator, acc=self.acc, policy=self.policy, critic=self.critic,
@@ -222,6 +231,7 @@ class PPOTrainer:
             rollout, scores, sampling_stats, dropped_kl = self.dynamic_rollout(queries, times)
         else:
             rollout, scores = self.rollout(self.room.in_groups(queries), times, old_logprobs=not from_update)
+        episode_stats = self.room.episode_stats() if isinstance(self.room, EpisodeRoom) else {}
         greedy = None  # ReMax: one greedy response per prompt, its logprobs, ref_logprobs and scores
         if cfg.estimator.greedy_baseline:
             greedy, _ = self.rollout(queries, times, sampling=self.greedy)
@@ -267,7 +277,7 @@ class PPOTrainer:
             metrics[ppo_metrics.OBJECTIVE_GREEDY_SCORES] = self.global_mean(greedy.scores.mean())
         if cfg.overlong_buffer > 0:
             metrics[ppo_metrics.OBJECTIVE_OVERLONG_PENALTY] = self.global_mean(self.overlong(rollout).mean())
-        return {**metrics, **train_stats, **sampling_stats, **self.score_term_means(scores)}
+        return {**metrics, **train_stats, **sampling_stats, **episode_stats, **self.score_term_means(scores)}
 
     def rewards(self, rollout: Rollout, kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The per-token rewards of a rollout and its per-token KL (kl_estimator), both (B, R):
@@ -277,7 +287,9 @@ class PPOTrainer:
         the score clipped (score_clip), with the overlong penalty (`shaped_scores`) and replaced for responses
         that did not end (eos_penalty); with the KL in the loss (`Config.kl_penalty_in_loss`) the rewards hold
         the score alone. A rollout without old log-probs yet (`old_logprobs_from_update`, the KL in the loss)
-        gets KL_t = 0 until the update fills them."""
+        gets KL_t = 0 until the update fills them. Episodes (issue 51): each turn's reward from the environment
+        (`env_rewards`, on the turn's last token) is added to these rewards, so GAE sees it where it was given
+        and the group estimators in the sequence reward."""
         cfg = self.cfg
         kl = (
             torch.zeros_like(rollout.ref_logprobs)
@@ -296,6 +308,8 @@ class PPOTrainer:
             if cfg.eos_penalty is not None
             else None,
         )
+        if rollout.env_rewards is not None:
+            rewards = rewards + torch.where(rollout.response_mask, rollout.env_rewards, 0.0)  # (B, R)
         return rewards, kl
 
     def shaped_scores(self, samples: Samples, scores: torch.Tensor) -> torch.Tensor:
@@ -602,8 +616,11 @@ class PPOTrainer:
         groups whose k scores are all equal (with the KL in the loss, grpo, dr_grpo and rloo give their
         responses a zero advantage: the group teaches nothing). With dynamic_sampling these are the trained
         groups (the tied groups it filled in at its cap); the dropped ones are sampling/groups_dropped."""
+        scores = rollout.scores  # (B,) and with episodes the environment's rewards
+        if rollout.env_rewards is not None:
+            scores = scores + rollout.env_rewards.sum(-1)
         grouped = ppo_math.scores_by_prompt(
-            scores=rollout.scores, samples_per_prompt=self.cfg.samples_per_prompt
+            scores=scores, samples_per_prompt=self.cfg.samples_per_prompt
         )  # (P, k)
         tied = (grouped == grouped[:, :1]).all(dim=1).float()  # (P,)
         return {

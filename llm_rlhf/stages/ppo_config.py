@@ -24,6 +24,7 @@ from llm_rlhf.core.config import checked_keywords, help_field, is_off, require
 from llm_rlhf.core.data import DATA_FORMATS
 from llm_rlhf.models.scoring import check_score_keys
 from llm_rlhf.rl import hacking
+from llm_rlhf.rl.episodes import EPISODE_KEYS, check_episode_keys
 from llm_rlhf.rl.estimators import (
     ADVANTAGE_ESTIMATORS,
     DEFAULT_ESTIMATOR,
@@ -346,6 +347,12 @@ class Config:
         "with standard errors; the pipeline's eval stage takes it too. With dynamic_sampling a group ties when "
         "its verdicts tie (DAPO filters on accuracy). null = off.",
     )
+    # --- episodes of several turns (issue 51; `llm_rlhf.rl.episodes`)
+    environment: str | None = help_field(*EPISODE_KEYS["environment"])
+    max_turns: int = help_field(*EPISODE_KEYS["max_turns"])
+    max_episode_tokens: int = help_field(*EPISODE_KEYS["max_episode_tokens"])
+    max_reply_tokens: int = help_field(*EPISODE_KEYS["max_reply_tokens"])
+    environment_timeout: float = help_field(*EPISODE_KEYS["environment_timeout"])
     # --- logging and checkpoints
     log_samples_every: int = help_field(10, "Log a few sampled responses every N steps.")
     num_log_samples: int = help_field(3, "How many samples to log.")
@@ -433,6 +440,12 @@ class Config:
         check_estimator_keys(self)
         check_policy_loss_keys(self)
         check_watch_keys(self)
+        check_episode_keys(self)
+        require(
+            not (self.environment is not None and self.dynamic_sampling),
+            "dynamic_sampling",
+            "is not yet built for episodes (environment): its ties would need the environment's rewards",
+        )
 
     @property
     def heldout_batch_size(self) -> int:
@@ -628,12 +641,13 @@ def check_watch_keys(cfg) -> None:
 
 
 def check_reward_keys(cfg) -> None:
-    """The score needs a reward model, a reward function or both (`scoring.check_score_keys` checks their
-    keys); the RM-initialised critic needs the RM."""
+    """The score needs a reward model, a reward function or an environment that rewards (`scoring.check_score_keys`
+    checks their keys); the RM-initialised critic needs the RM."""
     require(
-        not is_off(cfg.reward_model_path) or cfg.reward_fn is not None,
+        not is_off(cfg.reward_model_path) or cfg.reward_fn is not None or cfg.environment is not None,
         "reward_model_path",
-        "is none and reward_fn is not set: PPO needs a score (a reward model, a reward_fn or both)",
+        "is none and neither reward_fn nor environment is set: PPO needs a score (a reward model, a reward_fn, "
+        "an environment's rewards)",
     )
     check_score_keys(cfg)  # the reward function's form only: it is imported when the stage starts
     require(

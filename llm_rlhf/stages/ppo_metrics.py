@@ -66,6 +66,13 @@ SAMPLING_SAMPLED_PER_TRAINED = "sampling/sampled_per_trained"  # responses sampl
 SAMPLING_SCORES_SAMPLED = (
     "sampling/scores_sampled"  # mean score of every response sampled this step, dropped too
 )
+ENV_TURNS = "env/turns"  # episodes (environment): the policy's turns per episode
+ENV_REWARD = "env/reward"  # the environment's reward per episode (the sum over its turns)
+ENV_DONE = "env/done_rate"  # episodes the environment ended (not a limit)
+ENV_ERRORS = "env/error_rate"  # episodes ended by an environment that raised or timed out
+ENV_TOOL_CALLS = "env/tool_calls"  # tool environments: tool calls per episode
+ENV_TOOL_CALL_RATE = "env/tool_call_rate"  # episodes with at least one tool call
+ENV_TOOL_ANSWER_USED = "env/tool_answer_used"  # episodes whose final answer is a number a tool returned
 VAL_CLIPFRAC = "val/clipfrac"
 VAL_EXPLAINED_VARIANCE = "val/explained_variance"  # 1 - Var(R - V) / Var(R)
 VAL_MEAN = "val/mean"

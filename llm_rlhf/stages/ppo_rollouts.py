@@ -8,8 +8,9 @@
 dynamic sampling (`collect_untied`: rounds of groups until enough are untied, the selection, its statistics).
 What it hands the trainer is `Samples` and `Scores` (`Episodes` for dynamic sampling): the trainer
 (`stages.ppo.PPOTrainer`) runs the policy's, the value's and the reference's forwards on them and the update.
-Another sampling back-end, or episodes of several turns, is another room with the same methods: `queries`,
-`in_groups`, `generate`, `score`, `collect_untied`, `state_dict`.
+Episodes of several turns are `EpisodeRoom` (issue 51): the same methods, `generate` playing episodes with an
+environment; another sampling back-end would be another room with the same methods: `queries`, `in_groups`,
+`generate`, `score`, `collect_untied`, `state_dict`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from llm_rlhf.core.errors import UserError
 from llm_rlhf.models.scoring import Scorer, Scores
 from llm_rlhf.rl import ppo_math
+from llm_rlhf.rl.episodes import Episode, EpisodeLimits, run_episodes
 from llm_rlhf.rl.rollout import Samples, Sampling, left_pad, sample
 from llm_rlhf.stages import ppo_metrics
 
@@ -287,3 +289,66 @@ class RolloutRoom:
             return scores.scores
         verdicts = self.agreed(self.verifier, lambda: self.verifier_scorer(samples, self.tokenizer))
         return verdicts.reward_fn  # (B,) float64, 1.0 / 0.0
+
+
+class EpisodeRoom(RolloutRoom):
+    """The room of episodes of several turns (issue 51; `llm_rlhf.rl.episodes`): the same prompts, scoring and
+    state as `RolloutRoom`, and `generate` plays one episode per row with a fresh environment instance
+    (`make_environment`), returning them as `Samples` whose response holds the policy's turns and the
+    environment's replies (env_mask), each turn's reward from the environment on its last token (env_rewards).
+    The scorer (reward model, reward function) reads the policy's text; without either the scores are 0 and the
+    environment's rewards are the whole reward. `last_episodes` keeps the latest call's episodes for the env/*
+    statistics and the logged transcripts."""
+
+    def __init__(self, cfg, *, make_environment: Callable[[], Any], **kwargs):
+        super().__init__(cfg, **kwargs)
+        self.make_environment = make_environment
+        self.limits = EpisodeLimits.of(cfg)
+        self.last_episodes: list[Episode] = []
+
+    @torch.no_grad()
+    def generate(self, queries: list[list[int]], sampling: Sampling | None = None) -> Samples:
+        """One episode per query (`episodes.run_episodes`), R = max_episode_tokens on every process; every
+        process takes as many turns (one global sum a turn), so sharded forwards stay matched."""
+        policy = self.accelerator.unwrap_model(self.policy)
+        with self.acc.autocast(), self.acc.gathered_for_generation(policy):
+            samples, self.last_episodes = run_episodes(
+                policy.lm,
+                self.tokenizer,
+                queries,
+                [self.make_environment() for _ in queries],
+                sampling or self.sampling,
+                self.limits,
+                device=self.device,
+                any_active=lambda active: self.global_sum(torch.tensor(float(active))) > 0,
+            )
+        return samples
+
+    @torch.no_grad()
+    def score(self, samples: Samples) -> Scores:
+        """The scorer's scores of the policy's text (`RolloutRoom.score`), or zeros without a reward model and a
+        reward function (the environment's rewards, in `samples.env_rewards`, are then the whole reward)."""
+        if self.scorer.reward_model is None and self.scorer.reward_fn is None:
+            return Scores(torch.zeros(samples.query.shape[0], device=self.device))
+        return super().score(samples)
+
+    def episode_stats(self) -> dict[str, float]:
+        """env/* of the latest episodes, means over every process: turns per episode, the environment's reward
+        per episode, the share it ended (done), the share that ended on an environment error, and for tool
+        environments (`ToolUse`: `calls`, `used`) tool calls per episode, the share of episodes with one, and
+        the share whose final answer is a number a tool returned."""
+        episodes = self.last_episodes
+        tools = [e.environment for e in episodes if hasattr(e.environment, "calls")]
+        values = {
+            ppo_metrics.ENV_TURNS: [float(e.turns) for e in episodes],
+            ppo_metrics.ENV_REWARD: [sum(r for _, r in e.rewards) for e in episodes],
+            ppo_metrics.ENV_DONE: [float(e.done) for e in episodes],
+            ppo_metrics.ENV_ERRORS: [float(e.error is not None) for e in episodes],
+        }
+        if tools:
+            values[ppo_metrics.ENV_TOOL_CALLS] = [float(t.calls) for t in tools]
+            values[ppo_metrics.ENV_TOOL_CALL_RATE] = [float(t.calls > 0) for t in tools]
+            values[ppo_metrics.ENV_TOOL_ANSWER_USED] = [float(t.used) for t in tools]
+        means = torch.tensor([sum(v) / max(len(v), 1) for v in values.values()])  # (n,) this process's
+        means = self.accelerator.reduce(means.to(self.device), reduction="mean")  # every process's
+        return {key: float(v) for key, v in zip(values, means)}

@@ -82,6 +82,7 @@ from llm_rlhf.stages.measures import (
 )
 from llm_rlhf.stages.ppo import PPOModels, PPOTrainer
 from llm_rlhf.stages.ppo_config import Config  # the keys of `llm-rlhf ppo`
+from llm_rlhf.tasks.environments import environment_factory
 
 # ---------------------------------------------------------------------------------------------
 # Building the models and running the stage
@@ -168,8 +169,15 @@ def build_trainer(
     verifier: `cfg.accuracy_fn` loaded, else loaded here where dynamic sampling ties groups on its verdicts."""
     if cfg.reward_fn is not None and reward_fn is None:
         reward_fn = load_reward_fn(cfg.reward_fn)
-    if cfg.dynamic_sampling and cfg.accuracy_fn is not None and verifier is None:
+    if (
+        (cfg.dynamic_sampling or cfg.environment is not None)
+        and cfg.accuracy_fn is not None
+        and verifier is None
+    ):
         verifier = load_reward_fn(cfg.accuracy_fn, key="accuracy_fn", binary=True)
+    make_environment = None  # episodes of several turns (issue 51): one fresh environment per episode
+    if cfg.environment is not None:
+        make_environment = environment_factory(cfg.environment, verifier=verifier)
     seed_everything(cfg.seed, accelerator.process_index)
     with loading_whole_models(accelerator):  # not partitioned at load under ZeRO-3 (issue 39)
         models = build_models(cfg, policy=policy, reward_model=reward_model)
@@ -185,6 +193,7 @@ def build_trainer(
         prompts=prompts,
         reward_fn=reward_fn,
         verifier=verifier if cfg.dynamic_sampling else None,
+        make_environment=make_environment,
     )
 
 

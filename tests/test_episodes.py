@@ -1,0 +1,293 @@
+"""Episodes of several turns (issue 51): exact ids, the policy's tokens only in every loss and KL, bounded
+environments, every estimator and loss on episodes, exact resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import ppo_config, ppo_trainer
+
+from llm_rlhf.core.errors import UserError
+from llm_rlhf.models.loading import load_tokenizer
+from llm_rlhf.rl import episodes, ppo_math
+from llm_rlhf.rl.episodes import ENVIRONMENT, POLICY, EpisodeLimits, Step, run_episodes
+from llm_rlhf.rl.rollout import Samples, Sampling
+from llm_rlhf.stages import ppo_run
+from llm_rlhf.tasks.environments import ToolUse, calculator, describe_tools, environment_factory
+
+ECHO = "tests/envs.py:Echo"
+
+
+def env_config(model_dir, prompt_file, out, **kw):
+    """A tiny PPO run with the Echo environment and no other reward: 8 episodes of at most 3 turns."""
+    base = dict(environment=ECHO, max_turns=3, max_episode_tokens=24, max_new_tokens=8, max_reply_tokens=6,
+                gold_judge="none", eval_every=0)  # fmt: skip
+    base.update(kw)
+    return ppo_config(model_dir, None, prompt_file, out, **base)
+
+
+# --- the ids of an episode -----------------------------------------------------------------
+
+
+class Scripted:
+    """A sampler standing in for `rollout.sample`: turn n of row i is the fixed ids TURNS[n][i] (an EOS or the
+    pause ends them as the sampler would); records the contexts it was given."""
+
+    def __init__(self, turns, pad):
+        self.turns, self.pad, self.contexts, self.n = turns, pad, [], 0
+
+    def __call__(self, lm, tokenizer, query, query_mask, sampling):
+        rows = [q[m.bool()].tolist() for q, m in zip(query, query_mask)]
+        self.contexts.append(rows)
+        ids = self.turns[self.n][: len(rows)]
+        self.n += 1
+        R = max(len(x) for x in ids)
+        response = torch.full((len(ids), R), self.pad)
+        mask = torch.zeros((len(ids), R), dtype=torch.bool)
+        for i, x in enumerate(ids):
+            response[i, : len(x)], mask[i, : len(x)] = torch.tensor(x), True
+        return Samples(query, query_mask, response, mask, stopped=torch.ones(len(ids), dtype=torch.bool))
+
+
+class Replies:
+    """Replies 'r<turn>' after each turn and ends after the third with reward 1."""
+
+    def reset(self, prompt):
+        self.turn = 0
+
+    def step(self, turn):
+        self.turn += 1
+        return Step(reward=1.0, done=True) if self.turn == 3 else Step(reply=f"r{self.turn}", reward=0.25)
+
+
+def test_three_turn_episode_is_the_concatenation_of_its_sampled_and_encoded_pieces(
+    tiny_model_dir, monkeypatch
+):
+    tok = load_tokenizer(str(tiny_model_dir), padding_side="left")
+    queries = [tok("The film is")["input_ids"], tok("A gorgeous")["input_ids"]]
+    turns = [[[11, 12, 13], [21, 22]], [[14, 15], [23]], [[16], [24, 25, 26]]]  # turn n, row i
+    scripted = Scripted(turns, tok.pad_token_id)
+    monkeypatch.setattr(episodes, "sample", scripted)
+    samples, played = run_episodes(None, tok, queries, [Replies(), Replies()], Sampling(max_new_tokens=4),
+                                   EpisodeLimits(max_turns=5, max_episode_tokens=40))  # fmt: skip
+    for i, q in enumerate(queries):
+        r1, r2 = (tok(f"r{n}", add_special_tokens=False)["input_ids"] for n in (1, 2))  # inline replies
+        pieces = [turns[0][i], r1, turns[1][i], r2, turns[2][i]]
+        expected = [t for p in pieces for t in p]
+        row = samples.response[i][samples.tokens_mask[i]].tolist()
+        assert row == expected  # never re-tokenized: the sampled ids and the encoded replies, in order
+        assert (
+            samples.response[i][samples.response_mask[i]].tolist() == turns[0][i] + turns[1][i] + turns[2][i]
+        )
+        assert samples.response[i][samples.env_mask[i]].tolist() == r1 + r2
+        # each turn was sampled on the prompt and every piece before it
+        for n in range(3):
+            assert scripted.contexts[n][i] == q + [t for p in pieces[: 2 * n] for t in p]
+        # the turns' rewards on their last tokens: 0.25 after turns 1 and 2, 1.0 after turn 3
+        ends = [len(turns[0][i]) - 1, len(turns[0][i] + r1 + turns[1][i]) - 1, len(expected) - 1]
+        assert samples.env_rewards[i].nonzero().flatten().tolist() == ends
+        assert samples.env_rewards[i][ends].tolist() == [0.25, 0.25, 1.0]
+    assert samples.turns.tolist() == [3, 3] and samples.stopped.tolist() == [True, True]
+    assert [owner for owner, _ in played[0].pieces] == [POLICY, ENVIRONMENT, POLICY, ENVIRONMENT, POLICY]
+    # the attention covers both, the masks never overlap
+    assert not (samples.response_mask & samples.env_mask).any()
+    assert samples.attention_mask[:, -samples.response.shape[1] :].bool().equal(samples.tokens_mask)
+
+
+def test_a_reply_after_an_ended_message_is_a_chat_message_of_the_template():
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained("data/smollm2-135m-instruct")
+    before, after = episodes.chat_reply_text(tok, "tool")
+    assert (before, after) == ("\n<|im_start|>tool\n", "<|im_end|>\n<|im_start|>assistant\n")
+    ids = episodes.reply_ids(tok, "<result>7</result>", inline=False, role="tool", max_reply_tokens=16)
+    # the policy's sampled EOS + these ids render the conversation as the template does
+    said = tok("Let me see.", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    text = tok.decode(said + ids)
+    rendered = tok.apply_chat_template(
+        [{"role": "user", "content": "u"}, {"role": "assistant", "content": "Let me see."},
+         {"role": "tool", "content": "<result>7</result>"}], tokenize=False, add_generation_prompt=True,
+    )  # fmt: skip
+    assert rendered.endswith(text)
+
+
+# --- the policy's tokens only ------------------------------------------------------------------
+
+
+def episode_trainer(tiny_model_dir, prompt_file, tmp_path, **kw):
+    trainer = ppo_trainer(env_config(tiny_model_dir, prompt_file, tmp_path, **kw))
+    torch.manual_seed(0)
+    return trainer
+
+
+@pytest.mark.parametrize("estimator", ["gae", "grpo"])
+def test_gradient_and_kl_are_exactly_zero_on_environment_tokens(
+    tiny_model_dir, prompt_file, tmp_path, estimator
+):
+    """The update's gradient with respect to every token's log-prob is 0 at the environment's tokens (and not 0
+    at the policy's), and the per-token KL and rewards are 0 there: unmasking them (the loss mask = the
+    attention) fails this test."""
+    kw = {"advantage_estimator": estimator, "samples_per_prompt": 2} if estimator == "grpo" else {}
+    trainer = episode_trainer(tiny_model_dir, prompt_file, tmp_path, **kw)
+    rollout, _ = trainer.rollout(trainer.room.in_groups(trainer.room.queries(0)))
+    env = rollout.env_mask
+    assert env.any() and rollout.response_mask.any()
+    kl_coef = 0.3
+    trainer.kl_ctl.value = kl_coef
+    rollout.ref_logprobs = rollout.ref_logprobs + torch.randn_like(rollout.ref_logprobs)  # a KL everywhere
+    rewards, kl = trainer.rewards(rollout, kl_coef)
+    assert rewards[env].abs().sum() == 0  # no KL penalty, no score there
+    seq = ppo_math.sequence_kl(kl=kl, response_mask=rollout.response_mask)
+    assert torch.allclose(seq, (kl * rollout.response_mask).sum(-1))
+    advantages, returns = trainer.advantages(rollout, rewards)
+    grads = []
+    real = trainer.forward_policy
+
+    def recording(part, **kwargs):
+        out = real(part, **kwargs)
+        if kwargs.get("train"):
+            out[0].register_hook(lambda g, m=part.env_mask, p=part.response_mask: grads.append((g, m, p)))
+        return out
+
+    trainer.forward_policy = recording
+    trainer.train_on_rollout(rollout, advantages, returns)
+    assert grads
+    for g, env_part, _ in grads:
+        assert g[env_part].abs().max() == 0  # exactly zero: no loss term reads an environment token
+    assert any(g[p].abs().max() > 0 for g, _, p in grads)
+
+
+def test_per_turn_rewards_land_in_the_rewards_and_gae_skips_environment_tokens(
+    tiny_model_dir, prompt_file, tmp_path
+):
+    trainer = episode_trainer(tiny_model_dir, prompt_file, tmp_path, init_kl_coef=0.0, kl_controller="fixed")
+    rollout, _ = trainer.rollout(trainer.room.queries(0))
+    rewards, _ = trainer.rewards(rollout, 0.0)
+    assert torch.equal(rewards, rollout.env_rewards * rollout.response_mask)  # Echo: 0.5 a turn, no RM
+    assert (rollout.env_rewards.sum(-1) > 0).any()
+    # GAE over the policy's tokens only: the same as on the policy's tokens packed together
+    values = torch.randn(rewards.shape)
+    adv, ret = ppo_math.compute_gae(rewards=rewards, values=values, response_mask=rollout.response_mask,
+                                    gamma=0.9, lam=0.8)  # fmt: skip
+    for b in range(rewards.shape[0]):
+        m = rollout.response_mask[b]
+        a, _ = ppo_math.compute_gae(rewards=rewards[b][m][None], values=values[b][m][None],
+                                    response_mask=torch.ones(1, int(m.sum()), dtype=torch.bool), gamma=0.9, lam=0.8)  # fmt: skip
+        assert torch.allclose(adv[b][m], a[0])
+
+
+ESTIMATOR_LOSSES = [
+    dict(advantage_estimator="gae"),
+    dict(advantage_estimator="grpo", samples_per_prompt=2),
+    dict(advantage_estimator="dr_grpo", samples_per_prompt=2),
+    dict(advantage_estimator="rloo", samples_per_prompt=2),
+    dict(advantage_estimator="reinforce_pp"),
+    dict(advantage_estimator="remax"),
+    dict(advantage_estimator="grpo", samples_per_prompt=2, policy_loss="gspo"),
+    dict(advantage_estimator="grpo", samples_per_prompt=2, policy_loss="cispo"),
+    dict(advantage_estimator="grpo", samples_per_prompt=2, policy_loss="sapo"),
+    dict(
+        advantage_estimator="grpo",
+        samples_per_prompt=2,
+        loss_aggregation="token_sum_norm",
+        mask_truncated=True,
+    ),
+]
+
+
+@pytest.mark.parametrize("kw", ESTIMATOR_LOSSES, ids=lambda kw: "-".join(str(v) for v in kw.values()))
+def test_every_estimator_and_policy_loss_trains_on_episodes(tiny_model_dir, prompt_file, tmp_path, kw):
+    out = tmp_path / "run"
+    ppo_run.run(env_config(tiny_model_dir, prompt_file, out, **kw))
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 2
+    for m in lines:
+        assert 1 <= m["env/turns"] <= 3 and m["env/reward"] > 0 and m["env/error_rate"] == 0
+        assert all(v == v for v in m.values() if isinstance(v, float))  # no NaN
+
+
+# --- bounded environments ----------------------------------------------------------------------
+
+
+def play(tiny_model_dir, env, **limits):
+    tok = load_tokenizer(str(tiny_model_dir), padding_side="left")
+    queries = [tok("The film is")["input_ids"], tok("A gorgeous")["input_ids"]]
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    limits = {"max_turns": 3, "max_episode_tokens": 24, **limits}
+    return run_episodes(lm, tok, queries, [env() for _ in queries], Sampling(max_new_tokens=16),
+                        EpisodeLimits(**limits))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name, reason",
+    [("Raises", "step raised RuntimeError: the environment broke"), ("Hangs", "step did not return within 0.5 s"),
+     ("NotAStep", "step returned str, not a Step")],
+)  # fmt: skip
+def test_an_environment_that_raises_hangs_or_misbehaves_ends_its_episode_with_a_note(
+    tiny_model_dir, capsys, name, reason
+):
+    import envs
+
+    samples, played = play(tiny_model_dir, getattr(envs, name), environment_timeout=0.5)
+    failed = [e for e in played if e.error is not None]  # the others' first turn never paused: no step
+    assert failed and all(e.error == reason and e.turns == 1 for e in failed)
+    err = capsys.readouterr().err
+    assert f"note: environment {name} {reason}; its episode ends at turn 1, the run goes on" in err
+    assert not samples.env_mask.any()  # no reply was added
+
+
+def test_a_reply_of_megabytes_is_cut_to_max_reply_tokens(tiny_model_dir):
+    import envs
+
+    samples, played = play(tiny_model_dir, envs.Megabytes, max_reply_tokens=5, max_episode_tokens=80)
+    tok = load_tokenizer(str(tiny_model_dir))
+    cut = len(tok(" [cut]", add_special_tokens=False)["input_ids"])
+    replies = [ids for e in played for owner, ids in e.pieces if owner == ENVIRONMENT]
+    assert replies and all(len(ids) == 5 + cut for ids in replies)
+
+
+def test_an_environment_that_never_ends_is_ended_by_max_turns_and_the_token_budget(tiny_model_dir):
+    import envs
+
+    samples, played = play(tiny_model_dir, envs.Echo, max_turns=2, max_episode_tokens=200)
+    assert all(e.turns <= 2 for e in played) and not any(e.done for e in played)
+    samples, played = play(tiny_model_dir, envs.Echo, max_turns=100, max_episode_tokens=12)
+    assert samples.response.shape[1] == 12 and all(e.length <= 12 for e in played)
+
+
+def test_a_tool_that_raises_answers_the_model_in_one_line():
+    def broken(x: str) -> str:
+        """Always fails."""
+        raise ValueError("no such thing\nsecond line")
+
+    env = ToolUse([broken, calculator])
+    env.reset("p")
+    assert env.step("<tool>broken(1)</tool>").reply == "<result>error: no such thing</result>"
+    assert (
+        env.step("<tool>nope(1)</tool>").reply
+        == "<result>error: no tool nope; tools: broken, calculator</result>"
+    )
+    assert env.step("<tool>calculator(2 * (3 + 4))</tool>") == Step(reply="<result>14</result>")
+    assert env.step("So the answer is 14.").done and env.used and env.calls == 3
+
+
+def test_the_calculator_parses_arithmetic_and_never_evaluates_python():
+    assert [calculator(e) for e in ("9 + 6 + 8", "4 - 8 - 3", "-(2) * 3", "7 / 2", " 12−5 ")] == [
+        "23", "-7", "-6", "3.5", "7"]  # fmt: skip
+    for bad in ("__import__('os')", "2 ** 3", "1 / 0", "(1 + 2", "9" * 20, "1" + "+1" * 200, ""):
+        with pytest.raises(ValueError):
+            calculator(bad)
+    assert describe_tools([calculator]).startswith("calculator(expression: str) -> str: Evaluate")
+
+
+def test_a_bad_environment_spec_is_one_line_naming_the_key():
+    with pytest.raises(UserError, match="environment 'tests/envs.py:Nope': 'tests/envs.py' has no attribute"):
+        environment_factory("tests/envs.py:Nope")
+    with pytest.raises(UserError, match="environment 'feedback' judges answers with the task's verifier"):
+        environment_factory("feedback")
+    assert isinstance(environment_factory("calculator")(), ToolUse)
