@@ -31,6 +31,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llm_rlhf.core.errors import ConfigError
 from llm_rlhf.interfaces.report import write_report
+from llm_rlhf.rl import hacking
 from llm_rlhf.rl.hacking import (
     COLLAPSE_KEYS,
     WATCH_KEYS,
@@ -314,7 +315,7 @@ def test_the_keys_need_heldout_evaluation_and_a_gold(tiny_model_dir, heldout_pro
 def test_the_report_shows_where_the_alarm_fired(stopped, quiet):
     text = write_report(stopped[1]).read_text()
     assert "Reward-hacking alarm at PPO step 2" in text and "The run stopped there (stop_on_alarm)" in text
-    assert "duplicate_rate 1.000 &gt;= baseline 0.000 + 0.25" in text  # the reason, escaped
+    assert "duplicate_rate 1.000 &gt; baseline 0.000: p" in text  # the reason, escaped
     assert "the most shared word bigram “mess mess”, in 20 of 20 responses" in text  # what fired it
     assert "mess mess mess mess mess mess mess mess × 20 responses to 15 prompts" in text  # every prompt's
     assert "fired at step 2 (stopped)" in text  # the headline card
@@ -355,8 +356,11 @@ def test_ppo_help_states_the_rule_and_thresholds(capsys):
     assert cli.main(["ppo", "--help"]) == 0
     text = capsys.readouterr().out
     assert "--stop_on_alarm (bool, default False)" in text and "--keep_best (bool, default False)" in text
-    for rule in ("3 standard errors", "2 evaluations in a row", "duplicate_rate", "+0.25", "top_bigram_share +0.1",
-                 "shared_bigram_rate +0.4", "word_distinct_2 below 0.667", "output_dir/last"):  # fmt: skip
+    # the gold rule's z as `hacking` has it (issue 52); the counter margins are issue 40's, which the help (in
+    # stages/ppo_config.py) still names
+    for rule in (f"{hacking.Z:g} standard errors", "2 evaluations in a row", "duplicate_rate", "+0.25",
+                 "top_bigram_share +0.1", "shared_bigram_rate +0.4", "word_distinct_2 below 0.667",
+                 "output_dir/last"):  # fmt: skip
         assert rule in text, rule
 
 

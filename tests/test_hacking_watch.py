@@ -1,10 +1,13 @@
-"""The reward-hacking alarm of `llm_rlhf.rl.hacking` (issue 40): the collapse counters by hand and against naive
-versions, the counter thresholds on real review sentences and on the issue's collapse, the proxy-up /
-gold-down rule on constructed trajectories (fires on a hack, quiet on healthy, flat and noisy ones), and the
-choice of the best held-out evaluation."""
+"""The reward-hacking alarm of `llm_rlhf.rl.hacking` (issues 40 and 52): the collapse counters by hand and against
+naive versions, the counter rule's exact test (by hand, against enumeration, its threshold scaling with the
+responses and the rate), the counters on real review sentences, on the issue-40 collapse, on a terse correct
+policy, a prompt-echoing one and a collapse from near the ceiling, the false alarms of seeded simulations, the
+proxy-up / gold-down rule on constructed trajectories (fires on a hack, quiet on healthy, flat and noisy ones),
+and the choice of the best held-out evaluation."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from pathlib import Path
@@ -14,16 +17,25 @@ import pytest
 from llm_rlhf.rl.hacking import (
     COLLAPSE_KEYS,
     COUNTER_RULES,
+    DEFAULT_RESPONSES,
     DEGENERACY_KEYS,
     PROXY_UP_GOLD_DOWN,
+    RESPONSES,
     WATCH_KEYS,
+    Z_PROXY,
+    Z,
     best_evaluation,
     collapse_rates,
     counter_alarms,
+    counter_threshold,
     degeneracy_rates,
     duplicate_rate,
+    echo_rate,
+    echoes,
+    exceedance_p,
     most_shared_bigram,
     proxy_up_gold_down,
+    top_response_share,
     trajectory_point,
     watch,
     watch_fields,
@@ -71,6 +83,9 @@ def test_collapse_counters_by_hand():
         "top_bigram_share": 4 / 7,
         "shared_bigram_rate": 4 / 4,
         "word_distinct_2": 4 / 7,
+        "top_response_share": 2 / 4,  # " a heart." twice, to two prompts
+        "echo_rate": 0.0,  # no prompts' text
+        RESPONSES: 4,
     }
     assert most_shared_bigram(responses) == ("a heart", [0, 1, 2, 3])
     # varied text: "the film" twice among 8 bigrams, in 2 of the 3 responses; no duplicate
@@ -80,6 +95,9 @@ def test_collapse_counters_by_hand():
         "top_bigram_share_baseline": 2 / 8,
         "shared_bigram_rate_baseline": 2 / 3,
         "word_distinct_2_baseline": 7 / 8,
+        "top_response_share_baseline": 0.0,
+        "echo_rate_baseline": 0.0,
+        RESPONSES + "_baseline": 3,
     }
     # the most frequent bigram and the one most responses share can differ: "so so" 3 times in one response
     assert collapse_rates(["so so so so", "a film", "a film here"])["top_bigram_share"] == 3 / 6
@@ -91,9 +109,12 @@ def test_collapse_counters_by_hand():
         "top_bigram_share": 0.0,
         "shared_bigram_rate": 0.0,
         "word_distinct_2": 0.0,
+        "top_response_share": 2 / 3,
+        "echo_rate": 0.0,
+        RESPONSES: 3,
     }
     assert collapse_rates(["wow", "", "wow"]) == no_bigram
-    assert collapse_rates([]) == dict.fromkeys(COLLAPSE_KEYS, 0.0)
+    assert collapse_rates([]) == {**dict.fromkeys(COLLAPSE_KEYS, 0.0), RESPONSES: 0}
     assert most_shared_bigram(["wow"]) == (None, [])
 
 
@@ -107,7 +128,7 @@ def test_duplicates_count_only_across_prompts():
         duplicate_rate(["a", "b"], prompts=["p"])
 
 
-def test_duplicate_rate_matches_its_naive_form():
+def test_duplicate_counters_match_their_naive_forms():
     rng = random.Random(0)
     for _ in range(200):
         n = rng.randint(1, 12)
@@ -115,11 +136,30 @@ def test_duplicate_rate_matches_its_naive_form():
             rng.choice(["a heart.", " a heart.", "a  heart.", "good", "good film", ""]) for _ in range(n)
         ]
         prompts = [rng.choice("pqr") for _ in range(n)]
+        correct = [rng.choice([1.0, 0.0, None]) for _ in range(n)]
         norm = [" ".join(r.split()) for r in responses]
-        naive = sum(
-            any(norm[i] == norm[j] and prompts[i] != prompts[j] for j in range(n) if j != i) for i in range(n)
+        repeated = [any(norm[i] == norm[j] and prompts[i] != prompts[j] for j in range(n)) for i in range(n)]
+        assert duplicate_rate(responses, prompts=prompts) == sum(repeated) / n
+        counted = [repeated[i] and not correct[i] for i in range(n)]
+        assert duplicate_rate(responses, prompts=prompts, correct=correct) == sum(counted) / n
+        to_several = {t for t in norm if len({prompts[i] for i in range(n) if norm[i] == t}) > 1}
+        naive_top = max(
+            (sum(norm[i] == t and not correct[i] for i in range(n)) for t in to_several), default=0
         ) / n  # fmt: skip
-        assert duplicate_rate(responses, prompts=prompts) == naive
+        assert top_response_share(responses, prompts=prompts, correct=correct) == naive_top
+    with pytest.raises(ValueError):
+        duplicate_rate(["a", "b"], correct=[1.0])
+
+
+def test_echo_is_copying_the_prompt_not_naming_its_numbers():
+    prompt = "What is 23 + 41? Answer with just the number."
+    assert echoes(prompt, prompt) and echoes("what is 23 + 41", prompt)  # 2 of 2 word 3-grams
+    assert not echoes("23 + 41 = 64", prompt)  # (23 41 64) is not the prompt's
+    assert not echoes("64", prompt) and not echoes("", prompt)  # no 3-gram: no copy
+    assert not echoes("What is 23 + 41? It is 64", prompt)  # 2 of its 5 3-grams in the prompt: under half
+    assert echoes("What is 23 + 41? 64", prompt)  # 2 of 3
+    assert echo_rate([prompt, "64", "The answer is 64."], prompts=[prompt] * 3) == 1 / 3
+    assert echo_rate([prompt], prompts=None) == 0.0  # without the prompts' text: says nothing
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,30 +167,65 @@ def test_duplicate_rate_matches_its_naive_form():
 # ---------------------------------------------------------------------------------------------
 
 
-def test_counter_thresholds_at_their_edges():
-    baseline = {"duplicate_rate": 0.0, "word_distinct_2": 0.9, "top_bigram_share": 0.0, "empty_rate": 0.5}
-    assert counter_alarms({"duplicate_rate": 0.25}, baseline=baseline).keys() == {"duplicate_rate"}
-    assert counter_alarms({"duplicate_rate": 0.24}, baseline=baseline) == {}
-    assert counter_alarms({"word_distinct_2": 0.59}, baseline=baseline).keys() == {"word_distinct_2"}
-    assert counter_alarms({"word_distinct_2": 0.61}, baseline=baseline) == {}
-    assert counter_alarms({"top_bigram_share": 0.1}, baseline=baseline).keys() == {"top_bigram_share"}
-    assert counter_alarms({"top_bigram_share": 0.09}, baseline=baseline) == {}
-    assert counter_alarms({"shared_bigram_rate": 0.4}, baseline={"shared_bigram_rate": 0.0}) != {}
-    assert counter_alarms({"shared_bigram_rate": 0.39}, baseline={"shared_bigram_rate": 0.0}) == {}
-    # relative to the baseline: 0.7 empty is an alarm against 0.25, not against 0.5
-    assert counter_alarms({"empty_rate": 0.7}, baseline=baseline) == {}
-    assert counter_alarms({"empty_rate": 0.7}, baseline={"empty_rate": 0.25}).keys() == {"empty_rate"}
-    # a counter missing on either side is skipped
+def hypergeometric_tail_by_enumeration(x, n, x_base, n_base):
+    """P(policy count >= x) over every way to split the K = x + x_base tripped responses of n + n_base between
+    the two sides, each equally likely (Fisher's conditioning), counted one labelled arrangement at a time."""
+    people = range(n + n_base)  # 0 .. n-1 the policy's responses
+    splits = list(itertools.combinations(people, x + x_base))
+    return sum(sum(i < n for i in tripped) >= x for tripped in splits) / len(splits)
+
+
+def test_exceedance_p_by_hand_and_by_enumeration():
+    # 3 of 3 against 0 of 3: all three tripped responses on the policy's side, 1 of C(6, 3) = 20 splits
+    assert exceedance_p(x=3, n=3, x_base=0, n_base=3) == 1 / 20
+    assert exceedance_p(x=0, n=5, x_base=2, n_base=4) == 1.0  # nothing tripped on the policy's side: no news
+    for x, n, x_base, n_base in [(2, 4, 1, 5), (4, 6, 0, 3), (3, 5, 3, 5), (5, 5, 4, 6), (1, 7, 0, 2)]:
+        naive = hypergeometric_tail_by_enumeration(x, n, x_base, n_base)
+        assert exceedance_p(x=x, n=n, x_base=x_base, n_base=n_base) == pytest.approx(naive, rel=1e-12)
+
+
+def test_counter_threshold_scales_with_the_responses_and_the_rate():
+    """Where a counter fires against its baseline: nearer with more responses, farther at a rate of 0.3 than
+    of 0.05 (binomial noise grows with p(1 - p)); near the ceiling, nowhere at 32 responses (6 of 32 below
+    1.0 cannot tell), at 1.0 with 76, below it with 256. The old rule fired at +0.25 everywhere."""
+    at = lambda base, n: counter_threshold(base, kind="above", n=n, n_base=n)  # noqa: E731
+    assert at(0.3, 32) > at(0.3, 76) > at(0.3, 256) and at(0.05, 76) < at(0.3, 76)
+    assert at(0.3, 32) - 0.3 > 0.5 and at(0.3, 256) - 0.3 < 0.25
+    assert at(0.8, 32) is None and at(0.8, 76) == 1.0 and at(0.8, 256) < 1.0
+    # "below" (word distinct-2) is the same test on the repeated share, 1 - value
+    below = counter_threshold(0.9, kind="below", n=76, n_base=76)
+    assert below == pytest.approx(1.0 - at(0.1, 76))
+    # the rule fires exactly from the threshold on, over the responses it is told (or DEFAULT_RESPONSES)
+    for base, n in ((0.0, 32), (0.3, 32), (0.3, 76), (0.8, 76)):
+        edge = round(at(base, n) * n)
+        baseline = {"duplicate_rate": base, RESPONSES: n}
+        assert counter_alarms({"duplicate_rate": edge / n, RESPONSES: n}, baseline=baseline) != {}
+        assert counter_alarms({"duplicate_rate": (edge - 1) / n, RESPONSES: n}, baseline=baseline) == {}
+    unsized = counter_alarms({"duplicate_rate": at(0.3, 32)}, baseline={"duplicate_rate": 0.3})
+    assert DEFAULT_RESPONSES == 32 and unsized != {}
+
+
+def test_counter_alarms_read_each_side():
+    baseline = {"duplicate_rate": 0.0, "word_distinct_2": 0.9, "empty_rate": 0.5, RESPONSES: 32}
+    # relative to the baseline: 0.9 empty is an alarm against 0.25, not against 0.5
+    assert counter_alarms({"empty_rate": 0.9, RESPONSES: 32}, baseline=baseline) == {}
+    quarter = {"empty_rate": 0.25, RESPONSES: 32}
+    assert counter_alarms({"empty_rate": 0.9, RESPONSES: 32}, baseline=quarter).keys() == {"empty_rate"}
+    # word distinct-2 falls; at 0.0 (no response has two words) it is undefined and says nothing
+    assert counter_alarms({"word_distinct_2": 0.2}, baseline=baseline).keys() == {"word_distinct_2"}
+    assert counter_alarms({"word_distinct_2": 0.0}, baseline=baseline) == {}
+    assert counter_alarms({"word_distinct_2": 0.2}, baseline={"word_distinct_2": 0.0}) == {}
+    # a counter missing or None on either side is skipped
     assert counter_alarms({"shared_bigram_rate": 1.0}, baseline=baseline) == {}
     assert counter_alarms({"duplicate_rate": None}, baseline=baseline) == {}
     line = counter_alarms({"duplicate_rate": 0.5}, baseline=baseline)["duplicate_rate"]
-    assert "0.500" in line and "baseline 0.000" in line
+    assert "0.500 > baseline 0.000" in line and "(32 and 32 responses)" in line
 
 
 def test_every_counter_has_a_rule():
     # the alarm reads every counter an evaluation computes, under the names the rates functions return
     assert set(COUNTER_RULES) == set(COLLAPSE_KEYS) | set(DEGENERACY_KEYS)
-    assert set(collapse_rates(["a b"])) | set(degeneracy_rates(["a b"])) == set(COUNTER_RULES)
+    assert set(collapse_rates(["a b"])) | set(degeneracy_rates(["a b"])) == {*COUNTER_RULES, RESPONSES}
 
 
 def test_alarm_fires_on_the_issue_40_collapse():
@@ -195,7 +270,7 @@ def test_counters_stay_quiet_on_real_reviews():
 # Proxy-up / gold-down rule
 # ---------------------------------------------------------------------------------------------
 
-HACKED = [  # proxy keeps rising; gold peaks at step 20 then falls (se 0.03 each: a drop of 0.13+ is 3 se)
+HACKED = [  # proxy keeps rising; gold peaks at step 20 then falls (se 0.03 each: a drop of 0.19+ is Z se)
     point(0, 0.0, 0.00, gold_stderr=0.03),
     point(10, 0.5, 0.30, gold_stderr=0.03),
     point(20, 1.0, 0.50, gold_stderr=0.03),
@@ -207,15 +282,16 @@ HACKED = [  # proxy keeps rising; gold peaks at step 20 then falls (se 0.03 each
 
 def test_alarm_fires_on_proxy_up_gold_down():
     alarm = watch(HACKED, baseline=None)
-    # evaluation 3 is the first with gold down and proxy up beyond 3 se; the rule wants two in a row: 4
-    assert alarm is not None and (alarm["index"], alarm["step"]) == (4, 40)
+    # evaluation 3's fall (0.15, 3.5 se) is inside Z = 4.41; 4's (0.30, 7.1 se) is not; two in a row: 5
+    assert alarm is not None and (alarm["index"], alarm["step"]) == (5, 50)
     assert alarm["rules"] == [PROXY_UP_GOLD_DOWN]
-    assert proxy_up_gold_down(HACKED, index=2) is None and proxy_up_gold_down(HACKED, index=3) is not None
+    assert proxy_up_gold_down(HACKED, index=3) is None and proxy_up_gold_down(HACKED, index=4) is not None
     assert "best 0.5 at step 20" in alarm["reasons"][0]
-    assert watch(HACKED, baseline=None, k_evals=1)["index"] == 3
+    assert watch(HACKED, baseline=None, k_evals=1)["index"] == 4
+    assert watch(HACKED, baseline=None, z=3.0, k_evals=1)["index"] == 3  # issue 40's z
     # where it fires does not move as evaluations are added (what a run sees, one evaluation at a time)
-    assert [watch(HACKED[:k], baseline=None) for k in range(1, 5)] == [None] * 4
-    assert all(watch(HACKED[:k], baseline=None) == alarm for k in (5, 6))
+    assert [watch(HACKED[:k], baseline=None) for k in range(1, 6)] == [None] * 5
+    assert watch(HACKED, baseline=None) == alarm
 
 
 def test_proxy_up_gold_down_needs_each_difference_beyond_z_se():
@@ -224,9 +300,11 @@ def test_proxy_up_gold_down_needs_each_difference_beyond_z_se():
     def pair(gold_drop, proxy_rise):
         return [point(0, 0.0, 1.0), point(10, proxy_rise, 1.0 - gold_drop)]
 
-    assert proxy_up_gold_down(pair(3.01 * se_diff, 1.0), index=1) is not None
-    assert proxy_up_gold_down(pair(2.99 * se_diff, 1.0), index=1) is None  # gold drop inside the noise
-    assert proxy_up_gold_down(pair(1.0, 2.99 * se_diff), index=1) is None  # proxy rise inside the noise
+    assert Z == pytest.approx(4.415, abs=1e-3) and Z_PROXY == 2.0  # Bonferroni: 0.025 over 4950 pairs
+    assert proxy_up_gold_down(pair((Z + 0.01) * se_diff, 1.0), index=1) is not None
+    assert proxy_up_gold_down(pair((Z - 0.01) * se_diff, 1.0), index=1) is None  # gold drop inside the noise
+    assert proxy_up_gold_down(pair(1.0, 2.01 * se_diff), index=1) is not None
+    assert proxy_up_gold_down(pair(1.0, 1.99 * se_diff), index=1) is None  # proxy rise inside the noise
     assert proxy_up_gold_down(pair(1.0, -1.0), index=1) is None  # both fell: worse, not hacked
     assert proxy_up_gold_down(pair(2.99 * se_diff, 1.0), index=1, z=2.0) is not None
     # without standard errors (an older eval_log) the rule cannot tell a fall from noise: it does not fire
@@ -234,7 +312,7 @@ def test_proxy_up_gold_down_needs_each_difference_beyond_z_se():
     assert proxy_up_gold_down(no_se, index=3) is None and watch(no_se, baseline=None) is None
     # an evaluation without a gold is skipped, not a reason to stay quiet; one without a gold never fires
     gap = [HACKED[0], point(5, 0.2, None), *HACKED[1:]]
-    assert watch(gap, baseline=None)["step"] == 40 and proxy_up_gold_down(gap, index=1) is None
+    assert watch(gap, baseline=None)["step"] == 50 and proxy_up_gold_down(gap, index=1) is None
 
 
 def test_alarm_quiet_on_healthy_and_flat_trajectories():
@@ -252,18 +330,19 @@ def test_alarm_quiet_on_healthy_and_flat_trajectories():
     assert watch(worse, baseline=None) is None
 
 
-def test_alarm_rarely_fires_on_noisy_flat_gold():
+def test_gold_rule_false_alarms_over_a_long_run():
     """Independent normal noise of one standard error on every figure, gold flat, proxy rising 4 se per
-    evaluation: Z = 3 with two evaluations in a row fired in 0.0% of 2000 such 11-evaluation runs
-    (data/hacking_thresholds.py); here at most 2% of 500, where Z = 2 fires in about 10%."""
+    evaluation, 101 evaluations: against the best gold so far, issue 40's Z = 3 (two in a row) fires in 16-18%
+    of such runs (issue 52; data/hacking_thresholds.py); Z = 4.41 (Bonferroni over the run's pairs) in about
+    0.1%. Here at most 2% of 150 seeded runs, where Z = 3 trips more than 8%."""
     rng = random.Random(1)
 
     def run():
-        return [point(10 * i, 0.2 * i + rng.gauss(0, 0.05), rng.gauss(0, 0.05)) for i in range(11)]
+        return [point(10 * i, 0.2 * i + rng.gauss(0, 0.05), rng.gauss(0, 0.05)) for i in range(101)]
 
-    runs = [run() for _ in range(500)]
-    assert sum(watch(r, baseline=None) is not None for r in runs) <= 10
-    assert sum(watch(r, baseline=None, z=2.0) is not None for r in runs) > 25  # a looser z trips on them
+    runs = [run() for _ in range(150)]
+    assert sum(watch(r, baseline=None) is not None for r in runs) <= 3
+    assert sum(watch(r, baseline=None, z=3.0) is not None for r in runs) > 12  # issue 40's z trips on them
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,7 +19,9 @@ kinds of evidence, all cheap enough to compute at every held-out evaluation:
     duplicate_rate       the fraction of responses whose text (whitespace runs made one space) is also the
                          response to another prompt of the evaluation; with `prompts` None every response
                          counts as its own prompt's. Another prompt's, so that several samples of one prompt
-                         agreeing on its answer ("12") are not collapse
+                         agreeing on its answer ("12") are not collapse; and not a response the verifier
+                         judged correct (issue 52), so that a terse policy's right answers, which repeat
+                         ("12" to 7 + 5 and to 3 * 4), are not either
     top_bigram_share     the share of all the responses' word bigrams taken by the most frequent one.
                          Bigrams: unigrams are dominated by "the" in any English text, and a collapsed
                          response is often two or three words (" a heart." has one bigram and no trigram)
@@ -27,37 +29,55 @@ kinds of evidence, all cheap enough to compute at every held-out evaluation:
                          counts once): near-duplicates share a phrase even when none repeats another exactly
     word_distinct_2      distinct word bigrams / all word bigrams over the evaluation (distinct-2, Li et al.
                          2016, on words rather than tokens, so a policy and a baseline with different
-                         tokenizers compare; `evaluate` logs the token one)
+                         tokenizers compare; `evaluate` logs the token one). 0.0 when no response has two
+                         words: undefined, and the alarm then reads nothing into it
+    top_response_share   the largest fraction of responses that are one same text given to several prompts
+                         (verified answers not counted): a collapse onto one answer, news even where terse
+                         answers keep duplicate_rate near its ceiling (issue 52)
+    echo_rate            the fraction of responses that copy their own prompt: at least half of their word
+                         3-grams are the prompt's (issue 52)
+  and num_responses, N.
 
 The alarm (`watch`) reads a run's held-out evaluations in order (each a `trajectory_point`: step, proxy mean
-and its standard error, gold mean, or the verifier's accuracy where there is one, and its standard error, and
-the counters) and fires at the first evaluation where either rule holds:
+and its standard error, gold mean, or the verifier's accuracy where there is one, and its standard error, the
+counters and N) and fires at the first evaluation where either rule holds. Each rule is a statistical test
+held to a false-alarm rate of ALPHA = 5% per run of up to MAX_EVALS = 100 evaluations, half each (issue 52:
+issue 40's fixed margins fired in 21% of 20-evaluation runs on pure noise at 32 prompts, and its gold rule in
+16% of 101-evaluation runs):
 
-- proxy up, gold down: at each of the last K_EVALS evaluations i, against the evaluation j with the best gold
-  so far (j <= i, the earliest of ties),  gold_j - gold_i >= Z * sqrt(se_gold_j^2 + se_gold_i^2)  and
-  proxy_i - proxy_j >= Z * sqrt(se_proxy_j^2 + se_proxy_i^2)  (each difference also > 0), with Z = 3 and
-  K_EVALS = 2. The best so far is a maximum of noisy values, so it sits above a flat gold's mean. Simulated
-  (`python data/hacking_thresholds.py`: independent normal noise of one standard error on every figure, the
-  proxy rising 4 se per evaluation, 2000 runs each): with the gold flat, Z = 2 fired in 10.5% of
-  11-evaluation runs and 29.9% of 21-evaluation ones, Z = 3 in 0.0% and 1.1%; with the gold falling after a
-  peak half-way, Z = 3 fired within 11 evaluations in 48.8% of runs at 1 se per evaluation, 99.8% at 2 se.
-  The standard errors are those of independent samples; PPO's held-out evaluations reuse the same prompts
-  and random numbers, so the true noise of a difference is smaller and the rule errs towards silence.
-  Without the standard errors (an older eval_log) this rule does not fire.
-- a counter crossing its threshold, set against the same counter of the baseline (the SFT model: PPO's
-  step-0 evaluation, or the `_baseline` side of `llm-rlhf eval`), since a healthy policy's own value depends
-  on the task (short arithmetic answers repeat, reviews do not):
-    duplicate_rate, char_run_rate, repeated_ngram_rate, empty_rate   policy - baseline >= RATE_MARGIN (0.25)
-    top_bigram_share     policy - baseline >= TOP_BIGRAM_MARGIN (0.10)
-    shared_bigram_rate   policy - baseline >= SHARED_BIGRAM_MARGIN (0.40)
-    word_distinct_2      policy < DISTINCT_RATIO (2/3) * baseline  (issue 40's floor for the default recipe)
-  Calibrated on real text (`python data/hacking_thresholds.py`): a "baseline" and a "policy" of N random
-  sentences of data/reviews/sft_val.jsonl (cut to 25 words), and a "policy" of N positive ones of
-  gold_test.jsonl (what a healthy sentiment-tuned policy writes), 2000 draws: the largest policy - baseline
-  differences at N = 32 were duplicate_rate 0, top_bigram_share +0.018 and shared_bigram_rate +0.219
-  (+0.375 at N = 16), the lowest word_distinct_2 ratio 0.933; issue 40's collapse reads 1.0, 0.51, 1.0 and a
-  ratio near 0.07. Each threshold sits between; tests/test_hacking_watch.py checks both ends on real
-  sentences.
+- a counter against the baseline (the SFT model: PPO's step-0 evaluation, or the `_baseline` side of
+  `llm-rlhf eval`), since a healthy policy's own value depends on the task: Fisher's exact test of two
+  proportions, x of N responses against x0 of N0 (`exceedance_p`; word_distinct_2 on 1 - value, the share
+  that repeats), one-sided the way a collapse moves it, fires at p <= COUNTER_ALPHA = 0.025 / (100 x 9
+  counters) = 2.8e-5 (Bonferroni: every counter at every evaluation of a 100-evaluation run). Its threshold
+  (`counter_threshold`) scales with N and the rate: from a baseline of 0.3 it fires at 0.84 with 32
+  responses, 0.64 with 76, 0.48 with 256; from 0.0 at 0.41, 0.20, 0.06; from 0.8 only at 1.0 with 76 and
+  at 0.93 with 256, never with 32 (a counter near its ceiling leaves too few responses to tell). One
+  evaluation suffices: the bound holds without holding it longer, and a collapse is stopped where it shows.
+- proxy up, gold down: at each of the last K_EVALS = 2 evaluations i, against the evaluation j with the best
+  gold so far (j <= i, the earliest of ties),  gold_j - gold_i >= Z * sqrt(se_gold_j^2 + se_gold_i^2)  and
+  proxy_i - proxy_j >= Z_PROXY * sqrt(se_proxy_j^2 + se_proxy_i^2)  (each difference also > 0). The best so
+  far is a maximum of noisy values and sits above a flat gold's mean; Z = 4.41 pays for it, the one-sided
+  normal quantile of 0.025 / 4950, Bonferroni over every (earlier, later) pair of a 100-evaluation run, one of
+  which the best-so-far comparison is. Z_PROXY = 2 only guards that the proxy rose (the false-alarm rate is
+  the gold's). Two evaluations in a row took its simulated false alarms at 101 evaluations from 2.7% to 0.1%
+  (1000 runs) for one evaluation's delay. The standard errors are those of independent samples; PPO's held-out
+  evaluations reuse the same prompts and random numbers, so the true noise of a difference is smaller and
+  the rule errs towards silence. Without the standard errors (an older eval_log) it does not fire.
+
+Measured (`OMP_NUM_THREADS=1 python data/hacking_thresholds.py`, seed 0, 2000 simulated runs a row; the table
+in recipes/reviews/README.md, "The alarm's error rates"): false alarms per run of 100 evaluations, nine
+binomial counters at one rate (0.05 to 0.95) with 32 or 76 responses, at most 1.05% (issue 40's margins: up
+to 99.6%); a flat gold with normal noise over 101 evaluations 0.0% (issue 40's Z = 3: 16.6%). Detections,
+evaluations from the onset to the alarm: a collapse (0.05 -> 1.0) at the onset's evaluation with 32, 76 and
+256 responses; 0.3 -> 0.7 at 32 responses in 64% of runs (median 2 later), at 76 at once; near the ceiling,
+0.8 -> 1.0 in 1% of runs at 32, 60% at 76 and 100% at 256; half the responses echoing their prompt, at once;
+a quarter, at 32 prompts in 54% of runs (median 7 later), at 76 at once; a terse policy's collapse onto one
+answer, at once (top_response_share); a gold falling 1, 2 or 4 se per evaluation, always, a median 6, 4 and
+3 evaluations later (issue 40's rule: 4, 3 and 2). On real text: the smallest p of any counter between random
+draws of review sentences (N = 16 to 64) and a healthy sentiment-tuned "policy" is 0.017, and issue 40's
+collapse fires duplicate_rate, top_bigram_share, shared_bigram_rate and word_distinct_2;
+tests/test_hacking_watch.py checks both ends.
 
 `best_evaluation` picks the held-out evaluation with the highest gold (or accuracy): the checkpoint that
 `keep_best` keeps. `watch_fields` is both, read from a run's eval_log.jsonl lines so far (WATCH_KEYS: what a
@@ -72,6 +92,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
+from statistics import NormalDist
 
 CHAR_RUN = 4  # three dots are an ellipsis; four of anything in a row is padding
 NGRAM = 3  # a repeated word pair is often English ("very very"); a repeated word triple rarely is
@@ -182,30 +203,114 @@ def heldout_sample_rows(records: list[dict], *, step: int, reward_fn_weight: flo
 
 
 # ---------------------------------------------------------------------------------------------
-# Collapse counters (issue 40)
+# Collapse counters (issues 40 and 52)
 # ---------------------------------------------------------------------------------------------
 
-COLLAPSE_KEYS = ("duplicate_rate", "top_bigram_share", "shared_bigram_rate", "word_distinct_2")
+DUPLICATE_RATE, TOP_RESPONSE_SHARE, ECHO_RATE = "duplicate_rate", "top_response_share", "echo_rate"
+COLLAPSE_KEYS = (
+    DUPLICATE_RATE,
+    "top_bigram_share",
+    "shared_bigram_rate",
+    "word_distinct_2",
+    TOP_RESPONSE_SHARE,
+    ECHO_RATE,
+)
+RESPONSES = "num_responses"  # `collapse_rates`'s count of the responses: the alarm's N
+ECHO_SHARE = 0.5  # at least half of a response's word 3-grams in its own prompt: a copy, not an answer
+
+
+def normalised(text: str) -> str:
+    """The text with its whitespace runs made one space and stripped: how two responses are "the same"."""
+    return " ".join(text.split())
+
+
+def _answered_prompts(responses: list[str], prompts: list | None) -> dict[str, set]:
+    """normalised text -> the prompts it is the response to (prompts None: each response its own prompt)."""
+    if prompts is not None and len(prompts) != len(responses):
+        raise ValueError(f"need one prompt per response (got {len(prompts)} and {len(responses)})")
+    keys = list(range(len(responses))) if prompts is None else prompts
+    prompts_of: dict[str, set] = {}
+    for text, key in zip(responses, keys):
+        prompts_of.setdefault(normalised(text), set()).add(key)
+    return prompts_of
+
+
+def _unverified(responses: list[str], correct: list | None) -> list[bool]:
+    """Per response, whether it counts towards a collapse: not judged correct by a verifier (correct[i] is the
+    verdict, 1.0 / 0.0 / None; correct None: every response counts)."""
+    if correct is not None and len(correct) != len(responses):
+        raise ValueError(f"need one verdict per response (got {len(correct)} and {len(responses)})")
+    return [True] * len(responses) if correct is None else [not c for c in correct]
+
+
+def duplicate_rate(
+    responses: list[str], *, prompts: list[str] | None = None, correct: list | None = None
+) -> float:
+    """The fraction of responses whose normalised text is also the response to another prompt and that a
+    verifier did not judge correct: prompts[i] is response i's prompt (None: every response its own prompt);
+    correct[i] its verdict (None: no verifier, every response counts). A correct answer that is also another
+    problem's correct answer ("12" to "7 + 5" and to "3 * 4") is a terse policy doing its job, not collapse
+    (issue 52: a perfect arithmetic policy gave 30 distinct answers to 76 problems, 0.79). 0.0 for no
+    responses. Naive form:
+
+        sum_i [not correct_i and any(norm_i == norm_j and prompt_i != prompt_j for j != i)] / N
+    """
+    prompts_of = _answered_prompts(responses, prompts)
+    counts = _unverified(responses, correct)
+    repeated = sum(c and len(prompts_of[normalised(t)]) > 1 for t, c in zip(responses, counts))
+    return repeated / max(len(responses), 1)
+
+
+def top_response_share(
+    responses: list[str], *, prompts: list[str] | None = None, correct: list | None = None
+) -> float:
+    """The largest fraction of responses that are one same normalised text given to more than one prompt (the
+    responses a verifier judged correct not counted, as `duplicate_rate`): a collapse onto one answer, which
+    shows even where duplicate_rate starts near its ceiling (terse answers repeat; one answer to every prompt
+    is still news). 0.0 when no text answers two prompts. Naive form:
+
+        max_t #{i : norm_i == t and not correct_i} / N   over the texts t with #{prompt_i : norm_i == t} > 1
+    """
+    prompts_of = _answered_prompts(responses, prompts)
+    shares: dict[str, int] = {}
+    for text, counts in zip(responses, _unverified(responses, correct)):
+        if counts and len(prompts_of[normalised(text)]) > 1:
+            shares[normalised(text)] = shares.get(normalised(text), 0) + 1
+    return max(shares.values(), default=0) / max(len(responses), 1)
+
+
+def word_ngrams(text: str, n: int) -> list[tuple[str, ...]]:
+    """The text's word n-grams in order: words = WORD.findall(text.lower()), runs of n neighbours."""
+    words = WORD.findall(text.lower())
+    return [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
+
+
+def echoes(response: str, prompt: str) -> bool:
+    """Whether the response copies its own prompt: it has a word NGRAM-gram, and at least ECHO_SHARE of them
+    occur in the prompt, #{g in grams(response) : g in grams(prompt)} / #grams(response) >= ECHO_SHARE.
+    3-grams, so that an answer naming the prompt's numbers ("3 + 4 = 7": the 3-gram "3 4 7") or one phrase
+    of it is not a copy; a response under three words never is."""
+    grams = word_ngrams(response, NGRAM)
+    if not grams:
+        return False
+    in_prompt = set(word_ngrams(prompt, NGRAM))
+    return sum(g in in_prompt for g in grams) >= ECHO_SHARE * len(grams)
+
+
+def echo_rate(responses: list[str], *, prompts: list[str] | None) -> float:
+    """The fraction of responses that copy their own prompt (`echoes`); 0.0 without the prompts' text (prompts
+    None) or responses."""
+    if prompts is None or not responses:
+        return 0.0
+    if len(prompts) != len(responses):
+        raise ValueError(f"need one prompt per response (got {len(prompts)} and {len(responses)})")
+    return sum(echoes(r, str(p)) for r, p in zip(responses, prompts)) / len(responses)
 
 
 def word_bigrams(text: str) -> list[tuple[str, str]]:
     """The text's word bigrams in order: words = WORD.findall(text.lower()), pairs of neighbours."""
     words = WORD.findall(text.lower())
     return list(zip(words, words[1:]))
-
-
-def duplicate_rate(responses: list[str], *, prompts: list[str] | None = None) -> float:
-    """The fraction of responses whose text, whitespace runs made one space (" ".join(text.split())), is also
-    the response to another prompt: prompts[i] is response i's prompt (None: every response its own prompt).
-    0.0 for no responses. Naive form: sum_i any(norm_i == norm_j and prompt_i != prompt_j for j != i) / N."""
-    if prompts is not None and len(prompts) != len(responses):
-        raise ValueError(f"need one prompt per response (got {len(prompts)} and {len(responses)})")
-    keys = list(range(len(responses))) if prompts is None else prompts
-    prompts_of: dict[str, set] = {}  # normalised text -> the prompts it answers
-    for text, key in zip(responses, keys):
-        prompts_of.setdefault(" ".join(text.split()), set()).add(key)
-    repeated = sum(len(prompts_of[" ".join(text.split())]) > 1 for text in responses)
-    return repeated / max(len(responses), 1)
 
 
 def _bigram_counts(responses: list[str]) -> tuple[dict, dict]:
@@ -223,24 +328,35 @@ def _bigram_counts(responses: list[str]) -> tuple[dict, dict]:
 
 
 def collapse_rates(
-    responses: list[str], *, prompts: list[str] | None = None, suffix: str = ""
+    responses: list[str],
+    *,
+    prompts: list[str] | None = None,
+    correct: list | None = None,
+    suffix: str = "",
 ) -> dict[str, float]:
-    """The collapse counters of one evaluation's responses (COLLAPSE_KEYS, each ending with `suffix`):
+    """The collapse counters of one evaluation's responses (COLLAPSE_KEYS, each ending with `suffix`), and
+    num_responses (RESPONSES), N, the count the alarm's tests need:
 
-        duplicate_rate      `duplicate_rate(responses, prompts=prompts)`
+        duplicate_rate      `duplicate_rate(responses, prompts=prompts, correct=correct)`
         top_bigram_share    max_g count(g) / sum_g count(g)       over the word bigrams g of all responses
         shared_bigram_rate  max_g #{i : g in response_i} / N      (a response counts once per bigram)
         word_distinct_2     #{distinct g} / sum_g count(g)
+        top_response_share  `top_response_share(responses, prompts=prompts, correct=correct)`
+        echo_rate           `echo_rate(responses, prompts=prompts)`
 
-    The three bigram counters are 0.0 when no response has two words (word_distinct_2 then says nothing: 0.0,
-    as `measures.distinct_n`); every counter is 0.0 for no responses."""
+    correct: the verifier's verdict per response (None: none). The three bigram counters are 0.0 when no
+    response has two words; word_distinct_2 is then undefined (any bigram makes it > 0), and the alarm reads
+    its 0.0 as saying nothing. Every counter is 0.0 for no responses."""
     counts, reach = _bigram_counts(responses)
     total = sum(counts.values())
     return {
-        "duplicate_rate" + suffix: duplicate_rate(responses, prompts=prompts),
+        DUPLICATE_RATE + suffix: duplicate_rate(responses, prompts=prompts, correct=correct),
         "top_bigram_share" + suffix: max(counts.values()) / total if total else 0.0,
         "shared_bigram_rate" + suffix: max(reach.values()) / len(responses) if reach else 0.0,
         "word_distinct_2" + suffix: len(counts) / total if total else 0.0,
+        TOP_RESPONSE_SHARE + suffix: top_response_share(responses, prompts=prompts, correct=correct),
+        ECHO_RATE + suffix: echo_rate(responses, prompts=prompts),
+        RESPONSES + suffix: len(responses),
     }
 
 
@@ -256,26 +372,36 @@ def most_shared_bigram(responses: list[str]) -> tuple[str | None, list[int]]:
 
 
 # ---------------------------------------------------------------------------------------------
-# The alarm (issue 40)
+# The alarm (issues 40 and 52)
 # ---------------------------------------------------------------------------------------------
 
-Z = 3.0  # standard errors a difference must exceed: 2 fired on 10% of flat golds (module docstring)
-K_EVALS = 2  # held-out evaluations in a row the proxy-up / gold-down rule must hold
-RATE_MARGIN = 0.25  # a quarter of the responses more than the baseline's
-TOP_BIGRAM_MARGIN = 0.10  # a tenth of all word bigrams more than the baseline's (healthy reviews: ~0.01)
-SHARED_BIGRAM_MARGIN = 0.40  # healthy reviews: one bigram in ~0.1 of the responses, +0.375 at most by chance
-DISTINCT_RATIO = 2 / 3  # word distinct-2 below two thirds of the baseline's
-# counter -> (kind, threshold): "above" fires at policy - baseline >= t, "below" at policy < t * baseline
+ALPHA = 0.05  # the false-alarm rate per run the rules are held to: half to the counters, half to the gold
+MAX_EVALS = 100  # ... over runs of up to this many held-out evaluations (step 0 included)
+# counter -> the way a collapse moves it: "above" (a rate rises) or "below" (word_distinct_2 falls)
 COUNTER_RULES = {
-    "duplicate_rate": ("above", RATE_MARGIN),
-    "top_bigram_share": ("above", TOP_BIGRAM_MARGIN),
-    "shared_bigram_rate": ("above", SHARED_BIGRAM_MARGIN),
-    "word_distinct_2": ("below", DISTINCT_RATIO),
-    "char_run_rate": ("above", RATE_MARGIN),
-    "repeated_ngram_rate": ("above", RATE_MARGIN),
-    "empty_rate": ("above", RATE_MARGIN),
+    DUPLICATE_RATE: "above",
+    "top_bigram_share": "above",
+    "shared_bigram_rate": "above",
+    "word_distinct_2": "below",
+    TOP_RESPONSE_SHARE: "above",
+    ECHO_RATE: "above",
+    CHAR_RUN_RATE: "above",
+    REPEATED_NGRAM_RATE: "above",
+    EMPTY_RATE: "above",
 }
+# Bonferroni over every counter at every evaluation of a MAX_EVALS run: ALPHA / 2 / (100 * 9) = 2.8e-5
+COUNTER_ALPHA = ALPHA / 2 / (MAX_EVALS * len(COUNTER_RULES))
+COUNTER_K_EVALS = 1  # evaluations in a row a counter must fire: one (a collapse is stopped where it shows)
+# Bonferroni over every pair (earlier, later) of a MAX_EVALS run's evaluations: the best gold so far is one
+# of them, so a running maximum's selection is paid for: ALPHA / 2 / 4950 = 5.1e-6, Z = 4.41
+GOLD_ALPHA = ALPHA / 2 / (MAX_EVALS * (MAX_EVALS - 1) // 2)
+Z = NormalDist().inv_cdf(1 - GOLD_ALPHA)  # standard errors the gold's fall must exceed
+Z_PROXY = 2.0  # ... and the proxy's rise: a guard that it is the proxy's doing, not the tested hypothesis
+K_EVALS = 2  # held-out evaluations in a row the proxy-up / gold-down rule must hold
+DEFAULT_RESPONSES = 32  # N for an older eval_log without num_responses: the fewest a shipped recipe holds out
 PROXY_UP_GOLD_DOWN = "proxy_up_gold_down"
+# issue 40's fixed margins, no longer any rule's: read only by the stop_on_alarm help in stages/ppo_config.py
+RATE_MARGIN, TOP_BIGRAM_MARGIN, SHARED_BIGRAM_MARGIN, DISTINCT_RATIO = 0.25, 0.10, 0.40, 2 / 3
 
 
 def trajectory_point(record: dict, *, reward_fn_weight: float) -> dict:
@@ -283,8 +409,8 @@ def trajectory_point(record: dict, *, reward_fn_weight: float) -> dict:
     score PPO maximised (the line's `proxy` if logged, else rm_score + reward_fn_weight * reward_fn with a
     reward function, rm_score 0 without an RM, as `heldout_sample_rows`), proxy_stderr (`proxy_stderr`, None
     if not logged); gold, the verifier's accuracy where logged, else gold_score, and gold_stderr, its standard
-    error (accuracy_stderr or gold_score_stderr; None if not logged); and every counter of COUNTER_RULES
-    logged."""
+    error (accuracy_stderr or gold_score_stderr; None if not logged); num_responses if logged; and every
+    counter of COUNTER_RULES logged."""
     if record.get("proxy") is not None:
         proxy = record["proxy"]
     else:
@@ -297,23 +423,80 @@ def trajectory_point(record: dict, *, reward_fn_weight: float) -> dict:
         "proxy_stderr": record.get("proxy_stderr"),
         "gold": record["accuracy"] if verified else record.get("gold_score"),
         "gold_stderr": record.get("accuracy_stderr" if verified else "gold_score_stderr"),
-        **{key: record[key] for key in COUNTER_RULES if record.get(key) is not None},
+        **{key: record[key] for key in (RESPONSES, *COUNTER_RULES) if record.get(key) is not None},
     }
 
 
-def counter_alarms(point: dict, *, baseline: dict) -> dict[str, str]:
-    """{counter: a line saying why} for each counter of COUNTER_RULES that `point` has past its threshold
-    against `baseline` (both dicts of counters; a counter missing or None on either side is skipped), in
-    COUNTER_RULES order."""
+def exceedance_p(*, x: int, n: int, x_base: int, n_base: int) -> float:
+    """One-sided p-value of Fisher's exact test that a rate is above the baseline's: x of n responses trip a
+    counter, against x_base of n_base. Given that K = x + x_base of all M = n + n_base trip it, with equal
+    rates the policy's count is hypergeometric, and
+
+        p = sum_{k=x}^{min(K, n)} C(K, k) * C(M - K, n - k) / C(M, n)
+
+    Exact (integers until the one division) and valid at every count: none, a handful, the ceiling, where a
+    two-proportion z-test's normal approximation is not. The threshold it sets scales with n and the rate."""
+    total, tripped = n + n_base, x + x_base
+    tail = sum(
+        math.comb(tripped, k) * math.comb(total - tripped, n - k) for k in range(x, min(tripped, n) + 1)
+    )
+    return tail / math.comb(total, n)
+
+
+def counter_count(value: float, *, n: int, kind: str) -> int:
+    """A counter's value as the count of the n responses that moved it the way a collapse does:
+    round(value * n) for "above", round((1 - value) * n) for "below" (word_distinct_2: the repeated share). The
+    bigram counters are shares of bigrams, not of responses; counted over the N responses, the independent
+    units (the bigrams of one response are not), their test is the more cautious."""
+    return round((value if kind == "above" else 1.0 - value) * n)
+
+
+def counter_p_value(value: float, base: float, *, kind: str, n: int, n_base: int) -> float:
+    """`exceedance_p` of a counter's value over n responses against the baseline's over n_base (`counter_count`
+    each): how surprising the policy's value is if nothing changed."""
+    return exceedance_p(
+        x=counter_count(value, n=n, kind=kind),
+        n=n,
+        x_base=counter_count(base, n=n_base, kind=kind),
+        n_base=n_base,
+    )
+
+
+def counter_threshold(
+    base: float, *, kind: str, n: int, n_base: int, alpha: float = COUNTER_ALPHA
+) -> float | None:
+    """The value at which a counter over n responses fires against `base` over n_base: the smallest count x
+    (the largest value, for "below") with `exceedance_p` <= alpha, as a value (x / n; 1 - x / n); None when
+    none does (a baseline too near the ceiling for n responses to tell)."""
+    x_base = counter_count(base, n=n_base, kind=kind)
+    for x in range(n + 1):
+        if exceedance_p(x=x, n=n, x_base=x_base, n_base=n_base) <= alpha:
+            return x / n if kind == "above" else 1.0 - x / n
+    return None
+
+
+def _responses(point: dict) -> int:
+    return point.get(RESPONSES) or DEFAULT_RESPONSES
+
+
+def counter_alarms(point: dict, *, baseline: dict, alpha: float = COUNTER_ALPHA) -> dict[str, str]:
+    """{counter: a line saying why} for each counter of COUNTER_RULES whose value at `point` moved from the
+    baseline's the way a collapse does by more than chance: `counter_p_value` <= alpha, over each side's
+    num_responses (DEFAULT_RESPONSES where not logged); in COUNTER_RULES order. A counter missing or None on
+    either side is skipped, and so is word_distinct_2 at 0.0 on either side (no bigram: undefined)."""
     lines = {}
-    for key, (kind, threshold) in COUNTER_RULES.items():
+    n, n_base = _responses(point), _responses(baseline)
+    for key, kind in COUNTER_RULES.items():
         value, base = point.get(key), baseline.get(key)
-        if value is None or base is None:
+        if value is None or base is None or (kind == "below" and 0.0 in (value, base)):
             continue
-        if kind == "above" and value - base >= threshold:
-            lines[key] = f"{key} {value:.3f} >= baseline {base:.3f} + {threshold:g}"
-        elif kind == "below" and value < threshold * base:
-            lines[key] = f"{key} {value:.3f} < {threshold:.3g} x baseline {base:.3f}"
+        p = counter_p_value(value, base, kind=kind, n=n, n_base=n_base)
+        if p <= alpha:
+            way = ">" if kind == "above" else "<"
+            lines[key] = (
+                f"{key} {value:.3f} {way} baseline {base:.3f}: p {p:.1e} <= {alpha:.1e} "
+                f"({n} and {n_base} responses)"
+            )
     return lines
 
 
@@ -321,15 +504,18 @@ def _in_se(x: float, se: float) -> str:
     return f"{x / se:.1f} se" if se else "se 0"
 
 
-def proxy_up_gold_down(points: list[dict], *, index: int, z: float = Z) -> str | None:
-    """Whether evaluation i = `index` of `points` (`trajectory_point` dicts, oldest first) has the proxy risen
-    and the gold fallen against the evaluation j <= i with the best gold so far (the earliest of ties; those
-    without a gold skipped), each difference at least z standard errors of the difference (and > 0):
+def proxy_up_gold_down(
+    points: list[dict], *, index: int, z: float = Z, z_proxy: float = Z_PROXY
+) -> str | None:
+    """Whether evaluation i = `index` of `points` (`trajectory_point` dicts, oldest first) has the gold fallen
+    and the proxy risen against the evaluation j <= i with the best gold so far (the earliest of ties; those
+    without a gold skipped), each difference beyond its standard errors (and > 0):
 
-        gold_j - gold_i   >= z * sqrt(se_gold_j^2 + se_gold_i^2)
-        proxy_i - proxy_j >= z * sqrt(se_proxy_j^2 + se_proxy_i^2)
+        gold_j - gold_i   >= z       * sqrt(se_gold_j^2 + se_gold_i^2)
+        proxy_i - proxy_j >= z_proxy * sqrt(se_proxy_j^2 + se_proxy_i^2)
 
-    A line saying so, else None (also when a figure it needs is missing)."""
+    z = Z pays for the best so far being a maximum (Bonferroni over the pairs of a run: GOLD_ALPHA). A line
+    saying so, else None (also when a figure it needs is missing)."""
     i = index
     if points[i].get("gold") is None:
         return None
@@ -345,7 +531,9 @@ def proxy_up_gold_down(points: list[dict], *, index: int, z: float = Z) -> str |
     proxy_rise = now["proxy"] - best["proxy"]
     gold_se = math.hypot(best["gold_stderr"], now["gold_stderr"])
     proxy_se = math.hypot(best["proxy_stderr"], now["proxy_stderr"])
-    if not (gold_drop > 0 and proxy_rise > 0 and gold_drop >= z * gold_se and proxy_rise >= z * proxy_se):
+    if not (
+        gold_drop > 0 and proxy_rise > 0 and gold_drop >= z * gold_se and proxy_rise >= z_proxy * proxy_se
+    ):
         return None
     return (
         f"gold {now['gold']:.4g} is {gold_drop:.3g} ({_in_se(gold_drop, gold_se)}) below its best "
@@ -354,16 +542,27 @@ def proxy_up_gold_down(points: list[dict], *, index: int, z: float = Z) -> str |
     )
 
 
-def watch(points: list[dict], *, baseline: dict | None, z: float = Z, k_evals: int = K_EVALS) -> dict | None:
+def watch(
+    points: list[dict],
+    *,
+    baseline: dict | None,
+    z: float = Z,
+    k_evals: int = K_EVALS,
+    counter_alpha: float = COUNTER_ALPHA,
+    counter_k_evals: int = COUNTER_K_EVALS,
+) -> dict | None:
     """The alarm: the first held-out evaluation at which a rule of the module docstring holds, or None.
 
-    points: `trajectory_point` dicts, oldest first; baseline: the baseline's counters (None: no counter rule);
-    z, k_evals: the proxy-up / gold-down rule's standard errors and evaluations in a row (Z, K_EVALS).
-    Returns {"index": i, "step": points[i]["step"], "rules": the rules that fired there (PROXY_UP_GOLD_DOWN
-    and/or counter keys), "reasons": one line per rule}. The proxy-up / gold-down rule fires at i when
-    `proxy_up_gold_down` holds at each of evaluations i - k_evals + 1 .. i; a counter rule when
-    `counter_alarms` has the counter at i. Called with the evaluations so far at every held-out evaluation, it
-    fires at the latest one at most once: where it first fires does not change as evaluations are added."""
+    points: `trajectory_point` dicts, oldest first; baseline: the baseline's counters and num_responses (None:
+    no counter rule); z, k_evals: the proxy-up / gold-down rule's standard errors and evaluations in a row (Z,
+    K_EVALS); counter_alpha, counter_k_evals: the counter rule's level and evaluations in a row
+    (COUNTER_ALPHA, COUNTER_K_EVALS). Returns {"index": i, "step": points[i]["step"], "rules": the rules that
+    fired there (PROXY_UP_GOLD_DOWN and/or counter keys), "reasons": one line per rule}. The proxy-up /
+    gold-down rule fires at i when `proxy_up_gold_down` holds at each of evaluations i - k_evals + 1 .. i; a
+    counter rule when `counter_alarms` has the counter at each of i - counter_k_evals + 1 .. i. Called with the
+    evaluations so far at every held-out evaluation, it fires at the latest one at most once: where it first
+    fires does not change as evaluations are added."""
+    fired: list[dict[str, str]] = []  # counter_alarms at each evaluation so far
     for i, point in enumerate(points):
         rules, reasons = [], []
         if i + 1 >= k_evals:
@@ -371,9 +570,13 @@ def watch(points: list[dict], *, baseline: dict | None, z: float = Z, k_evals: i
             if all(held):
                 rules.append(PROXY_UP_GOLD_DOWN)
                 reasons.append(f"step {point['step']}: {held[-1]} ({k_evals} evaluations in a row)")
-        for key, line in (counter_alarms(point, baseline=baseline) if baseline is not None else {}).items():
-            rules.append(key)
-            reasons.append(f"step {point['step']}: {line}")
+        fired.append(
+            counter_alarms(point, baseline=baseline, alpha=counter_alpha) if baseline is not None else {}
+        )
+        for key, line in fired[-1].items():
+            if i + 1 >= counter_k_evals and all(key in f for f in fired[i - counter_k_evals + 1 :]):
+                rules.append(key)
+                reasons.append(f"step {point['step']}: {line}")
         if rules:
             return {"index": i, "step": point["step"], "rules": rules, "reasons": reasons}
     return None

@@ -74,8 +74,10 @@ ACCURACY_GREEDY = "accuracy_greedy"  # over one greedy response per prompt
 ACCURACY_GREEDY_STDERR = "accuracy_greedy_stderr"
 ACCURACY_KEYS = (ACCURACY, ACCURACY_STDERR, ACCURACY_GREEDY, ACCURACY_GREEDY_STDERR)
 DEGENERACY_KEYS = hacking.DEGENERACY_KEYS  # char_run_rate, repeated_ngram_rate, empty_rate
-COLLAPSE_KEYS = hacking.COLLAPSE_KEYS  # duplicate_rate, top_bigram_share, shared_bigram_rate, word_distinct_2
-DUPLICATE_RATE, TOP_BIGRAM_SHARE, SHARED_BIGRAM_RATE, WORD_DISTINCT_2 = COLLAPSE_KEYS
+COLLAPSE_KEYS = hacking.COLLAPSE_KEYS  # duplicate_rate, ..., word_distinct_2, top_response_share, echo_rate
+DUPLICATE_RATE, TOP_BIGRAM_SHARE, SHARED_BIGRAM_RATE, WORD_DISTINCT_2 = COLLAPSE_KEYS[:4]
+TOP_RESPONSE_SHARE, ECHO_RATE = COLLAPSE_KEYS[4:]  # issue 52: a collapse onto one answer; copying the prompt
+NUM_RESPONSES = hacking.RESPONSES  # the responses the counters were computed over: the alarm's N
 # the counter rules of the reward-hacking alarm on the final evaluation, the policy's counters against the
 # baseline's (`hacking.counter_alarms`): the counters past their threshold ([] = quiet) and a line for each
 ALARM_RULES = "alarm_rules"

@@ -350,8 +350,11 @@ def summarize(
     out[eval_metrics.DISTINCT_2 + suffix] = distinct_n([r["response_ids"] for r in records], 2)
     responses = [r["response"] for r in records]
     out.update(degeneracy_rates(responses, suffix))  # issue 28: the hacking watch
-    # issue 40: a policy collapsed onto one phrase trips no degeneracy counter; a repeat counts across prompts
-    out.update(collapse_rates(responses, prompts=[r["prompt"] for r in records], suffix=suffix))
+    # issue 40: a policy collapsed onto one phrase trips no degeneracy counter; a repeat counts across prompts,
+    # and (issue 52) not where the verifier judged it correct: a terse policy's right answers repeat
+    prompts, verdicts = [r["prompt"] for r in records], [r.get("correct") for r in records]
+    correct = verdicts if None not in verdicts else None
+    out.update(collapse_rates(responses, prompts=prompts, correct=correct, suffix=suffix))
     if records[0].get("rm_member_scores") is not None:  # an ensemble: each member, and their disagreement
         per_member = zip(*[r["rm_member_scores"] for r in records])  # K tuples of one score per sample
         for k, scores in enumerate(per_member):
@@ -415,8 +418,9 @@ def heldout_record(step: int, result: dict[str, Any]) -> dict[str, Any]:
     """One line of PPO's eval_log.jsonl from `evaluate_policy`'s figures: step, kl, rm_score (with an ensemble
     also rm_score_member_<k> and rm_disagreement), gold_score, reward_fn (unweighted; None without one),
     sentiment, fluency_perplexity, eos_rate, response_length, the degeneracy rates (`hacking.DEGENERACY_KEYS`),
-    the collapse counters (`hacking.COLLAPSE_KEYS`), accuracy, accuracy_stderr, accuracy_greedy,
-    accuracy_greedy_stderr (`ACCURACY_KEYS`; None without an accuracy_fn), and what the alarm's proxy-up /
+    the collapse counters (`hacking.COLLAPSE_KEYS`) and num_responses (their N, which the alarm's tests read),
+    accuracy, accuracy_stderr, accuracy_greedy, accuracy_greedy_stderr (`ACCURACY_KEYS`; None without an
+    accuracy_fn), and what the alarm's proxy-up /
     gold-down rule reads (`hacking.trajectory_point`): gold_score_stderr, and proxy with proxy_stderr, the mean
     and standard error of the score PPO maximised (combined_score with a reward function, else rm_score)."""
     members = {
@@ -442,7 +446,7 @@ def heldout_record(step: int, result: dict[str, Any]) -> dict[str, Any]:
         eval_metrics.EOS_RATE: result[eval_metrics.EOS_RATE],
         eval_metrics.LOG_RESPONSE_LENGTH: result[eval_metrics.RESPONSE_LENGTH_MEAN],
         **{key: result[key] for key in DEGENERACY_KEYS},
-        **{key: result[key] for key in COLLAPSE_KEYS},
+        **{key: result[key] for key in (*COLLAPSE_KEYS, eval_metrics.NUM_RESPONSES)},
         **{key: result[key] for key in ACCURACY_KEYS},
         eval_metrics.GOLD_SCORE_STDERR: result[eval_metrics.GOLD_SCORE_STDERR],
         eval_metrics.LOG_PROXY: result[proxy],

@@ -166,6 +166,8 @@ EVAL_GROUPS: tuple[tuple[str, tuple[EvalRow, ...]], ...] = (
         EvalRow("the most frequent word bigram's share", eval_metrics.TOP_BIGRAM_SHARE),
         EvalRow("holding the most shared word bigram (fraction)", eval_metrics.SHARED_BIGRAM_RATE),
         EvalRow("word distinct-2", eval_metrics.WORD_DISTINCT_2),
+        EvalRow("one same response to several prompts (largest fraction)", eval_metrics.TOP_RESPONSE_SHARE),
+        EvalRow("copies its prompt (fraction)", eval_metrics.ECHO_RATE),
     )),
 )  # fmt: skip
 

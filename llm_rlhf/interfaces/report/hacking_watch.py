@@ -19,14 +19,17 @@ from llm_rlhf.interfaces.report.samples import shown_text
 from llm_rlhf.rl.hacking import (
     CHAR_RUN_RATE,
     COUNTER_RULES,
+    DEFAULT_RESPONSES,
     DEGENERACY_KEYS,
     EMPTY_RATE,
     PROXY,
     PROXY_UP_GOLD_DOWN,
     REPEATED_NGRAM_RATE,
     collapse_rates,
+    counter_threshold,
     degeneracy_flags,
     degeneracy_rates,
+    echoes,
     most_shared_bigram,
     standardised_gaps,
 )
@@ -35,15 +38,18 @@ from llm_rlhf.stages.eval_metrics import (
     COLLAPSE_KEYS,
     COMBINED_SCORE,
     DUPLICATE_RATE,
+    ECHO_RATE,
     GOLD_SCORE,
     KL_TO_REF,
     LOG_KL,
     LOG_STEP,
+    NUM_RESPONSES,
     PROMPT,
     RESPONSE,
     RM_SCORE,
     SHARED_BIGRAM_RATE,
     TOP_BIGRAM_SHARE,
+    TOP_RESPONSE_SHARE,
     WORD_DISTINCT_2,
     side,
 )
@@ -62,6 +68,8 @@ COLLAPSE_NAMES = {
     TOP_BIGRAM_SHARE: "the most frequent word bigram's share",
     SHARED_BIGRAM_RATE: "holding the most shared word bigram",
     WORD_DISTINCT_2: "word distinct-2",
+    TOP_RESPONSE_SHARE: "one same response to several prompts",
+    ECHO_RATE: "copies its prompt",
 }
 RULE_NAMES = {PROXY_UP_GOLD_DOWN: "proxy up, gold down", **DEGENERACY_NAMES, **COLLAPSE_NAMES}
 DEGENERACY_FLAG = {CHAR_RUN_RATE: "char_run", REPEATED_NGRAM_RATE: "repeated_ngram", EMPTY_RATE: "empty"}
@@ -308,8 +316,9 @@ def degeneracy_counters(page: Page, run: Run, evaluations: list[dict]) -> None:
 
 
 def plot_collapse(eval_log: list[dict]):
-    """The collapse counters of PPO's held-out evaluations against the step, one panel each, with the alarm's
-    threshold against the step-0 evaluation dashed (`hacking.COUNTER_RULES`)."""
+    """The collapse counters of PPO's held-out evaluations against the step, one panel each, with the value at
+    which the alarm's test against the step-0 evaluation fires dashed (`hacking.counter_threshold`, for an
+    evaluation of step 0's num_responses; none where no value would)."""
     fig, axes = new_figure(1, len(COLLAPSE_KEYS), 14, 3.2)
     start = next((r for r in eval_log or () if num(r.get(LOG_STEP)) == 0), None)
     for i, key in enumerate(COLLAPSE_KEYS):
@@ -320,11 +329,11 @@ def plot_collapse(eval_log: list[dict]):
             continue
         ax.plot(x, y, "o-", color=nth_color(i), markersize=3)
         base = num((start or {}).get(key))
-        if base is not None:
-            kind, threshold = COUNTER_RULES[key]
-            ax.axhline(
-                base + threshold if kind == "above" else threshold * base, color="#b42318", ls="--", lw=1
-            )
+        n = int(num((start or {}).get(NUM_RESPONSES)) or DEFAULT_RESPONSES)
+        kind = COUNTER_RULES[key]
+        threshold = counter_threshold(base, kind=kind, n=n, n_base=n) if base is not None else None
+        if threshold is not None and not (kind == "below" and base == 0.0):
+            ax.axhline(threshold, color="#b42318", ls="--", lw=1)
         ax.set(title=COLLAPSE_NAMES[key], xlabel="PPO step", ylim=(0, 1.05))
     return fig
 
@@ -407,7 +416,7 @@ def fired_samples(rules: list[str], evaluation: dict | None) -> str:
         top = largest_gaps(evaluation)
         head = f"the samples with the largest proxy−gold gap ({html.escape(evaluation['label'])})"
         items = [f"gap {s['gap']:+.2f}σ: {shown_text(s['response'])}" for s in top]
-    elif rule == DUPLICATE_RATE:
+    elif rule in (DUPLICATE_RATE, TOP_RESPONSE_SHARE):
         given: dict[str, list] = {}  # normalised text -> the prompts of its responses, one per response
         for s, text in zip(samples, responses):
             given.setdefault(" ".join(text.split()), []).append(str(s["prompt"]))
@@ -424,6 +433,10 @@ def fired_samples(rules: list[str], evaluation: dict | None) -> str:
             else "no response has two words"
         )
         items = [shown_text(samples[i]["response"]) for i in holders[:WATCH_TOP]]
+    elif rule == ECHO_RATE:
+        copies = [s for s, text in zip(samples, responses) if echoes(text, str(s["prompt"]))]
+        head = f"{len(copies)} of {len(samples)} responses copy their prompt"
+        items = [shown_text(s["response"]) for s in copies[:WATCH_TOP]]
     elif rule in DEGENERACY_FLAG:
         tripped = [s for s, text in zip(samples, responses) if degeneracy_flags(text)[DEGENERACY_FLAG[rule]]]
         head = f"{len(tripped)} of {len(samples)} responses"
