@@ -58,3 +58,9 @@ class Megabytes(Echo):
 class NotAStep(Echo):
     def step(self, turn):
         return "a string"
+
+
+class Chatty(Echo):
+    """Echo whose turns pause at any vowel: short turns, so a greedy tiny model's episodes take several."""
+
+    stop_strings = tuple("aeiou")

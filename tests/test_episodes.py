@@ -291,3 +291,74 @@ def test_a_bad_environment_spec_is_one_line_naming_the_key():
     with pytest.raises(UserError, match="environment 'feedback' judges answers with the task's verifier"):
         environment_factory("feedback")
     assert isinstance(environment_factory("calculator")(), ToolUse)
+
+
+# --- processes, evaluation, resume ---------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+def test_episodes_are_the_same_on_one_and_two_processes(tiny_model_dir, prompt_file, tmp_path):
+    """The global prompts of a step played greedily on 1 process and on 2 (each rank its half, the ranks taking
+    different numbers of turns): the same ids and masks for every prompt; then a sampled PPO step on 2 ranks
+    completes (no rank waits at a collective the other never reaches)."""
+    from helpers import ROOT, launch
+
+    SCRIPTS = ROOT / "tests" / "scripts"
+
+    runs = {}
+    for n in (1, 2):
+        out = tmp_path / f"{n}.json"
+        launch([str(SCRIPTS / "episode_ranks.py"), str(tiny_model_dir), str(prompt_file), str(out)], n)
+        runs[n] = json.loads(out.read_text())
+    assert (runs[1]["world"], runs[2]["world"]) == (1, 2)
+    one, two = runs[1]["episodes"], runs[2]["episodes"]
+    assert len(one) == len(two) == 8 and one == two
+    assert any(sum(e["env_mask"]) > 0 for e in one) and len({e["turns"] for e in one}) > 1
+    assert runs[2]["metrics"]["env/turns"] >= 1
+
+
+def test_heldout_evaluation_and_the_eval_stage_play_episodes(tiny_model_dir, prompt_file, tmp_path):
+    from helpers import eval_config
+
+    from llm_rlhf.stages import evaluate
+
+    out = tmp_path / "ppo"
+    ppo_run.run(env_config(tiny_model_dir, prompt_file, out, eval_every=1, eval_prompt_file=str(prompt_file),
+                           eval_num_prompts=6))  # fmt: skip
+    log = [json.loads(x) for x in (out / "eval_log.jsonl").read_text().splitlines()]
+    assert len(log) == 3 and all(1 <= r["turns_mean"] <= 3 and r["env_reward_mean"] > 0 for r in log)
+    samples = [json.loads(x) for x in (out / "eval_samples.jsonl").read_text().splitlines()]
+    assert samples and all(t["role"] in (POLICY, ENVIRONMENT) for s in samples for t in s["turns"])
+    ev = tmp_path / "eval"
+    evaluate.run(eval_config(out, tiny_model_dir, prompt_file, ev, environment=ECHO, max_turns=3,
+                             max_episode_tokens=24, max_reply_tokens=6, gold_judge="none"))  # fmt: skip
+    metrics = json.loads((ev / "metrics.json").read_text())
+    assert 1 <= metrics["turns_mean"] <= 3 and 1 <= metrics["turns_mean_baseline"] <= 3
+    rows = [json.loads(x) for x in (ev / "samples.jsonl").read_text().splitlines()]
+    assert any(t["role"] == ENVIRONMENT for r in rows for t in r["policy_turns"])
+    assert all(r["baseline_num_turns"] >= 1 for r in rows)
+
+
+def test_resume_mid_run_with_episodes_is_exact(tiny_model_dir, prompt_file, tmp_path, monkeypatch):
+    from llm_rlhf.stages import ppo
+
+    kw = dict(steps=4, save_steps=2)
+    ppo_run.run(env_config(tiny_model_dir, prompt_file, tmp_path / "a", **kw))
+    original = ppo.PPOTrainer.ppo_step
+
+    def dies_at_step_3(self):
+        if self.step == 3:
+            raise KeyboardInterrupt
+        return original(self)
+
+    monkeypatch.setattr(ppo.PPOTrainer, "ppo_step", dies_at_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        ppo_run.run(env_config(tiny_model_dir, prompt_file, tmp_path / "b", **kw))
+    monkeypatch.setattr(ppo.PPOTrainer, "ppo_step", original)
+    ppo_run.run(env_config(tiny_model_dir, prompt_file, tmp_path / "b", resume=True, **kw))
+    a, b = ([json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()] for d in "ab")
+    assert [m["step"] for m in b] == [1, 2, 3, 4]
+    for ma, mb in zip(a, b):
+        for k, v in ma.items():
+            if not k.startswith(("time/", "tokens_per_s")):
+                assert mb[k] == pytest.approx(v, rel=1e-6, abs=1e-7, nan_ok=True), (ma["step"], k)

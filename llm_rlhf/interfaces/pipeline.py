@@ -60,6 +60,7 @@ from llm_rlhf.core.errors import ConfigError
 from llm_rlhf.core.utils import atomic_write_json
 from llm_rlhf.interfaces.report import write_report
 from llm_rlhf.models.scoring import scored_as
+from llm_rlhf.rl.episodes import episode_keys
 from llm_rlhf.stages import compare, dpo, evaluate, ppo_run, reward, sft
 from llm_rlhf.stages.trainer_stage import last_checkpoint as trainer_last_checkpoint
 from llm_rlhf.tasks.gym import task_keys
@@ -206,6 +207,8 @@ def stage_config(cfg: Config, stage: str) -> Any:
     if stage == "eval":  # the policy is judged by the score PPO maximised, on responses cut as PPO cut them
         ppo_cfg = stage_config(cfg, "ppo")
         values.update(scored_as(ppo_cfg), accuracy_fn=ppo_cfg.accuracy_fn)  # and by PPO's verifier
+        if ppo_cfg.environment is not None:  # episodes played as PPO played them, on prompts rendered alike
+            values.update(episode_keys(ppo_cfg), system_prompt=ppo_cfg.system_prompt)
         if "sft" not in upstream:  # no SFT stage: the policy is compared with the model PPO started from
             values["baseline_path"] = ppo_cfg.model_name_or_path
     if stage == "dpo":  # the preference pairs the RM stage trains on (its recipe and overrides)

@@ -363,3 +363,68 @@ def transcript(episode: Episode, tokenizer) -> list[dict[str, str]]:
         {"role": owner, "text": tokenizer.decode(ids, skip_special_tokens=owner == POLICY)}
         for owner, ids in episode.pieces
     ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation's view of episodes
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EpisodePlay:
+    """What an evaluation needs to play episodes as PPO does: a maker of fresh environment instances and the
+    limits (`measures.PairedSampling.play`)."""
+
+    make_environment: Callable[[], Any]
+    limits: EpisodeLimits
+
+
+def episode_record(episode: Episode, tokenizer) -> dict[str, Any]:
+    """An evaluation record's episode keys: turns (the transcript, `transcript`), num_turns, env_reward (the sum
+    of its turns' rewards), env_done (the environment ended it), env_error (None or the one-line reason), and
+    for a tool environment (`calls`, `used`) tool_calls and tool_answer_used (its final answer is a number a
+    tool returned); None where the environment has no tools."""
+    env = episode.environment
+    return {
+        "turns": transcript(episode, tokenizer),
+        "num_turns": episode.turns,
+        "env_reward": sum(r for _, r in episode.rewards),
+        "env_done": episode.done,
+        "env_error": episode.error,
+        "tool_calls": getattr(env, "calls", None),
+        "tool_answer_used": getattr(env, "used", None),
+    }
+
+
+EPISODE_ROW_KEYS = (
+    "turns",
+    "num_turns",
+    "env_reward",
+    "tool_calls",
+    "tool_answer_used",
+)  # in PPO's eval_samples
+EPISODE_FIGURES = (
+    "turns_mean",
+    "env_reward_mean",
+    "env_success_rate",
+    "tool_call_rate",
+    "tool_answer_used_rate",
+)
+
+
+def episode_figures(records: list[dict[str, Any]], suffix: str = "") -> dict[str, float | None]:
+    """`EPISODE_FIGURES` (+ suffix) over one model's records: the policy's turns per episode, the environment's
+    reward per episode, the share of episodes it ended with a positive reward (a game won), the share with a
+    tool call and the share whose final answer is a number a tool returned; None without episodes (the tool
+    figures None without a tool environment)."""
+    played = [r for r in records if r.get("num_turns") is not None]
+    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    tools = [r for r in played if r["tool_calls"] is not None]
+    values = (
+        mean([r["num_turns"] for r in played]),
+        mean([r["env_reward"] for r in played]),
+        mean([float(r["env_done"] and r["env_reward"] > 0) for r in played]),
+        mean([float(r["tool_calls"] > 0) for r in tools]),
+        mean([float(bool(r["tool_answer_used"])) for r in tools]),
+    )
+    return {key + suffix: value for key, value in zip(EPISODE_FIGURES, values)}

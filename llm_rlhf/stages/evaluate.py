@@ -104,7 +104,14 @@ from llm_rlhf.models.loading import (
 from llm_rlhf.models.reward_fn import RewardFn, load_reward_fn, probe
 from llm_rlhf.models.reward_model import RewardEnsemble, check_members_exist
 from llm_rlhf.models.scoring import Scorer, build_scorer, check_score_keys
-from llm_rlhf.rl.episodes import EPISODE_KEYS, check_episode_keys
+from llm_rlhf.rl.episodes import (
+    EPISODE_KEYS,
+    EPISODE_ROW_KEYS,
+    EpisodeLimits,
+    EpisodePlay,
+    check_episode_keys,
+    episode_figures,
+)
 from llm_rlhf.rl.hacking import (
     counter_alarms,
 )
@@ -127,6 +134,7 @@ from llm_rlhf.stages.measures import (
     win_points,
     win_rate,
 )
+from llm_rlhf.tasks.environments import environment_factory
 
 
 @checked_keywords
@@ -315,12 +323,17 @@ def sample_row(
 ) -> dict[str, Any]:
     """One line of samples.jsonl, flat (one column per key in a table): prompt, sample, then
     policy_<key> and baseline_<key> side by side for `SAMPLE_KEYS` (response, gold_score, rm_score, kl_to_ref,
-    length, eos, correct, ...), then <who>_greedy_response and <who>_greedy_correct from the (policy,
+    length, eos, correct, ...; with episodes also `episodes.EPISODE_ROW_KEYS`: turns, num_turns, ...), then
+    <who>_greedy_response and <who>_greedy_correct from the (policy,
     baseline) greedy records of the prompt (None without them)."""
     row: dict[str, Any] = {eval_metrics.PROMPT: prompt, eval_metrics.SAMPLE: sample}
     for key in SAMPLE_KEYS:
         for who, record in (("policy", policy), ("baseline", baseline)):
             row[eval_metrics.side(who, key)] = record[key]
+    for key in EPISODE_ROW_KEYS:  # episodes (issue 51): policy_turns, ... where they were played
+        if key in policy:
+            for who, record in (("policy", policy), ("baseline", baseline)):
+                row[eval_metrics.side(who, key)] = record[key]
     for who, record in zip(("policy", "baseline"), greedy):
         for field, key in GREEDY_SAMPLE_KEYS:
             row[eval_metrics.side(who, field)] = record[key] if record is not None else None
@@ -533,7 +546,12 @@ def measure(cfg: Config, inputs: EvalInputs, models: EvalModels) -> Measured:
     """Step 3: both models sampled on the same prompts with paired seeds (`PairedSampling`), scored as PPO
     scores, judged, their KL to the reference measured (the baseline's only when it reads the reference's
     ids); with a verifier one greedy response per prompt and model."""
-    draws = PairedSampling(Sampling.of(cfg), seed=cfg.seed, batch_size=cfg.batch_size)
+    play = None  # episodes with an environment, played as PPO played them (issue 51)
+    if cfg.environment is not None:
+        play = EpisodePlay(
+            environment_factory(cfg.environment, verifier=inputs.verifier), EpisodeLimits.of(cfg)
+        )
+    draws = PairedSampling(Sampling.of(cfg), seed=cfg.seed, batch_size=cfg.batch_size, play=play)
     measures = Measures(scorer=models.scorer, judge=inputs.judge, verifier=inputs.verifier)
     rows = [p for p in inputs.prompts for _ in range(cfg.samples_per_prompt)]  # prompt-major
     policy = sample_and_score(
@@ -590,6 +608,8 @@ def eval_figures(cfg: Config, inputs: EvalInputs, models: EvalModels, measured: 
         **accuracy_figures(
             measured.baseline, measured.baseline_greedy, samples_per_prompt=k, suffix="_baseline"
         ),
+        **episode_figures(measured.policy),
+        **episode_figures(measured.baseline, suffix="_baseline"),
         **final_alarm(policy, baseline),
         **run_info(cfg, inputs, models),
     }

@@ -34,6 +34,7 @@ from llm_rlhf.models.loading import (
 from llm_rlhf.models.reward_fn import RewardFn, load_reward_fn, probe
 from llm_rlhf.models.scoring import Scorer, Scores
 from llm_rlhf.rl import ppo_math, token_math
+from llm_rlhf.rl.episodes import EPISODE_FIGURES, EpisodePlay, episode_figures, episode_record, run_episodes
 from llm_rlhf.rl.hacking import (
     COLLAPSE_KEYS,
     DEGENERACY_KEYS,
@@ -109,6 +110,7 @@ class PairedSampling:
     sampling: Sampling
     seed: int = 0
     batch_size: int = 32
+    play: EpisodePlay | None = None  # episodes of several turns with an environment (issue 51)
 
     def greedy(self) -> PairedSampling:
         """The same batches and ends (EOS, stop_strings, min_new_tokens, max_new_tokens), decoded greedily:
@@ -143,6 +145,20 @@ def sample_batch(model, tokenizer, prompts: list[str], sampling: Sampling, *, se
     with torch.random.fork_rng(devices=_rng_devices(device)):
         torch.manual_seed(seed)
         return sample(model, tokenizer, query, query_mask, sampling)
+
+
+@torch.no_grad()
+def play_batch(model, tokenizer, prompts: list[str], sampling: Sampling, play: EpisodePlay, *, seed: int):
+    """`sample_batch` for episodes: one episode per prompt with a fresh environment (`episodes.run_episodes`),
+    seeded with `seed` without touching the global RNG. Returns the episodes as `Samples` and the `Episode`s."""
+    device = next(model.parameters()).device
+    queries = [encode_prompt(tokenizer, p) for p in prompts]
+    if any(len(q) == 0 for q in queries):
+        raise UserError("a prompt tokenizes to no tokens; every prompt needs at least one")
+    environments = [play.make_environment() for _ in queries]
+    with torch.random.fork_rng(devices=_rng_devices(device)):
+        torch.manual_seed(seed)
+        return run_episodes(model, tokenizer, queries, environments, sampling, play.limits, device=device)
 
 
 @torch.no_grad()
@@ -223,7 +239,11 @@ def sample_and_score(
     starts = range(0, len(prompts), draws.batch_size)
     for b, start in enumerate(tqdm(starts, desc=progress, disable=progress is None, leave=False)):
         chunk = prompts[start : start + draws.batch_size]
-        batch = sample_batch(model, tokenizer, chunk, sampling, seed=draws.seed + b)
+        played = None
+        if draws.play is None:
+            batch = sample_batch(model, tokenizer, chunk, sampling, seed=draws.seed + b)
+        else:  # an episode per prompt with its environment, the same seeds
+            batch, played = play_batch(model, tokenizer, chunk, sampling, draws.play, seed=draws.seed + b)
         kls = (
             sequence_kl_to_ref(model, reference, batch, sampling, eos_token_id=tokenizer.eos_token_id)
             if reference is not None
@@ -231,6 +251,8 @@ def sample_and_score(
         )
         scores = scorer(batch, tokenizer, chunk) if scorer is not None else Scores(None)
         records += batch_records(chunk, batch, tokenizer, kls, scores)
+        for record, episode in zip(records[len(records) - len(chunk) :], played or []):
+            record.update(episode_record(episode, tokenizer))  # the transcript, turns, tool calls
     texts = [r["prompt"] for r in records], [r["response"] for r in records]
     if measures.judge is not None:
         parts = judge_pairs(measures.judge, *texts)
@@ -400,7 +422,7 @@ def evaluate_policy(
         policy.train(was_training)
     if samples_out is not None:
         samples_out.extend(records)
-    return {**summarize(records), **accuracy_figures(records, greedy)}
+    return {**summarize(records), **accuracy_figures(records, greedy), **episode_figures(records)}
 
 
 def load_heldout_inputs(cfg, tokenizer=None) -> tuple[list[str], Any]:
@@ -451,4 +473,5 @@ def heldout_record(step: int, result: dict[str, Any]) -> dict[str, Any]:
         eval_metrics.GOLD_SCORE_STDERR: result[eval_metrics.GOLD_SCORE_STDERR],
         eval_metrics.LOG_PROXY: result[proxy],
         eval_metrics.LOG_PROXY_STDERR: result[proxy_stderr],
+        **{key: result[key] for key in EPISODE_FIGURES if result.get(key) is not None},  # episodes (issue 51)
     }

@@ -68,6 +68,7 @@ from llm_rlhf.models.reward_model import (
     save_reward_model,
 )
 from llm_rlhf.models.scoring import scoring_reward_model
+from llm_rlhf.rl.episodes import EPISODE_ROW_KEYS, EpisodePlay
 from llm_rlhf.rl.hacking import heldout_sample_rows, watch_fields
 from llm_rlhf.rl.rollout import encode_prompt, left_pad
 from llm_rlhf.stages import eval_metrics, ppo_metrics
@@ -82,6 +83,7 @@ from llm_rlhf.stages.measures import (
 )
 from llm_rlhf.stages.ppo import PPOModels, PPOTrainer
 from llm_rlhf.stages.ppo_config import Config  # the keys of `llm-rlhf ppo`
+from llm_rlhf.stages.ppo_rollouts import EpisodeRoom
 from llm_rlhf.tasks.environments import environment_factory
 
 # ---------------------------------------------------------------------------------------------
@@ -705,13 +707,17 @@ def evaluate_heldout(
     policy = trainer.unwrapped_policy
     lm, cfg = policy.lm, trainer.cfg
     reference = KLReference(lm, lm.disable_adapter) if cfg.use_lora else KLReference(trainer.ref_model.lm)
-    draws = PairedSampling(trainer.sampling, seed=cfg.seed, batch_size=cfg.heldout_batch_size)
+    room = trainer.room  # with an environment its episodes are played as in training (issue 51)
+    play = EpisodePlay(room.make_environment, room.limits) if isinstance(room, EpisodeRoom) else None
+    draws = PairedSampling(trainer.sampling, seed=cfg.seed, batch_size=cfg.heldout_batch_size, play=play)
     with trainer.acc.autocast(), trainer.acc.gathered_for_generation(policy):
         measures = Measures(scorer=trainer.room.scorer, judge=judge, verifier=verifier)
         result = evaluate_policy(
             lm, trainer.tokenizer, prompts, draws, measures=measures, reference=reference, samples_out=samples
         )
     rows = heldout_sample_rows(samples, step=trainer.step, reward_fn_weight=cfg.reward_fn_weight)
+    for row, record in zip(rows, samples):  # episodes: their turns, for the report (issue 51)
+        row.update({key: record[key] for key in EPISODE_ROW_KEYS if key in record})
     return heldout_record(trainer.step, result), rows
 
 
