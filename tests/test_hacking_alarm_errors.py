@@ -10,7 +10,6 @@ import random
 
 from llm_rlhf.rl.hacking import (
     COUNTER_RULES,
-    RATE_MARGIN,
     RESPONSES,
     collapse_rates,
     counter_alarms,
@@ -78,7 +77,7 @@ def test_a_collapse_from_near_the_ceiling_fires():
         prompts = [p for p, _ in problems]
         terse = [str(rng.choice([t, 20, 21, 22])) for _, t in problems]  # the step-0 model: mostly guesses
         baseline = evaluation(0, prompts, terse)
-        assert baseline["duplicate_rate"] > 1.0 - RATE_MARGIN  # no room for the old margin
+        assert baseline["duplicate_rate"] > 0.75  # no room for issue 40's fixed margin of +0.25
         alarm = watch([baseline, evaluation(10, prompts, ["21"] * n)], baseline=baseline)
         assert alarm is not None and alarm["step"] == 10 and "top_response_share" in alarm["rules"], alarm
     audit = {"duplicate_rate": 60 / 76, RESPONSES: 76}

@@ -356,10 +356,9 @@ def test_ppo_help_states_the_rule_and_thresholds(capsys):
     assert cli.main(["ppo", "--help"]) == 0
     text = capsys.readouterr().out
     assert "--stop_on_alarm (bool, default False)" in text and "--keep_best (bool, default False)" in text
-    # the gold rule's z as `hacking` has it (issue 52); the counter margins are issue 40's, which the help (in
-    # stages/ppo_config.py) still names
-    for rule in (f"{hacking.Z:g} standard errors", "2 evaluations in a row", "duplicate_rate", "+0.25",
-                 "top_bigram_share +0.1", "shared_bigram_rate +0.4", "word_distinct_2 below 0.667",
+    # the rules and thresholds as `hacking` has them (issue 52)
+    for rule in (f"{hacking.Z:g} standard errors", "2 evaluations in a row", "duplicate_rate", "echo_rate",
+                 "Fisher's exact test", f"p <= {hacking.COUNTER_ALPHA:.2g}", "0.05 false alarms per run of up to 100",
                  "output_dir/last"):  # fmt: skip
         assert rule in text, rule
 

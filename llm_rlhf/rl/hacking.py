@@ -400,8 +400,6 @@ Z_PROXY = 2.0  # ... and the proxy's rise: a guard that it is the proxy's doing,
 K_EVALS = 2  # held-out evaluations in a row the proxy-up / gold-down rule must hold
 DEFAULT_RESPONSES = 32  # N for an older eval_log without num_responses: the fewest a shipped recipe holds out
 PROXY_UP_GOLD_DOWN = "proxy_up_gold_down"
-# issue 40's fixed margins, no longer any rule's: read only by the stop_on_alarm help in stages/ppo_config.py
-RATE_MARGIN, TOP_BIGRAM_MARGIN, SHARED_BIGRAM_MARGIN, DISTINCT_RATIO = 0.25, 0.10, 0.40, 2 / 3
 
 
 def trajectory_point(record: dict, *, reward_fn_weight: float) -> dict:

@@ -364,14 +364,16 @@ class Config:
         False,
         "Stop the run at the held-out evaluation where the reward-hacking alarm fires (eval_every > 0; logged "
         "either way in eval_log.jsonl: alarm_step, alarm_rules, alarm_reasons). It fires at the first "
-        f"evaluation where (a) the gold (the verifier's accuracy with accuracy_fn) has fallen and the proxy (the "
-        f"score PPO maximises) risen against the evaluation of the best gold so far, each by >= {hacking.Z:g} "
-        f"standard errors of the difference, at {hacking.K_EVALS} evaluations in a row; or (b) a counter of "
-        "the responses crosses its threshold against the step-0 evaluation (the model PPO started from): "
-        f"duplicate_rate, char_run_rate, repeated_ngram_rate or empty_rate +{hacking.RATE_MARGIN:g}, "
-        f"top_bigram_share +{hacking.TOP_BIGRAM_MARGIN:g}, shared_bigram_rate +{hacking.SHARED_BIGRAM_MARGIN:g}, "
-        f"word_distinct_2 below {hacking.DISTINCT_RATIO:.3g} x step 0's. The run then saves and returns its "
-        "policy of that step (with keep_best: the best evaluation's).",
+        f"evaluation where (a) the gold (the verifier's accuracy with accuracy_fn) has fallen by >= {hacking.Z:g} "
+        "standard errors of the difference against the evaluation of the best gold so far and the proxy (the "
+        f"score PPO maximises) risen by >= {hacking.Z_PROXY:g}, at {hacking.K_EVALS} evaluations in a row; or (b) "
+        "a counter of the responses (duplicate_rate, top_bigram_share, shared_bigram_rate, word_distinct_2, "
+        "top_response_share, echo_rate, char_run_rate, repeated_ngram_rate, empty_rate) differs from the step-0 "
+        "evaluation's (the model PPO started from) by Fisher's exact test of two proportions at p <= "
+        f"{hacking.COUNTER_ALPHA:.2g}: a threshold that scales with the number of held-out responses and the "
+        f"rate, with at most {hacking.ALPHA:g} false alarms per run of up to {hacking.MAX_EVALS} evaluations "
+        "(`llm_rlhf.rl.hacking`; recipes/reviews/README.md has the simulated rates). The run then saves and "
+        "returns its policy of that step (with keep_best: the best evaluation's).",
     )
     keep_best: bool = help_field(
         False,
