@@ -4,6 +4,7 @@ environments, every estimator and loss on episodes, exact resume."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from llm_rlhf.stages import ppo_run
 from llm_rlhf.tasks.environments import ToolUse, calculator, describe_tools, environment_factory
 
 ECHO = "tests/envs.py:Echo"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def env_config(model_dir, prompt_file, out, **kw):
@@ -362,3 +364,76 @@ def test_resume_mid_run_with_episodes_is_exact(tiny_model_dir, prompt_file, tmp_
         for k, v in ma.items():
             if not k.startswith(("time/", "tokens_per_s")):
                 assert mb[k] == pytest.approx(v, rel=1e-6, abs=1e-7, nan_ok=True), (ma["step"], k)
+
+
+# --- the calculator recipes ----------------------------------------------------------------------
+
+TOOL_RECIPES = ROOT / "recipes" / "gym-chain_sum-t3d1"
+
+
+def test_the_calculator_recipe_the_traces_and_the_environment_share_one_system_prompt(tmp_path, monkeypatch):
+    """recipes/gym-chain_sum-t3d1/tool: PPO plays the calculator with `CALCULATOR_SYSTEM_PROMPT`, the SFT traces
+    are rendered with it and regenerate byte for byte (data/make_tool_traces.py); the control (answer/) is the
+    rung's PPO from its own SFT; both are sweeps of seeds 0, 1, 2 over one shared SFT."""
+    import subprocess
+    import sys
+
+    from llm_rlhf.core.config import parse_config
+    from llm_rlhf.interfaces import pipeline
+    from llm_rlhf.tasks.environments import CALCULATOR_SYSTEM_PROMPT
+
+    monkeypatch.chdir(ROOT)
+    for kind in ("tool", "answer"):
+        cfg = parse_config(pipeline.Config, ["--config", str(TOOL_RECIPES / kind / "pipeline.yaml")])
+        runs = pipeline.sweep_runs(cfg)
+        ppo = [pipeline.stage_config(run, "ppo") for run in runs[1:]]  # runs[0]: the shared SFT
+        assert [c.seed for c in ppo] == [0, 1, 2] and pipeline.stage_config(runs[0], "sft").use_lora
+        assert {c.environment for c in ppo} == {"calculator" if kind == "tool" else None}
+        if kind == "tool":
+            assert ppo[0].system_prompt == CALCULATOR_SYSTEM_PROMPT
+    out = tmp_path / "traces"
+    subprocess.run([sys.executable, "data/make_tool_traces.py", "--out", str(out)], check=True, cwd=ROOT)
+    for path in sorted((ROOT / "data" / "tool_traces").rglob("*.jsonl")):
+        assert (out / path.relative_to(ROOT / "data" / "tool_traces")).read_bytes() == path.read_bytes(), path
+    first = json.loads((ROOT / "data/tool_traces/chain_sum-t3d1/tool_train.jsonl").open().readline())
+    assert first["messages"][0] == {"role": "system", "content": CALCULATOR_SYSTEM_PROMPT}
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.mark.slow
+def test_the_calculator_recipe_runs_through_the_pipeline_on_a_tiny_chat_llama(tmp_path, monkeypatch):
+    """`llm-rlhf pipeline --config recipes/gym-chain_sum-t3d1/tool/pipeline.yaml` with a tiny chat Llama in place
+    of SmolLM2: the SFT on the traces, then one seed's PPO of 2 steps with the calculator, held-out episodes."""
+    from helpers import build_model
+
+    from llm_rlhf.core.config import parse_config
+    from llm_rlhf.interfaces import pipeline
+
+    monkeypatch.chdir(ROOT)
+    model = build_model(tmp_path / "tiny_chat_llama", "llama", n_positions=1024)
+    tokenizer = load_tokenizer(str(model))
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(model)
+    out = tmp_path / "run"
+    sft_keys = {
+        "model_name_or_path": str(model),
+        "max_steps": 2,
+        "per_device_train_batch_size": 4,
+        "max_length": 600,
+    }
+    ppo_keys = {"steps": 2, "rollout_batch_size": 2, "mini_batch_size": 4, "max_new_tokens": 8, "max_prompt_length": 600,
+                "max_episode_tokens": 40, "eval_every": 1, "eval_num_prompts": 3}  # fmt: skip
+    argv = ["--config", str(TOOL_RECIPES / "tool" / "pipeline.yaml"), "--output_dir", str(out),
+            "--sft", json.dumps(sft_keys), "--ppo", json.dumps(ppo_keys),
+            "--sweep", json.dumps([{"name": "seed0", "seed": 0}])]  # fmt: skip
+    pipeline.run(parse_config(pipeline.Config, argv))
+    heldout = [json.loads(x) for x in (out / "seed0" / "ppo" / "eval_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in heldout] == [0, 1, 2] and all(r["turns_mean"] >= 1 for r in heldout)
+    metrics = [json.loads(x) for x in (out / "seed0" / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    assert all("env/tool_call_rate" in m for m in metrics)
+    assert (out / "report.html").is_file()

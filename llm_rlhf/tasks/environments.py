@@ -201,6 +201,14 @@ def calculator_environment() -> ToolUse:
     return ToolUse([calculator])
 
 
+# The system prompt of the calculator recipes (recipes/gym-chain_sum-t3d1/tool/ppo.yaml writes it out, and the
+# tool-call traces of data/make_tool_traces.py are rendered with it; a test keeps the three the same).
+CALCULATOR_SYSTEM_PROMPT = (
+    "You are a helpful assistant with a calculator. To use it, write <tool>calculator(EXPRESSION)</tool>; its "
+    "result comes back as <result>VALUE</result>.\nTools:\n" + describe_tools([calculator])
+)
+
+
 # ---------------------------------------------------------------------------------------------
 # Feedback: a checkable task as a game
 # ---------------------------------------------------------------------------------------------

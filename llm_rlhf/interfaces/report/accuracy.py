@@ -10,6 +10,7 @@ from llm_rlhf.interfaces.report.figures import add_legend, new_figure, no_data, 
 from llm_rlhf.interfaces.report.numbers import logged, num
 from llm_rlhf.interfaces.report.page import Page
 from llm_rlhf.interfaces.report.runs import Run, config_value, name_stem, run_estimator
+from llm_rlhf.interfaces.report.samples import TURNS, episodes_table
 from llm_rlhf.stages import eval_metrics
 
 # Held-out accuracy on a task with a verifier (issue 25): (key, what it is). The key's standard error is
@@ -159,3 +160,9 @@ def section_accuracy(page: Page, run: Run, gold: bool) -> None:
             + " is its held-out metric."
         )
     page.figure(plot_accuracy(run.eval_log), "accuracy", "Held-out accuracy against step and KL", caption)
+    episodes = [r for r in run.heldout_samples or () if r.get(TURNS)]
+    if episodes:  # episodes of several turns (issue 51): the first and the last evaluation's, as turns
+        steps = sorted({r.get("step") for r in episodes}, key=lambda s: num(s) or 0)
+        for step in dict.fromkeys(steps[:1] + steps[-1:]):
+            page.add(f"<h3>Held-out episodes at step {step}</h3>")
+            page.add(episodes_table([r for r in episodes if r.get("step") == step]))

@@ -55,6 +55,8 @@ table.runs td:nth-child(-n+2) { white-space: nowrap; overflow-wrap: normal; }
 .scores { display: block; color: #666; font-size: 0.85em; margin-top: 0.3em; white-space: normal; }
 .prompt-text { color: #777; } .empty { color: #999; font-style: italic; }
 .ok { color: #1a7f37; font-weight: 600; } .wrong { color: #b42318; font-weight: 600; }
+.turn { display: block; } .turn.environment { color: #555; background: #eef3f8; font-family: ui-monospace, monospace;
+  font-size: 0.9em; } .turn .who { color: #888; font-size: 0.75em; font-family: ui-monospace, monospace; }
 .greedy { display: block; margin-top: 0.4em; padding-top: 0.3em; border-top: 1px dashed #ddd; }
 .flag { color: #a15c00; background: #fff0d9; border-radius: 3px; padding: 0 0.3em; font-size: 0.8em;
         white-space: nowrap; }

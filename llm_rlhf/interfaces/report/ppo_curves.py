@@ -77,6 +77,13 @@ PPO_PANELS = (
         (ppo_metrics.RESPONSE_LENGTH,),
         (ppo_metrics.EOS_RATE, "EOS rate"),
     ),
+    (
+        "Episodes: turns, tool-call rate (right)",
+        "policy turns / episode",
+        (ppo_metrics.ENV_TURNS,),
+        (ppo_metrics.ENV_TOOL_CALL_RATE, "tool-call rate"),
+    ),
+    ("Environment reward", "reward / episode", (ppo_metrics.ENV_REWARD,), None),
     ("Time per phase (stacked)", "seconds / step", ppo_metrics.TIME_PHASES, None),
     ("Throughput", "tokens / s", (ppo_metrics.TOKENS_PER_S,), None),
     ("Probability ratio π_θ / π_θ_old", "mean ratio", (ppo_metrics.POLICY_RATIO,), None),

@@ -29,6 +29,10 @@ from llm_rlhf.stages.eval_metrics import (
     side,
 )
 
+TURNS = (
+    "turns"  # an episode's transcript: eval_samples.jsonl; policy_turns and baseline_turns in samples.jsonl
+)
+
 SAMPLE_ROWS = 20  # rows of each sample table
 SCORES_SHOWN = (  # (eval/samples.jsonl field, its name under a response, format)
     (GOLD_SCORE, "gold", "+.2f"), (SENTIMENT, "sentiment", "+.2f"), (FLUENCY_PERPLEXITY, "perplexity", ".3g"),
@@ -71,6 +75,18 @@ def shown_text(value: Any) -> str:
     return html.escape(text) if text.strip() else '<span class="empty">(empty)</span>'
 
 
+def shown_turns(turns: list[dict] | None) -> str | None:
+    """An episode of several turns (issue 51) as its turns, the policy's and the environment's told apart (a label
+    and a tinted block for the environment's); None for a single response."""
+    if not turns:
+        return None
+    return "".join(
+        f'<span class="turn {html.escape(str(t.get("role")))}"><span class="who">{html.escape(str(t.get("role")))}'
+        f"</span>{shown_text(t.get('text'))}</span>"
+        for t in turns
+    )
+
+
 def _greedy(row: dict, who: str) -> str:
     """One side's greedy response to the prompt and whether it is correct (eval/samples.jsonl holds it on a
     prompt's first sample alone: nothing on the others)."""
@@ -94,13 +110,37 @@ def pair_samples_table(rows: list[dict], limit: int = SAMPLE_ROWS, baseline: str
         body.append(f'<tr class="prompt"><td colspan="2">{shown_text(row.get(PROMPT))}{sample}</td></tr>')
         body.append(
             "<tr>" + "".join(
-                f'<td><span class="response">{shown_text(row.get(side(who, RESPONSE)))}</span>{_scores_line(row, who)}'
+                f'<td><span class="response">{shown_turns(row.get(side(who, TURNS))) or shown_text(row.get(side(who, RESPONSE)))}</span>{_scores_line(row, who)}'
                 f"{_greedy(row, who)}</td>"
                 for who in ("baseline", "policy")
             ) + "</tr>"
         )  # fmt: skip
     return (
         f'<table class="texts pairs">\n<tr><th>{html.escape(baseline[:1].upper() + baseline[1:])}</th><th>PPO policy</th></tr>\n'
+        + "\n".join(body)
+        + "\n</table>"
+    )
+
+
+def episodes_table(rows: list[dict], limit: int = 8) -> str:
+    """PPO's held-out episodes of one evaluation (ppo/eval_samples.jsonl rows with `turns`): prompt, the episode as
+    turns, and its verdict, turns and tool calls."""
+    body = []
+    for row in rows[:limit]:
+        facts = [f"{row.get('num_turns')} turns"]
+        if row.get("tool_calls") is not None:
+            facts.append(
+                f"{row['tool_calls']} tool calls"
+                + (", answer from the tool" if row.get("tool_answer_used") else "")
+            )
+        if row.get("env_reward"):
+            facts.append(f"environment reward {num(row['env_reward']):g}")
+        body.append(
+            f'<tr><td class="prompt-text">{shown_text(row.get(PROMPT))}</td><td>{shown_turns(row.get(TURNS))}'
+            f'<span class="scores">{html.escape(" · ".join(facts))}</span></td></tr>'
+        )
+    return (
+        '<table class="texts ppo-samples">\n<tr><th>prompt</th><th>episode</th></tr>\n'
         + "\n".join(body)
         + "\n</table>"
     )
