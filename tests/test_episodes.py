@@ -437,3 +437,20 @@ def test_the_calculator_recipe_runs_through_the_pipeline_on_a_tiny_chat_llama(tm
     metrics = [json.loads(x) for x in (out / "seed0" / "ppo" / "metrics.jsonl").read_text().splitlines()]
     assert all("env/tool_call_rate" in m for m in metrics)
     assert (out / "report.html").is_file()
+
+
+def test_the_readme_environment_trains_as_written(tiny_model_dir, prompt_file, tmp_path):
+    """README.md's environment example, copied out of the README as a user would, trains a PPO run."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Episodes of several turns") :]
+    code = section[
+        section.index("```python\n") + len("```python\n") : section.index("```\n", section.index("```python"))
+    ]
+    envs_file = tmp_path / "my_envs.py"
+    envs_file.write_text(code)
+    out = tmp_path / "run"
+    ppo_run.run(
+        env_config(tiny_model_dir, prompt_file, out, environment=f"{envs_file}:Countdown", max_turns=4)
+    )
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["env/error_rate"] == 0 and 1 <= m["env/turns"] <= 3 for m in lines)
