@@ -372,7 +372,7 @@ TOOL_RECIPES = ROOT / "recipes" / "gym-chain_sum-t3d1"
 
 
 def test_the_calculator_recipe_the_traces_and_the_environment_share_one_system_prompt(tmp_path, monkeypatch):
-    """recipes/gym-chain_sum-t3d1/tool: PPO plays the calculator with `CALCULATOR_SYSTEM_PROMPT`, the SFT traces
+    """recipes/gym-chain_sum-t3d1/tool (rung 2) and gym-chain_sum-t2d2/tool (rung 3): PPO plays the calculator with `CALCULATOR_SYSTEM_PROMPT`, the SFT traces
     are rendered with it and regenerate byte for byte (data/make_tool_traces.py); the control (answer/) is the
     rung's PPO from its own SFT; both are sweeps of seeds 0, 1, 2 over one shared SFT."""
     import subprocess
@@ -383,8 +383,9 @@ def test_the_calculator_recipe_the_traces_and_the_environment_share_one_system_p
     from llm_rlhf.tasks.environments import CALCULATOR_SYSTEM_PROMPT
 
     monkeypatch.chdir(ROOT)
-    for kind in ("tool", "answer"):
-        cfg = parse_config(pipeline.Config, ["--config", str(TOOL_RECIPES / kind / "pipeline.yaml")])
+    for rung, kind in [(r, k) for r in ("gym-chain_sum-t3d1", "gym-chain_sum-t2d2") for k in ("tool", "answer")]:
+        cfg = parse_config(pipeline.Config, ["--config", str(ROOT / "recipes" / rung / kind / "pipeline.yaml")])
+        assert cfg.task == rung.removeprefix("gym-")
         runs = pipeline.sweep_runs(cfg)
         ppo = [pipeline.stage_config(run, "ppo") for run in runs[1:]]  # runs[0]: the shared SFT
         assert [c.seed for c in ppo] == [0, 1, 2] and pipeline.stage_config(runs[0], "sft").use_lora
