@@ -89,6 +89,8 @@ PPO_PANELS = (
     ("Probability ratio π_θ / π_θ_old", "mean ratio", (ppo_metrics.POLICY_RATIO,), None),
 )
 
+EPISODE_KEYS = (ppo_metrics.ENV_TURNS, ppo_metrics.ENV_REWARD)  # the panels only runs with an environment log
+
 # Side-by-side PPO panels: one key each, one line per run.
 COMPARE_PANELS = (
     (ppo_metrics.OBJECTIVE_SCORES, *SCORE_WORDS[True][2:]),
@@ -254,7 +256,11 @@ def section_ppo(page: Page, run: Run) -> None:
         )
         if len(run.ppo_history) > SMOOTH_ABOVE:
             caption += " Faint: raw values; solid: centred moving average over 5% of the steps."
-        left_out = [panel[0] for panel in PPO_PANELS if panel not in ppo_panels(run.ppo_history)]
+        left_out = [  # the episodes' panels are for runs with an environment: not missed by others
+            panel[0]
+            for panel in PPO_PANELS
+            if panel not in ppo_panels(run.ppo_history) and panel[2][0] not in EPISODE_KEYS
+        ]
         if left_out:
             caption += f" Not drawn, nothing logged for them: {', '.join(left_out)}."
         page.figure(
