@@ -167,7 +167,7 @@ def test_decode_texts_gives_back_the_prompt_string(tiny_model_dir):
 
 def test_config_checks_name_the_key():
     with pytest.raises(
-        ConfigError, match="^config key 'reward_model_path': is none and reward_fn is not set"
+        ConfigError, match="^config key 'reward_model_path': is none and neither reward_fn nor environment is set"
     ):
         ppo.Config(reward_model_path="none")
     with pytest.raises(ConfigError, match="^config key 'value_model': 'reward' initialises the critic"):
