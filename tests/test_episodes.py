@@ -278,6 +278,17 @@ def test_a_tool_that_raises_answers_the_model_in_one_line():
     assert env.step("So the answer is 14.").done and env.used and env.calls == 3
 
 
+def test_a_call_whose_pausing_token_runs_past_the_stop_string_is_a_call_and_its_reply_goes_on_from_there():
+    """SmolLM2 writes "</tool><result>" with a "><" token: the turn pauses at "...</tool><" (the token completing
+    the stop string is kept), which is still a call, and the reply continues the text the policy began."""
+    env = ToolUse([calculator])
+    env.reset("p")
+    assert env.step("<tool>calculator(6 - 3 - 7)</tool><") == Step(reply="result>-4</result>")
+    assert env.step("<tool>calculator(6 - 3 - 7)</tool>\n") == Step(reply="<result>-4</result>")
+    assert env.step("<tool>calculator(1)</tool> so the answer is 1").done  # text after the call: an answer
+    assert env.calls == 2 and env.used
+
+
 def test_the_calculator_parses_arithmetic_and_never_evaluates_python():
     assert [calculator(e) for e in ("9 + 6 + 8", "4 - 8 - 3", "-(2) * 3", "7 / 2", " 12−5 ")] == [
         "23", "-7", "-6", "3.5", "7"]  # fmt: skip
@@ -383,8 +394,12 @@ def test_the_calculator_recipe_the_traces_and_the_environment_share_one_system_p
     from llm_rlhf.tasks.environments import CALCULATOR_SYSTEM_PROMPT
 
     monkeypatch.chdir(ROOT)
-    for rung, kind in [(r, k) for r in ("gym-chain_sum-t3d1", "gym-chain_sum-t2d2") for k in ("tool", "answer")]:
-        cfg = parse_config(pipeline.Config, ["--config", str(ROOT / "recipes" / rung / kind / "pipeline.yaml")])
+    for rung, kind in [
+        (r, k) for r in ("gym-chain_sum-t3d1", "gym-chain_sum-t2d2") for k in ("tool", "answer")
+    ]:
+        cfg = parse_config(
+            pipeline.Config, ["--config", str(ROOT / "recipes" / rung / kind / "pipeline.yaml")]
+        )
         assert cfg.task == rung.removeprefix("gym-")
         runs = pipeline.sweep_runs(cfg)
         ppo = [pipeline.stage_config(run, "ppo") for run in runs[1:]]  # runs[0]: the shared SFT

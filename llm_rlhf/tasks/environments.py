@@ -144,6 +144,7 @@ def _checked(value: float) -> float:
 
 TOOL_CALL = re.compile(r"<tool>\s*([A-Za-z_]\w*)\s*\((.*)\)\s*</tool>\s*$", re.DOTALL)
 TOOL_STOP = "</tool>"
+MAX_PAUSE_TAIL = 4  # characters the token completing "</tool>" may carry past it (a turn that paused there)
 
 
 def describe_tools(tools: Sequence[Callable]) -> str:
@@ -159,8 +160,9 @@ def describe_tools(tools: Sequence[Callable]) -> str:
 
 
 class ToolUse:
-    """An environment of tools: a turn that ends with `<tool>name(argument)</tool>` calls the tool `name` on the
-    argument's text and gets `<result>...</result>` back inline (reward 0); a turn without a call is the answer
+    """An environment of tools: a turn that ends with `<tool>name(argument)</tool>` (and at most MAX_PAUSE_TAIL
+    characters of the token that completed it) calls the tool `name` on the argument's text and gets
+    `<result>...</result>` back inline (reward 0; `reply`); a turn without a call is the answer
     and ends the episode (the task's reward function scores the policy's text). An unknown tool, a malformed
     call or a tool that raises answers `<result>error: ...</result>`. `calls` and `used` count for the
     statistics: the tool calls, and whether the final answer's number is one a tool returned."""
@@ -176,25 +178,34 @@ class ToolUse:
         self.calls, self.results, self.used = 0, [], False
 
     def step(self, turn: str) -> Step:
-        if not turn.rstrip().endswith(TOOL_STOP):
+        end = turn.rfind(TOOL_STOP)
+        tail = turn[end + len(TOOL_STOP) :] if end >= 0 else ""
+        if end < 0 or len(tail) > MAX_PAUSE_TAIL:  # no call at the turn's end: the answer
             answer = extract_answer(turn, "number")
             self.used = answer is not None and answer in self.results
             return Step(done=True)
         self.calls += 1
-        call = TOOL_CALL.search(turn[turn.rfind("<tool>") :])
+        call = TOOL_CALL.search(turn[turn.rfind("<tool>", 0, end + 1) : end + len(TOOL_STOP)])
         if call is None:
-            return Step(reply="<result>error: write a call as <tool>name(argument)</tool></result>")
+            return self.reply("error: write a call as <tool>name(argument)</tool>", tail)
         name, argument = call.group(1), call.group(2)
         if name not in self.tools:
-            return Step(reply=f"<result>error: no tool {name}; tools: {', '.join(self.tools)}</result>")
+            return self.reply(f"error: no tool {name}; tools: {', '.join(self.tools)}", tail)
         try:
             result = str(self.tools[name](argument))
         except Exception as e:  # the tool's own error, told to the model in one line
-            return Step(
-                reply=f"<result>error: {str(e).splitlines()[0] if str(e) else type(e).__name__}</result>"
-            )
+            return self.reply(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", tail)
         self.results.append(result)
-        return Step(reply=f"<result>{result}</result>")
+        return self.reply(result, tail)
+
+    @staticmethod
+    def reply(text: str, tail: str) -> Step:
+        """`<result>text</result>`, less what the policy already wrote of it after "</tool>": the token that
+        completes the stop string may run past it (SmolLM2 writes "</tool><result>" with a "><" token, so its
+        turn pauses at "...</tool><"), and the reply goes on from there, so the text reads as one call and one
+        result either way."""
+        reply = f"<result>{text}</result>"
+        return Step(reply=reply[len(tail) :] if reply.startswith(tail) else reply)
 
 
 def calculator_environment() -> ToolUse:
