@@ -407,6 +407,22 @@ def test_the_calculator_recipe_the_traces_and_the_environment_share_one_system_p
         assert {c.environment for c in ppo} == {"calculator" if kind == "tool" else None}
         if kind == "tool":
             assert ppo[0].system_prompt == CALCULATOR_SYSTEM_PROMPT
+    from llm_rlhf.stages import evaluate, sft
+
+    for path in (
+        sorted((ROOT / "recipes").glob("gym-chain_sum-*/*/*.yaml"))
+        + sorted((ROOT / "recipes").glob("gym-chain_sum-*/tool/generalise/*.yaml"))
+    ):  # every stage file of the episode recipes (tool, answer, feedback, the probe and generalise evaluations)
+        if path.parent.name in ("tool", "answer", "feedback") or path.parent.parent.name == "tool":
+            if path.stem == "sft":
+                parse_config(sft.Config, ["--config", str(path)])
+            elif path.stem == "pipeline":
+                for run in pipeline.sweep_runs(parse_config(pipeline.Config, ["--config", str(path)])):
+                    for stage in run.stages:
+                        pipeline.stage_config(run, stage)
+            elif path.stem != "ppo":  # ppo.yaml: through its pipeline (the task's keys)
+                cfg = parse_config(evaluate.Config, ["--config", str(path)])
+                assert cfg.environment == "calculator" and cfg.system_prompt == CALCULATOR_SYSTEM_PROMPT, path
     out = tmp_path / "traces"
     subprocess.run([sys.executable, "data/make_tool_traces.py", "--out", str(out)], check=True, cwd=ROOT)
     for path in sorted((ROOT / "data" / "tool_traces").rglob("*.jsonl")):
