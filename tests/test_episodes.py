@@ -486,3 +486,38 @@ def test_the_readme_environment_trains_as_written(tiny_model_dir, prompt_file, t
     )
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(m["env/error_rate"] == 0 and 1 <= m["env/turns"] <= 3 for m in lines)
+
+
+def test_the_episode_step_benchmark_times_both_and_prints_the_ratio(tmp_path, monkeypatch, capsys):
+    """benchmarks/episode_step.py on a tiny chat Llama: the calculator recipe's PPO with and without episodes."""
+    import sys
+
+    from helpers import build_model
+
+    monkeypatch.chdir(ROOT)
+    model = build_model(tmp_path / "tiny_chat_llama", "llama", n_positions=1024)
+    tokenizer = load_tokenizer(str(model))
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(model)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import episode_step
+
+    out = tmp_path / "bench.json"
+    argv = [
+        "episode_step.py",
+        "--model",
+        str(model),
+        "--steps",
+        "2",
+        "--max-prompt-length",
+        "600",
+        "--json",
+        str(out),
+    ]
+    monkeypatch.setattr(sys, "argv", argv)
+    episode_step.main()
+    text = capsys.readouterr().out
+    assert "episodes / single turns:" in text
+    result = json.loads(out.read_text())
+    assert result["single"]["turns"] == 1.0 and result["episodes"]["turns"] >= 1.0
+    assert result["ratio"] == pytest.approx(result["episodes"]["s_per_step"] / result["single"]["s_per_step"])
