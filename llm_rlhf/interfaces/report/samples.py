@@ -122,15 +122,21 @@ def pair_samples_table(rows: list[dict], limit: int = SAMPLE_ROWS, baseline: str
     )
 
 
+def plural(n, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
 def episodes_table(rows: list[dict], limit: int = 8) -> str:
     """PPO's held-out episodes of one evaluation (ppo/eval_samples.jsonl rows with `turns`): prompt, the episode as
-    turns, and its verdict, turns and tool calls."""
+    turns, and its reward function's score (the verifier's, on a task), turns and tool calls."""
     body = []
     for row in rows[:limit]:
-        facts = [f"{row.get('num_turns')} turns"]
+        facts = [plural(row.get("num_turns"), "turn")]
+        if num(row.get("reward_fn")) is not None:
+            facts.insert(0, f"reward_fn {num(row['reward_fn']):g}")
         if row.get("tool_calls") is not None:
             facts.append(
-                f"{row['tool_calls']} tool calls"
+                plural(row["tool_calls"], "tool call")
                 + (", answer from the tool" if row.get("tool_answer_used") else "")
             )
         if row.get("env_reward"):
