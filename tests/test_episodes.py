@@ -468,7 +468,8 @@ def test_the_calculator_recipe_runs_through_the_pipeline_on_a_tiny_chat_llama(tm
     assert [r["step"] for r in heldout] == [0, 1, 2] and all(r["turns_mean"] >= 1 for r in heldout)
     metrics = [json.loads(x) for x in (out / "seed0" / "ppo" / "metrics.jsonl").read_text().splitlines()]
     assert all("env/tool_call_rate" in m for m in metrics)
-    assert (out / "report.html").is_file()
+    page = (out / "seed0" / "report.html").read_text()  # the run's own page (report.html: the sweep's)
+    assert "Held-out episodes at step 0" in page and 'class="turn policy"' in page
 
 
 def test_the_readme_environment_trains_as_written(tiny_model_dir, prompt_file, tmp_path):
