@@ -14,6 +14,10 @@ The policy-loss family of issue 37 (`policy_loss`: PPO's clip with clip-higher a
 shaping the scores (`shaped_scores`) and `dynamic_sampling` the rollout (`dynamic_rollout`); with every key at
 its default the step is the one above, bit for bit.
 
+With `environment` set each row is an episode of several turns (issue 51; `llm_rlhf.rl.episodes`, the room
+`EpisodeRoom`): the policy's turns and the environment's replies in one response, response_mask the policy's
+tokens (every loss, KL and value term reads only them), the environment's per-turn rewards added to the rewards.
+
 `advantage_estimator` swaps GAE for a critic-free estimator (SPEC "Critic-free estimators": GRPO, Dr. GRPO,
 RLOO, REINFORCE++, ReMax) on the same rollout, KL, clipped update, processes and checkpoints: each prompt is
 sampled `samples_per_prompt` times (its group, consecutive rows on one process), no value head or critic
