@@ -28,6 +28,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 
@@ -531,3 +532,37 @@ def pairs_stage_on_two_processes(stage: str, model_dir: Path, pref_files, out: P
     assert json.loads((out / "metrics.json").read_text())["global_step"] == 6
     epochs = [json.loads(line)["epoch"] for line in (out / "log.jsonl").read_text().splitlines()]
     assert math.isclose(max(epochs), 1.2, rel_tol=1e-6), epochs
+
+
+def killed_and_resumed(make_config, out: Path, monkeypatch) -> tuple[list[dict], list[dict]]:
+    """A PPO run of `make_config(folder, **kw)` uninterrupted into out/a, and into out/b killed at step 3
+    (KeyboardInterrupt inside `ppo_step`: nothing final written) and resumed from its last checkpoint. Returns
+    both runs' metrics.jsonl lines, for the caller to compare (an exact resume gives the same figures)."""
+    from llm_rlhf.stages import ppo, ppo_run
+
+    ppo_run.run(make_config(out / "a"))
+    original = ppo.PPOTrainer.ppo_step
+
+    def dies_at_step_3(self):
+        if self.step == 3:
+            raise KeyboardInterrupt
+        return original(self)
+
+    monkeypatch.setattr(ppo.PPOTrainer, "ppo_step", dies_at_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        ppo_run.run(make_config(out / "b"))
+    monkeypatch.setattr(ppo.PPOTrainer, "ppo_step", original)
+    assert not (out / "b" / "metrics.json").exists()  # nothing final was written
+    ppo_run.run(make_config(out / "b", resume=True))
+    return tuple([json.loads(x) for x in (out / d / "metrics.jsonl").read_text().splitlines()] for d in "ab")
+
+
+def tiny_chat_model(folder: Path, chat_template: str, n_positions: int = 1024) -> Path:
+    """A tiny Llama HF folder whose tokenizer has `chat_template` (a recipe's chat prompts render with it)."""
+    from llm_rlhf.models.loading import load_tokenizer
+
+    model = build_model(folder, "llama", n_positions=n_positions)
+    tokenizer = load_tokenizer(str(model))
+    tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(model)
+    return model

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ppo_config, ppo_trainer
+from helpers import killed_and_resumed, ppo_config, ppo_trainer, tiny_chat_model
 
 from llm_rlhf.core.errors import UserError
 from llm_rlhf.models.loading import load_tokenizer
@@ -353,23 +353,10 @@ def test_heldout_evaluation_and_the_eval_stage_play_episodes(tiny_model_dir, pro
 
 
 def test_resume_mid_run_with_episodes_is_exact(tiny_model_dir, prompt_file, tmp_path, monkeypatch):
-    from llm_rlhf.stages import ppo
-
     kw = dict(steps=4, save_steps=2)
-    ppo_run.run(env_config(tiny_model_dir, prompt_file, tmp_path / "a", **kw))
-    original = ppo.PPOTrainer.ppo_step
-
-    def dies_at_step_3(self):
-        if self.step == 3:
-            raise KeyboardInterrupt
-        return original(self)
-
-    monkeypatch.setattr(ppo.PPOTrainer, "ppo_step", dies_at_step_3)
-    with pytest.raises(KeyboardInterrupt):
-        ppo_run.run(env_config(tiny_model_dir, prompt_file, tmp_path / "b", **kw))
-    monkeypatch.setattr(ppo.PPOTrainer, "ppo_step", original)
-    ppo_run.run(env_config(tiny_model_dir, prompt_file, tmp_path / "b", resume=True, **kw))
-    a, b = ([json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()] for d in "ab")
+    a, b = killed_and_resumed(
+        lambda out, **more: env_config(tiny_model_dir, prompt_file, out, **kw, **more), tmp_path, monkeypatch
+    )
     assert [m["step"] for m in b] == [1, 2, 3, 4]
     for ma, mb in zip(a, b):
         for k, v in ma.items():
@@ -441,16 +428,11 @@ CHAT_TEMPLATE = (
 def test_the_calculator_recipe_runs_through_the_pipeline_on_a_tiny_chat_llama(tmp_path, monkeypatch):
     """`llm-rlhf pipeline --config recipes/gym-chain_sum-t3d1/tool/pipeline.yaml` with a tiny chat Llama in place
     of SmolLM2: the SFT on the traces, then one seed's PPO of 2 steps with the calculator, held-out episodes."""
-    from helpers import build_model
-
     from llm_rlhf.core.config import parse_config
     from llm_rlhf.interfaces import pipeline
 
     monkeypatch.chdir(ROOT)
-    model = build_model(tmp_path / "tiny_chat_llama", "llama", n_positions=1024)
-    tokenizer = load_tokenizer(str(model))
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(model)
+    model = tiny_chat_model(tmp_path / "tiny_chat_llama", CHAT_TEMPLATE)
     out = tmp_path / "run"
     sft_keys = {
         "model_name_or_path": str(model),
@@ -493,13 +475,8 @@ def test_the_episode_step_benchmark_times_both_and_prints_the_ratio(tmp_path, mo
     """benchmarks/episode_step.py on a tiny chat Llama: the calculator recipe's PPO with and without episodes."""
     import sys
 
-    from helpers import build_model
-
     monkeypatch.chdir(ROOT)
-    model = build_model(tmp_path / "tiny_chat_llama", "llama", n_positions=1024)
-    tokenizer = load_tokenizer(str(model))
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(model)
+    model = tiny_chat_model(tmp_path / "tiny_chat_llama", CHAT_TEMPLATE)
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import episode_step
 

@@ -9,7 +9,14 @@ import typing
 
 import pytest
 import torch
-from helpers import one_update, ppo_config, ppo_trainer, record_raw_grads, use_fixed_responses
+from helpers import (
+    killed_and_resumed,
+    one_update,
+    ppo_config,
+    ppo_trainer,
+    record_raw_grads,
+    use_fixed_responses,
+)
 
 from llm_rlhf.rl.estimators import ESTIMATORS
 from llm_rlhf.rl.rollout import Samples
@@ -282,26 +289,11 @@ def test_kill_and_resume_matches_uninterrupted(
     tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch
 ):
     kw = dict(steps=4, save_steps=2, lr_scheduler_type="linear")
-    ppo_run.run(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "a", **kw))
-
-    original = ppo.PPOTrainer.ppo_step
-
-    def dies_at_step_3(self):
-        if self.step == 3:
-            raise KeyboardInterrupt
-        return original(self)
-
-    monkeypatch.setattr(ppo.PPOTrainer, "ppo_step", dies_at_step_3)
-    with pytest.raises(KeyboardInterrupt):
-        ppo_run.run(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "b", **kw))
-    monkeypatch.setattr(ppo.PPOTrainer, "ppo_step", original)
-    assert not (tmp_path / "b" / "metrics.json").exists()  # nothing final was written
-    ppo_run.run(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "b", resume=True, **kw))
-
-    def lines(d):
-        return [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
-
-    a, b = lines("a"), lines("b")
+    a, b = killed_and_resumed(
+        lambda out, **more: ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, out, **kw, **more),
+        tmp_path,
+        monkeypatch,
+    )
     assert [m["step"] for m in b] == [1, 2, 3, 4]
     for ma, mb in zip(a, b):
         for k, v in ma.items():
