@@ -98,14 +98,19 @@ def test_three_turn_episode_is_the_concatenation_of_its_sampled_and_encoded_piec
     assert samples.attention_mask[:, -samples.response.shape[1] :].bool().equal(samples.tokens_mask)
 
 
-def test_a_reply_after_an_ended_message_is_a_chat_message_of_the_template():
-    from transformers import AutoTokenizer
+CHATML = (  # SmolLM2's template's form (ChatML), the EOS after each message
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
-    tok = AutoTokenizer.from_pretrained("data/smollm2-135m-instruct")
+
+def test_a_reply_after_an_ended_message_is_a_chat_message_of_the_template(tmp_path):
+    tok = load_tokenizer(str(tiny_chat_model(tmp_path / "chatml", CHATML)))
+    eos = tok.eos_token
     before, after = episodes.chat_reply_text(tok, "tool")
-    assert (before, after) == ("\n<|im_start|>tool\n", "<|im_end|>\n<|im_start|>assistant\n")
+    assert (before, after) == ("\n<|im_start|>tool\n", f"{eos}\n<|im_start|>assistant\n")
     ids = episodes.reply_ids(tok, "<result>7</result>", inline=False, role="tool", max_reply_tokens=16)
-    # the policy's sampled EOS + these ids render the conversation as the template does
+    # the policy's sampled turn and EOS + these ids render the conversation as the template does
     said = tok("Let me see.", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     text = tok.decode(said + ids)
     rendered = tok.apply_chat_template(
@@ -285,7 +290,7 @@ def test_a_call_whose_pausing_token_runs_past_the_stop_string_is_a_call_and_its_
     env.reset("p")
     assert env.step("<tool>calculator(6 - 3 - 7)</tool><") == Step(reply="result>-4</result>")
     assert env.step("<tool>calculator(6 - 3 - 7)</tool>\n") == Step(reply="<result>-4</result>")
-    assert env.step("<tool>calculator(1)</tool> so the answer is 1").done  # text after the call: an answer
+    assert env.step("<tool>calculator(1)</tool> so the answer is -4").done  # text after the call: an answer
     assert env.calls == 2 and env.used
 
 

@@ -139,7 +139,7 @@ def test_a_sweep_over_estimators_is_compared_in_one_report_and_one_compare(
     run has both; the side-by-side table names each estimator; compare runs once, over both variants."""
     from llm_rlhf.interfaces import report
     from llm_rlhf.interfaces.report.evaluation import EVAL_GROUPS, MEMBERS
-    from llm_rlhf.interfaces.report.ppo_curves import PPO_PANELS, ppo_panels
+    from llm_rlhf.interfaces.report.ppo_curves import EPISODE_KEYS, PPO_PANELS, ppo_panels
     from llm_rlhf.interfaces.report.samples import SCORES_SHOWN
     from llm_rlhf.rl.hacking import DEGENERACY_KEYS, PROXY
     from llm_rlhf.stages import eval_metrics as e
@@ -194,7 +194,8 @@ def test_a_sweep_over_estimators_is_compared_in_one_report_and_one_compare(
     assert (out / "report" / "methods.png").is_file()
 
     # one vocabulary: every name the report reads (ppo_metrics, eval_metrics) is one a real run wrote
-    assert titles["gae"] == [panel[0] for panel in PPO_PANELS]  # a gae run logs every panel's keys
+    # a gae run logs every panel's keys but the episodes' (no environment)
+    assert titles["gae"] == [panel[0] for panel in PPO_PANELS if panel[2][0] not in EPISODE_KEYS]
     assert {m.SCORES_FIRST, m.SCORES_LAST, m.KL_LAST, m.KL_TARGET} <= read_json(
         out / "gae" / "ppo" / "metrics.json"
     ).keys()
