@@ -524,6 +524,32 @@ def test_the_second_rung_sweep_is_three_estimators_and_the_loss_family_by_three_
     assert all(c.loss_aggregation == "seq_mean_token_mean" for c in by_name["gspo"])
 
 
+def test_the_first_rung_loss_sweep_is_the_loss_family_by_three_seeds_at_the_estimators_responses(monkeypatch):
+    """recipes/gym-chain_sum-t2d1/losses (issue 52): the DAPO shape, GSPO, CISPO and SAPO on seeds 0, 1, 2, each the
+    rung-1 recipe with GRPO groups of 4 and 32 trained responses a step (the estimator table's budget), only the
+    loss's published keys changed; GSPO and SAPO take their row's aggregation (loss_aggregation null)."""
+    monkeypatch.chdir(ROOT)
+    cfg = parse_config(
+        pipeline.Config, ["--config", str(RECIPES / "gym-chain_sum-t2d1" / "losses" / "pipeline.yaml")]
+    )
+    by_name = {}
+    for run in pipeline.sweep_runs(cfg):
+        c = pipeline.stage_config(run, "ppo")
+        assert run.stages == ["ppo"] and (c.rollout_batch_size, c.samples_per_prompt, c.steps) == (8, 4, 12)
+        assert c.prompt_file == "data/tasks/chain_sum-t2d1/train_prompts.jsonl" and c.advantage_estimator == "grpo"
+        assert (c.learning_rate, c.ppo_epochs, c.max_new_tokens, c.use_lora) == (2e-4, 2, 32, True)
+        name, seed = Path(run.output_dir).name.rsplit("-seed", 1)
+        assert c.seed == int(seed)
+        by_name.setdefault(name, []).append(c)
+    losses = {"dapo": "ppo_clip", "gspo": "gspo", "cispo": "cispo", "sapo": "sapo"}
+    assert {n: sorted(c.seed for c in cs) for n, cs in by_name.items()} == {n: [0, 1, 2] for n in losses}
+    for name, loss in losses.items():
+        for c in by_name[name]:
+            assert c.policy_loss == loss and c.dynamic_sampling == (name == "dapo")
+            assert c.init_kl_coef == (0.0 if name == "dapo" else 0.04)
+            assert c.aggregation == {"dapo": "token_mean", "cispo": "token_mean"}.get(name, "seq_mean_token_mean")
+
+
 @pytest.mark.slow
 def test_a_gym_recipe_runs_through_the_pipeline_on_a_tiny_chat_llama(tmp_path, monkeypatch):
     """`llm-rlhf pipeline --config recipes/gym-chain_sum-t2d1/pipeline.yaml` with a tiny Llama (a chat template of
