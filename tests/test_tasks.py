@@ -536,7 +536,10 @@ def test_the_first_rung_loss_sweep_is_the_loss_family_by_three_seeds_at_the_esti
     for run in pipeline.sweep_runs(cfg):
         c = pipeline.stage_config(run, "ppo")
         assert run.stages == ["ppo"] and (c.rollout_batch_size, c.samples_per_prompt, c.steps) == (8, 4, 12)
-        assert c.prompt_file == "data/tasks/chain_sum-t2d1/train_prompts.jsonl" and c.advantage_estimator == "grpo"
+        assert (
+            c.prompt_file == "data/tasks/chain_sum-t2d1/train_prompts.jsonl"
+            and c.advantage_estimator == "grpo"
+        )
         assert (c.learning_rate, c.ppo_epochs, c.max_new_tokens, c.use_lora) == (2e-4, 2, 32, True)
         name, seed = Path(run.output_dir).name.rsplit("-seed", 1)
         assert c.seed == int(seed)
@@ -547,7 +550,9 @@ def test_the_first_rung_loss_sweep_is_the_loss_family_by_three_seeds_at_the_esti
         for c in by_name[name]:
             assert c.policy_loss == loss and c.dynamic_sampling == (name == "dapo")
             assert c.init_kl_coef == (0.0 if name == "dapo" else 0.04)
-            assert c.aggregation == {"dapo": "token_mean", "cispo": "token_mean"}.get(name, "seq_mean_token_mean")
+            assert c.aggregation == {"dapo": "token_mean", "cispo": "token_mean"}.get(
+                name, "seq_mean_token_mean"
+            )
 
 
 @pytest.mark.slow
