@@ -68,7 +68,9 @@ def main() -> None:
     table: dict[str, dict[str, list]] = {}
     for arg in args.runs:
         label, folder = arg.split(":", 1)
-        variants = sorted(p for p in Path(folder).iterdir() if (p / "ppo" / "eval_log.jsonl").is_file())
+        variants = sorted(
+            p for p in Path(folder).iterdir() if (p / "ppo" / "metrics.json").is_file()
+        )  # a variant still running (no final metrics yet) left out
         figures = [variant_figures(v, args.steps) for v in variants]
         table[f"{label} ({', '.join(v.name for v in variants)})"] = {
             key: [f[key] for f in figures] for key in figures[0]
