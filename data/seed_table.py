@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=None, help="... and at these PPO wall seconds")
     args = parser.parse_args()
     runs = [load_run(path) for folder in args.folders for path in find_runs(folder)]
-    groups = seed_groups([run for run in runs if run.eval_log])
+    groups = seed_groups([run for run in runs if run.eval_log and run.metrics.get("ppo")])  # finished runs
     labels = group_labels(groups)
     sampled = [group_evaluations(g, "accuracy") for g in groups]
     greedy = [group_evaluations(g, "accuracy_greedy") for g in groups]
