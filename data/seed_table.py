@@ -1,14 +1,15 @@
 """A sweep's seeds table for a README (issues 38 and 52): held-out accuracy against steps, responses, KL and seconds.
 
-    python data/seed_table.py runs/gym-chain_sum-t2d1-losses [MORE_SWEEP_FOLDERS] [--kl K] [--seconds S]
+    python data/seed_table.py runs/gym-chain_sum-t2d1-losses [MORE_SWEEP_FOLDERS] \\
+        [--kl K] [--seconds S] [--responses R]
 
 Reads the same files and groups the same runs as the report's seeds section (`llm_rlhf/interfaces/report/seeds.py`:
 runs whose PPO configs differ only by seed are a group, named by their folder's stem, "gspo" for gspo-seed0, ...)
-and prints one markdown row per group: the sampled held-out accuracy at each shared held-out step (the responses
-sampled by then in the header: dynamic sampling's discarded groups count), the greedy one and the held-out KL at
-the last, the accuracy read at KL K and at S PPO wall seconds (linear between held-out evaluations; K and S
-default to the lowest last-step KL and the shortest PPO wall time of any group, so every group is read where all
-of them have been), seconds a step, PPO's wall seconds, and the share of groups of equal rewards
+and prints one markdown row per group: the sampled held-out accuracy at each shared held-out step, the greedy one
+and the held-out KL at the last, the accuracy read at KL K, at S PPO wall seconds and at R responses sampled (dynamic sampling's discarded
+groups count; linear between held-out evaluations; K, S and R default to the lowest last-step KL, the shortest
+PPO wall time and the fewest responses of any group, so every group is read where all of them have been),
+seconds a step, PPO's wall seconds, the responses sampled, and the share of groups of equal rewards
 (`objective/groups_tied`, the mean over steps; "-" for estimators without groups). Each cell is the mean ± the
 standard error over the seeds (sd with n - 1, over sqrt n); the last-step sampled accuracy also each seed's value.
 Then each group's difference from the best last-step sampled accuracy, with the standard errors combined.
@@ -52,6 +53,7 @@ def main() -> None:
     parser.add_argument("folders", nargs="+", help="sweep folders (each run a subfolder with ppo/)")
     parser.add_argument("--kl", type=float, default=None, help="read every group's accuracy at this KL")
     parser.add_argument("--seconds", type=float, default=None, help="... and at these PPO wall seconds")
+    parser.add_argument("--responses", type=float, default=None, help="... and at these responses sampled")
     args = parser.parse_args()
     runs = [load_run(path) for folder in args.folders for path in find_runs(folder)]
     groups = seed_groups([run for run in runs if run.eval_log and run.metrics.get("ppo")])  # finished runs
@@ -65,17 +67,20 @@ def main() -> None:
         if args.seconds is not None
         else min(float(np.nanmean(ev["seconds"][:, -1])) for ev in sampled)
     )
-    head = [
-        f"sampled, step {s:g} ({np.nanmean(sampled[0]['responses'][:, sampled[0]['step'] == s]):.0f})"
-        for s in steps[1:]
-    ]
+    responses = (
+        args.responses
+        if args.responses is not None
+        else min(float(np.nanmean(ev["responses"][:, -1])) for ev in sampled)
+    )
+    head = [f"sampled, step {s:g}" for s in steps[1:]]
     print(
         "| run | seeds | "
         + " | ".join(head)
         + f" | greedy, step {steps[-1]:g} | KL, step {steps[-1]:g} | sampled at KL {kl:.3g} | s a step | PPO wall s"
-        + f" | sampled at {seconds:.0f} s | responses sampled | groups with no signal |"
+        + f" | sampled at {seconds:.0f} s | responses sampled | sampled at {responses:.0f} sampled"
+        + " | groups with no signal |"
     )
-    print("|---|---|" + "---:|" * (len(head) + 8))
+    print("|---|---|" + "---:|" * (len(head) + 9))
     finals = []
     for group, label, ev, ev_greedy in zip(groups, labels, sampled, greedy):
         at = [int(np.flatnonzero(ev["step"] == s)[0]) for s in steps[1:]]
@@ -94,6 +99,7 @@ def main() -> None:
             mean_se(ev["seconds"][:, last], ".0f"),
             mean_se([read_at(ev["seconds"][i], ev["accuracy"][i], seconds) for i in range(len(group))]),
             mean_se(ev["responses"][:, last], ".0f"),
+            mean_se([read_at(ev["responses"][i], ev["accuracy"][i], responses) for i in range(len(group))]),
             mean_se(tied, ".2f"),
         ]
         seeds = ", ".join(str(run.name.rsplit("seed", 1)[-1]) for run in group)
