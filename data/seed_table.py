@@ -113,8 +113,12 @@ def main() -> None:
         se = math.sqrt(
             sum(float(seed_mean_stderr(np.asarray(f)[:, None])[1][0]) ** 2 for f in (finals[best], final))
         )
-        resolved = "resolved" if abs(diff) > 2 * se else "not resolved"
-        print(f"- {labels[best]} - {label}: {diff:+.3f} ± {se:.3f} ({resolved} at 2 se)")
+        resolved = (
+            "one seed: no standard error"
+            if math.isnan(se)
+            else ("" if abs(diff) > 2 * se else "not ") + "resolved at 2 se"
+        )
+        print(f"- {labels[best]} - {label}: {diff:+.3f} ± {se:.3f} ({resolved})")
 
 
 if __name__ == "__main__":
