@@ -8,7 +8,7 @@ runs whose PPO configs differ only by seed are a group, named by their folder's 
 and prints one markdown row per group: the sampled held-out accuracy at each shared held-out step, the greedy one
 and the held-out KL at the last, the accuracy read at KL K, at S PPO wall seconds and at R responses sampled (dynamic sampling's discarded
 groups count; linear between held-out evaluations; K, S and R default to the lowest last-step KL, the shortest
-PPO wall time and the fewest responses of any group, so every group is read where all of them have been),
+PPO wall time and the fewest responses of any run, so every run is read where all of them have been),
 seconds a step, PPO's wall seconds, the responses sampled, and the share of groups of equal rewards
 (`objective/groups_tied`, the mean over steps; "-" for estimators without groups). Each cell is the mean ± the
 standard error over the seeds (sd with n - 1, over sqrt n); the last-step sampled accuracy also each seed's value.
@@ -61,16 +61,16 @@ def main() -> None:
     sampled = [group_evaluations(g, "accuracy") for g in groups]
     greedy = [group_evaluations(g, "accuracy_greedy") for g in groups]
     steps = sorted(set.intersection(*(set(ev["step"].tolist()) for ev in sampled)))
-    kl = args.kl if args.kl is not None else min(float(np.nanmean(ev["kl"][:, -1])) for ev in sampled)
+    kl = args.kl if args.kl is not None else min(float(np.nanmin(ev["kl"][:, -1])) for ev in sampled)
     seconds = (
         args.seconds
         if args.seconds is not None
-        else min(float(np.nanmean(ev["seconds"][:, -1])) for ev in sampled)
+        else min(float(np.nanmin(ev["seconds"][:, -1])) for ev in sampled)
     )
     responses = (
         args.responses
         if args.responses is not None
-        else min(float(np.nanmean(ev["responses"][:, -1])) for ev in sampled)
+        else min(float(np.nanmin(ev["responses"][:, -1])) for ev in sampled)
     )
     head = [f"sampled, step {s:g}" for s in steps[1:]]
     print(
