@@ -555,6 +555,28 @@ def test_the_first_rung_loss_sweep_is_the_loss_family_by_three_seeds_at_the_esti
             )
 
 
+def test_the_second_rung_curriculum_is_rung_twos_recipe_from_rung_ones_policy(monkeypatch):
+    """recipes/gym-chain_sum-t3d1/curriculum (issue 52): seeds 0, 1, 2 of rung 2's own PPO recipe, with one key
+    changed: the start (and the KL's reference) is the rung-1 recipe's PPO output, not the instruct model."""
+    monkeypatch.chdir(ROOT)
+    rung_two = gym_configs("gym-chain_sum-t3d1")["ppo"]
+    rung_one = gym_configs("gym-chain_sum-t2d1")["ppo"]
+    cfg = parse_config(
+        pipeline.Config, ["--config", str(RECIPES / "gym-chain_sum-t3d1" / "curriculum" / "pipeline.yaml")]
+    )
+    runs = pipeline.sweep_runs(cfg)
+    assert cfg.task == "chain_sum-t3d1" and [run.stages for run in runs] == [["ppo"]] * 3
+    for seed, run in enumerate(runs):
+        c = pipeline.stage_config(run, "ppo")
+        assert c.model_name_or_path == rung_one.output_dir == "runs/gym-chain_sum-t2d1/ppo"
+        assert rung_one.merge_lora  # the start is a whole model folder, not an adapter
+        differs = {
+            k for k in vars(c) if getattr(c, k) != getattr(rung_two, k) and k not in ("output_dir", "seed")
+        }
+        assert differs == {"model_name_or_path"} and c.seed == seed
+        assert c.output_dir == f"runs/gym-chain_sum-t3d1-curriculum/seed{seed}/ppo"
+
+
 @pytest.mark.slow
 def test_a_gym_recipe_runs_through_the_pipeline_on_a_tiny_chat_llama(tmp_path, monkeypatch):
     """`llm-rlhf pipeline --config recipes/gym-chain_sum-t2d1/pipeline.yaml` with a tiny Llama (a chat template of
