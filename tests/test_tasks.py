@@ -566,10 +566,10 @@ def test_the_second_rung_curriculum_is_rung_twos_recipe_from_rung_ones_policy(mo
     )
     runs = pipeline.sweep_runs(cfg)
     assert cfg.task == "chain_sum-t3d1" and [run.stages for run in runs] == [["ppo"]] * 3
+    assert rung_one.merge_lora  # the start is a whole model folder, not an adapter
     for seed, run in enumerate(runs):
         c = pipeline.stage_config(run, "ppo")
         assert c.model_name_or_path == rung_one.output_dir == "runs/gym-chain_sum-t2d1/ppo"
-        assert rung_one.merge_lora  # the start is a whole model folder, not an adapter
         differs = {
             k for k in vars(c) if getattr(c, k) != getattr(rung_two, k) and k not in ("output_dir", "seed")
         }
