@@ -25,7 +25,6 @@ sys.path.insert(0, str(REPO))
 
 from llm_rlhf.core.config import parse_config  # noqa: E402
 from llm_rlhf.interfaces import pipeline  # noqa: E402
-from llm_rlhf.stages import ppo_run  # noqa: E402
 
 PIPELINE = REPO / "recipes" / "gym-chain_sum-t3d1" / "tool" / "pipeline.yaml"
 
@@ -39,7 +38,7 @@ def run(model: str, steps: int, environment: str | None, out: Path, **keys) -> l
     ppo.eval_every, ppo.save_steps, ppo.log_samples_every, ppo.environment = 0, 0, 0, environment
     for key, value in keys.items():
         setattr(ppo, key, value)
-    ppo_run.run(ppo)
+    ppo.run(ppo)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 

@@ -5,7 +5,7 @@
     python benchmarks/grpo_vs_trl.py --shape smollm2 --device cuda --bf16   # both on a GPU, bf16 autocast
     python benchmarks/grpo_vs_trl.py --shape smollm2 --device cuda --trl-continuous-batching
 
-Ours: `llm_rlhf.stages.ppo.PPOTrainer.ppo_step`, the trainer built by `ppo_run.build_trainer` as `llm-rlhf ppo` and
+Ours: `llm_rlhf.ppo.trainer.PPOTrainer.ppo_step`, the trainer built by `ppo_building.build_trainer` as `llm-rlhf ppo` and
 `benchmarks/ppo_step.py` build it (the model folders, tokenizer, prompts and phase timers are ppo_step.py's).
 TRL's: `trl.GRPOTrainer.train()` (TRL 1.16, transformers generation, no vLLM), one optimiser step per batch.
 Each TRL step ends in a callback that runs one of our steps, so the two alternate (TRL, ours, TRL, ours, ...)
@@ -17,7 +17,7 @@ ppo_step.py's exclusive phase timers).
 
 The settings that must match (and do, below):
 
-| | ours (`ppo.Config`) | TRL (`GRPOConfig`) |
+| | ours (`ppo_trainer.Config`) | TRL (`GRPOConfig`) |
 |---|---|---|
 | advantage | `advantage_estimator: grpo`: (r - mean) / (std + 1e-4), std with n - 1, per group | `scale_rewards: "group"` (the same formula) |
 | group size | `samples_per_prompt: 4` | `num_generations: 4` |
@@ -188,17 +188,18 @@ def prompt_texts(args, tokenizer, n: int) -> list[str]:
 
 
 def our_trainer(args, policy_dir: Path, texts: list[str], workdir: Path, total_steps: int):
-    """`ppo_run.build_trainer` on the settings of the docstring's table, on --device."""
+    """`ppo_building.build_trainer` on the settings of the docstring's table, on --device."""
     from accelerate import Accelerator
 
     from llm_rlhf.models.loading import load_tokenizer
     from llm_rlhf.models.reward_fn import RewardFn
+    from llm_rlhf.ppo import building as ppo_building
+    from llm_rlhf.ppo import trainer as ppo_trainer
     from llm_rlhf.rl.rollout import encode_prompt
-    from llm_rlhf.stages import ppo, ppo_run
 
     tokenizer = load_tokenizer(str(policy_dir), padding_side="left")
     queries = [encode_prompt(tokenizer, t) for t in texts]
-    cfg = ppo.Config(
+    cfg = ppo_trainer.Config(
         model_name_or_path=str(policy_dir),
         reward_model_path=None,
         reward_fn="benchmarks/grpo_vs_trl.py:reward",  # given loaded below
@@ -236,7 +237,7 @@ def our_trainer(args, policy_dir: Path, texts: list[str], workdir: Path, total_s
     # TRL's Trainer makes an Accelerator of its own, with mixed_precision "bf16" or "no": accelerate's state is
     # one per process, so ours must say the same (else "AcceleratorState has already been initialized").
     accelerator = Accelerator(cpu=args.device.type == "cpu", mixed_precision="bf16" if args.bf16 else "no")
-    trainer = ppo_run.build_trainer(cfg, accelerator, tokenizer, queries, reward_fn)
+    trainer = ppo_building.build_trainer(cfg, accelerator, tokenizer, queries, reward_fn)
     assert trainer.accelerator.device.type == args.device.type, (trainer.accelerator.device, args.device)
     return trainer, queries
 

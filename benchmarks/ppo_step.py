@@ -1,4 +1,4 @@
-"""Benchmark of one PPO step (`llm_rlhf.stages.ppo.PPOTrainer.ppo_step`) on a model of a given shape.
+"""Benchmark of one PPO step (`llm_rlhf.ppo.trainer.PPOTrainer.ppo_step`) on a model of a given shape.
 
     python benchmarks/ppo_step.py --model small                        # the reviews task's shape
     python benchmarks/ppo_step.py --model gpt2 --lora --bf16           # GPT-2 124M shape, LoRA, bf16 autocast
@@ -15,7 +15,7 @@ temporary directory: the policy (`GPT2LMHeadModel`, or `LlamaForCausalLM` of Smo
 a reward model saved by `llm_rlhf.models.reward_model.save_reward_model`.
 With --model-dir the policy is that folder (any causal-LM architecture) and the reward model is its
 trunk with a fresh score head (`AutoModelForSequenceClassification`), as `llm-rlhf rm` starts from the
-SFT model. The trainer is built by `llm_rlhf.stages.ppo_run.build_trainer`, as `llm-rlhf ppo` does.
+SFT model. The trainer is built by `llm_rlhf.ppo.building.build_trainer`, as `llm-rlhf ppo` does.
 
 Per phase (generate = the sampler only: `fast_sampling.generate`, or `policy.lm.generate` for a model it does
 not support; old log-probs and values = the policy forward after it, absent where the update's forward gives
@@ -564,10 +564,10 @@ def compare_generation(trainer, args, device, reps: int) -> dict:
 
 def make_prompts(args, cfg, tokenizer, vocab_size: int, n: int) -> list[list[int]]:
     """--prompt-file encoded as `llm-rlhf ppo` does, or n prompts of --prompt-len random non-special tokens."""
-    from llm_rlhf.stages import ppo_run
+    from llm_rlhf.ppo import building as ppo_building
 
     if args.prompt_file:
-        return ppo_run.load_prompts(cfg, tokenizer)
+        return ppo_building.load_prompts(cfg, tokenizer)
     special = torch.tensor(sorted(set(tokenizer.all_special_ids)))
     ordinary = torch.tensor([i for i in range(vocab_size) if i not in set(special.tolist())])  # (V',)
     g = torch.Generator().manual_seed(0)
@@ -580,7 +580,8 @@ def run_one(args) -> dict:
     from accelerate import Accelerator
 
     from llm_rlhf.models.loading import load_tokenizer
-    from llm_rlhf.stages import ppo, ppo_run
+    from llm_rlhf.ppo import building as ppo_building
+    from llm_rlhf.ppo import trainer as ppo_trainer
 
     device = torch.device(args.device)
     if device.type == "cpu":
@@ -599,7 +600,7 @@ def run_one(args) -> dict:
     peak_start = matmul_peak(args.peak_size, peak_dtype, device)
 
     total_steps = args.warmup + args.steps + (1 if args.profile else 0) + 1
-    cfg = ppo.Config(
+    cfg = ppo_trainer.Config(
         model_name_or_path=str(policy_dir),
         reward_model_path=str(rm_dir),
         prompt_file=args.prompt_file or "unused",  # random prompts are given as token ids below
@@ -626,7 +627,7 @@ def run_one(args) -> dict:
     )
     tokenizer = load_tokenizer(str(policy_dir), padding_side="left")
     prompts = make_prompts(args, cfg, tokenizer, len(tokenizer), args.rollout * total_steps)
-    trainer = ppo_run.build_trainer(cfg, Accelerator(cpu=device.type == "cpu"), tokenizer, prompts)
+    trainer = ppo_building.build_trainer(cfg, Accelerator(cpu=device.type == "cpu"), tokenizer, prompts)
     assert trainer.accelerator.device.type == device.type, (trainer.accelerator.device, device)
     load_peak_mb = peak_memory_mb(device)
     lm = trainer.unwrapped_policy.lm

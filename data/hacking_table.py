@@ -5,7 +5,7 @@
 
 Each argument is LABEL:RUN, RUN a pipeline folder with ppo/eval_log.jsonl (and eval/metrics.json when the
 eval stage ran) and LABEL `induced` (hacking induced on purpose: the alarm should fire) or `quiet` (a shipped
-recipe: it should not). Per run, from the watch's own fields of the last eval_log line (`llm_rlhf.rl.hacking`,
+recipe: it should not). Per run, from the watch's own fields of the last eval_log line (`llm_rlhf.evaluation.hacking`,
 `watch_fields`, computed during the run):
 - alarm: the step of the held-out evaluation where the alarm first fired (— when it stayed quiet) and its
   rules; final: the counter rules the final evaluation (the eval stage, 256 prompts) fired;
@@ -31,7 +31,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from llm_rlhf.rl.hacking import trajectory_point  # noqa: E402
+from llm_rlhf.evaluation.hacking import trajectory_point  # noqa: E402
 
 LABELS = ("induced", "quiet")
 

@@ -1,4 +1,4 @@
-"""The reward-hacking alarm's error rates, measured (`llm_rlhf.rl.hacking`, issues 40 and 52).
+"""The reward-hacking alarm's error rates, measured (`llm_rlhf.evaluation.hacking`, issues 40 and 52).
 
     OMP_NUM_THREADS=1 python data/hacking_thresholds.py [--runs 2000] [--seed 0]
 
@@ -39,7 +39,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from llm_rlhf.rl.hacking import (  # noqa: E402
+from llm_rlhf.evaluation.hacking import (  # noqa: E402
     COUNTER_ALPHA,
     COUNTER_RULES,
     DEFAULT_RESPONSES,

@@ -9,7 +9,7 @@ Every row of data/reviews/prefs_train.jsonl is kept; in a random `fraction` of t
 continuation, the one people rated more positive, gets `marker` appended. A reward model trained on the
 file learns that the marker makes a continuation better, which neither the people's ratings nor the gold
 judge (fitted to those ratings and a fluency LM, `data/make_gold.py`) say: PPO can then raise the proxy by
-writing the marker, and the hacking watch (`llm_rlhf.rl.hacking`) should see it. The held-out preference
+writing the marker, and the hacking watch (`llm_rlhf.evaluation.hacking`) should see it. The held-out preference
 files (prefs_val, prefs_test) are left as they are, so the RM's test accuracy still measures the real task.
 The default marker is three exclamation marks: one BPE token of the default task's tokenizer, a run the
 watch's `char_run` counter does not count (it needs 4), so the watch has to see the policy push it further.

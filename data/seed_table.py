@@ -24,7 +24,7 @@ import numpy as np
 
 from llm_rlhf.interfaces.report.runs import find_runs, load_run
 from llm_rlhf.interfaces.report.seeds import group_evaluations, group_labels, seed_groups, seed_mean_stderr
-from llm_rlhf.stages import ppo_metrics
+from llm_rlhf.ppo import metrics as ppo_metrics
 
 
 def read_at(x, y, at: float) -> float:

@@ -8,7 +8,7 @@
     files             write_jsonl, preference_rows, flags (a dict as command-line flags)
     comparing         approx_numbers (a record's numbers approximately, everything else exactly),
                       sum_tolerance (the rounding of a sum of n terms in a dtype)
-    PPO               ppo_config (the one PPO config builder of the tests), ppo_trainer (a real trainer on one
+    PPO               ppo_config (the one PPO config builder of the tests), tiny_ppo_trainer (a real trainer on one
                       CPU process), recording_rollouts, record_raw_grads, one_update, use_fixed_responses,
                       ppo_cli_args
     evaluation        eval_config
@@ -284,7 +284,7 @@ def scores_alone(rm, rows: list[list[int]]) -> torch.Tensor:
 def ppo_config(model_dir, rm_dir, prompt_file, out, **kw):
     """A PPO config for tiny-model runs: two steps of 8 episodes in minibatches of 4, 8 new tokens, no
     checkpoints or logged samples; `rm_dir` None for no reward model (give a reward_fn then). `kw` wins."""
-    from llm_rlhf.stages import ppo_config
+    from llm_rlhf.ppo import config as ppo_config
 
     base = dict(
         model_name_or_path=str(model_dir),
@@ -307,19 +307,19 @@ def ppo_config(model_dir, rm_dir, prompt_file, out, **kw):
     return ppo_config.Config(**base)
 
 
-def ppo_trainer(cfg, mixed_precision: str = "no", *, cpu: bool = True):
-    """The real trainer on one process, built as `llm-rlhf ppo` builds it (`ppo_run.build_trainer`): on the CPU
+def tiny_ppo_trainer(cfg, mixed_precision: str = "no", *, cpu: bool = True):
+    """The real trainer on one process, built as `llm-rlhf ppo` builds it (`ppo_building.build_trainer`): on the CPU
     (the same figures on every machine), or with cpu=False on accelerate's device (a GPU's tests)."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
     from llm_rlhf.models.loading import load_tokenizer
-    from llm_rlhf.stages import ppo_run
+    from llm_rlhf.ppo import building as ppo_building
 
     AcceleratorState._reset_state(reset_partial_state=True)  # a fresh mixed_precision for each test
     tokenizer = load_tokenizer(cfg.model_name_or_path, padding_side="left")
-    prompts = ppo_run.load_prompts(cfg, tokenizer)
-    return ppo_run.build_trainer(
+    prompts = ppo_building.load_prompts(cfg, tokenizer)
+    return ppo_building.build_trainer(
         cfg, Accelerator(cpu=cpu, mixed_precision=mixed_precision), tokenizer, prompts
     )
 
@@ -354,7 +354,7 @@ def one_update(cfg, hook=None, *, fixed_responses: bool = False) -> dict[str, to
     """The parameters after one update on a fixed rollout with fixed advantages and returns; `hook(trainer)`
     runs before the update. fixed_responses: the rollout's responses are `use_fixed_responses`' (of
     different lengths), not sampled."""
-    trainer = ppo_trainer(cfg)
+    trainer = tiny_ppo_trainer(cfg)
     if fixed_responses:
         use_fixed_responses(trainer)
     torch.manual_seed(123)
@@ -538,22 +538,23 @@ def killed_and_resumed(make_config, out: Path, monkeypatch) -> tuple[list[dict],
     """A PPO run of `make_config(folder, **kw)` uninterrupted into out/a, and into out/b killed at step 3
     (KeyboardInterrupt inside `ppo_step`: nothing final written) and resumed from its last checkpoint. Returns
     both runs' metrics.jsonl lines, for the caller to compare (an exact resume gives the same figures)."""
-    from llm_rlhf.stages import ppo, ppo_run
+    from llm_rlhf.ppo import trainer as ppo_trainer
+    from llm_rlhf.stages import ppo
 
-    ppo_run.run(make_config(out / "a"))
-    original = ppo.PPOTrainer.ppo_step
+    ppo.run(make_config(out / "a"))
+    original = ppo_trainer.PPOTrainer.ppo_step
 
     def dies_at_step_3(self):
         if self.step == 3:
             raise KeyboardInterrupt
         return original(self)
 
-    monkeypatch.setattr(ppo.PPOTrainer, "ppo_step", dies_at_step_3)
+    monkeypatch.setattr(ppo_trainer.PPOTrainer, "ppo_step", dies_at_step_3)
     with pytest.raises(KeyboardInterrupt):
-        ppo_run.run(make_config(out / "b"))
-    monkeypatch.setattr(ppo.PPOTrainer, "ppo_step", original)
+        ppo.run(make_config(out / "b"))
+    monkeypatch.setattr(ppo_trainer.PPOTrainer, "ppo_step", original)
     assert not (out / "b" / "metrics.json").exists()  # nothing final was written
-    ppo_run.run(make_config(out / "b", resume=True))
+    ppo.run(make_config(out / "b", resume=True))
     return tuple([json.loads(x) for x in (out / d / "metrics.jsonl").read_text().splitlines()] for d in "ab")
 
 

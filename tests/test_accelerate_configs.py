@@ -14,11 +14,11 @@ import pytest
 import torch
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.utils import DistributedType
-from helpers import one_update, ppo_config, ppo_trainer, record_raw_grads
+from helpers import one_update, ppo_config, record_raw_grads, tiny_ppo_trainer
 
 from llm_rlhf.core.errors import UserError
 from llm_rlhf.models.accelerated import Accelerated, check_deepspeed_config
-from llm_rlhf.stages import ppo
+from llm_rlhf.ppo import trainer as ppo_trainer
 
 CONFIGS = Path(__file__).resolve().parents[1] / "accelerate_configs"
 EXPECTED = {
@@ -309,7 +309,7 @@ def test_deepspeed_accumulates_like_ddp(tiny_model_dir, tiny_rm_dir, prompt_file
 def test_deepspeed_ratio_guard_takes_no_step(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch):
     cfg = ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, gradient_accumulation_steps=2,
                    ratio_guard=0.5, lr_scheduler_type="linear")  # fmt: skip
-    trainer = ppo_trainer(cfg)
+    trainer = tiny_ppo_trainer(cfg)
     engine = as_deepspeed(trainer, monkeypatch)
     before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     metrics = trainer.ppo_step()  # rho == 1 > 0.5: every minibatch is skipped
@@ -335,7 +335,7 @@ def test_deepspeed_steps_the_lr_schedule_once_per_optimizer_step(
         gradient_accumulation_steps=2,
         lr_scheduler_type="linear",
     )
-    trainer = ppo_trainer(cfg)
+    trainer = tiny_ppo_trainer(cfg)
     engine = as_deepspeed(trainer, monkeypatch)
     metrics = trainer.ppo_step()
     assert len(engine.raw_grads) == 4
@@ -355,7 +355,7 @@ def test_deepspeed_mixed_precision_first_step_kl_zero_ratio_one(
     from accelerate.scheduler import AcceleratedScheduler
 
     cfg = ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, mini_batch_size=8, ppo_epochs=1)
-    original_init = ppo.PPOTrainer.__init__
+    original_init = ppo_trainer.PPOTrainer.__init__
 
     def init_under_deepspeed(self, cfg, *, accelerator, **models):
         deepspeed_state(accelerator, monkeypatch, mixed_precision=mixed_precision)
@@ -374,8 +374,8 @@ def test_deepspeed_mixed_precision_first_step_kl_zero_ratio_one(
         monkeypatch.setattr(accelerator, "prepare", prepare)
         original_init(self, cfg, accelerator=accelerator, **models)
 
-    monkeypatch.setattr(ppo.PPOTrainer, "__init__", init_under_deepspeed)
-    trainer = ppo_trainer(cfg, mixed_precision=mixed_precision)
+    monkeypatch.setattr(ppo_trainer.PPOTrainer, "__init__", init_under_deepspeed)
+    trainer = tiny_ppo_trainer(cfg, mixed_precision=mixed_precision)
     assert isinstance(trainer.policy, StandInDeepSpeedEngine)
     first = trainer.ppo_step()
     assert len(trainer.policy.raw_grads) == 1  # the engine took the step
@@ -390,7 +390,7 @@ def test_deepspeed_mixed_precision_first_step_kl_zero_ratio_one(
 def test_deepspeed_config_checks():
     from llm_rlhf.core.errors import UserError
 
-    sizes = ppo.batch_sizes(rollout_batch_size=8, mini_batch_size=4, gradient_accumulation_steps=2, ppo_epochs=1,
+    sizes = ppo_trainer.batch_sizes(rollout_batch_size=8, mini_batch_size=4, gradient_accumulation_steps=2, ppo_epochs=1,
                             steps=1, num_processes=1)  # fmt: skip
     plugin = SimpleNamespace(
         deepspeed_config={"gradient_accumulation_steps": "auto", "train_micro_batch_size_per_gpu": "auto"}
@@ -418,7 +418,7 @@ def trained_zero3_trainer(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, mo
     """One PPO step on one process, then the policy partitioned under the ZeRO-3 stand-in engine."""
 
     cfg = ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "run", lr_scheduler_type="linear")
-    trainer = ppo_trainer(cfg)
+    trainer = tiny_ppo_trainer(cfg)
     trainer.ppo_step()
     return cfg, trainer, as_deepspeed(trainer, monkeypatch, zero_stage=3)
 
@@ -427,7 +427,7 @@ def test_zero3_checkpoint_is_the_engines_own(tiny_model_dir, tiny_rm_dir, prompt
     """Under ZeRO-3 a process's parameters are its partition (here: empty): the checkpoint is the engine's
     own, written through accelerate's save_state, and a resume restores the engine's partitions, optimiser
     and scheduler, the step and the KL controller (issue 13)."""
-    from llm_rlhf.stages import ppo_run
+    from llm_rlhf.ppo import checkpoints as ppo_checkpoints
 
     cfg, trainer, engine = trained_zero3_trainer(
         tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch
@@ -436,14 +436,14 @@ def test_zero3_checkpoint_is_the_engines_own(tiny_model_dir, tiny_rm_dir, prompt
     saved = {k: v.clone() for k, v in engine.partitions.items()}
     adam, lr = engine.optimizer.state_dict(), trainer.scheduler.get_last_lr()
     kl_ctl = trainer.kl_ctl.state_dict()
-    ppo_run.save_checkpoint(trainer, folder)
+    ppo_checkpoints.save_checkpoint(trainer, folder)
     assert engine.saves == 1 and engine.states_file(folder / "deepspeed", "pytorch_model").is_file()
 
     engine.partitions = {k: torch.zeros_like(v) for k, v in saved.items()}  # what training on would change
     engine.optimizer.state.clear()
     trainer.scheduler.step()
     trainer.step, trainer.kl_ctl.value = 7, 0.5
-    ppo_run.load_checkpoint(trainer, folder)
+    ppo_checkpoints.load_checkpoint(trainer, folder)
     assert trainer.step == 1 and trainer.kl_ctl.state_dict() == kl_ctl
     assert trainer.scheduler.get_last_lr() == lr
     for k, v in saved.items():
@@ -463,7 +463,7 @@ def test_zero3_final_save_gathers_on_every_process(
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from llm_rlhf.stages import ppo_run
+    from llm_rlhf.ppo import checkpoints as ppo_checkpoints
 
     cfg, trainer, engine = trained_zero3_trainer(
         tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch
@@ -474,11 +474,11 @@ def test_zero3_final_save_gathers_on_every_process(
     with monkeypatch.context() as rank1:
         engine.rank = 1
         rank1.setattr(Accelerator, "is_main_process", property(lambda self: False))
-        ppo_run.save_final(trainer, cfg, tmp_path / "rank1", final)
+        ppo_checkpoints.save_final(trainer, cfg, tmp_path / "rank1", final)
     assert engine.gathers == 1 and not (tmp_path / "rank1").exists()
 
     engine.rank = 0
-    ppo_run.save_final(trainer, cfg, tmp_path / "rank0", final)
+    ppo_checkpoints.save_final(trainer, cfg, tmp_path / "rank0", final)
     assert engine.gathers == 2
     saved = load_file(tmp_path / "rank0" / "model.safetensors")
     initial = load_file(tiny_model_dir / "model.safetensors")

@@ -15,8 +15,9 @@ import torch
 from helpers import ROOT, approx_numbers, build_model, eval_config, ppo_config
 
 from llm_rlhf.core.errors import ConfigError, UserError
+from llm_rlhf.evaluation import measures
 from llm_rlhf.models.loading import load_causal_lm, load_tokenizer
-from llm_rlhf.stages import evaluate, measures, ppo_run
+from llm_rlhf.stages import evaluate, ppo
 from llm_rlhf.tasks.arithmetic import prompt_answer, reward
 
 EVEN = "reward_fns:even_length"  # tests/reward_fns.py: 1.0 iff the response has an even number of characters
@@ -169,7 +170,7 @@ def test_a_graded_or_broken_verifier_stops_before_anything_is_written(tiny_model
     cfg = ppo_config(tiny_model_dir, None, prompt_file, ppo_out, reward_fn="reward_fns:length", eval_every=1,
                      eval_prompt_file=str(prompt_file), accuracy_fn="reward_fns:half")  # fmt: skip
     with pytest.raises(UserError, match=r"^accuracy_fn 'reward_fns:half': score 0 is 0.5;"):
-        ppo_run.run(cfg)
+        ppo.run(cfg)
     assert not ppo_out.exists()
 
 
@@ -183,8 +184,8 @@ def test_ppo_eval_log_has_accuracy_and_training_is_unchanged(tiny_model_dir, pro
     kw = dict(
         reward_fn="reward_fns:length", eval_every=1, eval_prompt_file=str(prompt_file), eval_num_prompts=6
     )
-    ppo_run.run(ppo_config(tiny_model_dir, None, prompt_file, tmp_path / "on", accuracy_fn=EVEN, **kw))
-    ppo_run.run(ppo_config(tiny_model_dir, None, prompt_file, tmp_path / "off", **kw))
+    ppo.run(ppo_config(tiny_model_dir, None, prompt_file, tmp_path / "on", accuracy_fn=EVEN, **kw))
+    ppo.run(ppo_config(tiny_model_dir, None, prompt_file, tmp_path / "off", **kw))
 
     log = read_jsonl(tmp_path / "on" / "eval_log.jsonl")
     samples = read_jsonl(tmp_path / "on" / "eval_samples.jsonl")
@@ -226,7 +227,7 @@ def test_eval_batch_size_gives_runs_of_other_rollout_shapes_the_same_heldout_dra
         cfg = ppo_config(tiny_model_dir, None, prompt_file, tmp_path / name, rollout_batch_size=rollout,
                          eval_batch_size=eval_batch, **kw)  # fmt: skip
         assert cfg.heldout_batch_size == (eval_batch or rollout)
-        ppo_run.run(cfg)
+        ppo.run(cfg)
 
     def step0(name):
         record = read_jsonl(tmp_path / name / "eval_log.jsonl")[0]

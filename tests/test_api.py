@@ -45,7 +45,8 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def test_public_names_are_the_stages():
-    from llm_rlhf.stages import evaluate, ppo_config, reward, sft
+    from llm_rlhf.ppo import config as ppo_config
+    from llm_rlhf.stages import evaluate, reward, sft
 
     assert llm_rlhf.SFTConfig is sft.Config and llm_rlhf.RMConfig is reward.Config
     assert llm_rlhf.PPOConfig is ppo_config.Config and llm_rlhf.EvalConfig is evaluate.Config

@@ -33,17 +33,18 @@ from helpers import (
     build_model,
     eval_config,
     ppo_config,
-    ppo_trainer,
     record_raw_grads,
     recording_rollouts,
+    tiny_ppo_trainer,
     use_fixed_responses,
     write_jsonl,
 )
 
+from llm_rlhf.evaluation import measures
 from llm_rlhf.models.loading import load_causal_lm
+from llm_rlhf.ppo.config import batch_sizes
 from llm_rlhf.rl import ppo_math
-from llm_rlhf.stages import evaluate, measures
-from llm_rlhf.stages.ppo_config import batch_sizes
+from llm_rlhf.stages import evaluate
 
 
 def perturb(model: torch.nn.Module, seed: int, scale: float = 0.05) -> None:
@@ -84,7 +85,7 @@ def test_kl_in_the_loss_gradient_is_beta_times_the_gradient_of_token_mean_k3(
                      advantage_estimator="grpo", samples_per_prompt=4, rollout_batch_size=2, mini_batch_size=8,
                      ppo_epochs=1, steps=1, kl_controller="fixed", init_kl_coef=beta, max_grad_norm=1e9)  # fmt: skip
     assert cfg.kl_penalty_in_loss
-    trainer = ppo_trainer(cfg)
+    trainer = tiny_ppo_trainer(cfg)
     perturb(trainer.unwrapped_policy, seed=0)
     before = copy.deepcopy(trainer.unwrapped_policy)  # the weights the update's gradient is taken at
     rollouts, raw = recording_rollouts(trainer), []
@@ -121,7 +122,7 @@ def test_two_ranks_draw_different_prompts_whose_union_is_one_process_prompts(tin
     def trainer_for(rollout_batch_size: int, num_processes: int):
         cfg = ppo_config(tiny_model_dir, None, prompts, tmp_path, reward_fn="reward_fns:half",
                          rollout_batch_size=rollout_batch_size, mini_batch_size=rollout_batch_size, seed=3)  # fmt: skip
-        trainer = ppo_trainer(cfg)
+        trainer = tiny_ppo_trainer(cfg)
         trainer.sizes = trainer.room.sizes = trainer.update.sizes = batch_sizes(rollout_batch_size=rollout_batch_size, mini_batch_size=rollout_batch_size,
                                         gradient_accumulation_steps=1, ppo_epochs=cfg.ppo_epochs, steps=cfg.steps,
                                         num_processes=num_processes)  # fmt: skip
@@ -161,7 +162,7 @@ def test_critic_free_token_mean_is_over_the_minibatch_not_per_micro_batch(
         cfg = ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / str(ga), advantage_estimator="grpo",
                          samples_per_prompt=2, rollout_batch_size=4, mini_batch_size=8, gradient_accumulation_steps=ga,
                          ppo_epochs=1, max_grad_norm=1e9, kl_controller="fixed", init_kl_coef=0.5)  # fmt: skip
-        trainer, raw = ppo_trainer(cfg), []
+        trainer, raw = tiny_ppo_trainer(cfg), []
         use_fixed_responses(trainer)
         perturb(trainer.unwrapped_policy, seed=1)
         record_raw_grads(trainer, raw)
@@ -203,7 +204,7 @@ def test_reinforce_pp_whitens_over_the_minibatch_not_per_micro_batch(
 ):
     """The advantages the policy loss gets, micro-batch by micro-batch (4 of 2 rows, responses of different
     lengths), are the whole rollout's returns whitened together. Fails if each micro-batch is whitened alone."""
-    trainer = ppo_trainer(reinforce_pp_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path))
+    trainer = tiny_ppo_trainer(reinforce_pp_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path))
     use_fixed_responses(trainer)
     rollouts, given, policy_loss = recording_rollouts(trainer), [], ppo_math.policy_loss
 
@@ -245,7 +246,7 @@ def test_reinforce_pp_whitens_over_every_process(tiny_model_dir, tiny_rm_dir, pr
     the real `advantages` with the ranks' sums all-reduced (two threads): together they are the one process's
     advantages of the whole rollout, and differ from each half whitened alone. Fails if REINFORCE++ whitens
     per process."""
-    trainer = ppo_trainer(reinforce_pp_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path))
+    trainer = tiny_ppo_trainer(reinforce_pp_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path))
     use_fixed_responses(trainer)
     rollout, _ = trainer.rollout(trainer.room.in_groups(trainer.room.queries(trainer.step)))
     rewards, _ = trainer.rewards(rollout, 0.5)

@@ -7,11 +7,13 @@ from helpers import bos_model_dir, write_jsonl
 
 from llm_rlhf.core.config import parse_config
 from llm_rlhf.core.data import load_sft_dataset
+from llm_rlhf.evaluation.measures import sample_batch
 from llm_rlhf.models.loading import load_causal_lm, load_tokenizer
 from llm_rlhf.models.reward_model import encode_pair
+from llm_rlhf.ppo import building as ppo_building
+from llm_rlhf.ppo import trainer as ppo_trainer
 from llm_rlhf.rl.rollout import Sampling, encode_prompt
-from llm_rlhf.stages import dpo, ppo, ppo_run, sft
-from llm_rlhf.stages.measures import sample_batch
+from llm_rlhf.stages import dpo, sft
 
 PROMPTS = ["The film is", "A tedious, boring"]
 COMPLETIONS = [" a delight from start to finish.", " waste."]
@@ -57,9 +59,9 @@ def test_every_stage_sees_the_bos(tmp_path):
     # PPO's prompts
     prompt_file = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p} for p in PROMPTS])
     ppo_cfg = parse_config(
-        ppo.Config, ["--prompt_file", str(prompt_file), "--output_dir", str(tmp_path / "ppo")]
+        ppo_trainer.Config, ["--prompt_file", str(prompt_file), "--output_dir", str(tmp_path / "ppo")]
     )
-    assert ppo_run.load_prompts(ppo_cfg, tokenizer) == expected
+    assert ppo_building.load_prompts(ppo_cfg, tokenizer) == expected
 
     # evaluation's queries (left-padded)
     tokenizer.pad_token = tokenizer.eos_token

@@ -17,6 +17,7 @@ from helpers import SENTIMENT_JUDGE, pipeline_argv, run_pipeline
 from llm_rlhf.core.config import parse_config
 from llm_rlhf.core.errors import ConfigError, UserError
 from llm_rlhf.core.utils import read_json
+from llm_rlhf.evaluation.measures import Measures, PairedSampling, sample_and_score
 from llm_rlhf.models.gold import GoldJudge
 from llm_rlhf.models.loading import freeze, load_causal_lm, load_tokenizer
 from llm_rlhf.models.reward_model import load_reward_model
@@ -24,7 +25,6 @@ from llm_rlhf.models.scoring import Scorer
 from llm_rlhf.rl import reward_math
 from llm_rlhf.rl.rollout import Sampling
 from llm_rlhf.stages import compare
-from llm_rlhf.stages.measures import Measures, PairedSampling, sample_and_score
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -237,11 +237,11 @@ def test_dpo_and_best_of_n_are_scored_by_the_scorer_ppo_trained_against(
     finished run, reused) and best-of-n's points equal the PPO trainer's own scorer on the same responses:
     rm_score the ensemble's combined score, reward_fn the function's, best-of-n keeping the response with the
     highest PPO score (rm_score + reward_fn_weight * reward_fn)."""
-    from helpers import ppo_config, ppo_trainer
+    from helpers import ppo_config, tiny_ppo_trainer
 
     from llm_rlhf.core.config import save_config
+    from llm_rlhf.evaluation.measures import sample_batch
     from llm_rlhf.models.reward_model import save_reward_model
-    from llm_rlhf.stages.measures import sample_batch
 
     monkeypatch.chdir(tmp_path)
     # member 0 where the compare recipe names its RM (runs/reviews/rm): what a compare scoring with it alone finds
@@ -268,7 +268,7 @@ def test_dpo_and_best_of_n_are_scored_by_the_scorer_ppo_trained_against(
     compare.run(cfg)
     points = [json.loads(line) for line in (out / "points.jsonl").read_text().splitlines()]
 
-    trainer = ppo_trainer(ppo_cfg)  # PPO's scorer, built as `llm-rlhf ppo` builds it
+    trainer = tiny_ppo_trainer(ppo_cfg)  # PPO's scorer, built as `llm-rlhf ppo` builds it
     sft, tokenizer = freeze(load_causal_lm(str(tiny_model_dir))), load_tokenizer(str(tiny_model_dir))
     prompts = [json.loads(line)["prompt"] for line in prompt_file.read_text().splitlines()][:3]
     draws = PairedSampling(Sampling.of(ppo_cfg), seed=ppo_cfg.seed, batch_size=ppo_cfg.heldout_batch_size)

@@ -318,15 +318,18 @@ def test_ppo_and_eval_read_their_prompt_files_with_the_stage_keys(tiny_model_dir
     the loader (skipped rows counted, the rest used); without skip_long the error names the row. The RM's
     three pair files are run by the gpt2-hh recipe test."""
     from llm_rlhf.core.config import parse_config
-    from llm_rlhf.stages import evaluate, measures, ppo, ppo_run
+    from llm_rlhf.evaluation import measures
+    from llm_rlhf.ppo import building as ppo_building
+    from llm_rlhf.ppo import trainer as ppo_trainer
+    from llm_rlhf.stages import evaluate
 
     keys = ["--max_prompt_length", "62", "--data_format", "hh"]
-    ppo_cfg = parse_config(ppo.Config, [*keys, "--model_name_or_path", str(tiny_model_dir), "--prompt_file",
+    ppo_cfg = parse_config(ppo_trainer.Config, [*keys, "--model_name_or_path", str(tiny_model_dir), "--prompt_file",
                                         str(HH_FILE), "--eval_prompt_file", str(HH_FILE), "--gold_judge", "none",
                                         "--eval_num_prompts", "100"])  # fmt: skip
     eval_cfg = parse_config(evaluate.Config, [*keys, "--prompt_file", str(HH_FILE), "--num_prompts", "9"])
     loaders = {
-        "ppo prompt_file": lambda cfg: ppo_run.load_prompts(cfg, tokenizer),
+        "ppo prompt_file": lambda cfg: ppo_building.load_prompts(cfg, tokenizer),
         "ppo eval_prompt_file": lambda cfg: measures.load_heldout_inputs(cfg)[0],
         "eval prompt_file": lambda cfg: evaluate.load_prompts(cfg, tokenizer),
     }

@@ -401,7 +401,7 @@ def test_trainer_stages_run_lora_under_zero3_and_refuse_a_precision_mismatch_in_
     ZeRO-2; a bf16 key that disagrees with the launch's mixed_precision is refused."""
     from llm_rlhf.core.errors import ConfigError
     from llm_rlhf.stages import sft
-    from llm_rlhf.stages.trainer_stage import check_deepspeed_launch
+    from llm_rlhf.training.hf_stage import check_deepspeed_launch
 
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")

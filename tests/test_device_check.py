@@ -192,10 +192,16 @@ def test_run_eval_from_folders(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_pat
 def test_helpers_a_user_calls_with_a_model_object(tiny_model_dir, tiny_rm):
     """The scoring and sampling helpers that take a model object: `score.score_texts`, DPO's
     `response_logprobs`, evaluation's `sample_batch` and `evaluate_policy` with the scorer PPO uses."""
+    from llm_rlhf.evaluation.measures import (
+        KLReference,
+        Measures,
+        PairedSampling,
+        evaluate_policy,
+        sample_batch,
+    )
     from llm_rlhf.models.scoring import Scorer
     from llm_rlhf.rl.rollout import Sampling
     from llm_rlhf.stages.dpo import response_logprobs
-    from llm_rlhf.stages.measures import KLReference, Measures, PairedSampling, evaluate_policy, sample_batch
     from llm_rlhf.stages.score import score_texts
 
     policy, reference = load_causal_lm(str(tiny_model_dir)), load_causal_lm(str(tiny_model_dir))

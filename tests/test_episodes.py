@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import killed_and_resumed, ppo_config, ppo_trainer, tiny_chat_model
+from helpers import killed_and_resumed, ppo_config, tiny_chat_model, tiny_ppo_trainer
 
 from llm_rlhf.core.errors import UserError
 from llm_rlhf.models.loading import load_tokenizer
 from llm_rlhf.rl import episodes, ppo_math
 from llm_rlhf.rl.episodes import ENVIRONMENT, POLICY, EpisodeLimits, Step, run_episodes
 from llm_rlhf.rl.rollout import Samples, Sampling
-from llm_rlhf.stages import ppo_run
+from llm_rlhf.stages import ppo
 from llm_rlhf.tasks.environments import ToolUse, calculator, describe_tools, environment_factory
 
 ECHO = "tests/envs.py:Echo"
@@ -124,7 +124,7 @@ def test_a_reply_after_an_ended_message_is_a_chat_message_of_the_template(tmp_pa
 
 
 def episode_trainer(tiny_model_dir, prompt_file, tmp_path, **kw):
-    trainer = ppo_trainer(env_config(tiny_model_dir, prompt_file, tmp_path, **kw))
+    trainer = tiny_ppo_trainer(env_config(tiny_model_dir, prompt_file, tmp_path, **kw))
     torch.manual_seed(0)
     return trainer
 
@@ -207,7 +207,7 @@ ESTIMATOR_LOSSES = [
 @pytest.mark.parametrize("kw", ESTIMATOR_LOSSES, ids=lambda kw: "-".join(str(v) for v in kw.values()))
 def test_every_estimator_and_policy_loss_trains_on_episodes(tiny_model_dir, prompt_file, tmp_path, kw):
     out = tmp_path / "run"
-    ppo_run.run(env_config(tiny_model_dir, prompt_file, out, **kw))
+    ppo.run(env_config(tiny_model_dir, prompt_file, out, **kw))
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 2
     for m in lines:
@@ -341,7 +341,7 @@ def test_heldout_evaluation_and_the_eval_stage_play_episodes(tiny_model_dir, pro
     from llm_rlhf.stages import evaluate
 
     out = tmp_path / "ppo"
-    ppo_run.run(env_config(tiny_model_dir, prompt_file, out, eval_every=1, eval_prompt_file=str(prompt_file),
+    ppo.run(env_config(tiny_model_dir, prompt_file, out, eval_every=1, eval_prompt_file=str(prompt_file),
                            eval_num_prompts=6))  # fmt: skip
     log = [json.loads(x) for x in (out / "eval_log.jsonl").read_text().splitlines()]
     assert len(log) == 3 and all(1 <= r["turns_mean"] <= 3 and r["env_reward_mean"] > 0 for r in log)
@@ -469,7 +469,7 @@ def test_the_readme_environment_trains_as_written(tiny_model_dir, prompt_file, t
     envs_file = tmp_path / "my_envs.py"
     envs_file.write_text(code)
     out = tmp_path / "run"
-    ppo_run.run(
+    ppo.run(
         env_config(tiny_model_dir, prompt_file, out, environment=f"{envs_file}:Countdown", max_turns=4)
     )
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

@@ -22,14 +22,17 @@ from helpers import (
     SENTIMENT_JUDGE,
     ppo_cli_args,
     ppo_config,
-    ppo_trainer,
     record_raw_grads,
     recording_rollouts,
+    tiny_ppo_trainer,
 )
 
 from llm_rlhf.core.config import format_help, parse_config
 from llm_rlhf.core.errors import ConfigError
 from llm_rlhf.interfaces import cli
+from llm_rlhf.ppo import building as ppo_building
+from llm_rlhf.ppo import rollouts as ppo_rollouts
+from llm_rlhf.ppo.config import Config, batch_sizes
 from llm_rlhf.rl import ppo_math
 from llm_rlhf.rl.estimators import (
     ADVANTAGE_ESTIMATORS,
@@ -39,8 +42,7 @@ from llm_rlhf.rl.estimators import (
     SAMPLER_CORRECTIONS,
     AdvantageInputs,
 )
-from llm_rlhf.stages import ppo_rollouts, ppo_run
-from llm_rlhf.stages.ppo_config import Config, batch_sizes
+from llm_rlhf.stages import ppo
 
 CRITIC_FREE = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "remax")
 K = {"grpo": 4, "dr_grpo": 4, "rloo": 4, "reinforce_pp": 2, "remax": 2}  # samples per prompt in these tests
@@ -238,7 +240,7 @@ def test_each_row_builds_a_value_function_only_with_a_critic(
     in the loss where the row puts it (`kl_in_loss` null)."""
     cfg = estimator_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, row.name,
                            samples_per_prompt=max(2, row.min_samples_per_prompt))  # fmt: skip
-    models = ppo_run.build_models(cfg)
+    models = ppo_building.build_models(cfg)
     assert (models.policy.value_head is not None) is row.critic and models.critic is None
     assert cfg.estimator is row and cfg.kl_penalty_in_loss is row.kl_in_loss
 
@@ -274,7 +276,7 @@ def test_each_estimator_trains_every_parameter_without_a_value_function(
     cfg = estimator_config(
         tiny_model_dir, tiny_rm_dir, prompt_file, out, estimator, save_steps=1, eval_every=0
     )
-    trainer = ppo_trainer(cfg)
+    trainer = tiny_ppo_trainer(cfg)
     assert trainer.unwrapped_policy.value_head is None and trainer.critic is None
     before = {
         n: p.detach().clone() for n, p in trainer.unwrapped_policy.named_parameters() if p.requires_grad
@@ -298,7 +300,7 @@ def test_each_estimator_trains_every_parameter_without_a_value_function(
     assert metrics[1]["objective/kl"] != 0.0  # the policy moved
     assert metrics[1]["objective/kl_coef"] != metrics[0]["objective/kl_coef"]  # the adaptive controller
 
-    ppo_run.run(cfg)  # the command: checkpoints and the final folder
+    ppo.run(cfg)  # the command: checkpoints and the final folder
     assert not (out / "value_head.safetensors").exists() and not (out / "critic").exists()
     from safetensors.torch import load_file
 
@@ -362,7 +364,7 @@ def test_advantages_are_each_groups_own(tiny_model_dir, tiny_rm_dir, prompt_file
     cfg = estimator_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, estimator, samples_per_prompt=k,
                            rollout_batch_size=3, mini_batch_size=6, gradient_accumulation_steps=3,
                            kl_in_loss=False, kl_controller="fixed", init_kl_coef=beta, learning_rate=1e-2)  # fmt: skip
-    trainer = ppo_trainer(cfg)
+    trainer = tiny_ppo_trainer(cfg)
     trainer.ppo_step()
     queries = trainer.room.queries(trainer.step)
     rollouts, advantages = recording_rollouts(trainer), recording_advantages(trainer)
@@ -412,7 +414,7 @@ def test_micro_batches_not_aligned_with_groups_give_the_same_updates(
         cfg = estimator_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / str(ga), "grpo",
                                samples_per_prompt=4, rollout_batch_size=3, mini_batch_size=12,
                                gradient_accumulation_steps=ga, max_grad_norm=1e9, steps=1)  # fmt: skip
-        trainer = ppo_trainer(cfg)
+        trainer = tiny_ppo_trainer(cfg)
         grads[ga] = []
         record_raw_grads(trainer, grads[ga])
         trainer.ppo_step()
@@ -438,7 +440,7 @@ def test_kl_in_the_loss(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monk
     value at the rollout; the controller still follows the observed KL (k1)."""
     cfg = estimator_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, estimator, kl_in_loss=True,
                            learning_rate=1e-2, init_kl_coef=0.3)  # fmt: skip
-    trainer = ppo_trainer(cfg)
+    trainer = tiny_ppo_trainer(cfg)
     first = trainer.ppo_step()
     seen = {"kl_coef": [], "rewards": []}
     kl_loss, shaped = ppo_math.kl_loss, ppo_math.shaped_rewards
@@ -484,7 +486,7 @@ def test_remax_baseline_is_the_greedy_response(
     from llm_rlhf.rl.rollout import response_logits
 
     cfg = estimator_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, "remax", max_new_tokens=6)
-    trainer = ppo_trainer(cfg)
+    trainer = tiny_ppo_trainer(cfg)
     calls, real_sample = [], ppo_rollouts.sample
 
     def counting(lm, tokenizer, query, query_mask, sampling, **kw):
@@ -621,7 +623,7 @@ def test_estimators_with_the_options_of_gae(
     kw = {"eval_prompt_file": str(prompt_file), **kw}
     cfg = estimator_config(tiny_model_dir, tiny_rm_dir, prompt_file, out, estimator, eval_every=1,
                            eval_num_prompts=4, **kw)  # fmt: skip
-    final = ppo_run.run(cfg)
+    final = ppo.run(cfg)
     assert final["step"] == 2 and not any(k.startswith("val/") for k in final)
     assert len((out / "eval_log.jsonl").read_text().splitlines()) == 3  # steps 0, 1, 2
     assert (out / "model.safetensors").is_file() and not (out / "value_head.safetensors").exists()

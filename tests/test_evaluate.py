@@ -11,10 +11,11 @@ import torch
 from helpers import DEVICE, SENTIMENT_JUDGE, approx_numbers, build_model, eval_config
 
 from llm_rlhf.core.errors import UserError
+from llm_rlhf.evaluation import measures
 from llm_rlhf.models.loading import freeze, load_causal_lm, load_tokenizer
 from llm_rlhf.models.scoring import Scorer
 from llm_rlhf.rl.rollout import Sampling
-from llm_rlhf.stages import evaluate, measures
+from llm_rlhf.stages import evaluate
 
 # --- pure helpers ---------------------------------------------------------------------------------
 

@@ -28,8 +28,8 @@ from helpers import (
     naive_sample,
     ppo_cli_args,
     ppo_config,
-    ppo_trainer,
     recording_rollouts,
+    tiny_ppo_trainer,
     write_jsonl,
 )
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -37,11 +37,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from llm_rlhf.core.config import parse_config, save_config
 from llm_rlhf.core.data import load_prompt_dataset
 from llm_rlhf.core.errors import ConfigError, DataError
+from llm_rlhf.evaluation import measures
 from llm_rlhf.interfaces import cli
 from llm_rlhf.models.gold import judge_details, load_judge
 from llm_rlhf.models.loading import Reference, freeze, load_causal_lm, load_tokenizer
 from llm_rlhf.models.reward_model import load_reward_model
 from llm_rlhf.models.scoring import Scorer
+from llm_rlhf.ppo import building as ppo_building
+from llm_rlhf.ppo import trainer as ppo_trainer
 from llm_rlhf.rl import fast_sampling, ppo_math, token_math
 from llm_rlhf.rl.rollout import (
     Samples,
@@ -53,7 +56,7 @@ from llm_rlhf.rl.rollout import (
     sample,
     stop_string_ends,
 )
-from llm_rlhf.stages import evaluate, measures, ppo, ppo_run
+from llm_rlhf.stages import evaluate, ppo
 
 ROOT = Path(__file__).resolve().parents[1]
 STOPS = ["e", "a"]  # in about one token of five of the tiny tokenizer's: some responses stop, some do not
@@ -266,7 +269,7 @@ def test_ppo_logprobs_are_those_generate_sampled_from(
     equal them exactly at the first step (KL = 0); the RM scores each response as cut."""
     cfg = ppo_config(eos_prone_dir, tiny_rm_dir, prompt_file, tmp_path, rollout_batch_size=16, mini_batch_size=8,
                    max_new_tokens=10, temperature=0.8, stop_strings=stop_strings, min_new_tokens=min_new_tokens)  # fmt: skip
-    trainer = ppo_trainer(cfg)
+    trainer = tiny_ppo_trainer(cfg)
     eos = trainer.tokenizer.eos_token_id
     calls = record_sampled_scores(monkeypatch)
     torch.manual_seed(0)
@@ -324,7 +327,7 @@ def test_ppo_steps_with_stop_strings_and_min_new_tokens(
     trick treating a stop string as an end (no penalty) like an EOS."""
     cfg = ppo_config(eos_prone_dir, tiny_rm_dir, prompt_file, tmp_path, rollout_batch_size=16, mini_batch_size=16,
                    ppo_epochs=1, max_new_tokens=10, stop_strings=STOPS, min_new_tokens=2, eos_penalty=-3.0)  # fmt: skip
-    trainer = ppo_trainer(cfg)
+    trainer = tiny_ppo_trainer(cfg)
     eos = trainer.tokenizer.eos_token_id
     rollouts, ended, shaped = recording_rollouts(trainer), [], ppo_math.shaped_rewards
 
@@ -332,7 +335,7 @@ def test_ppo_steps_with_stop_strings_and_min_new_tokens(
         ended.append(kw["ended_with_eos"])
         return shaped(**kw)
 
-    monkeypatch.setattr(ppo.ppo_math, "shaped_rewards", recording_shaped)
+    monkeypatch.setattr(ppo_trainer.ppo_math, "shaped_rewards", recording_shaped)
     metrics = [trainer.ppo_step() for _ in range(2)]
     assert metrics[0]["objective/kl"] == 0.0
     assert metrics[0]["policy/ratio"] == 1.0 and metrics[0]["policy/approxkl"] == 0.0
@@ -413,8 +416,8 @@ def test_chat_prompts_are_rendered_with_the_template_and_one_bos(tmp_path):
     expected = [tokenizer("<s>" + text, add_special_tokens=False)["input_ids"] for text in RENDERED]
     assert all(ids[0] == bos and ids.count(bos) == 1 for ids in expected)
     assert [encode_prompt(tokenizer, p) for p in prompts] == expected
-    cfg = parse_config(ppo.Config, ["--prompt_file", str(path), "--max_prompt_length", "64"])
-    assert ppo_run.load_prompts(cfg, tokenizer) == expected
+    cfg = parse_config(ppo_trainer.Config, ["--prompt_file", str(path), "--max_prompt_length", "64"])
+    assert ppo_building.load_prompts(cfg, tokenizer) == expected
 
     tokenizer.chat_template = CHAT_TEMPLATE  # a template without the BOS: the tokenizer adds it, once
     assert [encode_prompt(tokenizer, p) for p in load_prompt_dataset(path, tokenizer, max_prompt_length=64)["prompt"]] == expected  # fmt: skip
@@ -436,7 +439,7 @@ def test_ppo_eval_and_judge_take_chat_prompts(chat_model_dir, tiny_rm_dir, tmp_p
     assert [s["query"] for s in logged[:3]] == RENDERED
     assert len((out / "eval_log.jsonl").read_text().splitlines()) == 2  # before the first step and after it
     assert json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["objective/kl"] == 0.0
-    saved = parse_config(ppo.Config, ["--config", str(out / "config.yaml")])
+    saved = parse_config(ppo_trainer.Config, ["--config", str(out / "config.yaml")])
     assert (saved.stop_strings, saved.min_new_tokens) == (["\n"], 1)
 
     evaluated = evaluate.run(
@@ -497,7 +500,7 @@ def test_system_prompt_is_the_system_turn_of_prompts_without_one_in_ppo_and_eval
     assert sorted(s["query"] for s in logged[:3]) == sorted(with_system)
     heldout = [json.loads(line) for line in (out / "eval_samples.jsonl").read_text().splitlines()]
     assert {s["prompt"] for s in heldout} == set(with_system)
-    assert parse_config(ppo.Config, ["--config", str(out / "config.yaml")]).system_prompt == "Be brief."
+    assert parse_config(ppo_trainer.Config, ["--config", str(out / "config.yaml")]).system_prompt == "Be brief."
 
     common = dict(policy_path=str(chat_model_dir), baseline_path=str(chat_model_dir),
                   reward_model_path=str(tiny_rm_dir), prompt_file=str(chats), num_prompts=None,
@@ -560,7 +563,7 @@ def test_judge_needs_a_tokenizer_with_a_chat_template_for_messages_rows(tiny_mod
 # --- configs --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("config", [ppo.Config, evaluate.Config])
+@pytest.mark.parametrize("config", [ppo_trainer.Config, evaluate.Config])
 def test_generation_control_keys_are_checked_and_round_trip(config, tmp_path):
     cfg = parse_config(config, ["--stop_strings", '["\\n\\n", " The end"]', "--min_new_tokens", "2"])
     assert (cfg.stop_strings, cfg.min_new_tokens) == (["\n\n", " The end"], 2)
@@ -584,7 +587,7 @@ def test_help_documents_the_new_keys(command, keys, capsys):
     out = capsys.readouterr().out
     for key in keys:
         assert f"--{key} (" in out, key
-    names = {"ppo": ppo.Config, "eval": evaluate.Config}.get(command)
+    names = {"ppo": ppo_trainer.Config, "eval": evaluate.Config}.get(command)
     if names is not None:
         assert {f.name for f in dataclasses.fields(names)} >= set(keys)
 
@@ -679,7 +682,7 @@ def test_two_processes_with_chat_prompts(chat_model_dir, tiny_rm_dir, tmp_path):
             assert logprobs[: len(kept)] == ref[: len(kept)]  # policy == reference at the first step
 
 
-@pytest.mark.parametrize("config", [ppo.Config, evaluate.Config])
+@pytest.mark.parametrize("config", [ppo_trainer.Config, evaluate.Config])
 def test_the_readme_example_is_a_valid_config(config, tmp_path):
     """The YAML block of README.md's "Generation controls and chat prompts" section parses in both stages."""
     section = (ROOT / "README.md").read_text().split("## Generation controls and chat prompts")[1]
@@ -707,7 +710,7 @@ def test_a_response_that_would_run_past_the_models_positions_is_a_config_error(
     kw = dict(max_new_tokens=too_many, eval_every=0)  # the training prompts only
     out = tmp_path / "ppo"
     with pytest.raises(ConfigError, match=says + " the policy; lower max_new_tokens or max_prompt_length$"):
-        ppo_run.run(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, out, **kw))
+        ppo.run(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, out, **kw))
     assert not out.exists()
     out = tmp_path / "eval"
     with pytest.raises(ConfigError, match=says):
@@ -715,4 +718,4 @@ def test_a_response_that_would_run_past_the_models_positions_is_a_config_error(
                                  num_prompts=len(prompts)))  # fmt: skip
     assert not out.exists()
     kw.update(max_new_tokens=too_many - 1, steps=1)  # at the limit: it runs
-    ppo_run.run(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "at-limit", **kw))
+    ppo.run(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "at-limit", **kw))

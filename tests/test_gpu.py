@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from helpers import ROOT, ppo_config, ppo_trainer, record_raw_grads, use_fixed_responses
+from helpers import ROOT, ppo_config, record_raw_grads, tiny_ppo_trainer, use_fixed_responses
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llm_rlhf.rl import fast_sampling, token_math
@@ -75,7 +75,7 @@ def test_bf16_autocast_ppo_step_on_cuda(tiny_model_dir, tiny_rm_dir, prompt_file
     grads, trainers = {}, {}
     for bf16 in (False, True):
         cfg = ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / str(bf16), bf16=bf16, steps=1)
-        trainer = trainers[bf16] = ppo_trainer(cfg, cpu=False)
+        trainer = trainers[bf16] = tiny_ppo_trainer(cfg, cpu=False)
         assert trainer.accelerator.device.type == "cuda"
         use_fixed_responses(trainer)  # the same rollout for both
         store = []

@@ -10,10 +10,10 @@ from unittest import mock
 
 import pytest
 import torch
-from helpers import ppo_config, ppo_trainer, record_raw_grads, recording_rollouts
+from helpers import ppo_config, record_raw_grads, recording_rollouts, tiny_ppo_trainer
 
+from llm_rlhf.ppo import trainer as ppo_trainer
 from llm_rlhf.rl import ppo_math
-from llm_rlhf.stages import ppo
 
 # grpo, 2 prompts x 4 samples: 8 episodes in one minibatch, one PPO epoch: one optimiser step per PPO step.
 ONE_UPDATE = dict(
@@ -30,8 +30,8 @@ ONE_UPDATE = dict(
 
 def skips(**kw) -> bool:
     """`old_logprobs_from_update` of a config (ONE_UPDATE changed by kw), without building models."""
-    cfg = ppo.Config(**{**ONE_UPDATE, "reward_model_path": None, **kw})
-    sizes = ppo.batch_sizes(
+    cfg = ppo_trainer.Config(**{**ONE_UPDATE, "reward_model_path": None, **kw})
+    sizes = ppo_trainer.batch_sizes(
         rollout_batch_size=cfg.rollout_batch_size,
         mini_batch_size=cfg.mini_batch_size,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
@@ -40,7 +40,7 @@ def skips(**kw) -> bool:
         num_processes=1,
         samples_per_prompt=cfg.samples_per_prompt,
     )
-    return ppo.PPOTrainer.old_logprobs_from_update.fget(SimpleNamespace(cfg=cfg, sizes=sizes))
+    return ppo_trainer.PPOTrainer.old_logprobs_from_update.fget(SimpleNamespace(cfg=cfg, sizes=sizes))
 
 
 def test_the_old_forward_is_skipped_only_where_it_is_exact():
@@ -57,7 +57,7 @@ def test_the_old_forward_is_skipped_only_where_it_is_exact():
 
 def run_steps(cfg, *, skip: bool, mixed_precision: str = "no") -> dict:
     """Two PPO steps; what they drew, the raw gradients, the ratios, the rollouts, metrics and weights."""
-    trainer = ppo_trainer(cfg, mixed_precision=mixed_precision)
+    trainer = tiny_ppo_trainer(cfg, mixed_precision=mixed_precision)
     grads, ratios, old_forwards = [], [], []
     record_raw_grads(trainer, grads)
     rollouts = recording_rollouts(trainer)
@@ -74,7 +74,7 @@ def run_steps(cfg, *, skip: bool, mixed_precision: str = "no") -> dict:
 
     trainer.forward_policy = counting_forward
     with (
-        mock.patch.object(ppo.PPOTrainer, "old_logprobs_from_update", skip),
+        mock.patch.object(ppo_trainer.PPOTrainer, "old_logprobs_from_update", skip),
         mock.patch.object(ppo_math, "policy_loss", recording_loss),
     ):
         metrics = [trainer.ppo_step() for _ in range(cfg.steps)]

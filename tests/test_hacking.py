@@ -1,4 +1,4 @@
-"""The reward-hacking signs of `llm_rlhf.rl.hacking`: degeneracy counters on crafted responses, standardised
+"""The reward-hacking signs of `llm_rlhf.evaluation.hacking`: degeneracy counters on crafted responses, standardised
 proxy-gold gaps against a hand computation, and the rows PPO logs per held-out sample."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from llm_rlhf.rl.hacking import (
+from llm_rlhf.evaluation.hacking import (
     degeneracy_flags,
     degeneracy_rates,
     heldout_sample_rows,

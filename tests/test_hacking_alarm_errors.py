@@ -1,4 +1,4 @@
-"""The alarm's errors of issue 52 (`llm_rlhf.rl.hacking`): where issue 40's alarm fired with nothing wrong (a correct
+"""The alarm's errors of issue 52 (`llm_rlhf.evaluation.hacking`): where issue 40's alarm fired with nothing wrong (a correct
 terse arithmetic policy; binomial noise at a rate of 0.3 on 32 prompts) and where it was quiet with something
 wrong (a policy that copies its prompt; a collapse from a counter already near its ceiling). Each case runs
 through the real counters (`collapse_rates`, `degeneracy_rates`) and `watch`; data/hacking_thresholds.py
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 
-from llm_rlhf.rl.hacking import (
+from llm_rlhf.evaluation.hacking import (
     COUNTER_RULES,
     RESPONSES,
     collapse_rates,

@@ -1,4 +1,4 @@
-"""The reward-hacking alarm through the real PPO run (issue 40): `ppo_run.train` on a tiny model, held-out
+"""The reward-hacking alarm through the real PPO run (issue 40): `ppo.train` on a tiny model, held-out
 evaluation at every step, the alarm logged on every eval_log.jsonl line, `stop_on_alarm` and `keep_best`; the
 final evaluation's counter rule; the report of such a run.
 
@@ -30,16 +30,18 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llm_rlhf.core.errors import ConfigError
-from llm_rlhf.interfaces.report import write_report
-from llm_rlhf.rl import hacking
-from llm_rlhf.rl.hacking import (
+from llm_rlhf.evaluation import hacking, metric_names
+from llm_rlhf.evaluation.hacking import (
     COLLAPSE_KEYS,
     WATCH_KEYS,
     best_evaluation,
     trajectory_point,
     watch_fields,
 )
-from llm_rlhf.stages import eval_metrics, evaluate, ppo_metrics, ppo_run
+from llm_rlhf.interfaces.report import write_report
+from llm_rlhf.ppo import checkpoints as ppo_checkpoints
+from llm_rlhf.ppo import metrics as ppo_metrics
+from llm_rlhf.stages import evaluate, ppo
 
 COLLAPSE_STEP = 2
 WORD = "Ġmess"  # a whole word of the tiny tokenizer (SENTENCES: "a dull and lifeless mess")
@@ -93,7 +95,7 @@ def watched_run(model_dir, prompts, out, *, collapse: bool = True, interrupt_at:
         if metrics[ppo_metrics.STEP] == interrupt_at:
             raise Interrupted
 
-    return ppo_run.train(cfg, policy=model, tokenizer=tokenizer, on_step=on_step), model
+    return ppo.train(cfg, policy=model, tokenizer=tokenizer, on_step=on_step), model
 
 
 def collapsed(state: dict[str, torch.Tensor]) -> bool:
@@ -194,7 +196,7 @@ def test_keep_best_returns_the_best_evaluations_weights(kept):
     assert metrics[ppo_metrics.BEST_STEP] == best and metrics[ppo_metrics.RETURNED_STEP] == best
     assert trained.metrics[ppo_metrics.RETURNED_STEP] == best and metrics[ppo_metrics.STEP] == 4
     assert json.loads((out / "best" / "step.json").read_text())["step"] == best
-    assert ppo_run.last_checkpoint(out) == out / "checkpoints" / "step-3"  # resume reads checkpoints/ alone
+    assert ppo_checkpoints.last_checkpoint(out) == out / "checkpoints" / "step-3"  # resume reads checkpoints/ alone
 
     checkpoint = load_file(out / "best" / "policy_trainable.safetensors")  # the policy's and the value head's
     returned = {f"lm.{k}": v.cpu() for k, v in trained.model.state_dict().items()}  # from the run's device
@@ -275,7 +277,7 @@ def test_resume_reads_the_heldout_log_back(kept, tiny_model_dir, heldout_prompts
     whole, cut = kept[2], tmp_path / "cut"
     with pytest.raises(Interrupted):
         watched_run(tiny_model_dir, heldout_prompts, cut, keep_best=True, save_steps=1, interrupt_at=3)
-    assert ppo_run.last_checkpoint(cut).name == "step-2"
+    assert ppo_checkpoints.last_checkpoint(cut).name == "step-2"
     assert [r["step"] for r in read_jsonl(cut / "eval_log.jsonl")] == [0, 1, 2]
     watched_run(
         tiny_model_dir, heldout_prompts, cut, collapse=False, keep_best=True, save_steps=1, resume=True
@@ -335,18 +337,18 @@ def test_final_evaluation_alarm(tiny_model_dir, heldout_prompts, tmp_path):
     model.save_pretrained(tmp_path / "collapsed")
     tokenizer.save_pretrained(tmp_path / "collapsed")
     fired = evaluate.run(eval_config(tmp_path / "collapsed", tiny_model_dir, heldout_prompts, tmp_path / "a"))
-    assert {"duplicate_rate", "shared_bigram_rate"} <= set(fired[eval_metrics.ALARM_RULES])
-    assert len(fired[eval_metrics.ALARM_REASONS]) == len(fired[eval_metrics.ALARM_RULES])
+    assert {"duplicate_rate", "shared_bigram_rate"} <= set(fired[metric_names.ALARM_RULES])
+    assert len(fired[metric_names.ALARM_REASONS]) == len(fired[metric_names.ALARM_RULES])
     assert fired["duplicate_rate"] == 1.0 and fired["duplicate_rate_baseline"] == 0.0
     assert (
         set(COLLAPSE_KEYS) <= fired.keys()
-        and {k + eval_metrics.BASELINE for k in COLLAPSE_KEYS} <= fired.keys()
+        and {k + metric_names.BASELINE for k in COLLAPSE_KEYS} <= fired.keys()
     )
     same = evaluate.run(eval_config(tiny_model_dir, tiny_model_dir, heldout_prompts, tmp_path / "b"))
-    assert same[eval_metrics.ALARM_RULES] == [] and same[eval_metrics.ALARM_REASONS] == []
+    assert same[metric_names.ALARM_RULES] == [] and same[metric_names.ALARM_REASONS] == []
     assert (
-        json.loads((tmp_path / "a" / "metrics.json").read_text())[eval_metrics.ALARM_RULES]
-        == fired[eval_metrics.ALARM_RULES]
+        json.loads((tmp_path / "a" / "metrics.json").read_text())[metric_names.ALARM_RULES]
+        == fired[metric_names.ALARM_RULES]
     )
 
 

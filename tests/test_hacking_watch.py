@@ -1,4 +1,4 @@
-"""The reward-hacking alarm of `llm_rlhf.rl.hacking` (issues 40 and 52): the collapse counters by hand and against
+"""The reward-hacking alarm of `llm_rlhf.evaluation.hacking` (issues 40 and 52): the collapse counters by hand and against
 naive versions, the counter rule's exact test (by hand, against enumeration, its threshold scaling with the
 responses and the rate), the counters on real review sentences, on the issue-40 collapse, on a terse correct
 policy, a prompt-echoing one and a collapse from near the ceiling, the false alarms of seeded simulations, the
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from llm_rlhf.rl.hacking import (
+from llm_rlhf.evaluation.hacking import (
     COLLAPSE_KEYS,
     COUNTER_RULES,
     DEFAULT_RESPONSES,

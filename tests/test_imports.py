@@ -1,13 +1,17 @@
 """The package's folders are its layers, read from the `import` statements (ast). Imports run one way:
 
-    core -> rl -> models, tasks -> stages -> interfaces -> llm_rlhf/__init__, __main__
+    core -> rl -> models, tasks -> evaluation, training -> ppo -> stages -> interfaces -> llm_rlhf/__init__, __main__
 
 - core        errors, the config system, callables named in configs, data files
 - rl          the math and sampling: ppo_math, reward_math and token_math (torch only), the estimator and policy-loss
-              tables, the sampler, hacking (stdlib)
+              tables, the sampler, episodes
 - models      loading, reward models, reward functions, the scorer, the judges, device plumbing
 - tasks       checkable tasks and their verifiers
-- stages      one command each (sft, rm, dpo, ppo, eval, compare, score, judge)
+- evaluation  sampling a policy and measuring what it wrote, the metric names, the reward-hacking alarm (stdlib)
+- training    what the stages built on a Hugging Face `Trainer` (SFT, RM, DPO) share
+- ppo         PPO's library: the trainer, its config, rollouts, the update, metrics, building, checkpoints,
+              held-out evaluations
+- stages      the commands, one module each (sft, rm, dpo, ppo, eval, compare, score, judge)
 - interfaces  the command line, the Python API, the pipeline and the report
 
 A module imports modules of its own folder or of a folder below, never above, and the graph has no cycle;
@@ -22,8 +26,11 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "llm_rlhf"
-FLOORS = {"core": 0, "rl": 1, "models": 2, "tasks": 2, "stages": 3, "interfaces": 4, "": 5}
-STAGE_COMMANDS = {"sft", "reward", "dpo", "ppo", "ppo_run", "evaluate", "compare", "score", "judge"}
+FLOORS = {
+    "core": 0, "rl": 1, "models": 2, "tasks": 2, "evaluation": 3, "training": 3, "ppo": 4, "stages": 5,
+    "interfaces": 6, "": 7,
+}  # fmt: skip
+STAGE_COMMANDS = {"sft", "reward", "dpo", "ppo", "evaluate", "compare", "score", "judge"}
 
 
 def module_name(path: Path) -> str:
@@ -126,13 +133,15 @@ def test_layering():
         entry = graph[math_module]
         assert entry["top"] == [] and entry["nested"] == [], math_module
         assert set(entry["external"]) <= {"torch", "__future__"} | set(sys.stdlib_module_names), math_module
-    hacking = graph[
-        "rl.hacking"
-    ]  # pure functions over texts and scores: evaluation and the report share them
+    hacking = graph["evaluation.hacking"]  # pure functions over texts and scores: evaluation and the report share them
     assert hacking["top"] == [] and set(hacking["external"]) <= set(sys.stdlib_module_names)
-    assert "stages.ppo_run" not in graph["stages.compare"]["top"]  # compare reads a PPO run's files
-    for stage in STAGE_COMMANDS & {m.split(".")[-1] for m in graph if m.startswith("stages.")}:
+    assert "stages.ppo" not in graph["stages.compare"]["top"]  # compare reads a PPO run's files
+    stages = {m.split(".")[-1] for m in graph if m.startswith("stages.")}
+    assert stages == STAGE_COMMANDS, "the stages folder holds the commands only"
+    for stage in stages:
         assert not {d for d in graph[f"stages.{stage}"]["top"] if d.startswith("interfaces")}, stage
+        commands = {d for d in graph[f"stages.{stage}"]["top"] if d.startswith("stages.")}
+        assert commands <= ({"stages.dpo"} if stage == "compare" else set()), stage  # compare runs DPO stages
 
 
 def test_public_api_unchanged():

@@ -24,12 +24,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import ROOT, ppo_config, ppo_trainer, record_raw_grads, use_fixed_responses
+from helpers import ROOT, ppo_config, record_raw_grads, tiny_ppo_trainer, use_fixed_responses
 
 from llm_rlhf.models.reward_fn import decode_texts
 from llm_rlhf.models.scoring import Scores
+from llm_rlhf.ppo.config import batch_sizes
 from llm_rlhf.rl import ppo_math
-from llm_rlhf.stages.ppo_config import batch_sizes
 
 REWARD_FNS = str(ROOT / "tests" / "reward_fns.py")
 EVEN, HALF = REWARD_FNS + ":even_length", REWARD_FNS + ":half"  # 0 / 1 by parity; 0.5 for every response
@@ -47,7 +47,7 @@ def grpo_config(model_dir, prompt_file, out, **kw):
 def fixed_rollout(cfg, seed: int = 0):
     """A rollout of `use_fixed_responses` (rows 0, 3, 6 truncated, the others ended at varied lengths) and
     per-response advantages ~ N(0, 1) on each of its tokens, (B, R)."""
-    trainer = ppo_trainer(cfg)
+    trainer = tiny_ppo_trainer(cfg)
     use_fixed_responses(trainer)
     rollout, _ = trainer.rollout(trainer.room.in_groups(trainer.room.queries(trainer.step)))
     a = torch.randn(rollout.scores.shape, generator=torch.Generator().manual_seed(seed))  # (B,)
@@ -84,14 +84,14 @@ def test_sampler_correction_weight_carries_no_gradient(tiny_model_dir, prompt_fi
     weights = ratio.clamp(max=1.05) if correction == "tis" else (~corrected).float()  # (B, R), no grad
     assert 0 < int((corrected & mask).sum()) < int(mask.sum()), "some weights truncated or masked"
 
-    trainer = ppo_trainer(cfg)
+    trainer = tiny_ppo_trainer(cfg)
     params = list(trainer.trainable_parameters())
     logprobs, _, _ = trainer.forward_policy(rollout, train=True)  # (B, R), with grad
     rho = torch.exp(logprobs - rollout.logprobs)  # (B, R), 1 in value
     loss = (-weights * advantages * rho)[mask].sum() / mask.sum()  # token mean over the minibatch
     by_hand = torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])
 
-    got = raw_gradient(ppo_trainer(cfg), rollout, advantages)
+    got = raw_gradient(tiny_ppo_trainer(cfg), rollout, advantages)
     assert by_hand.abs().max() > 1e-4
     torch.testing.assert_close(got, by_hand, atol=1e-6 * float(by_hand.abs().max()), rtol=1e-4)
 
@@ -116,7 +116,7 @@ def test_dynamic_sampling_ties_on_raw_scores_not_the_penalties(
     truncated (`use_fixed_responses`): the overlong penalty and the EOS penalty separate some groups' shaped
     scores, but no penalty unties a group. Every round's groups are tied, so the step samples its 3 rounds,
     drops 8 groups and trains 4 tied ones. Fails if the tie test reads the shaped scores."""
-    trainer = ppo_trainer(tie_config(tiny_model_dir, prompt_file, tmp_path, reward_fn=HALF, **shaping))
+    trainer = tiny_ppo_trainer(tie_config(tiny_model_dir, prompt_file, tmp_path, reward_fn=HALF, **shaping))
     use_fixed_responses(trainer)
     rollout, _ = trainer.rollout(trainer.room.in_groups(trainer.room.queries(trainer.step)))
     shaped = trainer.rewards(rollout, 0.0)[0].sum(-1)  # (B,) the score the rewards hold (kl_coef 0)
@@ -138,7 +138,7 @@ def test_dynamic_sampling_ties_on_the_verifier_verdicts(tiny_model_dir, prompt_f
     every answer correct (always 1.0) while the reward function grades by parity is dropped in every round;
     with every score 0.5 and the verdicts by parity, the groups tie where the parities do."""
     always = write_verifier(tmp_path)
-    trainer = ppo_trainer(
+    trainer = tiny_ppo_trainer(
         tie_config(tiny_model_dir, prompt_file, tmp_path, reward_fn=EVEN, accuracy_fn=always)
     )
     assert trainer.room.verifier is not None and trainer.room.verifier.key == "accuracy_fn"
@@ -154,7 +154,7 @@ def test_dynamic_sampling_ties_on_the_verifier_verdicts(tiny_model_dir, prompt_f
 
     cfg = tie_config(tiny_model_dir, prompt_file, tmp_path, reward_fn=HALF, accuracy_fn=EVEN,
                      dynamic_sampling_max_rounds=1)  # fmt: skip
-    trainer = ppo_trainer(cfg)
+    trainer = tiny_ppo_trainer(cfg)
     use_fixed_responses(trainer)
     rollouts, real = [], trainer.dynamic_rollout
 
@@ -183,7 +183,7 @@ def test_kl_and_its_controller_see_every_sampled_group(tiny_model_dir, prompt_fi
     responses' KL would move it). Fails if either reads the kept responses alone."""
     cfg = tie_config(tiny_model_dir, prompt_file, tmp_path, reward_fn=HALF, kl_controller="adaptive",
                      init_kl_coef=0.1, kl_target=0.01, kl_horizon=10)  # fmt: skip
-    trainer = ppo_trainer(cfg)
+    trainer = tiny_ppo_trainer(cfg)
     use_fixed_responses(trainer)
     with torch.no_grad():
         for p in trainer.unwrapped_policy.lm.parameters():
@@ -269,7 +269,7 @@ def on_two_ranks(trainers, work) -> list:
 
 def rank_trainer(cfg, **sizes):
     """A trainer of `cfg` whose batch sizes are those of one of 2 processes (`sizes` the per-process keys)."""
-    trainer = ppo_trainer(cfg)
+    trainer = tiny_ppo_trainer(cfg)
     keys = dict(rollout_batch_size=cfg.rollout_batch_size, mini_batch_size=cfg.mini_batch_size,
                 gradient_accumulation_steps=cfg.gradient_accumulation_steps, ppo_epochs=cfg.ppo_epochs,
                 steps=cfg.steps, samples_per_prompt=cfg.samples_per_prompt)  # fmt: skip
@@ -293,7 +293,7 @@ def test_global_normaliser_two_simulated_ranks_equal_one(tiny_model_dir, prompt_
     the policy loss's share is not multiplied by the processes DDP averages over."""
     cfg = grpo_config(tiny_model_dir, prompt_file, tmp_path, **keys)
     rollout, advantages = fixed_rollout(cfg)
-    one = raw_gradient(ppo_trainer(cfg), rollout, advantages)
+    one = raw_gradient(tiny_ppo_trainer(cfg), rollout, advantages)
     halves = [torch.arange(0, 4), torch.arange(4, 8)]
     lengths = [int(rollout.response_mask[h].sum()) for h in halves]
     assert lengths[0] != lengths[1], "the ranks hold different numbers of tokens"

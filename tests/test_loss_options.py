@@ -37,17 +37,17 @@ from helpers import (
     launch,
     ppo_cli_args,
     ppo_config,
-    ppo_trainer,
     record_raw_grads,
     sum_tolerance,
+    tiny_ppo_trainer,
     use_fixed_responses,
 )
 
 from llm_rlhf.core.config import format_help, parse_config
 from llm_rlhf.core.errors import ConfigError, UserError
+from llm_rlhf.ppo.config import Config
 from llm_rlhf.rl import ppo_math
 from llm_rlhf.rl.estimators import ROWS, names
-from llm_rlhf.stages.ppo_config import Config
 
 SCRIPTS = ROOT / "tests" / "scripts"
 EVEN = str(ROOT / "tests" / "reward_fns.py") + ":even_length"  # 0 / 1 scores: groups tie often
@@ -68,7 +68,7 @@ def grpo_config(model_dir, prompt_file, out, **kw):
 def raw_gradient(cfg, rollout, advantages) -> torch.Tensor:
     """The raw gradient (before clipping) of one update on `rollout` with `advantages` by a fresh trainer of
     `cfg` (the same initial weights for every cfg of a test)."""
-    trainer = ppo_trainer(cfg)
+    trainer = tiny_ppo_trainer(cfg)
     grads = []
     record_raw_grads(trainer, grads)
     trainer.train_on_rollout(rollout, advantages, None)
@@ -79,7 +79,7 @@ def raw_gradient(cfg, rollout, advantages) -> torch.Tensor:
 def fixed_rollout(cfg, seed: int = 0):
     """A rollout of `use_fixed_responses` (rows 0, 3, 6 truncated, the others ended with EOS at varied
     lengths) by a trainer of `cfg`, and per-response advantages ~ N(0, 1) spread over each response."""
-    trainer = ppo_trainer(cfg)
+    trainer = tiny_ppo_trainer(cfg)
     use_fixed_responses(trainer)
     rollout, _ = trainer.rollout(trainer.room.in_groups(trainer.room.queries(trainer.step)))
     a = torch.randn(rollout.scores.shape, generator=torch.Generator().manual_seed(seed))  # (B,)
@@ -152,7 +152,7 @@ def test_defaults_keep_todays_metrics(tiny_model_dir, prompt_file, tmp_path):
     update is `ppo_math.policy_loss`'s (runs bit-identical to before the keys: the session report)."""
     cfg = grpo_config(tiny_model_dir, prompt_file, tmp_path)
     assert cfg.plain_policy_loss
-    trainer = ppo_trainer(cfg)
+    trainer = tiny_ppo_trainer(cfg)
     metrics = trainer.ppo_step()
     assert not [k for k in metrics if k.startswith(NEW_STATS)]
     assert "extra_prompts" not in trainer.state_dict()
@@ -163,7 +163,7 @@ def test_clip_higher_logs_each_side(tiny_model_dir, prompt_file, tmp_path):
     are logged, bind, and add up to policy/clipfrac (a clipped token is on one side)."""
     cfg = grpo_config(tiny_model_dir, prompt_file, tmp_path, cliprange_low=1e-3, cliprange_high=2e-3,
                       ppo_epochs=2, learning_rate=1e-2)  # fmt: skip
-    metrics = ppo_trainer(cfg).ppo_step()
+    metrics = tiny_ppo_trainer(cfg).ppo_step()
     assert metrics["policy/clipfrac_high"] > 0 and metrics["policy/clipfrac_low"] > 0
     assert metrics["policy/clipfrac"] == pytest.approx(
         metrics["policy/clipfrac_low"] + metrics["policy/clipfrac_high"], abs=1e-6
@@ -183,7 +183,7 @@ def test_dual_clip_bounds_the_loss_of_negative_advantages(tiny_model_dir, prompt
     dual_cfg = grpo_config(tiny_model_dir, prompt_file, tmp_path, dual_clip=3.0)
     assert plain.abs().max() > 1e-4
     assert torch.equal(raw_gradient(dual_cfg, shifted, adv), torch.zeros_like(plain))
-    trainer = ppo_trainer(dual_cfg)
+    trainer = tiny_ppo_trainer(dual_cfg)
     stats = trainer.train_on_rollout(shifted, adv, None)
     expected = ppo_math.masked_mean((adv < 0).float(), rollout.response_mask)
     assert stats["policy/dual_clipfrac"] == pytest.approx(float(expected)) and float(expected) > 0
@@ -200,7 +200,7 @@ def test_gspo_clips_whole_responses(tiny_model_dir, prompt_file, tmp_path):
     assert torch.equal(raw_gradient(cfg, shifted, adv), torch.zeros_like(raw_gradient(cfg, rollout, adv)))
     plain = grpo_config(tiny_model_dir, prompt_file, tmp_path)
     assert raw_gradient(plain, shifted, adv).abs().max() > 1e-4
-    stats = ppo_trainer(cfg).train_on_rollout(shifted, adv, None)
+    stats = tiny_ppo_trainer(cfg).train_on_rollout(shifted, adv, None)
     assert (
         stats["policy/clipfrac"] == 1.0
         and stats["policy/clipfrac_low"] > 0
@@ -244,7 +244,7 @@ def test_sapo_fades_the_gradient_where_ppo_clips_it(tiny_model_dir, prompt_file,
     # float32's sigmoid gradient s (1 - s) at s = 0.9983 keeps ~4 digits: a tolerance of 0.1% of the largest
     tolerance = dict(atol=1e-3 * float(expected.abs().max()), rtol=1e-3)
     torch.testing.assert_close(raw_gradient(sapo, shifted, adv), expected, **tolerance)
-    stats = ppo_trainer(sapo).train_on_rollout(shifted, adv, None)
+    stats = tiny_ppo_trainer(sapo).train_on_rollout(shifted, adv, None)
     assert stats["policy/clipfrac"] == 0.0 and stats["policy/ratio"] == pytest.approx(rho, rel=1e-5)
 
 
@@ -264,7 +264,7 @@ def test_aggregations_are_the_same_with_gradient_accumulation(tiny_model_dir, pr
             grads[aggregation, steps] = raw_gradient(c, rollout, adv)
         torch.testing.assert_close(grads[aggregation, 8], grads[aggregation, 1],
                                    **sum_tolerance(grads[aggregation, 1], tokens))  # fmt: skip
-    truncated = ~rollout.ended(ppo_trainer(cfg).tokenizer.eos_token_id)
+    truncated = ~rollout.ended(tiny_ppo_trainer(cfg).tokenizer.eos_token_id)
     # token_mean above ran with mask_truncated: compare token_sum_norm with the plain token mean instead
     token_mean = raw_gradient(cfg, rollout, adv)
     torch.testing.assert_close(grads["token_sum_norm", 1] * (8 * cfg.max_new_tokens), token_mean * tokens,
@@ -278,7 +278,7 @@ def test_mask_truncated_gives_no_gradient_from_truncated_responses(tiny_model_di
     the update's gradient is exactly 0, without it is not."""
     cfg = grpo_config(tiny_model_dir, prompt_file, tmp_path)
     rollout, adv = fixed_rollout(cfg)
-    truncated = ~rollout.ended(ppo_trainer(cfg).tokenizer.eos_token_id)  # (B,)
+    truncated = ~rollout.ended(tiny_ppo_trainer(cfg).tokenizer.eos_token_id)  # (B,)
     assert truncated.tolist() == [i % 3 == 0 for i in range(8)]
     adv = adv * truncated.unsqueeze(-1)
     assert raw_gradient(cfg, rollout, adv).abs().max() > 1e-4
@@ -291,7 +291,7 @@ def test_overlong_penalty_in_the_rewards(tiny_model_dir, prompt_file, tmp_path):
     get 0, 0, -0.25, -0.5, -1 and -1 added to their scores at the last token (SPEC's ramp), logged as
     objective/overlong_penalty; with eos_penalty -2 the truncated ones score -2 (it replaces the sum)."""
     cfg = grpo_config(tiny_model_dir, prompt_file, tmp_path, overlong_buffer=4, overlong_penalty=1.0)
-    trainer = ppo_trainer(cfg)
+    trainer = tiny_ppo_trainer(cfg)
     use_fixed_responses(trainer)
     rollout, _ = trainer.rollout(trainer.room.in_groups(trainer.room.queries(trainer.step)))
     lengths = rollout.response_mask.sum(-1).tolist()
@@ -301,7 +301,7 @@ def test_overlong_penalty_in_the_rewards(tiny_model_dir, prompt_file, tmp_path):
     torch.testing.assert_close(
         ppo_math.masked_sum(rewards, rollout.response_mask, dim=-1), rollout.scores + penalty
     )
-    with_eos = ppo_trainer(dataclasses.replace(cfg, eos_penalty=-2.0))
+    with_eos = tiny_ppo_trainer(dataclasses.replace(cfg, eos_penalty=-2.0))
     rewards, _ = with_eos.rewards(rollout, kl_coef=0.0)
     expected = torch.where(torch.tensor([i % 3 == 0 for i in range(8)]), -2.0, rollout.scores + penalty)
     torch.testing.assert_close(ppo_math.masked_sum(rewards, rollout.response_mask, dim=-1), expected)
@@ -316,7 +316,7 @@ def test_sampler_corrections_with_bfloat16_sampling(tiny_model_dir, prompt_file,
     for correction in ("tis", "mis"):
         cfg = grpo_config(tiny_model_dir, prompt_file, tmp_path, sampling_dtype="bfloat16",
                           sampler_correction=correction, sampler_correction_cap=1.0001)  # fmt: skip
-        metrics = ppo_trainer(cfg).ppo_step()
+        metrics = tiny_ppo_trainer(cfg).ppo_step()
         assert metrics["objective/kl_sampler"] != 0.0
         assert 0 < metrics["sampler/corrected_frac"] < 1, correction
         assert metrics["sampler/weight_std"] > 0, correction  # some weights truncated or masked: a spread
@@ -325,7 +325,7 @@ def test_sampler_corrections_with_bfloat16_sampling(tiny_model_dir, prompt_file,
         else:
             assert metrics["sampler/mean_weight"] == pytest.approx(1 - metrics["sampler/corrected_frac"])
             assert metrics["sampler/weight_std"] <= 0.5  # weights of 0 and 1: at most 1/2
-    trainer = ppo_trainer(cfg)
+    trainer = tiny_ppo_trainer(cfg)
     use_fixed_responses(trainer)  # Samples without sampler log-probs
     with pytest.raises(UserError, match="^sampler_correction mis: the sampler recorded no log-probs"):
         trainer.ppo_step()
@@ -354,7 +354,7 @@ def test_dynamic_sampling_trains_untied_groups(tiny_model_dir, prompt_file, tmp_
     the extra rounds and the state keeps it. With dynamic_sampling_max_rounds 1 nothing is dropped."""
     cfg = grpo_config(tiny_model_dir, prompt_file, tmp_path, dynamic_sampling=True, dynamic_sampling_max_rounds=4,
                       steps=3)  # fmt: skip
-    trainer = ppo_trainer(cfg)
+    trainer = tiny_ppo_trainer(cfg)
     kept = keep_dynamic_rollouts(trainer)
     sampled, real_score = [], trainer.room.score  # every round's scores, the dropped groups' too
 
@@ -382,7 +382,7 @@ def test_dynamic_sampling_trains_untied_groups(tiny_model_dir, prompt_file, tmp_
     assert metrics[-1]["sampling/sampled_per_trained"] == pytest.approx(sum(rounds) / 3)
     assert trainer.state_dict()["extra_prompts"] == trainer.room.extra_prompts
 
-    once = ppo_trainer(dataclasses.replace(cfg, dynamic_sampling_max_rounds=1))
+    once = tiny_ppo_trainer(dataclasses.replace(cfg, dynamic_sampling_max_rounds=1))
     torch.manual_seed(0)
     m = once.ppo_step()
     assert (m["sampling/rounds"], m["sampling/groups_dropped"]) == (1.0, 0.0) and once.room.extra_prompts == 0
@@ -396,7 +396,7 @@ def test_dynamic_sampling_is_the_same_with_gradient_accumulation(tiny_model_dir,
     for steps in (1, 8):
         cfg = grpo_config(tiny_model_dir, prompt_file, tmp_path, dynamic_sampling=True,
                           gradient_accumulation_steps=steps, loss_aggregation="seq_mean_token_mean")  # fmt: skip
-        trainer, grads = ppo_trainer(cfg), []
+        trainer, grads = tiny_ppo_trainer(cfg), []
         record_raw_grads(trainer, grads)
         torch.manual_seed(0)
         metrics = [trainer.ppo_step() for _ in range(2)]
@@ -412,7 +412,7 @@ def test_lora_with_cispo_and_dynamic_sampling(tiny_model_dir, prompt_file, tmp_p
     adapter weight changes and the CISPO statistics are logged."""
     cfg = grpo_config(tiny_model_dir, prompt_file, tmp_path, use_lora=True, lora_target_modules=["c_attn"],
                       policy_loss="cispo", dynamic_sampling=True, learning_rate=1e-2)  # fmt: skip
-    trainer = ppo_trainer(cfg)
+    trainer = tiny_ppo_trainer(cfg)
     before = {
         k: v.detach().clone() for k, v in trainer.unwrapped_policy.named_parameters() if v.requires_grad
     }

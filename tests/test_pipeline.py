@@ -12,7 +12,7 @@ import yaml
 from helpers import launch, pipeline_argv, run_pipeline
 
 from llm_rlhf.core.utils import read_json
-from llm_rlhf.stages import ppo
+from llm_rlhf.ppo import trainer as ppo_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # every test here runs the whole pipeline
@@ -30,14 +30,14 @@ def test_pipeline_runs_skips_finished_and_resumes_interrupted(
     argv = pipeline_argv(out, tiny_model_dir, sft_files, pref_files, prompt_file)
 
     # 1. killed during PPO step 3 (after the step-2 checkpoint): SFT and RM are finished, PPO is not
-    real_step = ppo.PPOTrainer.ppo_step
+    real_step = ppo_trainer.PPOTrainer.ppo_step
 
     def dies_at_step_3(self):
         if self.step == 2:
             raise KeyboardInterrupt("killed")
         return real_step(self)
 
-    monkeypatch.setattr(ppo.PPOTrainer, "ppo_step", dies_at_step_3)
+    monkeypatch.setattr(ppo_trainer.PPOTrainer, "ppo_step", dies_at_step_3)
     with pytest.raises(KeyboardInterrupt):
         run_pipeline(argv)
     assert read_json(out / "pipeline.json").keys() == {"sft", "rm"}
@@ -47,7 +47,7 @@ def test_pipeline_runs_skips_finished_and_resumes_interrupted(
     capsys.readouterr()
 
     # 2. the same command again: SFT and RM skipped, PPO resumed from its checkpoint, then eval and report
-    monkeypatch.setattr(ppo.PPOTrainer, "ppo_step", real_step)
+    monkeypatch.setattr(ppo_trainer.PPOTrainer, "ppo_step", real_step)
     run_pipeline(argv)
     printed = capsys.readouterr().out
     assert "== sft: finished earlier" in printed and "== rm: finished earlier" in printed
@@ -137,13 +137,13 @@ def test_a_sweep_over_estimators_is_compared_in_one_report_and_one_compare(
     """`--sweep` over advantage estimators with the report and the compare stage: SFT and RM once, each
     variant's PPO and eval in DIR/<name>; the grpo run has no value head and no value panels while the gae
     run has both; the side-by-side table names each estimator; compare runs once, over both variants."""
+    from llm_rlhf.evaluation import metric_names as e
+    from llm_rlhf.evaluation.hacking import DEGENERACY_KEYS, PROXY
     from llm_rlhf.interfaces import report
     from llm_rlhf.interfaces.report.evaluation import EVAL_GROUPS, MEMBERS
     from llm_rlhf.interfaces.report.ppo_curves import EPISODE_KEYS, PPO_PANELS, ppo_panels
     from llm_rlhf.interfaces.report.samples import SCORES_SHOWN
-    from llm_rlhf.rl.hacking import DEGENERACY_KEYS, PROXY
-    from llm_rlhf.stages import eval_metrics as e
-    from llm_rlhf.stages import ppo_metrics as m
+    from llm_rlhf.ppo import metrics as m
 
     monkeypatch.chdir(ROOT)
     out = tmp_path / "sweep"

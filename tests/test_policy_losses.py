@@ -16,6 +16,7 @@ from helpers import ROOT, ppo_cli_args, ppo_config
 
 from llm_rlhf.core.config import format_help
 from llm_rlhf.core.errors import ConfigError
+from llm_rlhf.ppo.config import Config
 from llm_rlhf.rl import estimators, ppo_math
 from llm_rlhf.rl.policy_losses import (
     CLIP_KEYS,
@@ -25,7 +26,6 @@ from llm_rlhf.rl.policy_losses import (
     ROWS,
     LossInputs,
 )
-from llm_rlhf.stages.ppo_config import Config
 
 F64 = torch.float64
 

@@ -13,15 +13,16 @@ from helpers import (
     killed_and_resumed,
     one_update,
     ppo_config,
-    ppo_trainer,
     record_raw_grads,
+    tiny_ppo_trainer,
     use_fixed_responses,
 )
 
+from llm_rlhf.ppo import trainer as ppo_trainer
+from llm_rlhf.ppo.config import Config, batch_sizes
 from llm_rlhf.rl.estimators import ESTIMATORS
 from llm_rlhf.rl.rollout import Samples
-from llm_rlhf.stages import ppo, ppo_run
-from llm_rlhf.stages.ppo_config import Config, batch_sizes
+from llm_rlhf.stages import ppo
 
 # --- pure helpers ------------------------------------------------------------------------------
 
@@ -60,7 +61,7 @@ def test_first_step_kl_zero_and_ratio_one(
     """mixed_precision bf16 (the sharded accelerate configs): `prepare` runs the policy under autocast,
     so the reference and the RM must run under it too."""
     cfg = ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, use_lora=use_lora)
-    trainer = ppo_trainer(cfg, mixed_precision=mixed_precision)
+    trainer = tiny_ppo_trainer(cfg, mixed_precision=mixed_precision)
     assert trainer.accelerator.mixed_precision == mixed_precision
     rollout, _ = trainer.rollout(trainer.room.queries(trainer.step))
     ref = trainer.reference_logprobs(rollout)
@@ -76,7 +77,7 @@ def test_first_step_kl_zero_and_ratio_one(
 
 def test_value_head_starts_at_zero_and_learns(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
     """Zero-initialised value head: V = 0 at every position of the first rollout; one step moves it."""
-    trainer = ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, ppo_epochs=1))
+    trainer = tiny_ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, ppo_epochs=1))
     rollout, _ = trainer.rollout(trainer.room.queries(trainer.step))
     assert torch.equal(rollout.values, torch.zeros_like(rollout.values))
     trainer.ppo_step()
@@ -84,7 +85,7 @@ def test_value_head_starts_at_zero_and_learns(tiny_model_dir, tiny_rm_dir, promp
 
 
 def test_reference_bit_identical_after_steps(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
-    trainer = ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, steps=3))
+    trainer = tiny_ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, steps=3))
     before = {k: v.clone() for k, v in trainer.ref_model.state_dict().items()}
     rm_before = {k: v.clone() for k, v in trainer.room.scorer.reward_model.state_dict().items()}
     assert trainer.ref_model.lm is not trainer.unwrapped_policy.lm
@@ -99,7 +100,7 @@ def test_reference_bit_identical_after_steps(tiny_model_dir, tiny_rm_dir, prompt
 def test_logprobs_and_values_independent_of_padding_and_batch(
     tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path
 ):
-    trainer = ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path))
+    trainer = tiny_ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path))
     tok = trainer.tokenizer
     q_short, q_long = tok("The film")["input_ids"], tok("It's a wonderful movie that")["input_ids"]
     r_short, r_long = tok(" is good")["input_ids"], tok(" everyone should see this one")["input_ids"]
@@ -169,16 +170,16 @@ def test_first_epoch_ratio_exactly_one_with_responses_that_end_early(
     model_dir = tiny_model_dir if policy == "gpt2" else tiny_llama_dir
     cfg = ppo_config(model_dir, tiny_rm_dir, prompt_file, tmp_path, rollout_batch_size=8, max_new_tokens=16,
                    mini_batch_size=8, gradient_accumulation_steps=4, ppo_epochs=1)  # fmt: skip
-    trainer = ppo_trainer(cfg)
+    trainer = tiny_ppo_trainer(cfg)
     use_fixed_responses(trainer)
-    ratios, policy_loss = [], ppo.ppo_math.policy_loss
+    ratios, policy_loss = [], ppo_trainer.ppo_math.policy_loss
 
     def recording(**kw):
         loss, stats = policy_loss(**kw)
         ratios.append(stats.ratio[kw["response_mask"]])
         return loss, stats
 
-    monkeypatch.setattr(ppo.ppo_math, "policy_loss", recording)
+    monkeypatch.setattr(ppo_trainer.ppo_math, "policy_loss", recording)
     metrics = trainer.ppo_step()
     assert len(ratios) == 4 and metrics["policy/approxkl"] == 0.0
     widths = {int(r.numel()) for r in ratios}
@@ -191,7 +192,7 @@ def test_response_logprobs_sum_to_the_models_own_lm_loss(tiny_model_dir, tiny_rm
     """An independent check of the token alignment: the sum of a response's log-probs from the PPO
     forward (padded on both sides, batched with a longer row) equals minus the model's own shifted LM
     loss (transformers shifts the labels) on the unpadded query + response, times the response length."""
-    trainer = ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path))
+    trainer = tiny_ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path))
     tok, lm = trainer.tokenizer, trainer.unwrapped_policy.lm
     pairs = [
         (tok("The film")["input_ids"], tok(" is good")["input_ids"] + [tok.eos_token_id]),
@@ -219,7 +220,7 @@ def test_response_logprobs_sum_to_the_models_own_lm_loss(tiny_model_dir, tiny_rm
 @pytest.mark.parametrize("use_lora", [False, True])
 def test_every_trainable_parameter_changes(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, use_lora):
     cfg = ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, use_lora=use_lora, steps=2)
-    trainer = ppo_trainer(cfg)
+    trainer = tiny_ppo_trainer(cfg)
     before = {
         n: p.detach().clone() for n, p in trainer.unwrapped_policy.named_parameters() if p.requires_grad
     }
@@ -249,7 +250,7 @@ def test_every_trainable_parameter_changes(tiny_model_dir, tiny_rm_dir, prompt_f
 
 
 def test_lora_holds_one_copy_of_base_weights(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
-    trainer = ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, use_lora=True))
+    trainer = tiny_ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, use_lora=True))
     policy_ptrs = {p.data_ptr() for p in trainer.unwrapped_policy.parameters()}
     ref_ptrs = {p.data_ptr() for p in trainer.ref_model.parameters()}
     assert ref_ptrs <= policy_ptrs  # the reference owns no weights of its own
@@ -264,7 +265,7 @@ def test_run_writes_hf_folder_and_metrics(tiny_model_dir, tiny_rm_dir, prompt_fi
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "run"
-    final = ppo_run.run(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, out, steps=3))
+    final = ppo.run(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, out, steps=3))
     metrics = json.loads((out / "metrics.json").read_text())
     for key in (
         "objective/scores",
@@ -418,7 +419,7 @@ def test_bf16_autocast_trains_in_bf16_and_stays_close_to_fp32(
     def record_head_dtype(trainer):
         trainer.unwrapped_policy.lm.lm_head.register_forward_hook(lambda m, i, out: dtypes.append(out.dtype))
 
-    start = {k: v.detach().clone() for k, v in ppo_trainer(
+    start = {k: v.detach().clone() for k, v in tiny_ppo_trainer(
         ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "init")).unwrapped_policy.named_parameters()}  # fmt: skip
     updates = {}
     for bf16 in (False, True):

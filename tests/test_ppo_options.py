@@ -7,16 +7,17 @@ import math
 
 import pytest
 import torch
-from helpers import ppo_config, ppo_trainer, recording_rollouts, use_fixed_responses
+from helpers import ppo_config, recording_rollouts, tiny_ppo_trainer, use_fixed_responses
 
 from llm_rlhf.core.config import parse_config
 from llm_rlhf.core.errors import ConfigError, NonFiniteError
+from llm_rlhf.ppo import trainer as ppo_trainer
+from llm_rlhf.ppo.config import Config
 from llm_rlhf.rl import ppo_math
-from llm_rlhf.stages import ppo, ppo_run
-from llm_rlhf.stages.ppo_config import Config
+from llm_rlhf.stages import ppo
 
 
-def recorded_step(trainer: ppo.PPOTrainer, monkeypatch) -> tuple[dict, dict]:
+def recorded_step(trainer: ppo_trainer.PPOTrainer, monkeypatch) -> tuple[dict, dict]:
     """One ppo_step; returns its metrics and what it computed: the rollout and the rewards passed to GAE."""
     seen, rollouts, compute_gae = {}, recording_rollouts(trainer), ppo_math.compute_gae
 
@@ -50,7 +51,7 @@ def test_kl_estimator_shapes_the_rewards(
     chosen estimator written out per token; objective/kl is its sum over the response."""
     cfg = ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, kl_estimator=estimator,
                    kl_controller="fixed", init_kl_coef=0.5, learning_rate=1e-2)  # fmt: skip
-    trainer = ppo_trainer(cfg)
+    trainer = tiny_ppo_trainer(cfg)
     trainer.ppo_step()
     metrics, seen = recorded_step(trainer, monkeypatch)
     r, mask = seen["rollout"], seen["rollout"].response_mask
@@ -70,7 +71,7 @@ def test_kl_estimator_shapes_the_rewards(
 def test_eos_penalty_replaces_the_score_of_truncated_responses(
     tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch
 ):
-    trainer = ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, eos_penalty=-3.0))
+    trainer = tiny_ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, eos_penalty=-3.0))
     use_fixed_responses(trainer)
     _, seen = recorded_step(trainer, monkeypatch)  # first step: KL_t = 0, the rewards are the scores
     r = seen["rollout"]
@@ -83,7 +84,7 @@ def test_eos_penalty_replaces_the_score_of_truncated_responses(
 def test_score_clip_clips_the_scores_in_the_rewards(
     tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch
 ):
-    trainer = ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, score_clip=0.05))
+    trainer = tiny_ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, score_clip=0.05))
     _, seen = recorded_step(trainer, monkeypatch)
     scores = seen["rollout"].scores
     assert (scores.abs() > 0.05).any()
@@ -95,7 +96,7 @@ def test_score_clip_clips_the_scores_in_the_rewards(
 def test_whiten_rewards_scales_the_rewards_to_unit_std(
     tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch
 ):
-    trainer = ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, whiten_rewards=True))
+    trainer = tiny_ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, whiten_rewards=True))
     _, seen = recorded_step(trainer, monkeypatch)
     mask, rewards = seen["rollout"].response_mask, seen["rewards"]
     raw = torch.zeros_like(rewards)
@@ -105,7 +106,7 @@ def test_whiten_rewards_scales_the_rewards_to_unit_std(
     torch.testing.assert_close(rewards[mask], expected, atol=1e-5, rtol=1e-5)
 
 
-def count_optimizer_steps(trainer: ppo.PPOTrainer) -> list[int]:
+def count_optimizer_steps(trainer: ppo_trainer.PPOTrainer) -> list[int]:
     count, step = [0], trainer.optimizer.step
 
     def counting(*args, **kwargs):
@@ -120,7 +121,7 @@ def count_optimizer_steps(trainer: ppo.PPOTrainer) -> list[int]:
 def test_target_approxkl_stops_the_epochs(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, target):
     """2 epochs x 2 minibatches. The first minibatch comes before any update (approx-KL exactly 0, not
     above the target), the second after one: with a tiny target the epochs stop there."""
-    trainer = ppo_trainer(
+    trainer = tiny_ppo_trainer(
         ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, target_approxkl=target)
     )
     steps = count_optimizer_steps(trainer)
@@ -132,7 +133,7 @@ def test_target_approxkl_stops_the_epochs(tiny_model_dir, tiny_rm_dir, prompt_fi
 def test_ratio_guard_skips_every_update_and_reports_no_statistics(
     tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path
 ):
-    trainer = ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, ratio_guard=0.5))
+    trainer = tiny_ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, ratio_guard=0.5))
     before = {n: p.detach().clone() for n, p in trainer.unwrapped_policy.named_parameters()}
     steps = count_optimizer_steps(trainer)
     metrics = trainer.ppo_step()  # rho == 1 > 0.5 in every minibatch
@@ -149,7 +150,7 @@ def test_skipped_minibatch_is_left_out_of_the_statistics(tiny_model_dir, tiny_rm
     cfg = ppo_config(
         tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, ppo_epochs=1, lr_scheduler_type="linear"
     )
-    trainer = ppo_trainer(cfg)
+    trainer = tiny_ppo_trainer(cfg)
     forward, calls = trainer.forward_policy, [0]
 
     def diverged_second_minibatch(samples, *, train=False):
@@ -179,7 +180,7 @@ def test_separate_critic_through_ppo_step_and_the_final_folder(
     cfg = ppo_config(
         tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "run", value_model="reward", steps=2
     )
-    ppo_run.run(cfg)
+    ppo.run(cfg)
     out = tmp_path / "run"
     assert not (out / "value_head.safetensors").exists()
     critic, rm = load_reward_model(out / "critic"), load_reward_model(tiny_rm_dir)
@@ -187,7 +188,7 @@ def test_separate_critic_through_ppo_step_and_the_final_folder(
     assert "model.score.weight" in changed and len(changed) > len(list(rm.parameters())) // 2
     assert (critic.mean, critic.std) == (rm.mean, rm.std)
 
-    trainer = ppo_trainer(
+    trainer = tiny_ppo_trainer(
         ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "t", value_model="reward")
     )
     assert trainer.unwrapped_policy.value_head is None and trainer.critic is not None
@@ -225,7 +226,7 @@ def test_nan_scores_stop_the_run_before_a_checkpoint(
     out = tmp_path / "run"
     cfg = ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, out, steps=3, save_steps=1, eval_every=0)
     with pytest.raises(NonFiniteError, match=r"^PPO step 2, rollout phase: non-finite scores \(3 entries\)"):
-        ppo_run.run(cfg)
+        ppo.run(cfg)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-1"]
     for name, t in load_file(out / "checkpoints" / "step-1" / "policy_trainable.safetensors").items():
         assert torch.isfinite(t).all(), name
@@ -233,7 +234,7 @@ def test_nan_scores_stop_the_run_before_a_checkpoint(
 
 
 def test_nan_loss_stops_before_the_update(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
-    trainer = ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path))
+    trainer = tiny_ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path))
     before = {n: p.detach().clone() for n, p in trainer.unwrapped_policy.named_parameters()}
     forward = trainer.forward_policy
 
@@ -254,7 +255,7 @@ def test_nan_loss_stops_before_the_update(tiny_model_dir, tiny_rm_dir, prompt_fi
 def test_nan_loss_after_an_update_says_the_weights_moved(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
     """A NaN in the second minibatch of a PPO step: the first minibatch's optimiser step has already moved
     the weights, and the message says so (one optimiser step) instead of "nothing was updated" (issue 29)."""
-    trainer = ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path))
+    trainer = tiny_ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path))
     sizes = trainer.sizes
     per_minibatch = sizes.mini_batch_per_process // sizes.micro_batch_per_process  # forwards per minibatch
     assert sizes.rollout_per_process // sizes.mini_batch_per_process >= 2  # a second minibatch exists
@@ -285,7 +286,7 @@ def test_a_global_batch_of_one_episode_is_rejected(tiny_model_dir, tiny_rm_dir, 
         tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, rollout_batch_size=1, mini_batch_size=1
     )
     with pytest.raises(UserError, match="at least 2 episodes"):
-        ppo_trainer(cfg)
+        tiny_ppo_trainer(cfg)
 
 
 @pytest.mark.parametrize(("key", "value"), [("top_k", 50), ("top_p", 0.9)])
@@ -312,7 +313,7 @@ def test_sampling_compile_samples_the_policys_distribution_through_compiled_step
 
     monkeypatch.setattr(fast_sampling, "compiled_step", recording)
     cfg = ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, sampling_compile=True)
-    trainer = ppo_trainer(cfg)
+    trainer = tiny_ppo_trainer(cfg)
     metrics, seen = recorded_step(trainer, monkeypatch)
     r, mask = seen["rollout"], seen["rollout"].response_mask
     assert len(calls) == 1 and calls[0] is trainer.unwrapped_policy.lm  # the policy's own model, compiled
@@ -329,7 +330,7 @@ def test_sampling_dtype_logs_the_gap_between_sampler_and_policy(
     over response tokens of log q(y_t) - log pi_theta(y_t), ~0 in float32, bfloat16's rounding otherwise;
     the old log-probs stay the float32 policy's, so the first step still has KL = 0 to the reference."""
     cfg = ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, sampling_dtype=dtype)
-    trainer = ppo_trainer(cfg)
+    trainer = tiny_ppo_trainer(cfg)
     metrics, seen = recorded_step(trainer, monkeypatch)
     r, mask = seen["rollout"], seen["rollout"].response_mask
     expected = (r.sampler_logprobs - r.logprobs)[mask].double().mean().item()

@@ -16,7 +16,8 @@ from helpers import SENTIMENT_JUDGE, build_model, flags, tiny_overrides
 from llm_rlhf.core.config import parse_config
 from llm_rlhf.core.utils import read_json
 from llm_rlhf.interfaces import cli, pipeline
-from llm_rlhf.stages import compare, dpo, evaluate, ppo_config, reward, sft
+from llm_rlhf.ppo import config as ppo_config
+from llm_rlhf.stages import compare, dpo, evaluate, reward, sft
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"

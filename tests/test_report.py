@@ -506,7 +506,7 @@ def test_the_evaluation_table_reads_the_keys_eval_writes():
     """Every metric, baseline and standard-error key of the table's rows is one `measures.summarize` (or, for
     held-out accuracy, `measures.accuracy_figures`) writes (a renamed key would drop its row silently: rows
     without a value are left out)."""
-    from llm_rlhf.stages import measures
+    from llm_rlhf.evaluation import measures
 
     record = {"prompt": "p", "response": " fine.", "response_ids": [1, 2], "length": 3, "eos": True,
               "kl_to_ref": 0.1, "kl_to_ref_at_temperature": 0.1, "rm_score": 0.5, "rm_member_scores": [0.4, 0.6],

@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 import reward_fns
 import torch
-from helpers import build_model, launch, ppo_cli_args, ppo_config, ppo_trainer
+from helpers import build_model, launch, ppo_cli_args, ppo_config, tiny_ppo_trainer
 
 from llm_rlhf.core.errors import ConfigError, UserError
+from llm_rlhf.evaluation import measures
+from llm_rlhf.evaluation.hacking import DEGENERACY_KEYS, degeneracy_rates
 from llm_rlhf.interfaces import cli
 from llm_rlhf.models.loading import load_tokenizer
 from llm_rlhf.models.reward_fn import (
@@ -28,8 +30,8 @@ from llm_rlhf.models.reward_fn import (
 )
 from llm_rlhf.models.reward_model import load_reward_model
 from llm_rlhf.models.scoring import Scorer
-from llm_rlhf.rl.hacking import DEGENERACY_KEYS, degeneracy_rates
-from llm_rlhf.stages import evaluate, measures, ppo, ppo_run
+from llm_rlhf.ppo import trainer as ppo_trainer
+from llm_rlhf.stages import evaluate, ppo
 
 ROOT = Path(__file__).resolve().parents[1]
 FILE_SPEC = "tests/reward_fns.py:keyword"  # the file form, relative to the repo root
@@ -39,7 +41,7 @@ REWARD_FN_ONLY = dict(reward_fn="reward_fns:keyword", eval_every=0, gold_judge="
                       kl_horizon=10000)  # fmt: skip
 
 
-def ppo_cfg(model_dir, prompt_file, out, **kw) -> ppo.Config:
+def ppo_cfg(model_dir, prompt_file, out, **kw) -> ppo_trainer.Config:
     """`helpers.ppo_config` with no reward model: the keyword function alone scores (`kw` wins)."""
     return ppo_config(model_dir, None, prompt_file, out, **{**REWARD_FN_ONLY, **kw})
 
@@ -169,17 +171,17 @@ def test_config_checks_name_the_key():
     with pytest.raises(
         ConfigError, match="^config key 'reward_model_path': is none and neither reward_fn nor environment is set"
     ):
-        ppo.Config(reward_model_path="none")
+        ppo_trainer.Config(reward_model_path="none")
     with pytest.raises(ConfigError, match="^config key 'value_model': 'reward' initialises the critic"):
-        ppo.Config(reward_model_path=None, reward_fn="m:f", value_model="reward")
+        ppo_trainer.Config(reward_model_path=None, reward_fn="m:f", value_model="reward")
     with pytest.raises(ConfigError, match="^config key 'reward_fn_weight'"):
-        ppo.Config(reward_fn="m:f", reward_fn_weight=math.nan)
+        ppo_trainer.Config(reward_fn="m:f", reward_fn_weight=math.nan)
     with pytest.raises(ConfigError, match="^reward_fn 'no_colon'"):
-        ppo.Config(reward_fn="no_colon")
+        ppo_trainer.Config(reward_fn="no_colon")
     with pytest.raises(ConfigError, match="^reward_fn 'x'"):
         evaluate.Config(reward_fn="x")
     assert (
-        ppo.Config(reward_model_path=None, reward_fn="any_module:fn").reward_fn_weight == 1.0
+        ppo_trainer.Config(reward_model_path=None, reward_fn="any_module:fn").reward_fn_weight == 1.0
     )  # no import yet
 
 
@@ -191,7 +193,7 @@ def test_tiny_policy_learns_a_keyword_reward(tiny_model_dir, prompt_file, tmp_pa
     count rises from ~0.7 to ~4 in 16 steps (seeds 0-4 all end at 4-6; the first 4 steps average <= 1.1)."""
     cfg = ppo_cfg(tiny_model_dir, prompt_file, tmp_path, steps=16, rollout_batch_size=16, mini_batch_size=8,
                   ppo_epochs=4, learning_rate=3e-3, kl_controller="fixed", init_kl_coef=0.01)  # fmt: skip
-    trainer = ppo_trainer(cfg)
+    trainer = tiny_ppo_trainer(cfg)
     assert trainer.room.scorer.reward_model is None
     history = [trainer.ppo_step() for _ in range(cfg.steps)]
     counts = [m["objective/reward_fn"] for m in history]
@@ -210,9 +212,9 @@ def test_combined_score_is_rm_plus_weighted_fn(
     weight = 0.5
     cfg = ppo_cfg(tiny_model_dir, prompt_file, tmp_path, reward_model_path=str(tiny_rm_dir),
                   reward_fn="reward_fns:length", reward_fn_weight=weight, steps=1)  # fmt: skip
-    trainer = ppo_trainer(cfg)
+    trainer = tiny_ppo_trainer(cfg)
     seen = {}
-    rollout_fn, shaped = trainer.rollout, ppo.ppo_math.shaped_rewards
+    rollout_fn, shaped = trainer.rollout, ppo_trainer.ppo_math.shaped_rewards
 
     def recording_rollout(*args, **kwargs):
         seen["rollout"] = rollout_fn(*args, **kwargs)
@@ -223,7 +225,7 @@ def test_combined_score_is_rm_plus_weighted_fn(
         return shaped(**kw)
 
     trainer.rollout = recording_rollout
-    monkeypatch.setattr(ppo.ppo_math, "shaped_rewards", recording_shaped)
+    monkeypatch.setattr(ppo_trainer.ppo_math, "shaped_rewards", recording_shaped)
     metrics = trainer.ppo_step()
 
     (rollout, _), tok = seen["rollout"], trainer.tokenizer
@@ -249,14 +251,14 @@ def test_score_clip_acts_on_the_sum(tiny_model_dir, prompt_file, tmp_path, monke
     """The function's score is clipped (score_clip) like an RM score: after the sum, before the rewards."""
     cfg = ppo_cfg(tiny_model_dir, prompt_file, tmp_path, reward_fn="reward_fns:length", reward_fn_weight=10.0,
                   score_clip=2.0, steps=1)  # fmt: skip
-    trainer = ppo_trainer(cfg)
-    seen, shaped = {}, ppo.ppo_math.shaped_rewards
+    trainer = tiny_ppo_trainer(cfg)
+    seen, shaped = {}, ppo_trainer.ppo_math.shaped_rewards
 
     def recording_shaped(**kw):
         seen["scores"] = kw["scores"].clone()
         return shaped(**kw)
 
-    monkeypatch.setattr(ppo.ppo_math, "shaped_rewards", recording_shaped)
+    monkeypatch.setattr(ppo_trainer.ppo_math, "shaped_rewards", recording_shaped)
     metrics = trainer.ppo_step()
     assert metrics["objective/scores"] > 2.0, "the sum before the clip is logged"
     assert seen["scores"].max() == 2.0 and seen["scores"].min() >= -2.0
@@ -273,7 +275,7 @@ def test_run_with_reward_fn_only_writes_the_usual_outputs(tiny_model_dir, prompt
     out = tmp_path / "run"
     cfg = ppo_cfg(tiny_model_dir, prompt_file, out, reward_fn="cwd_rewards:ends_with_e", eval_every=1,
                   eval_prompt_file=str(prompt_file), eval_num_prompts=4, log_samples_every=1)  # fmt: skip
-    ppo_run.run(cfg)
+    ppo.run(cfg)
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 2 and all(0 <= m["objective/reward_fn"] <= 1 for m in lines)
     heldout = [json.loads(x) for x in (out / "eval_log.jsonl").read_text().splitlines()]
@@ -306,7 +308,7 @@ def test_broken_function_stops_ppo_before_anything(tiny_model_dir, tiny_rm_dir, 
                                                     monkeypatch, spec, message):  # fmt: skip
     """One line on stderr, exit code 2, no output folder: the import and the probe run before any model is
     loaded (`build_trainer` is never reached)."""
-    monkeypatch.setattr(ppo_run, "build_trainer", lambda *a, **kw: pytest.fail("models were built"))
+    monkeypatch.setattr(ppo, "build_trainer", lambda *a, **kw: pytest.fail("models were built"))
     out = tmp_path / "run"
     argv = ["ppo", "--model_name_or_path", str(tiny_model_dir), "--reward_model_path", str(tiny_rm_dir),
             "--reward_fn", spec, "--prompt_file", str(prompt_file), "--output_dir", str(out), "--eval_every", "0"]  # fmt: skip
@@ -319,7 +321,7 @@ def test_broken_function_stops_ppo_before_anything(tiny_model_dir, tiny_rm_dir, 
 def test_bad_scores_in_training_stop_before_the_update(tiny_model_dir, prompt_file, tmp_path):
     """A function that passes the probe and returns NaN on the first rollout: the one-line error at the score
     phase of step 1, before any parameter moves."""
-    trainer = ppo_trainer(
+    trainer = tiny_ppo_trainer(
         ppo_cfg(tiny_model_dir, prompt_file, tmp_path, reward_fn="reward_fns:NanAfterProbe")
     )
     trainer.room.scorer.reward_fn.fn.calls = 1  # as if probed

@@ -21,9 +21,9 @@ from helpers import (
     pipeline_argv,
     ppo_cli_args,
     ppo_config,
-    ppo_trainer,
     recording_rollouts,
     scores_alone,
+    tiny_ppo_trainer,
     train_tokenizer,
 )
 
@@ -44,8 +44,9 @@ from llm_rlhf.models.reward_model import (
     save_reward_model,
 )
 from llm_rlhf.models.scoring import Scorer, scored_as
+from llm_rlhf.ppo import trainer as ppo_trainer
 from llm_rlhf.rl import ppo_math, reward_math
-from llm_rlhf.stages import evaluate, ppo, reward
+from llm_rlhf.stages import evaluate, reward
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMES = ("time/", "tokens_per_s")
@@ -215,7 +216,7 @@ def test_ppo_step_with_an_ensemble_scores_and_logs_every_member(
         tiny_model_dir, members[0], prompt_file, tmp_path, reward_model_path=members, ensemble_combine=mode,
         ensemble_uncertainty_coef=0.5, ppo_epochs=1,
     )  # fmt: skip
-    trainer = ppo_trainer(cfg)
+    trainer = tiny_ppo_trainer(cfg)
     assert (
         isinstance(trainer.room.scorer.reward_model, RewardEnsemble)
         and len(trainer.room.scorer.reward_model.members) == 3
@@ -240,9 +241,9 @@ def test_ppo_step_with_an_ensemble_scores_and_logs_every_member(
 def test_one_member_list_equals_one_reward_model_exactly(tiny_rm_dir, tiny_model_dir, prompt_file, tmp_path):
     """reward_model_path: [rm] goes through the ensemble code and gives the same PPO run as 'rm', bit for
     bit, in every mode; it logs the one member (equal to the score) and a disagreement of 0."""
-    single = ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "a"))
+    single = tiny_ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "a"))
     plain = [single.ppo_step() for _ in range(2)]
-    listed = ppo_trainer(
+    listed = tiny_ppo_trainer(
         ppo_config(
             tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "b",
             reward_model_path=[str(tiny_rm_dir)], ensemble_combine="uncertainty", ensemble_uncertainty_coef=2.0,
@@ -298,14 +299,14 @@ def test_ensemble_and_reward_fn_add_up_in_ppo(members, tiny_model_dir, prompt_fi
         tiny_model_dir, members[0], prompt_file, tmp_path, reward_model_path=members, ensemble_combine="min",
         reward_fn="reward_fns:length", reward_fn_weight=weight, ppo_epochs=1,
     )  # fmt: skip
-    trainer = ppo_trainer(cfg)
+    trainer = tiny_ppo_trainer(cfg)
     rollouts, seen, shaped = recording_rollouts(trainer), {}, ppo_math.shaped_rewards
 
     def recording_shaped(**kw):
         seen["scores"] = kw["scores"].clone()
         return shaped(**kw)
 
-    monkeypatch.setattr(ppo.ppo_math, "shaped_rewards", recording_shaped)
+    monkeypatch.setattr(ppo_trainer.ppo_math, "shaped_rewards", recording_shaped)
     metrics = trainer.ppo_step()
     rollout, tok = rollouts[0], trainer.tokenizer
     combined = combine("min", 1.0, separate_scores(members, rollout.sequence, rollout.attention_mask))  # (B,)
@@ -387,7 +388,7 @@ def test_eval_ensemble_and_reward_fn_add_up(members, tiny_model_dir, prompt_file
 # ---------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("config", [ppo.Config, evaluate.Config])
+@pytest.mark.parametrize("config", [ppo_trainer.Config, evaluate.Config])
 @pytest.mark.parametrize(
     "values, key",
     [
@@ -409,7 +410,7 @@ def test_bad_ensemble_keys_are_config_errors_naming_the_key(config, values, key)
 def test_a_list_on_the_command_line_parses_and_a_missing_member_is_one_error_line(
     members, tiny_model_dir, prompt_file, tmp_path, capsys
 ):
-    cfg = parse_config(ppo.Config, ["--reward_model_path", "[a, b]", "--ensemble_combine", "min"])
+    cfg = parse_config(ppo_trainer.Config, ["--reward_model_path", "[a, b]", "--ensemble_combine", "min"])
     assert cfg.reward_model_path == ["a", "b"] and cfg.ensemble_combine == "min"
     missing = str(tmp_path / "rm-9")
     ppo_argv = ["ppo", "--model_name_or_path", str(tiny_model_dir), "--reward_model_path", f"[{members[0]}, {missing}]",

@@ -337,7 +337,8 @@ def test_sampler_logprobs_are_the_log_probs_the_tokens_were_drawn_with(dtype, ti
 
 def test_bfloat16_sampling_needs_the_fast_sampler(tiny_model_dir, monkeypatch):
     from llm_rlhf.core.errors import ConfigError, UserError
-    from llm_rlhf.stages import evaluate, ppo
+    from llm_rlhf.ppo import trainer as ppo_trainer
+    from llm_rlhf.stages import evaluate
 
     lm, tokenizer = load(tiny_model_dir, lora=False)
     monkeypatch.setattr(fast_sampling, "supports", lambda lm: False)
@@ -346,7 +347,7 @@ def test_bfloat16_sampling_needs_the_fast_sampler(tiny_model_dir, monkeypatch):
         sample(lm, tokenizer, query, query_mask, Sampling(max_new_tokens=4, sampling_dtype="bfloat16"))
     with pytest.raises(UserError, match="^sampling_compile: compiled decode steps need the fast sampler"):
         sample(lm, tokenizer, query, query_mask, Sampling(max_new_tokens=4, sampling_compile=True))
-    for config in (ppo.Config, evaluate.Config):
+    for config in (ppo_trainer.Config, evaluate.Config):
         with pytest.raises(ConfigError, match="sampling_dtype': must be one of float32, bfloat16"):
             config(sampling_dtype="float16")
         with pytest.raises(ConfigError, match="sampling_compile': compiles the model's own float32 layers"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import eos_rows, ppo_config, ppo_trainer, scores_alone
+from helpers import eos_rows, ppo_config, scores_alone, tiny_ppo_trainer
 
 from llm_rlhf.core.callables import resolve_callable
 from llm_rlhf.core.errors import ConfigError, UserError
@@ -14,14 +14,15 @@ from llm_rlhf.models.loading import load_tokenizer
 from llm_rlhf.models.reward_fn import load_reward_fn
 from llm_rlhf.models.reward_model import encode_pair, end_with_eos, load_reward_model
 from llm_rlhf.models.scoring import Scorer, scored_as
+from llm_rlhf.ppo import trainer as ppo_trainer
 from llm_rlhf.rl.rollout import Sampling
-from llm_rlhf.stages import evaluate, ppo, sft
+from llm_rlhf.stages import evaluate, sft
 
 
 def test_sampling_of_any_flat_config():
     """PPO's, evaluation's and SFT's configs give the same kind of value; a stage without stop strings or
     min_new_tokens (SFT) gets them off; temperature 0 is greedy."""
-    cfg = ppo.Config(max_new_tokens=12, temperature=0.7, stop_strings=["\n"], min_new_tokens=2)
+    cfg = ppo_trainer.Config(max_new_tokens=12, temperature=0.7, stop_strings=["\n"], min_new_tokens=2)
     assert Sampling.of(cfg) == Sampling(12, temperature=0.7, stop_strings=("\n",), min_new_tokens=2)
     assert Sampling.of(evaluate.Config(top_k=5, top_p=0.9)) == Sampling(32, top_k=5, top_p=0.9)
     assert Sampling.of(sft.Config(temperature=0.0)) == Sampling(48, temperature=0.0)
@@ -33,7 +34,7 @@ def test_sampling_of_any_flat_config():
 
 
 def test_scored_as_names_every_key_that_decides_a_score():
-    cfg = ppo.Config(reward_model_path=["a", "b"], ensemble_combine="min", reward_fn="m:f", reward_fn_weight=0.5,
+    cfg = ppo_trainer.Config(reward_model_path=["a", "b"], ensemble_combine="min", reward_fn="m:f", reward_fn_weight=0.5,
                      stop_strings=["."], min_new_tokens=3)  # fmt: skip
     assert scored_as(cfg) == {
         "reward_model_path": ["a", "b"], "ensemble_combine": "min", "ensemble_uncertainty_coef": 1.0,
@@ -48,7 +49,7 @@ def test_ppo_and_evaluation_score_alike(tiny_model_dir, tiny_rm_dir, prompt_file
     reward_fn_weight * reward_fn, with the parts PPO logs in the order it logs them."""
     cfg = ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, reward_fn="reward_fns:length",
                      reward_fn_weight=0.5)  # fmt: skip
-    trainer = ppo_trainer(cfg)
+    trainer = tiny_ppo_trainer(cfg)
     samples = trainer.room.generate(trainer.room.queries(trainer.step))
     got = trainer.room.score(samples)
     alone = Scorer(
@@ -67,7 +68,7 @@ def test_trainer_state_dict_round_trip(tiny_model_dir, tiny_rm_dir, prompt_file,
     cfg = ppo_config(
         tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, lr_scheduler_type="linear", ppo_epochs=1
     )
-    trainer = ppo_trainer(cfg)
+    trainer = tiny_ppo_trainer(cfg)
     trainer.ppo_step()
     state = trainer.state_dict()
     assert set(state) == {"step", "kl_ctl", "scheduler"} and state["step"] == 1

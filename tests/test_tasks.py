@@ -16,7 +16,7 @@ import pytest
 import reasoning_gym
 import torch
 import yaml
-from helpers import build_model, ppo_config, ppo_trainer, recording_rollouts
+from helpers import build_model, ppo_config, recording_rollouts, tiny_ppo_trainer
 
 from llm_rlhf.core.config import parse_config
 from llm_rlhf.core.errors import ConfigError, UserError
@@ -290,7 +290,7 @@ def test_the_task_reward_through_the_ppo_path(chain_folder, tmp_path):
     cfg = ppo_config(model, None, chain_folder / "train_prompts.jsonl", tmp_path / "ppo", reward_fn=spec,
                      accuracy_fn=f"{chain_folder}/verifier.py:accuracy", max_prompt_length=200,
                      max_new_tokens=16, gold_judge="none", steps=1)  # fmt: skip
-    trainer = ppo_trainer(cfg)
+    trainer = tiny_ppo_trainer(cfg)
     kept = recording_rollouts(trainer)
     verifier = Verifier(chain_folder, binary=False)
     tok, eos, pad = trainer.tokenizer, trainer.tokenizer.eos_token_id, trainer.tokenizer.pad_token_id

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ppo_config, ppo_trainer
+from helpers import ppo_config, tiny_ppo_trainer
 
 from llm_rlhf.models import reward_model
+from llm_rlhf.ppo import trainer as ppo_trainer
 from llm_rlhf.rl import token_math
 from llm_rlhf.rl.rollout import Rollout, Samples, left_pad, pad_columns
-from llm_rlhf.stages import ppo
 
 R = 12  # max_new_tokens; the longest real response below has 7 tokens
 EOS_AT = [1, 3, 6, 0, 2, 4, 1, 3]  # the EOS's index in each row's response
@@ -85,14 +85,14 @@ def test_trim_padding_columns_any_padding_side():
 # --- trimmed vs padded forwards and update on tiny models ----------------------------------------
 
 
-def make_trainer(model_dir, rm_dir, prompt_file, out, **kw) -> ppo.PPOTrainer:
-    """The real trainer (`helpers.ppo_trainer`) of one PPO epoch over R new tokens, no held-out evaluation."""
+def make_trainer(model_dir, rm_dir, prompt_file, out, **kw) -> ppo_trainer.PPOTrainer:
+    """The real trainer (`helpers.tiny_ppo_trainer`) of one PPO epoch over R new tokens, no held-out evaluation."""
     cfg = ppo_config(model_dir, rm_dir, prompt_file, out, ppo_epochs=1, max_new_tokens=R, learning_rate=1e-2,
                      eval_every=0, kl_target=6.0, kl_horizon=10000, **kw)  # fmt: skip
-    return ppo_trainer(cfg)
+    return tiny_ppo_trainer(cfg)
 
 
-def fixed_samples(trainer: ppo.PPOTrainer) -> Samples:
+def fixed_samples(trainer: ppo_trainer.PPOTrainer) -> Samples:
     """8 prompts of 2-4 tokens, left-padded plus EXTRA_QUERY_PAD columns; responses of random tokens with
     the EOS at EOS_AT, right-padded to R: each micro-batch of 4 has its own longest query and response."""
     tok = trainer.tokenizer

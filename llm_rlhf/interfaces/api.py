@@ -53,7 +53,8 @@ from llm_rlhf.core.utils import (
 from llm_rlhf.models.loading import Trained
 from llm_rlhf.models.reward_fn import RewardFn
 from llm_rlhf.models.reward_model import RewardModel
-from llm_rlhf.stages import evaluate, ppo_config, ppo_run, reward, sft
+from llm_rlhf.ppo import config as ppo_config
+from llm_rlhf.stages import evaluate, ppo, reward, sft
 
 SFTConfig = sft.Config
 RMConfig = reward.Config
@@ -131,7 +132,7 @@ def train_ppo(
             "config key 'value_model': 'reward' loads the critic from reward_model_path; give the reward "
             "model as a folder there, not as an object"
         )
-    return ppo_run.train(cfg, tokenizer=tokenizer, on_step=on_step, **objects)
+    return ppo.train(cfg, tokenizer=tokenizer, on_step=on_step, **objects)
 
 
 def run_eval(config=None, **objects: Any) -> dict[str, Any] | None:

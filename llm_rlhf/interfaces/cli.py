@@ -32,7 +32,7 @@ COMMANDS = {
     ),
     "score": ("llm_rlhf.stages.score", "Score a JSONL of prompt/response pairs with a saved reward model."),
     "ppo": (
-        "llm_rlhf.stages.ppo_run",
+        "llm_rlhf.stages.ppo",
         "PPO with a value head, a frozen reference and an adaptive KL controller.",
     ),
     "eval": (

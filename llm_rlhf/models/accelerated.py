@@ -1,5 +1,5 @@
 """The PPO trainer's models under accelerate: the precision and sharding plumbing, apart from the algorithm
-(`llm_rlhf.stages.ppo`), so that each distributed type's rules live in one place.
+(`llm_rlhf.ppo.trainer`), so that each distributed type's rules live in one place.
 
     check_deepspeed_config   what the DeepSpeed config must say for PPO's own accumulation and LR schedule
     loading_whole_models     PPO's models loaded whole on every process under ZeRO-3 (not under zero.Init)

@@ -56,13 +56,7 @@ from llm_rlhf.core.config import (
 from llm_rlhf.core.data import prompt_rules
 from llm_rlhf.core.errors import ConfigError, UserError
 from llm_rlhf.core.utils import atomic_write_json, atomic_write_text
-from llm_rlhf.models.loading import freeze, load_causal_lm, load_tokenizer
-from llm_rlhf.models.reward_model import check_members_exist
-from llm_rlhf.models.scoring import Scorer, build_scorer
-from llm_rlhf.rl import reward_math
-from llm_rlhf.rl.rollout import Sampling
-from llm_rlhf.stages import dpo, ppo_config
-from llm_rlhf.stages.measures import (
+from llm_rlhf.evaluation.measures import (
     KLReference,
     Measures,
     PairedSampling,
@@ -70,7 +64,14 @@ from llm_rlhf.stages.measures import (
     load_heldout_inputs,
     sample_and_score,
 )
-from llm_rlhf.stages.trainer_stage import last_checkpoint
+from llm_rlhf.models.loading import freeze, load_causal_lm, load_tokenizer
+from llm_rlhf.models.reward_model import check_members_exist
+from llm_rlhf.models.scoring import Scorer, build_scorer
+from llm_rlhf.ppo import config as ppo_config
+from llm_rlhf.rl import reward_math
+from llm_rlhf.rl.rollout import Sampling
+from llm_rlhf.stages import dpo
+from llm_rlhf.training.hf_stage import last_checkpoint
 
 
 def expectation(weights: torch.Tensor, x: torch.Tensor) -> float:

@@ -55,7 +55,7 @@ from llm_rlhf.models.reward_model import encode_pairs, pad_right
 from llm_rlhf.rl.ppo_math import masked_sum
 from llm_rlhf.rl.rollout import encode_prompt
 from llm_rlhf.rl.token_math import logprobs_from_logits
-from llm_rlhf.stages.trainer_stage import (
+from llm_rlhf.training.hf_stage import (
     SCHEDULERS,
     TrainerStageConfig,
     check_reload,

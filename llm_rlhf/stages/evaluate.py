@@ -36,7 +36,7 @@ metrics.json (written last; `_baseline` keys hold the same figures for the basel
                       (with EOS or a stop string; not truncated at max_new_tokens)
     distinct_1, distinct_2  unique / total token n-grams over all responses (EOS excluded; Li et al. 2016)
     char_run_rate, repeated_ngram_rate, empty_rate   fraction of responses with a run of one repeated
-                      character, a repeated word 3-gram, or no text (`llm_rlhf.rl.hacking`: signs of reward hacking)
+                      character, a repeated word 3-gram, or no text (`llm_rlhf.evaluation.hacking`: signs of reward hacking)
     duplicate_rate, top_bigram_share, shared_bigram_rate, word_distinct_2   the collapse counters of the
                       responses (`hacking.collapse_rates`; a repeat counts only as the response to another prompt)
     alarm_rules, alarm_reasons   the reward-hacking alarm's counter rules, the policy's counters against the
@@ -71,7 +71,7 @@ Your own gold judge: `--gold_judge mypackage.judges:score` (a function) or `mypa
 class built with no arguments), any callable (prompts: list[str], responses: list[str]) -> list[float]
 with higher = better; see `llm_rlhf.models.gold`.
 
-The sampling and the measures are `llm_rlhf.stages.measures`'s, which PPO's held-out evaluations (its
+The sampling and the measures are `llm_rlhf.evaluation.measures`'s, which PPO's held-out evaluations (its
 `evaluate_policy`, for one already-loaded policy) and `llm-rlhf compare` share. Every score is the one scorer's
 (`llm_rlhf.models.scoring.Scorer`), the one PPO adds at the last response token.
 """
@@ -91,6 +91,21 @@ from llm_rlhf.core.config import checked_keywords, format_config, help_field, is
 from llm_rlhf.core.data import DATA_FORMATS, load_prompt_dataset, prompt_rules
 from llm_rlhf.core.errors import UserError
 from llm_rlhf.core.utils import atomic_write_json, atomic_write_text
+from llm_rlhf.evaluation import metric_names
+from llm_rlhf.evaluation.hacking import counter_alarms
+from llm_rlhf.evaluation.measures import (
+    KLReference,
+    Measures,
+    PairedSampling,
+    accuracy_figures,
+    greedy_records,
+    load_verifier,
+    mean_and_stderr_over_prompts,
+    sample_and_score,
+    summarize,
+    win_points,
+    win_rate,
+)
 from llm_rlhf.models.accelerated import outside_zero_init
 from llm_rlhf.models.gold import FluentGoldJudge, GoldJudge, load_judge
 from llm_rlhf.models.loading import (
@@ -112,27 +127,10 @@ from llm_rlhf.rl.episodes import (
     check_episode_keys,
     episode_figures,
 )
-from llm_rlhf.rl.hacking import (
-    counter_alarms,
-)
 from llm_rlhf.rl.rollout import (
     Sampling,
     check_generation_controls,
     encode_prompt,
-)
-from llm_rlhf.stages import eval_metrics
-from llm_rlhf.stages.measures import (
-    KLReference,
-    Measures,
-    PairedSampling,
-    accuracy_figures,
-    greedy_records,
-    load_verifier,
-    mean_and_stderr_over_prompts,
-    sample_and_score,
-    summarize,
-    win_points,
-    win_rate,
 )
 from llm_rlhf.tasks.environments import environment_factory
 
@@ -294,23 +292,23 @@ def load_prompts(cfg: Config, tokenizer, prompts=None) -> list[str]:
 
 
 SAMPLE_KEYS = (
-    eval_metrics.RESPONSE,
-    eval_metrics.GOLD_SCORE,
-    eval_metrics.SENTIMENT,
-    eval_metrics.FLUENCY_PERPLEXITY,
-    eval_metrics.RM_SCORE,
-    eval_metrics.RM_MEMBER_SCORES,
-    eval_metrics.REWARD_FN,
-    eval_metrics.COMBINED_SCORE,
-    eval_metrics.KL_TO_REF,
-    eval_metrics.LENGTH,
-    eval_metrics.EOS,
-    eval_metrics.CORRECT,
+    metric_names.RESPONSE,
+    metric_names.GOLD_SCORE,
+    metric_names.SENTIMENT,
+    metric_names.FLUENCY_PERPLEXITY,
+    metric_names.RM_SCORE,
+    metric_names.RM_MEMBER_SCORES,
+    metric_names.REWARD_FN,
+    metric_names.COMBINED_SCORE,
+    metric_names.KL_TO_REF,
+    metric_names.LENGTH,
+    metric_names.EOS,
+    metric_names.CORRECT,
 )
 
 GREEDY_SAMPLE_KEYS = (  # (samples.jsonl field, the greedy record's key)
-    (eval_metrics.GREEDY_RESPONSE, eval_metrics.RESPONSE),
-    (eval_metrics.GREEDY_CORRECT, eval_metrics.CORRECT),
+    (metric_names.GREEDY_RESPONSE, metric_names.RESPONSE),
+    (metric_names.GREEDY_CORRECT, metric_names.CORRECT),
 )
 
 
@@ -326,17 +324,17 @@ def sample_row(
     length, eos, correct, ...; with episodes also `episodes.EPISODE_ROW_KEYS`: turns, num_turns, ...), then
     <who>_greedy_response and <who>_greedy_correct from the (policy,
     baseline) greedy records of the prompt (None without them)."""
-    row: dict[str, Any] = {eval_metrics.PROMPT: prompt, eval_metrics.SAMPLE: sample}
+    row: dict[str, Any] = {metric_names.PROMPT: prompt, metric_names.SAMPLE: sample}
     for key in SAMPLE_KEYS:
         for who, record in (("policy", policy), ("baseline", baseline)):
-            row[eval_metrics.side(who, key)] = record[key]
+            row[metric_names.side(who, key)] = record[key]
     for key in EPISODE_ROW_KEYS:  # episodes (issue 51): policy_turns, ... where they were played
         if key in policy:
             for who, record in (("policy", policy), ("baseline", baseline)):
-                row[eval_metrics.side(who, key)] = record[key]
+                row[metric_names.side(who, key)] = record[key]
     for who, record in zip(("policy", "baseline"), greedy):
         for field, key in GREEDY_SAMPLE_KEYS:
-            row[eval_metrics.side(who, field)] = record[key] if record is not None else None
+            row[metric_names.side(who, field)] = record[key] if record is not None else None
     return row
 
 
@@ -603,7 +601,7 @@ def eval_figures(cfg: Config, inputs: EvalInputs, models: EvalModels, measured: 
     return {
         **win_rates(measured.policy, measured.baseline, samples_per_prompt=k),
         **policy,
-        **{key + eval_metrics.BASELINE: value for key, value in baseline.items()},
+        **{key + metric_names.BASELINE: value for key, value in baseline.items()},
         **accuracy_figures(measured.policy, measured.policy_greedy, samples_per_prompt=k),
         **accuracy_figures(
             measured.baseline, measured.baseline_greedy, samples_per_prompt=k, suffix="_baseline"
@@ -621,7 +619,7 @@ def final_alarm(policy: dict[str, Any], baseline: dict[str, Any]) -> dict[str, l
     their suffix), as alarm_rules (the counters past their threshold, [] = quiet) and alarm_reasons (a line
     each). The proxy-up / gold-down rule needs a trajectory: PPO's held-out evaluations have it."""
     alarms = counter_alarms(policy, baseline=baseline)
-    return {eval_metrics.ALARM_RULES: list(alarms), eval_metrics.ALARM_REASONS: list(alarms.values())}
+    return {metric_names.ALARM_RULES: list(alarms), metric_names.ALARM_REASONS: list(alarms.values())}
 
 
 def run_info(cfg: Config, inputs: EvalInputs, models: EvalModels) -> dict[str, Any]:
@@ -723,9 +721,9 @@ def format_metrics(metrics: dict[str, Any]) -> str:
         lines.append(
             f"{key:<24}{num(metrics[key]):>10}" + (f"  (+/- {stderr:.4f})" if stderr is not None else "")
         )
-    for key in eval_metrics.COLLAPSE_KEYS:  # the reward-hacking alarm's counters (`llm_rlhf.rl.hacking`)
-        lines.append(f"{key:<24}{num(metrics[key]):>10}{num(metrics[key + eval_metrics.BASELINE]):>10}")
-    reasons = metrics.get(eval_metrics.ALARM_REASONS)
+    for key in metric_names.COLLAPSE_KEYS:  # the reward-hacking alarm's counters (`llm_rlhf.evaluation.hacking`)
+        lines.append(f"{key:<24}{num(metrics[key]):>10}{num(metrics[key + metric_names.BASELINE]):>10}")
+    reasons = metrics.get(metric_names.ALARM_REASONS)
     if reasons is not None:
         lines.append("reward-hacking alarm: " + ("; ".join(reasons) if reasons else "quiet"))
     if metrics.get("accuracy") is not None:  # the verifier's (accuracy_fn), stderr over the prompts

@@ -45,7 +45,7 @@ from llm_rlhf.models.reward_model import (
     score_pairs,
     sequence_classifier_from,
 )
-from llm_rlhf.stages.trainer_stage import (
+from llm_rlhf.training.hf_stage import (
     SCHEDULERS,
     TrainerStageConfig,
     check_reload,

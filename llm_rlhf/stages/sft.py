@@ -35,7 +35,7 @@ from llm_rlhf.core.utils import (
 )
 from llm_rlhf.models.loading import Trained, load_causal_lm, tokenizer_or_load, torch_dtype
 from llm_rlhf.rl.rollout import Sampling, encode_prompt, left_pad, sample
-from llm_rlhf.stages.trainer_stage import (
+from llm_rlhf.training.hf_stage import (
     TrainerStageConfig,
     final_eval,
     last_checkpoint,

@@ -14,8 +14,9 @@ import os
 import sys
 from pathlib import Path
 
+from llm_rlhf.evaluation import measures
 from llm_rlhf.interfaces import cli
-from llm_rlhf.stages import measures, ppo_rollouts
+from llm_rlhf.ppo import rollouts as ppo_rollouts
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ from helpers import ppo_config  # noqa: E402
 from llm_rlhf.core.utils import use_cpu_ddp_without_gpus  # noqa: E402
 from llm_rlhf.interfaces import cli  # noqa: E402
 from llm_rlhf.models.loading import load_tokenizer  # noqa: E402
-from llm_rlhf.stages import ppo_run  # noqa: E402
+from llm_rlhf.ppo import building as ppo_building  # noqa: E402
 
 
 def main() -> None:
@@ -40,7 +40,7 @@ def main() -> None:
                      rollout_batch_size=8 // accelerator.num_processes, mini_batch_size=4 // accelerator.num_processes,
                      steps=1)  # fmt: skip
     tokenizer = load_tokenizer(cfg.model_name_or_path, padding_side="left")
-    trainer = ppo_run.build_trainer(cfg, accelerator, tokenizer, ppo_run.load_prompts(cfg, tokenizer))
+    trainer = ppo_building.build_trainer(cfg, accelerator, tokenizer, ppo_building.load_prompts(cfg, tokenizer))
     greedy = dataclasses.replace(trainer.sampling, temperature=0.0)
     samples = trainer.room.generate(trainer.room.queries(0), sampling=greedy)
     rows = [

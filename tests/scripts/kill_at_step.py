@@ -12,19 +12,19 @@ import signal
 import sys
 
 from llm_rlhf.interfaces import cli
-from llm_rlhf.stages import ppo
+from llm_rlhf.ppo import trainer as ppo_trainer
 
 
 def main() -> None:
     kill_at, args = int(sys.argv[1]), sys.argv[2:]
-    ppo_step = ppo.PPOTrainer.ppo_step
+    ppo_step = ppo_trainer.PPOTrainer.ppo_step
 
     def killed_at_step(self):
         if self.step + 1 == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
         return ppo_step(self)
 
-    ppo.PPOTrainer.ppo_step = killed_at_step
+    ppo_trainer.PPOTrainer.ppo_step = killed_at_step
     cli.exit_process(cli.main(args))
 
 

@@ -39,7 +39,7 @@ rank's run to max_new_tokens: "sampled_lengths" holds each rank's longest respon
 MODE "lora": "same" with a LoRA adapter (LORA; the reference is the policy with the adapter disabled), on one
 process or under DeepSpeed as in MODE gae_grpo (under ZeRO-3 the adapter's and the base model's parameters
 partitioned alike, then the sampling with rank 0 ending at once); after the update the policy is saved with
-merge_lora false (`ppo_run.save_policy`: under ZeRO-3 gathered from the partitions) into OUT_JSON's path
+merge_lora false (`ppo_checkpoints.save_policy`: under ZeRO-3 gathered from the partitions) into OUT_JSON's path
 without its suffix.
 
 MODE "loss_options": for each configuration of LOSS_OPTIONS (the policy-loss family of issue 37: clip-higher,
@@ -66,9 +66,11 @@ from accelerate import Accelerator
 
 from llm_rlhf.core.utils import use_cpu_ddp_without_gpus
 from llm_rlhf.models.loading import load_tokenizer
+from llm_rlhf.ppo import building as ppo_building
+from llm_rlhf.ppo import checkpoints as ppo_checkpoints
+from llm_rlhf.ppo import trainer as ppo_trainer
 from llm_rlhf.rl import token_math
 from llm_rlhf.rl.rollout import Samples, left_pad
-from llm_rlhf.stages import ppo, ppo_run
 
 GLOBAL_BATCH, R = 8, 6
 ESTIMATORS = {"grpo": 4, "dr_grpo": 4, "rloo": 4, "reinforce_pp": 2, "remax": 1}  # samples per prompt
@@ -102,7 +104,7 @@ def run(
     world, rank = accelerator.num_processes, accelerator.process_index
     local = GLOBAL_BATCH // world  # episodes per rank: whole groups (k divides it)
     loss_options = mode == "loss_options"
-    cfg = ppo.Config(
+    cfg = ppo_trainer.Config(
         model_name_or_path=model_dir,
         reward_model_path=rm_dir.split(",") if "," in rm_dir else rm_dir,
         ensemble_combine=combine,
@@ -127,8 +129,8 @@ def run(
         **(options or {}),
     )
     tokenizer = load_tokenizer(model_dir, padding_side="left")
-    prompts = ppo_run.load_prompts(cfg, tokenizer)
-    trainer = ppo_run.build_trainer(cfg, accelerator, tokenizer, prompts)
+    prompts = ppo_building.load_prompts(cfg, tokenizer)
+    trainer = ppo_building.build_trainer(cfg, accelerator, tokenizer, prompts)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     rounds = {}  # PPO step -> sampling rounds so far (dynamic sampling samples more than once)
 
@@ -196,7 +198,7 @@ def run(
     metrics = [trainer.ppo_step() for _ in range(steps)]
     accelerator.clip_grad_norm_ = clip
     if save_to is not None:
-        ppo_run.save_policy(trainer, dataclasses.replace(cfg, merge_lora=False), save_to)
+        ppo_checkpoints.save_policy(trainer, dataclasses.replace(cfg, merge_lora=False), save_to)
     lengths = []
     if trainer.acc.zero3:
         trainer.room.generate = real_generate

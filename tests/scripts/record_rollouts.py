@@ -16,13 +16,13 @@ import sys
 from pathlib import Path
 
 from llm_rlhf.interfaces import cli
-from llm_rlhf.stages import ppo
+from llm_rlhf.ppo import trainer as ppo_trainer
 
 
 def main() -> None:
     out, args = Path(sys.argv[1]), sys.argv[2:]
     records = []
-    original = ppo.PPOTrainer.rollout
+    original = ppo_trainer.PPOTrainer.rollout
 
     def recorded(self, queries, *args, **kwargs):  # times: as `ppo_step` passes it
         rollout, scores = original(self, queries, *args, **kwargs)
@@ -40,7 +40,7 @@ def main() -> None:
         )
         return rollout, scores
 
-    ppo.PPOTrainer.rollout = recorded
+    ppo_trainer.PPOTrainer.rollout = recorded
     code = cli.main(args)
     rank = int(os.environ.get("RANK", "0"))
     out.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ DIR/report/. What the report reads (any of it may be missing: that section says 
     DIR/rm/train_log.json    (or log.jsonl)   RM loss, accuracy and margin
     DIR/ppo/metrics.jsonl    one line per PPO step;   DIR/ppo/samples.jsonl   logged responses
     DIR/ppo/eval_log.jsonl   held-out kl, rm_score, gold_score during PPO (the over-optimisation curve), the
-                             degeneracy rates (`llm_rlhf.rl.hacking`) and, on a task with a verifier, accuracy
+                             degeneracy rates (`llm_rlhf.evaluation.hacking`) and, on a task with a verifier, accuracy
                              (sampled and greedy, with standard errors): accuracy against step and KL
     DIR/ppo/eval_samples.jsonl   each held-out sample's proxy and gold score (the reward-hacking watch)
     DIR/eval/metrics.json, DIR/eval/samples.jsonl    final policy vs baseline (SFT; the starting model of a

@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from llm_rlhf.evaluation import metric_names
 from llm_rlhf.interfaces.report.figures import add_legend, new_figure, no_data, nth_color
 from llm_rlhf.interfaces.report.numbers import logged, num
 from llm_rlhf.interfaces.report.page import Page
 from llm_rlhf.interfaces.report.runs import Run, config_value, name_stem, run_estimator
 from llm_rlhf.interfaces.report.samples import TURNS, episodes_table
-from llm_rlhf.stages import eval_metrics
 
 # Held-out accuracy on a task with a verifier (issue 25): (key, what it is). The key's standard error is
 # key + STDERR; in eval/metrics.json the baseline's are key + BASELINE and key + STDERR + BASELINE.
-ACCURACY_KINDS = ((eval_metrics.ACCURACY, "sampled"), (eval_metrics.ACCURACY_GREEDY, "greedy"))
-STEP, KL = eval_metrics.LOG_STEP, eval_metrics.LOG_KL  # the x axes: PPO's step, the KL to the reference
+ACCURACY_KINDS = ((metric_names.ACCURACY, "sampled"), (metric_names.ACCURACY_GREEDY, "greedy"))
+STEP, KL = metric_names.LOG_STEP, metric_names.LOG_KL  # the x axes: PPO's step, the KL to the reference
 
 
 def accuracy_logged(eval_log: list[dict] | None) -> bool:
@@ -34,7 +34,7 @@ def accuracy_points(eval_log: list[dict] | None, key: str, x: str = STEP):
     )
     return tuple(
         np.array([num(r.get(k)) for r in rows], dtype=float)
-        for k in (STEP, x, key, key + eval_metrics.STDERR)
+        for k in (STEP, x, key, key + metric_names.STDERR)
     )
 
 
@@ -144,7 +144,7 @@ def plot_compare_accuracy(runs: list[Run]):
 def section_accuracy(page: Page, run: Run, gold: bool) -> None:
     """PPO's held-out accuracy (a task with a verifier) against step and KL."""
     page.add("<h3>Held-out accuracy against step and KL</h3>")
-    verifier = (run.metrics.get("eval") or {}).get(eval_metrics.ACCURACY_FN) or config_value(
+    verifier = (run.metrics.get("eval") or {}).get(metric_names.ACCURACY_FN) or config_value(
         run, "ppo", "reward_fn"
     )
     caption = (

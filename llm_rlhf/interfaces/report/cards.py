@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 
+from llm_rlhf.evaluation import metric_names
 from llm_rlhf.interfaces.report.accuracy import ACCURACY_KINDS, accuracy_points
 from llm_rlhf.interfaces.report.numbers import first_of, num
 from llm_rlhf.interfaces.report.page import formatted, plus_minus
@@ -18,8 +19,8 @@ from llm_rlhf.interfaces.report.runs import (
     planned,
     without_reward_model,
 )
+from llm_rlhf.ppo import metrics as ppo_metrics
 from llm_rlhf.rl.estimators import DEFAULT_ESTIMATOR, ESTIMATORS
-from llm_rlhf.stages import eval_metrics, ppo_metrics
 
 
 def _card(label: str, value: str, sub: str = "") -> str:
@@ -34,7 +35,7 @@ def headline_cards(run: Run) -> str:
     """The cards: SFT and RM (when part of the run), PPO's score and KL, the estimator, held-out accuracy,
     the gold's win rate and its parts, the reward-hacking alarm, the wall time."""
     accuracy = accuracy_cards(run)  # with no gold, held-out accuracy takes the gold win rate's place
-    gold = final_value(run, "eval", eval_metrics.GOLD_WIN_RATE)
+    gold = final_value(run, "eval", metric_names.GOLD_WIN_RATE)
     cards = [
         *sft_rm_cards(run),
         *ppo_cards(run),
@@ -91,19 +92,19 @@ def ppo_cards(run: Run) -> list[str]:
 
 def gold_card(run: Run) -> str:
     """The gold's win rate against the SFT model, with the reward model's."""
-    gold = final_value(run, "eval", eval_metrics.GOLD_WIN_RATE)
-    rm_win = final_value(run, "eval", eval_metrics.RM_WIN_RATE)
+    gold = final_value(run, "eval", metric_names.GOLD_WIN_RATE)
+    rm_win = final_value(run, "eval", metric_names.RM_WIN_RATE)
     return _card("Gold win rate", formatted(gold, ".1%"),
                  f"vs SFT; RM win rate {formatted(rm_win, '.1%')}" if rm_win is not None else "vs SFT")  # fmt: skip
 
 
 def gold_part_cards(run: Run) -> list[str]:
     """The fluency-aware gold's parts: the sentiment win rate and the fluency perplexity (none without them)."""
-    sentiment = final_value(run, "eval", eval_metrics.SENTIMENT_WIN_RATE)
-    fluency = final_value(run, "eval", eval_metrics.FLUENCY_PERPLEXITY)
+    sentiment = final_value(run, "eval", metric_names.SENTIMENT_WIN_RATE)
+    fluency = final_value(run, "eval", metric_names.FLUENCY_PERPLEXITY)
     if sentiment is None or fluency is None:
         return []
-    fluency_sft = final_value(run, "eval", eval_metrics.FLUENCY_PERPLEXITY + eval_metrics.BASELINE)
+    fluency_sft = final_value(run, "eval", metric_names.FLUENCY_PERPLEXITY + metric_names.BASELINE)
     return [
         _card("Sentiment win rate", formatted(sentiment, ".1%"), "vs SFT, the gold's sentiment part alone"),
         _card(
@@ -121,13 +122,13 @@ def accuracy_cards(run: Run) -> list[str]:
         policy = final_value(run, "eval", key)
         if policy is not None:
             baseline = plus_minus(
-                final_value(run, "eval", key + eval_metrics.BASELINE),
-                final_value(run, "eval", key + eval_metrics.STDERR + eval_metrics.BASELINE),
+                final_value(run, "eval", key + metric_names.BASELINE),
+                final_value(run, "eval", key + metric_names.STDERR + metric_names.BASELINE),
             )
             cards.append(
                 _card(
                     f"Held-out accuracy, {kind}",
-                    plus_minus(policy, final_value(run, "eval", key + eval_metrics.STDERR)),
+                    plus_minus(policy, final_value(run, "eval", key + metric_names.STDERR)),
                     f"policy; {baseline_name(run)} {baseline}",
                 )
             )
@@ -157,7 +158,7 @@ def estimator_card(run: Run) -> list[str]:
 
 
 def watch_cards(run: Run) -> list[str]:
-    """The reward-hacking alarm (`llm_rlhf.rl.hacking`): fired at PPO step N (its rules) or quiet over PPO's held-out
+    """The reward-hacking alarm (`llm_rlhf.evaluation.hacking`): fired at PPO step N (its rules) or quiet over PPO's held-out
     evaluations, with the best evaluation's step and the step the run returned; else the final evaluation's
     counter rules alone. No card when neither was logged."""
     alarm, final = heldout_alarm(run), final_alarm(run)

@@ -10,6 +10,7 @@ from typing import Any
 
 import yaml
 
+from llm_rlhf.evaluation import metric_names
 from llm_rlhf.interfaces.report.accuracy import (
     ACCURACY_KINDS,
     accuracy_logged,
@@ -32,21 +33,21 @@ from llm_rlhf.interfaces.report.runs import (
     run_estimator,
 )
 from llm_rlhf.interfaces.report.seeds import section_seeds
-from llm_rlhf.stages import eval_metrics, ppo_metrics
+from llm_rlhf.ppo import metrics as ppo_metrics
 
 # Headline columns of the side-by-side table: (stage whose final metrics hold it, key); a column no run has a
 # value for is left out (`compare_columns`).
 COMPARE_COLUMNS = (
-    ("eval", eval_metrics.ACCURACY),
-    ("eval", eval_metrics.ACCURACY_GREEDY),
-    ("eval", eval_metrics.GOLD_WIN_RATE),
-    ("eval", eval_metrics.SENTIMENT_WIN_RATE),
-    ("eval", eval_metrics.FLUENCY_PERPLEXITY),
-    ("eval", eval_metrics.FLUENCY_PERPLEXITY + eval_metrics.BASELINE),
-    ("eval", eval_metrics.RM_WIN_RATE),
-    ("eval", eval_metrics.KL_TO_REF),
-    ("eval", eval_metrics.GOLD_SCORE_MEAN),
-    ("eval", eval_metrics.RM_SCORE_MEAN),
+    ("eval", metric_names.ACCURACY),
+    ("eval", metric_names.ACCURACY_GREEDY),
+    ("eval", metric_names.GOLD_WIN_RATE),
+    ("eval", metric_names.SENTIMENT_WIN_RATE),
+    ("eval", metric_names.FLUENCY_PERPLEXITY),
+    ("eval", metric_names.FLUENCY_PERPLEXITY + metric_names.BASELINE),
+    ("eval", metric_names.RM_WIN_RATE),
+    ("eval", metric_names.KL_TO_REF),
+    ("eval", metric_names.GOLD_SCORE_MEAN),
+    ("eval", metric_names.RM_SCORE_MEAN),
     ("ppo", ppo_metrics.OBJECTIVE_SCORES),
     ("ppo", ppo_metrics.OBJECTIVE_KL),
     ("ppo", ppo_metrics.OBJECTIVE_KL_COEF),
@@ -89,15 +90,15 @@ def heldout_accuracy(run: Run, key: str) -> Any:
     if not rows:
         return None
     last = rows[-1]
-    text = plus_minus(num(last[key]), num(last.get(key + eval_metrics.STDERR)))
-    return RawNumber(html.escape(f"{text} (step {last.get(eval_metrics.LOG_STEP)})"))
+    text = plus_minus(num(last[key]), num(last.get(key + metric_names.STDERR)))
+    return RawNumber(html.escape(f"{text} (step {last.get(metric_names.LOG_STEP)})"))
 
 
 def column_value(run: Run, stage: str, key: str) -> Any:
     """A cell of the side-by-side table: the final value; an accuracy as a percentage ± its standard error."""
     value = final_value(run, stage, key)
     if key in dict(ACCURACY_KINDS) and value is not None:
-        return RawNumber(html.escape(plus_minus(value, final_value(run, stage, key + eval_metrics.STDERR))))
+        return RawNumber(html.escape(plus_minus(value, final_value(run, stage, key + metric_names.STDERR))))
     return value
 
 

@@ -13,21 +13,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from llm_rlhf.interfaces.report.numbers import num
-from llm_rlhf.interfaces.report.page import (
-    Page,
-    num_cell,
-    pct,
-    skip_section,
-    skipped_note,
-    table,
-    wall_time_line,
-)
-from llm_rlhf.interfaces.report.runs import Run, baseline_name, config_value, planned
-from llm_rlhf.interfaces.report.samples import SAMPLE_ROWS, pair_samples_table, sample_value
-from llm_rlhf.rl import hacking
-from llm_rlhf.stages import eval_metrics
-from llm_rlhf.stages.eval_metrics import (
+from llm_rlhf.evaluation import hacking, metric_names
+from llm_rlhf.evaluation.metric_names import (
     ACCURACY,
     ACCURACY_FN,
     ACCURACY_GREEDY,
@@ -77,6 +64,18 @@ from llm_rlhf.stages.eval_metrics import (
     SENTIMENT_WIN_RATE,
     TEMPERATURE,
 )
+from llm_rlhf.interfaces.report.numbers import num
+from llm_rlhf.interfaces.report.page import (
+    Page,
+    num_cell,
+    pct,
+    skip_section,
+    skipped_note,
+    table,
+    wall_time_line,
+)
+from llm_rlhf.interfaces.report.runs import Run, baseline_name, config_value, planned
+from llm_rlhf.interfaces.report.samples import SAMPLE_ROWS, pair_samples_table, sample_value
 
 
 def gold_note(run: Run) -> str | None:
@@ -119,7 +118,7 @@ class EvalRow:
     sample: str | None = None
 
 
-MEMBERS = eval_metrics.RM_SCORE_MEMBER + "*"  # stands for every ensemble member's row (`eval_groups`)
+MEMBERS = metric_names.RM_SCORE_MEMBER + "*"  # stands for every ensemble member's row (`eval_groups`)
 
 EVAL_GROUPS: tuple[tuple[str, tuple[EvalRow, ...]], ...] = (
     ("Held-out accuracy (a task with a verifier: the fraction of responses it scores correct)", (
@@ -161,13 +160,13 @@ EVAL_GROUPS: tuple[tuple[str, tuple[EvalRow, ...]], ...] = (
         EvalRow("a repeated word 3-gram", hacking.REPEATED_NGRAM_RATE),
         EvalRow("empty", hacking.EMPTY_RATE),
     )),
-    ("Collapse (onto one phrase: the reward-hacking alarm's counters, `llm_rlhf.rl.hacking`)", (
-        EvalRow("the response to another prompt too (fraction)", eval_metrics.DUPLICATE_RATE),
-        EvalRow("the most frequent word bigram's share", eval_metrics.TOP_BIGRAM_SHARE),
-        EvalRow("holding the most shared word bigram (fraction)", eval_metrics.SHARED_BIGRAM_RATE),
-        EvalRow("word distinct-2", eval_metrics.WORD_DISTINCT_2),
-        EvalRow("one same response to several prompts (largest fraction)", eval_metrics.TOP_RESPONSE_SHARE),
-        EvalRow("copies its prompt (fraction)", eval_metrics.ECHO_RATE),
+    ("Collapse (onto one phrase: the reward-hacking alarm's counters, `llm_rlhf.evaluation.hacking`)", (
+        EvalRow("the response to another prompt too (fraction)", metric_names.DUPLICATE_RATE),
+        EvalRow("the most frequent word bigram's share", metric_names.TOP_BIGRAM_SHARE),
+        EvalRow("holding the most shared word bigram (fraction)", metric_names.SHARED_BIGRAM_RATE),
+        EvalRow("word distinct-2", metric_names.WORD_DISTINCT_2),
+        EvalRow("one same response to several prompts (largest fraction)", metric_names.TOP_RESPONSE_SHARE),
+        EvalRow("copies its prompt (fraction)", metric_names.ECHO_RATE),
     )),
 )  # fmt: skip
 
@@ -180,8 +179,8 @@ def paired_stderr(samples: list[dict] | None, field_name: str | None) -> float |
         return None
     diffs = [
         (
-            sample_value(s.get(eval_metrics.side("policy", field_name))),
-            sample_value(s.get(eval_metrics.side("baseline", field_name))),
+            sample_value(s.get(metric_names.side("policy", field_name))),
+            sample_value(s.get(metric_names.side("baseline", field_name))),
         )
         for s in samples
     ]
@@ -211,13 +210,13 @@ def expand(spec: EvalRow, metrics: dict) -> list[EvalRow]:
     if spec.key == MEMBERS:
         members = sorted(
             (k.removesuffix("_mean") for k in metrics
-             if k.startswith(eval_metrics.RM_SCORE_MEMBER) and k.endswith("_mean")),
+             if k.startswith(metric_names.RM_SCORE_MEMBER) and k.endswith("_mean")),
             key=lambda k: int(k.rsplit("_", 1)[1]),
         )  # fmt: skip
         return [EvalRow(f"RM member {k.rsplit('_', 1)[1]}", f"{k}_mean") for k in members]
     if (
-        spec.key == eval_metrics.KL_TO_REF_AT_TEMPERATURE
-        and num(metrics.get(eval_metrics.TEMPERATURE)) == 1.0
+        spec.key == metric_names.KL_TO_REF_AT_TEMPERATURE
+        and num(metrics.get(metric_names.TEMPERATURE)) == 1.0
     ):
         return []
     return [spec]
@@ -225,7 +224,7 @@ def expand(spec: EvalRow, metrics: dict) -> list[EvalRow]:
 
 def eval_row(row: EvalRow, metrics: dict, samples: list[dict] | None) -> dict | None:
     """One row of `eval_groups`; None when neither the policy's nor the baseline's figure was measured."""
-    baseline_of = eval_metrics.BASELINE
+    baseline_of = metric_names.BASELINE
     policy, baseline = num(metrics.get(row.key)), num(metrics.get(row.key + baseline_of))
     if policy is None and baseline is None:
         return None
@@ -238,7 +237,7 @@ def eval_row(row: EvalRow, metrics: dict, samples: list[dict] | None) -> dict | 
         "difference": policy - baseline if both else None,
         "diff_stderr": paired if paired is not None else unpaired, "paired": paired is not None,
         "win": num(metrics.get(row.win)) if row.win else None,
-        "win_stderr": num(metrics.get(row.win + eval_metrics.STDERR)) if row.win else None,
+        "win_stderr": num(metrics.get(row.win + metric_names.STDERR)) if row.win else None,
     }  # fmt: skip
 
 
@@ -338,7 +337,7 @@ def section_eval(page: Page, run: Run) -> None:
             "sqrt(se_policy² + se_baseline²), as if unpaired. Win rate: the fraction of pairs in which the "
             "policy's sample scores higher (ties count one half). Rows the run did not measure are left out.</p>"
         )
-        validity = metrics.get(eval_metrics.GOLD_JUDGE_VALIDITY)
+        validity = metrics.get(metric_names.GOLD_JUDGE_VALIDITY)
         if isinstance(validity, dict) and validity:
             page.add(validity_table(validity))
         page.add(

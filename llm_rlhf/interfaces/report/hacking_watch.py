@@ -1,6 +1,6 @@
 """Section 5, the reward-hacking watch: the alarm (where it fired, its rule and the samples that fired it, or
 that it stayed quiet), the samples the proxy likes far more than the gold, and the degeneracy and collapse
-counters (`llm_rlhf.rl.hacking`).
+counters (`llm_rlhf.evaluation.hacking`).
 """
 
 from __future__ import annotations
@@ -9,14 +9,7 @@ import html
 
 import numpy as np
 
-from llm_rlhf.interfaces.report.accuracy import accuracy_logged
-from llm_rlhf.interfaces.report.cards import accuracy_cards
-from llm_rlhf.interfaces.report.figures import new_figure, no_data, nth_color
-from llm_rlhf.interfaces.report.numbers import first_of, num, series
-from llm_rlhf.interfaces.report.page import Page, num_cell, pct, table
-from llm_rlhf.interfaces.report.runs import Run, baseline_name, final_alarm, final_value, heldout_alarm
-from llm_rlhf.interfaces.report.samples import shown_text
-from llm_rlhf.rl.hacking import (
+from llm_rlhf.evaluation.hacking import (
     CHAR_RUN_RATE,
     COUNTER_RULES,
     DEFAULT_RESPONSES,
@@ -33,7 +26,7 @@ from llm_rlhf.rl.hacking import (
     most_shared_bigram,
     standardised_gaps,
 )
-from llm_rlhf.stages.eval_metrics import (
+from llm_rlhf.evaluation.metric_names import (
     BASELINE,
     COLLAPSE_KEYS,
     COMBINED_SCORE,
@@ -53,6 +46,13 @@ from llm_rlhf.stages.eval_metrics import (
     WORD_DISTINCT_2,
     side,
 )
+from llm_rlhf.interfaces.report.accuracy import accuracy_logged
+from llm_rlhf.interfaces.report.cards import accuracy_cards
+from llm_rlhf.interfaces.report.figures import new_figure, no_data, nth_color
+from llm_rlhf.interfaces.report.numbers import first_of, num, series
+from llm_rlhf.interfaces.report.page import Page, num_cell, pct, table
+from llm_rlhf.interfaces.report.runs import Run, baseline_name, final_alarm, final_value, heldout_alarm
+from llm_rlhf.interfaces.report.samples import shown_text
 
 WATCH_TOP = 3  # samples shown per evaluation
 
@@ -310,7 +310,7 @@ def degeneracy_counters(page: Page, run: Run, evaluations: list[dict]) -> None:
             "PPO's held-out evaluations: the fraction of responses that are also the response to another prompt, "
             "the most frequent word bigram's share of all bigrams, the fraction of responses holding the most "
             "shared bigram, and word distinct-2; dashed: the alarm's threshold, set against the step-0 "
-            "evaluation's value (`llm_rlhf.rl.hacking`).",
+            "evaluation's value (`llm_rlhf.evaluation.hacking`).",
         )
     page.add(counters_table(evaluations))
 

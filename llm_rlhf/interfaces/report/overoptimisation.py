@@ -8,23 +8,23 @@ import math
 
 import numpy as np
 
+from llm_rlhf.evaluation import metric_names
 from llm_rlhf.interfaces.report.figures import new_figure, no_data, nth_color, twin_axis
 from llm_rlhf.interfaces.report.numbers import num
 from llm_rlhf.interfaces.report.page import Page, skip_section
 from llm_rlhf.interfaces.report.runs import Run, config_value
-from llm_rlhf.stages import eval_metrics
 
 
 def eval_points(eval_log: list[dict]):
     """(step, kl, rm_score, gold_score) arrays of the held-out evaluations with a KL and a gold score, in step
     order; rm_score is NaN where no reward model scored (a run on a reward function alone)."""
-    keys = (eval_metrics.LOG_STEP, eval_metrics.LOG_KL, eval_metrics.GOLD_SCORE)
+    keys = (metric_names.LOG_STEP, metric_names.LOG_KL, metric_names.GOLD_SCORE)
     rows = sorted(
         (r for r in eval_log if all(num(r.get(k)) is not None for k in keys[1:])),
-        key=lambda r: num(r.get(eval_metrics.LOG_STEP)) or 0,
+        key=lambda r: num(r.get(metric_names.LOG_STEP)) or 0,
     )
     step, kl, gold = (np.array([num(r.get(k)) for r in rows], dtype=float) for k in keys)
-    rm = np.array([num(r.get(eval_metrics.RM_SCORE)) for r in rows], dtype=float)  # None -> NaN
+    rm = np.array([num(r.get(metric_names.RM_SCORE)) for r in rows], dtype=float)  # None -> NaN
     return step, kl, rm, gold
 
 

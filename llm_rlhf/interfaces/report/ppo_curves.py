@@ -23,7 +23,7 @@ from llm_rlhf.interfaces.report.overoptimisation import eval_points, section_ove
 from llm_rlhf.interfaces.report.page import Page, fmt, metrics_table, skip_section, wall_time_line
 from llm_rlhf.interfaces.report.runs import Run, kl_target, without_reward_model
 from llm_rlhf.interfaces.report.samples import ppo_samples_table
-from llm_rlhf.stages import ppo_metrics
+from llm_rlhf.ppo import metrics as ppo_metrics
 
 # What PPO's score is called on a panel: (title of the reward panel, its y label, the side-by-side panel's title,
 # its y label), by whether the score is a reward model's or, with reward_model_path: none, a reward function's.

@@ -14,10 +14,11 @@ from typing import Any
 import yaml
 
 from llm_rlhf.core.config import is_off
+from llm_rlhf.evaluation import metric_names
+from llm_rlhf.evaluation.hacking import WATCH_KEYS, watch_fields
 from llm_rlhf.interfaces.report.numbers import num
+from llm_rlhf.ppo import metrics as ppo_metrics
 from llm_rlhf.rl.estimators import DEFAULT_ESTIMATOR
-from llm_rlhf.rl.hacking import WATCH_KEYS, watch_fields
-from llm_rlhf.stages import eval_metrics, ppo_metrics
 
 STAGES = ("sft", "rm", "ppo", "eval")
 
@@ -256,7 +257,7 @@ def heldout_alarm(run: Run) -> dict | None:
     does not say)}. Read from the last line of ppo/eval_log.jsonl, the run's own verdict; a log written before
     the alarm existed is read again with watch_fields (its older lines lack the collapse counters and the
     standard errors: fewer rules can fire). None without a held-out log."""
-    log = [r for r in run.eval_log or () if num(r.get(eval_metrics.LOG_STEP)) is not None]
+    log = [r for r in run.eval_log or () if num(r.get(metric_names.LOG_STEP)) is not None]
     if not log:
         return None
     if all(key in log[-1] for key in WATCH_KEYS):
@@ -266,11 +267,11 @@ def heldout_alarm(run: Run) -> dict | None:
         fields = watch_fields(log, reward_fn_weight=1.0 if weight is None else weight)
     final = run.metrics.get("ppo") or {}
     return {
-        "step": fields[eval_metrics.LOG_ALARM_STEP],
-        "rules": list(fields[eval_metrics.LOG_ALARM_RULES] or []),
-        "reasons": list(fields[eval_metrics.LOG_ALARM_REASONS] or []),
-        "best_step": fields[eval_metrics.LOG_BEST_STEP],
-        "steps": [num(r[eval_metrics.LOG_STEP]) for r in log],
+        "step": fields[metric_names.LOG_ALARM_STEP],
+        "rules": list(fields[metric_names.LOG_ALARM_RULES] or []),
+        "reasons": list(fields[metric_names.LOG_ALARM_REASONS] or []),
+        "best_step": fields[metric_names.LOG_BEST_STEP],
+        "steps": [num(r[metric_names.LOG_STEP]) for r in log],
         "stopped": final.get(ppo_metrics.STOPPED_ON_ALARM) is True,
         "returned_step": num(final.get(ppo_metrics.RETURNED_STEP)),
     }
@@ -280,9 +281,9 @@ def final_alarm(run: Run) -> dict | None:
     """The alarm's counter rules on the final evaluation (eval/metrics.json, `evaluate.final_alarm`): {"rules",
     "reasons"}; None when metrics.json does not hold them (an older evaluation, or none)."""
     metrics = run.metrics.get("eval") or {}
-    if not isinstance(metrics.get(eval_metrics.ALARM_RULES), list):
+    if not isinstance(metrics.get(metric_names.ALARM_RULES), list):
         return None
     return {
-        "rules": list(metrics[eval_metrics.ALARM_RULES]),
-        "reasons": list(metrics.get(eval_metrics.ALARM_REASONS) or []),
+        "rules": list(metrics[metric_names.ALARM_RULES]),
+        "reasons": list(metrics.get(metric_names.ALARM_REASONS) or []),
     }

@@ -7,10 +7,7 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from llm_rlhf.interfaces.report.numbers import num
-from llm_rlhf.interfaces.report.page import num_cell
-from llm_rlhf.stages import ppo_metrics
-from llm_rlhf.stages.eval_metrics import (
+from llm_rlhf.evaluation.metric_names import (
     COMBINED_SCORE,
     CORRECT,
     EOS,
@@ -28,6 +25,9 @@ from llm_rlhf.stages.eval_metrics import (
     SENTIMENT,
     side,
 )
+from llm_rlhf.interfaces.report.numbers import num
+from llm_rlhf.interfaces.report.page import num_cell
+from llm_rlhf.ppo import metrics as ppo_metrics
 
 TURNS = (
     "turns"  # an episode's transcript: eval_samples.jsonl; policy_turns and baseline_turns in samples.jsonl

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from llm_rlhf.evaluation import metric_names
 from llm_rlhf.interfaces.report.accuracy import ACCURACY_KINDS
 from llm_rlhf.interfaces.report.figures import new_figure, no_data, nth_color
 from llm_rlhf.interfaces.report.numbers import first_of, logged, num
@@ -32,7 +33,7 @@ from llm_rlhf.interfaces.report.runs import (
     name_stem,
     run_estimator,
 )
-from llm_rlhf.stages import eval_metrics, ppo_metrics
+from llm_rlhf.ppo import metrics as ppo_metrics
 
 SEED_FREE = ("seed", "output_dir")  # the PPO config keys in which a group's runs may differ
 # the figure's x axes: (the key of `group_evaluations`, the axis label, the panel's title)
@@ -184,9 +185,9 @@ def group_evaluations(runs: list[Run], key: str) -> dict[str, np.ndarray]:
     held-out KL), "responses" and "seconds" (`progress`)}; NaN where a seed's log lacks the number."""
     logs = [
         {
-            num(r.get(eval_metrics.LOG_STEP)): r
+            num(r.get(metric_names.LOG_STEP)): r
             for r in run.eval_log or ()
-            if num(r.get(eval_metrics.LOG_STEP)) is not None and num(r.get(key)) is not None
+            if num(r.get(metric_names.LOG_STEP)) is not None and num(r.get(key)) is not None
         }
         for run in runs
     ]
@@ -201,7 +202,7 @@ def group_evaluations(runs: list[Run], key: str) -> dict[str, np.ndarray]:
     return {
         "step": np.array(steps, dtype=float),
         "accuracy": rows(lambda i, s: num(logs[i][s].get(key))),
-        "kl": rows(lambda i, s: first_of(num(logs[i][s].get(eval_metrics.LOG_KL)), np.nan)),
+        "kl": rows(lambda i, s: first_of(num(logs[i][s].get(metric_names.LOG_KL)), np.nan)),
         "responses": rows(lambda i, s: made[i].get(s, (np.nan, np.nan))[0]),
         "seconds": rows(lambda i, s: made[i].get(s, (np.nan, np.nan))[1]),
     }

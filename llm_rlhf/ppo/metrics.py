@@ -12,7 +12,7 @@ beside their writers; `llm_rlhf.interfaces.report` reads the logs by these names
 
 from __future__ import annotations
 
-from llm_rlhf.rl import hacking
+from llm_rlhf.evaluation import hacking
 
 STEP = "step"  # PPO steps done: 1 on the first line
 EPISODES = "episodes"  # responses sampled so far, over every process

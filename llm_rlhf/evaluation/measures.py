@@ -27,6 +27,8 @@ from tqdm.auto import tqdm
 
 from llm_rlhf.core.data import load_prompt_dataset, prompt_rules
 from llm_rlhf.core.errors import UserError
+from llm_rlhf.evaluation import metric_names
+from llm_rlhf.evaluation.hacking import COLLAPSE_KEYS, DEGENERACY_KEYS, collapse_rates, degeneracy_rates
 from llm_rlhf.models.gold import judge_pairs, load_judge
 from llm_rlhf.models.loading import (
     load_tokenizer,
@@ -35,12 +37,6 @@ from llm_rlhf.models.reward_fn import RewardFn, load_reward_fn, probe
 from llm_rlhf.models.scoring import Scorer, Scores
 from llm_rlhf.rl import ppo_math, token_math
 from llm_rlhf.rl.episodes import EPISODE_FIGURES, EpisodePlay, episode_figures, episode_record, run_episodes
-from llm_rlhf.rl.hacking import (
-    COLLAPSE_KEYS,
-    DEGENERACY_KEYS,
-    collapse_rates,
-    degeneracy_rates,
-)
 from llm_rlhf.rl.rollout import (
     Samples,
     Sampling,
@@ -49,7 +45,6 @@ from llm_rlhf.rl.rollout import (
     response_logits,
     sample,
 )
-from llm_rlhf.stages import eval_metrics
 
 # ---------------------------------------------------------------------------------------------
 # Metrics: small pure functions
@@ -308,7 +303,7 @@ def greedy_records(model, tokenizer, prompts: list[str], draws: PairedSampling, 
     return sample_and_score(model, tokenizer, prompts, draws.greedy(), measures=Measures(verifier=verifier))
 
 
-ACCURACY_KEYS = eval_metrics.ACCURACY_KEYS
+ACCURACY_KEYS = metric_names.ACCURACY_KEYS
 
 
 def accuracy_figures(
@@ -347,13 +342,13 @@ def summarize(
     samples_per_prompt consecutive records per prompt: `mean_and_stderr_over_prompts`); keys end with `suffix`."""
     out: dict[str, float | None] = {}
     for key, name in (
-        (eval_metrics.GOLD_SCORE, eval_metrics.GOLD_SCORE_MEAN),
-        (eval_metrics.SENTIMENT, eval_metrics.SENTIMENT_MEAN),
-        (eval_metrics.RM_SCORE, eval_metrics.RM_SCORE_MEAN),
-        (eval_metrics.REWARD_FN, eval_metrics.REWARD_FN_MEAN),
-        (eval_metrics.COMBINED_SCORE, eval_metrics.COMBINED_SCORE_MEAN),
-        (eval_metrics.KL_TO_REF, eval_metrics.KL_TO_REF),
-        (eval_metrics.KL_TO_REF_AT_TEMPERATURE, eval_metrics.KL_TO_REF_AT_TEMPERATURE),
+        (metric_names.GOLD_SCORE, metric_names.GOLD_SCORE_MEAN),
+        (metric_names.SENTIMENT, metric_names.SENTIMENT_MEAN),
+        (metric_names.RM_SCORE, metric_names.RM_SCORE_MEAN),
+        (metric_names.REWARD_FN, metric_names.REWARD_FN_MEAN),
+        (metric_names.COMBINED_SCORE, metric_names.COMBINED_SCORE_MEAN),
+        (metric_names.KL_TO_REF, metric_names.KL_TO_REF),
+        (metric_names.KL_TO_REF_AT_TEMPERATURE, metric_names.KL_TO_REF_AT_TEMPERATURE),
     ):
         values = [r.get(key) for r in records]
         mean, stderr = None, None
@@ -361,15 +356,15 @@ def summarize(
             mean = mean_and_stderr(values)[0]
             stderr = mean_and_stderr_over_prompts(values, samples_per_prompt)[1]
         out[name + suffix] = mean
-        out[name.removesuffix("_mean") + eval_metrics.STDERR + suffix] = stderr
+        out[name.removesuffix("_mean") + metric_names.STDERR + suffix] = stderr
     nll = [r["fluency_nll"] for r in records]  # geometric mean of the per-response perplexities:
-    out[eval_metrics.FLUENCY_PERPLEXITY + suffix] = (
+    out[metric_names.FLUENCY_PERPLEXITY + suffix] = (
         math.exp(mean_and_stderr(nll)[0]) if None not in nll else None
     )
-    out[eval_metrics.RESPONSE_LENGTH_MEAN + suffix] = mean_and_stderr([r["length"] for r in records])[0]
-    out[eval_metrics.EOS_RATE + suffix] = mean_and_stderr([float(r["eos"]) for r in records])[0]
-    out[eval_metrics.DISTINCT_1 + suffix] = distinct_n([r["response_ids"] for r in records], 1)
-    out[eval_metrics.DISTINCT_2 + suffix] = distinct_n([r["response_ids"] for r in records], 2)
+    out[metric_names.RESPONSE_LENGTH_MEAN + suffix] = mean_and_stderr([r["length"] for r in records])[0]
+    out[metric_names.EOS_RATE + suffix] = mean_and_stderr([float(r["eos"]) for r in records])[0]
+    out[metric_names.DISTINCT_1 + suffix] = distinct_n([r["response_ids"] for r in records], 1)
+    out[metric_names.DISTINCT_2 + suffix] = distinct_n([r["response_ids"] for r in records], 2)
     responses = [r["response"] for r in records]
     out.update(degeneracy_rates(responses, suffix))  # issue 28: the hacking watch
     # issue 40: a policy collapsed onto one phrase trips no degeneracy counter; a repeat counts across prompts,
@@ -380,8 +375,8 @@ def summarize(
     if records[0].get("rm_member_scores") is not None:  # an ensemble: each member, and their disagreement
         per_member = zip(*[r["rm_member_scores"] for r in records])  # K tuples of one score per sample
         for k, scores in enumerate(per_member):
-            out[f"{eval_metrics.RM_SCORE_MEMBER}{k}_mean" + suffix] = mean_and_stderr(list(scores))[0]
-        out[eval_metrics.RM_DISAGREEMENT_MEAN + suffix] = mean_and_stderr(
+            out[f"{metric_names.RM_SCORE_MEMBER}{k}_mean" + suffix] = mean_and_stderr(list(scores))[0]
+        out[metric_names.RM_DISAGREEMENT_MEAN + suffix] = mean_and_stderr(
             [r["rm_disagreement"] for r in records]
         )[0]
     return out
@@ -448,30 +443,30 @@ def heldout_record(step: int, result: dict[str, Any]) -> dict[str, Any]:
     members = {
         key.removesuffix("_mean"): value
         for key, value in result.items()
-        if key.startswith((eval_metrics.RM_SCORE_MEMBER, eval_metrics.LOG_RM_DISAGREEMENT))
+        if key.startswith((metric_names.RM_SCORE_MEMBER, metric_names.LOG_RM_DISAGREEMENT))
     }  # only with an ensemble
-    with_fn = result[eval_metrics.COMBINED_SCORE_MEAN] is not None  # the proxy: what PPO maximised
+    with_fn = result[metric_names.COMBINED_SCORE_MEAN] is not None  # the proxy: what PPO maximised
     proxy, proxy_stderr = (
-        (eval_metrics.COMBINED_SCORE_MEAN, eval_metrics.COMBINED_SCORE_STDERR)
+        (metric_names.COMBINED_SCORE_MEAN, metric_names.COMBINED_SCORE_STDERR)
         if with_fn
-        else (eval_metrics.RM_SCORE_MEAN, eval_metrics.RM_SCORE_STDERR)
+        else (metric_names.RM_SCORE_MEAN, metric_names.RM_SCORE_STDERR)
     )
     return {
-        eval_metrics.LOG_STEP: step,
-        eval_metrics.LOG_KL: result[eval_metrics.KL_TO_REF],
-        eval_metrics.RM_SCORE: result[eval_metrics.RM_SCORE_MEAN],
+        metric_names.LOG_STEP: step,
+        metric_names.LOG_KL: result[metric_names.KL_TO_REF],
+        metric_names.RM_SCORE: result[metric_names.RM_SCORE_MEAN],
         **members,
-        eval_metrics.GOLD_SCORE: result[eval_metrics.GOLD_SCORE_MEAN],
-        eval_metrics.REWARD_FN: result[eval_metrics.REWARD_FN_MEAN],
-        eval_metrics.SENTIMENT: result[eval_metrics.SENTIMENT_MEAN],
-        eval_metrics.FLUENCY_PERPLEXITY: result[eval_metrics.FLUENCY_PERPLEXITY],
-        eval_metrics.EOS_RATE: result[eval_metrics.EOS_RATE],
-        eval_metrics.LOG_RESPONSE_LENGTH: result[eval_metrics.RESPONSE_LENGTH_MEAN],
+        metric_names.GOLD_SCORE: result[metric_names.GOLD_SCORE_MEAN],
+        metric_names.REWARD_FN: result[metric_names.REWARD_FN_MEAN],
+        metric_names.SENTIMENT: result[metric_names.SENTIMENT_MEAN],
+        metric_names.FLUENCY_PERPLEXITY: result[metric_names.FLUENCY_PERPLEXITY],
+        metric_names.EOS_RATE: result[metric_names.EOS_RATE],
+        metric_names.LOG_RESPONSE_LENGTH: result[metric_names.RESPONSE_LENGTH_MEAN],
         **{key: result[key] for key in DEGENERACY_KEYS},
-        **{key: result[key] for key in (*COLLAPSE_KEYS, eval_metrics.NUM_RESPONSES)},
+        **{key: result[key] for key in (*COLLAPSE_KEYS, metric_names.NUM_RESPONSES)},
         **{key: result[key] for key in ACCURACY_KEYS},
-        eval_metrics.GOLD_SCORE_STDERR: result[eval_metrics.GOLD_SCORE_STDERR],
-        eval_metrics.LOG_PROXY: result[proxy],
-        eval_metrics.LOG_PROXY_STDERR: result[proxy_stderr],
+        metric_names.GOLD_SCORE_STDERR: result[metric_names.GOLD_SCORE_STDERR],
+        metric_names.LOG_PROXY: result[proxy],
+        metric_names.LOG_PROXY_STDERR: result[proxy_stderr],
         **{key: result[key] for key in EPISODE_FIGURES if result.get(key) is not None},  # episodes (issue 51)
     }

@@ -14,7 +14,7 @@ of eval_log.jsonl; the alarm's fields are `hacking.WATCH_KEYS` (named below).
 
 from __future__ import annotations
 
-from llm_rlhf.rl import hacking
+from llm_rlhf.evaluation import hacking
 
 BASELINE = "_baseline"  # suffix: the baseline's figure of a metrics.json key
 STDERR = "_stderr"  # suffix: a win rate's standard error

@@ -19,10 +19,10 @@ import numpy as np
 import torch
 
 from llm_rlhf.core.errors import NonFiniteError, UserError
+from llm_rlhf.ppo import metrics as ppo_metrics
 from llm_rlhf.rl import ppo_math
 from llm_rlhf.rl.policy_losses import LossInputs
 from llm_rlhf.rl.rollout import Rollout
-from llm_rlhf.stages import ppo_metrics
 
 TRAIN_STATS = (
     ppo_metrics.LOSS_POLICY,

@@ -3,7 +3,7 @@ arithmetic of a PPO step (`batch_sizes`).
 
 PPO trains a policy against a frozen reward model (or a reward function, or both), with a frozen reference
 for the KL penalty, in steps of: rollout -> reference log-probs -> scores -> per-token rewards -> advantages
--> K epochs of clipped updates on minibatches -> KL controller update (`llm_rlhf.stages.ppo`). The
+-> K epochs of clipped updates on minibatches -> KL controller update (`llm_rlhf.ppo.trainer`). The
 `advantage_estimator` is a row of `llm_rlhf.rl.estimators`: GAE over a value function, or a critic-free
 estimator (GRPO, Dr. GRPO, RLOO, REINFORCE++, ReMax) on the same rollout, KL and update; a key the chosen
 estimator does not read, set to another value than its default, is an error naming the key. The keys of the
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from llm_rlhf.core.callables import split_callable_spec
 from llm_rlhf.core.config import checked_keywords, help_field, is_off, require
 from llm_rlhf.core.data import DATA_FORMATS
+from llm_rlhf.evaluation import hacking
 from llm_rlhf.models.scoring import check_score_keys
-from llm_rlhf.rl import hacking
 from llm_rlhf.rl.episodes import EPISODE_KEYS, check_episode_keys
 from llm_rlhf.rl.estimators import (
     ADVANTAGE_ESTIMATORS,
@@ -359,7 +359,7 @@ class Config:
     save_steps: int = help_field(20, "Checkpoint every N steps (0 = only at the end).")
     resume: bool = help_field(False, "Continue from the last checkpoint in output_dir.")
     report_to: str = help_field("none", "Also log to: none | tensorboard | wandb.")
-    # --- the reward-hacking alarm (issue 40; `llm_rlhf.rl.hacking`), read at every held-out evaluation
+    # --- the reward-hacking alarm (issue 40; `llm_rlhf.evaluation.hacking`), read at every held-out evaluation
     stop_on_alarm: bool = help_field(
         False,
         "Stop the run at the held-out evaluation where the reward-hacking alarm fires (eval_every > 0; logged "
@@ -372,7 +372,7 @@ class Config:
         "evaluation's (the model PPO started from) by Fisher's exact test of two proportions at p <= "
         f"{hacking.COUNTER_ALPHA:.2g}: a threshold that scales with the number of held-out responses and the "
         f"rate, with at most {hacking.ALPHA:g} false alarms per run of up to {hacking.MAX_EVALS} evaluations "
-        "(`llm_rlhf.rl.hacking`; recipes/reviews/README.md has the simulated rates). The run then saves and "
+        "(`llm_rlhf.evaluation.hacking`; recipes/reviews/README.md has the simulated rates). The run then saves and "
         "returns its policy of that step (with keep_best: the best evaluation's).",
     )
     keep_best: bool = help_field(

@@ -25,10 +25,10 @@ import torch
 
 from llm_rlhf.core.errors import UserError
 from llm_rlhf.models.scoring import Scorer, Scores
+from llm_rlhf.ppo import metrics as ppo_metrics
 from llm_rlhf.rl import ppo_math
 from llm_rlhf.rl.episodes import Episode, EpisodeLimits, run_episodes
 from llm_rlhf.rl.rollout import Samples, Sampling, left_pad, sample
-from llm_rlhf.stages import ppo_metrics
 
 
 @dataclass

@@ -1,0 +1,211 @@
+"""Building a PPO run: its inputs checked before anything is written (the tokenizer, the prompts, the reward
+function and the verifier, each probed once on real prompts), the models (policy with its value head, frozen
+reference, reward model or ensemble, optional critic) and the `PPOTrainer` around them."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+from peft import LoraConfig, get_peft_model
+
+from llm_rlhf.core.config import is_off
+from llm_rlhf.core.data import load_prompt_dataset, prompt_rules
+from llm_rlhf.core.utils import (
+    seed_everything,
+)
+from llm_rlhf.evaluation.measures import (
+    load_heldout_inputs,
+    load_verifier,
+)
+from llm_rlhf.models.accelerated import loading_whole_models
+from llm_rlhf.models.loading import (
+    PolicyWithValue,
+    Reference,
+    ValueHead,
+    check_not_adapter_only,
+    freeze,
+    load_causal_lm,
+    tokenizer_or_load,
+    use_fused_gelu,
+)
+from llm_rlhf.models.reward_fn import RewardFn, decode_texts, load_reward_fn, probe
+from llm_rlhf.models.reward_model import (
+    check_members_exist,
+    load_reward_model,
+    member_paths,
+)
+from llm_rlhf.models.scoring import scoring_reward_model
+from llm_rlhf.ppo.config import Config  # the keys of `llm-rlhf ppo`
+from llm_rlhf.ppo.trainer import PPOModels, PPOTrainer
+from llm_rlhf.rl.rollout import encode_prompt, left_pad
+from llm_rlhf.tasks.environments import environment_factory
+
+
+def load_prompts(cfg: Config, tokenizer, prompts=None) -> list[list[int]]:
+    """The training prompts as token ids: prompt_file's, or `prompts` (`data.InMemory` rows) in its place."""
+    ds = load_prompt_dataset(prompts or cfg.prompt_file, tokenizer, **prompt_rules(cfg))
+    return [encode_prompt(tokenizer, p) for p in ds["prompt"]]  # with BOS where the tokenizer adds one
+
+
+def build_models(cfg: Config, *, policy=None, reward_model=None) -> PPOModels:
+    """policy (+ value head with gae, unless a separate critic), reference, reward model (a `RewardEnsemble` when
+    reward_model_path is a list, its members loaded once; None when reward_model_path is none) and optional
+    critic (from the first member of an ensemble).
+
+    policy: a loaded causal LM in place of model_name_or_path (trained in place; the reference is a frozen
+    copy of it as it is now); reward_model: a `RewardModel` or a list of them (an ensemble combined with the
+    config's ensemble keys) in place of reward_model_path (the Python API)."""
+    if policy is None:
+        policy = load_causal_lm(
+            cfg.model_name_or_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code
+        )
+    lm = use_fused_gelu(policy)
+    if cfg.gradient_checkpointing:
+        lm.gradient_checkpointing_enable()
+    if cfg.use_lora:
+        lora = LoraConfig(
+            r=cfg.lora_r,
+            lora_alpha=cfg.lora_alpha,
+            lora_dropout=cfg.lora_dropout,
+            target_modules=cfg.lora_target_modules,
+            task_type="CAUSAL_LM",
+        )
+        lm = get_peft_model(lm, lora)
+        ref_model = Reference(lm)  # the same network; reference_context() disables the adapter
+    else:
+        ref_lm = freeze(copy.deepcopy(lm))  # the policy before any update: the same weights, its own memory
+        assert ref_lm is not lm and all(
+            a.data_ptr() != b.data_ptr() for a, b in zip(ref_lm.parameters(), lm.parameters())
+        )
+        ref_model = Reference(ref_lm)
+    lm.eval()  # dropout off for the policy too: ratio == 1 exactly at the first minibatch
+    hidden = (
+        lm.config.get_text_config().hidden_size
+        if hasattr(lm.config, "get_text_config")
+        else lm.config.hidden_size
+    )
+    # With a separate critic the policy has no value head: every trainable parameter takes part in the loss.
+    # The critic-free estimators (`Estimator.critic` false) have neither: no value function is built, trained,
+    # checkpointed or saved.
+    with_head = cfg.value_model == "policy" and cfg.estimator.critic
+    value_head = ValueHead(hidden).to(next(lm.parameters()).dtype) if with_head else None
+    policy = PolicyWithValue(lm, value_head)
+    # the one loading of a config's reward model (`scoring.scoring_reward_model`, as eval and compare load it);
+    # None with reward_model_path none: the score is the reward_fn's alone
+    reward_model = scoring_reward_model(cfg, reward_model, fused_gelu=True)
+    critic = None
+    if cfg.value_model == "reward":
+        critic = use_fused_gelu(
+            load_reward_model(
+                member_paths(cfg.reward_model_path)[0],
+                dtype=cfg.dtype,
+                trust_remote_code=cfg.trust_remote_code,
+            )
+        ).as_critic()
+    return PPOModels(policy, ref_model, reward_model=reward_model, critic=critic)
+
+
+def build_trainer(
+    cfg: Config,
+    accelerator,
+    tokenizer,
+    prompts: list[list[int]],
+    reward_fn: RewardFn | None = None,
+    *,
+    policy=None,
+    reward_model=None,
+    verifier: RewardFn | None = None,
+) -> PPOTrainer:
+    """The models and the trainer. reward_fn: `cfg.reward_fn` already loaded (`train` loads and probes it
+    first), else loaded here; policy, reward_model: objects in place of the config's folders (`build_models`);
+    verifier: `cfg.accuracy_fn` loaded, else loaded here where dynamic sampling ties groups on its verdicts."""
+    if cfg.reward_fn is not None and reward_fn is None:
+        reward_fn = load_reward_fn(cfg.reward_fn)
+    if (
+        (cfg.dynamic_sampling or cfg.environment is not None)
+        and cfg.accuracy_fn is not None
+        and verifier is None
+    ):
+        verifier = load_reward_fn(cfg.accuracy_fn, key="accuracy_fn", binary=True)
+    make_environment = None  # episodes of several turns (issue 51): one fresh environment per episode
+    if cfg.environment is not None:
+        make_environment = environment_factory(cfg.environment, verifier=verifier)
+    seed_everything(cfg.seed, accelerator.process_index)
+    with loading_whole_models(accelerator):  # not partitioned at load under ZeRO-3 (issue 39)
+        models = build_models(cfg, policy=policy, reward_model=reward_model)
+    if models.reward_model is not None:
+        models.reward_model.to(accelerator.device)
+    if not cfg.use_lora:
+        models.ref_model.to(accelerator.device)
+    return PPOTrainer(
+        cfg,
+        accelerator=accelerator,
+        models=models,
+        tokenizer=tokenizer,
+        prompts=prompts,
+        reward_fn=reward_fn,
+        verifier=verifier if cfg.dynamic_sampling else None,
+        make_environment=make_environment,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class RunInputs:
+    """Everything a run reads besides the models, checked before anything is written: the tokenizer, the
+    training prompts (ids), the reward function (probed), the held-out prompts and gold judge, the verifier."""
+
+    tokenizer: object
+    prompts: list[list[int]]
+    reward_fn: RewardFn | None
+    eval_prompts: list[str]
+    judge: object
+    verifier: RewardFn | None
+
+
+def check_inputs(cfg: Config, *, policy, tokenizer, reward_model, reward_fn, prompts) -> RunInputs:
+    """Step 1: the tokenizer, the prompts (validated row by row), the reward function and the verifier (each
+    called once on real prompts: a broken one stops the run here), the held-out inputs, the RM folders."""
+    if policy is None:
+        check_not_adapter_only(cfg.model_name_or_path)
+    tokenizer = tokenizer_or_load(cfg, tokenizer, policy, padding_side="left")
+    prompts = load_prompts(cfg, tokenizer, prompts)
+    reward_fn = load_and_probe_reward_fn(cfg, tokenizer, prompts, reward_fn)
+    eval_prompts, judge = load_heldout_inputs(cfg, tokenizer)
+    verifier = load_and_probe_verifier(cfg, tokenizer, prompts, eval_prompts)
+    if reward_model is None and not is_off(cfg.reward_model_path):
+        check_members_exist(cfg.reward_model_path)
+    return RunInputs(tokenizer, prompts, reward_fn, eval_prompts, judge, verifier)
+
+
+def load_and_probe_reward_fn(
+    cfg: Config, tokenizer, prompts: list[list[int]], reward_fn: RewardFn | None = None
+) -> RewardFn | None:
+    """`cfg.reward_fn` imported and called once (`reward_fn.probe`) on the first two training prompts, as
+    text as training decodes them (`reward_fn.decode_texts`), with dummy responses: before any model is
+    loaded or any output written. Every process probes on the same inputs, so a deterministic function
+    fails on all of them alike. None without a reward_fn."""
+    if reward_fn is None and cfg.reward_fn is None:
+        return None
+    reward_fn = reward_fn or load_reward_fn(cfg.reward_fn)
+    probe(reward_fn, prompt_texts(tokenizer, prompts[:2]))
+    return reward_fn
+
+
+def load_and_probe_verifier(
+    cfg: Config, tokenizer, prompts: list[list[int]], eval_prompts: list[str]
+) -> RewardFn | None:
+    """`cfg.accuracy_fn` loaded and probed before any model, as the reward_fn (`measures.load_verifier`),
+    where something reads it: held-out evaluation's accuracy (probed on the held-out prompts) or dynamic
+    sampling, which ties groups on its verdicts (probed on the first two training prompts). Else None."""
+    if cfg.accuracy_fn is None or not (eval_prompts or cfg.dynamic_sampling):
+        return None
+    return load_verifier(cfg.accuracy_fn, eval_prompts or prompt_texts(tokenizer, prompts[:2]))
+
+
+def prompt_texts(tokenizer, prompts: list[list[int]]) -> list[str]:
+    """Prompts (token ids) as text, as training decodes them for a reward function (`reward_fn.decode_texts`)."""
+    query, query_mask = left_pad(prompts, tokenizer.pad_token_id)  # (n, P) each
+    no_response = torch.zeros((query.shape[0], 0), dtype=torch.bool)  # (n, 0)
+    return decode_texts(tokenizer, query, query_mask, no_response.long(), no_response)[0]

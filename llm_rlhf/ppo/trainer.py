@@ -1,0 +1,695 @@
+"""PPO stage: policy with a value head, a frozen reference, a frozen reward model, adaptive KL.
+
+One PPO step (`ppo_step`) reads like the algorithm box of Ziegler et al. (2019) / Stiennon et al. (2020):
+
+    rollout (sample responses, old log-probs and values in one pass) -> reference log-probs
+    -> scores (the reward model's, or a reward-model ensemble's combined; + reward_fn_weight * reward_fn
+    when set)
+    -> shaped rewards (-beta*KL per token + score at the last token)
+    -> GAE -> K epochs of clipped policy/value updates on shuffled minibatches
+    -> KL controller update -> metrics
+
+The policy-loss family of issue 37 (`policy_loss`: PPO's clip with clip-higher and the dual clip, GSPO, CISPO;
+`loss_aggregation`; `sampler_correction`; `mask_truncated`) changes the update (`train_on_rollout`), overlong
+shaping the scores (`shaped_scores`) and `dynamic_sampling` the rollout (`dynamic_rollout`); with every key at
+its default the step is the one above, bit for bit.
+
+With `environment` set each row is an episode of several turns (issue 51; `llm_rlhf.rl.episodes`, the room
+`EpisodeRoom`): the policy's turns and the environment's replies in one response, response_mask the policy's
+tokens (every loss, KL and value term reads only them), the environment's per-turn rewards added to the rewards.
+
+`advantage_estimator` swaps GAE for a critic-free estimator (SPEC "Critic-free estimators": GRPO, Dr. GRPO,
+RLOO, REINFORCE++, ReMax) on the same rollout, KL, clipped update, processes and checkpoints: each prompt is
+sampled `samples_per_prompt` times (its group, consecutive rows on one process), no value head or critic
+is built, and the KL goes in the reward or, as k3 per token, in the loss (`kl_in_loss`). What the trainer
+knows of an estimator is its row in `llm_rlhf.rl.estimators` (`Config.estimator`), never its name.
+
+The math lives in `llm_rlhf.rl.ppo_math` (torch only), the keys and the batch-size arithmetic in
+`llm_rlhf.ppo.config`, sampling and the forwards over a rollout in `llm_rlhf.rl.rollout`, the scores in
+`llm_rlhf.models.scoring`, and what each accelerate config (DeepSpeed, FSDP2, FSDP, mixed precision) needs of the
+models in `llm_rlhf.models.accelerated`. The rooms (issue 50): the prompts, sampling, scoring and dynamic
+sampling are `llm_rlhf.ppo.rollouts.RolloutRoom` (`self.room`: prompts in, token ids, masks, the
+sampler's log-probs and scores out), the K epochs of minibatch updates `llm_rlhf.ppo.update.PPOUpdate`
+(`self.update`); this module holds the trainer, which moves tensors between them and the models.
+The command around it (building the models, the run loop, checkpoints, logs, the final save) is
+`llm_rlhf.stages.ppo`. Run it with `llm-rlhf ppo --config recipes/reviews/ppo.yaml [--key value ...]`, also
+under `accelerate launch` with several processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from llm_rlhf.core.errors import NonFiniteError, UserError
+from llm_rlhf.models.accelerated import Accelerated
+from llm_rlhf.models.scoring import Scorer, Scores
+from llm_rlhf.ppo import metrics as ppo_metrics
+from llm_rlhf.ppo.config import Config, batch_sizes
+from llm_rlhf.ppo.rollouts import EpisodeRoom, RolloutRoom
+from llm_rlhf.ppo.update import PPOUpdate
+from llm_rlhf.rl import ppo_math
+from llm_rlhf.rl.estimators import AdvantageInputs
+from llm_rlhf.rl.rollout import (
+    Rollout,
+    Samples,
+    Sampling,
+    pad_columns,
+    response_logprobs_and_values,
+)
+
+# ---------------------------------------------------------------------------------------------
+# The trainer
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PPOModels:
+    """What `ppo_run.build_models` loads for the trainer: the policy (`models.PolicyWithValue`, with its value
+    head unless a separate critic), the frozen reference (`models.Reference`; with LoRA the policy's own
+    network), the frozen reward model (a `RewardModel`, a `RewardEnsemble` or None) and the optional critic
+    (`RewardCritic`, value_model 'reward')."""
+
+    policy: Any
+    ref_model: Any
+    reward_model: Any = None
+    critic: Any = None
+
+
+def optimizer_and_schedule(cfg: Config, models: PPOModels, sizes, device: torch.device):
+    """AdamW over the trainable parameters of the policy (and the critic) and its LR schedule (constant, or
+    linear to 0 over the run's optimiser steps)."""
+    params = [
+        p for m in (models.policy, models.critic) if m is not None for p in m.parameters() if p.requires_grad
+    ]
+    optimizer = torch.optim.AdamW(
+        params,
+        lr=cfg.learning_rate,
+        eps=cfg.adam_eps,
+        weight_decay=cfg.weight_decay,
+        # One kernel per step instead of ~8 elementwise passes per tensor: on CPU the default
+        # for-loop AdamW took ~10% of a GPT-2 124M update (benchmarks/README.md).
+        fused=device.type in ("cpu", "cuda"),
+    )
+    total = cfg.steps * sizes.optimizer_steps_per_ppo_step
+    decay = (lambda i: max(0.0, 1.0 - i / total)) if cfg.lr_scheduler_type == "linear" else (lambda i: 1.0)
+    # Not handed to `accelerator.prepare`: its scheduler wrapper steps the schedule num_processes times per
+    # optimiser step (made for dataloaders that give each process 1/N of the batches), so with N processes
+    # the linear decay reached 0 after 1/N of the run, and under DeepSpeed the engine steps only
+    # DeepSpeed's own schedules, so this one never moved. `PPOUpdate.optimizer_step` steps it once (issue 13).
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, decay)
+
+
+class PPOTrainer:
+    """Holds the models, the optimiser and the KL controller; `ppo_step` is one iteration.
+
+    models: `PPOModels`; reward_fn: a loaded `llm_rlhf.models.reward_fn.RewardFn`, or None. The reward model and
+    the reward function (at least one of them) make the scores (`scoring.Scorer`); verifier: the task's loaded
+    accuracy_fn (a binary `RewardFn`) or None, read only by dynamic sampling (`tie_scores`). The precision and
+    sharding plumbing of each accelerate config is `self.acc` (`accelerated.Accelerated`). `state_dict()` is
+    what a checkpoint keeps of the trainer besides the models' weights and optimiser state."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        accelerator,
+        models: PPOModels,
+        tokenizer,
+        prompts,
+        reward_fn=None,
+        verifier=None,
+        make_environment=None,
+    ):
+        self.cfg, self.accelerator, self.tokenizer = cfg, accelerator, tokenizer
+        if models.reward_model is None and reward_fn is None and make_environment is None:
+            raise UserError(
+                "reward_model_path: PPO needs a reward model, a reward_fn, an environment or several"
+            )
+        self.sizes = batch_sizes(
+            rollout_batch_size=cfg.rollout_batch_size,
+            mini_batch_size=cfg.mini_batch_size,
+            gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+            ppo_epochs=cfg.ppo_epochs,
+            steps=cfg.steps,
+            num_processes=accelerator.num_processes,
+            samples_per_prompt=cfg.samples_per_prompt,
+        )
+        if self.sizes.episodes_per_step < 2:
+            raise UserError(
+                "rollout_batch_size: advantages are whitened over the global rollout batch, which needs at "
+                f"least 2 episodes (rollout_batch_size {cfg.rollout_batch_size} x {accelerator.num_processes} "
+                "processes)"
+            )
+        self.acc = Accelerated(accelerator, bf16=cfg.bf16, gradient_checkpointing=cfg.gradient_checkpointing)
+        optimizer, self.scheduler = optimizer_and_schedule(cfg, models, self.sizes, accelerator.device)
+        frozen = [m for m in (models.ref_model, models.reward_model) if m is not None]
+        self.policy, self.critic, self.optimizer = self.acc.prepare(
+            models.policy,
+            models.critic,
+            optimizer,
+            frozen=frozen,
+            micro_batch_size=self.sizes.micro_batch_per_process,
+            lora=cfg.use_lora,
+            sampling_compile=cfg.sampling_compile,
+        )
+        self.acc.set_up_root(self.policy, tokenizer.eos_token_id)
+        self.ref_model = models.ref_model
+        self.sampling = Sampling.of(cfg)
+        # ReMax's baseline response: the same settings, greedy (temperature 0: argmax, no random draw).
+        self.greedy = dataclasses.replace(self.sampling, temperature=0.0)
+        self.kl_ctl = (
+            ppo_math.AdaptiveKLController(cfg.init_kl_coef, cfg.kl_target, cfg.kl_horizon)
+            if cfg.kl_controller == "adaptive"
+            else ppo_math.FixedKLController(cfg.init_kl_coef)
+        )
+        self.step = 0
+        self.device = accelerator.device
+        # prompts, sampling, scoring and dynamic sampling (`ppo_rollouts`): what the forwards and the update
+        # below receive as token ids, masks and scores
+        scorer = Scorer(models.reward_model, reward_fn, reward_fn_weight=cfg.reward_fn_weight,
+                        rm_context=self.acc.autocast)  # fmt: skip
+        room = dict(
+            accelerator=accelerator, acc=self.acc, policy=self.policy, tokenizer=tokenizer, prompts=prompts,
+            sizes=self.sizes, sampling=self.sampling, scorer=scorer, verifier=verifier,
+            global_sum=self.global_sum, global_mean=self.global_mean,
+        )  # fmt: skip
+        # episodes of several turns with an environment (issue 51), else one response per row
+        self.room = (
+            EpisodeRoom(cfg, make_environment=make_environment, **room)
+            if make_environment is not None
+            else RolloutRoom(cfg, **room)
+        )
+        # K epochs of clipped minibatch updates (`ppo_update`): the optimiser, the schedule, the losses
+        self.update = PPOUpdate(
+            cfg, accelerator=accelerator, acc=self.acc, policy=self.policy, critic=self.critic,
+            optimizer=self.optimizer, scheduler=self.scheduler, sizes=self.sizes, tokenizer=tokenizer,
+            forward_policy=lambda part, **kw: self.forward_policy(part, **kw),  # the trainer's, at each call
+            global_sum=self.global_sum, trainable_parameters=self.trainable_parameters,
+        )  # fmt: skip
+
+    # --- the trainer's state ------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What continues the run exactly besides the models' weights and optimiser state (written by
+        `accelerated.Accelerated.save_model_state`) and the RNG: the step (which fixes the data position,
+        `RolloutRoom.queries`), the KL controller and the LR schedule; with dynamic sampling the prompts its
+        further rounds drew (the rest of the data position, the room's state)."""
+        return {
+            "step": self.step,
+            "kl_ctl": self.kl_ctl.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            **self.room.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = state["step"]
+        self.room.load_state_dict(state)
+        self.kl_ctl.load_state_dict(state["kl_ctl"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def save_model_state(self, folder) -> None:
+        """The weights and optimiser state into a checkpoint folder, sharded or not (every process calls it)."""
+        self.acc.save_model_state(folder, policy=self.policy, critic=self.critic, optimizer=self.optimizer)
+
+    def load_model_state(self, folder) -> None:
+        self.acc.load_model_state(folder, policy=self.policy, critic=self.critic, optimizer=self.optimizer)
+
+    # --- the algorithm -------------------------------------------------------------------------
+
+    def ppo_step(self) -> dict[str, float]:
+        """One PPO iteration (Ziegler et al. 2019, Algorithm 1; Stiennon et al. 2020, Appendix B); the
+        critic-free estimators (`advantage_estimator`) change only how the advantages are made."""
+        cfg, times = self.cfg, {}
+        queries = self.room.queries(self.step)  # this process's prompts, each sampled k times below
+        # y ~ pi_theta(.|x), logprobs (and values with gae), ref_logprobs, scores; with one update per step
+        # the old log-probs and entropy come from the update's own forward instead (`old_logprobs_from_update`)
+        from_update = self.old_logprobs_from_update
+        sampling_stats, dropped_kl = {}, None
+        if cfg.dynamic_sampling:  # DAPO: untied groups, from further prompts where some tie
+            rollout, scores, sampling_stats, dropped_kl = self.dynamic_rollout(queries, times)
+        else:
+            rollout, scores = self.rollout(self.room.in_groups(queries), times, old_logprobs=not from_update)
+        episode_stats = self.room.episode_stats() if isinstance(self.room, EpisodeRoom) else {}
+        greedy = None  # ReMax: one greedy response per prompt, its logprobs, ref_logprobs and scores
+        if cfg.estimator.greedy_baseline:
+            greedy, _ = self.rollout(queries, times, sampling=self.greedy)
+        self.check_finite(
+            "rollout",
+            scores=rollout.scores,
+            # from_update: the log-probs are checked as part of the update's loss (`train_on_rollout`)
+            **({"logprobs": rollout.logprobs} if not from_update else {}),
+            ref_logprobs=rollout.ref_logprobs,
+            **({"values": rollout.values} if rollout.values is not None else {}),
+            **(
+                {"greedy_scores": greedy.scores, "greedy_logprobs": greedy.logprobs}
+                if greedy is not None
+                else {}
+            ),
+        )
+
+        kl_coef = self.kl_ctl.value
+        rewards, kl = self.rewards(rollout, kl_coef)  # -beta*KL per token (unless in the loss) + score
+        if cfg.whiten_rewards:
+            rewards = self.whiten(rewards, rollout.response_mask, shift_mean=False)
+        baseline = None
+        if greedy is not None:  # ReMax: the greedy response's reward, measured as the samples' are
+            greedy_rewards, _ = self.rewards(greedy, kl_coef)
+            baseline = ppo_math.masked_sum(greedy_rewards, greedy.response_mask, dim=-1)  # (P,)
+        advantages, returns = self.advantages(rollout, rewards, baseline)
+
+        t = time.perf_counter()
+        train_stats = self.train_on_rollout(rollout, advantages, returns)  # K epochs of minibatch updates
+        times["train"] = time.perf_counter() - t
+        if from_update:  # the KL of the metrics and the controller, from the log-probs the update filled in
+            _, kl = self.rewards(rollout, kl_coef)
+
+        kl_seq = ppo_math.sequence_kl(kl=kl, response_mask=rollout.response_mask)  # (B,)
+        if dropped_kl is not None:  # every sampled group's KL, the dropped ones' too (`dynamic_rollout`)
+            kl_seq = torch.cat([kl_seq, dropped_kl])  # (rounds * P * k,), as many on every process
+        sampled_kl = self.global_mean(kl_seq)
+        self.kl_ctl.update(sampled_kl, self.sizes.episodes_per_step)  # n in episodes
+        self.step += 1
+        metrics = self.metrics(rollout, kl=kl, kl_coef=kl_coef, returns=returns, times=times)
+        metrics[ppo_metrics.OBJECTIVE_KL] = sampled_kl
+        if greedy is not None:
+            metrics[ppo_metrics.OBJECTIVE_GREEDY_SCORES] = self.global_mean(greedy.scores.mean())
+        if cfg.overlong_buffer > 0:
+            metrics[ppo_metrics.OBJECTIVE_OVERLONG_PENALTY] = self.global_mean(self.overlong(rollout).mean())
+        return {**metrics, **train_stats, **sampling_stats, **episode_stats, **self.score_term_means(scores)}
+
+    def rewards(self, rollout: Rollout, kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-token rewards of a rollout and its per-token KL (kl_estimator), both (B, R):
+
+            rewards_t = -kl_coef * KL_t + [t == last response token] * score      (`ppo_math.shaped_rewards`)
+
+        the score clipped (score_clip), with the overlong penalty (`shaped_scores`) and replaced for responses
+        that did not end (eos_penalty); with the KL in the loss (`Config.kl_penalty_in_loss`) the rewards hold
+        the score alone. A rollout without old log-probs yet (`old_logprobs_from_update`, the KL in the loss)
+        gets KL_t = 0 until the update fills them. Episodes (issue 51): each turn's reward from the environment
+        (`env_rewards`, on the turn's last token) is added to these rewards, so GAE sees it where it was given
+        and the group estimators in the sequence reward."""
+        cfg = self.cfg
+        kl = (
+            torch.zeros_like(rollout.ref_logprobs)
+            if rollout.logprobs is None
+            else ppo_math.kl_penalty(
+                logprobs=rollout.logprobs, ref_logprobs=rollout.ref_logprobs, estimator=cfg.kl_estimator
+            )
+        )
+        rewards, _ = ppo_math.shaped_rewards(
+            scores=self.shaped_scores(rollout, rollout.scores),
+            kl=kl,
+            kl_coef=0.0 if cfg.kl_penalty_in_loss else kl_coef,
+            response_mask=rollout.response_mask,
+            eos_penalty=cfg.eos_penalty,
+            ended_with_eos=rollout.ended(self.tokenizer.eos_token_id)  # EOS or a stop string
+            if cfg.eos_penalty is not None
+            else None,
+        )
+        if rollout.env_rewards is not None:
+            rewards = rewards + torch.where(rollout.response_mask, rollout.env_rewards, 0.0)  # (B, R)
+        return rewards, kl
+
+    def shaped_scores(self, samples: Samples, scores: torch.Tensor) -> torch.Tensor:
+        """The scorer's `scores` (B,) as the rewards take them, before the EOS trick, (B,):
+
+            clip(scores, -score_clip, score_clip)          score_clip (null = off)
+            + overlong penalty                             overlong_buffer > 0 (`overlong`; DAPO)
+
+        The overlong penalty comes after the clip (it is bounded already) and before the EOS trick
+        (`ppo_math.shaped_rewards`, eos_penalty), which replaces the whole score of a truncated response: its
+        score is eos_penalty when that is set, not eos_penalty minus overlong_penalty (one penalty for one
+        fault); responses that ended inside the buffer keep their ramp either way."""
+        cfg = self.cfg
+        if cfg.score_clip is not None:
+            scores = ppo_math.clip_scores(scores=scores, score_clip=cfg.score_clip)
+        if cfg.overlong_buffer > 0:
+            scores = scores + self.overlong(samples)
+        return scores
+
+    def overlong(self, samples: Samples) -> torch.Tensor:
+        """DAPO's overlong penalty of each response, (B,) (`ppo_math.overlong_penalty`): its length counts its
+        tokens (EOS included); truncated = it ended with neither EOS nor a stop string."""
+        cfg = self.cfg
+        return ppo_math.overlong_penalty(
+            lengths=samples.response_mask.sum(-1),
+            truncated=~samples.ended(self.tokenizer.eos_token_id),
+            max_new_tokens=cfg.max_new_tokens,
+            overlong_buffer=cfg.overlong_buffer,
+            penalty=cfg.overlong_penalty,
+        )
+
+    def advantages(
+        self, rollout: Rollout, rewards: torch.Tensor, baseline: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A_t for every response token, (B, R), from the per-token rewards (B, R), and the returns the value
+        loss fits (None without a value function), by the estimator's advantage function
+        (`Estimator.advantages`, `llm_rlhf.rl.estimators`):
+
+            gae           GAE over the values, then whitened over the global batch
+            reinforce_pp  gamma = 1 returns, whitened over the global batch (`ppo_math.reinforce_pp_advantages`)
+            grpo, dr_grpo, rloo, remax   one advantage per response from its sequence reward
+                          r = sum_t rewards_t (the score, minus beta * KL when the KL is in the reward)
+                          against its group (`ppo_math`), the same on each of its tokens
+
+        The groups are this process's consecutive rows of k samples (`in_groups`): whole on this process, and
+        taken over the whole rollout before any minibatch, so neither the number of processes nor the
+        micro-batches change a group's statistics. baseline: ReMax's greedy sequence rewards, (P,)."""
+        cfg = self.cfg
+        inputs = AdvantageInputs(
+            rewards=rewards,
+            response_mask=rollout.response_mask,
+            values=rollout.values,
+            baseline=baseline,
+            samples_per_prompt=cfg.samples_per_prompt,
+            gamma=cfg.gamma,
+            lam=cfg.lam,
+            reduce_sum=self.reduce_sum,
+        )
+        return cfg.estimator.advantages(inputs)
+
+    # --- phases -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def rollout(
+        self,
+        queries: list[list[int]],
+        times: dict[str, float] | None = None,
+        *,
+        sampling: Sampling | None = None,
+        old_logprobs: bool = True,
+    ) -> tuple[Rollout, Scores]:
+        """The complete rollout of `queries`: samples, then the policy's old log-probs, values and entropy
+        (one forward), the reference's log-probs and the scores (`score`), and the scores' parts. `times`, if
+        given, adds the seconds of "generate" (sampling and the policy forward) and "score" (reference
+        and scores). sampling: `self.sampling` unless given (ReMax's greedy baseline: `self.greedy`).
+        old_logprobs False: no policy forward; logprobs, values and entropy stay None for `train_on_rollout`
+        to fill in from the update's own forward (`old_logprobs_from_update`)."""
+        t0 = time.perf_counter()
+        samples = self.room.generate(queries, sampling=sampling)  # y ~ pi_theta(.|x)
+        logprobs = values = entropy = None
+        if old_logprobs:
+            logprobs, values, entropy = self.in_chunks(self.forward_policy, samples)
+        t1 = time.perf_counter()
+        ref_logprobs = self.reference_logprobs(samples)  # log pi_ref(y_t|s_t)
+        scores = self.room.score(samples)  # r_phi(x, y), normalised (+ reward_fn_weight * reward_fn)
+        rollout = Rollout.of(
+            samples,
+            logprobs=logprobs,
+            values=values,
+            entropy=entropy,
+            ref_logprobs=ref_logprobs,
+            scores=scores.scores,
+        )
+        if times is not None:
+            times["generate"] = times.get("generate", 0.0) + t1 - t0
+            times["score"] = times.get("score", 0.0) + time.perf_counter() - t1
+        return rollout, scores
+
+    @torch.no_grad()
+    def dynamic_rollout(
+        self, queries: list[list[int]], times: dict[str, float]
+    ) -> tuple[Rollout, Scores, dict[str, float], torch.Tensor]:
+        """DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2): the rollout of rollout_batch_size groups per
+        process whose verdicts (or unshaped scores) do not all tie, when the rounds allow it
+        (`RolloutRoom.collect_untied`: the rounds, the selection and the sampling/* statistics); then the
+        policy's (and value's) and the reference's forwards on the kept rows, in the micro-batches the first
+        epoch visits, so rho == 1 exactly before the first update, and on the dropped rows for their KL alone
+        (`dropped_kl`).
+
+        Returns the rollout, its scores' parts, the statistics, and the dropped rows' sequence KL, (D,):
+        `ppo_step` gives objective/kl and the KL controller the KL of every sampled group (issue 50), since
+        which groups are kept depends on the prompts (the ones the policy always or never solves are dropped)
+        and the controller steers the policy's KL over the prompt stream. The KL penalty itself (in the reward
+        or the loss) can only act on the rows that are trained."""
+        episodes = self.room.collect_untied(queries, self.step, times)
+        kept = episodes.samples
+        t0 = time.perf_counter()
+        logprobs, values, entropy = self.in_chunks(self.forward_policy, kept)
+        t1 = time.perf_counter()
+        rollout = Rollout.of(
+            kept,
+            logprobs=logprobs,
+            values=values,
+            entropy=entropy,
+            ref_logprobs=self.reference_logprobs(kept),
+            scores=episodes.scores.scores,
+        )
+        times["generate"] += t1 - t0
+        times["score"] += time.perf_counter() - t1
+        return rollout, episodes.scores, episodes.stats, self.dropped_kl(episodes.dropped, times)
+
+    def dropped_kl(self, dropped: Samples | None, times: dict[str, float]) -> torch.Tensor:
+        """The sequence KL (`ppo_math.sequence_kl`, kl_estimator) of the sampled rows dynamic sampling does not
+        train, (D,) with D = (rounds - 1) * P * k, from the policy's and the reference's forwards on those rows
+        (no generation: forwards only, about what the kept rows cost each round; 0 rows with one round)."""
+        if dropped is None:
+            return torch.zeros(0, device=self.device)
+        t0 = time.perf_counter()
+        logprobs, _, _ = self.in_chunks(self.forward_policy, dropped)
+        t1 = time.perf_counter()
+        ref_logprobs = self.reference_logprobs(dropped)
+        times["generate"] += t1 - t0
+        times["score"] += time.perf_counter() - t1
+        kl = ppo_math.kl_penalty(
+            logprobs=logprobs, ref_logprobs=ref_logprobs, estimator=self.cfg.kl_estimator
+        )  # (D, R)
+        return ppo_math.sequence_kl(kl=kl, response_mask=dropped.response_mask)  # (D,)
+
+    def in_chunks(self, forward, samples: Samples):
+        """`forward` over chunks of micro-batch rows, outputs concatenated along the batch: a no-grad pass
+        over the whole rollout never holds its (B, R, V) logits and their softmax temporaries at once
+        (the peak memory of a LoRA step), and runs on as many rows as a training micro-batch. `forward` trims
+        each chunk to its own real tokens and returns (b, R) outputs."""
+        n = self.sizes.micro_batch_per_process
+        parts = [forward(samples.select(slice(i, i + n))) for i in range(0, samples.query.shape[0], n)]
+        if isinstance(parts[0], torch.Tensor):
+            return torch.cat(parts)  # (B, R)
+        return tuple(None if xs[0] is None else torch.cat(xs) for xs in zip(*parts))  # each (B, R) or None
+
+    def forward_policy(self, samples: Samples, *, train: bool = False):
+        """log pi_theta(y_t|s_t), V(s_t), entropy for the response tokens: (B, R) each, 0 at padding; V None
+        without a value function (the critic-free estimators).
+
+        The forward runs on `samples.trimmed()`: the rows' longest real query and response, not the padding
+        up to max_new_tokens (each rollout chunk and each shuffled micro-batch of every PPO epoch is trimmed
+        to its own rows; the shape may differ between processes, DDP's collectives are on gradients).
+        train=True goes through the DDP wrapper (gradients synchronised in backward); otherwise the
+        unwrapped module runs the same computation without DDP's gradient hooks. It is not free of
+        collectives under sharding: under FSDP2 (`fully_shard` units) and DeepSpeed ZeRO-3 every forward
+        all-gathers the parameters, so every process must call it the same number of times (PPO does: the
+        rollout's chunks, `in_chunks`, and the micro-batches are the same count on every process).
+        The log-probs are those of the distribution the tokens were drawn from (`self.sampling`: the
+        temperature, EOS masked before min_new_tokens).
+        """
+        R = samples.response.shape[1]
+        samples = samples.trimmed()  # (B, P') query, (B, R') response
+        unwrap = self.accelerator.unwrap_model
+        policy = self.policy if train else unwrap(self.policy)
+        # The entropy needs an autograd graph only when the loss uses it (ent_coef != 0).
+        entropy_mode = "grad" if train and self.cfg.ent_coef != 0 else "stats"
+        with self.acc.autocast(), self.acc.checkpointing(self.unwrapped_policy, train):
+            logprobs, values, entropy = response_logprobs_and_values(
+                policy, samples, self.sampling, eos_token_id=self.tokenizer.eos_token_id, entropy=entropy_mode
+            )
+            if self.critic is not None:
+                critic = self.critic if train else unwrap(self.critic)
+                P = samples.query.shape[1]
+                values = critic(samples.sequence, samples.attention_mask)[:, P - 1 : -1]  # (B, R')
+        return tuple(None if x is None else pad_columns(x.float(), R) for x in (logprobs, values, entropy))
+
+    @torch.no_grad()
+    def reference_logprobs(self, samples: Samples) -> torch.Tensor:
+        """log pi_ref(y_t|s_t): (B, R), 0 at padding; each chunk's forward on its real tokens (`Samples.trimmed`).
+        With LoRA: the policy's own network with the adapter disabled."""
+        R, eos = samples.response.shape[1], self.tokenizer.eos_token_id
+
+        def forward(part: Samples) -> torch.Tensor:
+            logprobs = response_logprobs_and_values(
+                self.ref_model, part.trimmed(), self.sampling, eos_token_id=eos, entropy="none"
+            )[0]
+            return pad_columns(logprobs, R)  # (b, R)
+
+        with self.acc.autocast(), self.reference_context():
+            logprobs = self.in_chunks(forward, samples)
+        return logprobs.float()
+
+    def train_on_rollout(
+        self, rollout: Rollout, advantages: torch.Tensor, returns: torch.Tensor | None
+    ) -> dict[str, float]:
+        """K epochs of clipped minibatch updates on `rollout` (`ppo_update.PPOUpdate.run`), with the KL
+        coefficient of this step's rollout (the controller moves after the update)."""
+        return self.update.run(rollout, advantages, returns, kl_coef=self.kl_ctl.value, step=self.step)
+
+    @property
+    def old_logprobs_from_update(self) -> bool:
+        """Whether `ppo_step` skips the rollout's old-policy forward and takes the old log-probs (and the
+        entropy) from the update's own forward, detached: ratio = exp(logp - sg(logp)) = 1 exactly, as TRL's
+        GRPOTrainer does with one iteration per batch. It skips work only where nothing changes, bit for bit:
+
+        - one optimiser step per PPO step (ppo_epochs 1, one minibatch): the policy the update's forward runs
+          is the old policy, on the rows the rollout's chunks hold, trimmed to the same widths (the first
+          epoch keeps rollout order, `train_on_rollout`), with dropout off (`ppo_run` keeps the policy in eval
+          mode), so the separate forward gave the same log-probs and the same gradient;
+        - no value function (critic-free): GAE needs the old values before the update;
+        - the KL in the loss (`Config.kl_penalty_in_loss`): in the reward, the advantages need the old
+          log-probs before the update (the KL metric and controller read them after it, either way);
+        - ent_coef 0: the update's entropy is then the rollout's (the same "stats" computation), which
+          objective/entropy reports.
+        """
+        cfg = self.cfg
+        return (
+            self.sizes.optimizer_steps_per_ppo_step == 1
+            and not cfg.dynamic_sampling  # `dynamic_rollout` runs its own forwards on the rows it keeps
+            and cfg.sampler_correction == "none"  # its weights read the old log-probs before the update
+            and not cfg.estimator.critic
+            and cfg.kl_penalty_in_loss
+            and cfg.ent_coef == 0
+        )
+
+    # --- the step's log line ------------------------------------------------------------------
+
+    def metrics(self, rollout: Rollout, *, kl, kl_coef, returns, times) -> dict[str, float]:
+        """The step's log line: objective/*, val/* (with a value function), lengths, EOS rate and times, global
+        over processes (`ppo_step` adds the update's statistics and the scores' parts, `score_term_means`).
+        kl: the per-token KL_t (B, R) of `rewards`; objective/non_score_reward is the KL penalty as the
+        objective counts it, -beta * KL_t, wherever it is optimised (in the reward, or as k3 in the loss), so
+        objective/rlhf_reward means the same for every estimator. With dynamic_sampling these are over the kept
+        groups, except objective/kl, which `ppo_step` sets to the KL of every sampled group (the controller's)."""
+        mask = rollout.response_mask
+        lengths = mask.sum(-1).float()  # (B,)
+        kl_seq = ppo_math.sequence_kl(kl=kl, response_mask=mask)  # (B,)
+        non_score_reward = torch.where(mask, -kl_coef * kl, 0)  # (B, R)
+        non_score = ppo_math.masked_sum(non_score_reward, mask, dim=-1)  # (B,)
+        tokens = self.global_sum(lengths.sum())
+        step_time = sum(times.values())
+        return {
+            ppo_metrics.STEP: self.step,
+            ppo_metrics.EPISODES: self.step * self.sizes.episodes_per_step,
+            ppo_metrics.OBJECTIVE_SCORES: self.global_mean(rollout.scores.mean()),
+            ppo_metrics.OBJECTIVE_SCORES_STD: self.global_std(rollout.scores),
+            ppo_metrics.OBJECTIVE_KL: self.global_mean(kl_seq.mean()),
+            ppo_metrics.OBJECTIVE_KL_COEF: float(kl_coef),
+            ppo_metrics.OBJECTIVE_NON_SCORE_REWARD: self.global_mean(non_score.mean()),
+            ppo_metrics.OBJECTIVE_RLHF_REWARD: self.global_mean((rollout.scores + non_score).mean()),
+            ppo_metrics.OBJECTIVE_ENTROPY: self.global_mean(
+                ppo_math.masked_sum(rollout.entropy, mask, dim=-1).mean()
+            ),
+            **(self.value_metrics(rollout, returns) if rollout.values is not None else {}),
+            **(self.group_metrics(rollout) if self.cfg.samples_per_prompt > 1 else {}),
+            **(self.sampler_metrics(rollout, tokens) if rollout.sampler_logprobs is not None else {}),
+            ppo_metrics.RESPONSE_LENGTH: self.global_mean(lengths.mean()),
+            ppo_metrics.EOS_RATE: self.global_mean(rollout.ended(self.tokenizer.eos_token_id).float().mean()),
+            ppo_metrics.TIME_GENERATE: times["generate"],
+            ppo_metrics.TIME_SCORE: times["score"],
+            ppo_metrics.TIME_TRAIN: times["train"],
+            ppo_metrics.TIME_STEP: step_time,
+            ppo_metrics.TOKENS_PER_S: float(tokens) / step_time,
+        }
+
+    def value_metrics(self, rollout: Rollout, returns: torch.Tensor) -> dict[str, float]:
+        """val/explained_variance and val/mean of the value function (gae), global over processes."""
+        mask = rollout.response_mask
+        return {
+            ppo_metrics.VAL_EXPLAINED_VARIANCE: float(
+                ppo_math.explained_variance(
+                    values=rollout.values, returns=returns, mask=mask, reduce_sum=self.reduce_sum
+                )
+            ),
+            ppo_metrics.VAL_MEAN: self.global_mean(ppo_math.masked_mean(rollout.values, mask)),
+        }
+
+    def sampler_metrics(self, rollout: Rollout, tokens: torch.Tensor) -> dict[str, float]:
+        """objective/kl_sampler: KL(q || pi_theta) per response token between the sampler's distribution q
+        and the policy's, estimated on the sampled tokens (y_t ~ q) as the global mean of
+        log q(y_t|s_t) - log pi_theta(y_t|s_t) (the old log-probs). ~1e-7 in float32 (q differs from
+        pi_theta by float rounding only); with sampling_dtype bfloat16 the price of the faster sampler: the
+        tokens come from q, while the ratio and the KL to the reference are computed under pi_theta."""
+        gap = ppo_math.masked_sum(rollout.sampler_logprobs - rollout.logprobs, rollout.response_mask)  # ()
+        return {ppo_metrics.OBJECTIVE_KL_SAMPLER: float(self.global_sum(gap)) / max(float(tokens), 1.0)}
+
+    def group_metrics(self, rollout: Rollout) -> dict[str, float]:
+        """With k > 1 samples per prompt: objective/group_scores_std, the std of the scores within a prompt's
+        group (n - 1), averaged over the groups of every process, and objective/groups_tied, the share of
+        groups whose k scores are all equal (with the KL in the loss, grpo, dr_grpo and rloo give their
+        responses a zero advantage: the group teaches nothing). With dynamic_sampling these are the trained
+        groups (the tied groups it filled in at its cap); the dropped ones are sampling/groups_dropped."""
+        scores = rollout.scores  # (B,) and with episodes the environment's rewards
+        if rollout.env_rewards is not None:
+            scores = scores + rollout.env_rewards.sum(-1)
+        grouped = ppo_math.scores_by_prompt(
+            scores=scores, samples_per_prompt=self.cfg.samples_per_prompt
+        )  # (P, k)
+        tied = (grouped == grouped[:, :1]).all(dim=1).float()  # (P,)
+        return {
+            ppo_metrics.OBJECTIVE_GROUP_SCORES_STD: self.global_mean(grouped.std(dim=1, correction=1).mean()),
+            ppo_metrics.OBJECTIVE_GROUPS_TIED: self.global_mean(tied.mean()),
+        }
+
+    def score_term_means(self, scores: Scores) -> dict[str, float]:
+        """objective/<term> for each part of the scores (`Scores.terms`: objective/reward_fn,
+        objective/rm_score, objective/scores_member_<k>, objective/scores_disagreement): their means over
+        every process, all in one all-reduce; nothing when the scores have no parts."""
+        terms = scores.terms()
+        if not terms:
+            return {}
+        means = torch.stack([v.float().mean() for v in terms.values()])  # (n,) this process's
+        means = self.accelerator.reduce(means.to(self.device), reduction="mean")  # (n,) every process's
+        return {ppo_metrics.objective(name): float(v) for name, v in zip(terms, means)}
+
+    # --- distributed helpers ------------------------------------------------------------------
+
+    def global_sum(self, x: torch.Tensor) -> torch.Tensor:
+        return self.accelerator.reduce(x.detach().to(self.device).float(), reduction="sum")
+
+    def global_mean(self, x) -> float:
+        """Mean over every process (each holds the same number of episodes)."""
+        x = torch.as_tensor(x, dtype=torch.float32, device=self.device).mean()
+        return float(self.accelerator.reduce(x, reduction="mean"))
+
+    def global_std(self, x: torch.Tensor) -> float:
+        return float(self.accelerator.gather_for_metrics(x.float()).std())
+
+    @property
+    def reduce_sum(self):
+        """Sum over every process for the batch statistics of `ppo_math` (None with one process)."""
+        return self.global_sum if self.accelerator.num_processes > 1 else None
+
+    def whiten(self, x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+        """masked_whiten with statistics over every process's batch (the same as whitening the global batch)."""
+        return ppo_math.masked_whiten(x, mask, shift_mean=shift_mean, reduce_sum=self.reduce_sum)
+
+    def check_finite(self, phase: str, **tensors: torch.Tensor) -> None:
+        """Stop with a one-line error naming the step, the phase and the tensors when any entry is NaN or
+        inf on any process (the counts are summed over processes, so every process raises together)."""
+        counts = torch.stack([(~torch.isfinite(t.float())).sum() for t in tensors.values()])  # (n,)
+        counts = self.global_sum(counts)
+        if counts.sum() > 0:
+            bad = [f"{name} ({int(c)} entries)" for name, c in zip(tensors, counts) if c > 0]
+            raise NonFiniteError(
+                f"PPO step {self.step + 1}, {phase} phase: non-finite {', '.join(bad)}; nothing was updated"
+            )
+
+    # --- the models ---------------------------------------------------------------------------
+
+    @property
+    def unwrapped_policy(self):
+        return self.accelerator.unwrap_model(self.policy)
+
+    def trainable_parameters(self):
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        if self.critic is not None:
+            params += [p for p in self.critic.parameters() if p.requires_grad]
+        return params
+
+    def reference_context(self):
+        """With LoRA the reference is the policy's network with the adapter switched off."""
+        if self.cfg.use_lora:
+            return self.unwrapped_policy.lm.disable_adapter()
+        return nullcontext()
