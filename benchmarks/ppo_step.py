@@ -376,13 +376,13 @@ def instrument(trainer, timer: PhaseTimer) -> None:
     in_update = {"on": False}
     lm = trainer.unwrapped_policy.lm
     lm.generate = timer.wrap(lm.generate, lambda *a, **kw: "generate")
-    trainer.room.generate = timer.wrap(trainer.room.generate, lambda *a, **kw: "rollout_other")
+    trainer.collector.generate = timer.wrap(trainer.collector.generate, lambda *a, **kw: "rollout_other")
     trainer.forward_policy = timer.wrap(
         trainer.forward_policy,
         lambda *a, train=False, **kw: None if in_update["on"] else "old_logprobs_values",
     )
     trainer.reference_logprobs = timer.wrap(trainer.reference_logprobs, lambda *a, **kw: "reference")
-    trainer.room.score = timer.wrap(trainer.room.score, lambda *a, **kw: "reward_model")
+    trainer.collector.score = timer.wrap(trainer.collector.score, lambda *a, **kw: "reward_model")
     train_on_rollout = timer.wrap(trainer.train_on_rollout, lambda *a, **kw: "update")
 
     def update(*a, **kw):
@@ -512,7 +512,7 @@ def compare_generation(trainer, args, device, reps: int) -> dict:
     with the same model, batch, lengths and autocast, alternating so both see the same machine load."""
     lm = trainer.unwrapped_policy.lm
     tok = trainer.tokenizer
-    queries = trainer.room.queries(trainer.step)
+    queries = trainer.collector.queries(trainer.step)
     query, mask = left_pad(queries, tok.pad_token_id, device)  # (B, P) each
     bare_s, bare_tokens, roll_s, roll_tokens = 0.0, 0, 0.0, 0
     forward_policy = trainer.forward_policy
@@ -520,7 +520,7 @@ def compare_generation(trainer, args, device, reps: int) -> dict:
         torch.manual_seed(rep)
         sync(device)
         t = time.perf_counter()
-        with torch.no_grad(), trainer.acc.autocast():
+        with torch.no_grad(), trainer.accelerated.autocast():
             out = lm.generate(
                 input_ids=query,
                 attention_mask=mask,
@@ -549,7 +549,7 @@ def compare_generation(trainer, args, device, reps: int) -> dict:
         try:  # the sampler `rollout.sample` runs: fast_sampling's, or `generate` for a model it does not support
             with mock.patch.object(fast_sampling, "generate", counting(fast_sampling.generate)):
                 with mock.patch.object(lm, "generate", counting(lm.generate)):
-                    trainer.room.generate(queries)
+                    trainer.collector.generate(queries)
         finally:
             trainer.forward_policy = forward_policy
         sync(device)
@@ -634,7 +634,7 @@ def run_one(args) -> dict:
     critic = trainer.accelerator.unwrap_model(trainer.critic) if trainer.critic is not None else None
     nets = {  # weights and shapes of each network a phase runs
         "lm": param_counts(lm),
-        "reward_model": param_counts(trainer.room.scorer.reward_model.model),
+        "reward_model": param_counts(trainer.collector.scorer.reward_model.model),
         **({"critic": param_counts(critic.reward_model.model)} if critic is not None else {}),
     }
     config = (lm.get_base_model() if hasattr(lm, "get_base_model") else lm).config
@@ -649,7 +649,7 @@ def run_one(args) -> dict:
     shapes.watch(lm, "lm")
     if not args.lora:
         shapes.watch(trainer.ref_model.lm, "lm")  # a frozen copy (with LoRA: the policy's own network)
-    shapes.watch(trainer.room.scorer.reward_model._trunk_and_head()[0], "reward_model")
+    shapes.watch(trainer.collector.scorer.reward_model._trunk_and_head()[0], "reward_model")
     if critic is not None:
         shapes.watch(critic.reward_model._trunk_and_head()[0], "critic")
     if device.type == "cuda":

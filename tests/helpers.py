@@ -358,7 +358,7 @@ def one_update(cfg, hook=None, *, fixed_responses: bool = False) -> dict[str, to
     if fixed_responses:
         use_fixed_responses(trainer)
     torch.manual_seed(123)
-    rollout, _ = trainer.rollout(trainer.room.queries(trainer.step))
+    rollout, _ = trainer.rollout(trainer.collector.queries(trainer.step))
     adv = (
         torch.randn(rollout.logprobs.shape, generator=torch.Generator().manual_seed(0))
         * rollout.response_mask
@@ -395,7 +395,7 @@ def use_fixed_responses(trainer, seed: int = 7) -> None:
             query=query, query_mask=query_mask, response=torch.where(mask, response, pad), response_mask=mask
         )
 
-    trainer.room.generate = fixed
+    trainer.collector.generate = fixed
 
 
 def ppo_cli_args(model_dir, rm_dir, prompt_file, out: Path, steps: int, **kw) -> list[str]:

@@ -282,7 +282,7 @@ def as_deepspeed(trainer, monkeypatch, zero_stage: int = 2) -> StandInDeepSpeedE
     engine, trainer.optimizer = stand_in_engine(
         trainer.accelerator, monkeypatch, trainer.policy, optimizer, zero_stage
     )
-    trainer.policy = trainer.update.policy = trainer.room.policy = (
+    trainer.policy = trainer.update.policy = trainer.collector.policy = (
         engine  # the trainer's, its update's, its room's
     )
     trainer.update.optimizer = trainer.optimizer
@@ -381,7 +381,7 @@ def test_deepspeed_mixed_precision_first_step_kl_zero_ratio_one(
     assert len(trainer.policy.raw_grads) == 1  # the engine took the step
     assert first["objective/kl"] == 0.0
     assert first["policy/ratio"] == 1.0 and first["policy/approxkl"] == 0.0
-    for model in (trainer.unwrapped_policy, trainer.ref_model, trainer.room.scorer.reward_model):
+    for model in (trainer.unwrapped_policy, trainer.ref_model, trainer.collector.scorer.reward_model):
         assert {p.dtype for p in model.parameters()} == {dtype}
     assert all(math.isfinite(first[k]) for k in ("loss/policy", "loss/value", "objective/scores"))
     assert trainer.ppo_step()["objective/kl"] != 0.0  # the policy moved and the KL sees it

@@ -123,28 +123,28 @@ def test_two_ranks_draw_different_prompts_whose_union_is_one_process_prompts(tin
         cfg = ppo_config(tiny_model_dir, None, prompts, tmp_path, reward_fn="reward_fns:half",
                          rollout_batch_size=rollout_batch_size, mini_batch_size=rollout_batch_size, seed=3)  # fmt: skip
         trainer = tiny_ppo_trainer(cfg)
-        trainer.sizes = trainer.room.sizes = trainer.update.sizes = batch_sizes(rollout_batch_size=rollout_batch_size, mini_batch_size=rollout_batch_size,
+        trainer.context.sizes = batch_sizes(rollout_batch_size=rollout_batch_size, mini_batch_size=rollout_batch_size,
                                         gradient_accumulation_steps=1, ppo_epochs=cfg.ppo_epochs, steps=cfg.steps,
                                         num_processes=num_processes)  # fmt: skip
         return trainer
 
     one, ranks = trainer_for(6, 1), trainer_for(3, 2)
     assert ranks.sizes.prompts_per_step == one.sizes.prompts_per_step == 6
-    real_accelerator, seen = ranks.room.accelerator, []
+    real_accelerator, seen = ranks.accelerator, []
     for step in range(4):  # step 3 starts the second pass, in another order
         drawn = []
         for rank in (0, 1):
-            ranks.room.accelerator = SimpleNamespace(process_index=rank)
-            drawn.append(ranks.room.queries(step))
-        ranks.room.accelerator = real_accelerator
+            ranks.context.accelerator = SimpleNamespace(process_index=rank)
+            drawn.append(ranks.collector.queries(step))
+        ranks.context.accelerator = real_accelerator
         assert len(drawn[0]) == len(drawn[1]) == 3
         assert not set(map(tuple, drawn[0])) & set(map(tuple, drawn[1])), (
             f"step {step}: the ranks share a prompt"
         )
-        assert drawn[0] + drawn[1] == one.room.queries(step), step
+        assert drawn[0] + drawn[1] == one.collector.queries(step), step
         if step < 3:
             seen += drawn[0] + drawn[1]
-    assert sorted(seen) == sorted(one.room.prompts), "the first pass holds every prompt once"
+    assert sorted(seen) == sorted(one.collector.prompts), "the first pass holds every prompt once"
 
 
 # --- micro-batches and the global batch ----------------------------------------------------------------------
@@ -248,14 +248,14 @@ def test_reinforce_pp_whitens_over_every_process(tiny_model_dir, tiny_rm_dir, pr
     per process."""
     trainer = tiny_ppo_trainer(reinforce_pp_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path))
     use_fixed_responses(trainer)
-    rollout, _ = trainer.rollout(trainer.room.in_groups(trainer.room.queries(trainer.step)))
+    rollout, _ = trainer.rollout(trainer.collector.in_groups(trainer.collector.queries(trainer.step)))
     rewards, _ = trainer.rewards(rollout, 0.5)
     whole, _ = trainer.advantages(rollout, rewards)  # one process
     torch.testing.assert_close(whole.double(), naive_reinforce_pp(rollout, beta=0.5), atol=1e-5, rtol=1e-5)
 
     halves = [torch.arange(0, 4), torch.arange(4, 8)]
     real_accelerator, out, errors = trainer.accelerator, [None, None], []
-    trainer.accelerator = TwoThreadSum(trainer.device)
+    trainer.context.accelerator = TwoThreadSum(trainer.device)
 
     def rank(r: int) -> None:
         try:
@@ -269,7 +269,7 @@ def test_reinforce_pp_whitens_over_every_process(tiny_model_dir, tiny_rm_dir, pr
         t.start()
     for t in threads:
         t.join()
-    trainer.accelerator = real_accelerator
+    trainer.context.accelerator = real_accelerator
     assert not errors, errors
     torch.testing.assert_close(torch.cat(out), whole, atol=1e-6, rtol=1e-5)
     alone = trainer.advantages(rollout.select(halves[0]), rewards[halves[0]])[0]

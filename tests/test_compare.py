@@ -275,7 +275,7 @@ def test_dpo_and_best_of_n_are_scored_by_the_scorer_ppo_trained_against(
     rows, B = [p for p in prompts for _ in range(4)], draws.batch_size  # best-of-n's N = 4 samples per prompt
     batches = [sample_batch(sft, tokenizer, rows[s : s + B], draws.sampling, seed=draws.seed + b)
                for b, s in enumerate(range(0, len(rows), B))]  # fmt: skip
-    scores = [trainer.room.score(batch) for batch in batches]
+    scores = [trainer.collector.score(batch) for batch in batches]
     rm_score, fn, proxy = (torch.cat([getattr(s, k) for s in scores]).double().view(3, 4)
                            for k in ("rm_score", "reward_fn", "scores"))  # fmt: skip
     member_0_alone = torch.cat([Scorer(load_reward_model(member_0))(b, tokenizer).rm_score for b in batches])
@@ -289,6 +289,6 @@ def test_dpo_and_best_of_n_are_scored_by_the_scorer_ppo_trained_against(
         assert bon[n]["reward_fn"] == pytest.approx(compare.expectation(weights, fn), abs=1e-9)
     assert bon[4]["rm_score"] + 0.5 * bon[4]["reward_fn"] > bon[1]["rm_score"] + 0.5 * bon[1]["reward_fn"]
     [dpo] = [p for p in points if p["method"] == "dpo"]  # one response per prompt, drawn as PPO's evaluation
-    expected = trainer.room.score(sample_batch(sft, tokenizer, prompts, draws.sampling, seed=draws.seed))
+    expected = trainer.collector.score(sample_batch(sft, tokenizer, prompts, draws.sampling, seed=draws.seed))
     assert dpo["rm_score"] == pytest.approx(expected.rm_score.mean().item(), abs=1e-5)
     assert dpo["reward_fn"] == pytest.approx(expected.reward_fn.mean().item(), abs=1e-9)

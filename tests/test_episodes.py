@@ -138,7 +138,7 @@ def test_gradient_and_kl_are_exactly_zero_on_environment_tokens(
     attention) fails this test."""
     kw = {"advantage_estimator": estimator, "samples_per_prompt": 2} if estimator == "grpo" else {}
     trainer = episode_trainer(tiny_model_dir, prompt_file, tmp_path, **kw)
-    rollout, _ = trainer.rollout(trainer.room.in_groups(trainer.room.queries(0)))
+    rollout, _ = trainer.rollout(trainer.collector.in_groups(trainer.collector.queries(0)))
     env = rollout.env_mask
     assert env.any() and rollout.response_mask.any()
     kl_coef = 0.3
@@ -170,7 +170,7 @@ def test_per_turn_rewards_land_in_the_rewards_and_gae_skips_environment_tokens(
     tiny_model_dir, prompt_file, tmp_path
 ):
     trainer = episode_trainer(tiny_model_dir, prompt_file, tmp_path, init_kl_coef=0.0, kl_controller="fixed")
-    rollout, _ = trainer.rollout(trainer.room.queries(0))
+    rollout, _ = trainer.rollout(trainer.collector.queries(0))
     rewards, _ = trainer.rewards(rollout, 0.0)
     assert torch.equal(rewards, rollout.env_rewards * rollout.response_mask)  # Echo: 0.5 a turn, no RM
     assert (rollout.env_rewards.sum(-1) > 0).any()

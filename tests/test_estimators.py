@@ -366,7 +366,7 @@ def test_advantages_are_each_groups_own(tiny_model_dir, tiny_rm_dir, prompt_file
                            kl_in_loss=False, kl_controller="fixed", init_kl_coef=beta, learning_rate=1e-2)  # fmt: skip
     trainer = tiny_ppo_trainer(cfg)
     trainer.ppo_step()
-    queries = trainer.room.queries(trainer.step)
+    queries = trainer.collector.queries(trainer.step)
     rollouts, advantages = recording_rollouts(trainer), recording_advantages(trainer)
     metrics = trainer.ppo_step()
     rollout, (given,) = rollouts[0], advantages
@@ -493,7 +493,7 @@ def test_remax_baseline_is_the_greedy_response(
         calls.append((query.shape[0], sampling.temperature))
         return real_sample(lm, tokenizer, query, query_mask, sampling, **kw)
 
-    monkeypatch.setattr(ppo_rollouts, "sample", counting)  # the rollout room's sampler
+    monkeypatch.setattr(ppo_rollouts, "sample", counting)  # the rollout collector's sampler
     rollouts = recording_rollouts(trainer)
     policy_at_rollout = copy.deepcopy(trainer.unwrapped_policy.lm)
     metrics = trainer.ppo_step()
@@ -504,7 +504,7 @@ def test_remax_baseline_is_the_greedy_response(
     mask = greedy.response_mask
     assert torch.equal(logits.argmax(-1)[mask], greedy.response[mask])
     state = torch.get_rng_state()
-    trainer.room.generate(trainer.room.queries(trainer.step), sampling=trainer.greedy)
+    trainer.collector.generate(trainer.collector.queries(trainer.step), sampling=trainer.greedy)
     assert torch.equal(torch.get_rng_state(), state)
 
 

@@ -273,7 +273,7 @@ def test_ppo_logprobs_are_those_generate_sampled_from(
     eos = trainer.tokenizer.eos_token_id
     calls = record_sampled_scores(monkeypatch)
     torch.manual_seed(0)
-    rollout, _ = trainer.rollout(trainer.room.queries(trainer.step))
+    rollout, _ = trainer.rollout(trainer.collector.queries(trainer.step))
     (scores,) = calls
     mask = rollout.response_mask
     T = len(scores)
@@ -314,7 +314,7 @@ def test_ppo_logprobs_are_those_generate_sampled_from(
             response = rollout.response[b, : lengths[b]][None]  # (1, L_b)
             alone = Samples(query=query, query_mask=torch.ones_like(query), response=response,
                             response_mask=torch.ones_like(response, dtype=torch.bool))  # fmt: skip
-            assert trainer.room.score(alone).scores.item() == pytest.approx(
+            assert trainer.collector.score(alone).scores.item() == pytest.approx(
                 rollout.scores[b].item(), abs=1e-5
             )
 

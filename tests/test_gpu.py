@@ -87,7 +87,7 @@ def test_bf16_autocast_ppo_step_on_cuda(tiny_model_dir, tiny_rm_dir, prompt_file
     seen = []
     lm = trainers[True].unwrapped_policy.lm
     handle = lm.get_output_embeddings().register_forward_hook(lambda m, i, o: seen.append(o.dtype))
-    with trainers[True].acc.autocast():
+    with trainers[True].accelerated.autocast():
         ids = torch.tensor([[1, 2, 3]], device=CUDA)
         lm(input_ids=ids, attention_mask=torch.ones_like(ids))
     handle.remove()

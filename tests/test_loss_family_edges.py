@@ -49,7 +49,7 @@ def fixed_rollout(cfg, seed: int = 0):
     per-response advantages ~ N(0, 1) on each of its tokens, (B, R)."""
     trainer = tiny_ppo_trainer(cfg)
     use_fixed_responses(trainer)
-    rollout, _ = trainer.rollout(trainer.room.in_groups(trainer.room.queries(trainer.step)))
+    rollout, _ = trainer.rollout(trainer.collector.in_groups(trainer.collector.queries(trainer.step)))
     a = torch.randn(rollout.scores.shape, generator=torch.Generator().manual_seed(seed))  # (B,)
     return rollout, ppo_math.token_advantages(advantages=a, response_mask=rollout.response_mask)
 
@@ -118,12 +118,12 @@ def test_dynamic_sampling_ties_on_raw_scores_not_the_penalties(
     drops 8 groups and trains 4 tied ones. Fails if the tie test reads the shaped scores."""
     trainer = tiny_ppo_trainer(tie_config(tiny_model_dir, prompt_file, tmp_path, reward_fn=HALF, **shaping))
     use_fixed_responses(trainer)
-    rollout, _ = trainer.rollout(trainer.room.in_groups(trainer.room.queries(trainer.step)))
+    rollout, _ = trainer.rollout(trainer.collector.in_groups(trainer.collector.queries(trainer.step)))
     shaped = trainer.rewards(rollout, 0.0)[0].sum(-1)  # (B,) the score the rewards hold (kl_coef 0)
     assert not ppo_math.tied_groups(scores=shaped, samples_per_prompt=2).all(), "the penalty unties a group"
     m = trainer.ppo_step()
     assert (m["sampling/rounds"], m["sampling/groups_dropped"]) == (3.0, 8.0)
-    assert m["sampling/tied_groups_trained"] == 4.0 and trainer.room.extra_prompts == 8
+    assert m["sampling/tied_groups_trained"] == 4.0 and trainer.collector.extra_prompts == 8
 
 
 def write_verifier(folder) -> str:
@@ -141,9 +141,9 @@ def test_dynamic_sampling_ties_on_the_verifier_verdicts(tiny_model_dir, prompt_f
     trainer = tiny_ppo_trainer(
         tie_config(tiny_model_dir, prompt_file, tmp_path, reward_fn=EVEN, accuracy_fn=always)
     )
-    assert trainer.room.verifier is not None and trainer.room.verifier.key == "accuracy_fn"
+    assert trainer.collector.verifier is not None and trainer.collector.verifier.key == "accuracy_fn"
     use_fixed_responses(trainer)
-    rollout, _ = trainer.rollout(trainer.room.in_groups(trainer.room.queries(trainer.step)))
+    rollout, _ = trainer.rollout(trainer.collector.in_groups(trainer.collector.queries(trainer.step)))
     assert not ppo_math.tied_groups(scores=rollout.scores, samples_per_prompt=2).all(), "the scores differ"
     m = trainer.ppo_step()
     assert (m["sampling/rounds"], m["sampling/groups_dropped"], m["sampling/tied_groups_trained"]) == (
@@ -189,7 +189,7 @@ def test_kl_and_its_controller_see_every_sampled_group(tiny_model_dir, prompt_fi
         for p in trainer.unwrapped_policy.lm.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(2)))
     every = []  # the sequence KL of every sampled round, computed alone
-    real_generate = trainer.room.generate
+    real_generate = trainer.collector.generate
 
     def generate(queries, sampling=None):
         samples = real_generate(queries, sampling)
@@ -201,7 +201,7 @@ def test_kl_and_its_controller_see_every_sampled_group(tiny_model_dir, prompt_fi
             trainer.kl_ctl.target = float(torch.cat(every).mean())
         return samples
 
-    trainer.room.generate = generate
+    trainer.collector.generate = generate
     m = trainer.ppo_step()
     every = torch.cat(every)  # (24,)
     assert every.shape == (24,) and m["sampling/rounds"] == 3
@@ -246,7 +246,7 @@ def on_two_ranks(trainers, work) -> list:
     pair, out, errors = TwoRanks.pair(), [None, None], []
     real = [t.accelerator for t in trainers]
     for rank, t in enumerate(trainers):
-        t.accelerator = t.room.accelerator = t.update.accelerator = TwoRanks(rank, pair, t.accelerator)
+        t.context.accelerator = TwoRanks(rank, pair, t.accelerator)  # the trainer's, the collector's, the update's
 
     def run(rank: int) -> None:
         try:
@@ -261,7 +261,7 @@ def on_two_ranks(trainers, work) -> list:
     for t in threads:
         t.join()
     for t, accelerator in zip(trainers, real):
-        t.accelerator = t.room.accelerator = t.update.accelerator = accelerator
+        t.context.accelerator = accelerator
     if errors:
         raise errors[0]
     return out
@@ -273,9 +273,7 @@ def rank_trainer(cfg, **sizes):
     keys = dict(rollout_batch_size=cfg.rollout_batch_size, mini_batch_size=cfg.mini_batch_size,
                 gradient_accumulation_steps=cfg.gradient_accumulation_steps, ppo_epochs=cfg.ppo_epochs,
                 steps=cfg.steps, samples_per_prompt=cfg.samples_per_prompt)  # fmt: skip
-    trainer.sizes = trainer.room.sizes = trainer.update.sizes = batch_sizes(
-        **{**keys, **sizes, "num_processes": 2}
-    )  # the room's too
+    trainer.context.sizes = batch_sizes(**{**keys, **sizes, "num_processes": 2})  # every part's
     return trainer
 
 
@@ -322,11 +320,11 @@ def test_dynamic_sampling_rounds_are_the_same_on_two_simulated_ranks(tiny_model_
     for rank, t in enumerate(trainers):
         use_fixed_responses(t)
         rounds = iter(script[rank])
-        t.room.score = lambda samples, rounds=rounds: Scores(scores=next(rounds))
+        t.collector.score = lambda samples, rounds=rounds: Scores(scores=next(rounds))
 
     def step(rank, t):
         times = {}
-        return t.dynamic_rollout(t.room.queries(t.step), times)
+        return t.dynamic_rollout(t.collector.queries(t.step), times)
 
     (r0, _, s0, kl0), (r1, _, s1, kl1) = on_two_ranks(trainers, step)
     assert s0["sampling/rounds"] == s1["sampling/rounds"] == 3.0
@@ -334,4 +332,4 @@ def test_dynamic_sampling_rounds_are_the_same_on_two_simulated_ranks(tiny_model_
     assert s0["sampling/tied_groups_trained"] == s1["sampling/tied_groups_trained"] == 0.0
     assert r0.scores.tolist() == untied.tolist() and r1.scores.tolist() == untied.tolist()
     assert kl0.shape == kl1.shape == (8,)  # the dropped rows: 2 rounds x 2 groups x 2 samples
-    assert trainers[0].room.extra_prompts == trainers[1].room.extra_prompts == 8
+    assert trainers[0].collector.extra_prompts == trainers[1].collector.extra_prompts == 8

@@ -81,7 +81,7 @@ def fixed_rollout(cfg, seed: int = 0):
     lengths) by a trainer of `cfg`, and per-response advantages ~ N(0, 1) spread over each response."""
     trainer = tiny_ppo_trainer(cfg)
     use_fixed_responses(trainer)
-    rollout, _ = trainer.rollout(trainer.room.in_groups(trainer.room.queries(trainer.step)))
+    rollout, _ = trainer.rollout(trainer.collector.in_groups(trainer.collector.queries(trainer.step)))
     a = torch.randn(rollout.scores.shape, generator=torch.Generator().manual_seed(seed))  # (B,)
     return rollout, ppo_math.token_advantages(advantages=a, response_mask=rollout.response_mask)
 
@@ -293,7 +293,7 @@ def test_overlong_penalty_in_the_rewards(tiny_model_dir, prompt_file, tmp_path):
     cfg = grpo_config(tiny_model_dir, prompt_file, tmp_path, overlong_buffer=4, overlong_penalty=1.0)
     trainer = tiny_ppo_trainer(cfg)
     use_fixed_responses(trainer)
-    rollout, _ = trainer.rollout(trainer.room.in_groups(trainer.room.queries(trainer.step)))
+    rollout, _ = trainer.rollout(trainer.collector.in_groups(trainer.collector.queries(trainer.step)))
     lengths = rollout.response_mask.sum(-1).tolist()
     assert lengths == [8, 2, 3, 8, 5, 6, 8, 8]  # rows 0, 3, 6 truncated; row 7 ends with EOS at 8
     penalty = torch.tensor([-1.0, 0.0, 0.0, -1.0, -0.25, -0.5, -1.0, -1.0])
@@ -356,14 +356,14 @@ def test_dynamic_sampling_trains_untied_groups(tiny_model_dir, prompt_file, tmp_
                       steps=3)  # fmt: skip
     trainer = tiny_ppo_trainer(cfg)
     kept = keep_dynamic_rollouts(trainer)
-    sampled, real_score = [], trainer.room.score  # every round's scores, the dropped groups' too
+    sampled, real_score = [], trainer.collector.score  # every round's scores, the dropped groups' too
 
     def score(samples):
         out = real_score(samples)
         sampled.append((trainer.step, out.scores.clone()))
         return out
 
-    trainer.room.score = score
+    trainer.collector.score = score
     torch.manual_seed(0)
     metrics = [trainer.ppo_step() for _ in range(3)]
     rounds = [m["sampling/rounds"] for m in metrics]
@@ -378,14 +378,14 @@ def test_dynamic_sampling_trains_untied_groups(tiny_model_dir, prompt_file, tmp_
         this_step = torch.cat([scores for at, scores in sampled if at == step])
         assert this_step.numel() == 8 * m["sampling/rounds"]
         assert m["sampling/scores_sampled"] == pytest.approx(float(this_step.mean()), abs=1e-6)
-    assert trainer.room.extra_prompts == 4 * (sum(rounds) - 3)
+    assert trainer.collector.extra_prompts == 4 * (sum(rounds) - 3)
     assert metrics[-1]["sampling/sampled_per_trained"] == pytest.approx(sum(rounds) / 3)
-    assert trainer.state_dict()["extra_prompts"] == trainer.room.extra_prompts
+    assert trainer.state_dict()["extra_prompts"] == trainer.collector.extra_prompts
 
     once = tiny_ppo_trainer(dataclasses.replace(cfg, dynamic_sampling_max_rounds=1))
     torch.manual_seed(0)
     m = once.ppo_step()
-    assert (m["sampling/rounds"], m["sampling/groups_dropped"]) == (1.0, 0.0) and once.room.extra_prompts == 0
+    assert (m["sampling/rounds"], m["sampling/groups_dropped"]) == (1.0, 0.0) and once.collector.extra_prompts == 0
     assert m["sampling/tied_groups_trained"] == m["objective/groups_tied"] * 4
 
 

@@ -63,7 +63,7 @@ def test_first_step_kl_zero_and_ratio_one(
     cfg = ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, use_lora=use_lora)
     trainer = tiny_ppo_trainer(cfg, mixed_precision=mixed_precision)
     assert trainer.accelerator.mixed_precision == mixed_precision
-    rollout, _ = trainer.rollout(trainer.room.queries(trainer.step))
+    rollout, _ = trainer.rollout(trainer.collector.queries(trainer.step))
     ref = trainer.reference_logprobs(rollout)
     kl = (rollout.logprobs - ref)[rollout.response_mask]
     assert torch.equal(kl, torch.zeros_like(kl))  # exactly 0: same weights, same code path
@@ -78,7 +78,7 @@ def test_first_step_kl_zero_and_ratio_one(
 def test_value_head_starts_at_zero_and_learns(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
     """Zero-initialised value head: V = 0 at every position of the first rollout; one step moves it."""
     trainer = tiny_ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, ppo_epochs=1))
-    rollout, _ = trainer.rollout(trainer.room.queries(trainer.step))
+    rollout, _ = trainer.rollout(trainer.collector.queries(trainer.step))
     assert torch.equal(rollout.values, torch.zeros_like(rollout.values))
     trainer.ppo_step()
     assert trainer.unwrapped_policy.value_head.summary.weight.abs().sum() > 0
@@ -87,13 +87,13 @@ def test_value_head_starts_at_zero_and_learns(tiny_model_dir, tiny_rm_dir, promp
 def test_reference_bit_identical_after_steps(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
     trainer = tiny_ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, steps=3))
     before = {k: v.clone() for k, v in trainer.ref_model.state_dict().items()}
-    rm_before = {k: v.clone() for k, v in trainer.room.scorer.reward_model.state_dict().items()}
+    rm_before = {k: v.clone() for k, v in trainer.collector.scorer.reward_model.state_dict().items()}
     assert trainer.ref_model.lm is not trainer.unwrapped_policy.lm
     for _ in range(3):
         trainer.ppo_step()
     for k, v in trainer.ref_model.state_dict().items():
         assert torch.equal(v, before[k]), k
-    for k, v in trainer.room.scorer.reward_model.state_dict().items():
+    for k, v in trainer.collector.scorer.reward_model.state_dict().items():
         assert torch.equal(v, rm_before[k]), k
 
 

@@ -192,7 +192,7 @@ def test_separate_critic_through_ppo_step_and_the_final_folder(
         ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "t", value_model="reward")
     )
     assert trainer.unwrapped_policy.value_head is None and trainer.critic is not None
-    rollout, _ = trainer.rollout(trainer.room.queries(trainer.step))
+    rollout, _ = trainer.rollout(trainer.collector.queries(trainer.step))
     with torch.no_grad():
         P = rollout.query.shape[1]
         values = trainer.critic(rollout.sequence, rollout.attention_mask)[:, P - 1 : -1]

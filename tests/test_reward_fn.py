@@ -194,7 +194,7 @@ def test_tiny_policy_learns_a_keyword_reward(tiny_model_dir, prompt_file, tmp_pa
     cfg = ppo_cfg(tiny_model_dir, prompt_file, tmp_path, steps=16, rollout_batch_size=16, mini_batch_size=8,
                   ppo_epochs=4, learning_rate=3e-3, kl_controller="fixed", init_kl_coef=0.01)  # fmt: skip
     trainer = tiny_ppo_trainer(cfg)
-    assert trainer.room.scorer.reward_model is None
+    assert trainer.collector.scorer.reward_model is None
     history = [trainer.ppo_step() for _ in range(cfg.steps)]
     counts = [m["objective/reward_fn"] for m in history]
     assert all(m["objective/scores"] == pytest.approx(m["objective/reward_fn"], abs=1e-6) for m in history)
@@ -324,7 +324,7 @@ def test_bad_scores_in_training_stop_before_the_update(tiny_model_dir, prompt_fi
     trainer = tiny_ppo_trainer(
         ppo_cfg(tiny_model_dir, prompt_file, tmp_path, reward_fn="reward_fns:NanAfterProbe")
     )
-    trainer.room.scorer.reward_fn.fn.calls = 1  # as if probed
+    trainer.collector.scorer.reward_fn.fn.calls = 1  # as if probed
     before = {n: p.detach().clone() for n, p in trainer.unwrapped_policy.named_parameters()}
     with pytest.raises(UserError) as e:
         trainer.ppo_step()

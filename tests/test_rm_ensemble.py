@@ -218,8 +218,8 @@ def test_ppo_step_with_an_ensemble_scores_and_logs_every_member(
     )  # fmt: skip
     trainer = tiny_ppo_trainer(cfg)
     assert (
-        isinstance(trainer.room.scorer.reward_model, RewardEnsemble)
-        and len(trainer.room.scorer.reward_model.members) == 3
+        isinstance(trainer.collector.scorer.reward_model, RewardEnsemble)
+        and len(trainer.collector.scorer.reward_model.members) == 3
     )
     rollouts = recording_rollouts(trainer)
     metrics = trainer.ppo_step()
@@ -249,7 +249,7 @@ def test_one_member_list_equals_one_reward_model_exactly(tiny_rm_dir, tiny_model
             reward_model_path=[str(tiny_rm_dir)], ensemble_combine="uncertainty", ensemble_uncertainty_coef=2.0,
         )
     )  # fmt: skip
-    assert isinstance(listed.room.scorer.reward_model, RewardEnsemble)
+    assert isinstance(listed.collector.scorer.reward_model, RewardEnsemble)
     ensembled = [listed.ppo_step() for _ in range(2)]
     for a, b in zip(plain, ensembled):
         for key, value in a.items():

@@ -50,8 +50,8 @@ def test_ppo_and_evaluation_score_alike(tiny_model_dir, tiny_rm_dir, prompt_file
     cfg = ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, reward_fn="reward_fns:length",
                      reward_fn_weight=0.5)  # fmt: skip
     trainer = tiny_ppo_trainer(cfg)
-    samples = trainer.room.generate(trainer.room.queries(trainer.step))
-    got = trainer.room.score(samples)
+    samples = trainer.collector.generate(trainer.collector.queries(trainer.step))
+    got = trainer.collector.score(samples)
     alone = Scorer(
         load_reward_model(str(tiny_rm_dir)), load_reward_fn("reward_fns:length"), reward_fn_weight=0.5
     )

@@ -313,7 +313,7 @@ def test_the_task_reward_through_the_ppo_path(chain_folder, tmp_path):
         written.append(texts)
         return Samples(query=query, query_mask=query_mask, response=response, response_mask=mask)
 
-    trainer.room.generate = answers
+    trainer.collector.generate = answers
     metrics = trainer.ppo_step()
     (rollout,) = kept
     n = len(written[0])

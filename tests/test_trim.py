@@ -97,7 +97,7 @@ def fixed_samples(trainer: ppo_trainer.PPOTrainer) -> Samples:
     the EOS at EOS_AT, right-padded to R: each micro-batch of 4 has its own longest query and response."""
     tok = trainer.tokenizer
     eos, pad = tok.eos_token_id, tok.pad_token_id
-    query, query_mask = left_pad([trainer.room.prompts[i] for i in range(8)], pad)  # (8, P)
+    query, query_mask = left_pad([trainer.collector.prompts[i] for i in range(8)], pad)  # (8, P)
     query = torch.cat([torch.full((8, EXTRA_QUERY_PAD), pad), query], dim=1)
     query_mask = torch.cat([torch.zeros((8, EXTRA_QUERY_PAD), dtype=torch.long), query_mask], dim=1)
     response = torch.randint(eos + 1, len(tok), (8, R), generator=torch.Generator().manual_seed(0))
@@ -120,12 +120,12 @@ def rollout_with(trainer, samples, monkeypatch, trim=None, rm_trim=None) -> tupl
             m.setattr(Samples, "trimmed", trim)
         if rm_trim is not None:
             m.setattr(reward_model, "trim_padding_columns", rm_trim)
-        trainer.room.generate = lambda queries, sampling=None: samples
+        trainer.collector.generate = lambda queries, sampling=None: samples
         try:
-            return trainer.rollout(trainer.room.queries(trainer.step))[0], widths
+            return trainer.rollout(trainer.collector.queries(trainer.step))[0], widths
         finally:
             handle.remove()
-            del trainer.room.generate
+            del trainer.collector.generate
 
 
 def assert_same_rollout(a: Rollout, b: Rollout) -> None:

@@ -84,11 +84,11 @@ def save_policy(trainer: PPOTrainer, cfg: Config, out: Path, *, merge_copies: bo
     best checkpoint into after saving the last policy."""
     accelerator = trainer.accelerator
     accelerator.wait_for_everyone()
-    if accelerator.is_fsdp2 or (trainer.acc.zero3 and not cfg.use_lora):
+    if accelerator.is_fsdp2 or (trainer.accelerated.zero3 and not cfg.use_lora):
         save_policy_gathered(trainer, out)
         return
     policy = trainer.unwrapped_policy
-    if trainer.acc.zero3:  # LoRA: the partitions gathered into a whole copy (every process enters the gather)
+    if trainer.accelerated.zero3:  # LoRA: the partitions gathered into a whole copy (every process enters the gather)
         policy, merge_copies = whole_lora_policy(trainer), False  # the copy is this function's to merge
     if not accelerator.is_main_process:
         return
@@ -142,7 +142,7 @@ def save_policy_gathered(trainer: PPOTrainer, out: Path) -> None:
     folder and the value head. (LoRA under ZeRO-3 takes `whole_lora_policy` instead; FSDP2 refuses LoRA, and
     both refuse the separate critic: `Accelerated.prepare`.)"""
     policy = trainer.unwrapped_policy
-    if trainer.acc.zero3:
+    if trainer.accelerated.zero3:
         # DeepSpeed's consolidated 16-bit weights (the config's zero3_save_16bit_model), on rank 0 only
         state = trainer.accelerator.get_state_dict(trainer.policy)
     else:

@@ -34,7 +34,7 @@ from llm_rlhf.ppo.checkpoints import (
     save_policy,
 )
 from llm_rlhf.ppo.config import Config  # the keys of `llm-rlhf ppo`
-from llm_rlhf.ppo.rollouts import EpisodeRoom
+from llm_rlhf.ppo.rollouts import EpisodeCollector
 from llm_rlhf.ppo.trainer import PPOTrainer
 from llm_rlhf.rl.episodes import EPISODE_ROW_KEYS, EpisodePlay
 
@@ -157,11 +157,11 @@ def evaluate_heldout(
     policy = trainer.unwrapped_policy
     lm, cfg = policy.lm, trainer.cfg
     reference = KLReference(lm, lm.disable_adapter) if cfg.use_lora else KLReference(trainer.ref_model.lm)
-    room = trainer.room  # with an environment its episodes are played as in training (issue 51)
-    play = EpisodePlay(room.make_environment, room.limits) if isinstance(room, EpisodeRoom) else None
+    room = trainer.collector  # with an environment its episodes are played as in training (issue 51)
+    play = EpisodePlay(room.make_environment, room.limits) if isinstance(room, EpisodeCollector) else None
     draws = PairedSampling(trainer.sampling, seed=cfg.seed, batch_size=cfg.heldout_batch_size, play=play)
-    with trainer.acc.autocast(), trainer.acc.gathered_for_generation(policy):
-        measures = Measures(scorer=trainer.room.scorer, judge=judge, verifier=verifier)
+    with trainer.accelerated.autocast(), trainer.accelerated.gathered_for_generation(policy):
+        measures = Measures(scorer=trainer.collector.scorer, judge=judge, verifier=verifier)
         result = evaluate_policy(
             lm, trainer.tokenizer, prompts, draws, measures=measures, reference=reference, samples_out=samples
         )

@@ -1,14 +1,14 @@
-"""The rollout room: where PPO's episodes come from, apart from the update (issue 50).
+"""The rollout collector: where PPO's episodes come from, apart from the update (issue 50).
 
     prompts in  -> token ids (query | response), their masks, the sampler's log-probs, the scores and their parts
 
-`RolloutRoom` holds the prompt stream (a seeded permutation per pass; the data position follows from the step,
+`RolloutCollector` holds the prompt stream (a seeded permutation per pass; the data position follows from the step,
 `queries`), sampling (`generate`: the policy's own sampler, `rl.rollout.sample`), scoring (`score`: the one
 `Scorer` of the reward model(s) and the reward function, its failures agreed over the processes) and DAPO's
 dynamic sampling (`collect_untied`: rounds of groups until enough are untied, the selection, its statistics).
 What it hands the trainer is `Samples` and `Scores` (`Episodes` for dynamic sampling): the trainer
 (`stages.ppo.PPOTrainer`) runs the policy's, the value's and the reference's forwards on them and the update.
-Episodes of several turns are `EpisodeRoom` (issue 51): the same methods, `generate` playing episodes with an
+Episodes of several turns are `EpisodeCollector` (issue 51): the same methods, `generate` playing episodes with an
 environment; another sampling back-end would be another room with the same methods: `queries`, `in_groups`,
 `generate`, `score`, `collect_untied`, `state_dict`.
 """
@@ -26,13 +26,14 @@ import torch
 from llm_rlhf.core.errors import UserError
 from llm_rlhf.models.scoring import Scorer, Scores
 from llm_rlhf.ppo import metrics as ppo_metrics
+from llm_rlhf.ppo.context import PPOContext, UsesContext
 from llm_rlhf.rl import ppo_math
 from llm_rlhf.rl.episodes import Episode, EpisodeLimits, run_episodes
 from llm_rlhf.rl.rollout import Samples, Sampling, left_pad, sample
 
 
 @dataclass
-class Episodes:
+class KeptGroups:
     """Dynamic sampling's rollout before the forwards: the kept rows (`samples`, rollout_batch_size groups of
     samples_per_prompt rows on this process) and their `scores`; `dropped`, the rows sampled and not kept
     (None when every sampled row is kept), whose KL the controller still reads; the sampling/* statistics."""
@@ -78,37 +79,27 @@ def concat_scores(parts: list[Scores], rows: torch.Tensor) -> Scores:
     return Scores(**out)
 
 
-class RolloutRoom:
+class RolloutCollector(UsesContext):
     """Prompts, sampling, scoring and dynamic sampling for `PPOTrainer` (the module docstring).
 
-    cfg: PPO's `Config`; accelerator, acc (`accelerated.Accelerated`), policy (as prepared: unwrapped to
-    sample), tokenizer, prompts (token-id lists), sizes (`ppo_config.batch_sizes`), sampling (`Sampling.of`);
-    scorer: the `Scorer` of PPO's scores; verifier: the task's loaded accuracy_fn or None (dynamic sampling
-    ties on its verdicts); global_sum, global_mean: the trainer's reductions over the processes.
-    `extra_prompts` (the global prompts dynamic sampling's further rounds drew) is the room's state."""
+    context: the trainer's `PPOContext` (config, processes, device plumbing, batch sizes, tokenizer, reductions);
+    policy (as prepared: unwrapped to sample), prompts (token-id lists), sampling (`Sampling.of`); scorer: the
+    `Scorer` of PPO's scores; verifier: the task's loaded accuracy_fn or None (dynamic sampling ties on its
+    verdicts). `extra_prompts` (the global prompts dynamic sampling's further rounds drew) is its state."""
 
     def __init__(
         self,
-        cfg,
+        context: PPOContext,
         *,
-        accelerator,
-        acc,
         policy,
-        tokenizer,
         prompts: list[list[int]],
-        sizes,
         sampling: Sampling,
         scorer: Scorer,
         verifier=None,
-        global_sum: Callable[[torch.Tensor], torch.Tensor],
-        global_mean: Callable[[Any], float],
     ):
-        self.cfg, self.accelerator, self.acc, self.policy = cfg, accelerator, acc, policy
-        self.tokenizer, self.prompts, self.sizes, self.sampling = tokenizer, prompts, sizes, sampling
+        self.context, self.policy, self.prompts, self.sampling = context, policy, prompts, sampling
         self.scorer, self.verifier = scorer, verifier
         self.verifier_scorer = Scorer(None, verifier)  # its Scores.reward_fn: the verdicts, 1.0 / 0.0
-        self.global_sum, self.global_mean = global_sum, global_mean
-        self.device = accelerator.device
         self.extra_prompts = 0  # global prompts drawn by dynamic sampling's further rounds (`queries`)
 
     def state_dict(self) -> dict[str, Any]:
@@ -160,7 +151,7 @@ class RolloutRoom:
         no random number); R = max_new_tokens on every process."""
         query, query_mask = left_pad(queries, self.tokenizer.pad_token_id, self.device)  # (B, P) each
         policy = self.accelerator.unwrap_model(self.policy)
-        with self.acc.autocast(), self.acc.gathered_for_generation(policy):
+        with self.accelerated.autocast(), self.accelerated.gathered_for_generation(policy):
             return sample(
                 policy.lm,
                 self.tokenizer,
@@ -206,7 +197,7 @@ class RolloutRoom:
 
     # --- dynamic sampling --------------------------------------------------------------------------
 
-    def collect_untied(self, queries: list[list[int]], step: int, times: dict[str, float]) -> Episodes:
+    def collect_untied(self, queries: list[list[int]], step: int, times: dict[str, float]) -> KeptGroups:
         """DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2), before the forwards: rounds of groups until every
         process holds rollout_batch_size whose verdicts (or unshaped scores, `tie_scores`) do not all tie, or
         dynamic_sampling_max_rounds were sampled (`sample_rounds`); the first rollout_batch_size untied groups
@@ -240,7 +231,7 @@ class RolloutRoom:
                 torch.cat([s.scores for s in scores]).float()
             ),
         }
-        return Episodes(
+        return KeptGroups(
             samples=sampled.select(rows.to(self.device)),
             scores=concat_scores(scores, rows),
             dropped=sampled.select(dropped.nonzero().flatten().to(self.device)) if dropped.any() else None,
@@ -291,19 +282,19 @@ class RolloutRoom:
         return verdicts.reward_fn  # (B,) float64, 1.0 / 0.0
 
 
-class EpisodeRoom(RolloutRoom):
+class EpisodeCollector(RolloutCollector):
     """The room of episodes of several turns (issue 51; `llm_rlhf.rl.episodes`): the same prompts, scoring and
-    state as `RolloutRoom`, and `generate` plays one episode per row with a fresh environment instance
+    state as `RolloutCollector`, and `generate` plays one episode per row with a fresh environment instance
     (`make_environment`), returning them as `Samples` whose response holds the policy's turns and the
     environment's replies (env_mask), each turn's reward from the environment on its last token (env_rewards).
     The scorer (reward model, reward function) reads the policy's text; without either the scores are 0 and the
     environment's rewards are the whole reward. `last_episodes` keeps the latest call's episodes for the env/*
     statistics and the logged transcripts."""
 
-    def __init__(self, cfg, *, make_environment: Callable[[], Any], **kwargs):
-        super().__init__(cfg, **kwargs)
+    def __init__(self, context: PPOContext, *, make_environment: Callable[[], Any], **kwargs):
+        super().__init__(context, **kwargs)
         self.make_environment = make_environment
-        self.limits = EpisodeLimits.of(cfg)
+        self.limits = EpisodeLimits.of(context.cfg)
         self.last_episodes: list[Episode] = []
 
     @torch.no_grad()
@@ -311,7 +302,7 @@ class EpisodeRoom(RolloutRoom):
         """One episode per query (`episodes.run_episodes`), R = max_episode_tokens on every process; every
         process takes as many turns (one global sum a turn), so sharded forwards stay matched."""
         policy = self.accelerator.unwrap_model(self.policy)
-        with self.acc.autocast(), self.acc.gathered_for_generation(policy):
+        with self.accelerated.autocast(), self.accelerated.gathered_for_generation(policy):
             samples, self.last_episodes = run_episodes(
                 policy.lm,
                 self.tokenizer,
@@ -326,7 +317,7 @@ class EpisodeRoom(RolloutRoom):
 
     @torch.no_grad()
     def score(self, samples: Samples) -> Scores:
-        """The scorer's scores of the policy's text (`RolloutRoom.score`), or zeros without a reward model and a
+        """The scorer's scores of the policy's text (`RolloutCollector.score`), or zeros without a reward model and a
         reward function (the environment's rewards, in `samples.env_rewards`, are then the whole reward)."""
         if self.scorer.reward_model is None and self.scorer.reward_fn is None:
             return Scores(torch.zeros(samples.query.shape[0], device=self.device))

@@ -15,7 +15,7 @@ shaping the scores (`shaped_scores`) and `dynamic_sampling` the rollout (`dynami
 its default the step is the one above, bit for bit.
 
 With `environment` set each row is an episode of several turns (issue 51; `llm_rlhf.rl.episodes`, the room
-`EpisodeRoom`): the policy's turns and the environment's replies in one response, response_mask the policy's
+`EpisodeCollector`): the policy's turns and the environment's replies in one response, response_mask the policy's
 tokens (every loss, KL and value term reads only them), the environment's per-turn rewards added to the rewards.
 
 `advantage_estimator` swaps GAE for a critic-free estimator (SPEC "Critic-free estimators": GRPO, Dr. GRPO,
@@ -28,7 +28,7 @@ The math lives in `llm_rlhf.rl.ppo_math` (torch only), the keys and the batch-si
 `llm_rlhf.ppo.config`, sampling and the forwards over a rollout in `llm_rlhf.rl.rollout`, the scores in
 `llm_rlhf.models.scoring`, and what each accelerate config (DeepSpeed, FSDP2, FSDP, mixed precision) needs of the
 models in `llm_rlhf.models.accelerated`. The rooms (issue 50): the prompts, sampling, scoring and dynamic
-sampling are `llm_rlhf.ppo.rollouts.RolloutRoom` (`self.room`: prompts in, token ids, masks, the
+sampling are `llm_rlhf.ppo.rollouts.RolloutCollector` (`self.collector`: prompts in, token ids, masks, the
 sampler's log-probs and scores out), the K epochs of minibatch updates `llm_rlhf.ppo.update.PPOUpdate`
 (`self.update`); this module holds the trainer, which moves tensors between them and the models.
 The command around it (building the models, the run loop, checkpoints, logs, the final save) is
@@ -51,8 +51,9 @@ from llm_rlhf.models.accelerated import Accelerated
 from llm_rlhf.models.scoring import Scorer, Scores
 from llm_rlhf.ppo import metrics as ppo_metrics
 from llm_rlhf.ppo.config import Config, batch_sizes
-from llm_rlhf.ppo.rollouts import EpisodeRoom, RolloutRoom
-from llm_rlhf.ppo.update import PPOUpdate
+from llm_rlhf.ppo.context import PPOContext, UsesContext
+from llm_rlhf.ppo.rollouts import EpisodeCollector, RolloutCollector
+from llm_rlhf.ppo.update import PPOUpdate, trainable_parameters
 from llm_rlhf.rl import ppo_math
 from llm_rlhf.rl.estimators import AdvantageInputs
 from llm_rlhf.rl.rollout import (
@@ -105,13 +106,13 @@ def optimizer_and_schedule(cfg: Config, models: PPOModels, sizes, device: torch.
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, decay)
 
 
-class PPOTrainer:
+class PPOTrainer(UsesContext):
     """Holds the models, the optimiser and the KL controller; `ppo_step` is one iteration.
 
     models: `PPOModels`; reward_fn: a loaded `llm_rlhf.models.reward_fn.RewardFn`, or None. The reward model and
     the reward function (at least one of them) make the scores (`scoring.Scorer`); verifier: the task's loaded
     accuracy_fn (a binary `RewardFn`) or None, read only by dynamic sampling (`tie_scores`). The precision and
-    sharding plumbing of each accelerate config is `self.acc` (`accelerated.Accelerated`). `state_dict()` is
+    sharding plumbing of each accelerate config is `self.accelerated` (`accelerated.Accelerated`). `state_dict()` is
     what a checkpoint keeps of the trainer besides the models' weights and optimiser state."""
 
     def __init__(
@@ -126,12 +127,11 @@ class PPOTrainer:
         verifier=None,
         make_environment=None,
     ):
-        self.cfg, self.accelerator, self.tokenizer = cfg, accelerator, tokenizer
         if models.reward_model is None and reward_fn is None and make_environment is None:
             raise UserError(
                 "reward_model_path: PPO needs a reward model, a reward_fn, an environment or several"
             )
-        self.sizes = batch_sizes(
+        sizes = batch_sizes(
             rollout_batch_size=cfg.rollout_batch_size,
             mini_batch_size=cfg.mini_batch_size,
             gradient_accumulation_steps=cfg.gradient_accumulation_steps,
@@ -140,16 +140,18 @@ class PPOTrainer:
             num_processes=accelerator.num_processes,
             samples_per_prompt=cfg.samples_per_prompt,
         )
-        if self.sizes.episodes_per_step < 2:
+        if sizes.episodes_per_step < 2:
             raise UserError(
                 "rollout_batch_size: advantages are whitened over the global rollout batch, which needs at "
                 f"least 2 episodes (rollout_batch_size {cfg.rollout_batch_size} x {accelerator.num_processes} "
                 "processes)"
             )
-        self.acc = Accelerated(accelerator, bf16=cfg.bf16, gradient_checkpointing=cfg.gradient_checkpointing)
-        optimizer, self.scheduler = optimizer_and_schedule(cfg, models, self.sizes, accelerator.device)
+        accelerated = Accelerated(accelerator, bf16=cfg.bf16, gradient_checkpointing=cfg.gradient_checkpointing)
+        # what the rollout collector and the update share with the trainer (`context.PPOContext`)
+        self.context = PPOContext(cfg, accelerator, accelerated, sizes, tokenizer)
+        optimizer, self.scheduler = optimizer_and_schedule(cfg, models, sizes, accelerator.device)
         frozen = [m for m in (models.ref_model, models.reward_model) if m is not None]
-        self.policy, self.critic, self.optimizer = self.acc.prepare(
+        self.policy, self.critic, self.optimizer = self.accelerated.prepare(
             models.policy,
             models.critic,
             optimizer,
@@ -158,7 +160,7 @@ class PPOTrainer:
             lora=cfg.use_lora,
             sampling_compile=cfg.sampling_compile,
         )
-        self.acc.set_up_root(self.policy, tokenizer.eos_token_id)
+        self.accelerated.set_up_root(self.policy, tokenizer.eos_token_id)
         self.ref_model = models.ref_model
         self.sampling = Sampling.of(cfg)
         # ReMax's baseline response: the same settings, greedy (temperature 0: argmax, no random draw).
@@ -169,56 +171,47 @@ class PPOTrainer:
             else ppo_math.FixedKLController(cfg.init_kl_coef)
         )
         self.step = 0
-        self.device = accelerator.device
         # prompts, sampling, scoring and dynamic sampling (`ppo_rollouts`): what the forwards and the update
         # below receive as token ids, masks and scores
         scorer = Scorer(models.reward_model, reward_fn, reward_fn_weight=cfg.reward_fn_weight,
-                        rm_context=self.acc.autocast)  # fmt: skip
-        room = dict(
-            accelerator=accelerator, acc=self.acc, policy=self.policy, tokenizer=tokenizer, prompts=prompts,
-            sizes=self.sizes, sampling=self.sampling, scorer=scorer, verifier=verifier,
-            global_sum=self.global_sum, global_mean=self.global_mean,
-        )  # fmt: skip
-        # episodes of several turns with an environment (issue 51), else one response per row
-        self.room = (
-            EpisodeRoom(cfg, make_environment=make_environment, **room)
+                        rm_context=self.accelerated.autocast)  # fmt: skip
+        parts = dict(policy=self.policy, prompts=prompts, sampling=self.sampling, scorer=scorer, verifier=verifier)
+        # episodes of several turns with an environment, else one response per row
+        self.collector = (
+            EpisodeCollector(self.context, make_environment=make_environment, **parts)
             if make_environment is not None
-            else RolloutRoom(cfg, **room)
+            else RolloutCollector(self.context, **parts)
         )
-        # K epochs of clipped minibatch updates (`ppo_update`): the optimiser, the schedule, the losses
-        self.update = PPOUpdate(
-            cfg, accelerator=accelerator, acc=self.acc, policy=self.policy, critic=self.critic,
-            optimizer=self.optimizer, scheduler=self.scheduler, sizes=self.sizes, tokenizer=tokenizer,
-            forward_policy=lambda part, **kw: self.forward_policy(part, **kw),  # the trainer's, at each call
-            global_sum=self.global_sum, trainable_parameters=self.trainable_parameters,
-        )  # fmt: skip
+        # K epochs of clipped minibatch updates (`update`): the optimiser, the schedule, the losses
+        self.update = PPOUpdate(self.context, policy=self.policy, critic=self.critic, optimizer=self.optimizer,
+                                scheduler=self.scheduler)  # fmt: skip
 
     # --- the trainer's state ------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """What continues the run exactly besides the models' weights and optimiser state (written by
         `accelerated.Accelerated.save_model_state`) and the RNG: the step (which fixes the data position,
-        `RolloutRoom.queries`), the KL controller and the LR schedule; with dynamic sampling the prompts its
+        `RolloutCollector.queries`), the KL controller and the LR schedule; with dynamic sampling the prompts its
         further rounds drew (the rest of the data position, the room's state)."""
         return {
             "step": self.step,
             "kl_ctl": self.kl_ctl.state_dict(),
             "scheduler": self.scheduler.state_dict(),
-            **self.room.state_dict(),
+            **self.collector.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = state["step"]
-        self.room.load_state_dict(state)
+        self.collector.load_state_dict(state)
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.scheduler.load_state_dict(state["scheduler"])
 
     def save_model_state(self, folder) -> None:
         """The weights and optimiser state into a checkpoint folder, sharded or not (every process calls it)."""
-        self.acc.save_model_state(folder, policy=self.policy, critic=self.critic, optimizer=self.optimizer)
+        self.accelerated.save_model_state(folder, policy=self.policy, critic=self.critic, optimizer=self.optimizer)
 
     def load_model_state(self, folder) -> None:
-        self.acc.load_model_state(folder, policy=self.policy, critic=self.critic, optimizer=self.optimizer)
+        self.accelerated.load_model_state(folder, policy=self.policy, critic=self.critic, optimizer=self.optimizer)
 
     # --- the algorithm -------------------------------------------------------------------------
 
@@ -226,7 +219,7 @@ class PPOTrainer:
         """One PPO iteration (Ziegler et al. 2019, Algorithm 1; Stiennon et al. 2020, Appendix B); the
         critic-free estimators (`advantage_estimator`) change only how the advantages are made."""
         cfg, times = self.cfg, {}
-        queries = self.room.queries(self.step)  # this process's prompts, each sampled k times below
+        queries = self.collector.queries(self.step)  # this process's prompts, each sampled k times below
         # y ~ pi_theta(.|x), logprobs (and values with gae), ref_logprobs, scores; with one update per step
         # the old log-probs and entropy come from the update's own forward instead (`old_logprobs_from_update`)
         from_update = self.old_logprobs_from_update
@@ -234,8 +227,8 @@ class PPOTrainer:
         if cfg.dynamic_sampling:  # DAPO: untied groups, from further prompts where some tie
             rollout, scores, sampling_stats, dropped_kl = self.dynamic_rollout(queries, times)
         else:
-            rollout, scores = self.rollout(self.room.in_groups(queries), times, old_logprobs=not from_update)
-        episode_stats = self.room.episode_stats() if isinstance(self.room, EpisodeRoom) else {}
+            rollout, scores = self.rollout(self.collector.in_groups(queries), times, old_logprobs=not from_update)
+        episode_stats = self.collector.episode_stats() if isinstance(self.collector, EpisodeCollector) else {}
         greedy = None  # ReMax: one greedy response per prompt, its logprobs, ref_logprobs and scores
         if cfg.estimator.greedy_baseline:
             greedy, _ = self.rollout(queries, times, sampling=self.greedy)
@@ -392,13 +385,13 @@ class PPOTrainer:
         old_logprobs False: no policy forward; logprobs, values and entropy stay None for `train_on_rollout`
         to fill in from the update's own forward (`old_logprobs_from_update`)."""
         t0 = time.perf_counter()
-        samples = self.room.generate(queries, sampling=sampling)  # y ~ pi_theta(.|x)
+        samples = self.collector.generate(queries, sampling=sampling)  # y ~ pi_theta(.|x)
         logprobs = values = entropy = None
         if old_logprobs:
             logprobs, values, entropy = self.in_chunks(self.forward_policy, samples)
         t1 = time.perf_counter()
         ref_logprobs = self.reference_logprobs(samples)  # log pi_ref(y_t|s_t)
-        scores = self.room.score(samples)  # r_phi(x, y), normalised (+ reward_fn_weight * reward_fn)
+        scores = self.collector.score(samples)  # r_phi(x, y), normalised (+ reward_fn_weight * reward_fn)
         rollout = Rollout.of(
             samples,
             logprobs=logprobs,
@@ -418,7 +411,7 @@ class PPOTrainer:
     ) -> tuple[Rollout, Scores, dict[str, float], torch.Tensor]:
         """DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2): the rollout of rollout_batch_size groups per
         process whose verdicts (or unshaped scores) do not all tie, when the rounds allow it
-        (`RolloutRoom.collect_untied`: the rounds, the selection and the sampling/* statistics); then the
+        (`RolloutCollector.collect_untied`: the rounds, the selection and the sampling/* statistics); then the
         policy's (and value's) and the reference's forwards on the kept rows, in the micro-batches the first
         epoch visits, so rho == 1 exactly before the first update, and on the dropped rows for their KL alone
         (`dropped_kl`).
@@ -428,7 +421,7 @@ class PPOTrainer:
         which groups are kept depends on the prompts (the ones the policy always or never solves are dropped)
         and the controller steers the policy's KL over the prompt stream. The KL penalty itself (in the reward
         or the loss) can only act on the rows that are trained."""
-        episodes = self.room.collect_untied(queries, self.step, times)
+        episodes = self.collector.collect_untied(queries, self.step, times)
         kept = episodes.samples
         t0 = time.perf_counter()
         logprobs, values, entropy = self.in_chunks(self.forward_policy, kept)
@@ -494,7 +487,7 @@ class PPOTrainer:
         policy = self.policy if train else unwrap(self.policy)
         # The entropy needs an autograd graph only when the loss uses it (ent_coef != 0).
         entropy_mode = "grad" if train and self.cfg.ent_coef != 0 else "stats"
-        with self.acc.autocast(), self.acc.checkpointing(self.unwrapped_policy, train):
+        with self.accelerated.autocast(), self.accelerated.checkpointing(self.unwrapped_policy, train):
             logprobs, values, entropy = response_logprobs_and_values(
                 policy, samples, self.sampling, eos_token_id=self.tokenizer.eos_token_id, entropy=entropy_mode
             )
@@ -516,7 +509,7 @@ class PPOTrainer:
             )[0]
             return pad_columns(logprobs, R)  # (b, R)
 
-        with self.acc.autocast(), self.reference_context():
+        with self.accelerated.autocast(), self.reference_context():
             logprobs = self.in_chunks(forward, samples)
         return logprobs.float()
 
@@ -525,7 +518,8 @@ class PPOTrainer:
     ) -> dict[str, float]:
         """K epochs of clipped minibatch updates on `rollout` (`ppo_update.PPOUpdate.run`), with the KL
         coefficient of this step's rollout (the controller moves after the update)."""
-        return self.update.run(rollout, advantages, returns, kl_coef=self.kl_ctl.value, step=self.step)
+        return self.update.run(rollout, advantages, returns, kl_coef=self.kl_ctl.value, step=self.step,
+                               forward_policy=self.forward_policy)  # fmt: skip
 
     @property
     def old_logprobs_from_update(self) -> bool:
@@ -645,14 +639,6 @@ class PPOTrainer:
 
     # --- distributed helpers ------------------------------------------------------------------
 
-    def global_sum(self, x: torch.Tensor) -> torch.Tensor:
-        return self.accelerator.reduce(x.detach().to(self.device).float(), reduction="sum")
-
-    def global_mean(self, x) -> float:
-        """Mean over every process (each holds the same number of episodes)."""
-        x = torch.as_tensor(x, dtype=torch.float32, device=self.device).mean()
-        return float(self.accelerator.reduce(x, reduction="mean"))
-
     def global_std(self, x: torch.Tensor) -> float:
         return float(self.accelerator.gather_for_metrics(x.float()).std())
 
@@ -683,10 +669,7 @@ class PPOTrainer:
         return self.accelerator.unwrap_model(self.policy)
 
     def trainable_parameters(self):
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        if self.critic is not None:
-            params += [p for p in self.critic.parameters() if p.requires_grad]
-        return params
+        return trainable_parameters(self.policy, self.critic)
 
     def reference_context(self):
         """With LoRA the reference is the policy's network with the adapter switched off."""

@@ -20,6 +20,7 @@ import torch
 
 from llm_rlhf.core.errors import NonFiniteError, UserError
 from llm_rlhf.ppo import metrics as ppo_metrics
+from llm_rlhf.ppo.context import PPOContext, UsesContext
 from llm_rlhf.rl import ppo_math
 from llm_rlhf.rl.policy_losses import LossInputs
 from llm_rlhf.rl.rollout import Rollout
@@ -64,6 +65,14 @@ def train_stats(cfg) -> tuple[str, ...]:
     )
 
 
+def trainable_parameters(policy, critic) -> list[torch.nn.Parameter]:
+    """The parameters with requires_grad of the policy and of the critic (None without a separate one)."""
+    params = [p for p in policy.parameters() if p.requires_grad]
+    if critic is not None:
+        params += [p for p in critic.parameters() if p.requires_grad]
+    return params
+
+
 def what_was_updated(updates: int, *, this_step: bool) -> str:
     """What a non-finite loss or gradient norm in the train phase leaves behind, for its error message.
     `updates`: optimiser steps this PPO step took before the failing minibatch; `this_step`: the failing
@@ -86,35 +95,20 @@ def what_was_updated(updates: int, *, this_step: bool) -> str:
     )
 
 
-class PPOUpdate:
-    """The update of `PPOTrainer` (the module docstring). cfg: PPO's `Config`; accelerator, acc
-    (`accelerated.Accelerated`), policy and critic (as prepared), optimizer, scheduler, sizes
-    (`ppo_config.batch_sizes`), tokenizer; forward_policy(samples, train=True) -> (logprobs, values, entropy),
-    global_sum and trainable_parameters: the trainer's."""
+class PPOUpdate(UsesContext):
+    """The update of `PPOTrainer` (the module docstring). context: the trainer's `PPOContext`; policy and critic
+    (as prepared), optimizer, scheduler. `run` receives the rollout and the policy's forward
+    (forward_policy(samples, train=True) -> (logprobs, values, entropy)) at each call."""
 
-    def __init__(
-        self,
-        cfg,
-        *,
-        accelerator,
-        acc,
-        policy,
-        critic,
-        optimizer,
-        scheduler,
-        sizes,
-        tokenizer,
-        forward_policy: Callable,
-        global_sum: Callable[[torch.Tensor], torch.Tensor],
-        trainable_parameters: Callable[[], list],
-    ):
-        self.cfg, self.accelerator, self.acc = cfg, accelerator, acc
+    def __init__(self, context: PPOContext, *, policy, critic, optimizer, scheduler):
+        self.context = context
         self.policy, self.critic, self.optimizer, self.scheduler = policy, critic, optimizer, scheduler
-        self.sizes, self.tokenizer, self.device = sizes, tokenizer, accelerator.device
-        self.forward_policy, self.global_sum = forward_policy, global_sum
-        self.trainable_parameters = trainable_parameters
-        self.train_stats = train_stats(cfg)
-        self.kl_coef, self.step = None, 0  # set by each `run`
+        self.train_stats = train_stats(context.cfg)
+        self.kl_coef, self.step, self.forward_policy = None, 0, None  # set by each `run`
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """The policy's (and the separate critic's) parameters that the optimiser steps."""
+        return trainable_parameters(self.policy, self.critic)
 
     def run(
         self,
@@ -124,6 +118,7 @@ class PPOUpdate:
         *,
         kl_coef: float,
         step: int,
+        forward_policy: Callable,
     ) -> dict[str, float]:
         """K epochs over shuffled minibatches; each minibatch is `gradient_accumulation_steps` micro-batches.
 
@@ -141,7 +136,7 @@ class PPOUpdate:
         same branch; a skipped minibatch is counted, not averaged into the statistics.
 
         The first epoch visits the rows in rollout order, the micro-batches on which `rollout` computed
-        the old log-probs (the rows are already in random prompt order, `RolloutRoom.queries`): the same rows
+        the old log-probs (the rows are already in random prompt order, `RolloutCollector.queries`): the same rows
         trimmed to the same widths, so rho == 1 exactly before the first update (SPEC); later epochs shuffle.
 
         The policy-loss family (issue 37; with every key at its default the update above, with its arithmetic:
@@ -153,7 +148,8 @@ class PPOUpdate:
         any split (times the number of processes, as DDP averages). With mask_truncated the truncated responses
         leave the loss mask of every term (policy, value, KL, entropy) and the counts.
         """
-        self.kl_coef, self.step = kl_coef, step  # this run's: the KL loss's beta, the PPO step (for errors)
+        # this run's: the KL loss's beta, the PPO step (for errors), the trainer's policy forward
+        self.kl_coef, self.step, self.forward_policy = kl_coef, step, forward_policy
         cfg, sizes = self.cfg, self.sizes
         # No old log-probs yet (`old_logprobs_from_update`): the policy this forward runs is the old policy, and
         # its detached log-probs and entropy are the rollout's, filled in here for the metrics and the KL.
@@ -182,7 +178,7 @@ class PPOUpdate:
                         + what_was_updated(len(history), this_step=False)
                     )
                 if stats[ppo_metrics.POLICY_RATIO] > cfg.ratio_guard:  # a diverged minibatch: drop its update
-                    self.acc.discard_gradients(self.policy, self.optimizer)
+                    self.accelerated.discard_gradients(self.policy, self.optimizer)
                     skipped += 1
                     continue
                 self.optimizer_step(epoch, updates=len(history))
@@ -273,7 +269,7 @@ class PPOUpdate:
             part = rollout.select(mc)
             mask = loss_mask[mc]  # (b, R)
             last = i == len(micro_batches) - 1
-            with self.acc.accumulating((self.policy, self.critic), last=last):
+            with self.accelerated.accumulating((self.policy, self.critic), last=last):
                 logprobs, values, entropy = self.forward_policy(part, train=True)
                 old_logprobs = logprobs.detach() if fill else part.logprobs  # fill: ratio 1 exactly
                 if fill:
@@ -292,7 +288,7 @@ class PPOUpdate:
                 )  # fmt: skip
                 weight = mask.sum() * processes / mb_tokens.clamp(min=1)
                 scaled = loss * weight if plain else pg_loss * processes + loss * weight
-                self.acc.backward(self.policy, scaled, last=last)
+                self.accelerated.backward(self.policy, scaled, last=last)
             stat = torch.stack([parts[k].detach().float() for k in self.train_stats])
             totals += stat * weight if plain else stat * torch.where(summed, processes, weight)
         return dict(zip(self.train_stats, self.accelerator.reduce(totals, reduction="mean").tolist()))
@@ -454,8 +450,8 @@ class PPOUpdate:
         process, whatever their number. Under DeepSpeed the engine's step clips and steps the optimiser
         (`Accelerated.clip_gradients`), and the gradient norm is checked after it. `updates`: the optimiser
         steps this PPO step has already taken (for the error message)."""
-        deepspeed = self.acc.deepspeed
-        grad_norm = self.acc.clip_gradients(self.policy, self.trainable_parameters(), self.cfg.max_grad_norm)
+        deepspeed = self.accelerated.deepspeed
+        grad_norm = self.accelerated.clip_gradients(self.policy, self.trainable_parameters(), self.cfg.max_grad_norm)
         if grad_norm is not None and not math.isfinite(float(grad_norm)):
             raise NonFiniteError(
                 f"PPO step {self.step + 1}, train phase (epoch {epoch + 1}): non-finite gradient norm; "

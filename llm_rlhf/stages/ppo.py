@@ -181,10 +181,10 @@ def log_samples(trainer: PPOTrainer, out: Path) -> None:
     """Decode and score fresh samples of the first few prompts (the training rollout is not kept). Every
     process samples (a collective with sharded parameters); the main process writes."""
     tok, cfg = trainer.tokenizer, trainer.cfg
-    queries = trainer.room.prompts[: cfg.num_log_samples]
+    queries = trainer.collector.prompts[: cfg.num_log_samples]
     state = torch.get_rng_state()
-    samples = trainer.room.generate(queries)
-    scores = trainer.room.score(samples).scores  # (B,)
+    samples = trainer.collector.generate(queries)
+    scores = trainer.collector.score(samples).scores  # (B,)
     torch.set_rng_state(state)  # logging must not change the training run's random stream
     if not trainer.accelerator.is_main_process:
         return

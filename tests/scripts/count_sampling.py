@@ -22,7 +22,7 @@ from llm_rlhf.ppo import rollouts as ppo_rollouts
 def main() -> None:
     out, args = Path(sys.argv[1]), sys.argv[2:]
     calls = [0]
-    for module in (ppo_rollouts, measures):  # PPO's rollout room; evaluation's and held-out sampling
+    for module in (ppo_rollouts, measures):  # PPO's rollout collector; evaluation's and held-out sampling
         original = module.sample
 
         def counted(*a, _original=original, **kw):

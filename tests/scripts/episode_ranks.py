@@ -42,7 +42,7 @@ def main() -> None:
     tokenizer = load_tokenizer(cfg.model_name_or_path, padding_side="left")
     trainer = ppo_building.build_trainer(cfg, accelerator, tokenizer, ppo_building.load_prompts(cfg, tokenizer))
     greedy = dataclasses.replace(trainer.sampling, temperature=0.0)
-    samples = trainer.room.generate(trainer.room.queries(0), sampling=greedy)
+    samples = trainer.collector.generate(trainer.collector.queries(0), sampling=greedy)
     rows = [
         {
             "query": q[m.bool()].tolist(),

@@ -170,9 +170,9 @@ def run(
             sampler_logprobs=torch.where(mask, sampler_logprobs[rows], 0.0) if loss_options else None,
         )
 
-    real_generate, trainer.room.generate = trainer.room.generate, fixed_rollout
+    real_generate, trainer.collector.generate = trainer.collector.generate, fixed_rollout
     grads, clip, local_numel = [], accelerator.clip_grad_norm_, [0]
-    if trainer.acc.deepspeed:
+    if trainer.accelerated.deepspeed:
         record_deepspeed_grads(trainer, grads, local_numel)
 
     def record_and_clip(parameters, max_norm, *args, **kwargs):  # the raw gradient of each update
@@ -186,7 +186,7 @@ def run(
 
     accelerator.clip_grad_norm_ = record_and_clip
     all_reduces = [0]
-    if world > 1 and not accelerator.is_fsdp2 and not trainer.acc.deepspeed:
+    if world > 1 and not accelerator.is_fsdp2 and not trainer.accelerated.deepspeed:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         def counting_allreduce(state, bucket):
@@ -200,8 +200,8 @@ def run(
     if save_to is not None:
         ppo_checkpoints.save_policy(trainer, dataclasses.replace(cfg, merge_lora=False), save_to)
     lengths = []
-    if trainer.acc.zero3:
-        trainer.room.generate = real_generate
+    if trainer.accelerated.zero3:
+        trainer.collector.generate = real_generate
         lengths = sampled_lengths_with_rank_0_ending_at_once(trainer, prompts[: local // k])
     return {
         "grads": [g.tolist() for g in grads],
@@ -218,7 +218,7 @@ def record_deepspeed_grads(trainer, grads: list, local_numel: list) -> None:
     process's local parameter size (its ZeRO-3 partitions: smaller than the whole) to `local_numel`."""
     from deepspeed.utils import safe_get_full_grad
 
-    step = trainer.acc.clip_gradients
+    step = trainer.accelerated.clip_gradients
 
     def record_then_step(policy, parameters, max_grad_norm):
         parameters = list(parameters)
@@ -230,7 +230,7 @@ def record_deepspeed_grads(trainer, grads: list, local_numel: list) -> None:
         )
         return step(policy, parameters, max_grad_norm)
 
-    trainer.acc.clip_gradients = record_then_step
+    trainer.accelerated.clip_gradients = record_then_step
 
 
 def sampled_lengths_with_rank_0_ending_at_once(trainer, queries) -> list[int]:
@@ -246,7 +246,7 @@ def sampled_lengths_with_rank_0_ending_at_once(trainer, queries) -> list[int]:
         return logits.index_fill(-1, torch.tensor([eos]), -1e4)
 
     hook = lm.get_output_embeddings().register_forward_hook(force)
-    samples = trainer.room.generate(queries)
+    samples = trainer.collector.generate(queries)
     hook.remove()
     longest = samples.response_mask.sum(-1).max().reshape(1)  # (1,)
     return trainer.accelerator.gather(longest).tolist()
