@@ -567,7 +567,7 @@ def make_prompts(args, cfg, tokenizer, vocab_size: int, n: int) -> list[list[int
     from llm_rlhf.ppo import building as ppo_building
 
     if args.prompt_file:
-        return ppo_building.load_prompts(cfg, tokenizer)
+        return ppo_building.load_prompt_ids(cfg, tokenizer)
     special = torch.tensor(sorted(set(tokenizer.all_special_ids)))
     ordinary = torch.tensor([i for i in range(vocab_size) if i not in set(special.tolist())])  # (V',)
     g = torch.Generator().manual_seed(0)

@@ -318,7 +318,7 @@ def tiny_ppo_trainer(cfg, mixed_precision: str = "no", *, cpu: bool = True):
 
     AcceleratorState._reset_state(reset_partial_state=True)  # a fresh mixed_precision for each test
     tokenizer = load_tokenizer(cfg.model_name_or_path, padding_side="left")
-    prompts = ppo_building.load_prompts(cfg, tokenizer)
+    prompts = ppo_building.load_prompt_ids(cfg, tokenizer)
     return ppo_building.build_trainer(
         cfg, Accelerator(cpu=cpu, mixed_precision=mixed_precision), tokenizer, prompts
     )

@@ -61,7 +61,7 @@ def test_every_stage_sees_the_bos(tmp_path):
     ppo_cfg = parse_config(
         ppo_trainer.Config, ["--prompt_file", str(prompt_file), "--output_dir", str(tmp_path / "ppo")]
     )
-    assert ppo_building.load_prompts(ppo_cfg, tokenizer) == expected
+    assert ppo_building.load_prompt_ids(ppo_cfg, tokenizer) == expected
 
     # evaluation's queries (left-padded)
     tokenizer.pad_token = tokenizer.eos_token

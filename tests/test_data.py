@@ -329,9 +329,9 @@ def test_ppo_and_eval_read_their_prompt_files_with_the_stage_keys(tiny_model_dir
                                         "--eval_num_prompts", "100"])  # fmt: skip
     eval_cfg = parse_config(evaluate.Config, [*keys, "--prompt_file", str(HH_FILE), "--num_prompts", "9"])
     loaders = {
-        "ppo prompt_file": lambda cfg: ppo_building.load_prompts(cfg, tokenizer),
+        "ppo prompt_file": lambda cfg: ppo_building.load_prompt_ids(cfg, tokenizer),
         "ppo eval_prompt_file": lambda cfg: measures.load_heldout_inputs(cfg)[0],
-        "eval prompt_file": lambda cfg: evaluate.load_prompts(cfg, tokenizer),
+        "eval prompt_file": lambda cfg: evaluate.load_prompt_texts(cfg, tokenizer),
     }
     skipped = f"{HH_FILE}: skipped 9 of 18 prompts that are too long: the limit is max_prompt_length=62\n"
     for what, load in loaders.items():

@@ -145,7 +145,7 @@ def test_evaluate_policy_matches_the_command(
         DEVICE
     )  # where the command ran: its draws are the device's
     policy.train()
-    prompts = evaluate.load_prompts(
+    prompts = evaluate.load_prompt_texts(
         eval_config(other_model_dir, tiny_model_dir, prompt_file, tmp_path), tokenizer
     )
     torch.manual_seed(123)

@@ -394,7 +394,7 @@ def test_eval_scores_the_cut_responses(eos_prone_dir, tiny_model_dir, tiny_rm_di
                         response_mask=torch.ones((1, len(ids)), dtype=torch.bool))  # fmt: skip
         assert record["rm_score"] == pytest.approx(Scorer(rm)(alone, tokenizer).rm_score.item(), abs=1e-5)
         assert record["kl_to_ref"] == pytest.approx(kl[b].item(), abs=1e-4)
-    summary = measures.summarize(records)
+    summary = measures.summarize_records(records)
     assert summary["eos_rate"] == pytest.approx(float(batch.ended(eos).float().mean()))
 
 
@@ -417,7 +417,7 @@ def test_chat_prompts_are_rendered_with_the_template_and_one_bos(tmp_path):
     assert all(ids[0] == bos and ids.count(bos) == 1 for ids in expected)
     assert [encode_prompt(tokenizer, p) for p in prompts] == expected
     cfg = parse_config(ppo_trainer.Config, ["--prompt_file", str(path), "--max_prompt_length", "64"])
-    assert ppo_building.load_prompts(cfg, tokenizer) == expected
+    assert ppo_building.load_prompt_ids(cfg, tokenizer) == expected
 
     tokenizer.chat_template = CHAT_TEMPLATE  # a template without the BOS: the tokenizer adds it, once
     assert [encode_prompt(tokenizer, p) for p in load_prompt_dataset(path, tokenizer, max_prompt_length=64)["prompt"]] == expected  # fmt: skip

@@ -30,6 +30,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llm_rlhf.core.errors import ConfigError
+from llm_rlhf.core.utils import last_checkpoint
 from llm_rlhf.evaluation import hacking, metric_names
 from llm_rlhf.evaluation.hacking import (
     COLLAPSE_KEYS,
@@ -39,7 +40,6 @@ from llm_rlhf.evaluation.hacking import (
     watch_fields,
 )
 from llm_rlhf.interfaces.report import write_report
-from llm_rlhf.ppo import checkpoints as ppo_checkpoints
 from llm_rlhf.ppo import metrics as ppo_metrics
 from llm_rlhf.stages import evaluate, ppo
 
@@ -196,7 +196,7 @@ def test_keep_best_returns_the_best_evaluations_weights(kept):
     assert metrics[ppo_metrics.BEST_STEP] == best and metrics[ppo_metrics.RETURNED_STEP] == best
     assert trained.metrics[ppo_metrics.RETURNED_STEP] == best and metrics[ppo_metrics.STEP] == 4
     assert json.loads((out / "best" / "step.json").read_text())["step"] == best
-    assert ppo_checkpoints.last_checkpoint(out) == out / "checkpoints" / "step-3"  # resume reads checkpoints/ alone
+    assert last_checkpoint(out, "step") == out / "checkpoints" / "step-3"  # resume reads checkpoints/ alone
 
     checkpoint = load_file(out / "best" / "policy_trainable.safetensors")  # the policy's and the value head's
     returned = {f"lm.{k}": v.cpu() for k, v in trained.model.state_dict().items()}  # from the run's device
@@ -277,7 +277,7 @@ def test_resume_reads_the_heldout_log_back(kept, tiny_model_dir, heldout_prompts
     whole, cut = kept[2], tmp_path / "cut"
     with pytest.raises(Interrupted):
         watched_run(tiny_model_dir, heldout_prompts, cut, keep_best=True, save_steps=1, interrupt_at=3)
-    assert ppo_checkpoints.last_checkpoint(cut).name == "step-2"
+    assert last_checkpoint(cut, "step").name == "step-2"
     assert [r["step"] for r in read_jsonl(cut / "eval_log.jsonl")] == [0, 1, 2]
     watched_run(
         tiny_model_dir, heldout_prompts, cut, collapse=False, keep_best=True, save_steps=1, resume=True

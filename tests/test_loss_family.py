@@ -10,23 +10,20 @@ import math
 import pytest
 import torch
 
-from llm_rlhf.rl.policy_losses import ROWS as LOSS_ROWS
-from llm_rlhf.rl.policy_losses import LossInputs, cispo_token_losses, gspo_token_losses, sapo_token_losses
-from llm_rlhf.rl.ppo_math import (
+from llm_rlhf.rl.loss_math import (
     LOSS_AGGREGATIONS,
     aggregate_loss,
     group_rows,
     loss_normaliser,
     mask_truncated,
-    masked_mean,
     overlong_penalty,
-    policy_loss,
-    ppo_clip_token_losses,
     sampler_correction_weights,
     select_groups,
     tied_groups,
-    token_advantages,
 )
+from llm_rlhf.rl.policy_losses import ROWS as LOSS_ROWS
+from llm_rlhf.rl.policy_losses import LossInputs, cispo_token_losses, gspo_token_losses, sapo_token_losses
+from llm_rlhf.rl.ppo_math import masked_mean, policy_loss, ppo_clip_token_losses, token_advantages
 
 F64 = torch.float64
 TIGHT = {"rtol": 0, "atol": 1e-12}

@@ -29,7 +29,7 @@ from helpers import ROOT, ppo_config, record_raw_grads, tiny_ppo_trainer, use_fi
 from llm_rlhf.models.reward_fn import decode_texts
 from llm_rlhf.models.scoring import Scores
 from llm_rlhf.ppo.config import batch_sizes
-from llm_rlhf.rl import ppo_math
+from llm_rlhf.rl import loss_math, ppo_math
 
 REWARD_FNS = str(ROOT / "tests" / "reward_fns.py")
 EVEN, HALF = REWARD_FNS + ":even_length", REWARD_FNS + ":half"  # 0 / 1 by parity; 0.5 for every response
@@ -120,7 +120,7 @@ def test_dynamic_sampling_ties_on_raw_scores_not_the_penalties(
     use_fixed_responses(trainer)
     rollout, _ = trainer.rollout(trainer.collector.in_groups(trainer.collector.queries(trainer.step)))
     shaped = trainer.rewards(rollout, 0.0)[0].sum(-1)  # (B,) the score the rewards hold (kl_coef 0)
-    assert not ppo_math.tied_groups(scores=shaped, samples_per_prompt=2).all(), "the penalty unties a group"
+    assert not loss_math.tied_groups(scores=shaped, samples_per_prompt=2).all(), "the penalty unties a group"
     m = trainer.ppo_step()
     assert (m["sampling/rounds"], m["sampling/groups_dropped"]) == (3.0, 8.0)
     assert m["sampling/tied_groups_trained"] == 4.0 and trainer.collector.extra_prompts == 8
@@ -144,7 +144,7 @@ def test_dynamic_sampling_ties_on_the_verifier_verdicts(tiny_model_dir, prompt_f
     assert trainer.collector.verifier is not None and trainer.collector.verifier.key == "accuracy_fn"
     use_fixed_responses(trainer)
     rollout, _ = trainer.rollout(trainer.collector.in_groups(trainer.collector.queries(trainer.step)))
-    assert not ppo_math.tied_groups(scores=rollout.scores, samples_per_prompt=2).all(), "the scores differ"
+    assert not loss_math.tied_groups(scores=rollout.scores, samples_per_prompt=2).all(), "the scores differ"
     m = trainer.ppo_step()
     assert (m["sampling/rounds"], m["sampling/groups_dropped"], m["sampling/tied_groups_trained"]) == (
         3,
@@ -168,7 +168,7 @@ def test_dynamic_sampling_ties_on_the_verifier_verdicts(tiny_model_dir, prompt_f
     r = rollouts[0]
     _, responses = decode_texts(trainer.tokenizer, r.query, r.query_mask, r.response, r.response_mask)
     parity = torch.tensor([float(len(text) % 2 == 0) for text in responses])  # (B,)
-    tied = ppo_math.tied_groups(scores=parity, samples_per_prompt=2)  # (P,)
+    tied = loss_math.tied_groups(scores=parity, samples_per_prompt=2)  # (P,)
     assert 0 < int(tied.sum()) < 4, "some groups tie on parity, some do not"
     assert m["sampling/tied_groups_trained"] == float(tied.sum())
 

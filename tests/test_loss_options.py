@@ -46,7 +46,7 @@ from helpers import (
 from llm_rlhf.core.config import format_help, parse_config
 from llm_rlhf.core.errors import ConfigError, UserError
 from llm_rlhf.ppo.config import Config
-from llm_rlhf.rl import ppo_math
+from llm_rlhf.rl import loss_math, ppo_math
 from llm_rlhf.rl.estimators import ROWS, names
 
 SCRIPTS = ROOT / "tests" / "scripts"
@@ -370,7 +370,7 @@ def test_dynamic_sampling_trains_untied_groups(tiny_model_dir, prompt_file, tmp_
     assert max(rounds) > 1 and all(1 <= r <= 4 for r in rounds)
     for m, rollout in zip(metrics, kept):
         assert rollout.scores.shape == (8,)
-        tied = ppo_math.tied_groups(scores=rollout.scores, samples_per_prompt=2)  # no shaping: raw scores
+        tied = loss_math.tied_groups(scores=rollout.scores, samples_per_prompt=2)  # no shaping: raw scores
         assert int(tied.sum()) == m["sampling/tied_groups_trained"] == m["objective/groups_tied"] * 4
         assert m["sampling/groups_dropped"] == 4 * m["sampling/rounds"] - 4
         assert m["policy/ratio"] == 1.0 and m["policy/approxkl"] == 0.0

@@ -17,7 +17,7 @@ from helpers import ROOT, ppo_cli_args, ppo_config
 from llm_rlhf.core.config import format_help
 from llm_rlhf.core.errors import ConfigError
 from llm_rlhf.ppo.config import Config
-from llm_rlhf.rl import estimators, ppo_math
+from llm_rlhf.rl import estimators, loss_math, ppo_math
 from llm_rlhf.rl.policy_losses import (
     CLIP_KEYS,
     DEFAULT_LOSS,
@@ -104,7 +104,7 @@ def test_each_row_agrees_with_its_function(row):
     same = torch.isclose(stats.ratio, stats.ratio[:, :1], rtol=1e-12, atol=0)  # (B, T), up to float rounding
     one_ratio = bool((same | ~mask).all())
     assert one_ratio is row.response_advantages
-    assert row.aggregations and set(row.aggregations) <= set(ppo_math.LOSS_AGGREGATIONS)
+    assert row.aggregations and set(row.aggregations) <= set(loss_math.LOSS_AGGREGATIONS)
     assert row.aggregation == row.aggregations[0]
     assert not row.plain or set(row.clip_keys) == set(CLIP_KEYS)
     assert row.sampler_correction  # every loss today takes the TIS / MIS weights
@@ -121,7 +121,7 @@ def test_the_config_reads_the_row(row):
     for side, (resolved, default) in enumerate(zip((cfg.clip_low, cfg.clip_high), row.clip_defaults)):
         if CLIP_KEYS[side] in row.clip_keys:
             assert resolved == (cfg.cliprange if default is None else default)
-    for aggregation in ppo_math.LOSS_AGGREGATIONS:
+    for aggregation in loss_math.LOSS_AGGREGATIONS:
         explicit = grpo(policy_loss=row.name, loss_aggregation=aggregation)
         assert explicit.aggregation == aggregation
         notes = explicit.notes
@@ -167,8 +167,8 @@ def test_gspo_defaults_to_its_papers_aggregation():
     losses, _ = LOSSES["gspo"].token_losses(x)
 
     def loss(aggregation):
-        n = ppo_math.loss_normaliser(loss_mask=mask, aggregation=aggregation, max_new_tokens=4)
-        return ppo_math.aggregate_loss(
+        n = loss_math.loss_normaliser(loss_mask=mask, aggregation=aggregation, max_new_tokens=4)
+        return loss_math.aggregate_loss(
             token_losses=losses, loss_mask=mask, aggregation=aggregation, normaliser=n
         )
 

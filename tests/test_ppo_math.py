@@ -10,6 +10,7 @@ import torch
 
 from llm_rlhf.rl import reward_math, token_math
 from llm_rlhf.rl.estimators import grpo_advantages, remax_advantages, rloo_advantages
+from llm_rlhf.rl.loss_math import spread_about_one
 from llm_rlhf.rl.ppo_math import (
     AdaptiveKLController,
     FixedKLController,
@@ -27,7 +28,6 @@ from llm_rlhf.rl.ppo_math import (
     scores_by_prompt,
     sequence_kl,
     shaped_rewards,
-    spread_about_one,
     token_advantages,
     value_loss,
 )

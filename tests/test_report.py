@@ -503,7 +503,7 @@ def test_hacking_watch_without_a_gold_says_there_is_no_gap(tmp_path):
 
 
 def test_the_evaluation_table_reads_the_keys_eval_writes():
-    """Every metric, baseline and standard-error key of the table's rows is one `measures.summarize` (or, for
+    """Every metric, baseline and standard-error key of the table's rows is one `measures.summarize_records` (or, for
     held-out accuracy, `measures.accuracy_figures`) writes (a renamed key would drop its row silently: rows
     without a value are left out)."""
     from llm_rlhf.evaluation import measures
@@ -512,7 +512,7 @@ def test_the_evaluation_table_reads_the_keys_eval_writes():
               "kl_to_ref": 0.1, "kl_to_ref_at_temperature": 0.1, "rm_score": 0.5, "rm_member_scores": [0.4, 0.6],
               "rm_disagreement": 0.1, "gold_score": 0.2, "sentiment": 0.3, "fluency_nll": 4.0,
               "fluency_perplexity": 54.6, "reward_fn": 1.0, "combined_score": 1.5}  # fmt: skip
-    written = {**measures.summarize([record, record]), **measures.summarize([record, record], "_baseline")}
+    written = {**measures.summarize_records([record, record]), **measures.summarize_records([record, record], "_baseline")}
     verdicts = [{**record, "correct": 1.0}, {**record, "correct": 0.0}]  # issue 25: the verifier's figures
     for suffix in ("", "_baseline"):
         written.update(measures.accuracy_figures(verdicts, verdicts[:1], samples_per_prompt=2, suffix=suffix))

@@ -58,6 +58,14 @@ def read_json(path: str | Path) -> Any:
     return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
+def last_checkpoint(output_dir: str | Path, prefix: str) -> Path | None:
+    """The newest checkpoint a stage wrote to output_dir/checkpoints, or None: prefix "step" for PPO's
+    step-N folders, "checkpoint" for a Hugging Face Trainer's checkpoint-N (SFT, RM, DPO)."""
+    folder = Path(output_dir) / "checkpoints"
+    numbered = [p for p in folder.glob(f"{prefix}-*") if p.is_dir() and p.name[len(prefix) + 1 :].isdigit()]
+    return max(numbered, key=lambda p: int(p.name[len(prefix) + 1 :]), default=None)
+
+
 def temp_dir_beside(path: str | Path) -> Path:
     """A fresh hidden folder next to `path` (same filesystem, so a rename is atomic)."""
     path = Path(path)

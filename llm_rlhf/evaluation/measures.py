@@ -5,7 +5,7 @@ PPO's held-out evaluations (`ppo_run.evaluate_heldout`) and `llm-rlhf compare` s
     sequence_kl_to_ref   each sample's k1 KL to a reference (at temperature 1 and at the sampling temperature)
     sample_and_score     one record per prompt: the response, its scores' parts (the one `Scorer` PPO adds at
                          the last token), the gold judge's, the verifier's verdict, the KL, length and EOS
-    summarize            the records' means and standard errors, diversity and degeneracy figures
+    summarize_records            the records' means and standard errors, diversity and degeneracy figures
     evaluate_policy      all of it for one already-loaded policy (PPO's held-out evaluation); heldout_record
                          makes its line of eval_log.jsonl, load_heldout_inputs reads a PPO config's held-out
                          prompts and gold judge
@@ -335,7 +335,7 @@ def load_verifier(spec: str, prompts: Sequence[str]) -> RewardFn:
     return verifier
 
 
-def summarize(
+def summarize_records(
     records: list[dict[str, Any]], suffix: str = "", samples_per_prompt: int = 1
 ) -> dict[str, float | None]:
     """Means over the samples of one model, and standard errors over the prompts (`records` prompt-major,
@@ -398,7 +398,7 @@ def evaluate_policy(
     reference's `lm`; with LoRA the policy's `lm` again with `context=lm.disable_adapter`), None to skip the
     KL; measures: the scorer (as PPO scores), the gold judge and the verifier (`Measures`). Deterministic for a
     given seed, and the global RNG is left untouched. The policy is put in eval mode for the call and restored.
-    Returns `summarize`'s keys: gold_score_mean, rm_score_mean, reward_fn_mean, combined_score_mean,
+    Returns `summarize_records`'s keys: gold_score_mean, rm_score_mean, reward_fn_mean, combined_score_mean,
     kl_to_ref, kl_to_ref_at_temperature, response_length_mean, eos_rate, distinct_1, distinct_2, the degeneracy rates
     (+ stderrs), and `ACCURACY_KEYS`: with a verifier (a loaded `accuracy_fn`, `load_verifier`) accuracy, the
     verifier's mean over these samples, and accuracy_greedy over one more, greedy response per prompt
@@ -417,7 +417,7 @@ def evaluate_policy(
         policy.train(was_training)
     if samples_out is not None:
         samples_out.extend(records)
-    return {**summarize(records), **accuracy_figures(records, greedy), **episode_figures(records)}
+    return {**summarize_records(records), **accuracy_figures(records, greedy), **episode_figures(records)}
 
 
 def load_heldout_inputs(cfg, tokenizer=None) -> tuple[list[str], Any]:

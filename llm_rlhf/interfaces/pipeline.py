@@ -57,14 +57,12 @@ from accelerate import PartialState
 
 from llm_rlhf.core.config import _coerce, format_config, help_field, load_yaml_config, require, save_config
 from llm_rlhf.core.errors import ConfigError
-from llm_rlhf.core.utils import atomic_write_json
+from llm_rlhf.core.utils import atomic_write_json, last_checkpoint
 from llm_rlhf.interfaces.report import write_report
 from llm_rlhf.models.scoring import scored_as
-from llm_rlhf.ppo import checkpoints as ppo_checkpoints
 from llm_rlhf.rl.episodes import episode_keys
 from llm_rlhf.stages import compare, dpo, evaluate, ppo, reward, sft
 from llm_rlhf.tasks.gym import task_keys
-from llm_rlhf.training.hf_stage import last_checkpoint as trainer_last_checkpoint
 
 STAGES = ("sft", "rm", "ppo", "eval")  # the default stages, in order
 OPTIONAL_STAGES = ("dpo", "compare")  # run only when `stages` names them
@@ -375,8 +373,7 @@ def run_one(cfg: Config) -> dict[str, Any]:
 
 def has_checkpoint(stage: str, stage_dir: Path) -> bool:
     """Whether an interrupted stage left a checkpoint to resume from (PPO's step-N, a Trainer's checkpoint-N)."""
-    latest = ppo_checkpoints.last_checkpoint if stage == "ppo" else trainer_last_checkpoint
-    return latest(stage_dir) is not None
+    return last_checkpoint(stage_dir, "step" if stage == "ppo" else "checkpoint") is not None
 
 
 HEADLINES = {

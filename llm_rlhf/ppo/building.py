@@ -43,7 +43,7 @@ from llm_rlhf.rl.rollout import encode_prompt, left_pad
 from llm_rlhf.tasks.environments import environment_factory
 
 
-def load_prompts(cfg: Config, tokenizer, prompts=None) -> list[list[int]]:
+def load_prompt_ids(cfg: Config, tokenizer, prompts=None) -> list[list[int]]:
     """The training prompts as token ids: prompt_file's, or `prompts` (`data.InMemory` rows) in its place."""
     ds = load_prompt_dataset(prompts or cfg.prompt_file, tokenizer, **prompt_rules(cfg))
     return [encode_prompt(tokenizer, p) for p in ds["prompt"]]  # with BOS where the tokenizer adds one
@@ -170,7 +170,7 @@ def check_inputs(cfg: Config, *, policy, tokenizer, reward_model, reward_fn, pro
     if policy is None:
         check_not_adapter_only(cfg.model_name_or_path)
     tokenizer = tokenizer_or_load(cfg, tokenizer, policy, padding_side="left")
-    prompts = load_prompts(cfg, tokenizer, prompts)
+    prompts = load_prompt_ids(cfg, tokenizer, prompts)
     reward_fn = load_and_probe_reward_fn(cfg, tokenizer, prompts, reward_fn)
     eval_prompts, judge = load_heldout_inputs(cfg, tokenizer)
     verifier = load_and_probe_verifier(cfg, tokenizer, prompts, eval_prompts)

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from llm_rlhf.core.errors import UserError
 from llm_rlhf.core.utils import (
     atomic_write_json,
+    last_checkpoint,
     publish_files,
     replace_dir,
     temp_dir_beside,
@@ -37,15 +38,10 @@ from llm_rlhf.ppo.config import Config  # the keys of `llm-rlhf ppo`
 from llm_rlhf.ppo.trainer import PPOTrainer
 
 
-def last_checkpoint(output_dir: Path) -> Path | None:
-    ckpts = sorted((output_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
-    return ckpts[-1] if ckpts else None
-
-
 def resume_point(cfg: Config, out: Path, accelerator) -> Path | None:
     """The checkpoint to resume from (resume: the last in output_dir/checkpoints, None when there is none);
     without resume, an output_dir that already holds a run is refused."""
-    resume_from = last_checkpoint(out) if cfg.resume else None
+    resume_from = last_checkpoint(out, "step") if cfg.resume else None
     if cfg.resume and resume_from is None and accelerator.is_main_process:
         print(f"resume: no checkpoint in {out / 'checkpoints'}; starting from scratch")
     if not cfg.resume and (out / "metrics.jsonl").exists():

@@ -34,10 +34,10 @@ from llm_rlhf.rl.estimators import (
     help_text,
     names,
 )
+from llm_rlhf.rl.loss_math import LOSS_AGGREGATIONS, SAMPLER_CORRECTIONS
 from llm_rlhf.rl.policy_losses import CLIP_KEYS, DEFAULT_LOSS, LOSSES, POLICY_LOSSES, PolicyLoss
 from llm_rlhf.rl.policy_losses import ROWS as LOSS_ROWS
 from llm_rlhf.rl.policy_losses import help_text as loss_help_text
-from llm_rlhf.rl.ppo_math import LOSS_AGGREGATIONS, SAMPLER_CORRECTIONS
 from llm_rlhf.rl.rollout import check_generation_controls
 
 

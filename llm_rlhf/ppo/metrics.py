@@ -1,5 +1,5 @@
 """The names PPO writes: the keys of ppo/metrics.jsonl (one line per step: `ppo.PPOTrainer.ppo_step`) and of
-ppo/metrics.json (the last step's line and the run's summary: `ppo_run.summarize`). Declared once here,
+ppo/metrics.json (the last step's line and the run's summary: `stages.ppo.summarize_history`). Declared once here,
 beside their writers; `llm_rlhf.interfaces.report` reads the logs by these names. A constant is its key in capitals,
 "/" written "_" (OBJECTIVE_KL is "objective/kl"). Stdlib only.
 
@@ -87,7 +87,7 @@ TIME_STEP = "time/step"  # the whole step
 TIME_PHASES = (TIME_GENERATE, TIME_SCORE, TIME_TRAIN)  # they add up to the step, but for bookkeeping
 TOKENS_PER_S = "tokens_per_s"  # response tokens over every process per second of the step
 
-# ppo/metrics.json: the last step's line and the run's summary (`ppo_run.summarize`)
+# ppo/metrics.json: the last step's line and the run's summary (`stages.ppo.summarize_history`)
 SCORES_FIRST = "scores_first"  # objective/scores of the first step
 SCORES_STD_FIRST = "scores_std_first"
 SCORES_LAST = "scores_last"

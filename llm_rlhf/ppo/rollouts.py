@@ -27,7 +27,7 @@ from llm_rlhf.core.errors import UserError
 from llm_rlhf.models.scoring import Scorer, Scores
 from llm_rlhf.ppo import metrics as ppo_metrics
 from llm_rlhf.ppo.context import PPOContext, UsesContext
-from llm_rlhf.rl import ppo_math
+from llm_rlhf.rl import loss_math
 from llm_rlhf.rl.episodes import Episode, EpisodeLimits, run_episodes
 from llm_rlhf.rl.rollout import Samples, Sampling, left_pad, sample
 
@@ -201,7 +201,7 @@ class RolloutCollector(UsesContext):
         """DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2), before the forwards: rounds of groups until every
         process holds rollout_batch_size whose verdicts (or unshaped scores, `tie_scores`) do not all tie, or
         dynamic_sampling_max_rounds were sampled (`sample_rounds`); the first rollout_batch_size untied groups
-        kept, filled up with tied ones when too few (`ppo_math.select_groups`: every step trains the same
+        kept, filled up with tied ones when too few (`loss_math.select_groups`: every step trains the same
         number of groups), the others handed back as `dropped`.
 
         The statistics: sampling/rounds, sampling/groups_dropped (sampled groups not trained, over every
@@ -211,8 +211,8 @@ class RolloutCollector(UsesContext):
         where objective/scores, over the kept groups, is raised by the selection)."""
         sizes, k, need = self.sizes, self.cfg.samples_per_prompt, self.sizes.prompts_per_process
         samples, scores, tied = self.sample_rounds(queries, step, times)  # tied: (rounds * P,)
-        groups = ppo_math.select_groups(tied=tied, num_groups=need)  # (P,)
-        rows = ppo_math.group_rows(groups=groups, samples_per_prompt=k)  # (P * k,)
+        groups = loss_math.select_groups(tied=tied, num_groups=need)  # (P,)
+        rows = loss_math.group_rows(groups=groups, samples_per_prompt=k)  # (P * k,)
         sampled = concat_samples(samples, self.tokenizer.pad_token_id)
         dropped = torch.ones(sampled.query.shape[0], dtype=torch.bool)  # (rounds * P * k,)
         dropped[rows] = False
@@ -242,7 +242,7 @@ class RolloutCollector(UsesContext):
         self, queries: list[list[int]], step: int, times: dict[str, float]
     ) -> tuple[list[Samples], list[Scores], torch.Tensor]:
         """Dynamic sampling's rounds: each samples and scores the groups of `queries` and marks the tied ones
-        (`ppo_math.tied_groups` on `tie_scores`); while some process holds fewer untied groups than
+        (`loss_math.tied_groups` on `tie_scores`); while some process holds fewer untied groups than
         rollout_batch_size (one global sum, so every process takes the same number of rounds and its
         collectives match) and the rounds are fewer than dynamic_sampling_max_rounds, the next prompts of the
         stream are sampled (`extra_prompts`). Returns each round's samples and scores, and tied (rounds * P,)."""
@@ -253,7 +253,7 @@ class RolloutCollector(UsesContext):
             part = self.generate(self.in_groups(queries))  # y ~ pi_theta(.|x)
             t1 = time.perf_counter()
             part_scores = self.score(part)
-            tied.append(ppo_math.tied_groups(scores=self.tie_scores(part, part_scores), samples_per_prompt=k))
+            tied.append(loss_math.tied_groups(scores=self.tie_scores(part, part_scores), samples_per_prompt=k))
             times["generate"] = times.get("generate", 0.0) + t1 - t0
             times["score"] = times.get("score", 0.0) + time.perf_counter() - t1
             samples.append(part)

@@ -54,7 +54,7 @@ from llm_rlhf.ppo.config import Config, batch_sizes
 from llm_rlhf.ppo.context import PPOContext, UsesContext
 from llm_rlhf.ppo.rollouts import EpisodeCollector, RolloutCollector
 from llm_rlhf.ppo.update import PPOUpdate, trainable_parameters
-from llm_rlhf.rl import ppo_math
+from llm_rlhf.rl import loss_math, ppo_math
 from llm_rlhf.rl.estimators import AdvantageInputs
 from llm_rlhf.rl.rollout import (
     Rollout,
@@ -327,10 +327,10 @@ class PPOTrainer(UsesContext):
         return scores
 
     def overlong(self, samples: Samples) -> torch.Tensor:
-        """DAPO's overlong penalty of each response, (B,) (`ppo_math.overlong_penalty`): its length counts its
+        """DAPO's overlong penalty of each response, (B,) (`loss_math.overlong_penalty`): its length counts its
         tokens (EOS included); truncated = it ended with neither EOS nor a stop string."""
         cfg = self.cfg
-        return ppo_math.overlong_penalty(
+        return loss_math.overlong_penalty(
             lengths=samples.response_mask.sum(-1),
             truncated=~samples.ended(self.tokenizer.eos_token_id),
             max_new_tokens=cfg.max_new_tokens,

@@ -21,7 +21,7 @@ import torch
 from llm_rlhf.core.errors import NonFiniteError, UserError
 from llm_rlhf.ppo import metrics as ppo_metrics
 from llm_rlhf.ppo.context import PPOContext, UsesContext
-from llm_rlhf.rl import ppo_math
+from llm_rlhf.rl import loss_math, ppo_math
 from llm_rlhf.rl.policy_losses import LossInputs
 from llm_rlhf.rl.rollout import Rollout
 
@@ -48,7 +48,7 @@ SAMPLER_STATS = (
     ppo_metrics.SAMPLER_MEAN_WEIGHT,
     ppo_metrics.SAMPLER_CORRECTED_FRAC,
     ppo_metrics.SAMPLER_WEIGHT_SQ_DEV,
-)  # sampler_correction; the last becomes SAMPLER_WEIGHT_STD (`ppo_math.spread_about_one`)
+)  # sampler_correction; the last becomes SAMPLER_WEIGHT_STD (`loss_math.spread_about_one`)
 
 
 def train_stats(cfg) -> tuple[str, ...]:
@@ -142,7 +142,7 @@ class PPOUpdate(UsesContext):
         The policy-loss family (issue 37; with every key at its default the update above, with its arithmetic:
         `Config.plain_policy_loss`; `llm_rlhf.rl.policy_losses` says why two paths): the token losses of
         policy_loss (its row's `token_losses`, with the clip keys it reads), times the sampler
-        correction's weights (`sampler_weights`), make the policy loss by `ppo_math.aggregate_loss` over the
+        correction's weights (`sampler_weights`), make the policy loss by `loss_math.aggregate_loss` over the
         normaliser N of loss_aggregation summed over the global minibatch (one all-reduce with its token count):
         each micro-batch's share is a sum over its rows / N, so the shares add up to the minibatch's loss on
         any split (times the number of processes, as DDP averages). With mask_truncated the truncated responses
@@ -200,7 +200,7 @@ class PPOUpdate(UsesContext):
         out = {k: float(np.mean([h[k] for h in history])) if history else math.nan for k in self.train_stats}
         if ppo_metrics.SAMPLER_WEIGHT_SQ_DEV in out:  # the weights' spread, from token means that split
             mean_sq_dev = out.pop(ppo_metrics.SAMPLER_WEIGHT_SQ_DEV)
-            out[ppo_metrics.SAMPLER_WEIGHT_STD] = ppo_math.spread_about_one(
+            out[ppo_metrics.SAMPLER_WEIGHT_STD] = loss_math.spread_about_one(
                 mean=out[ppo_metrics.SAMPLER_MEAN_WEIGHT], mean_sq_dev=mean_sq_dev
             )
         out.update(
@@ -218,18 +218,18 @@ class PPOUpdate(UsesContext):
         if not self.cfg.mask_truncated:
             return rollout.response_mask
         truncated = ~rollout.ended(self.tokenizer.eos_token_id)  # (B,)
-        return ppo_math.mask_truncated(response_mask=rollout.response_mask, truncated=truncated)  # (B, R)
+        return loss_math.mask_truncated(response_mask=rollout.response_mask, truncated=truncated)  # (B, R)
 
     def minibatch_counts(
         self, mb: torch.Tensor, loss_mask: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The global minibatch's token count and, with the policy-loss family, the normaliser N of
-        `ppo_math.aggregate_loss`, both summed over processes in one all-reduce. `mb` (b,) the rows of this
+        `loss_math.aggregate_loss`, both summed over processes in one all-reduce. `mb` (b,) the rows of this
         process's part; without the family the count is of response tokens and N is None."""
         cfg = self.cfg
         if cfg.plain_policy_loss:
             return self.global_sum(loss_mask[mb].sum()), None
-        normaliser = ppo_math.loss_normaliser(
+        normaliser = loss_math.loss_normaliser(
             loss_mask=loss_mask[mb], aggregation=cfg.aggregation, max_new_tokens=cfg.max_new_tokens
         )
         tokens, normaliser = self.global_sum(torch.stack([loss_mask[mb].sum(), normaliser]))
@@ -307,7 +307,7 @@ class PPOUpdate(UsesContext):
 
         normaliser None (`Config.plain_policy_loss`): the clipped loss as a token mean over this micro-batch's
         mask, which `train_on_rollout` weights by its share of the minibatch's tokens (today's arithmetic,
-        bit for bit), and the loss starts from it. Else this micro-batch's share of `ppo_math.aggregate_loss`
+        bit for bit), and the loss starts from it. Else this micro-batch's share of `loss_math.aggregate_loss`
         over the global normaliser (`policy_loss_share`), the sampler correction's (weights, corrected) (B, R)
         applied, and the other terms start from 0 (they keep their token-share weights)."""
         if normaliser is None:  # today's loss, with its arithmetic (bit-identical runs)
@@ -406,7 +406,7 @@ class PPOUpdate(UsesContext):
         )  # (b, R)  # fmt: skip
         if weights is not None:
             losses = losses * weights  # (b, R)
-        share = ppo_math.aggregate_loss(
+        share = loss_math.aggregate_loss(
             token_losses=losses, loss_mask=loss_mask, aggregation=cfg.aggregation, normaliser=normaliser
         )
         with torch.no_grad():
@@ -426,7 +426,7 @@ class PPOUpdate(UsesContext):
         self, rollout: Rollout, loss_mask: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
         """sampler_correction's per-token weights and where they were truncated or masked, (B, R) each, from
-        the sampler's recorded log q(y_t) to the old policy's (`ppo_math.sampler_correction_weights`); the
+        the sampler's recorded log q(y_t) to the old policy's (`loss_math.sampler_correction_weights`); the
         same for every epoch. (None, None) when sampler_correction is none."""
         cfg = self.cfg
         if cfg.sampler_correction == "none":
@@ -436,7 +436,7 @@ class PPOUpdate(UsesContext):
                 f"sampler_correction {cfg.sampler_correction}: the sampler recorded no log-probs of its tokens "
                 "(a model sampled through its own generate); use sampler_correction none"
             )
-        weights, stats = ppo_math.sampler_correction_weights(
+        weights, stats = loss_math.sampler_correction_weights(
             old_logprobs=rollout.logprobs,
             sampler_logprobs=rollout.sampler_logprobs,
             response_mask=loss_mask,

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from llm_rlhf.rl import ppo_math
+from llm_rlhf.rl.loss_math import SAMPLER_CORRECTIONS
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,6 @@ class Estimator:
 CRITIC_KEYS = ("lam", "vf_coef", "cliprange_value", "whiten_rewards", "value_model")
 # Every critic-free estimator's sequence reward or return is the undiscounted sum of the rewards.
 CRITIC_FREE_IGNORED = ("gamma", *CRITIC_KEYS)
-SAMPLER_CORRECTIONS = ("tis", "mis")
 
 # ---------------------------------------------------------------------------------------------
 # The baselines of the critic-free estimators: one advantage per sequence from the scores of its group

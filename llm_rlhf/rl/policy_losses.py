@@ -33,10 +33,10 @@ from dataclasses import dataclass
 
 import torch
 
-from llm_rlhf.rl import ppo_math
+from llm_rlhf.rl import loss_math, ppo_math
 
 CLIP_KEYS = ("cliprange_low", "cliprange_high", "dual_clip")  # the config keys a row may read (`clip_keys`)
-AGGREGATIONS = ppo_math.LOSS_AGGREGATIONS
+AGGREGATIONS = loss_math.LOSS_AGGREGATIONS
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class PolicyLoss:
 
 # ---------------------------------------------------------------------------------------------
 # The token losses of the family besides PPO's clip (`ppo_math.ppo_clip_token_losses`, which PPO's plain
-# loss `ppo_math.policy_loss` is built on): per-token losses (B, T) for `ppo_math.aggregate_loss`
+# loss `ppo_math.policy_loss` is built on): per-token losses (B, T) for `loss_math.aggregate_loss`
 # ---------------------------------------------------------------------------------------------
 
 
@@ -108,7 +108,7 @@ def gspo_token_losses(
         s_i,t  = sg(s_i) * pi_theta(y_t) / sg(pi_theta(y_t))      value s_i, d s_i,t / d log pi(y_t) = s_i
         l_i,t  = -min(s_i,t * A_i, clip(s_i,t, 1 - eps_low, 1 + eps_high) * A_i)
 
-    Every token of response i carries the value of its response's loss, so `ppo_math.aggregate_loss` with
+    Every token of response i carries the value of its response's loss, so `loss_math.aggregate_loss` with
     "seq_mean_token_mean" is GSPO's objective, the mean over responses of -min(s_i A_i, clip(s_i) A_i), and
     its gradient (1/G) * sum_i (1/|y_i|) * sum_t -A_i * s_i * grad log pi(y_t) = (1/G) * sum_i -A_i * grad s_i.
     A clipped response contributes a constant (gradient 0 on all its tokens). The ratios of a sequence stay

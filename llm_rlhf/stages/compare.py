@@ -71,7 +71,7 @@ from llm_rlhf.ppo import config as ppo_config
 from llm_rlhf.rl import reward_math
 from llm_rlhf.rl.rollout import Sampling
 from llm_rlhf.stages import dpo
-from llm_rlhf.training.hf_stage import last_checkpoint
+from llm_rlhf.training.hf_stage import trainer_checkpoint
 
 
 def expectation(weights: torch.Tensor, x: torch.Tensor) -> float:
@@ -319,7 +319,7 @@ def dpo_points(cfg: Config, dpo_cfgs: list, inputs: dict[str, Any]) -> list[dict
         if not (Path(dpo_cfg.output_dir) / "metrics.json").exists():
             print(f"== DPO beta {beta:g}: training in {dpo_cfg.output_dir}")
             # resume only from a checkpoint: a run killed before its first save starts over
-            dpo.run(dataclasses.replace(dpo_cfg, resume=last_checkpoint(dpo_cfg.output_dir) is not None))
+            dpo.run(dataclasses.replace(dpo_cfg, resume=trainer_checkpoint(dpo_cfg.output_dir) is not None))
         policy = freeze(load_causal_lm(dpo_cfg.output_dir))
         result = evaluate_policy(
             policy, inputs["tokenizer"], inputs["prompts"], inputs["draws"], measures=inputs["measures"],
@@ -365,7 +365,7 @@ def run(cfg: Config) -> dict[str, Any]:
         ):  # fmt: skip
             points.append({"method": "best_of_n", "label": f"n {p['n']}", **p})
     metrics = {
-        **summarise(points, {method: log for method, _, _, log in rl_runs}),
+        **summarize_comparison(points, {method: log for method, _, _, log in rl_runs}),
         "runs": {method: run_record(folder, run_cfg) for method, folder, run_cfg, _ in rl_runs},
         "num_prompts": len(prompts),
         "gold_judge": ppo_cfg.gold_judge,
@@ -384,7 +384,7 @@ def run_record(folder: str, run_cfg) -> dict[str, Any]:
             "samples_per_prompt": run_cfg.samples_per_prompt}  # fmt: skip
 
 
-def summarise(points: list[dict[str, Any]], rl_logs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+def summarize_comparison(points: list[dict[str, Any]], rl_logs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """The fits and the best gold of each method. Every law starts at the SFT model's gold (`sft_origin`): an RL
     run's own step-0 evaluation (else ppo_dir's), DPO's that of ppo_dir, best-of-n's its n = 1 point."""
     origin = sft_origin(rl_logs["ppo"])

@@ -60,9 +60,9 @@ from llm_rlhf.training.hf_stage import (
     TrainerStageConfig,
     check_reload,
     final_eval,
-    last_checkpoint,
     log_callback,
     start_outputs,
+    trainer_checkpoint,
     training_metrics,
     whole_model,
 )
@@ -362,7 +362,7 @@ def run(cfg: Config) -> dict[str, float]:
     inputs = load_inputs(cfg)
     tokenizer, output_dir = inputs.tokenizer, Path(cfg.output_dir)
     train_dataset, eval_dataset, (dropped, eval_dropped) = inputs.train, inputs.eval, inputs.dropped
-    checkpoint = last_checkpoint(output_dir) if cfg.resume else None
+    checkpoint = trainer_checkpoint(output_dir) if cfg.resume else None
 
     seed_everything(cfg.seed)
     trainer = build_trainer(cfg, inputs.model, inputs.ref_model, tokenizer, train_dataset, eval_dataset)

@@ -102,7 +102,7 @@ from llm_rlhf.evaluation.measures import (
     load_verifier,
     mean_and_stderr_over_prompts,
     sample_and_score,
-    summarize,
+    summarize_records,
     win_points,
     win_rate,
 )
@@ -279,7 +279,7 @@ class Config:
 # ---------------------------------------------------------------------------------------------
 
 
-def load_prompts(cfg: Config, tokenizer, prompts=None) -> list[str]:
+def load_prompt_texts(cfg: Config, tokenizer, prompts=None) -> list[str]:
     """prompt_file's prompts, or `prompts` (`data.InMemory` rows) in its place; the first num_prompts."""
     prompts = list(load_prompt_dataset(prompts or cfg.prompt_file, tokenizer, **prompt_rules(cfg))["prompt"])
     if cfg.num_prompts is not None:
@@ -461,7 +461,7 @@ def load_inputs(cfg: Config, given: EvalObjects) -> EvalInputs:
             f"reference_path '{reference_path(cfg)}': its tokenizer differs from the policy's; kl_to_ref needs "
             "the same token ids (set reference_path to the model the policy was trained from)"
         )
-    prompts = load_prompts(cfg, tokenizer, given.prompts)
+    prompts = load_prompt_texts(cfg, tokenizer, given.prompts)
     if reward_fn is not None:  # checked on two real prompts before any model loads, as PPO does
         probe(reward_fn, prompts)
     verifier = load_verifier(cfg.accuracy_fn, prompts) if cfg.accuracy_fn is not None else None
@@ -592,12 +592,12 @@ def win_rates(
 
 
 def eval_figures(cfg: Config, inputs: EvalInputs, models: EvalModels, measured: Measured) -> dict[str, Any]:
-    """Step 4: metrics.json's figures (but time_s): the win rates, each model's means (`summarize`) and
+    """Step 4: metrics.json's figures (but time_s): the win rates, each model's means (`summarize_records`) and
     accuracy (`accuracy_figures`), the alarm's counter rules (`final_alarm`), then what was evaluated
     (`run_info`)."""
     k = cfg.samples_per_prompt
-    policy = summarize(measured.policy, samples_per_prompt=k)
-    baseline = summarize(measured.baseline, samples_per_prompt=k)
+    policy = summarize_records(measured.policy, samples_per_prompt=k)
+    baseline = summarize_records(measured.baseline, samples_per_prompt=k)
     return {
         **win_rates(measured.policy, measured.baseline, samples_per_prompt=k),
         **policy,
@@ -615,7 +615,7 @@ def eval_figures(cfg: Config, inputs: EvalInputs, models: EvalModels, measured: 
 
 def final_alarm(policy: dict[str, Any], baseline: dict[str, Any]) -> dict[str, list[str]]:
     """The reward-hacking alarm's counter rules on the final evaluation (`hacking.counter_alarms`): the policy's
-    collapse and degeneracy counters against the baseline's (`summarize`'s figures, the baseline's without
+    collapse and degeneracy counters against the baseline's (`summarize_records`'s figures, the baseline's without
     their suffix), as alarm_rules (the counters past their threshold, [] = quiet) and alarm_reasons (a line
     each). The proxy-up / gold-down rule needs a trajectory: PPO's held-out evaluations have it."""
     alarms = counter_alarms(policy, baseline=baseline)

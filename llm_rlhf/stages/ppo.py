@@ -90,7 +90,7 @@ def train(
     start(cfg, trainer, inputs, out, resume_from)
     heldout = HeldOut(cfg, trainer, inputs, out, resumed=resume_from is not None)
     history = loop(cfg, trainer, heldout, out, resumed=resume_from is not None, on_step=on_step)
-    final = {**summarize(history, cfg), **heldout.watch["summary"], ppo_metrics.RETURNED_STEP: trainer.step}
+    final = {**summarize_history(history, cfg), **heldout.watch["summary"], ppo_metrics.RETURNED_STEP: trainer.step}
     if cfg.keep_best and heldout.watch["summary"][ppo_metrics.BEST_STEP] is not None:
         final[ppo_metrics.RETURNED_STEP] = return_best(trainer, cfg, out)
     save_final(trainer, cfg, out, final)
@@ -161,7 +161,7 @@ def loop(
     return history
 
 
-def summarize(history: list[dict], cfg: Config) -> dict[str, float]:
+def summarize_history(history: list[dict], cfg: Config) -> dict[str, float]:
     last = dict(history[-1])
     first = history[0]
     last.update(

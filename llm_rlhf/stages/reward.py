@@ -49,9 +49,9 @@ from llm_rlhf.training.hf_stage import (
     SCHEDULERS,
     TrainerStageConfig,
     check_reload,
-    last_checkpoint,
     log_callback,
     start_outputs,
+    trainer_checkpoint,
     training_metrics,
     whole_model,
 )
@@ -417,7 +417,7 @@ def train(
     if cfg.bootstrap_seed is not None:  # an ensemble member's own resample of the pairs
         resampled = bootstrap_indices(len(train_dataset), seed=cfg.bootstrap_seed)
         train_dataset = train_dataset.select(resampled)
-    checkpoint = last_checkpoint(output_dir) if cfg.resume else None
+    checkpoint = trainer_checkpoint(output_dir) if cfg.resume else None
 
     seed_everything(cfg.seed)
     trainer = build_trainer(cfg, inputs.model, tokenizer, train_dataset, eval_dataset)

@@ -38,9 +38,9 @@ from llm_rlhf.rl.rollout import Sampling, encode_prompt, left_pad, sample
 from llm_rlhf.training.hf_stage import (
     TrainerStageConfig,
     final_eval,
-    last_checkpoint,
     log_callback,
     start_outputs,
+    trainer_checkpoint,
     training_metrics,
     whole_model,
 )
@@ -234,7 +234,7 @@ def train(
         cfg, model=model, tokenizer=tokenizer, train_data=train_data, eval_data=eval_data
     )
     output_dir = Path(cfg.output_dir)
-    checkpoint = last_checkpoint(output_dir) if cfg.resume else None
+    checkpoint = trainer_checkpoint(output_dir) if cfg.resume else None
 
     args = training_args(cfg)
     main = args.process_index == 0

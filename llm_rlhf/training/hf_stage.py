@@ -22,12 +22,11 @@ from typing import Any
 import torch
 from peft import PeftModel, get_peft_model
 from transformers import TrainerCallback
-from transformers.trainer_utils import get_last_checkpoint
 
 from llm_rlhf.core.config import format_config, help_field, require, save_config
 from llm_rlhf.core.data import DATA_FORMATS
 from llm_rlhf.core.errors import ConfigError, UserError
-from llm_rlhf.core.utils import append_jsonl
+from llm_rlhf.core.utils import append_jsonl, last_checkpoint
 from llm_rlhf.models.accelerated import loading_whole_models
 from llm_rlhf.models.loading import check_local_folder
 
@@ -144,7 +143,7 @@ class TrainerStageConfig:
             raise ConfigError(
                 f"config key 'report_to': '{self.report_to}' is not installed (pip install 'llm-rlhf[{self.report_to}]')"
             )
-        checkpoint = last_checkpoint(self.output_dir)
+        checkpoint = trainer_checkpoint(self.output_dir)
         if self.resume and checkpoint is None:
             raise UserError(
                 f"--resume: no checkpoint in '{Path(self.output_dir) / 'checkpoints'}' to continue from"
@@ -208,10 +207,11 @@ class TrainerStageConfig:
         )
 
 
-def last_checkpoint(output_dir: str | Path) -> str | None:
-    """The newest `checkpoint-N` folder the Trainer wrote to output_dir/checkpoints, or None."""
-    folder = Path(output_dir) / "checkpoints"
-    return get_last_checkpoint(str(folder)) if folder.is_dir() else None
+def trainer_checkpoint(output_dir: str | Path) -> str | None:
+    """The newest `checkpoint-N` folder the Trainer wrote to output_dir/checkpoints, as the str that
+    `Trainer.train(resume_from_checkpoint=...)` takes, or None."""
+    checkpoint = last_checkpoint(output_dir, "checkpoint")
+    return None if checkpoint is None else str(checkpoint)
 
 
 def log_callback(path: Path) -> TrainerCallback:

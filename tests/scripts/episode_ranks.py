@@ -40,7 +40,7 @@ def main() -> None:
                      rollout_batch_size=8 // accelerator.num_processes, mini_batch_size=4 // accelerator.num_processes,
                      steps=1)  # fmt: skip
     tokenizer = load_tokenizer(cfg.model_name_or_path, padding_side="left")
-    trainer = ppo_building.build_trainer(cfg, accelerator, tokenizer, ppo_building.load_prompts(cfg, tokenizer))
+    trainer = ppo_building.build_trainer(cfg, accelerator, tokenizer, ppo_building.load_prompt_ids(cfg, tokenizer))
     greedy = dataclasses.replace(trainer.sampling, temperature=0.0)
     samples = trainer.collector.generate(trainer.collector.queries(0), sampling=greedy)
     rows = [

@@ -129,7 +129,7 @@ def run(
         **(options or {}),
     )
     tokenizer = load_tokenizer(model_dir, padding_side="left")
-    prompts = ppo_building.load_prompts(cfg, tokenizer)
+    prompts = ppo_building.load_prompt_ids(cfg, tokenizer)
     trainer = ppo_building.build_trainer(cfg, accelerator, tokenizer, prompts)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     rounds = {}  # PPO step -> sampling rounds so far (dynamic sampling samples more than once)
