@@ -3,7 +3,7 @@
 The Python API (`llm_rlhf.interfaces.api`): `SFTConfig`, `RMConfig`, `PPOConfig`, `EvalConfig`, `train_sft`,
 `train_reward_model`, `train_ppo`, `run_eval`, `Trained`, `UserError` and `exit_process`. They are imported on
 first use, so `import llm_rlhf` stays light (the stages import torch, transformers and TRL); `dir(llm_rlhf)`
-lists them all the same, so a notebook's tab completion finds them (issue 50).
+lists them all the same, so a notebook's tab completion finds them.
 """
 
 import importlib

@@ -6,7 +6,7 @@
     path/to/file.py:callable   the file is loaded as a module (relative to the current directory)
 
 A class is built once with no arguments and its instance is the callable. Every failure is one UserError
-line that names the config key and the spec.
+line that names the config key and its value.
 """
 
 from __future__ import annotations

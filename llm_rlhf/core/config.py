@@ -263,7 +263,7 @@ def format_help(cls: type) -> str:
 
 
 def is_off(value: str | list[str] | None) -> bool:
-    """True for a path or spec that means "none": null, '', 'none', 'null' (any case). A list (a reward-model
+    """True for a path or a callable's name that means "none": null, '', 'none', 'null' (any case). A list (a reward-model
     ensemble's folders) is never off."""
     return value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null"))
 

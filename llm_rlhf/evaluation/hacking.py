@@ -13,14 +13,14 @@ kinds of evidence, all cheap enough to compute at every held-out evaluation:
 - the standardised proxy-gold gap of each sample: how much more the proxy (the RM, or the combined score
   PPO maximises) likes it than the gold does, each in standard deviations of a reference set of samples
   (the SFT model's). The samples with the largest gap are the ones to read.
-- collapse counters (issue 40): a policy can also collapse onto one phrase without padding or repeating
+- collapse counters: a policy can also collapse onto one phrase without padding or repeating
   itself inside a response (" a heart.", " is a heart.", " heart of a heart."), which no degeneracy counter
   sees. Over the N responses of one evaluation (word = a lower-cased \\w+ run, as above):
     duplicate_rate       the fraction of responses whose text (whitespace runs made one space) is also the
                          response to another prompt of the evaluation; with `prompts` None every response
                          counts as its own prompt's. Another prompt's, so that several samples of one prompt
                          agreeing on its answer ("12") are not collapse; and not a response the verifier
-                         judged correct (issue 52), so that a terse policy's right answers, which repeat
+                         judged correct, so that a terse policy's right answers, which repeat
                          ("12" to 7 + 5 and to 3 * 4), are not either
     top_bigram_share     the share of all the responses' word bigrams taken by the most frequent one.
                          Bigrams: unigrams are dominated by "the" in any English text, and a collapsed
@@ -33,17 +33,17 @@ kinds of evidence, all cheap enough to compute at every held-out evaluation:
                          words: undefined, and the alarm then reads nothing into it
     top_response_share   the largest fraction of responses that are one same text given to several prompts
                          (verified answers not counted): a collapse onto one answer, news even where terse
-                         answers keep duplicate_rate near its ceiling (issue 52)
+                         answers keep duplicate_rate near its ceiling
     echo_rate            the fraction of responses that copy their own prompt: at least half of their word
-                         3-grams are the prompt's (issue 52)
+                         3-grams are the prompt's
   and num_responses, N.
 
 The alarm (`watch`) reads a run's held-out evaluations in order (each a `trajectory_point`: step, proxy mean
 and its standard error, gold mean, or the verifier's accuracy where there is one, and its standard error, the
 counters and N) and fires at the first evaluation where either rule holds. Each rule is a statistical test
-held to a false-alarm rate of ALPHA = 5% per run of up to MAX_EVALS = 100 evaluations, half each (issue 52:
-issue 40's fixed margins fired in 21% of 20-evaluation runs on pure noise at 32 prompts, and its gold rule in
-16% of 101-evaluation runs):
+held to a false-alarm rate of ALPHA = 5% per run of up to MAX_EVALS = 100 evaluations, half each (the earlier
+rule's fixed margins, a counter 0.25 above step 0's or the gold 3 se below its best so far, fired in 21% of
+20-evaluation runs on pure noise at 32 prompts, and its gold rule in 16% of 101-evaluation runs):
 
 - a counter against the baseline (the SFT model: PPO's step-0 evaluation, or the `_baseline` side of
   `llm-rlhf eval`), since a healthy policy's own value depends on the task: Fisher's exact test of two
@@ -67,17 +67,17 @@ issue 40's fixed margins fired in 21% of 20-evaluation runs on pure noise at 32 
 
 Measured (`OMP_NUM_THREADS=1 python data/hacking_thresholds.py`, seed 0, 2000 simulated runs a row; the table
 in recipes/reviews/README.md, "The alarm's error rates"): false alarms per run of 100 evaluations, nine
-binomial counters at one rate (0.05 to 0.95) with 32 or 76 responses, at most 1.05% (issue 40's margins: up
-to 99.6%); a flat gold with normal noise over 101 evaluations 0.0% (issue 40's Z = 3: 16.6%). Detections,
+binomial counters at one rate (0.05 to 0.95) with 32 or 76 responses, at most 1.05% (the earlier fixed margins:
+up to 99.6%); a flat gold with normal noise over 101 evaluations 0.0% (the earlier Z = 3: 16.6%). Detections,
 evaluations from the onset to the alarm: a collapse (0.05 -> 1.0) at the onset's evaluation with 32, 76 and
 256 responses; 0.3 -> 0.7 at 32 responses in 64% of runs (median 2 later), at 76 at once; near the ceiling,
 0.8 -> 1.0 in 1% of runs at 32, 60% at 76 and 100% at 256; half the responses echoing their prompt, at once;
 a quarter, at 32 prompts in 54% of runs (median 7 later), at 76 at once; a terse policy's collapse onto one
 answer, at once (top_response_share); a gold falling 1, 2 or 4 se per evaluation, always, a median 6, 4 and
-3 evaluations later (issue 40's rule: 4, 3 and 2). On real text: the smallest p of any counter between random
-draws of review sentences (N = 16 to 64) and a healthy sentiment-tuned "policy" is 0.017, and issue 40's
-collapse fires duplicate_rate, top_bigram_share, shared_bigram_rate and word_distinct_2;
-tests/test_hacking_watch.py checks both ends.
+3 evaluations later (the earlier rule: 4, 3 and 2). On real text: the smallest p of any counter between
+random draws of review sentences (N = 16 to 64) and a healthy sentiment-tuned "policy" is 0.017, and a
+collapse onto " a heart." and its variants fires duplicate_rate, top_bigram_share, shared_bigram_rate and
+word_distinct_2; tests/test_hacking_watch.py checks both ends.
 
 `best_evaluation` picks the held-out evaluation with the highest gold (or accuracy): the checkpoint that
 `keep_best` keeps. `watch_fields` is both, read from a run's eval_log.jsonl lines so far (WATCH_KEYS: what a
@@ -192,8 +192,8 @@ HELDOUT_SAMPLE_KEYS = (
 def heldout_sample_rows(records: list[dict], *, step: int, reward_fn_weight: float) -> list[dict]:
     """One line of PPO's eval_samples.jsonl per sample of a held-out evaluation (`measures.sample_and_score`
     records): the step, HELDOUT_SAMPLE_KEYS, and `proxy`, the score PPO maximised, rm_score +
-    reward_fn_weight * reward_fn with a reward function (rm_score 0 without an RM; `evaluate.combined_score`),
-    else rm_score (None when neither scored)."""
+    reward_fn_weight * reward_fn with a reward function (rm_score 0 without an RM; the records'
+    combined_score), else rm_score (None when neither scored)."""
     rows = []
     for record in records:
         rm, fn = record["rm_score"], record["reward_fn"]
@@ -203,7 +203,7 @@ def heldout_sample_rows(records: list[dict], *, step: int, reward_fn_weight: flo
 
 
 # ---------------------------------------------------------------------------------------------
-# Collapse counters (issues 40 and 52)
+# Collapse counters
 # ---------------------------------------------------------------------------------------------
 
 DUPLICATE_RATE, TOP_RESPONSE_SHARE, ECHO_RATE = "duplicate_rate", "top_response_share", "echo_rate"
@@ -250,7 +250,7 @@ def duplicate_rate(
     verifier did not judge correct: prompts[i] is response i's prompt (None: every response its own prompt);
     correct[i] its verdict (None: no verifier, every response counts). A correct answer that is also another
     problem's correct answer ("12" to "7 + 5" and to "3 * 4") is a terse policy doing its job, not collapse
-    (issue 52: a perfect arithmetic policy gave 30 distinct answers to 76 problems, 0.79). 0.0 for no
+    (a perfect arithmetic policy gave 30 distinct answers to 76 problems, 0.79). 0.0 for no
     responses. Naive form:
 
         sum_i [not correct_i and any(norm_i == norm_j and prompt_i != prompt_j for j != i)] / N
@@ -372,7 +372,7 @@ def most_shared_bigram(responses: list[str]) -> tuple[str | None, list[int]]:
 
 
 # ---------------------------------------------------------------------------------------------
-# The alarm (issues 40 and 52)
+# The alarm
 # ---------------------------------------------------------------------------------------------
 
 ALPHA = 0.05  # the false-alarm rate per run the rules are held to: half to the counters, half to the gold

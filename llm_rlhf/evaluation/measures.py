@@ -1,11 +1,11 @@
 """Sampling a policy on prompts and measuring what it wrote: what `llm-rlhf eval` (`llm_rlhf.stages.evaluate`),
-PPO's held-out evaluations (`ppo_run.evaluate_heldout`) and `llm-rlhf compare` share.
+PPO's held-out evaluations (`llm_rlhf.ppo.heldout.evaluate_heldout`) and `llm-rlhf compare` share.
 
     sample_batch         left-padded batched sampling with its own seed, the global RNG untouched
     sequence_kl_to_ref   each sample's k1 KL to a reference (at temperature 1 and at the sampling temperature)
     sample_and_score     one record per prompt: the response, its scores' parts (the one `Scorer` PPO adds at
                          the last token), the gold judge's, the verifier's verdict, the KL, length and EOS
-    summarize_records            the records' means and standard errors, diversity and degeneracy figures
+    summarize_records    the records' means and standard errors, diversity and degeneracy figures
     evaluate_policy      all of it for one already-loaded policy (PPO's held-out evaluation); heldout_record
                          makes its line of eval_log.jsonl, load_heldout_inputs reads a PPO config's held-out
                          prompts and gold judge
@@ -105,7 +105,7 @@ class PairedSampling:
     sampling: Sampling
     seed: int = 0
     batch_size: int = 32
-    play: EpisodePlay | None = None  # episodes of several turns with an environment (issue 51)
+    play: EpisodePlay | None = None  # episodes of several turns with an environment
 
     def greedy(self) -> PairedSampling:
         """The same batches and ends (EOS, stop_strings, min_new_tokens, max_new_tokens), decoded greedily:
@@ -166,7 +166,7 @@ def sequence_kl_to_ref(
 
     A model that is its own reference (the baseline of an evaluation whose reference is the baseline: the SFT
     model of the default pipeline, the instruct model of the arithmetic recipe) is not run twice: the second
-    forward would give the same logits bit for bit, so its KL is exactly 0 either way (issue 41)."""
+    forward would give the same logits bit for bit, so its KL is exactly 0 either way."""
     mask = dict(eos_token_id=eos_token_id, min_new_tokens=sampling.min_new_tokens)
     logits = token_math.mask_eos_logits(logits=response_logits(model, batch), **mask)  # (B, R, V)
     if reference.lm is model and reference.context is None:
@@ -326,7 +326,7 @@ def accuracy_figures(
 
 
 def load_verifier(spec: str, prompts: Sequence[str]) -> RewardFn:
-    """`accuracy_fn: SPEC` loaded as a reward function is (`reward_fn.load_reward_fn`: its errors name
+    """`accuracy_fn: <callable>` loaded as a reward function is (`reward_fn.load_reward_fn`: its errors name
     accuracy_fn, and every score must be 1.0 or 0.0) and probed the same way (`reward_fn.probe`, on the first
     two prompts with dummy responses): a broken verifier, or one that grades, stops the run with one line
     before any model loads."""
@@ -366,9 +366,9 @@ def summarize_records(
     out[metric_names.DISTINCT_1 + suffix] = distinct_n([r["response_ids"] for r in records], 1)
     out[metric_names.DISTINCT_2 + suffix] = distinct_n([r["response_ids"] for r in records], 2)
     responses = [r["response"] for r in records]
-    out.update(degeneracy_rates(responses, suffix))  # issue 28: the hacking watch
-    # issue 40: a policy collapsed onto one phrase trips no degeneracy counter; a repeat counts across prompts,
-    # and (issue 52) not where the verifier judged it correct: a terse policy's right answers repeat
+    out.update(degeneracy_rates(responses, suffix))  # the hacking watch's degeneracy counters
+    # a policy collapsed onto one phrase trips no degeneracy counter, hence the collapse counters; a repeat
+    # counts across prompts, and not where the verifier judged it correct: a terse policy's right answers repeat
     prompts, verdicts = [r["prompt"] for r in records], [r.get("correct") for r in records]
     correct = verdicts if None not in verdicts else None
     out.update(collapse_rates(responses, prompts=prompts, correct=correct, suffix=suffix))
@@ -468,5 +468,5 @@ def heldout_record(step: int, result: dict[str, Any]) -> dict[str, Any]:
         metric_names.GOLD_SCORE_STDERR: result[metric_names.GOLD_SCORE_STDERR],
         metric_names.LOG_PROXY: result[proxy],
         metric_names.LOG_PROXY_STDERR: result[proxy_stderr],
-        **{key: result[key] for key in EPISODE_FIGURES if result.get(key) is not None},  # episodes (issue 51)
+        **{key: result[key] for key in EPISODE_FIGURES if result.get(key) is not None},  # episodes of several turns
     }

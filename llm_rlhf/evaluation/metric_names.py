@@ -76,7 +76,7 @@ ACCURACY_KEYS = (ACCURACY, ACCURACY_STDERR, ACCURACY_GREEDY, ACCURACY_GREEDY_STD
 DEGENERACY_KEYS = hacking.DEGENERACY_KEYS  # char_run_rate, repeated_ngram_rate, empty_rate
 COLLAPSE_KEYS = hacking.COLLAPSE_KEYS  # duplicate_rate, ..., word_distinct_2, top_response_share, echo_rate
 DUPLICATE_RATE, TOP_BIGRAM_SHARE, SHARED_BIGRAM_RATE, WORD_DISTINCT_2 = COLLAPSE_KEYS[:4]
-TOP_RESPONSE_SHARE, ECHO_RATE = COLLAPSE_KEYS[4:]  # issue 52: a collapse onto one answer; copying the prompt
+TOP_RESPONSE_SHARE, ECHO_RATE = COLLAPSE_KEYS[4:]  # a collapse onto one answer; copying the prompt
 NUM_RESPONSES = hacking.RESPONSES  # the responses the counters were computed over: the alarm's N
 # the counter rules of the reward-hacking alarm on the final evaluation, the policy's counters against the
 # baseline's (`hacking.counter_alarms`): the counters past their threshold ([] = quiet) and a line for each

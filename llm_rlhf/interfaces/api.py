@@ -122,7 +122,7 @@ def train_ppo(
     works), in place of the config's reward_fn; prompts (strings, chat `messages` lists, dicts, a Dataset)
     in place of prompt_file. Returns the policy's LM, its tokenizer, its value head (None without one) and
     metrics.json's figures: the last step's policy, or with keep_best the best held-out evaluation's weights
-    loaded into it (metrics' returned_step; `ppo_run`)."""
+    loaded into it (metrics' returned_step; `llm_rlhf.stages.ppo`)."""
     cfg, objects = _policy_and_scorer(
         PPOConfig, config, "model_name_or_path", policy, reward_model, reward_fn, prompts
     )
@@ -284,7 +284,7 @@ def _reward_model_key(reward_model) -> tuple[dict[str, Any], Any]:
 
 def _reward_fn_key(fn) -> tuple[dict[str, Any], RewardFn | None]:
     """A callable as the config's reward_fn: named `module:qualified_name` (a lambda `module:lambda`), the
-    name its errors and the saved config give; a string is a spec as the command takes it."""
+    name its errors and the saved config give; a string is read as the command reads the key."""
     if fn is None:
         return {}, None
     if isinstance(fn, str):

@@ -30,7 +30,7 @@ on one member of an ensemble, or with a reward function, is evaluated on that sc
 
 A reasoning-gym task (`task: chain_sum-t2d1`, a task of data/tasks/tasks.yaml): PPO's prompt_file,
 eval_prompt_file, reward_fn and accuracy_fn and evaluation's prompt_file, reward_fn and accuracy_fn are the
-files of data/tasks/<task>/ (`llm_rlhf.tasks.gym.task_keys`), so a recipe names its task once (issue 50); a
+files of data/tasks/<task>/ (`llm_rlhf.tasks.gym.task_keys`), so a recipe names its task once; a
 stage file that sets one of them too is a ConfigError, and `ppo:` / `eval:` overrides still win.
 
 Only the stages of the run are chained: without `sft` in `stages` PPO (and RM, DPO, compare) start from
@@ -191,7 +191,7 @@ def stage_config(cfg: Config, stage: str) -> Any:
     valid = [f.name for f in dataclasses.fields(stage_cls)]
     recipe = getattr(cfg, f"{stage}_config")
     values: dict[str, Any] = load_yaml_config(recipe, valid) if recipe else {}
-    if cfg.task is not None:  # the task's files and verifier, named once in the pipeline (issue 50)
+    if cfg.task is not None:  # the task's files and verifier, named once in the pipeline
         from_task = task_keys(cfg.task, stage)
         twice = sorted(set(from_task) & set(values))
         if twice:
@@ -199,7 +199,8 @@ def stage_config(cfg: Config, stage: str) -> Any:
                 f"{recipe}: {', '.join(twice)} come from the pipeline's task '{cfg.task}'; drop them from the "
                 f"stage file (or override them in the pipeline's '{stage}:' block)"
             )
-        values.update(from_task)
+        if from_task:  # the stage fills them from its `task` key (`evaluation.sampling_keys.fill_from_task`)
+            values["task"] = cfg.task
     shared = Path(cfg.shared_dir) if cfg.shared_dir else None
     upstream = upstream_stages(cfg)
     values.update(chained_paths(Path(cfg.output_dir), shared, cfg.rm_members, upstream)[stage])

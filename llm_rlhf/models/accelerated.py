@@ -18,7 +18,7 @@
                              engine's own (DeepSpeed)
 
 Every rule here exists so that KL = 0 and ratio = 1 hold at the first step and the update equals DDP's
-under every accelerate config (issue 13).
+under every accelerate config of accelerate_configs/ (one device, DDP, FSDP2, DeepSpeed ZeRO-2 and ZeRO-3).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def outside_zero_init():
     that built a ZeRO-3 Accelerator earlier in the process (`llm-rlhf pipeline`: SFT, RM, PPO) leaves
     accelerate's config registered, and `from_pretrained` would then build the model under
     `deepspeed.zero.Init`, a collective the waiting processes never enter: the evaluation hung there
-    (issue 39; the stack dump showed the main process in zero.Init's module __init__, the others at the
+    (the stack dump showed the main process in zero.Init's module __init__, the others at the
     stage's barrier). The registration is restored after. Elsewhere nothing changes."""
     from transformers.integrations import deepspeed as hf_deepspeed
 
@@ -156,7 +156,7 @@ class Accelerated:
             )
         if accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
             # FSDP1 (accelerate's default fsdp_version) would train, but checkpoints and the final save take
-            # the one-process branch on sharded weights (issue 29): reject it rather than save shards wrongly.
+            # the one-process branch on sharded weights: reject it rather than save shards wrongly.
             raise UserError(
                 "FSDP version 1 is not supported by PPO: set `fsdp_version: 2` under fsdp_config in the "
                 "accelerate config (see accelerate_configs/fsdp.yaml)"
@@ -180,8 +180,8 @@ class Accelerated:
             # FSDP2's MixedPrecisionPolicy (mixed_precision: bf16) computes with the policy's parameters cast
             # to param_dtype, norms and embeddings included, which autocast alone does not do; a DeepSpeed
             # engine holds the policy in bf16/fp16 and accelerate's autocast is off under DeepSpeed. Either
-            # way: the same weights for the reference and the RM, or KL != 0 and rho != 1 at the first step
-            # (issue 13). With LoRA the reference is the policy's own network, already cast.
+            # way: the same weights for the reference and the RM, or KL != 0 and rho != 1 at the first step.
+            # With LoRA the reference is the policy's own network, already cast.
             if dtype is not None:
                 for model in frozen:
                     model.to(dtype)
@@ -213,7 +213,7 @@ class Accelerated:
     def autocast(self):
         """bf16 autocast with --bf16, else accelerate's autocast under its `mixed_precision` (bf16/fp16 in
         the sharded configs): `prepare` wraps the policy's forward in it, and the reference, the RM and
-        generation must run in the same precision, or KL != 0 and rho != 1 at the first step (issue 13)."""
+        generation must run in the same precision, or KL != 0 and rho != 1 at the first step."""
         if self.bf16:
             return torch.autocast(self.accelerator.device.type, dtype=torch.bfloat16)
         if self.accelerator.mixed_precision != "no":
@@ -280,7 +280,7 @@ class Accelerated:
         micro-batch (accelerate's sync_gradients stays True in this loop), so there is no accumulation and
         the ratio guard could not undo a step already taken. Under DeepSpeed the engine's own backward runs,
         its accumulation boundary (where ZeRO reduces the gradients) at the minibatch's last micro-batch,
-        and the step waits for the guard (`clip_gradients`), as under DDP (issue 13)."""
+        and the step waits for the guard (`clip_gradients`), as under DDP."""
         if self.deepspeed:
             policy.set_gradient_accumulation_boundary(last)
             policy.backward(loss)  # the engine divides by its gradient_accumulation_steps: 1 (checked)

@@ -5,7 +5,7 @@ A judge is any callable
     judge(prompts: list[str], responses: list[str]) -> list[float]     # one score per pair, higher = better
 
 so users can plug in their own (another reward model, a classifier, an API they own). `llm-rlhf eval`
-takes it as `--gold_judge SPEC`, resolved by `load_judge`:
+takes it as `--gold_judge <judge>`, resolved by `load_judge`:
 
     path/to/judge.json   a judge saved as JSON: the fluency-aware `FluentGoldJudge` (default:
                          data/reviews/gold.json) or the sentiment-only `GoldJudge` (data/reviews/gold_judge.json)

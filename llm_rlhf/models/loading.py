@@ -211,7 +211,7 @@ class PolicyWithValue(nn.Module):
     One forward gives the logits and the values, so the rollout's old log-probs and values come from a
     single pass, and so does every training micro-batch. value_head None: a separate critic gives the
     values (`value_model: reward`) and the policy holds no parameter that the loss does not use (DDP's
-    reducer fails on such a parameter, issue 13).
+    reducer fails on such a parameter).
     """
 
     def __init__(self, lm: nn.Module, value_head: ValueHead | None):

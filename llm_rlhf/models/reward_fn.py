@@ -4,7 +4,7 @@ A reward function is any callable
 
     reward_fn(prompts: list[str], responses: list[str]) -> list[float]     # one score per pair, higher = better
 
-named in a config as `reward_fn: SPEC`:
+named in a config as `reward_fn: <callable>`, in one of two forms:
 
     module:callable         imported from the current directory or the python path (`my_rewards:length`,
                             `mypackage.rewards:concise`)
@@ -29,7 +29,7 @@ Checks, each a one-line `UserError` naming the callable:
 - `probe`: one call on the first two prompts of the run with two dummy responses, before any model is
   loaded or any output written, so a broken function stops the run at once instead of at the first step.
 
-A verifier (`accuracy_fn: SPEC`, the held-out accuracy of `llm-rlhf eval` and PPO's held-out evaluation) is a
+A verifier (`accuracy_fn: <callable>`, the held-out accuracy of `llm-rlhf eval` and PPO's held-out evaluation) is a
 reward function of the same interface and rules whose every score is 1.0 (correct) or 0.0 (wrong):
 `load_reward_fn(spec, key="accuracy_fn", binary=True)`, whose errors name `accuracy_fn`, and any other value
 (0.5, 2.0) is one more error line: the accuracy of a graded score means nothing.
@@ -131,7 +131,7 @@ def check_binary(scores: list[float], spec: str, *, key: str = "accuracy_fn") ->
 
 
 def load_reward_fn(spec: str, *, key: str = "reward_fn", binary: bool = False) -> RewardFn:
-    """Resolve `<key>: SPEC` (see the module docstring; the rules of `callables.resolve_callable`, which
+    """Resolve `<key>: <callable>` (see the module docstring; the rules of `callables.resolve_callable`, which
     a `gold_judge` callable follows too) to a checked `RewardFn`. binary: a verifier (`accuracy_fn`), whose
     every score must be 1.0 or 0.0."""
     return RewardFn(resolve_callable(spec, key), spec, key=key, binary=binary)

@@ -13,8 +13,8 @@ What the model reads, and where the score lands (the same for training, `RewardM
 
 A sampled response that did not end with EOS (cut by a stop string, or truncated at max_new_tokens) is
 read the same way: the RM's EOS goes after its last kept token (`end_with_eos`, `RewardModel.score_samples`),
-so PPO, evaluation and best-of-n never ask the RM for a score at a token it was not trained to judge at
-(issue 29). `llm-rlhf score` reads prompt/response texts and appends EOS as training did (`encode_pairs`).
+so PPO, evaluation and best-of-n never ask the RM for a score at a token it was not trained to judge at.
+`llm-rlhf score` reads prompt/response texts and appends EOS as training did (`encode_pairs`).
 
 `position_ids = cumsum(attention_mask) - 1` (clamped at 0), so left padding does not shift absolute
 positions (GPT-2 would otherwise read them from the padded index).
@@ -108,7 +108,7 @@ def end_with_eos(
     A finished row (its last real token is an EOS) gets that token set to `eos_token_id` (a no-op when the
     ids agree); any other row (a response cut by a stop string, or truncated at max_new_tokens) gets
     `eos_token_id` in the column after its last real token, so the score is read at an EOS, where the RM
-    learned to judge a whole response, not at whatever token the response stopped on (issue 29).
+    learned to judge a whole response, not at whatever token the response stopped on.
     (B, T) each, finished (B,) bool -> (B, T + 1) each; one column is added so a full-width row fits.
 
         stopped / truncated:  pad x x y y pad   ->  pad x x y y EOS pad
@@ -238,7 +238,7 @@ class RewardModel(nn.Module):
         the RM sees the tokens it was trained on whatever the policy's tokenizer, BOS handling or
         tokenization of sampled text. Every row ends with the RM's EOS: a row that ends with the policy's
         EOS loses it first, a response cut by a stop string or truncated is scored as the same text ending
-        there (issue 29: the RM never saw text that does not end in EOS).
+        there (the RM never saw text that does not end in EOS).
         """
         texts = []
         for ids, mask in zip(input_ids.tolist(), attention_mask.bool().tolist()):

@@ -150,7 +150,7 @@ class Scorer:
         """r_phi(x, y) normalised, (B,), and with an ensemble the members' scores (K, B) it combines
         (`RewardEnsemble.combine`, ensemble_combine). Every response is read as the RM was trained to read
         text, ending with the RM's own EOS, also one cut by a stop string or truncated at max_new_tokens
-        (`RewardModel.score_samples`, issue 29); the RM drops the columns that are padding in every row
+        (`RewardModel.score_samples`); the RM drops the columns that are padding in every row
         before its forward (`reward_model.trim_padding_columns`)."""
         sequence, mask = samples.sequence, samples.attention_mask  # (B, P + R) each
         if isinstance(self.reward_model, RewardEnsemble):  # each member reads the rows its own way

@@ -23,8 +23,9 @@ from llm_rlhf.core.callables import split_callable_spec
 from llm_rlhf.core.config import checked_keywords, help_field, is_off, require
 from llm_rlhf.core.data import DATA_FORMATS
 from llm_rlhf.evaluation import hacking
+from llm_rlhf.evaluation.sampling_keys import SamplingRunKeys, fill_from_task
 from llm_rlhf.models.scoring import check_score_keys
-from llm_rlhf.rl.episodes import EPISODE_KEYS, check_episode_keys
+from llm_rlhf.rl.episodes import check_episode_keys
 from llm_rlhf.rl.estimators import (
     ADVANTAGE_ESTIMATORS,
     DEFAULT_ESTIMATOR,
@@ -57,45 +58,19 @@ def clip_default_text(side: int) -> str:
 
 @checked_keywords
 @dataclass
-class Config:
+class Config(SamplingRunKeys):
+    """`llm-rlhf ppo`'s keys: the ones it shares with evaluation (`evaluation.sampling_keys`: scoring, prompts,
+    sampling, episodes) and PPO's own below."""
+
     # --- models and data
     model_name_or_path: str = help_field(
         "runs/reviews/sft", "The SFT model (HF folder or hub name): initial policy and frozen reference."
     )
-    reward_model_path: str | list[str] | None = help_field(
-        "runs/reviews/rm",
-        "The trained reward model folder (`llm-rlhf rm` output), or a list of them: an ensemble whose members "
-        "each score every response with their own normalisation, combined per response by ensemble_combine "
-        "(value_model 'reward' starts the critic from the first member); null or 'none': no reward model, "
-        "the score is reward_fn_weight * reward_fn alone.",
-    )
-    ensemble_combine: str = help_field(
-        "mean",
-        "With a list of reward models, one score per response from the members' scores: 'mean', 'min' (worst "
-        "case) or 'uncertainty' (mean - ensemble_uncertainty_coef * std across the members, the population "
-        "std). Ignored with one reward model.",
-    )
-    ensemble_uncertainty_coef: float = help_field(
-        1.0, "lambda of ensemble_combine 'uncertainty' (>= 0; 0 = the mean)."
-    )
-    reward_fn: str | None = help_field(
-        None,
-        "A reward function 'module:callable' (importable from the current directory or the python path) or "
-        "'path/to/file.py:callable': any callable (prompts: list[str], responses: list[str]) -> list[float] "
-        "(a class is built with no arguments). scores = rm_score + reward_fn_weight * reward_fn, the one "
-        "score per sequence at the last response token (rm_score = 0 without a reward model). Probed once "
-        "before training; every call is checked (one finite number per response). null = off.",
-    )
-    reward_fn_weight: float = help_field(1.0, "The weight of reward_fn in the score (see reward_fn).")
     prompt_file: str = help_field(
         "data/reviews/ppo_prompts.jsonl",
         "Prompts to sample responses for (JSONL/CSV/Parquet or a hub dataset).",
     )
     output_dir: str = help_field("runs/reviews/ppo", "Where the policy, value head, logs and checkpoints go.")
-    trust_remote_code: bool = help_field(
-        False, "Allow model code from the hub (off unless you trust the source)."
-    )
-    dtype: str = help_field("float32", "Weights dtype: float32 | bfloat16 | float16.")
     bf16: bool = help_field(False, "bf16 autocast for forward passes (CPU and GPU).")
     gradient_checkpointing: bool = help_field(
         False, "Recompute activations in the backward pass to save memory."
@@ -148,60 +123,6 @@ class Config:
     )
     max_grad_norm: float = help_field(1.0, "Gradient clipping norm.")
     # --- generation
-    max_prompt_length: int = help_field(
-        32, "Prompts longer than this (tokens) are rejected with an error naming the row (see skip_long)."
-    )
-    data_format: str = help_field(
-        "auto",
-        "Schema of prompt_file and eval_prompt_file: 'auto' (detected from the columns) or 'hh' "
-        "(Anthropic/hh-rlhf dialogues, also detected by 'auto': the prompt is `chosen` up to and including "
-        "its last '\\n\\nAssistant:').",
-    )
-    skip_long: bool = help_field(
-        False,
-        "Leave out (and count) prompts longer than max_prompt_length; false = stop with an error naming "
-        "the row.",
-    )
-    system_prompt: str | None = help_field(
-        None,
-        "Chat `messages` prompts (prompt_file and eval_prompt_file): the system turn of every prompt that has none of its own "
-        "('' = an empty one); null = whatever the chat template writes (SmolLM2's: a default system message "
-        "of 16 tokens, carried through every forward).",
-    )
-    max_new_tokens: int = help_field(32, "Maximum response length in tokens.")
-    temperature: float = help_field(1.0, "Sampling temperature (log-probs use the same temperature).")
-    top_k: int = help_field(
-        0,
-        "Must stay 0 (off): PPO's ratio and KL are log-probs of the full softmax at `temperature`, the "
-        "distribution the tokens must be drawn from; top-k draws from another one (tokens outside the "
-        "reference's top k would even have infinite KL). Evaluation may use it.",
-    )
-    top_p: float = help_field(1.0, "Must stay 1.0 (off), as top_k and for the same reason.")
-    stop_strings: list[str] = help_field(
-        [],
-        "A response ends at the token completing the first of these strings in its text (the token is kept, "
-        "as an EOS is): its end for the response mask, the score, the KL and the EOS trick. On the command "
-        "line a YAML list keeps spaces and escapes: --stop_strings '[\"\\n\"]'. [] = off.",
-    )
-    min_new_tokens: int = help_field(
-        0,
-        "EOS cannot be sampled before this many response tokens, and a stop string completed before then is "
-        "ignored (0 = off). PPO's log-probs are those of the same EOS-masked distribution.",
-    )
-    sampling_dtype: str = help_field(
-        "float32",
-        "The dtype of the linear layers while sampling: float32 | bfloat16. "
-        "float32 samples the policy's own distribution (up to float rounding); bfloat16, an opt-in, samples "
-        "from copies of the linear layers in bfloat16 (0.8x the float32 step at batch 32 on an AVX-512 CPU, "
-        "slower on an H100 at ~100M weights): another distribution than the one PPO's log-probs describe, "
-        "the gap logged per token as objective/kl_sampler.",
-    )
-    sampling_compile: bool = help_field(
-        False,
-        "Decode steps with a static KV cache through torch.compile (CUDA graphs on a GPU): the same "
-        "distribution, 5.7x faster decode steps on an H100 for a 135M model after a compilation of ~45 s per "
-        "batch size and prompt width bucket of 64; slower on CPUs. For long GPU runs; float32 sampling only.",
-    )
     # --- rewards and KL
     kl_estimator: str = help_field("k1", "Per-token KL estimator in the reward: k1 | k3 | abs | mse.")
     kl_controller: str = help_field("adaptive", "'adaptive' (Ziegler et al. 2019) or 'fixed'.")
@@ -334,25 +255,7 @@ class Config:
         "seed + b, so the batch size fixes the evaluation's random draws, and its logits its peak memory: set it "
         "to evaluate runs of different rollout shapes with the same draws.",
     )
-    gold_judge: str = help_field(
-        "data/reviews/gold.json",
-        "Gold judge for held-out evaluation: a judge JSON (gold.json: sentiment and fluency), module:callable, or none.",
-    )
-    accuracy_fn: str | None = help_field(
-        None,
-        "A verifier: 'module:callable' or 'path/to/file.py:callable' with the reward-function interface "
-        "(prompts, responses) -> list of 1.0 (correct) / 0.0 (wrong), e.g. llm_rlhf.tasks.arithmetic:reward; when set, "
-        "held-out evaluation (eval_every > 0) reports accuracy in eval_log.jsonl: sampled (the mean over the "
-        "samples drawn as configured) and greedy (one greedy response per prompt, temperature 0 / argmax), "
-        "with standard errors; the pipeline's eval stage takes it too. With dynamic_sampling a group ties when "
-        "its verdicts tie (DAPO filters on accuracy). null = off.",
-    )
     # --- episodes of several turns (issue 51; `llm_rlhf.rl.episodes`)
-    environment: str | None = help_field(*EPISODE_KEYS["environment"])
-    max_turns: int = help_field(*EPISODE_KEYS["max_turns"])
-    max_episode_tokens: int = help_field(*EPISODE_KEYS["max_episode_tokens"])
-    max_reply_tokens: int = help_field(*EPISODE_KEYS["max_reply_tokens"])
-    environment_timeout: float = help_field(*EPISODE_KEYS["environment_timeout"])
     # --- logging and checkpoints
     log_samples_every: int = help_field(10, "Log a few sampled responses every N steps.")
     num_log_samples: int = help_field(3, "How many samples to log.")
@@ -385,6 +288,7 @@ class Config:
     )
 
     def __post_init__(self):
+        fill_from_task(self, "ppo")
         require(self.data_format in DATA_FORMATS, "data_format", f"must be one of {', '.join(DATA_FORMATS)}")
         check_reward_keys(self)
         if self.accuracy_fn is not None:  # its form only: imported when the stage starts

@@ -1,4 +1,4 @@
-"""Episodes of several turns (issue 51): the policy writes a turn, its environment replies, the policy writes
+"""Episodes of several turns: the policy writes a turn, its environment replies, the policy writes
 the next, until the environment says the episode is over, a turn limit or a token budget.
 
 An environment is any object with
@@ -66,7 +66,7 @@ class Step:
 # The keys of a PPO or evaluation config that play episodes: (default, help), declared in each Config with
 # `help_field(*EPISODE_KEYS[name])`, so the help is written once.
 EPISODE_KEYS = {
-    "environment": (None, "Play episodes of several turns with this environment (issue 51): a shipped one "
+    "environment": (None, "Play episodes of several turns with this environment: a shipped one "
                     "(calculator, feedback: `llm_rlhf.tasks.environments`), 'module:Class' or 'path/to/file.py:Class' "
                     "(a class with reset(prompt) and step(turn) -> Step(reply, reward, done)). The policy's turns "
                     "and the environment's replies make one response; only the policy's tokens are trained on; "

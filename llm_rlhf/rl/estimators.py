@@ -2,13 +2,14 @@
 
 A row says whether the estimator trains a value function, how many samples of a prompt it needs, where its
 KL goes by default, whether it samples a greedy baseline, what its advantages are divided by, which config
-keys it does not read, whether its advantage is one number per response, what the policy-loss family of
-issue 37 may combine it with, and its advantage function. The config (`ppo_config`), the trainer (`ppo`),
-the command (`ppo_run`) and the report read the row and never the name. The math is pure functions: the
+keys it does not read, whether its advantage is one number per response, what the policy-loss family
+(`llm_rlhf.rl.policy_losses`) may combine it with, and its advantage function. The config
+(`llm_rlhf.ppo.config`), the trainer (`llm_rlhf.ppo.trainer`), the command (`llm_rlhf.stages.ppo`) and the
+report read the row and never the name. The math is pure functions: the
 group baselines of grpo, dr_grpo, rloo and remax below, GAE and REINFORCE++'s returns in `ppo_math` with
 PPO's other equations; the adapters here only hand them a rollout's tensors:
 
-    estimator     critic  k >= 1  KL in   greedy  divided by       (SPEC "Critic-free estimators")
+    estimator     critic  k >= 1  KL in   greedy  divided by       (papers: each row's description)
     gae           yes     1       reward  no      batch std        GAE over the values, whitened
     grpo          no      2       loss    no      group std        score - group mean, / group std
     dr_grpo       no      2       loss    no      -                score - group mean
@@ -71,7 +72,7 @@ class Estimator:
     a ConfigError. response_advantages: its advantage is one number per response, the same on each token (a
     baseline of the sequence reward), which a policy loss with a sequence-level ratio needs
     (`PolicyLoss.response_advantages`, `llm_rlhf.rl.policy_losses`: gspo). corrections, dynamic_sampling: what
-    else the policy-loss family (issue 37) may combine it with: the sampler corrections ('tis', 'mis') apply
+    else the policy-loss family may combine it with: the sampler corrections ('tis', 'mis') apply
     to every estimator, and dropping the groups whose scores tie needs a group baseline. advantages: the
     advantage function."""
 
@@ -96,7 +97,7 @@ CRITIC_FREE_IGNORED = ("gamma", *CRITIC_KEYS)
 
 # ---------------------------------------------------------------------------------------------
 # The baselines of the critic-free estimators: one advantage per sequence from the scores of its group
-# (SPEC "Critic-free estimators"); the rollout's groups are `ppo_math.scores_by_prompt`'s rows
+# (GRPO, Dr. GRPO, RLOO, ReMax); the rollout's groups are `ppo_math.scores_by_prompt`'s rows
 # ---------------------------------------------------------------------------------------------
 
 
@@ -128,7 +129,8 @@ def grpo_advantages(
             for i in range(k):
                 advantages[p * k + i] = (r[i] - mean) / (std + eps)  if scale_by_std else  r[i] - mean
 
-    SPEC example, k = 4, r = (1, 0, 0, 3): GRPO (0, -0.7071, -0.7071, 1.4142), Dr. GRPO (0, -1, -1, 2).
+    Worked example (tests/test_ppo_math.py), k = 4, r = (1, 0, 0, 3): GRPO (0, -0.7071, -0.7071, 1.4142),
+    Dr. GRPO (0, -1, -1, 2).
     scores: (B,), B = P * k, groups in consecutive rows (`ppo_math.scores_by_prompt`). Returns (B,); spread it
     over the response with `ppo_math.token_advantages`. Raises ValueError for samples_per_prompt < 2.
     """
@@ -155,7 +157,7 @@ def rloo_advantages(*, scores: torch.Tensor, samples_per_prompt: int) -> torch.T
             for i in range(k):
                 advantages[p * k + i] = r[i] - sum(r[j] for j in range(k) if j != i) / (k - 1)
 
-    SPEC example, k = 4, r = (1, 0, 0, 3): A = (0, -1.3333, -1.3333, 2.6667).
+    Worked example (tests/test_ppo_math.py), k = 4, r = (1, 0, 0, 3): A = (0, -1.3333, -1.3333, 2.6667).
     scores: (B,), B = P * k, groups in consecutive rows (`ppo_math.scores_by_prompt`). Returns (B,).
     Raises ValueError for samples_per_prompt < 2.
     """

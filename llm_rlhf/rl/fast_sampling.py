@@ -1,4 +1,4 @@
-"""Sampling at the machine's limit, from the same distribution (issue 26).
+"""Sampling at the machine's limit, from the same distribution as transformers' `generate`.
 
     generate(lm, query, query_mask, sampling, ...)  what `rollout.sample` runs: `decode` inside `decoding_weights`
     decode              the KV-cached sampling loop of `generate` (transformers' own logits processors, the
@@ -66,7 +66,7 @@ def cpu_vendor() -> str:
     return ""
 
 
-# Where prepacking is the default (`benchmarks/rollout.py --paths all`, issue 26): on AMD EPYC, F.linear's MKL
+# Where prepacking is the default (measured with `benchmarks/rollout.py --paths all`): on AMD EPYC, F.linear's MKL
 # sgemm (tuned for Intel CPUs) ran a decode step 1.0-2.3x slower than oneDNN's prepacked kernel; on Intel Xeon
 # prepacking helped only SmolLM2 at batch 8 and cost 5-40% elsewhere; other CPUs were not measured.
 PREPACK_BY_DEFAULT = CAN_PREPACK and cpu_vendor() == "AuthenticAMD"
@@ -282,7 +282,7 @@ def steps_on_every_process(lm) -> bool:
     """Whether sampling from `lm` must run the same number of forwards on every process: its parameters are
     DeepSpeed ZeRO-3 partitions (they carry `ds_id`) and there are several processes. A forward then gathers
     them (a collective), even inside `GatheredParameters` once the model is over ZeRO-3's live-parameter or
-    reuse budgets: a process that stopped early would leave the others waiting forever (issue 39). What
+    reuse budgets: a process that stopped early would leave the others waiting forever. What
     transformers' `generate` calls `synced_gpus`. False on one process, so its draws are unchanged."""
     import torch.distributed as dist  # here: torch.distributed is missing from some builds
 
@@ -322,7 +322,7 @@ def decode(
     several processes), the loop is synced: it ends when every row of EVERY
     process has ended (one all-reduce per step, `unfinished_anywhere`), a process whose rows all ended
     stepping on with padding, so that every process runs the same number of forwards where a forward is a
-    collective (ZeRO-3's parameter gathers, issue 39), as transformers' `generate` does with `synced_gpus`;
+    collective (ZeRO-3's parameter gathers), as transformers' `generate` does with `synced_gpus`;
     the draws of rows that have not ended are those of the unsynced loop. Returns sequences (B, P + R),
     R <= max_new_tokens."""
     logits_processor = logits_processors(

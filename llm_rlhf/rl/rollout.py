@@ -115,8 +115,8 @@ class Samples:
         (matmuls of another shape; `tests/test_trim.py`). Shorter prompts and responses of the batch stay
         padded. Fields: query and query_mask are cut on the left, every other field with a column axis
         (response, response_mask and, for a `Rollout`, the (B, R) tensors) on the right; scores (B,) stay.
-        Outputs of the forward: (B, R') -> `pad_columns(x, R)`. Issue 14: responses that end after 5
-        tokens no longer pay for max_new_tokens = 48 in the reference, RM and every PPO epoch.
+        Outputs of the forward: (B, R') -> `pad_columns(x, R)`. So a batch whose responses end after 5
+        tokens does not pay for max_new_tokens = 48 in the reference, RM and every PPO epoch.
         """
         has_query = self.query_mask.bool().any(0)  # (P,) a real query token in some row
         has_response = self.tokens_mask.bool().any(0)  # (R,) a real response token in some row
@@ -384,7 +384,7 @@ def sample(
         criteria.append(StopStringsCriteria(tokenizer, stop_strings, prompt_length=query.shape[1],
                                             min_new_tokens=min_new_tokens))  # fmt: skip
     token_logprobs: list[torch.Tensor] = []  # (B,) per step: the sampler's log q(y_t)
-    if fast_sampling.supports(lm):  # issue 26: generate's loop, the same distribution, faster
+    if fast_sampling.supports(lm):  # generate's loop, the same distribution, faster
         sequences = fast_sampling.generate(
             lm, query, query_mask, sampling, eos_token_id=eos, pad_token_id=pad, stopping_criteria=criteria,
             token_logprobs=token_logprobs,
@@ -440,7 +440,7 @@ def sample(
 def response_logprobs_and_values(
     model, samples: Samples, sampling: Sampling, *, eos_token_id: int | None = None, entropy: str = "grad"
 ):
-    """One forward of `models.PolicyWithValue` or `models.Reference` over query + response; outputs
+    """One forward of `loading.PolicyWithValue` or `loading.Reference` over query + response; outputs
     aligned with the response tokens. The log-probs and the entropy are those of the distribution `sampling`
     drew the tokens from: softmax(logits / temperature), with EOS masked before response token
     min_new_tokens when min_new_tokens > 0 (`token_math.mask_eos_logits`).
@@ -461,7 +461,7 @@ def response_logprobs_and_values(
     )  # policy: (logits, values); reference: logits
     # logits: (B, R, V): row t predicts response token t. In float32: under accelerate's mixed precision
     # `prepare` returns the policy's logits in float32 and the reference's stay bf16, and CPU autocast
-    # runs log_softmax in the input's dtype, so without this KL != 0 at the first step (issue 13).
+    # runs log_softmax in the input's dtype, so without this KL != 0 at the first step.
     logits = logits.float()
     logits = token_math.mask_eos_logits(
         logits=logits, eos_token_id=eos_token_id, min_new_tokens=sampling.min_new_tokens

@@ -106,6 +106,7 @@ from llm_rlhf.evaluation.measures import (
     win_points,
     win_rate,
 )
+from llm_rlhf.evaluation.sampling_keys import SamplingRunKeys, fill_from_task
 from llm_rlhf.models.accelerated import outside_zero_init
 from llm_rlhf.models.gold import FluentGoldJudge, GoldJudge, load_judge
 from llm_rlhf.models.loading import (
@@ -120,7 +121,6 @@ from llm_rlhf.models.reward_fn import RewardFn, load_reward_fn, probe
 from llm_rlhf.models.reward_model import RewardEnsemble, check_members_exist
 from llm_rlhf.models.scoring import Scorer, build_scorer, check_score_keys
 from llm_rlhf.rl.episodes import (
-    EPISODE_KEYS,
     EPISODE_ROW_KEYS,
     EpisodeLimits,
     EpisodePlay,
@@ -137,7 +137,10 @@ from llm_rlhf.tasks.environments import environment_factory
 
 @checked_keywords
 @dataclass
-class Config:
+class Config(SamplingRunKeys):
+    """`llm-rlhf eval`'s keys: the ones it shares with PPO (`evaluation.sampling_keys`: scoring, prompts,
+    sampling, episodes) and evaluation's own below."""
+
     # --- models
     policy_path: str = help_field("runs/reviews/ppo", "The policy to evaluate (HF folder or hub name).")
     baseline_path: str = help_field(
@@ -147,101 +150,15 @@ class Config:
         None,
         "The reference pi_ref of kl_to_ref (null = baseline_path); it must share the policy's tokenizer.",
     )
-    reward_model_path: str | list[str] | None = help_field(
-        "runs/reviews/rm",
-        "Reward model folder (`llm-rlhf rm` output) for rm_* metrics, or a list of them (an ensemble: rm_score "
-        "is their combined score, as in PPO, beside each member's); 'none' (or null) to skip.",
-    )
-    ensemble_combine: str = help_field(
-        "mean",
-        "With a list of reward models: 'mean', 'min' or 'uncertainty' (mean - ensemble_uncertainty_coef * std "
-        "across the members); set the PPO run's (the pipeline does).",
-    )
-    ensemble_uncertainty_coef: float = help_field(
-        1.0, "lambda of ensemble_combine 'uncertainty' (>= 0); set the PPO run's (the pipeline does)."
-    )
-    reward_fn: str | None = help_field(
-        None,
-        "A reward function for reward_fn_* metrics, as in PPO: 'module:callable' or 'path/to/file.py:callable', "
-        "any callable (prompts: list[str], responses: list[str]) -> list[float]; null = off.",
-    )
-    reward_fn_weight: float = help_field(
-        1.0, "Its weight in combined_score = rm_score + reward_fn_weight * reward_fn (PPO's score)."
-    )
-    accuracy_fn: str | None = help_field(
-        None,
-        "A verifier: 'module:callable' or 'path/to/file.py:callable' with the reward-function interface "
-        "(prompts, responses) -> list of 1.0 (correct) / 0.0 (wrong), e.g. llm_rlhf.tasks.arithmetic:reward. When set, "
-        "evaluation reports accuracy: sampled (the mean over the samples drawn as configured) and greedy (one "
-        "greedy response per prompt, temperature 0 / argmax), with standard errors over the prompts; null = off.",
-    )
     # --- episodes of several turns (issue 51; `llm_rlhf.rl.episodes`)
-    environment: str | None = help_field(*EPISODE_KEYS["environment"])
-    max_turns: int = help_field(*EPISODE_KEYS["max_turns"])
-    max_episode_tokens: int = help_field(*EPISODE_KEYS["max_episode_tokens"])
-    max_reply_tokens: int = help_field(*EPISODE_KEYS["max_reply_tokens"])
-    environment_timeout: float = help_field(*EPISODE_KEYS["environment_timeout"])
-    gold_judge: str = help_field(
-        "data/reviews/gold.json",
-        "Gold judge: a judge JSON (data/reviews/gold.json: sentiment and fluency; gold_judge.json: sentiment only), 'module:function' or 'module:Class' (a callable (prompts, responses) -> list[float], higher = better), or 'none'.",
-    )
-    trust_remote_code: bool = help_field(
-        False, "Allow model code from the hub (off unless you trust the source)."
-    )
-    dtype: str = help_field("float32", "Weights dtype: float32 | bfloat16 | float16.")
     # --- prompts
     prompt_file: str = help_field(
         "data/reviews/eval_prompts.jsonl",
         "Held-out prompts (JSONL/CSV/Parquet or a hub dataset; a prompt, messages or text column).",
     )
     num_prompts: int | None = help_field(256, "Use the first N prompts of the file (null = all of them).")
-    max_prompt_length: int = help_field(
-        32, "Prompts longer than this (tokens) are rejected with an error naming the row (see skip_long)."
-    )
-    data_format: str = help_field(
-        "auto",
-        "Schema of prompt_file: 'auto' (detected from the columns) or 'hh' (Anthropic/hh-rlhf dialogues, "
-        "also detected by 'auto': the prompt is `chosen` up to and including its last '\\n\\nAssistant:').",
-    )
-    skip_long: bool = help_field(
-        False,
-        "Leave out (and count) prompts longer than max_prompt_length; false = stop with an error naming "
-        "the row.",
-    )
-    system_prompt: str | None = help_field(
-        None,
-        "Chat `messages` prompts (prompt_file): the system turn of every prompt that has none of its own "
-        "('' = an empty one); null = whatever the chat template writes (SmolLM2's: a default system message "
-        "of 16 tokens, carried through every forward).",
-    )
     samples_per_prompt: int = help_field(1, "Paired samples per prompt and model.")
     # --- sampling (defaults: the PPO recipe's)
-    max_new_tokens: int = help_field(32, "Maximum response length in tokens.")
-    temperature: float = help_field(1.0, "Sampling temperature.")
-    top_k: int = help_field(0, "Top-k sampling (0 = off).")
-    top_p: float = help_field(1.0, "Nucleus sampling (1.0 = off).")
-    stop_strings: list[str] = help_field(
-        [],
-        "A response ends at the token completing the first of these strings in its text (the token is kept, "
-        "as an EOS is); set the PPO run's. On the command line a YAML list keeps spaces and escapes: "
-        "--stop_strings '[\"\\n\"]'. [] = off.",
-    )
-    min_new_tokens: int = help_field(
-        0,
-        "EOS cannot be sampled before this many response tokens, and a stop string completed before then is "
-        "ignored (0 = off); set the PPO run's. The KL uses the same EOS-masked distribution.",
-    )
-    sampling_dtype: str = help_field(
-        "float32",
-        "The dtype of the linear layers while sampling: float32 | bfloat16. "
-        "float32 samples the models' own distributions (up to float rounding); bfloat16 (an opt-in) another "
-        "one, from bfloat16 copies of the linear layers; set the PPO run's.",
-    )
-    sampling_compile: bool = help_field(
-        False,
-        "Decode steps with a static KV cache through torch.compile (CUDA graphs on a GPU): the same "
-        "distribution, faster on a GPU after a compilation per batch shape; slower on CPUs.",
-    )
     batch_size: int = help_field(
         32, "Prompts per generate call (the same batches for both models: part of the pairing)."
     )
@@ -251,6 +168,7 @@ class Config:
     print_samples: int = help_field(8, "How many prompt/response pairs to print as a table.")
 
     def __post_init__(self):
+        fill_from_task(self, "eval")
         require(self.data_format in DATA_FORMATS, "data_format", f"must be one of {', '.join(DATA_FORMATS)}")
         check_score_keys(self)  # the reward function's form only: `run` imports it
         check_episode_keys(self)

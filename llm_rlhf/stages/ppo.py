@@ -9,7 +9,7 @@
 A checkpoint holds everything needed to continue exactly (`--resume true`): trainable weights, optimiser,
 scheduler, the step (which fixes the data position), the KL controller and every process's RNG state.
 
-The reward-hacking alarm (issue 40, `hacking.watch_fields`) is read after every held-out evaluation and logged
+The reward-hacking alarm (`hacking.watch_fields`) is read after every held-out evaluation and logged
 on its line of eval_log.jsonl (alarm_step, alarm_rules, alarm_reasons, best_step). What the run returns:
 the last step's policy; with stop_on_alarm, the policy of the evaluation where the alarm fired (the loop stops
 there); with keep_best, the policy of the held-out evaluation with the best gold (or accuracy), checkpointed

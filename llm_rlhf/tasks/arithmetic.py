@@ -1,5 +1,5 @@
 """The embedded "arithmetic" task: small problems with one checkable answer, and their verifier as a reward
-function (issue 25: RL from a rule, judged by held-out accuracy that anyone can check).
+function: RL from a rule, judged by held-out accuracy that anyone can check.
 
     --reward_fn llm_rlhf.tasks.arithmetic:reward        1.0 for a correct final answer, 0.0 otherwise
 
@@ -63,7 +63,7 @@ FIELDS = ("a", "b", "c")  # the phrasings' operand names, in the order of `Kind.
 DIGITS = range(0, 10)
 
 # Three operations on one-digit numbers, each in four wordings, chosen so that SmolLM2-135M-Instruct's sampled
-# accuracy starts between 10% and 50% (issue 25) and small enough to learn in a short CPU run; exploratory runs
+# accuracy starts between 10% and 50% and small enough to learn in a short CPU run; exploratory runs
 # found multi-step sums ("What is 4 + 9 + 3?") and teen operands too hard to start from. The measured baseline:
 # data/arithmetic/README.md (data/arithmetic_baseline.py).
 KINDS: tuple[Kind, ...] = (

@@ -1,4 +1,4 @@
-"""Environments for episodes of several turns (issue 51; the episode itself: `llm_rlhf.rl.episodes`).
+"""Environments for episodes of several turns (the episode itself: `llm_rlhf.rl.episodes`).
 
 A recipe names its environment as it names a reward function:
 

@@ -1,4 +1,4 @@
-"""Tasks from reasoning-gym (issue 38): a checkable task as a config value, written as the toolkit's prompt
+"""Tasks from reasoning-gym: a checkable task as a config value, written as the toolkit's prompt
 files, and its verifier as a reward function and an `accuracy_fn`.
 
     pip install -e ".[tasks]"                      # reasoning-gym==0.1.25; the default pipeline never imports it
@@ -16,7 +16,7 @@ is read back (`extract`). `write_task` writes its folder:
                              reward_fn: data/tasks/<name>/verifier.py:reward       (graded, 0..1)
                              accuracy_fn: data/tasks/<name>/verifier.py:accuracy   (1.0 or 0.0)
 
-A recipe names its task once (issue 50): `task: <name>` in its pipeline.yaml, and the pipeline gives the
+A recipe names its task once: `task: <name>` in its pipeline.yaml, and the pipeline gives the
 PPO and evaluation stages the keys of `TASK_KEYS` (`task_keys`), each a file of `data/tasks/<name>/`; the
 stage files set none of them. Adding a task is one entry of data/tasks/tasks.yaml (then `python
 data/make_tasks.py --only <name>`) and, to train on it, a recipe folder whose pipeline.yaml names it.
@@ -70,7 +70,7 @@ INSTRUCTION = "Give the final answer as: Answer: <answer>"
 # where a pipeline's `task:` is found, relative to the repo root (as recipes name their files)
 TASKS_DIR = "data/tasks"
 TRAIN_FILE, EVAL_FILE, VERIFIER_FILE = "train_prompts.jsonl", "eval_prompts.jsonl", "verifier.py"
-# The stage keys that a pipeline's `task: <name>` decides, by stage: each a file of its folder (issue 50).
+# The stage keys that a pipeline's `task: <name>` decides, by stage: each a file of its folder.
 TASK_KEYS = {
     "ppo": {"prompt_file": TRAIN_FILE, "eval_prompt_file": EVAL_FILE,
             "reward_fn": f"{VERIFIER_FILE}:reward", "accuracy_fn": f"{VERIFIER_FILE}:accuracy"},

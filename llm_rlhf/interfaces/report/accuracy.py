@@ -1,4 +1,4 @@
-"""Held-out accuracy on a task with a verifier (issue 25): PPO's held-out evaluations against step and KL,
+"""Held-out accuracy on a task with a verifier: PPO's held-out evaluations against step and KL,
 one run and every run of a sweep.
 """
 
@@ -13,7 +13,7 @@ from llm_rlhf.interfaces.report.page import Page
 from llm_rlhf.interfaces.report.runs import Run, config_value, name_stem, run_estimator
 from llm_rlhf.interfaces.report.samples import TURNS, episodes_table
 
-# Held-out accuracy on a task with a verifier (issue 25): (key, what it is). The key's standard error is
+# Held-out accuracy on a task with a verifier: (key, what it is). The key's standard error is
 # key + STDERR; in eval/metrics.json the baseline's are key + BASELINE and key + STDERR + BASELINE.
 ACCURACY_KINDS = ((metric_names.ACCURACY, "sampled"), (metric_names.ACCURACY_GREEDY, "greedy"))
 STEP, KL = metric_names.LOG_STEP, metric_names.LOG_KL  # the x axes: PPO's step, the KL to the reference
@@ -161,7 +161,7 @@ def section_accuracy(page: Page, run: Run, gold: bool) -> None:
         )
     page.figure(plot_accuracy(run.eval_log), "accuracy", "Held-out accuracy against step and KL", caption)
     episodes = [r for r in run.heldout_samples or () if r.get(TURNS)]
-    if episodes:  # episodes of several turns (issue 51): the first and the last evaluation's, as turns
+    if episodes:  # episodes of several turns: the first and the last evaluation's, as turns
         steps = sorted({r.get("step") for r in episodes}, key=lambda s: num(s) or 0)
         for step in dict.fromkeys(steps[:1] + steps[-1:]):
             page.add(f"<h3>Held-out episodes at step {step}</h3>")

@@ -76,7 +76,7 @@ def shown_text(value: Any) -> str:
 
 
 def shown_turns(turns: list[dict] | None) -> str | None:
-    """An episode of several turns (issue 51) as its turns, the policy's and the environment's told apart (a label
+    """An episode of several turns as its turns, the policy's and the environment's told apart (a label
     and a tinted block for the environment's); None for a single response."""
     if not turns:
         return None

@@ -1,5 +1,5 @@
-"""Runs that differ only by their seed, averaged over the seeds (issues 37 and 38: "over 3 seeds, at equal sampled
-responses"): a table of each group's final held-out accuracy and KL, mean ± standard error over its seeds, and a
+"""Runs that differ only by their seed, averaged over the seeds, so that methods compare "over 3 seeds, at equal
+sampled responses": a table of each group's final held-out accuracy and KL, mean ± standard error over its seeds, and a
 figure of the seeds' mean held-out accuracy against the responses sampled, the KL and PPO's wall seconds.
 
 A seed group is the runs whose PPO configs (ppo/config.yaml) are equal once `seed` and `output_dir` are left out
