@@ -1,4 +1,4 @@
-"""Hashes of what a short run of each estimator computes, to show a refactor changed no arithmetic (issue 50).
+"""Hashes of what a short run of each estimator computes, to show a refactor changed no arithmetic.
 
     python benchmarks/behaviour_hashes.py --output_dir runs/hashes           # print one line per variant
     python benchmarks/behaviour_hashes.py --output_dir runs/hashes --json before.json

@@ -1,4 +1,4 @@
-"""Seconds per PPO step with episodes of several turns against single turns, in one process (issue 51).
+"""Seconds per PPO step with episodes of several turns against single turns, in one process.
 
     python benchmarks/episode_step.py [--model runs/gym-chain_sum-t3d1-tool/sft] [--steps 3] [--json out.json]
 

@@ -1,12 +1,13 @@
-"""Our GRPO step against TRL's `GRPOTrainer` at the same shape and settings, alternated in one process (issue 41).
+"""Our GRPO step against TRL's `GRPOTrainer` at the same shape and settings, alternated in one process.
 
     python benchmarks/grpo_vs_trl.py --shape tiny       # 2-layer 128-dim GPT-2, 16 prompts x 4 x 16 tokens
     python benchmarks/grpo_vs_trl.py --shape smollm2    # SmolLM2-135M + LoRA r=16, 8 prompts x 4 x 24 tokens
     python benchmarks/grpo_vs_trl.py --shape smollm2 --device cuda --bf16   # both on a GPU, bf16 autocast
     python benchmarks/grpo_vs_trl.py --shape smollm2 --device cuda --trl-continuous-batching
 
-Ours: `llm_rlhf.ppo.trainer.PPOTrainer.ppo_step`, the trainer built by `ppo_building.build_trainer` as `llm-rlhf ppo` and
-`benchmarks/ppo_step.py` build it (the model folders, tokenizer, prompts and phase timers are ppo_step.py's).
+Ours: `llm_rlhf.ppo.trainer.PPOTrainer.ppo_step`, the trainer built by `llm_rlhf.ppo.building.build_trainer` as
+`llm-rlhf ppo` and `benchmarks/ppo_step.py` build it (the model folders, tokenizer, prompts and phase timers
+are ppo_step.py's).
 TRL's: `trl.GRPOTrainer.train()` (TRL 1.16, transformers generation, no vLLM), one optimiser step per batch.
 Each TRL step ends in a callback that runs one of our steps, so the two alternate (TRL, ours, TRL, ours, ...)
 and see the same machine load. A TRL step is the time from the end of our previous step to the end of its own
@@ -17,7 +18,7 @@ ppo_step.py's exclusive phase timers).
 
 The settings that must match (and do, below):
 
-| | ours (`ppo_trainer.Config`) | TRL (`GRPOConfig`) |
+| | ours (`llm_rlhf.ppo.config.Config`) | TRL (`GRPOConfig`) |
 |---|---|---|
 | advantage | `advantage_estimator: grpo`: (r - mean) / (std + 1e-4), std with n - 1, per group | `scale_rewards: "group"` (the same formula) |
 | group size | `samples_per_prompt: 4` | `num_generations: 4` |
@@ -142,7 +143,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--old-forward",
         action="store_true",
-        help="our step with its separate old-policy forward, as before issue 41 "
+        help="our step with its separate old-policy forward "
         "(`PPOTrainer.old_logprobs_from_update` off): what skipping it saves",
     )
     p.add_argument("--json", help="also write the results here")
@@ -188,7 +189,7 @@ def prompt_texts(args, tokenizer, n: int) -> list[str]:
 
 
 def our_trainer(args, policy_dir: Path, texts: list[str], workdir: Path, total_steps: int):
-    """`ppo_building.build_trainer` on the settings of the docstring's table, on --device."""
+    """`llm_rlhf.ppo.building.build_trainer` on the settings of the docstring's table, on --device."""
     from accelerate import Accelerator
 
     from llm_rlhf.models.loading import load_tokenizer

@@ -1,4 +1,4 @@
-"""Does sampling prompts grouped by length pay? (issue 26)
+"""Does sampling prompts grouped by length pay?
 
     python benchmarks/prompt_grouping.py                   # SmolLM2, the first 32 arithmetic training prompts
 

@@ -1,4 +1,4 @@
-"""Rollout benchmark (issue 26): sampling speed against this machine's limit.
+"""Rollout benchmark: sampling speed against this machine's limit.
 
     python benchmarks/rollout.py                         # reviews 4M, SmolLM2 full, SmolLM2 + LoRA; batch 8/32/64
     python benchmarks/rollout.py --models smollm2-lora --batches 32 --reps 3
@@ -7,7 +7,7 @@ For each model and batch size, `llm_rlhf.rl.rollout.sample` (what PPO, held-out 
 samples `--new-tokens` tokens after a `--prompt-len`-token prompt of random token ids, on two paths in the
 same process, alternated (generate, fast, generate, fast, ...) so both see the same load:
 
-    generate   transformers' `generate` (the code before issue 26: `fast_sampling.supports` answers False)
+    generate   transformers' `generate` (the path taken where `fast_sampling.supports` answers False)
     fast       `fast_sampling.generate` (the default: its own decode loop, inverse-CDF draws, LoRA merged and
                weights prepacked for decoding)
 
@@ -70,7 +70,7 @@ from llm_rlhf.rl.rollout import Sampling, response_logprobs_and_values, sample  
 MODELS = ("reviews", "smollm2", "smollm2-lora")
 CPU = torch.device("cpu")
 PATHS = ("generate", "fast")
-# The ideas of issue 26 one at a time (`--paths all`), each path adding one to the one before it.
+# The ideas of the fast sampler one at a time (`--paths all`), each path adding one to the one before it.
 ABLATION = ("generate", "loop", "loop+draw", "loop+draw+merge", "fast", "fast-bf16", "fast-compiled")
 # SmolLM2-135M-Instruct's config.json (the architecture; no weights), for a clone without the folder.
 SMOLLM2_CONFIG = dict(

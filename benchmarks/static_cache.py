@@ -1,4 +1,4 @@
-"""Static KV cache and torch.compile for the decode step (issue 26): measured here, not used by the sampler.
+"""Static KV cache and torch.compile for the decode step: measured here, not used by the sampler.
 
     python benchmarks/static_cache.py                                  # SmolLM2, batch 8 and 32, this CPU
     python benchmarks/static_cache.py --device cuda --batches 32       # on a GPU (CUDA graphs)

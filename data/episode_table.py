@@ -1,4 +1,4 @@
-"""The tool comparison measured (issue 51): held-out accuracy with and without the calculator, by seed.
+"""The tool comparison measured: held-out accuracy with and without the calculator, by seed.
 
     python data/episode_table.py tool:runs/gym-chain_sum-t3d1-tool answer:runs/gym-chain_sum-t3d1-answer \\
         feedback:runs/gym-chain_sum-t3d1-feedback [--steps 0 12]

@@ -7,7 +7,7 @@ continuation of a prompt is the rest of the first test sentence with that openin
 evaluation's samples.jsonl the gold scores the real continuation and the policy's response; the script
 prints the fraction of rows where gold(real) > gold(policy) (ties count one half) with its standard
 error, and the same for the sentiment judge alone and for fluency alone. The validity check of the gold
-against a policy that over-optimised the reward model (issue 12: the no-KL run's samples).
+against a policy that over-optimised the reward model (the samples of a run without the KL penalty).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The hacking watch measured (issue 40): did the alarm fire, where, and how far ahead of the gold's peak.
+"""The hacking watch measured: did the alarm fire, where, and how far ahead of the gold's peak.
 
     python data/hacking_table.py induced:runs/watch/no-kl/seed-0 induced:runs/watch/planted/seed-0 \\
         quiet:runs/watch/default/seed-0 ... [--json out.json]

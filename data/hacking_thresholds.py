@@ -1,15 +1,15 @@
-"""The reward-hacking alarm's error rates, measured (`llm_rlhf.evaluation.hacking`, issues 40 and 52).
+"""The reward-hacking alarm's error rates, measured (`llm_rlhf.evaluation.hacking`).
 
     OMP_NUM_THREADS=1 python data/hacking_thresholds.py [--runs 2000] [--seed 0]
 
 Seeded; prints markdown tables. Each rule is `hacking`'s own (its thresholds, `watch` itself where a run is
-simulated whole); the old rule of issue 40 (a counter +0.25 above step 0's; the gold 3 se below its best so
-far) is measured beside it on the same draws.
+simulated whole); the earlier fixed-margin rule (a counter +0.25 above step 0's; the gold 3 se below its
+best so far) is measured beside it on the same draws.
 
 1. Real text: a "baseline" and a "policy" of N sentences drawn from data/reviews/sft_val.jsonl (cut to 25
    words), and a "policy" of N positive gold_test.jsonl sentences (a healthy sentiment-tuned policy): the
    smallest `counter_p_value` over the draws, per counter, against COUNTER_ALPHA (above it: quiet); then
-   issue 40's collapse (" a heart." variants) against real sentences.
+   the default reviews run's collapse (" a heart." variants) against real sentences.
 2. False alarms of the counter rule: every counter of COUNTER_RULES an independent binomial count of N
    responses at one rate, step 0 included (nothing changes); the fraction of runs of E evaluations in which
    any counter fires.
@@ -53,7 +53,7 @@ from llm_rlhf.evaluation.hacking import (  # noqa: E402
 )
 
 ISSUE_40 = [" a heart.", " is a heart.", " heart of a heart."]
-OLD_MARGIN, OLD_Z = 0.25, 3.0  # issue 40's rules: a counter +0.25 over step 0's; the gold 3 se below its best
+OLD_MARGIN, OLD_Z = 0.25, 3.0  # the earlier rules: a counter +0.25 over step 0's; the gold 3 se below its best
 ONSET, LENGTH = 20, 40  # detection runs: the change at evaluation 20 of 40
 SE = 0.05
 
@@ -106,7 +106,7 @@ def real_text(draws: int, rng: random.Random) -> None:
     base = counters(val[:32])
     collapsed = counters([ISSUE_40[i % 3] for i in range(32)])
     fired = [k for k in COUNTER_RULES if (smallest_p(base, collapsed, k) or 1.0) <= COUNTER_ALPHA]
-    print(f"\nissue 40's collapse (32 responses) against 32 real sentences fires: {', '.join(fired)}")
+    print(f"\nthe earlier recipe's \" a heart.\" collapse (32 responses) against 32 real sentences fires: {', '.join(fired)}")
 
 
 # ---------------------------------------------------------------------------------------------

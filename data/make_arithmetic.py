@@ -11,7 +11,7 @@ module's `KINDS`, and its verifier (`--reward_fn llm_rlhf.tasks.arithmetic:rewar
 prompt, so `answer` and `kind` are for people (per-kind accuracy, the before/after table), never for the
 reward. No problem is on both sides (3 + 4 and 4 + 3 are one problem); `data/arithmetic/README.md` has the
 mix, the verifier's rule and the instruct model's baseline accuracy. Running it again writes the same bytes
-(`tests/test_arithmetic.py` compares a fresh run with the committed files).
+(`tests/tasks/test_arithmetic.py` compares a fresh run with the committed files).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A preference file with a planted spurious feature: reward hacking induced on purpose (issue 40).
+"""A preference file with a planted spurious feature: reward hacking induced on purpose.
 
     python data/make_planted_prefs.py [--marker " !!!"] [--fraction 0.5] [--seed 0] \\
         [--out runs/planted/prefs_train.jsonl]

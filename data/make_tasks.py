@@ -1,4 +1,4 @@
-"""Write the reasoning-gym tasks' folders (issue 38): seeded, deterministic, offline (needs `.[tasks]`).
+"""Write the reasoning-gym tasks' folders: seeded, deterministic, offline (needs `.[tasks]`).
 
     python data/make_tasks.py [--tasks data/tasks/tasks.yaml] [--only NAME ...] [--out data/tasks]
 
@@ -7,7 +7,7 @@ becomes `<out>/<name>/` with train_prompts.jsonl, eval_prompts.jsonl, task.json 
 version, the command) and verifier.py (`reward_fn: <out>/<name>/verifier.py:reward`, `accuracy_fn:
 ...:accuracy`; a recipe's pipeline.yaml names the task once, `task: <name>`, and its stages read these files);
 `llm_rlhf/tasks/gym.py` says how, `data/tasks/README.md` how to add a task. Running it again writes the same bytes
-(`tests/test_tasks.py` compares a fresh run with the committed folders).
+(`tests/tasks/test_tasks.py` compares a fresh run with the committed folders).
 """
 
 from __future__ import annotations

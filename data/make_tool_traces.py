@@ -1,4 +1,4 @@
-"""Tool-call traces for a short SFT before RL with the calculator (issue 51), and their control without the tool.
+"""Tool-call traces for a short SFT before RL with the calculator, and their control without the tool.
 
     python data/make_tool_traces.py [--task chain_sum-t3d1 ...] [--out data/tool_traces]
 

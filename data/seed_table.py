@@ -1,4 +1,4 @@
-"""A sweep's seeds table for a README (issues 38 and 52): held-out accuracy against steps, responses, KL and seconds.
+"""A sweep's seeds table for a README: held-out accuracy against steps, responses, KL and seconds.
 
     python data/seed_table.py runs/gym-chain_sum-t2d1-losses [MORE_SWEEP_FOLDERS] \\
         [--kl K] [--seconds S] [--responses R]

@@ -1,5 +1,5 @@
 """The accuracy of a model on reasoning-gym task folders' held-out prompts, greedy and sampled, by each
-folder's verifier (issue 38: measure the base model on candidate rungs before choosing a ladder).
+folder's verifier: the base model measured on candidate rungs before choosing a ladder of tasks.
 
     python data/task_baseline.py data/tasks/chain_sum-t3d1 [more folders] [--model data/smollm2-135m-instruct] \\
         [--max_new_tokens 48] [--samples 1] [--limit 64] [--out rows.jsonl]

@@ -33,4 +33,4 @@ class NonFiniteError(UserError):
     names the step and the phase. Raised on every process at once, before the failing minibatch updates
     anything and before the PPO step's KL update, step count and checkpoint; in the train phase, earlier
     minibatches of the same PPO step may already have updated the weights, and the message says how many
-    optimiser steps did (`ppo.what_was_updated`)."""
+    optimiser steps did (`llm_rlhf.ppo.update.what_was_updated`)."""

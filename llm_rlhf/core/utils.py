@@ -115,7 +115,7 @@ def use_cpu_ddp_without_gpus() -> None:
 
         os.environ.setdefault("ACCELERATE_USE_CPU", "true")
         if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
-            run_deepspeed_on_cpu()  # DeepSpeed for real over gloo, not DDP in its place (issue 39)
+            run_deepspeed_on_cpu()  # DeepSpeed for real over gloo, not DDP in its place
         PartialState(cpu=os.environ["ACCELERATE_USE_CPU"].lower() in ("1", "true", "yes"))
 
 
@@ -123,7 +123,7 @@ def run_deepspeed_on_cpu() -> None:
     """Make `accelerate launch` with a DeepSpeed config run DeepSpeed on a machine without GPUs, as it does on
     GPUs. accelerate 1.15 turns DeepSpeed on only for an accelerator device; on a CPU (where `llm-rlhf` sets
     ACCELERATE_USE_CPU, `use_cpu_ddp_without_gpus`) it would leave plain DDP over gloo: a run launched
-    with deepspeed_zero3.yaml would silently train something else (issue 39). After
+    with deepspeed_zero3.yaml would silently train something else. After
     `AcceleratorState.__init__` this does what accelerate's own DeepSpeed branch does: the plugin gets the
     launch's mixed precision (written into the DeepSpeed config's bf16/fp16 section) and is selected, the
     distributed type becomes DEEPSPEED (in the shared process state too), and accelerate's own

@@ -77,7 +77,7 @@ answer, at once (top_response_share); a gold falling 1, 2 or 4 se per evaluation
 3 evaluations later (the earlier rule: 4, 3 and 2). On real text: the smallest p of any counter between
 random draws of review sentences (N = 16 to 64) and a healthy sentiment-tuned "policy" is 0.017, and a
 collapse onto " a heart." and its variants fires duplicate_rate, top_bigram_share, shared_bigram_rate and
-word_distinct_2; tests/test_hacking_watch.py checks both ends.
+word_distinct_2; tests/evaluation/test_hacking_watch.py checks both ends.
 
 `best_evaluation` picks the held-out evaluation with the highest gold (or accuracy): the checkpoint that
 `keep_best` keeps. `watch_fields` is both, read from a run's eval_log.jsonl lines so far (WATCH_KEYS: what a

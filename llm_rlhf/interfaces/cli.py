@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             return module.cli(rest) or 0
         if any(a in ("-h", "--help") for a in rest):
             print(f"llm-rlhf {name}: {COMMANDS[name][1]}\n")
-            doc = sys.modules[module.Config.__module__].__doc__  # where the keys are declared (ppo_config.py)
+            doc = sys.modules[module.Config.__module__].__doc__  # where the keys are declared (ppo/config.py)
             print((doc or "").strip() + "\n")
             print("config keys (defaults < --config YAML < --key value flags):")
             print(format_help(module.Config))

@@ -37,7 +37,7 @@ from llm_rlhf.core.errors import UserError
 def check_deepspeed_config(plugin, *, micro_batch_size: int, critic: bool) -> None:
     """Under DeepSpeed the PPO loop accumulates micro-batches itself (`Accelerated.backward`): the engine
     must not divide the loss by an accumulation count of its own, and it is told the micro-batch size
-    (there is no dataloader for accelerate to read it from). The LR schedule is PPO's (`optimizer_step`),
+    (there is no dataloader for accelerate to read it from). The LR schedule is PPO's (`PPOUpdate.optimizer_step`),
     so the config has none."""
     if critic:
         raise UserError(

@@ -93,7 +93,7 @@ def trim_padding_columns(
         pad x   x y y y   EOS pad    ->    x   x y y y   EOS      (a PPO rollout: responses padded to
         pad pad x y EOS   pad pad pad      pad x y EOS pad pad     max_new_tokens, the RM pays for none)
 
-    The score, read at the last real token, is the same up to float rounding (`tests/test_trim.py`).
+    The score, read at the last real token, is the same up to float rounding (`tests/ppo/test_trim.py`).
     """
     real = attention_mask.bool().any(0)  # (T,) a real token in some row
     start = int(real.int().argmax())  # the first such column

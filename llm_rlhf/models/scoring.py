@@ -18,11 +18,12 @@ evaluation of a run scores exactly as its PPO did:
                   ends (the RM scores the text up to its end): what an evaluation takes from the PPO run it
                   judges (`pipeline.stage_config`)
     build_scorer  the scorer a flat config names, its reward model loaded by `scoring_reward_model`: the one
-                  loading of a config's reward model(s) for PPO (`ppo_run.build_models`), `llm-rlhf eval` and
-                  `compare` (the PPO run's own config: its points are scored as PPO scored its rollouts)
+                  loading of a config's reward model(s) for PPO (`llm_rlhf.ppo.building.build_models`),
+                  `llm-rlhf eval` and `compare` (the PPO run's own config: its points are scored as PPO
+                  scored its rollouts)
 
 A scorer holds no collective: each process scores its own samples (PPO agrees across processes on a failed
-reward function itself, `PPOTrainer.score`).
+reward function itself, `RolloutCollector.score`).
 """
 
 from __future__ import annotations
@@ -176,7 +177,7 @@ def scoring_reward_model(cfg: Any, given=None, *, device=None, fused_gelu: bool 
     `RewardEnsemble` combined with the config's ensemble keys); else the folder, or the list of folders (an
     ensemble, each member with its own normalisation), loaded in `dtype` (`reward_model.load_reward_models`).
     device: where it goes (None: where it is). fused_gelu: GPT-2's gelu swapped for the one-kernel form in a
-    loaded model (`models.use_fused_gelu`: PPO, whose RM runs every step; a given object stays as it is)."""
+    loaded model (`loading.use_fused_gelu`: PPO, whose RM runs every step; a given object stays as it is)."""
     if given is None and is_off(cfg.reward_model_path):
         return None
     if isinstance(given, list):
@@ -201,7 +202,7 @@ def build_scorer(cfg: Any, *, reward_model=None, reward_fn: RewardFn | None = No
     API's object in place of the folders), its reward function (reward_fn: one already loaded, else the
     config's imported, `reward_fn.load_reward_fn`; None when the key is null) and reward_fn_weight. What
     `llm-rlhf eval` scores with, and `compare` given the PPO run's config: PPO's own trainer wraps the same
-    reward model (`ppo_run.build_models`) with the same keys, after accelerate has placed it."""
+    reward model (`llm_rlhf.ppo.building.build_models`) with the same keys, after accelerate has placed it."""
     if reward_fn is None and cfg.reward_fn is not None:
         reward_fn = load_reward_fn(cfg.reward_fn)
     model = scoring_reward_model(cfg, reward_model, device=device)

@@ -118,8 +118,8 @@ def build_trainer(
     reward_model=None,
     verifier: RewardFn | None = None,
 ) -> PPOTrainer:
-    """The models and the trainer. reward_fn: `cfg.reward_fn` already loaded (`train` loads and probes it
-    first), else loaded here; policy, reward_model: objects in place of the config's folders (`build_models`);
+    """The models and the trainer. reward_fn: `cfg.reward_fn` already loaded (`llm_rlhf.stages.ppo.train`
+    loads and probes it first, `check_inputs`), else loaded here; policy, reward_model: objects in place of the config's folders (`build_models`);
     verifier: `cfg.accuracy_fn` loaded, else loaded here where dynamic sampling ties groups on its verdicts."""
     if cfg.reward_fn is not None and reward_fn is None:
         reward_fn = load_reward_fn(cfg.reward_fn)
@@ -129,11 +129,11 @@ def build_trainer(
         and verifier is None
     ):
         verifier = load_reward_fn(cfg.accuracy_fn, key="accuracy_fn", binary=True)
-    make_environment = None  # episodes of several turns (issue 51): one fresh environment per episode
+    make_environment = None  # episodes of several turns: one fresh environment per episode
     if cfg.environment is not None:
         make_environment = environment_factory(cfg.environment, verifier=verifier)
     seed_everything(cfg.seed, accelerator.process_index)
-    with loading_whole_models(accelerator):  # not partitioned at load under ZeRO-3 (issue 39)
+    with loading_whole_models(accelerator):  # whole on every process, not ZeRO-3 partitions
         models = build_models(cfg, policy=policy, reward_model=reward_model)
     if models.reward_model is not None:
         models.reward_model.to(accelerator.device)

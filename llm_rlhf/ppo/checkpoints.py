@@ -223,8 +223,8 @@ def save_checkpoint(trainer: PPOTrainer, folder: Path) -> None:
 
 def load_checkpoint(trainer: PPOTrainer, folder: Path) -> None:
     """What `save_checkpoint` wrote: the weights and optimiser state, the trainer's state and this process's
-    RNG state. A checkpoint written before issue 23 kept the LR schedule beside the optimiser state
-    (`optimizer.pt`, or `scheduler.pt` when sharded): it is read from there."""
+    RNG state. A checkpoint from before the trainer's state held the LR schedule kept it beside the
+    optimiser state (`optimizer.pt`, or `scheduler.pt` when sharded): it is read from there."""
     trainer.load_model_state(folder)
     state = torch.load(folder / "trainer_state.pt", weights_only=True, map_location="cpu")
     if "scheduler" not in state:

@@ -7,7 +7,7 @@ for the KL penalty, in steps of: rollout -> reference log-probs -> scores -> per
 `advantage_estimator` is a row of `llm_rlhf.rl.estimators`: GAE over a value function, or a critic-free
 estimator (GRPO, Dr. GRPO, RLOO, REINFORCE++, ReMax) on the same rollout, KL and update; a key the chosen
 estimator does not read, set to another value than its default, is an error naming the key. The keys of the
-policy-loss family (issue 37: policy_loss, the clip ranges, dual_clip, loss_aggregation, sampler_correction,
+policy-loss family (policy_loss, the clip ranges, dual_clip, loss_aggregation, sampler_correction,
 overlong shaping, mask_truncated, dynamic_sampling) are checked against the same row and the `policy_loss`'s
 row of `llm_rlhf.rl.policy_losses` (`check_policy_loss_keys`).
 Run it with `llm-rlhf ppo --config recipes/reviews/ppo.yaml [--key value ...]`, also under
@@ -83,7 +83,7 @@ class Config(SamplingRunKeys):
     )
     advantage_estimator: str = help_field(
         DEFAULT_ESTIMATOR,
-        f"How the advantages are made (SPEC 'Critic-free estimators'; `llm_rlhf.rl.estimators`): {help_text()}. "
+        f"How the advantages are made (`llm_rlhf.rl.estimators`; README 'Critic-free estimators'): {help_text()}. "
         "The critic-free ones train no value head and no critic.",
     )
     samples_per_prompt: int = help_field(
@@ -147,7 +147,7 @@ class Config(SamplingRunKeys):
     )
     lam: float = help_field(0.95, "GAE lambda (gae only).")
     cliprange: float = help_field(0.2, "Policy ratio clip epsilon.")
-    # --- the policy-loss family of 2025-26 (issue 37; SPEC "The policy-loss family of 2025-26")
+    # --- the policy-loss family of 2025-26 (`llm_rlhf.rl.policy_losses`, `llm_rlhf.rl.loss_math`)
     policy_loss: str = help_field(
         DEFAULT_LOSS,
         "The token loss of the clipped update (`llm_rlhf.rl.policy_losses`): "
@@ -255,14 +255,13 @@ class Config(SamplingRunKeys):
         "seed + b, so the batch size fixes the evaluation's random draws, and its logits its peak memory: set it "
         "to evaluate runs of different rollout shapes with the same draws.",
     )
-    # --- episodes of several turns (issue 51; `llm_rlhf.rl.episodes`)
     # --- logging and checkpoints
     log_samples_every: int = help_field(10, "Log a few sampled responses every N steps.")
     num_log_samples: int = help_field(3, "How many samples to log.")
     save_steps: int = help_field(20, "Checkpoint every N steps (0 = only at the end).")
     resume: bool = help_field(False, "Continue from the last checkpoint in output_dir.")
     report_to: str = help_field("none", "Also log to: none | tensorboard | wandb.")
-    # --- the reward-hacking alarm (issue 40; `llm_rlhf.evaluation.hacking`), read at every held-out evaluation
+    # --- the reward-hacking alarm (`llm_rlhf.evaluation.hacking`), read at every held-out evaluation
     stop_on_alarm: bool = help_field(
         False,
         "Stop the run at the held-out evaluation where the reward-hacking alarm fires (eval_every > 0; logged "
@@ -464,7 +463,7 @@ def check_estimator_keys(cfg) -> None:
 
 
 def check_policy_loss_keys(cfg) -> None:
-    """The keys of the policy-loss family (issue 37), each a ConfigError naming its key; what they may be is
+    """The keys of the policy-loss family, each a ConfigError naming its key; what they may be is
     read in two rows: the estimator's (`response_advantages`, `corrections`, `dynamic_sampling`; the rows with
     dynamic sampling have a group baseline and need samples_per_prompt >= 2: `check_estimator_keys` says so
     first) and the policy loss's (`clip_keys`, `response_advantages`, `sampler_correction`)."""

@@ -53,7 +53,7 @@ class HeldOut:
     def maybe_evaluate(self) -> dict:
         """At every eval_every-th step: every process evaluates (the same prompts and seed) and the main one
         writes: with sharded parameters (ZeRO-3, FSDP) each forward is a collective that every process must
-        enter (issue 13). The main process reads the alarm and decides; every process saves the best
+        enter. The main process reads the alarm and decides; every process saves the best
         checkpoint and stops alike (saving is a collective under FSDP2 and ZeRO-3). Returns `watch`."""
         cfg, trainer, inputs, accelerator = self.cfg, self.trainer, self.inputs, self.trainer.accelerator
         if inputs.eval_prompts and trainer.step % cfg.eval_every == 0:
@@ -157,8 +157,8 @@ def evaluate_heldout(
     policy = trainer.unwrapped_policy
     lm, cfg = policy.lm, trainer.cfg
     reference = KLReference(lm, lm.disable_adapter) if cfg.use_lora else KLReference(trainer.ref_model.lm)
-    room = trainer.collector  # with an environment its episodes are played as in training (issue 51)
-    play = EpisodePlay(room.make_environment, room.limits) if isinstance(room, EpisodeCollector) else None
+    collector = trainer.collector  # with an environment its episodes are played as in training
+    play = EpisodePlay(collector.make_environment, collector.limits) if isinstance(collector, EpisodeCollector) else None
     draws = PairedSampling(trainer.sampling, seed=cfg.seed, batch_size=cfg.heldout_batch_size, play=play)
     with trainer.accelerated.autocast(), trainer.accelerated.gathered_for_generation(policy):
         measures = Measures(scorer=trainer.collector.scorer, judge=judge, verifier=verifier)
@@ -166,6 +166,6 @@ def evaluate_heldout(
             lm, trainer.tokenizer, prompts, draws, measures=measures, reference=reference, samples_out=samples
         )
     rows = heldout_sample_rows(samples, step=trainer.step, reward_fn_weight=cfg.reward_fn_weight)
-    for row, record in zip(rows, samples):  # episodes: their turns, for the report (issue 51)
+    for row, record in zip(rows, samples):  # episodes of several turns: their turns, for the report
         row.update({key: record[key] for key in EPISODE_ROW_KEYS if key in record})
     return heldout_record(trainer.step, result), rows

@@ -1,4 +1,4 @@
-"""The names PPO writes: the keys of ppo/metrics.jsonl (one line per step: `ppo.PPOTrainer.ppo_step`) and of
+"""The names PPO writes: the keys of ppo/metrics.jsonl (one line per step: `llm_rlhf.ppo.trainer.PPOTrainer.ppo_step`) and of
 ppo/metrics.json (the last step's line and the run's summary: `stages.ppo.summarize_history`). Declared once here,
 beside their writers; `llm_rlhf.interfaces.report` reads the logs by these names. A constant is its key in capitals,
 "/" written "_" (OBJECTIVE_KL is "objective/kl"). Stdlib only.
@@ -51,7 +51,7 @@ POLICY_CLIPFRAC = "policy/clipfrac"
 POLICY_RATIO = "policy/ratio"  # mean pi_theta / pi_theta_old
 POLICY_SKIPPED_MINIBATCHES = "policy/skipped_minibatches"  # dropped by ratio_guard
 POLICY_EARLY_STOPPED = "policy/early_stopped"  # 1.0 when target_approxkl stopped the epochs
-# the policy-loss family (issue 37): logged only when its option is on
+# the policy-loss family: logged only when its option is on
 POLICY_CLIPFRAC_LOW = "policy/clipfrac_low"  # tokens clipped at 1 - cliprange_low (A < 0)
 POLICY_CLIPFRAC_HIGH = "policy/clipfrac_high"  # tokens clipped at 1 + cliprange_high (A > 0)
 POLICY_DUAL_CLIPFRAC = "policy/dual_clipfrac"  # dual_clip: tokens whose loss the bound -c*A replaced
@@ -101,7 +101,7 @@ ALARM_STEP, ALARM_RULES, ALARM_REASONS, BEST_STEP = hacking.WATCH_KEYS
 STOPPED_ON_ALARM = "stopped_on_alarm"
 RETURNED_STEP = "returned_step"
 
-# ppo/samples.jsonl: a few responses logged every log_samples_every steps (`ppo_run.log_samples`), with STEP
+# ppo/samples.jsonl: a few responses logged every log_samples_every steps (`llm_rlhf.stages.ppo.log_samples`), with STEP
 SAMPLE_QUERY = "query"
 SAMPLE_RESPONSE = "response"
 SAMPLE_SCORE = "score"  # the score PPO gave it

@@ -1,4 +1,4 @@
-"""The rollout collector: where PPO's episodes come from, apart from the update (issue 50).
+"""The rollout collector: where PPO's episodes come from, apart from the update.
 
     prompts in  -> token ids (query | response), their masks, the sampler's log-probs, the scores and their parts
 
@@ -6,10 +6,10 @@
 `queries`), sampling (`generate`: the policy's own sampler, `rl.rollout.sample`), scoring (`score`: the one
 `Scorer` of the reward model(s) and the reward function, its failures agreed over the processes) and DAPO's
 dynamic sampling (`collect_untied`: rounds of groups until enough are untied, the selection, its statistics).
-What it hands the trainer is `Samples` and `Scores` (`Episodes` for dynamic sampling): the trainer
-(`stages.ppo.PPOTrainer`) runs the policy's, the value's and the reference's forwards on them and the update.
-Episodes of several turns are `EpisodeCollector` (issue 51): the same methods, `generate` playing episodes with an
-environment; another sampling back-end would be another room with the same methods: `queries`, `in_groups`,
+What it hands the trainer is `Samples` and `Scores` (`KeptGroups` for dynamic sampling): the trainer
+(`llm_rlhf.ppo.trainer.PPOTrainer`) runs the policy's, the value's and the reference's forwards on them and the update.
+Episodes of several turns are `EpisodeCollector`: the same methods, `generate` playing episodes with an
+environment; another sampling back-end would be another collector with the same methods: `queries`, `in_groups`,
 `generate`, `score`, `collect_untied`, `state_dict`.
 """
 
@@ -168,7 +168,7 @@ class RolloutCollector(UsesContext):
 
             scores = rm_score + reward_fn_weight * reward_fn(prompts, responses)      (B,)
 
-        These are the scores `ppo_step` clips (score_clip), replaces for responses without EOS (eos_penalty)
+        These are the scores `PPOTrainer.ppo_step` clips (score_clip), replaces for responses without EOS (eos_penalty)
         and adds at the last response token (`ppo_math.shaped_rewards`), and then whitens only as part of the
         per-token rewards (whiten_rewards) and the advantages. The RM runs under the policy's precision.
 
@@ -271,10 +271,10 @@ class RolloutCollector(UsesContext):
     def tie_scores(self, samples: Samples, scores: Scores) -> torch.Tensor:
         """What dynamic sampling compares within a group, (B,): the verifier's verdicts (accuracy_fn: 1.0 or
         0.0) where the task has one, else the scorer's scores as they came, before score_clip, the overlong
-        penalty and the EOS penalty. DAPO filters on accuracy (SPEC: a group is not untied by a length penalty
-        alone separating correct answers): on the shaped scores an all-correct group of different lengths was
+        penalty and the EOS penalty. DAPO filters on accuracy (Yu et al. 2025, sec. 3.2), so a group is not
+        untied by a length penalty alone separating correct answers: on the shaped scores an all-correct group of different lengths was
         kept, and GRPO's division by the group's std made a length-only penalty into advantages of full size,
-        (1.16, 0.39, -0.39, -1.16) (issue 50). With a verifier a group of partial credits that are all wrong
+        (1.16, 0.39, -0.39, -1.16). With a verifier a group of partial credits that are all wrong
         ties too (its verdicts are all 0.0)."""
         if self.verifier is None:
             return scores.scores
@@ -283,7 +283,7 @@ class RolloutCollector(UsesContext):
 
 
 class EpisodeCollector(RolloutCollector):
-    """The room of episodes of several turns (issue 51; `llm_rlhf.rl.episodes`): the same prompts, scoring and
+    """The collector of episodes of several turns (`llm_rlhf.rl.episodes`): the same prompts, scoring and
     state as `RolloutCollector`, and `generate` plays one episode per row with a fresh environment instance
     (`make_environment`), returning them as `Samples` whose response holds the policy's turns and the
     environment's replies (env_mask), each turn's reward from the environment on its last token (env_rewards).

@@ -9,30 +9,31 @@ One PPO step (`ppo_step`) reads like the algorithm box of Ziegler et al. (2019) 
     -> GAE -> K epochs of clipped policy/value updates on shuffled minibatches
     -> KL controller update -> metrics
 
-The policy-loss family of issue 37 (`policy_loss`: PPO's clip with clip-higher and the dual clip, GSPO, CISPO;
+The policy-loss family (`policy_loss`: PPO's clip with clip-higher and the dual clip, GSPO, CISPO;
 `loss_aggregation`; `sampler_correction`; `mask_truncated`) changes the update (`train_on_rollout`), overlong
 shaping the scores (`shaped_scores`) and `dynamic_sampling` the rollout (`dynamic_rollout`); with every key at
 its default the step is the one above, bit for bit.
 
-With `environment` set each row is an episode of several turns (issue 51; `llm_rlhf.rl.episodes`, the room
+With `environment` set each row is an episode of several turns (`llm_rlhf.rl.episodes`, collected by
 `EpisodeCollector`): the policy's turns and the environment's replies in one response, response_mask the policy's
 tokens (every loss, KL and value term reads only them), the environment's per-turn rewards added to the rewards.
 
-`advantage_estimator` swaps GAE for a critic-free estimator (SPEC "Critic-free estimators": GRPO, Dr. GRPO,
-RLOO, REINFORCE++, ReMax) on the same rollout, KL, clipped update, processes and checkpoints: each prompt is
+`advantage_estimator` swaps GAE for a critic-free estimator (GRPO, Dr. GRPO, RLOO, REINFORCE++, ReMax;
+their papers in `llm_rlhf.rl.estimators`) on the same rollout, KL, clipped update, processes and checkpoints: each prompt is
 sampled `samples_per_prompt` times (its group, consecutive rows on one process), no value head or critic
 is built, and the KL goes in the reward or, as k3 per token, in the loss (`kl_in_loss`). What the trainer
 knows of an estimator is its row in `llm_rlhf.rl.estimators` (`Config.estimator`), never its name.
 
-The math lives in `llm_rlhf.rl.ppo_math` (torch only), the keys and the batch-size arithmetic in
-`llm_rlhf.ppo.config`, sampling and the forwards over a rollout in `llm_rlhf.rl.rollout`, the scores in
-`llm_rlhf.models.scoring`, and what each accelerate config (DeepSpeed, FSDP2, FSDP, mixed precision) needs of the
-models in `llm_rlhf.models.accelerated`. The rooms (issue 50): the prompts, sampling, scoring and dynamic
+The math lives in `llm_rlhf.rl.ppo_math` and `llm_rlhf.rl.loss_math` (torch only), the keys and the
+batch-size arithmetic in `llm_rlhf.ppo.config`, sampling and the forwards over a rollout in
+`llm_rlhf.rl.rollout`, the scores in `llm_rlhf.models.scoring`, and what each accelerate config (DeepSpeed,
+FSDP2, FSDP, mixed precision) needs of the models in `llm_rlhf.models.accelerated`. Two collaborators: the prompts, sampling, scoring and dynamic
 sampling are `llm_rlhf.ppo.rollouts.RolloutCollector` (`self.collector`: prompts in, token ids, masks, the
 sampler's log-probs and scores out), the K epochs of minibatch updates `llm_rlhf.ppo.update.PPOUpdate`
 (`self.update`); this module holds the trainer, which moves tensors between them and the models.
-The command around it (building the models, the run loop, checkpoints, logs, the final save) is
-`llm_rlhf.stages.ppo`. Run it with `llm-rlhf ppo --config recipes/reviews/ppo.yaml [--key value ...]`, also
+The command around it is `llm_rlhf.stages.ppo` (the run loop and the logs), with `llm_rlhf.ppo.building`
+(the models and the trainer), `llm_rlhf.ppo.checkpoints` (checkpoints and the final save) and
+`llm_rlhf.ppo.heldout` (the held-out evaluations). Run it with `llm-rlhf ppo --config recipes/reviews/ppo.yaml [--key value ...]`, also
 under `accelerate launch` with several processes.
 """
 
@@ -71,8 +72,9 @@ from llm_rlhf.rl.rollout import (
 
 @dataclass
 class PPOModels:
-    """What `ppo_run.build_models` loads for the trainer: the policy (`models.PolicyWithValue`, with its value
-    head unless a separate critic), the frozen reference (`models.Reference`; with LoRA the policy's own
+    """What `llm_rlhf.ppo.building.build_models` loads for the trainer: the policy
+    (`llm_rlhf.models.loading.PolicyWithValue`, with its value head unless a separate critic), the frozen
+    reference (`llm_rlhf.models.loading.Reference`; with LoRA the policy's own
     network), the frozen reward model (a `RewardModel`, a `RewardEnsemble` or None) and the optional critic
     (`RewardCritic`, value_model 'reward')."""
 
@@ -102,7 +104,7 @@ def optimizer_and_schedule(cfg: Config, models: PPOModels, sizes, device: torch.
     # Not handed to `accelerator.prepare`: its scheduler wrapper steps the schedule num_processes times per
     # optimiser step (made for dataloaders that give each process 1/N of the batches), so with N processes
     # the linear decay reached 0 after 1/N of the run, and under DeepSpeed the engine steps only
-    # DeepSpeed's own schedules, so this one never moved. `PPOUpdate.optimizer_step` steps it once (issue 13).
+    # DeepSpeed's own schedules, so this one never moved. `PPOUpdate.optimizer_step` steps it once.
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, decay)
 
 
@@ -111,7 +113,7 @@ class PPOTrainer(UsesContext):
 
     models: `PPOModels`; reward_fn: a loaded `llm_rlhf.models.reward_fn.RewardFn`, or None. The reward model and
     the reward function (at least one of them) make the scores (`scoring.Scorer`); verifier: the task's loaded
-    accuracy_fn (a binary `RewardFn`) or None, read only by dynamic sampling (`tie_scores`). The precision and
+    accuracy_fn (a binary `RewardFn`) or None, read only by dynamic sampling (`RolloutCollector.tie_scores`). The precision and
     sharding plumbing of each accelerate config is `self.accelerated` (`accelerated.Accelerated`). `state_dict()` is
     what a checkpoint keeps of the trainer besides the models' weights and optimiser state."""
 
@@ -171,7 +173,7 @@ class PPOTrainer(UsesContext):
             else ppo_math.FixedKLController(cfg.init_kl_coef)
         )
         self.step = 0
-        # prompts, sampling, scoring and dynamic sampling (`ppo_rollouts`): what the forwards and the update
+        # prompts, sampling, scoring and dynamic sampling (`RolloutCollector`): what the forwards and the update
         # below receive as token ids, masks and scores
         scorer = Scorer(models.reward_model, reward_fn, reward_fn_weight=cfg.reward_fn_weight,
                         rm_context=self.accelerated.autocast)  # fmt: skip
@@ -192,7 +194,7 @@ class PPOTrainer(UsesContext):
         """What continues the run exactly besides the models' weights and optimiser state (written by
         `accelerated.Accelerated.save_model_state`) and the RNG: the step (which fixes the data position,
         `RolloutCollector.queries`), the KL controller and the LR schedule; with dynamic sampling the prompts its
-        further rounds drew (the rest of the data position, the room's state)."""
+        further rounds drew (the rest of the data position, the collector's state)."""
         return {
             "step": self.step,
             "kl_ctl": self.kl_ctl.state_dict(),
@@ -284,8 +286,8 @@ class PPOTrainer(UsesContext):
         the score clipped (score_clip), with the overlong penalty (`shaped_scores`) and replaced for responses
         that did not end (eos_penalty); with the KL in the loss (`Config.kl_penalty_in_loss`) the rewards hold
         the score alone. A rollout without old log-probs yet (`old_logprobs_from_update`, the KL in the loss)
-        gets KL_t = 0 until the update fills them. Episodes (issue 51): each turn's reward from the environment
-        (`env_rewards`, on the turn's last token) is added to these rewards, so GAE sees it where it was given
+        gets KL_t = 0 until the update fills them. Episodes of several turns: each turn's reward from the environment
+        (`Samples.env_rewards`, on the turn's last token) is added to these rewards, so GAE sees it where it was given
         and the group estimators in the sequence reward."""
         cfg = self.cfg
         kl = (
@@ -417,7 +419,7 @@ class PPOTrainer(UsesContext):
         (`dropped_kl`).
 
         Returns the rollout, its scores' parts, the statistics, and the dropped rows' sequence KL, (D,):
-        `ppo_step` gives objective/kl and the KL controller the KL of every sampled group (issue 50), since
+        `ppo_step` gives objective/kl and the KL controller the KL of every sampled group, since
         which groups are kept depends on the prompts (the ones the policy always or never solves are dropped)
         and the controller steers the policy's KL over the prompt stream. The KL penalty itself (in the reward
         or the loss) can only act on the rows that are trained."""
@@ -516,7 +518,7 @@ class PPOTrainer(UsesContext):
     def train_on_rollout(
         self, rollout: Rollout, advantages: torch.Tensor, returns: torch.Tensor | None
     ) -> dict[str, float]:
-        """K epochs of clipped minibatch updates on `rollout` (`ppo_update.PPOUpdate.run`), with the KL
+        """K epochs of clipped minibatch updates on `rollout` (`llm_rlhf.ppo.update.PPOUpdate.run`), with the KL
         coefficient of this step's rollout (the controller moves after the update)."""
         return self.update.run(rollout, advantages, returns, kl_coef=self.kl_ctl.value, step=self.step,
                                forward_policy=self.forward_policy)  # fmt: skip
@@ -529,7 +531,7 @@ class PPOTrainer(UsesContext):
 
         - one optimiser step per PPO step (ppo_epochs 1, one minibatch): the policy the update's forward runs
           is the old policy, on the rows the rollout's chunks hold, trimmed to the same widths (the first
-          epoch keeps rollout order, `train_on_rollout`), with dropout off (`ppo_run` keeps the policy in eval
+          epoch keeps rollout order, `train_on_rollout`), with dropout off (`building.build_models` keeps the policy in eval
           mode), so the separate forward gave the same log-probs and the same gradient;
         - no value function (critic-free): GAE needs the old values before the update;
         - the KL in the loss (`Config.kl_penalty_in_loss`): in the reward, the advantages need the old

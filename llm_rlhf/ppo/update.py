@@ -1,12 +1,12 @@
 """PPO's update: K epochs of clipped minibatch updates on a rollout, apart from the rollout and the step's
-bookkeeping (issue 50).
+bookkeeping.
 
 `PPOUpdate.run(rollout, advantages, returns)` is the inner loop of Ziegler et al. (2019) / Stiennon et al.
 (2020): shuffled minibatches, each `gradient_accumulation_steps` micro-batches whose losses are token shares of
 the global minibatch, the optimiser and LR-schedule steps, the ratio guard and the approx-KL early stop; the
-policy-loss family of issue 37 (`policy_loss`, `loss_aggregation`, `sampler_correction`, `mask_truncated`)
+policy-loss family (`policy_loss`, `loss_aggregation`, `sampler_correction`, `mask_truncated`)
 changes the loss here. It owns the optimiser, the schedule and the statistics an update logs (`train_stats`);
-`PPOTrainer` (`stages.ppo`) hands it the rollout, the advantages and the returns, and runs the forwards
+`PPOTrainer` (`llm_rlhf.ppo.trainer`) hands it the rollout, the advantages and the returns, and runs the forwards
 through `forward_policy`.
 """
 
@@ -38,7 +38,7 @@ TRAIN_STATS = (
 VALUE_STATS = (ppo_metrics.LOSS_VALUE, ppo_metrics.VAL_CLIPFRAC)
 # kl_coef * mean k3 over the minibatch's tokens, when the KL is in the loss
 KL_LOSS_STAT = ppo_metrics.LOSS_KL
-# The policy-loss family's statistics (issue 37), each logged only when its option is on, token means as above:
+# The policy-loss family's statistics, each logged only when its option is on, token means as above:
 CLIP_SIDE_STATS = (
     ppo_metrics.POLICY_CLIPFRAC_LOW,
     ppo_metrics.POLICY_CLIPFRAC_HIGH,
@@ -78,7 +78,7 @@ def what_was_updated(updates: int, *, this_step: bool) -> str:
     `updates`: optimiser steps this PPO step took before the failing minibatch; `this_step`: the failing
     minibatch's own step may have been applied (DeepSpeed's engine steps before the norm is read). Earlier
     minibatches of the same PPO step have already moved the weights; the KL controller, the step count and
-    the checkpoints are updated only after a whole PPO step (issue 29)."""
+    the checkpoints are updated only after a whole PPO step."""
     own = (
         "this minibatch's step may have been applied by the DeepSpeed engine"
         if this_step
@@ -137,9 +137,9 @@ class PPOUpdate(UsesContext):
 
         The first epoch visits the rows in rollout order, the micro-batches on which `rollout` computed
         the old log-probs (the rows are already in random prompt order, `RolloutCollector.queries`): the same rows
-        trimmed to the same widths, so rho == 1 exactly before the first update (SPEC); later epochs shuffle.
+        trimmed to the same widths, so rho == 1 exactly before the first update; later epochs shuffle.
 
-        The policy-loss family (issue 37; with every key at its default the update above, with its arithmetic:
+        The policy-loss family (with every key at its default the update above, with its arithmetic:
         `Config.plain_policy_loss`; `llm_rlhf.rl.policy_losses` says why two paths): the token losses of
         policy_loss (its row's `token_losses`, with the clip keys it reads), times the sampler
         correction's weights (`sampler_weights`), make the policy loss by `loss_math.aggregate_loss` over the
@@ -151,7 +151,7 @@ class PPOUpdate(UsesContext):
         # this run's: the KL loss's beta, the PPO step (for errors), the trainer's policy forward
         self.kl_coef, self.step, self.forward_policy = kl_coef, step, forward_policy
         cfg, sizes = self.cfg, self.sizes
-        # No old log-probs yet (`old_logprobs_from_update`): the policy this forward runs is the old policy, and
+        # No old log-probs yet (`PPOTrainer.old_logprobs_from_update`): the policy this forward runs is the old policy, and
         # its detached log-probs and entropy are the rollout's, filled in here for the metrics and the KL.
         fill = rollout.logprobs is None
         if fill:
@@ -306,11 +306,12 @@ class PPOUpdate(UsesContext):
         """A micro-batch's policy loss: (pg_loss, the loss its other terms add to, the statistics).
 
         normaliser None (`Config.plain_policy_loss`): the clipped loss as a token mean over this micro-batch's
-        mask, which `train_on_rollout` weights by its share of the minibatch's tokens (today's arithmetic,
-        bit for bit), and the loss starts from it. Else this micro-batch's share of `loss_math.aggregate_loss`
-        over the global normaliser (`policy_loss_share`), the sampler correction's (weights, corrected) (B, R)
-        applied, and the other terms start from 0 (they keep their token-share weights)."""
-        if normaliser is None:  # today's loss, with its arithmetic (bit-identical runs)
+        mask, which `accumulate_minibatch` weights by its share of the minibatch's tokens (the arithmetic PPO
+        used before the family existed, bit for bit), and the loss starts from it. Else this micro-batch's
+        share of `loss_math.aggregate_loss` over the global normaliser (`policy_loss_share`), the sampler
+        correction's (weights, corrected) (B, R) applied, and the other terms start from 0 (they keep their
+        token-share weights)."""
+        if normaliser is None:  # the plain loss, with its arithmetic (bit-identical runs)
             pg_loss, pg = ppo_math.policy_loss(
                 logprobs=logprobs,
                 old_logprobs=old_logprobs,

@@ -18,7 +18,7 @@ PPO's other equations; the adapters here only hand them a rollout's tensors:
     remax         no      1       reward  yes     -                score - greedy response's score
 
 Adding an estimator: its pure function below with its tests, one `Estimator` row with an adapter in the
-style of `_gae`, and its row in the tests of tests/test_estimators.py.
+style of `_gae`, and its row in the tests of tests/rl/test_estimators.py.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def grpo_advantages(
             for i in range(k):
                 advantages[p * k + i] = (r[i] - mean) / (std + eps)  if scale_by_std else  r[i] - mean
 
-    Worked example (tests/test_ppo_math.py), k = 4, r = (1, 0, 0, 3): GRPO (0, -0.7071, -0.7071, 1.4142),
+    Worked example (tests/rl/test_ppo_math.py), k = 4, r = (1, 0, 0, 3): GRPO (0, -0.7071, -0.7071, 1.4142),
     Dr. GRPO (0, -1, -1, 2).
     scores: (B,), B = P * k, groups in consecutive rows (`ppo_math.scores_by_prompt`). Returns (B,); spread it
     over the response with `ppo_math.token_advantages`. Raises ValueError for samples_per_prompt < 2.
@@ -157,7 +157,7 @@ def rloo_advantages(*, scores: torch.Tensor, samples_per_prompt: int) -> torch.T
             for i in range(k):
                 advantages[p * k + i] = r[i] - sum(r[j] for j in range(k) if j != i) / (k - 1)
 
-    Worked example (tests/test_ppo_math.py), k = 4, r = (1, 0, 0, 3): A = (0, -1.3333, -1.3333, 2.6667).
+    Worked example (tests/rl/test_ppo_math.py), k = 4, r = (1, 0, 0, 3): A = (0, -1.3333, -1.3333, 2.6667).
     scores: (B,), B = P * k, groups in consecutive rows (`ppo_math.scores_by_prompt`). Returns (B,).
     Raises ValueError for samples_per_prompt < 2.
     """

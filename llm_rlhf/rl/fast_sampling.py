@@ -24,7 +24,7 @@ The tokens come from the same distribution: a merged or prepacked matmul compute
 unmerged `F.linear`, up to float rounding (another summation order), the same kind of difference as between
 the KV-cached decode and the full forward that PPO's log-probs come from. The log-probs, the KL and the
 ratio are computed after sampling by the unchanged forwards, so KL = 0 and ratio = 1 at the first step hold
-exactly, and `tests/test_sampling.py` checks the draws against a naive loop draw for draw.
+exactly, and `tests/rl/test_sampling.py` checks the draws against a naive loop draw for draw.
 """
 
 from __future__ import annotations
@@ -311,7 +311,7 @@ def decode(
     number); rows that ended get pad_token_id; a row ends at EOS or where a stopping criterion says so, and
     the loop ends when every row has ended or after sampling.max_new_tokens tokens.
     With `draw_tokens` = `torch.multinomial(probs, 1)[:, 0]` it returns what `generate` returns from the same random
-    numbers (`tests/test_sampling.py`). token_logprobs: a list that gets, per step t, the (B,) log-probability of
+    numbers (`tests/rl/test_sampling.py`). token_logprobs: a list that gets, per step t, the (B,) log-probability of
     each row's drawn token under the distribution it was drawn from, log of softmax(processed logits)[token]
     (0 for rows that had ended; nothing when greedy): the sampler's log q(y_t), which a lower-precision
     sampler makes differ from the policy's log-probs. sampling.sampling_compile: the prefill as before, then every decode

@@ -15,7 +15,7 @@ import torch
 from llm_rlhf.rl.ppo_math import masked_mean, masked_sum, scores_by_prompt
 
 # ---------------------------------------------------------------------------------------------
-# The policy-loss family of 2025-26 (SPEC): per-token losses, their aggregation, sampler correction,
+# The policy-loss family of 2025-26 (DAPO, GSPO, CISPO, SAPO and their kin): per-token losses, their aggregation, sampler correction,
 # overlong shaping, dynamic sampling
 # ---------------------------------------------------------------------------------------------
 #
@@ -128,7 +128,7 @@ def sampler_correction_weights(
 
     The weights carry no gradient; the caller multiplies the token losses by them before `aggregate_loss`
     (the normaliser is unchanged: a masked token still counts, with weight 0).
-    SPEC example, d = (0.1, -0.2, 0.9), C = 2: tis w = (1.10517, 0.81873, 2.0), mis w = (1, 1, 0).
+    Worked example, d = (0.1, -0.2, 0.9), C = 2: tis w = (1.10517, 0.81873, 2.0), mis w = (1, 1, 0).
 
     For every estimator and every policy loss. old_logprobs, sampler_logprobs: (B, T); response_mask: (B, T)
     bool. Returns (weights (B, T), 0 off the mask; SamplerCorrectionStats). Raises ValueError for a cap
@@ -187,7 +187,7 @@ def overlong_penalty(
               = -penalty                              truncated (no EOS nor stop string)
 
     |y| counts the response's tokens, its EOS included (`response_mask.sum(-1)`). buffer = 0 penalises only
-    the truncated responses. SPEC example, L_max 20, buffer 4: |y| <= 16 -> 0; 18 -> -0.5; 20 ending with
+    the truncated responses. Worked example, L_max 20, buffer 4: |y| <= 16 -> 0; 18 -> -0.5; 20 ending with
     EOS -> -1; truncated -> -1.
 
     For every estimator (it changes the scores, before any advantage). lengths: (B,) integer; truncated:
@@ -228,7 +228,7 @@ def tied_groups(*, scores: torch.Tensor, samples_per_prompt: int) -> torch.Tenso
 
     For the group-baseline estimators (grpo, dr_grpo, rloo); pass the verifier's verdicts where the task has
     one, else the scores before any shaping (a length penalty or a KL in the reward would untie groups whose
-    answers are equally right: `PPOTrainer.tie_scores`, issue 50). scores: (B,), groups in consecutive rows
+    answers are equally right: `RolloutCollector.collect_untied`). scores: (B,), groups in consecutive rows
     (`scores_by_prompt`). Returns (P,) bool.
     """
     grouped = scores_by_prompt(scores=scores, samples_per_prompt=samples_per_prompt)  # (P, k)

@@ -1,11 +1,11 @@
-"""The policy losses, one row each: everything PPO needs to know about `policy_loss` (issue 50).
+"""The policy losses, one row each: everything PPO needs to know about `policy_loss`.
 
 A row says which loss aggregation its papers use (the first is `loss_aggregation`'s default for it), which
 clip keys it reads and what they resolve to when null, whether it needs one advantage per response, whether
 the sampler correction (the sampler's recorded log-probs) weighs its token losses, whether its defaults take
-the plain update, and its token-loss function. The config (`ppo_config`) and the trainer (`ppo`) read the row
-and never the name. The math is pure functions (SPEC "The policy-loss family of 2025-26"): gspo's, cispo's and
-sapo's token losses below; ppo_clip's in `ppo_math`, where PPO's plain loss is built on it:
+the plain update, and its token-loss function. The config (`llm_rlhf.ppo.config`) and the update
+(`llm_rlhf.ppo.update`) read the row and never the name. The math is pure functions, each citing its paper:
+gspo's, cispo's and sapo's token losses below; ppo_clip's in `ppo_math`, where PPO's plain loss is built on it:
 
     loss      aggregation (papers)                     clip keys read              null clip  per response
     ppo_clip  token_mean, seq_mean_token_mean,         cliprange_low/high,         cliprange  no
@@ -14,16 +14,17 @@ sapo's token losses below; ppo_clip's in `ppo_math`, where PPO's plain loss is b
     cispo     token_mean                               cliprange_high              cliprange  no
     sapo      seq_mean_token_mean                      none (tau 1.0 / 1.05)       -          no
 
-Why two update paths (`Config.plain_policy_loss`, `PPOTrainer.policy_terms`): with every key of the family at
-its default, ppo_clip with a symmetric clip and token_mean, the trainer computes the loss of every run before
-issue 37 with its arithmetic, `ppo_math.policy_loss` (a masked mean per micro-batch, weighted by its share of
-the minibatch's tokens). The family's path (`aggregate_loss`: a sum over the rows divided by the global
-normaliser) is the same math but another order of float operations, so taking it for the defaults would
-change the weights of every default run in the last bits; the plain path keeps them bit-identical (issue 36's
-and issue 50's hashes, `benchmarks/behaviour_hashes.py`). Only a row with `plain` may take it.
+Why two update paths (`Config.plain_policy_loss`, `PPOUpdate.policy_terms`): with every key of the family at
+its default, ppo_clip with a symmetric clip and token_mean, the trainer computes the loss with the arithmetic
+PPO used before the family existed, `ppo_math.policy_loss` (a masked mean per micro-batch, weighted by its
+share of the minibatch's tokens). The family's path (`loss_math.aggregate_loss`: a sum over the rows divided
+by the global normaliser) is the same math but another order of float operations, so taking it for the
+defaults would change the weights of every default run in the last bits; the plain path keeps them
+bit-identical (the recorded hashes of `benchmarks/behaviour_hashes.py`). Only a row with `plain` may take it.
 
-Adding a policy loss: its pure function below with its tests against the SPEC's worked example, one
-`PolicyLoss` row with an adapter in the style of `_gspo`, and its row in the README's option table.
+Adding a policy loss: its pure function below with its tests against a worked example (as in
+tests/rl/test_loss_family.py), one `PolicyLoss` row with an adapter in the style of `_gspo`, and its row in
+the README's option table.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class PolicyLoss:
     response (a sequence-level ratio): only for an estimator whose `Estimator.response_advantages` is true.
     sampler_correction: the sampler correction's weights (from the sampler's recorded log-probs q,
     `sampler_correction`) multiply its token losses. plain: with a symmetric clip, token_mean and no other key
-    of the family it is PPO's loss of every run before issue 37, which the trainer computes with that
+    of the family it is PPO's loss as computed before the family existed, which the trainer computes with that
     arithmetic (the module's docstring says why). token_losses: the function, per-token losses (b, R) and
     their `ppo_math.TokenLossStats`."""
 
@@ -114,8 +115,8 @@ def gspo_token_losses(
     A clipped response contributes a constant (gradient 0 on all its tokens). The ratios of a sequence stay
     near 1 (a mean of log-ratios), hence the small clip range of the paper: 3e-4 below, 4e-4 above.
 
-    SPEC example: s_a = 1.0816654 (A = 1), s_b = 0.9904902 (A = -0.5); losses a: -1.0004, b: 0.49985, both
-    clipped; mean over responses -0.250275.
+    Worked example (tests/rl/test_loss_family.py): s_a = 1.0816654 (A = 1), s_b = 0.9904902 (A = -0.5);
+    losses a: -1.0004, b: 0.49985, both clipped; mean over responses -0.250275.
 
     For per-response advantages (grpo, dr_grpo, rloo, remax: one A_i spread over the response with
     `ppo_math.token_advantages`); not for gae or reinforce_pp, whose advantages vary along the response (it
@@ -163,8 +164,8 @@ def cispo_token_losses(
     rho = 1 the gradient is PPO's. The value of l_t depends on log pi itself and is no objective to read;
     its gradient is what matters.
 
-    SPEC example, eps_high = 0.28, token-mean over the 6 tokens: d loss / d log pi =
-    a: (-0.21333, -0.15), b: (0.091667, 0.058333, 0.083333, 0.104167).
+    Worked example (tests/rl/test_loss_family.py), eps_high = 0.28, token-mean over the 6 tokens:
+    d loss / d log pi = a: (-0.21333, -0.15), b: (0.091667, 0.058333, 0.083333, 0.104167).
 
     For every advantage estimator (per-token or per-response advantages).
     logprobs (with grad), old_logprobs, advantages: (B, T); response_mask: (B, T) bool.
@@ -207,8 +208,9 @@ def sapo_token_losses(
     vocabulary, the less stable side).
     The value of l_t at rho = 1 is -2 A_t / tau_t, not -A_t: the gate's gradient, not its value, is PPO's.
 
-    SPEC example, rho = (1.2, 0.9, 1.0), A = (1.0, -0.5, 2.0): l = (-2.199336, 0.902427, -4.0), d l / d log pi
-    = (-1.188080, 0.448762, -2.0); far off-policy, A = 1: rho = 2 -> -1.572895, rho = 3 -> -1.259923.
+    Worked example (tests/rl/test_loss_family.py), rho = (1.2, 0.9, 1.0), A = (1.0, -0.5, 2.0):
+    l = (-2.199336, 0.902427, -4.0), d l / d log pi = (-1.188080, 0.448762, -2.0); far off-policy, A = 1:
+    rho = 2 -> -1.572895, rho = 3 -> -1.259923.
 
     For every advantage estimator (per-token or per-response advantages).
     logprobs (with grad), old_logprobs, advantages: (B, T); response_mask: (B, T) bool.

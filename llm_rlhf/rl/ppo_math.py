@@ -114,7 +114,7 @@ def kl_penalty(*, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator:
     With log p = logprobs, log q = ref_logprobs and r = q / p (Schulman 2020, "Approximating KL
     divergence", http://joschu.net/blog/kl-approx.html):
 
-        "k1"   log p - log q                      unbiased, can be negative per token (SPEC default)
+        "k1"   log p - log q                      unbiased, can be negative per token (the default)
         "k3"   (r - 1) - log r                    unbiased, always >= 0, lower variance
         "abs"  |log p - log q|
         "mse"  1/2 (log p - log q)^2              the "k2" estimator
@@ -311,7 +311,7 @@ def reinforce_pp_advantages(
             for t in reversed([t for t in range(T) if response_mask[b, t]]):
                 running = returns[b, t] = rewards[b, t] + running
 
-    SPEC example, the 3-token response with beta = 0.1: rewards (-0.06, 0.15, 5.00) -> returns
+    Worked example, the 3-token response with beta = 0.1: rewards (-0.06, 0.15, 5.00) -> returns
     (5.09, 5.15, 5.00) -> advantages, whitened alone, (0.1325, 0.9272, -1.0596).
     rewards: (B, T) float; response_mask: (B, T) bool. Returns (advantages, returns), both (B, T),
     0 at masked-out positions. Raises ValueError for fewer than 2 response tokens in the batch.
@@ -380,7 +380,7 @@ def ppo_clip_token_losses(
     plain loss -rho * A grows without limit. Wherever a clip binds, the token's loss is a constant:
     gradient 0.
 
-    SPEC example, eps_low 0.2, eps_high 0.28: rho = (1.3, 0.9), A = 1 -> l = (-1.28, -0.9) (-1.2 on the
+    Worked example, eps_low 0.2, eps_high 0.28: rho = (1.3, 0.9), A = 1 -> l = (-1.28, -0.9) (-1.2 on the
     first with a symmetric 0.2); rho = (1.1, 0.7, 1.0, 1.25), A = -0.5 -> l = (0.55, 0.4, 0.5, 0.625),
     the second clipped. Dual clip c = 3, A = -0.5, rho = 4: l = 2.0, dual-clipped 1.5.
 
@@ -484,7 +484,7 @@ def kl_loss(
     with p the current policy (gradient through `logprobs`) and q the frozen reference, so
     dk3_t / dlog p_t = 1 - exp(log q_t - log p_t): it pulls log p_t down where the policy is above the
     reference and up where it is below. Added to the policy loss, with the same token-level mean.
-    SPEC example, log p = (-0.9, -2.5), log q = (-1.5, -1.0): k3 = (0.14881, 1.98169).
+    Worked example, log p = (-0.9, -2.5), log q = (-1.5, -1.0): k3 = (0.14881, 1.98169).
 
     The same kl_coef is another penalty here than in the reward. k3's value estimates the per-token reverse
     KL(pi_theta || pi_ref), as the reward's k1 does, but its expected gradient over y_t ~ pi_theta is

@@ -112,7 +112,7 @@ class Samples:
         Every real token keeps its token id, mask and position (positions count real tokens only,
         `token_math.position_ids_from_mask`), and no real position attends to a dropped column (padding), so a
         forward over the trimmed rows gives the same outputs at every real position up to float rounding
-        (matmuls of another shape; `tests/test_trim.py`). Shorter prompts and responses of the batch stay
+        (matmuls of another shape; `tests/ppo/test_trim.py`). Shorter prompts and responses of the batch stay
         padded. Fields: query and query_mask are cut on the left, every other field with a column axis
         (response, response_mask and, for a `Rollout`, the (B, R) tensors) on the right; scores (B,) stay.
         Outputs of the forward: (B, R') -> `pad_columns(x, R)`. So a batch whose responses end after 5

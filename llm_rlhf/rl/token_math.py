@@ -90,7 +90,7 @@ def response_mask_from_tokens(
     """True up to and including the first end token; everything after it is padding. An end token is an
     EOS, or a token marked in `stops` (the token completing a stop string, `rollout.stop_string_ends`).
     The end token counts: it is a sampled action, and the score lands on it (the last True, see
-    `shaped_rewards`).
+    `ppo_math.shaped_rewards`).
 
         position        0     1     2     3     4
         response        r     r    EOS   pad   pad      (pad may be EOS itself, as for GPT-2)

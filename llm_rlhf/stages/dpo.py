@@ -233,7 +233,7 @@ def lora_config(cfg: Config, model) -> LoraConfig:
 
 def build_trainer(cfg: Config, model, ref_model, tokenizer, train_dataset, eval_dataset) -> DPOTrainer:
     """TRL's DPOTrainer on prompt/chosen/rejected strings (TRL appends the EOS and tokenizes them as
-    `encode_pairs` does; pinned by tests/test_bos_prompts.py). ref_model None: the LoRA reference."""
+    `encode_pairs` does; pinned by tests/stages/test_bos_prompts.py). ref_model None: the LoRA reference."""
     args = DPOConfig(
         **cfg.training_arguments(),
         beta=cfg.beta,

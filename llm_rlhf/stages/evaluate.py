@@ -150,7 +150,6 @@ class Config(SamplingRunKeys):
         None,
         "The reference pi_ref of kl_to_ref (null = baseline_path); it must share the policy's tokenizer.",
     )
-    # --- episodes of several turns (issue 51; `llm_rlhf.rl.episodes`)
     # --- prompts
     prompt_file: str = help_field(
         "data/reviews/eval_prompts.jsonl",
@@ -246,7 +245,7 @@ def sample_row(
     for key in SAMPLE_KEYS:
         for who, record in (("policy", policy), ("baseline", baseline)):
             row[metric_names.side(who, key)] = record[key]
-    for key in EPISODE_ROW_KEYS:  # episodes (issue 51): policy_turns, ... where they were played
+    for key in EPISODE_ROW_KEYS:  # episodes of several turns: policy_turns, ... where they were played
         if key in policy:
             for who, record in (("policy", policy), ("baseline", baseline)):
                 row[metric_names.side(who, key)] = record[key]
@@ -462,7 +461,7 @@ def measure(cfg: Config, inputs: EvalInputs, models: EvalModels) -> Measured:
     """Step 3: both models sampled on the same prompts with paired seeds (`PairedSampling`), scored as PPO
     scores, judged, their KL to the reference measured (the baseline's only when it reads the reference's
     ids); with a verifier one greedy response per prompt and model."""
-    play = None  # episodes with an environment, played as PPO played them (issue 51)
+    play = None  # episodes with an environment, played as PPO played them
     if cfg.environment is not None:
         play = EpisodePlay(
             environment_factory(cfg.environment, verifier=inputs.verifier), EpisodeLimits.of(cfg)

@@ -247,7 +247,7 @@ def parse_problem(prompt: str) -> tuple[str, tuple[int, ...]] | None:
     """(kind, operands) of the last problem of this task asked in `prompt`, or None when there is none.
 
     The last: the match of any phrasing that ends latest. Two phrasings ending there with different
-    problems raise (no phrasing of KINDS does that; `tests/test_arithmetic.py` checks it)."""
+    problems raise (no phrasing of KINDS does that; `tests/tasks/test_arithmetic.py` checks it)."""
     found = {}
     for kind, pattern in PATTERNS:
         for m in pattern.finditer(prompt):

@@ -252,7 +252,7 @@ def final_eval(trainer) -> dict[str, float]:
 def check_deepspeed_launch(*, bf16: bool) -> None:
     """Under `accelerate launch` with a DeepSpeed config (accelerate passes it in ACCELERATE_* variables):
     ZeRO-2 and ZeRO-3 run TRL's trainers for real, LoRA included (on 2 CPU processes in
-    tests/test_deepspeed.py; after training every process enters the gather of ZeRO-3's partitions,
+    tests/multiprocess/test_deepspeed.py; after training every process enters the gather of ZeRO-3's partitions,
     `whole_model`). The engine trains in the launch's mixed_precision and the Trainer checks its config
     against `bf16`: a mismatch is one line here instead of the Trainer's traceback."""
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
