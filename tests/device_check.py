@@ -1,4 +1,4 @@
-"""A device check without a device (issue 49): `on_device()` emulates "the models live on an accelerator, a
+"""A device check without a device: `on_device()` emulates "the models live on an accelerator, a
 tensor made without a device lives on the host" while every tensor stays on the CPU, and raises what CUDA
 raises ("Expected all tensors to be on the same device ...") where an op mixes the two. An entry point that
 forgets to move its inputs to the model's device fails here, in CI, as it would on a GPU.

@@ -1,5 +1,6 @@
-"""Environments for tests/test_episodes.py, named in configs as `tests/envs.py:<Class>` (from the repo root) or
-`envs:<Class>` (tests/ is on the python path under pytest)."""
+"""Environments for the episode tests (tests/rl/test_episodes.py, tests/scripts/episode_ranks.py), named in
+configs as `tests/envs.py:<Class>` (from the repo root) or `envs:<Class>` (tests/ is on the python path under
+pytest)."""
 
 from __future__ import annotations
 

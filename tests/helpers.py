@@ -1,19 +1,32 @@
 """What the tests share, imported one way: `from helpers import ...` (pytest puts tests/ on the path, as for
 `conftest.py`; no test module imports another).
 
+    paths             ROOT (the repository), FIXTURES (tests/fixtures), SCRIPTS (tests/scripts), REWARD_FNS
+                      (tests/reward_fns.py as a path)
     tiny models       SENTENCES, train_tokenizer / build_tokenizer (a byte-level BPE trained in-process),
                       build_model (a tiny GPT-2 or Llama saved as an HF folder), bos_model_dir (a Llama whose
-                      tokenizer adds BOS), naive_sample (the sampling loop `rollout.sample` must equal)
+                      tokenizer adds BOS), eos_prone_model, perturbed_member (a reward model with a head of
+                      its own), naive_sample (the sampling loop `rollout.sample` must equal)
+    chat prompts      TAGGED_CHAT_TEMPLATE, COLON_CHAT_TEMPLATE, CHATS / RENDERED, STOP_STRINGS, smollm2_chat,
+                      tiny_chat_model, with_chat_template, naive_end (where a stop string ends a response)
     scoring           eos_rows (stopped, truncated and finished responses as `Samples`), scores_alone
-    files             write_jsonl, preference_rows, flags (a dict as command-line flags)
+    files             write_jsonl, read_jsonl, logged (a run's metrics.jsonl), preference_rows, flags (a dict
+                      as command-line flags), load_script (a script of data/ or benchmarks/ as a module),
+                      names_compared_outside (a scan of the package for branches on a table's names)
     comparing         approx_numbers (a record's numbers approximately, everything else exactly),
-                      sum_tolerance (the rounding of a sum of n terms in a dtype)
+                      sum_tolerance (the rounding of a sum of n terms in a dtype), F64 / TIGHT /
+                      FOUR_DECIMALS / t64 (float64 figures and their tolerances)
     PPO               ppo_config (the one PPO config builder of the tests), tiny_ppo_trainer (a real trainer on one
                       CPU process), recording_rollouts, record_raw_grads, one_update, use_fixed_responses,
-                      ppo_cli_args
+                      perturb (a policy moved off its reference), ppo_cli_args
     evaluation        eval_config
-    pipeline          tiny_overrides (a recipe's stages on a tiny model), pipeline_argv, run_pipeline
-    processes         launch: the one way tests run `accelerate launch`; pairs_stage_on_two_processes (rm, dpo)
+    pipeline          tiny_overrides (a recipe's stages on a tiny model), pipeline_argv, run_pipeline, ppo_steps
+    processes         launch: the one way tests run `accelerate launch`; pairs_stage_on_two_processes (rm, dpo);
+                      process_env; ppo_command (`llm-rlhf ppo` in a process of its own, or killed with SIGKILL
+                      at a step); interrupt_ppo_at and killed_and_resumed (Ctrl-C in a step, then --resume)
+
+The fixtures built from these (tiny_model_dir, tiny_rm_dir, prompt_file, ...) are in `conftest.py`; the
+synthetic run folders of the report tests in `report_runs.py`.
 
 Nothing here touches the network: tests load these folders through the same `from_pretrained` code that
 users run on `gpt2` or a local checkpoint.
@@ -21,6 +34,7 @@ users run on `gpt2` or a local checkpoint.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -33,6 +47,9 @@ import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures"  # small data files checked in
+SCRIPTS = ROOT / "tests" / "scripts"  # what the multi-process tests run under `accelerate launch`
+REWARD_FNS = str(ROOT / "tests" / "reward_fns.py")  # a reward_fn in its file form: REWARD_FNS + ":length"
 # where the commands put their models on this machine (accelerate's choice): a test that compares an in-process
 # run with a command's puts its models here, as sampling draws from the device's own generator
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -54,6 +71,14 @@ SENTENCES = [
 
 
 # --- comparing -----------------------------------------------------------------------------------------
+
+F64 = torch.float64
+TIGHT = {"rtol": 0, "atol": 1e-12}  # assert_close's tolerances where float64 math must agree to rounding
+FOUR_DECIMALS = {"rtol": 0, "atol": 5e-5}  # a figure printed to 4 decimals
+
+
+def t64(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=F64)
 
 
 def approx_numbers(record):
@@ -105,6 +130,52 @@ def preference_rows() -> list[dict]:
 def flags(values: dict) -> list[str]:
     """{"steps": 2, ...} -> ["--steps", "2", ...]: config keys as a user types them."""
     return [item for key, value in values.items() for item in (f"--{key}", str(value))]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The rows of a JSONL file (one JSON object a line)."""
+    with Path(path).open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def logged(out: Path) -> list[dict]:
+    """The metrics a run wrote to `out`/metrics.jsonl, one dict per step."""
+    return read_jsonl(out / "metrics.jsonl")
+
+
+def load_script(path: Path, name: str | None = None, *, monkeypatch=None, register: bool = False):
+    """The Python file `path` (a script of data/ or benchmarks/) imported as the module `name` (its stem by
+    default). A script whose dataclasses look their module up must be in `sys.modules` while it runs:
+    `monkeypatch` puts it there for the test, `register` for the session."""
+    name = name or Path(path).stem
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    if monkeypatch is not None:
+        monkeypatch.setitem(sys.modules, name, module)
+    elif register:
+        sys.modules[name] = module
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def names_compared_outside(table: str, names) -> list[str]:
+    """Every comparison in llm_rlhf/ outside the file named `table` that names one of `names` (`x == "gae"`,
+    `x in ("grpo", ...)`), as "file.py:line": what a table's row is should be read from its row, not branched
+    on by name."""
+    import ast
+
+    found, paths = [], sorted((ROOT / "llm_rlhf").rglob("*.py"))
+    assert len(paths) > 30 and any(p.name == "ppo.py" for p in paths)  # the scan reads the whole package
+    for path in paths:
+        if path.name == table:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Compare):
+                for side in (node.left, *node.comparators):
+                    constants = [side] if isinstance(side, ast.Constant) else getattr(side, "elts", [])
+                    if any(isinstance(n, ast.Constant) and n.value in names for n in constants):
+                        found.append(f"{path.name}:{node.lineno}")
+    return found
 
 
 # --- tiny models -----------------------------------------------------------------------------------------
@@ -250,6 +321,98 @@ def naive_sample(
     return torch.stack(out, dim=1)  # (B, steps or fewer)
 
 
+# --- chat prompts ----------------------------------------------------------------------------------------
+
+TAGGED_CHAT_TEMPLATE = (  # "<|user|>The film is\n<|assistant|>"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+COLON_CHAT_TEMPLATE = (  # "user: The film is\nassistant:"
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+CHATS = [
+    [{"role": "user", "content": "The film is"}],
+    [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "A gorgeous"}],
+    [{"role": "user", "content": "The acting"}, {"role": "assistant", "content": " is superb."}],
+]
+RENDERED = [  # CHATS under COLON_CHAT_TEMPLATE: every turn before the last assistant turn, then the generation prompt
+    "user: The film is\nassistant:",
+    "system: Be kind.\nuser: A gorgeous\nassistant:",
+    "user: The acting\nassistant:",
+]
+STOP_STRINGS = ["e", "a"]  # in about one token of five of the tiny tokenizer's: some responses stop, some do not
+
+
+def smollm2_chat(*user_turns: str, answers: tuple[str, ...] = ()) -> str:
+    """A prompt as SmolLM2-Instruct's chat template renders it with the generation prompt (its exact text)."""
+    text = (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+    )
+    for i, turn in enumerate(user_turns):
+        text += f"<|im_start|>user\n{turn}<|im_end|>\n"
+        if i < len(answers):
+            text += f"<|im_start|>assistant\n{answers[i]}<|im_end|>\n"
+    return text + "<|im_start|>assistant\n"
+
+
+def tiny_chat_model(folder: Path, chat_template: str, n_positions: int = 1024, kind: str = "llama") -> Path:
+    """A tiny model (a Llama, or `kind`) HF folder whose tokenizer has `chat_template` (a recipe's chat prompts
+    render with it)."""
+    from llm_rlhf.models.loading import load_tokenizer
+
+    model = build_model(folder, kind, n_positions=n_positions)
+    tokenizer = load_tokenizer(str(model))
+    tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(model)
+    return model
+
+
+def with_chat_template(model_dir: Path, folder: Path, chat_template: str) -> Path:
+    """A copy of the HF folder `model_dir` in `folder` whose tokenizer has `chat_template` (as an instruct
+    model's, e.g. SmolLM2-Instruct)."""
+    import shutil
+
+    from llm_rlhf.models.loading import load_tokenizer
+
+    shutil.copytree(model_dir, folder)
+    tokenizer = load_tokenizer(str(folder))
+    tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def eos_prone_model(folder: Path) -> Path:
+    """The tiny GPT-2 with its EOS logit raised by 5 at every position (P(EOS) ~ 0.25 instead of ~1/400), so
+    responses end early and min_new_tokens has something to prevent: ln_f's bias moved along EOS's (tied)
+    output embedding w adds 5 * w.w / w.w to the EOS logit."""
+    from transformers import AutoModelForCausalLM
+
+    build_model(folder, "gpt2")
+    lm = AutoModelForCausalLM.from_pretrained(folder)
+    eos = lm.config.eos_token_id
+    with torch.no_grad():
+        w = lm.transformer.wte.weight[eos].clone()
+        lm.transformer.ln_f.bias += 5.0 * w / w.dot(w)
+    lm.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def naive_end(tokenizer, ids: list[int], stop_strings, min_new_tokens: int = 0) -> int | None:
+    """Where `ids` ends at its first stop string, checked the long way: the first length n >= min_new_tokens
+    (and >= 1) whose decoded text holds more occurrences of some stop string than the text of its first n - 1
+    tokens. None when no token completes one."""
+
+    def count(text: str, stop: str) -> int:
+        return sum(text.startswith(stop, i) for i in range(len(text)))
+
+    for n in range(max(min_new_tokens, 1), len(ids) + 1):
+        before, after = (tokenizer.decode(ids[:m], skip_special_tokens=False) for m in (n - 1, n))
+        if any(count(after, stop) > count(before, stop) for stop in stop_strings):
+            return n
+    return None
+
+
 # --- PPO -------------------------------------------------------------------------------------------------
 
 
@@ -279,6 +442,20 @@ def eos_rows(tokenizer):
 def scores_alone(rm, rows: list[list[int]]) -> torch.Tensor:
     """rm.score of each row alone (no padding at all): (B,)."""
     return torch.cat([rm.score(torch.tensor([r]), torch.ones(1, len(r), dtype=torch.long)) for r in rows])
+
+
+def perturbed_member(source: Path, folder: Path, *, seed: int, mean: float, std: float) -> Path:
+    """The reward model of `source` with a freshly drawn score head and its own stored normalisation, saved in
+    `folder`: an ensemble member that disagrees with the others."""
+    from llm_rlhf.models.reward_model import load_reward_model, save_reward_model
+
+    rm = load_reward_model(source)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        rm.model.score.weight.normal_(0.0, 0.5)
+    rm.normalization = {"mean": mean, "std": std, "reference_set": "test", "n": 1}
+    save_reward_model(rm, folder, merge_lora=False)
+    return folder
 
 
 def ppo_config(model_dir, rm_dir, prompt_file, out, **kw):
@@ -398,6 +575,14 @@ def use_fixed_responses(trainer, seed: int = 7) -> None:
     trainer.collector.generate = fixed
 
 
+def perturb(model: torch.nn.Module, seed: int, scale: float = 0.05) -> None:
+    """Move every parameter by scale * N(0, 1) noise (seeded): the policy off its reference."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+
+
 def ppo_cli_args(model_dir, rm_dir, prompt_file, out: Path, steps: int, **kw) -> list[str]:
     """`-m llm_rlhf ppo` with flags for a tiny run (rollouts of 4 per process, a checkpoint every step)."""
     values = dict(model_name_or_path=model_dir, reward_model_path=rm_dir, prompt_file=prompt_file,
@@ -482,7 +667,19 @@ def run_pipeline(argv: list[str]) -> dict:
     return pipeline.run(parse_config(pipeline.Config, argv))
 
 
+def ppo_steps(folder: Path) -> list[int]:
+    """The steps a pipeline run's PPO stage logged (`folder`/ppo/metrics.jsonl)."""
+    return [row["step"] for row in logged(folder / "ppo")]
+
+
 # --- processes -------------------------------------------------------------------------------------------
+
+
+def process_env() -> dict:
+    """The environment of a command a test starts: one thread per process, and this checkout's llm_rlhf
+    first on the path (not another installed copy)."""
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": pythonpath}
 
 
 def launch(
@@ -510,11 +707,8 @@ def launch(
         head = ["--cpu", "--num_processes", "1"]
     if mixed_precision is not None:
         head += ["--mixed_precision", mixed_precision]
-    # The processes import llm_rlhf: this checkout's, not another installed copy.
-    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": pythonpath}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *head, *args]
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(cmd, cwd=ROOT, env=process_env(), capture_output=True, text=True, timeout=timeout)
     if check:
         assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     return result
@@ -534,36 +728,45 @@ def pairs_stage_on_two_processes(stage: str, model_dir: Path, pref_files, out: P
     assert math.isclose(max(epochs), 1.2, rel_tol=1e-6), epochs
 
 
-def killed_and_resumed(make_config, out: Path, monkeypatch) -> tuple[list[dict], list[dict]]:
-    """A PPO run of `make_config(folder, **kw)` uninterrupted into out/a, and into out/b killed at step 3
-    (KeyboardInterrupt inside `ppo_step`: nothing final written) and resumed from its last checkpoint. Returns
-    both runs' metrics.jsonl lines, for the caller to compare (an exact resume gives the same figures)."""
+def interrupt_ppo_at(monkeypatch, step: int):
+    """Make `PPOTrainer.ppo_step` raise KeyboardInterrupt (a user's Ctrl-C) when the trainer's step counter is
+    `step`, i.e. as PPO step `step` + 1 starts: the steps before it are logged and checkpointed as usual.
+    Returns the function that puts the real `ppo_step` back."""
     from llm_rlhf.ppo import trainer as ppo_trainer
+
+    original = ppo_trainer.PPOTrainer.ppo_step
+
+    def dies_at(self):
+        if self.step == step:
+            raise KeyboardInterrupt("killed")
+        return original(self)
+
+    monkeypatch.setattr(ppo_trainer.PPOTrainer, "ppo_step", dies_at)
+    return lambda: monkeypatch.setattr(ppo_trainer.PPOTrainer, "ppo_step", original)
+
+
+def killed_and_resumed(make_config, out: Path, monkeypatch) -> tuple[list[dict], list[dict]]:
+    """A PPO run of `make_config(folder, **kw)` uninterrupted into out/a, and into out/b killed as step 4
+    starts (KeyboardInterrupt inside `ppo_step`: nothing final written) and resumed from its last checkpoint.
+    Returns both runs' metrics.jsonl lines, for the caller to compare (an exact resume gives the same figures)."""
     from llm_rlhf.stages import ppo
 
     ppo.run(make_config(out / "a"))
-    original = ppo_trainer.PPOTrainer.ppo_step
-
-    def dies_at_step_3(self):
-        if self.step == 3:
-            raise KeyboardInterrupt
-        return original(self)
-
-    monkeypatch.setattr(ppo_trainer.PPOTrainer, "ppo_step", dies_at_step_3)
+    restore = interrupt_ppo_at(monkeypatch, 3)
     with pytest.raises(KeyboardInterrupt):
         ppo.run(make_config(out / "b"))
-    monkeypatch.setattr(ppo_trainer.PPOTrainer, "ppo_step", original)
+    restore()
     assert not (out / "b" / "metrics.json").exists()  # nothing final was written
     ppo.run(make_config(out / "b", resume=True))
-    return tuple([json.loads(x) for x in (out / d / "metrics.jsonl").read_text().splitlines()] for d in "ab")
+    return tuple(logged(out / d) for d in "ab")
 
 
-def tiny_chat_model(folder: Path, chat_template: str, n_positions: int = 1024) -> Path:
-    """A tiny Llama HF folder whose tokenizer has `chat_template` (a recipe's chat prompts render with it)."""
-    from llm_rlhf.models.loading import load_tokenizer
+def ppo_command(args: list[str], *more: str, kill_at: int | None = None) -> subprocess.CompletedProcess:
+    """`python -m llm_rlhf ppo ...` (`args` from `ppo_cli_args`, then `more`) in a process of its own from the
+    repo root, as a user runs it; with `kill_at` N the same command through tests/scripts/kill_at_step.py,
+    which kills its own process with SIGKILL as step N starts (kill -9: nothing is written on the way out)."""
+    if kill_at is not None:  # ["-m", "llm_rlhf", "ppo", ...] -> [kill_at_step.py, N, "ppo", ...]
+        args = [str(SCRIPTS / "kill_at_step.py"), str(kill_at), *args[2:]]
+    return subprocess.run([sys.executable, *args, *more], cwd=ROOT, env=process_env(), capture_output=True,
+                          text=True, timeout=900)  # fmt: skip
 
-    model = build_model(folder, "llama", n_positions=n_positions)
-    tokenizer = load_tokenizer(str(model))
-    tokenizer.chat_template = chat_template
-    tokenizer.save_pretrained(model)
-    return model

@@ -1,6 +1,7 @@
-"""Rule-based reward functions for tests/test_reward_fn.py, named in configs as `reward_fns:<name>` (tests/
-is on the python path under pytest) or `tests/reward_fns.py:<name>` (the file, from the repo root); and
-verifiers for tests/test_accuracy.py (`accuracy_fn`: 1.0 correct, 0.0 wrong)."""
+"""Rule-based reward functions for the tests (tests/models/test_reward_fn.py and others), named in configs as
+`reward_fns:<name>` (tests/ is on the python path under pytest) or `tests/reward_fns.py:<name>` (the file,
+from the repo root); and verifiers for tests/evaluation/test_accuracy.py (`accuracy_fn`: 1.0 correct, 0.0
+wrong)."""
 
 from __future__ import annotations
 

@@ -6,13 +6,14 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
 from llm_rlhf.core.config import format_help, parse_config, save_config
 from llm_rlhf.core.errors import ConfigError
 from llm_rlhf.interfaces import cli
 from llm_rlhf.stages.sft import Config
 
-RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "reviews" / "sft.yaml"
+RECIPE = ROOT / "recipes" / "reviews" / "sft.yaml"
 
 
 def write_yaml(tmp_path: Path, text: str) -> Path:

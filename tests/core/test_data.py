@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import flags, write_jsonl
+from helpers import FIXTURES, ROOT, TAGGED_CHAT_TEMPLATE, flags, write_jsonl
 
 from llm_rlhf.core import data
 from llm_rlhf.core.data import load_preference_dataset, load_prompt_dataset, load_rows, load_sft_dataset
@@ -14,10 +14,6 @@ from llm_rlhf.core.errors import DataError
 from llm_rlhf.interfaces import cli
 from llm_rlhf.models.loading import load_tokenizer
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
 CHAT = [
     {"role": "user", "content": "Hi"},
     {"role": "assistant", "content": "Hello"},
@@ -33,7 +29,7 @@ def tokenizer(tiny_model_dir):
 
 @pytest.fixture()
 def chat_tokenizer(tokenizer):
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = TAGGED_CHAT_TEMPLATE
     return tokenizer
 
 
@@ -165,7 +161,7 @@ def test_load_rows_keeps_every_column(tmp_path):
 
 
 def test_the_reviews_files_load(tokenizer):
-    root = Path(__file__).resolve().parents[1] / "data" / "reviews"
+    root = ROOT / "data" / "reviews"
     if not (root / "sft_train.jsonl").exists():
         pytest.skip("data/reviews not built")
     assert load_sft_dataset(root / "sft_val.jsonl", tokenizer, max_length=512).column_names == [
@@ -179,7 +175,7 @@ def test_the_reviews_files_load(tokenizer):
 # HH rows (Anthropic/hh-rlhf): chosen/rejected dialogues for SFT, RM and PPO prompts
 # ---------------------------------------------------------------------------------------------------
 
-HH_FILE = Path(__file__).resolve().parent / "fixtures" / "hh_rlhf.jsonl"
+HH_FILE = FIXTURES / "hh_rlhf.jsonl"
 HH_TURN_1 = "\n\nHuman: Hi there.\n\nAssistant: Hello! How can I help?"
 HH_PROMPT_2 = HH_TURN_1 + "\n\nHuman: Can you recommend a book about space?\n\nAssistant:"
 

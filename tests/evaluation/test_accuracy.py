@@ -1,4 +1,4 @@
-"""Held-out accuracy by a verifier (`accuracy_fn`, issue 25) in `llm-rlhf eval` and PPO's held-out evaluation:
+"""Held-out accuracy by a verifier (`accuracy_fn`) in `llm-rlhf eval` and PPO's held-out evaluation:
 the figures against hand-computed means and standard errors over the prompts, greedy responses against an
 independent greedy decode (transformers' `generate`, do_sample=False), the checks on the verifier, the
 pipeline's eval stage taking PPO's, and the real arithmetic verifier end to end through the command."""
@@ -12,7 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, approx_numbers, build_model, eval_config, ppo_config
+from helpers import (
+    COLON_CHAT_TEMPLATE,
+    ROOT,
+    approx_numbers,
+    eval_config,
+    ppo_config,
+    read_jsonl,
+    tiny_chat_model,
+)
 
 from llm_rlhf.core.errors import ConfigError, UserError
 from llm_rlhf.evaluation import measures
@@ -25,10 +33,6 @@ EVEN = "reward_fns:even_length"  # tests/reward_fns.py: 1.0 iff the response has
 
 def even(responses: list[str]) -> list[float]:
     return [float(len(r) % 2 == 0) for r in responses]
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def hf_greedy(model_dir: Path, prompts: list[str], max_new_tokens: int) -> list[str]:
@@ -47,12 +51,6 @@ def hf_greedy(model_dir: Path, prompts: list[str], max_new_tokens: int) -> list[
         response = response[: response.index(eos)] if eos in response else response
         out.append(tokenizer.decode(response, skip_special_tokens=True))
     return out
-
-
-@pytest.fixture(scope="module")
-def other_model_dir(tmp_path_factory) -> Path:
-    """A second tiny GPT-2 (other weights, the same tokenizer): a policy that differs from the baseline."""
-    return build_model(tmp_path_factory.mktemp("tiny_gpt2_other"), "gpt2", seed=1)
 
 
 # --- the pure helper ---------------------------------------------------------------------------------------
@@ -263,22 +261,13 @@ def test_pipeline_eval_takes_ppos_accuracy_fn(tmp_path, monkeypatch):
 
 # --- the arithmetic verifier through the command -----------------------------------------------------------
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
-
-
 def test_arithmetic_verifier_through_llm_rlhf_eval(tmp_path):
     """`llm-rlhf eval --accuracy_fn llm_rlhf.tasks.arithmetic:reward` on the committed held-out problems (chat rows,
     rendered with a tiny model's chat template): every verdict is the verifier's on the rendered prompt and
     the response, and the figures are their means."""
     from llm_rlhf.interfaces.cli import main
 
-    model = build_model(tmp_path / "chat_model", "gpt2", n_positions=256)  # the rendered prompts are long
-    tokenizer = load_tokenizer(str(model))
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(model)
+    model = tiny_chat_model(tmp_path / "chat_model", COLON_CHAT_TEMPLATE, n_positions=256, kind="gpt2")  # long prompts
     problems_file = ROOT / "data" / "arithmetic" / "eval_prompts.jsonl"
     problems = read_jsonl(problems_file)[:4]  # the first 4 in file order
     out = tmp_path / "eval"

@@ -4,11 +4,12 @@ compared with itself (KL exactly 0, win rates exactly 0.5), determinism, and `ev
 from __future__ import annotations
 
 import json
-from pathlib import Path
+import math
+import statistics
 
 import pytest
 import torch
-from helpers import DEVICE, SENTIMENT_JUDGE, approx_numbers, build_model, eval_config
+from helpers import DEVICE, SENTIMENT_JUDGE, approx_numbers, eval_config
 
 from llm_rlhf.core.errors import UserError
 from llm_rlhf.evaluation import measures
@@ -43,12 +44,6 @@ def test_config_rejects_bad_values():
 
 
 # --- runs on tiny models ----------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def other_model_dir(tmp_path_factory) -> Path:
-    """A second tiny GPT-2 (different weights, same tokenizer): a 'policy' that differs from the reference."""
-    return build_model(tmp_path_factory.mktemp("tiny_gpt2_other"), "gpt2", seed=1)
 
 
 def test_policy_against_itself(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
@@ -86,7 +81,7 @@ def test_policy_against_itself(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_pat
 def test_a_model_that_is_its_own_reference_is_run_once_for_its_kl(
     tiny_model_dir, other_model_dir, prompt_file, tmp_path, monkeypatch
 ):
-    """The baseline that is the reference (issue 41): one forward of its samples for kl_to_ref instead of two,
+    """The baseline that is the reference: one forward of its samples for kl_to_ref instead of two,
     KL exactly 0; the policy, another model, still gets both forwards and KL > 0."""
     forwards = []
     real = measures.response_logits
@@ -122,6 +117,42 @@ def test_different_policy_is_deterministic(tiny_model_dir, other_model_dir, prom
     )
     assert (tmp_path / "c" / "samples.jsonl").read_text() != (tmp_path / "a" / "samples.jsonl").read_text()
     assert reseeded["kl_to_ref"] != first["kl_to_ref"]
+
+
+def over_prompts(values: list[float], k: int) -> tuple[float, float]:
+    """Mean of every value, and sd / sqrt(n) over the n prompts' means (k consecutive values per prompt)."""
+    means = [statistics.fmean(values[i : i + k]) for i in range(0, len(values), k)]
+    return statistics.fmean(values), statistics.stdev(means) / math.sqrt(len(means))
+
+
+def test_eval_win_rates_and_standard_errors_are_over_prompts(
+    tiny_model_dir, other_model_dir, prompt_file, tmp_path
+):
+    """12 prompts x 3 samples: every win rate is the mean of the win points (1, 1/2, 0) of the 36 pairs, and
+    its stderr and every score's stderr is the one over the 12 prompts' means, read back from samples.jsonl
+    (a prompt's samples share the prompt: not independent draws), as for accuracy. Fails if a stderr is
+    taken over the samples."""
+    k, out = 3, tmp_path / "eval"
+    metrics = evaluate.run(
+        eval_config(other_model_dir, tiny_model_dir, prompt_file, out, samples_per_prompt=k,
+                    reward_fn="reward_fns:length")
+    )  # fmt: skip
+    rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 36 and [r["sample"] for r in rows[:4]] == [0, 1, 2, 0]
+    for key in ("gold_score", "reward_fn", "combined_score"):  # sentiment: measured with a fluency gold only
+        a, b = [r[f"policy_{key}"] for r in rows], [r[f"baseline_{key}"] for r in rows]
+        points = measures.win_points(a, b)
+        name = key.removesuffix("_score")
+        mean, stderr = over_prompts(points, k)
+        assert metrics[f"{name}_win_rate"] == pytest.approx(mean), key
+        assert metrics[f"{name}_win_rate_stderr"] == pytest.approx(stderr), key
+        assert stderr != pytest.approx(statistics.stdev(points) / 6), f"{key}: not over the samples"
+    for key in ("gold_score", "reward_fn", "combined_score", "kl_to_ref"):
+        for who, suffix in (("policy", ""), ("baseline", "_baseline")):
+            mean, stderr = over_prompts([r[f"{who}_{key}"] for r in rows], k)
+            assert metrics[(key if key == "kl_to_ref" else f"{key}_mean") + suffix] == pytest.approx(mean)
+            assert metrics[f"{key}_stderr{suffix}"] == pytest.approx(stderr, abs=1e-12), (key, who)
+    assert json.loads((out / "metrics.json").read_text()) == approx_numbers(metrics)
 
 
 def test_evaluate_policy_matches_the_command(

@@ -16,7 +16,7 @@ from llm_rlhf.evaluation.hacking import (
     standardised_gaps,
 )
 
-PADDED = " it is..................... splendid cinema."  # the smollm2 run's step-40 sample of issue 28
+PADDED = " it is..................... splendid cinema."  # a smollm2 run's sample at step 40: runs of padding
 
 
 def test_counters_on_crafted_responses():

@@ -1,10 +1,10 @@
-"""The reward-hacking alarm through the real PPO run (issue 40): `ppo.train` on a tiny model, held-out
+"""The reward-hacking alarm through the real PPO run: `ppo.train` on a tiny model, held-out
 evaluation at every step, the alarm logged on every eval_log.jsonl line, `stop_on_alarm` and `keep_best`; the
 final evaluation's counter rule; the report of such a run.
 
 The collapse is constructed, not hoped for: after PPO step 2 (`on_step`, the run's own hook) the policy's last
 layer norm is set so that every position's logits are those of one token, ' mess' (ln_f weight 0, its bias
-along that token's embedding): every held-out response is then ' mess mess ...', as issue 40's run said
+along that token's embedding): every held-out response is then ' mess mess ...', as a real collapsed run said
 ' a heart.' to every prompt. The rest (sampling, scoring, the counters, the watch, the decisions, the
 checkpoints, the saved folders) is the code a user runs.
 """
@@ -16,16 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import (
-    ROOT,
-    SENTENCES,
-    SENTIMENT_JUDGE,
-    eval_config,
-    launch,
-    ppo_cli_args,
-    ppo_config,
-    write_jsonl,
-)
+from helpers import eval_config, ppo_config, read_jsonl
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -45,17 +36,6 @@ from llm_rlhf.stages import evaluate, ppo
 
 COLLAPSE_STEP = 2
 WORD = "Ġmess"  # a whole word of the tiny tokenizer (SENTENCES: "a dull and lifeless mess")
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def heldout_prompts(tmp_path_factory) -> Path:
-    """20 prompts (SENTENCES' first 2 and 3 words): the training and the held-out prompts."""
-    rows = [{"prompt": " ".join(s.split(" ")[:k])} for s in SENTENCES for k in (2, 3)]
-    return write_jsonl(tmp_path_factory.mktemp("watch") / "prompts.jsonl", rows)
 
 
 class Interrupted(Exception):
@@ -111,28 +91,28 @@ def as_run(folder: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def stopped(tiny_model_dir, heldout_prompts, tmp_path_factory):
+def stopped(tiny_model_dir, prompt_file, tmp_path_factory):
     """The collapse with stop_on_alarm: (Trained, the run folder)."""
     run = tmp_path_factory.mktemp("stopped")
-    trained, _ = watched_run(tiny_model_dir, heldout_prompts, as_run(run / "run"), stop_on_alarm=True)
+    trained, _ = watched_run(tiny_model_dir, prompt_file, as_run(run / "run"), stop_on_alarm=True)
     return trained, run / "run"
 
 
 @pytest.fixture(scope="module")
-def kept(tiny_model_dir, heldout_prompts, tmp_path_factory):
+def kept(tiny_model_dir, prompt_file, tmp_path_factory):
     """The collapse with keep_best, run to its end with a checkpoint every step: (Trained, the model object
     trained in place, the PPO folder)."""
     out = tmp_path_factory.mktemp("kept") / "ppo"
-    trained, model = watched_run(tiny_model_dir, heldout_prompts, out, keep_best=True, save_steps=1)
+    trained, model = watched_run(tiny_model_dir, prompt_file, out, keep_best=True, save_steps=1)
     return trained, model, out
 
 
 @pytest.fixture(scope="module")
-def quiet(tiny_model_dir, heldout_prompts, tmp_path_factory):
+def quiet(tiny_model_dir, prompt_file, tmp_path_factory):
     """No collapse, stop_on_alarm on: (Trained, the run folder)."""
     run = tmp_path_factory.mktemp("quiet")
     trained, _ = watched_run(
-        tiny_model_dir, heldout_prompts, as_run(run / "run"), collapse=False, stop_on_alarm=True
+        tiny_model_dir, prompt_file, as_run(run / "run"), collapse=False, stop_on_alarm=True
     )
     return trained, run / "run"
 
@@ -218,11 +198,11 @@ def test_keep_best_returns_the_best_evaluations_weights(kept):
     )
 
 
-def test_keep_best_by_accuracy_with_a_verifier(tiny_model_dir, heldout_prompts, tmp_path):
+def test_keep_best_by_accuracy_with_a_verifier(tiny_model_dir, prompt_file, tmp_path):
     """Without a gold judge, keep_best ranks the evaluations by the verifier's accuracy."""
     out = tmp_path / "ppo"
     trained, _ = watched_run(
-        tiny_model_dir, heldout_prompts, out, collapse=False, keep_best=True, gold_judge="none",
+        tiny_model_dir, prompt_file, out, collapse=False, keep_best=True, gold_judge="none",
         accuracy_fn="reward_fns:even_length", steps=2,
     )  # fmt: skip
     log = read_jsonl(out / "eval_log.jsonl")
@@ -233,12 +213,12 @@ def test_keep_best_by_accuracy_with_a_verifier(tiny_model_dir, heldout_prompts, 
     assert json.loads((out / "best" / "step.json").read_text())["step"] == best
 
 
-def test_keep_best_with_lora(tiny_model_dir, heldout_prompts, tmp_path):
+def test_keep_best_with_lora(tiny_model_dir, prompt_file, tmp_path):
     """With a LoRA adapter (merged on saving) the last policy is saved from merged copies, so the best
     checkpoint's adapter loads back into the trainer's model: the returned adapter is the best one's."""
     out = tmp_path / "ppo"
     trained, _ = watched_run(
-        tiny_model_dir, heldout_prompts, out, collapse=False, keep_best=True, use_lora=True, lora_r=4,
+        tiny_model_dir, prompt_file, out, collapse=False, keep_best=True, use_lora=True, lora_r=4,
         lora_alpha=8, learning_rate=5e-2, steps=2,
     )  # fmt: skip
     best = trained.metrics[ppo_metrics.BEST_STEP]
@@ -269,18 +249,18 @@ def test_a_healthy_run_stays_quiet(quiet):
     assert trained.metrics[ppo_metrics.RETURNED_STEP] == 4
 
 
-def test_resume_reads_the_heldout_log_back(kept, tiny_model_dir, heldout_prompts, tmp_path):
+def test_resume_reads_the_heldout_log_back(kept, tiny_model_dir, prompt_file, tmp_path):
     """A run interrupted during step 3 and resumed from its step-2 checkpoint logs the same lines as one that
     was not, and returns the same best weights: the alarm (fired at step 2) and the best step (before the
     interruption) come from the held-out log read back; without it the resumed run would see no step-0
     baseline (no counter rule) and call step 3 the best."""
     whole, cut = kept[2], tmp_path / "cut"
     with pytest.raises(Interrupted):
-        watched_run(tiny_model_dir, heldout_prompts, cut, keep_best=True, save_steps=1, interrupt_at=3)
+        watched_run(tiny_model_dir, prompt_file, cut, keep_best=True, save_steps=1, interrupt_at=3)
     assert last_checkpoint(cut, "step").name == "step-2"
     assert [r["step"] for r in read_jsonl(cut / "eval_log.jsonl")] == [0, 1, 2]
     watched_run(
-        tiny_model_dir, heldout_prompts, cut, collapse=False, keep_best=True, save_steps=1, resume=True
+        tiny_model_dir, prompt_file, cut, collapse=False, keep_best=True, save_steps=1, resume=True
     )
     log = read_jsonl(cut / "eval_log.jsonl")
     assert log == read_jsonl(whole / "eval_log.jsonl")
@@ -297,10 +277,10 @@ def test_resume_reads_the_heldout_log_back(kept, tiny_model_dir, heldout_prompts
     assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])
 
 
-def test_the_keys_need_heldout_evaluation_and_a_gold(tiny_model_dir, heldout_prompts, tmp_path):
+def test_the_keys_need_heldout_evaluation_and_a_gold(tiny_model_dir, prompt_file, tmp_path):
     def config(**kw):
         return ppo_config(
-            tiny_model_dir, None, heldout_prompts, tmp_path, reward_fn="reward_fns:length", **kw
+            tiny_model_dir, None, prompt_file, tmp_path, reward_fn="reward_fns:length", **kw
         )
 
     for key in ("stop_on_alarm", "keep_best"):
@@ -328,7 +308,7 @@ def test_the_report_shows_where_the_alarm_fired(stopped, quiet):
     assert "Reward-hacking alarm at" not in text
 
 
-def test_final_evaluation_alarm(tiny_model_dir, heldout_prompts, tmp_path):
+def test_final_evaluation_alarm(tiny_model_dir, prompt_file, tmp_path):
     """`llm-rlhf eval`'s counter rule: the collapsed policy against the model it came from fires, the model
     against itself is quiet; both in metrics.json with the collapse counters of each side."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
@@ -336,7 +316,7 @@ def test_final_evaluation_alarm(tiny_model_dir, heldout_prompts, tmp_path):
     collapse_onto_one_word(model, tokenizer, at_step=0)({ppo_metrics.STEP: 0})
     model.save_pretrained(tmp_path / "collapsed")
     tokenizer.save_pretrained(tmp_path / "collapsed")
-    fired = evaluate.run(eval_config(tmp_path / "collapsed", tiny_model_dir, heldout_prompts, tmp_path / "a"))
+    fired = evaluate.run(eval_config(tmp_path / "collapsed", tiny_model_dir, prompt_file, tmp_path / "a"))
     assert {"duplicate_rate", "shared_bigram_rate"} <= set(fired[metric_names.ALARM_RULES])
     assert len(fired[metric_names.ALARM_REASONS]) == len(fired[metric_names.ALARM_RULES])
     assert fired["duplicate_rate"] == 1.0 and fired["duplicate_rate_baseline"] == 0.0
@@ -344,7 +324,7 @@ def test_final_evaluation_alarm(tiny_model_dir, heldout_prompts, tmp_path):
         set(COLLAPSE_KEYS) <= fired.keys()
         and {k + metric_names.BASELINE for k in COLLAPSE_KEYS} <= fired.keys()
     )
-    same = evaluate.run(eval_config(tiny_model_dir, tiny_model_dir, heldout_prompts, tmp_path / "b"))
+    same = evaluate.run(eval_config(tiny_model_dir, tiny_model_dir, prompt_file, tmp_path / "b"))
     assert same[metric_names.ALARM_RULES] == [] and same[metric_names.ALARM_REASONS] == []
     assert (
         json.loads((tmp_path / "a" / "metrics.json").read_text())[metric_names.ALARM_RULES]
@@ -358,46 +338,8 @@ def test_ppo_help_states_the_rule_and_thresholds(capsys):
     assert cli.main(["ppo", "--help"]) == 0
     text = capsys.readouterr().out
     assert "--stop_on_alarm (bool, default False)" in text and "--keep_best (bool, default False)" in text
-    # the rules and thresholds as `hacking` has them (issue 52)
+    # the rules and thresholds as `hacking` has them
     for rule in (f"{hacking.Z:g} standard errors", "2 evaluations in a row", "duplicate_rate", "echo_rate",
                  "Fisher's exact test", f"p <= {hacking.COUNTER_ALPHA:.2g}", "0.05 false alarms per run of up to 100",
                  "output_dir/last"):  # fmt: skip
         assert rule in text, rule
-
-
-@pytest.mark.multiprocess
-@pytest.mark.slow
-@pytest.mark.parametrize("config", ["multi_gpu.yaml", "fsdp.yaml"])
-def test_keep_best_and_stop_on_alarm_on_two_processes(config, tiny_model_dir, heldout_prompts, tmp_path):
-    """`llm-rlhf ppo` on 2 processes (DDP, and FSDP2 whose saving is a collective): the main process decides,
-    every process saves the best checkpoint and the last policy and loads the best back together (a
-    mismatch would hang or fail the launch); the outputs say the same step everywhere."""
-    out = tmp_path / "run"
-    args = ppo_cli_args(
-        tiny_model_dir, "none", heldout_prompts, out, 3, reward_fn="tests/reward_fns.py:length", eval_every=1,
-        eval_prompt_file=heldout_prompts, eval_num_prompts=20, gold_judge=SENTIMENT_JUDGE, keep_best="true",
-        stop_on_alarm="true", save_steps=0,
-    )[2:]  # fmt: skip
-    script = (
-        [str(ROOT / "tests" / "scripts" / "fsdp2_on_cpu.py")] if config == "fsdp.yaml" else ["-m", "llm_rlhf"]
-    )
-    launch([*script, *args], 2, config=config)
-    log = read_jsonl(out / "eval_log.jsonl")
-    metrics = json.loads((out / "metrics.json").read_text())
-    last = log[-1]
-    assert [r["step"] for r in log] == list(range(len(log)))
-    assert metrics[ppo_metrics.STOPPED_ON_ALARM] == (last["alarm_step"] is not None)
-    assert len(log) == (last["alarm_step"] + 1 if last["alarm_step"] is not None else 4)
-    best = last["best_step"]
-    assert metrics[ppo_metrics.BEST_STEP] == metrics[ppo_metrics.RETURNED_STEP] == best
-    assert json.loads((out / "best" / "step.json").read_text())["step"] == best
-    assert (out / "last" / "model.safetensors").is_file() and (out / "model.safetensors").is_file()
-    final = load_file(out / "model.safetensors")
-    if config == "multi_gpu.yaml":  # the best checkpoint's trainable weights are the saved model's
-        checkpoint = load_file(out / "best" / "policy_trainable.safetensors")
-        assert all(torch.equal(checkpoint[f"lm.{k}"], v) for k, v in final.items())
-    else:  # FSDP2: every process's shards of it
-        assert len(list((out / "best" / "sharded").glob("*.distcp"))) == 2
-    if best != log[-1]["step"]:  # the returned policy is not the last one
-        last_model = load_file(out / "last" / "model.safetensors")
-        assert any(not torch.equal(final[k], last_model[k]) for k in final)

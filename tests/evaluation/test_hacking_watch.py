@@ -1,6 +1,6 @@
-"""The reward-hacking alarm of `llm_rlhf.evaluation.hacking` (issues 40 and 52): the collapse counters by hand and against
+"""The reward-hacking alarm of `llm_rlhf.evaluation.hacking`: the collapse counters by hand and against
 naive versions, the counter rule's exact test (by hand, against enumeration, its threshold scaling with the
-responses and the rate), the counters on real review sentences, on the issue-40 collapse, on a terse correct
+responses and the rate), the counters on real review sentences, on a default run's collapse, on a terse correct
 policy, a prompt-echoing one and a collapse from near the ceiling, the false alarms of seeded simulations, the
 proxy-up / gold-down rule on constructed trajectories (fires on a hack, quiet on healthy, flat and noisy ones),
 and the choice of the best held-out evaluation."""
@@ -10,9 +10,9 @@ from __future__ import annotations
 import itertools
 import json
 import random
-from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
 from llm_rlhf.evaluation.hacking import (
     COLLAPSE_KEYS,
@@ -42,8 +42,8 @@ from llm_rlhf.evaluation.hacking import (
     word_bigrams,
 )
 
-DATA = Path(__file__).resolve().parent.parent / "data" / "reviews"
-ISSUE_40 = [" a heart.", " is a heart.", " heart of a heart."]  # the default run's collapse (issue 40)
+DATA = ROOT / "data" / "reviews"
+DEFAULT_RUN_COLLAPSE = [" a heart.", " is a heart.", " heart of a heart."]  # what a default run collapsed onto
 
 
 def review_sentences() -> list[str]:
@@ -74,7 +74,7 @@ def point(step, proxy, gold, *, proxy_stderr=0.05, gold_stderr=0.05, **counters)
 
 
 def test_collapse_counters_by_hand():
-    responses = [*ISSUE_40, "  a   heart. "]  # the last is the first after whitespace normalisation
+    responses = [*DEFAULT_RUN_COLLAPSE, "  a   heart. "]  # the last is the first after whitespace normalisation
     # bigrams: (a heart) | (is a)(a heart) | (heart of)(of a)(a heart) | (a heart):
     # 7 in all, 4 distinct, "a heart" 4 times and in every response
     assert word_bigrams(" heart of a Heart.") == [("heart", "of"), ("of", "a"), ("a", "heart")]
@@ -228,10 +228,10 @@ def test_every_counter_has_a_rule():
     assert set(collapse_rates(["a b"])) | set(degeneracy_rates(["a b"])) == {*COUNTER_RULES, RESPONSES}
 
 
-def test_alarm_fires_on_the_issue_40_collapse():
+def test_alarm_fires_on_the_default_runs_collapse():
     real = review_sentences()
     baseline = counters(real[:32])  # the SFT model's step-0 evaluation: varied reviews
-    collapsed = [ISSUE_40[i % 3] for i in range(32)]
+    collapsed = [DEFAULT_RUN_COLLAPSE[i % 3] for i in range(32)]
     points = [point(0, 0.0, 0.0, **baseline), point(10, 0.5, 0.1, **counters(real[32:64])),
               point(20, 1.0, 0.1, **counters(collapsed))]  # fmt: skip
     alarm = watch(points, baseline=baseline)
@@ -266,6 +266,99 @@ def test_counters_stay_quiet_on_real_reviews():
     assert watch(points, baseline=baseline) is None
 
 
+# --- the counter rule where it once erred: quiet with nothing wrong, firing with something wrong ---------
+# Each case runs through the real counters (`collapse_rates`, `degeneracy_rates`) and `watch`;
+# data/hacking_thresholds.py measures the same at scale.
+
+
+def arithmetic(rng: random.Random, n: int) -> list[tuple[str, int]]:
+    """n problems as the arithmetic task asks them, and their answers."""
+    pairs = [(rng.randint(1, 20), rng.randint(1, 20)) for _ in range(n)]
+    return [(f"What is {a} + {b}? Answer with just the number.", a + b) for a, b in pairs]
+
+
+def evaluation(step: int, prompts: list[str], responses: list[str], correct: list | None = None) -> dict:
+    """A held-out evaluation as `watch` reads it: the counters (and num_responses), no gold."""
+    rates = collapse_rates(responses, prompts=prompts, correct=correct)
+    return {"step": step, "gold": None, **rates, **degeneracy_rates(responses)}
+
+
+def test_a_correct_terse_verifier_policy_stays_quiet():
+    """76 problems answered with just the number, all correct: answers repeat (sums of 1..20 take 39 values),
+    and no response has two words. Rules on the raw counters would fire duplicate_rate (the repeats) and
+    word_distinct_2 (0.0 read as a collapse) against the instruct model's sentences; here repeats of verified
+    answers are not counted and an undefined distinct-2 says nothing."""
+    rng = random.Random(0)
+    problems = arithmetic(rng, 76)
+    prompts = [p for p, _ in problems]
+    wordy = [f"The sum is {t}, since adding the two numbers gives {t}." for _, t in problems]
+    terse = [str(t) for _, t in problems]
+    correct = [1.0] * 76
+    baseline = evaluation(0, prompts, wordy, [1.0 if rng.random() < 0.5 else 0.0 for _ in problems])
+    policy = evaluation(10, prompts, terse, correct)
+    unverified = collapse_rates(terse, prompts=prompts)
+    assert unverified["duplicate_rate"] > 0.5 and unverified["word_distinct_2"] == 0.0  # the raw counters' reading
+    assert policy["duplicate_rate"] == 0.0 and policy["top_response_share"] == 0.0
+    assert counter_alarms(policy, baseline=baseline) == {}
+    assert watch([baseline, *[{**policy, "step": 10 * k} for k in range(1, 30)]], baseline=baseline) is None
+
+
+def test_a_prompt_echoing_policy_fires():
+    """Half of the responses copy their prompt back (a case no other counter sees): echo_rate
+    fires at the first evaluation it shows; answers naming the prompt's numbers ("7 + 5 = 12") do not."""
+    rng = random.Random(1)
+    problems = arithmetic(rng, 32)
+    prompts = [p for p, _ in problems]
+    worked = [f"{p.split()[2]} + {p.split()[4].rstrip('?')} = {t}" for p, t in problems]
+    baseline = evaluation(0, prompts, worked)
+    echo = [p if i % 2 else w for i, (p, w) in enumerate(zip(prompts, worked))]
+    points = [baseline, evaluation(10, prompts, worked), evaluation(20, prompts, echo)]
+    assert points[1]["echo_rate"] == 0.0 and points[2]["echo_rate"] == 0.5
+    alarm = watch(points, baseline=baseline)
+    assert alarm is not None and alarm["step"] == 20 and "echo_rate" in alarm["rules"]
+
+
+def test_a_collapse_from_near_the_ceiling_fires():
+    """A terse policy without a verifier repeats itself from step 0 (duplicate_rate near its ceiling: a fixed
+    +0.25 margin could not be crossed). Collapsing onto one answer fires top_response_share (the largest share
+    of one response given to several prompts) at 32 and 76 prompts; duplicate_rate itself, judged on the
+    headroom left, fires from a baseline of 0.79 at 76 prompts (16 responses below the ceiling), not at 32 (7:
+    too few to tell from chance, data/hacking_thresholds.py)."""
+    rng = random.Random(2)
+    for n in (32, 76):
+        problems = arithmetic(random.Random(n), n)
+        prompts = [p for p, _ in problems]
+        terse = [str(rng.choice([t, 20, 21, 22])) for _, t in problems]  # the step-0 model: mostly guesses
+        baseline = evaluation(0, prompts, terse)
+        assert baseline["duplicate_rate"] > 0.75  # no room for a fixed margin of +0.25
+        alarm = watch([baseline, evaluation(10, prompts, ["21"] * n)], baseline=baseline)
+        assert alarm is not None and alarm["step"] == 10 and "top_response_share" in alarm["rules"], alarm
+    ceiling = {"duplicate_rate": 60 / 76, RESPONSES: 76}
+    assert counter_alarms({"duplicate_rate": 1.0, RESPONSES: 76}, baseline=ceiling).keys() == {"duplicate_rate"}
+    assert counter_alarms({"duplicate_rate": 1.0, RESPONSES: 32}, baseline={**ceiling, RESPONSES: 32}) == {}
+
+
+def test_counter_false_alarms_of_a_seeded_simulation_stay_under_the_bound():
+    """Nothing changes: every counter an independent binomial count of 32 responses at a rate of 0.3, step 0
+    included, 20 evaluations (a fixed +0.25 margin would fire in 21% of such runs with one counter, about
+    90% with all nine). Through `watch`: at most 5% of 200 seeded runs alarm."""
+    rng = random.Random(3)
+    n, runs = 32, 200
+
+    def draw(step: int) -> dict:
+        return {
+            "step": step,
+            RESPONSES: n,
+            **{k: sum(rng.random() < 0.3 for _ in range(n)) / n for k in COUNTER_RULES},
+        }
+
+    alarms = 0
+    for _ in range(runs):
+        points = [draw(step) for step in range(20)]
+        alarms += watch(points, baseline=points[0]) is not None
+    assert alarms <= 0.05 * runs
+
+
 # ---------------------------------------------------------------------------------------------
 # Proxy-up / gold-down rule
 # ---------------------------------------------------------------------------------------------
@@ -288,7 +381,7 @@ def test_alarm_fires_on_proxy_up_gold_down():
     assert proxy_up_gold_down(HACKED, index=3) is None and proxy_up_gold_down(HACKED, index=4) is not None
     assert "best 0.5 at step 20" in alarm["reasons"][0]
     assert watch(HACKED, baseline=None, k_evals=1)["index"] == 4
-    assert watch(HACKED, baseline=None, z=3.0, k_evals=1)["index"] == 3  # issue 40's z
+    assert watch(HACKED, baseline=None, z=3.0, k_evals=1)["index"] == 3  # z = 3: an earlier alarm
     # where it fires does not move as evaluations are added (what a run sees, one evaluation at a time)
     assert [watch(HACKED[:k], baseline=None) for k in range(1, 6)] == [None] * 5
     assert watch(HACKED, baseline=None) == alarm
@@ -332,8 +425,8 @@ def test_alarm_quiet_on_healthy_and_flat_trajectories():
 
 def test_gold_rule_false_alarms_over_a_long_run():
     """Independent normal noise of one standard error on every figure, gold flat, proxy rising 4 se per
-    evaluation, 101 evaluations: against the best gold so far, issue 40's Z = 3 (two in a row) fires in 16-18%
-    of such runs (issue 52; data/hacking_thresholds.py); Z = 4.41 (Bonferroni over the run's pairs) in about
+    evaluation, 101 evaluations: against the best gold so far, Z = 3 (two in a row) fires in 16-18%
+    of such runs (data/hacking_thresholds.py); Z = 4.41 (Bonferroni over the run's pairs) in about
     0.1%. Here at most 2% of 150 seeded runs, where Z = 3 trips more than 8%."""
     rng = random.Random(1)
 
@@ -342,7 +435,7 @@ def test_gold_rule_false_alarms_over_a_long_run():
 
     runs = [run() for _ in range(150)]
     assert sum(watch(r, baseline=None) is not None for r in runs) <= 3
-    assert sum(watch(r, baseline=None, z=3.0) is not None for r in runs) > 12  # issue 40's z trips on them
+    assert sum(watch(r, baseline=None, z=3.0) is not None for r in runs) > 12  # z = 3 trips on them
 
 
 # ---------------------------------------------------------------------------------------------
@@ -381,7 +474,7 @@ def test_watch_fields_for_the_eval_log():
     """The fields a run adds to each eval_log.jsonl line: the alarm so far (step-0 line = the baseline's
     counters) and the best step by the gold."""
     real = review_sentences()
-    healthy, collapsed = counters(real[:32]), counters([ISSUE_40[i % 3] for i in range(32)])
+    healthy, collapsed = counters(real[:32]), counters([DEFAULT_RUN_COLLAPSE[i % 3] for i in range(32)])
 
     def line(step, gold, texts_counters):
         scores = {"rm_score": step / 10, "reward_fn": None, "gold_score": gold, "accuracy": None}

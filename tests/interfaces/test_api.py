@@ -1,16 +1,16 @@
-"""The Python API (`llm_rlhf.interfaces.api`, issue 27): the same code path as the commands, objects in place of paths,
-one exception type with the command's message, on_step, the README's example, two processes."""
+"""The Python API (`llm_rlhf.interfaces.api`): the same code path as the commands, objects in place of paths,
+one exception type with the command's message, on_step, the README's example. (A script of the API on two
+processes: tests/multiprocess/test_stages_on_two_processes.py.)"""
 
 from __future__ import annotations
 
 import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, launch, preference_rows, write_jsonl
+from helpers import ROOT, preference_rows, read_jsonl, write_jsonl
 from safetensors.torch import load_file
 
 import llm_rlhf
@@ -35,10 +35,6 @@ def without_times(rows: list[dict]) -> list[dict]:
     return [
         {k: v for k, v in row.items() if not (k.startswith("time/") or k.endswith("_per_s"))} for row in rows
     ]
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 # --- the public names ------------------------------------------------------------------------------------
@@ -506,22 +502,3 @@ def test_readme_example_runs(tiny_model_dir, tmp_path, monkeypatch):
     assert "advantage_estimator: grpo" in (tmp_path / "api" / "grpo" / "config.yaml").read_text()
     assert "reward_model_path: <reward_model>" in (tmp_path / "api" / "ppo" / "config.yaml").read_text()
     assert "model_name_or_path: <model>" in (tmp_path / "api" / "rm" / "config.yaml").read_text()
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_a_script_using_the_api_runs_on_two_processes(tiny_model_dir, prompt_file, tmp_path):
-    """tests/scripts/api_ppo.py under `accelerate launch` with 2 processes (DDP over gloo): one PPO run whose
-    rollouts are 2 x 4 episodes, on_step on the main process only, the same folder as the command writes."""
-    out = tmp_path / "ppo"
-    launch([str(ROOT / "tests" / "scripts" / "api_ppo.py"), str(tiny_model_dir), str(prompt_file), str(out)])
-    steps = read_jsonl(out / "metrics.jsonl")
-    assert [m["step"] for m in steps] == [1, 2]
-    assert [m["episodes"] for m in steps] == [8, 16]  # one run of 2 x 4 episodes a step, not two runs of 4
-    assert json.loads((out / "on_step.rank0.json").read_text()) == steps  # the main process's calls
-    assert json.loads((out / "on_step.rank1.json").read_text()) == []  # none on the other process
-    assert (out / "model.safetensors").is_file() and (out / "value_head.safetensors").is_file()
-
-
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-q"]))

@@ -1,4 +1,4 @@
-"""The device check (issue 49): the placement tracer (`device_check.on_device`) raises what CUDA raises where an
+"""The device check: the placement tracer (`device_check.on_device`) raises what CUDA raises where an
 op mixes a tensor on the device with one on the host, and the Python API's entry points, given models that
 live on the device, run under it: each moves what it makes to its model's device."""
 

@@ -1,25 +1,18 @@
 """`llm-rlhf pipeline`: SFT -> RM -> PPO -> eval chained through their folders; a re-run skips finished
-stages and resumes the interrupted one; seeds; and the whole pipeline under `accelerate launch` with 2
-processes (DDP on this CPU, gloo)."""
+stages and resumes the interrupted one; seeds; stages without SFT and RM. (The whole pipeline under
+`accelerate launch` with 2 processes: tests/multiprocess/test_stages_on_two_processes.py.)"""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import yaml
-from helpers import launch, pipeline_argv, run_pipeline
+from helpers import ROOT, interrupt_ppo_at, pipeline_argv, ppo_steps, run_pipeline
 
 from llm_rlhf.core.utils import read_json
-from llm_rlhf.ppo import trainer as ppo_trainer
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # every test here runs the whole pipeline
-
-
-def ppo_steps(folder: Path) -> list[int]:
-    return [json.loads(line)["step"] for line in (folder / "ppo" / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_pipeline_runs_skips_finished_and_resumes_interrupted(
@@ -30,14 +23,7 @@ def test_pipeline_runs_skips_finished_and_resumes_interrupted(
     argv = pipeline_argv(out, tiny_model_dir, sft_files, pref_files, prompt_file)
 
     # 1. killed during PPO step 3 (after the step-2 checkpoint): SFT and RM are finished, PPO is not
-    real_step = ppo_trainer.PPOTrainer.ppo_step
-
-    def dies_at_step_3(self):
-        if self.step == 2:
-            raise KeyboardInterrupt("killed")
-        return real_step(self)
-
-    monkeypatch.setattr(ppo_trainer.PPOTrainer, "ppo_step", dies_at_step_3)
+    restore = interrupt_ppo_at(monkeypatch, 2)
     with pytest.raises(KeyboardInterrupt):
         run_pipeline(argv)
     assert read_json(out / "pipeline.json").keys() == {"sft", "rm"}
@@ -47,7 +33,7 @@ def test_pipeline_runs_skips_finished_and_resumes_interrupted(
     capsys.readouterr()
 
     # 2. the same command again: SFT and RM skipped, PPO resumed from its checkpoint, then eval and report
-    monkeypatch.setattr(ppo_trainer.PPOTrainer, "ppo_step", real_step)
+    restore()
     run_pipeline(argv)
     printed = capsys.readouterr().out
     assert "== sft: finished earlier" in printed and "== rm: finished earlier" in printed
@@ -91,26 +77,6 @@ def test_pipeline_seeds_give_one_run_per_seed(
     one = argv[: argv.index("--seeds")] + ["--seeds", "[2]"] + argv[argv.index("--seeds") + 2 :]
     records = run_pipeline(one)
     assert records.keys() == {str(out / "seed-2")}
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_pipeline_under_accelerate_launch_with_two_processes(
-    tmp_path, tiny_model_dir, sft_files, pref_files, prompt_file
-):
-    """The README's multi-GPU command on this CPU: every stage data-parallel over 2 processes, one set of
-    outputs, the pipeline's own prints and files from the main process only."""
-    out = tmp_path / "ddp"
-    argv = pipeline_argv(out, tiny_model_dir, sft_files, pref_files, prompt_file, report="false")
-    proc = launch(["-m", "llm_rlhf", "pipeline", *argv], 2)
-    assert proc.stdout.count("== sft: running") == 1 and proc.stdout.count("== eval: running") == 1
-    record = read_json(out / "pipeline.json")
-    assert record.keys() == {"sft", "rm", "ppo", "eval"}
-    assert proc.stdout.count("batch sizes:") == 1 and "'num_processes': 2" in proc.stdout
-    ppo_metrics = read_json(out / "ppo" / "metrics.json")
-    assert ppo_steps(out) == [1, 2, 3, 4]
-    assert ppo_metrics["episodes"] == 4 * 4 * 2, "4 steps x rollout 4 per process x 2 processes"
-    assert 0.0 <= record["eval"]["metrics"]["gold_win_rate"] <= 1.0
 
 
 def test_a_stage_killed_before_its_first_checkpoint_starts_over(

@@ -1,8 +1,9 @@
-"""The compare page's runs averaged over seeds (`llm_rlhf.interfaces.report.seeds`; issues 37 and 38): the
+"""The compare page's runs averaged over seeds (`llm_rlhf.interfaces.report.seeds`): the
 math against hand-computed values, the grouping by config (not by folder name), the table and the figure."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
@@ -10,7 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_report import PNG_MAGIC, _jsonl, _write  # the report tests' run-folder writers
+from helpers import write_jsonl
+from report_runs import PNG_MAGIC, between, write_file
 
 from llm_rlhf.interfaces.report import load_run, write_report
 from llm_rlhf.interfaces.report.figures import plot_style
@@ -31,23 +33,27 @@ from llm_rlhf.interfaces.report.seeds import (
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class Curves:
+    """What a seed run logged: time/step `step_seconds`; held-out evaluations at `evaluated`, accuracy rising
+    linearly from 0.2 at step 0 to `final` at step 8 (greedy 0.1 above it) and KL from 0 to `kl`;
+    sampled_per_trained: dynamic sampling's ratio (logged on every step when given)."""
+
+    final: float = 0.6
+    kl: float = 1.0
+    step_seconds: float = 2.0
+    evaluated: tuple = (0, 4, 8)
+    sampled_per_trained: float | None = None
+
+
 def make_seed_run(
-    run: Path,
-    *,
-    seed: int,
-    estimator: str = "grpo",
-    final: float = 0.6,
-    kl: float = 1.0,
-    step_seconds: float = 2.0,
-    evaluated: tuple = (0, 4, 8),
-    sampled_per_trained: float | None = None,
-    learning_rate: float = 2e-4,
+    run: Path, *, seed: int, estimator: str = "grpo", learning_rate: float = 2e-4, **curves
 ) -> Path:
     """A finished run of a task with a verifier, PPO from the run's own SFT model (a path under the run: the
-    same in every seed once masked): 8 PPO steps of 32 responses each, time/step
-    `step_seconds`; held-out evaluations at `evaluated`, accuracy rising linearly from 0.2 at step 0 to `final`
-    at step 8 (greedy 0.1 above it) and KL from 0 to `kl`. sampled_per_trained: dynamic sampling's ratio
-    (logged on every step when given)."""
+    same in every seed once masked): 8 PPO steps of 32 responses each, its figures those of `Curves(**curves)`."""
+    figures = Curves(**curves)
+    final, kl, step_seconds = figures.final, figures.kl, figures.step_seconds
+    evaluated, sampled_per_trained = figures.evaluated, figures.sampled_per_trained
     k = 4 if estimator != "gae" else 1
     history = [
         {"step": s, "episodes": 32 * s, "objective/scores": 0.1 * s, "objective/kl": 0.1 * s, "time/step": step_seconds,
@@ -61,17 +67,17 @@ def make_seed_run(
          "accuracy_greedy": 0.3 + (final - 0.2) * s / 8, "accuracy_greedy_stderr": 0.05}
         for s in evaluated
     ]  # fmt: skip
-    _write(run / "pipeline.json", json.dumps({"ppo": {"wall_time_s": 30.0, "metrics": history[-1]}}))
-    _write(run / "pipeline_config.yaml", f"output_dir: {run}\nstages: [ppo]\n")
-    _write(run / "ppo" / "metrics.json", json.dumps(history[-1]))
-    _write(run / "ppo" / "config.yaml", (
+    write_file(run / "pipeline.json", json.dumps({"ppo": {"wall_time_s": 30.0, "metrics": history[-1]}}))
+    write_file(run / "pipeline_config.yaml", f"output_dir: {run}\nstages: [ppo]\n")
+    write_file(run / "ppo" / "metrics.json", json.dumps(history[-1]))
+    write_file(run / "ppo" / "config.yaml", (
         f"model_name_or_path: {run / 'sft'}\nreward_model_path: none\noutput_dir: {run / 'ppo'}\n"
         f"advantage_estimator: {estimator}\nsamples_per_prompt: {k}\nseed: {seed}\nrollout_batch_size: {32 // k}\n"
         f"learning_rate: {learning_rate}\neval_every: 4\n"
     ))  # fmt: skip
-    _jsonl(run / "ppo" / "metrics.jsonl", history)
-    _jsonl(run / "ppo" / "eval_log.jsonl", log)
-    _jsonl(run / "ppo" / "samples.jsonl", [{"step": 1, "query": "1 + 1 =", "response": " 2", "score": 1.0}])
+    write_jsonl(run / "ppo" / "metrics.jsonl", history)
+    write_jsonl(run / "ppo" / "eval_log.jsonl", log)
+    write_jsonl(run / "ppo" / "samples.jsonl", [{"step": 1, "query": "1 + 1 =", "response": " 2", "score": 1.0}])
     return run
 
 
@@ -183,17 +189,13 @@ def test_group_evaluations_at_the_steps_every_seed_made(tmp_path):
     np.testing.assert_allclose(ev["accuracy"][:, -1], [0.3 + 0.2, 0.3 + 0.1])
 
 
-def _between(text: str, start: str, end: str = "</table>") -> str:
-    return text[text.index(start) :].split(end, 1)[0]
-
-
 @pytest.mark.slow
 def test_the_compare_page_has_the_seed_table_and_figure(tmp_path):
     """The written HTML: a row per averaged group with mean ± se and the seeds' values, the figure; the runs
     left alone named."""
     seed_folder(tmp_path / "sweep")
     text = write_report(tmp_path / "sweep").read_text(encoding="utf-8")
-    section = _between(text, "<h2>Over seeds: held-out accuracy, mean ± standard error</h2>")
+    section = between(text, "<h2>Over seeds: held-out accuracy, mean ± standard error</h2>")
     rows = section.split("<tr>")[2:]
     assert len(rows) == 2 and "advantage_estimator: grpo" in rows[0] and "advantage_estimator: gae" in rows[1]
     assert "<td>0, 1, 2</td>" in rows[0] and "<td>0, 1</td>" in rows[1]
@@ -208,7 +210,7 @@ def test_the_compare_page_has_the_seed_table_and_figure(tmp_path):
     assert (tmp_path / "sweep" / "report" / "compare_seeds.png").read_bytes().startswith(PNG_MAGIC)
     assert 'alt="Each group&#x27;s held-out accuracy, the mean over its seeds' in text
     # the headline table of PPO-only runs: each run's last held-out evaluation (r4 stopped at step 4)
-    rows = _between(text, "<h2>Headline metrics</h2>").split("<tr>")[2:]
+    rows = between(text, "<h2>Headline metrics</h2>").split("<tr>")[2:]
     headline = {row.split("</a>")[0].rsplit(">", 1)[-1]: row for row in rows}
     assert "accuracy, held-out during PPO" in text and "80.0% ± 5.0% (step 8)" in headline["r1"]
     assert "30.0% ± 5.0% (step 4)" in headline["r4"] and "90.0% ± 5.0% (step 8)" in headline["r1"]  # greedy
@@ -260,7 +262,7 @@ def test_a_folder_without_seeds_in_common_says_so(tmp_path):
     for seed in (1, 2):
         path = make_seed_run(tmp_path / f"c{seed}", seed=seed, estimator="rloo")
         rows = [{"step": s, "kl": 0.1 * s} for s in (0, 4, 8)]
-        _jsonl(path / "ppo" / "eval_log.jsonl", rows)
+        write_jsonl(path / "ppo" / "eval_log.jsonl", rows)
         runs.append(load_run(path, name=f"c{seed}"))
     page = Page(tmp_path / "png")
     section_seeds(page, runs)

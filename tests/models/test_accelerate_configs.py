@@ -14,13 +14,13 @@ import pytest
 import torch
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.utils import DistributedType
-from helpers import one_update, ppo_config, record_raw_grads, tiny_ppo_trainer
+from helpers import ROOT, one_update, ppo_config, record_raw_grads, tiny_ppo_trainer
 
 from llm_rlhf.core.errors import UserError
 from llm_rlhf.models.accelerated import Accelerated, check_deepspeed_config
 from llm_rlhf.ppo import trainer as ppo_trainer
 
-CONFIGS = Path(__file__).resolve().parents[1] / "accelerate_configs"
+CONFIGS = ROOT / "accelerate_configs"
 EXPECTED = {
     "single_gpu.yaml": "NO",
     "multi_gpu.yaml": "MULTI_GPU",
@@ -76,7 +76,7 @@ def test_zero3_generation_gathers_the_policy_parameters(monkeypatch):
 
 def test_fsdp1_is_rejected_in_one_line_naming_fsdp_version_2():
     """accelerate's default FSDP plugin is version 1; PPO's checkpoints and final save handle FSDP2's shards
-    only, so FSDP1 stops before `accelerator.prepare` with one line naming the key to set (issue 29)."""
+    only, so FSDP1 stops before `accelerator.prepare` with one line naming the key to set."""
     prepared = []
     accelerator = SimpleNamespace(
         distributed_type=DistributedType.FSDP, is_fsdp2=False, prepare=lambda *a: prepared.append(a)
@@ -325,7 +325,7 @@ def test_deepspeed_steps_the_lr_schedule_once_per_optimizer_step(
 ):
     """lr_scheduler_type: linear under DeepSpeed: the engine steps no torch LambdaLR, so PPO steps it after
     each engine step; one PPO step is 4 of the run's 8 optimiser steps (2 minibatches x 2 epochs, each of 2
-    micro-batches), after which the optimiser's lr is half the initial one (it never moved, issue 13)."""
+    micro-batches), after which the optimiser's lr is half the initial one (not left where it started)."""
 
     cfg = ppo_config(
         tiny_model_dir,
@@ -349,7 +349,7 @@ def test_deepspeed_mixed_precision_first_step_kl_zero_ratio_one(
 ):
     """mixed_precision bf16 (both DeepSpeed configs ship it) or fp16: the engine holds the policy in that
     dtype and accelerate's autocast is off under DeepSpeed, so the reference and the RM must be cast to it,
-    or KL != 0 and rho != 1 before the first update (issue 13). The trainer is built under the stand-in from
+    or KL != 0 and rho != 1 before the first update. The trainer is built under the stand-in from
     the start (`prepare` returns the engine, which casts the model as DeepSpeed's does); one minibatch per
     step, so the step's ratio and approx-KL are those before any update."""
     from accelerate.scheduler import AcceleratedScheduler
@@ -426,7 +426,7 @@ def trained_zero3_trainer(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, mo
 def test_zero3_checkpoint_is_the_engines_own(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch):
     """Under ZeRO-3 a process's parameters are its partition (here: empty): the checkpoint is the engine's
     own, written through accelerate's save_state, and a resume restores the engine's partitions, optimiser
-    and scheduler, the step and the KL controller (issue 13)."""
+    and scheduler, the step and the KL controller."""
     from llm_rlhf.ppo import checkpoints as ppo_checkpoints
 
     cfg, trainer, engine = trained_zero3_trainer(

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import build_model, write_jsonl
+from helpers import ROOT, build_model, write_jsonl
 
 from llm_rlhf.core.errors import UserError
 from llm_rlhf.models.gold import (
@@ -179,9 +179,8 @@ def test_judge_command(tmp_path, tiny_model_dir):
     rows = [{"prompt": p, "response": r, "id": i} for i, (p, r) in enumerate(zip(PROMPTS, RESPONSES))]
     src = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.jsonl"
-    repo = Path(__file__).resolve().parent.parent
     done = run_cli(
-        "judge", "--input_file", str(src), "--output_file", str(out), "--gold_judge", str(gold), cwd=repo
+        "judge", "--input_file", str(src), "--output_file", str(out), "--gold_judge", str(gold), cwd=ROOT
     )
     assert done.returncode == 0, done.stderr
     judged = [json.loads(line) for line in out.read_text().splitlines()]
@@ -194,7 +193,7 @@ def test_judge_command(tmp_path, tiny_model_dir):
     bad = write_jsonl(tmp_path / "bad.jsonl", [rows[0], {"prompt": "A", "response": None}])
     out2 = tmp_path / "out2.jsonl"
     done = run_cli(
-        "judge", "--input_file", str(bad), "--output_file", str(out2), "--gold_judge", str(gold), cwd=repo
+        "judge", "--input_file", str(bad), "--output_file", str(out2), "--gold_judge", str(gold), cwd=ROOT
     )
     assert done.returncode == 2
     assert f"error: {bad}, row 2, field 'response': missing (or null)" in done.stderr
@@ -239,7 +238,6 @@ def test_gold_vs_policy_script(tmp_path, tiny_model_dir):
     model_dir = tmp_path / "lm"
     model_dir.symlink_to(tiny_model_dir, target_is_directory=True)
     gold = fluent_judge_file(tmp_path, model_dir)
-    repo = Path(__file__).resolve().parent.parent
     test = write_jsonl(
         tmp_path / "test.jsonl",
         [
@@ -260,7 +258,7 @@ def test_gold_vs_policy_script(tmp_path, tiny_model_dir):
     )
     done = subprocess.run(
         [sys.executable, "data/gold_vs_policy.py", str(samples), "--gold", str(gold), "--test", str(test)],
-        cwd=repo, capture_output=True, text=True,
+        cwd=ROOT, capture_output=True, text=True,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     got = json.loads(done.stdout)
@@ -281,7 +279,7 @@ def test_gold_vs_policy_script(tmp_path, tiny_model_dir):
     unknown = write_jsonl(tmp_path / "unknown.jsonl", [{"prompt": "Nobody wrote", "policy_response": " x"}])
     done = subprocess.run(
         [sys.executable, "data/gold_vs_policy.py", str(unknown), "--gold", str(gold), "--test", str(test)],
-        cwd=repo, capture_output=True, text=True,
+        cwd=ROOT, capture_output=True, text=True,
     )  # fmt: skip
     assert done.returncode == 1 and "no gold_test opening" in done.stderr
 
@@ -292,7 +290,7 @@ def test_make_gold_salad_quantile_and_nll_cache(tmp_path):
     asks the LM only for pairs it has not seen, and a new process reads what the last one wrote."""
     import random
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "data"))
+    sys.path.insert(0, str(ROOT / "data"))
     import make_gold
 
     judge = GoldJudge(

@@ -6,18 +6,16 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import SENTENCES
+from helpers import ROOT, SENTENCES
 
 from llm_rlhf.core.errors import UserError
 from llm_rlhf.models.gold import GoldJudge, call_judge, load_judge
 
-REPO = Path(__file__).resolve().parent.parent
-SHIPPED = REPO / "data" / "reviews" / "gold_judge.json"
-GOLD_TEST = REPO / "data" / "reviews" / "gold_test.jsonl"
+SHIPPED = ROOT / "data" / "reviews" / "gold_judge.json"
+GOLD_TEST = ROOT / "data" / "reviews" / "gold_test.jsonl"
 
 
 def tiny_judge() -> GoldJudge:
@@ -138,7 +136,7 @@ def test_load_judge_specs(tmp_path, monkeypatch):
     for bad, message in [
         ("my_judges:missing", "no attribute"),
         ("no_such_module_xyz:f", "cannot import"),
-        ("not a spec", "expected a judge JSON"),
+        ("not a judge", "expected a judge JSON"),
         (str(tmp_path / "absent.json"), "no such file"),
     ]:
         with pytest.raises(UserError, match=message):

@@ -1,25 +1,24 @@
-"""Reward-model ensembles (issue 16; Coste et al. 2024): the combine rules against hand-computed values,
+"""Reward-model ensembles (Coste et al. 2024): the combine rules against hand-computed values,
 K = 1 identical to one reward model, PPO steps and evaluation through the real code paths with members
 that disagree (each normalised with its own statistics), members with another tokenizer, config errors,
-the pipeline training the members (seeds, bootstrap resamples) and two data-parallel processes."""
+the pipeline training the members (seeds, bootstrap resamples). (Two data-parallel processes:
+tests/multiprocess/test_ppo_options_on_two_processes.py.)"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from helpers import (
+    ROOT,
     SENTENCES,
     eos_rows,
     eval_config,
-    launch,
     pipeline_argv,
-    ppo_cli_args,
     ppo_config,
     recording_rollouts,
     scores_alone,
@@ -48,7 +47,6 @@ from llm_rlhf.ppo import trainer as ppo_trainer
 from llm_rlhf.rl import ppo_math, reward_math
 from llm_rlhf.stages import evaluate, reward
 
-ROOT = Path(__file__).resolve().parents[1]
 TIMES = ("time/", "tokens_per_s")
 
 
@@ -92,29 +90,9 @@ def test_unknown_combine_mode_raises():
 
 
 # ---------------------------------------------------------------------------------------------------
-# Members: the tiny RM, and copies whose head and normalisation differ (they disagree)
+# Members: the tiny RM and copies whose head and normalisation differ (`members`, conftest.py), and an RM
+# over another tokenizer
 # ---------------------------------------------------------------------------------------------------
-
-
-def perturbed_member(source: Path, folder: Path, *, seed: int, mean: float, std: float) -> Path:
-    """The tiny RM with a freshly drawn score head and its own stored normalisation."""
-    rm = load_reward_model(source)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        rm.model.score.weight.normal_(0.0, 0.5)
-    rm.normalization = {"mean": mean, "std": std, "reference_set": "test", "n": 1}
-    save_reward_model(rm, folder, merge_lora=False)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def members(tiny_rm_dir, tmp_path_factory) -> list[str]:
-    tmp = tmp_path_factory.mktemp("members")
-    return [
-        str(tiny_rm_dir),
-        str(perturbed_member(tiny_rm_dir, tmp / "m1", seed=1, mean=0.3, std=2.0)),
-        str(perturbed_member(tiny_rm_dir, tmp / "m2", seed=2, mean=-0.2, std=0.5)),
-    ]
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +114,7 @@ def other_tokenizer_member(tmp_path_factory) -> str:
 
 def separate_scores(paths: list[str], sequence: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Each member loaded alone by `load_reward_model` (its own normalisation) scoring the ids, every row
-    ending with EOS (`end_with_eos`: a truncated response gets one, issue 29): (K, B)."""
+    ending with EOS (`end_with_eos`: a truncated response gets one): (K, B)."""
     scores = []
     with torch.no_grad():
         for p in paths:
@@ -184,7 +162,7 @@ def test_a_member_with_another_tokenizer_reads_the_text(tiny_rm_dir, other_token
 def test_every_member_reads_a_stopped_or_truncated_response_ending_with_its_own_eos(
     tiny_rm_dir, other_tokenizer_member, tiny_model_dir
 ):
-    """Issue 29, for an RM with another vocabulary and for an ensemble: a response cut by a stop string or
+    """For an RM with another vocabulary and for an ensemble: a response cut by a stop string or
     truncated at max_new_tokens is scored as its text followed by the member's own EOS (the text re-encoded
     by the member's tokenizer, as in RM training), through the one Scorer."""
     tokenizer = load_tokenizer(str(tiny_model_dir))
@@ -599,57 +577,3 @@ def test_pipeline_trains_the_members_and_chains_the_list(
     pipeline.run(parse_config(pipeline.Config, argv))
     printed = capsys.readouterr().out
     assert "== rm: finished earlier" in printed and "== rm-1: finished earlier" in printed
-
-
-# ---------------------------------------------------------------------------------------------------
-# Two data-parallel processes
-# ---------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_ensemble_two_ranks_equals_one(members, tiny_model_dir, prompt_file, tmp_path):
-    """One PPO step of a fixed global rollout (tests/scripts/ppo_ranks.py) scored by a 3-member ensemble:
-    every rank scores its own samples with every member, and the global member scores, disagreement,
-    combined score, losses and the raw gradient equal those of one process."""
-
-    script = ROOT / "tests" / "scripts" / "ppo_ranks.py"
-
-    def run(num_processes):
-        out = tmp_path / f"{num_processes}.json"
-        launch([str(script), str(tiny_model_dir), ",".join(members), str(prompt_file), str(out), "same",
-                "uncertainty"], num_processes)  # fmt: skip
-        return json.loads(out.read_text())
-
-    one, two = run(1), run(2)
-    assert (one["world"], two["world"]) == (1, 2)
-    torch.testing.assert_close(torch.tensor(two["grads"]), torch.tensor(one["grads"]), atol=1e-7, rtol=1e-4)
-    m1, m2 = one["metrics"][0], two["metrics"][0]
-    keys = [f"objective/scores_member_{k}" for k in range(3)] + ["objective/scores_disagreement"]
-    keys += ["objective/scores", "objective/rlhf_reward", "loss/policy", "loss/value"]
-    for key in keys:
-        assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
-    assert m1["objective/scores_disagreement"] > 0.01
-    means = torch.tensor([m1[f"objective/scores_member_{k}"] for k in range(3)])
-    assert m1["objective/scores"] < float(means.mean())  # uncertainty: below the mean of the members
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_ppo_command_with_an_ensemble_on_two_processes(members, tiny_model_dir, prompt_file, tmp_path):
-    """`accelerate launch ... llm-rlhf ppo` with a 2-member ensemble: training steps, logged samples and the
-    held-out evaluation (every process scores with every member; the main one writes) log the members."""
-
-    out = tmp_path / "run"
-    args = ppo_cli_args(tiny_model_dir, members[0], prompt_file, out, 2)
-    args[args.index("--reward_model_path") + 1] = f"[{members[1]}, {members[2]}]"
-    args += ["--ensemble_combine", "min", "--eval_every", "1", "--eval_prompt_file", str(prompt_file)]
-    args += ["--eval_num_prompts", "4", "--gold_judge", "none", "--log_samples_every", "1"]
-    launch(args, 2)
-    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in steps] == [1, 2] and steps[-1]["episodes"] == 2 * 4 * 2
-    for m in steps:
-        worst = min(m["objective/scores_member_0"], m["objective/scores_member_1"])
-        assert m["objective/scores"] <= worst + 1e-6 and m["objective/scores_disagreement"] > 0
-    evals = [json.loads(line) for line in (out / "eval_log.jsonl").read_text().splitlines()]
-    assert len(evals) == 3 and all("rm_score_member_1" in r for r in evals)

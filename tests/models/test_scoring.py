@@ -1,4 +1,4 @@
-"""The values issue 23 introduced: `rollout.Sampling` (one value from any flat config), `scoring.Scorer` (the one
+"""The values PPO and evaluation share: `rollout.Sampling` (one value from any flat config), `scoring.Scorer` (the one
 scorer of PPO and evaluation), `scoring.scored_as`, `PPOTrainer.state_dict`, and the one callable resolver."""
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def test_one_resolver_for_reward_functions_and_gold_judges(tmp_path, monkeypatch
 
 
 # ---------------------------------------------------------------------------------------------------
-# Issue 29: every response is scored ending with the RM's EOS, as the RM was trained to read text
+# Every response is scored ending with the RM's EOS, as the RM was trained to read text
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -120,8 +120,8 @@ def test_end_with_eos_layout():
 def test_stopped_and_truncated_responses_are_scored_as_their_text_ending_in_eos(tiny_model_dir, tiny_rm_dir):
     """The Scorer (PPO, eval, best-of-n) reads a response cut by a stop string, and one truncated at
     max_new_tokens, as the same tokens followed by the RM's EOS, the only place the RM learned to score
-    text at; a response that ended with EOS is read as it is. Before issue 29 the first two were scored at
-    their last token (the stop token, or wherever max_new_tokens fell)."""
+    text at; a response that ended with EOS is read as it is. Scored as they are, the first two would be
+    read at their last token (the stop token, or wherever max_new_tokens fell)."""
     tokenizer = load_tokenizer(str(tiny_model_dir))
     rm = load_reward_model(str(tiny_rm_dir))
     samples, with_eos = eos_rows(tokenizer)

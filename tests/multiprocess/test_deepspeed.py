@@ -1,5 +1,5 @@
 """DeepSpeed ZeRO-2 and ZeRO-3 for real on 2 CPU processes (gloo), launched with the project's own
-accelerate_configs/deepspeed_zero2.yaml and deepspeed_zero3.yaml (issue 39). `llm-rlhf` turns DeepSpeed on
+accelerate_configs/deepspeed_zero2.yaml and deepspeed_zero3.yaml. `llm-rlhf` turns DeepSpeed on
 without GPUs itself (`utils.run_deepspeed_on_cpu`); the scripts here change nothing of how accelerate runs
 DeepSpeed (they read the raw gradients and set ZeRO-3's thresholds, see each script's docstring)."""
 
@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, SENTENCES, flags, launch, ppo_cli_args, preference_rows, write_jsonl
+from helpers import ROOT, SENTENCES, flags, launch, logged, ppo_cli_args, preference_rows, write_jsonl
 
 SCRIPTS = ROOT / "tests" / "scripts"
 
@@ -45,8 +45,8 @@ def test_zero2_and_zero3_first_updates_equal_one_process_and_ddp(
     from DeepSpeed's partitions) of gae's first update (value head) and of grpo's two updates (the second
     after an Adam step) and the steps' metrics are those of one process, so DeepSpeed's are DDP's. Under
     ZeRO-3 each process holds about half the parameters, and sampling with rank 0's responses ending at once
-    and rank 1's running to max_new_tokens ends (issue 39: without the synced decode their collectives went
-    out of step, a hang or gloo's "Connection reset by peer")."""
+    and rank 1's running to max_new_tokens ends (without the synced decode their collectives go out of step:
+    a hang or gloo's "Connection reset by peer")."""
     import torch
 
     one = first_updates(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "one.json", None)
@@ -128,10 +128,6 @@ def test_zero3_lora_first_update_equals_one_process(tiny_model_dir, tiny_rm_dir,
     PeftModel.from_pretrained(
         AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path / "zero3" / "adapter"
     )
-
-
-def logged(out: Path) -> list[dict]:
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, launch, ppo_cli_args
+from helpers import ROOT, launch, logged, ppo_cli_args
 
 SCRIPTS = ROOT / "tests" / "scripts"
 
@@ -56,7 +56,7 @@ def assert_same_first_update(run: dict, one: dict) -> None:
 
 
 def test_first_update_two_ranks_equals_one(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
-    """The RAW gradient (before clipping; an Adam step or clipping would hide a wrong loss scale, issue 13)
+    """The RAW gradient (before clipping; an Adam step or clipping would hide a wrong loss scale)
     and the step's metrics of one global batch: on one process, on two, and on two with each minibatch
     as accumulated micro-batches, which all-reduce the gradients once per minibatch (`no_sync`)."""
     import torch
@@ -76,7 +76,7 @@ def test_fsdp2_first_update_equals_one_process(tiny_model_dir, tiny_rm_dir, prom
     batch, gathered whole from its shards, and the step's metrics are those of one process, with ordinary
     minibatches and with accumulated micro-batches (FSDP2's reduce-scatter only at a minibatch's last one).
     Adam and clipping hide a constant factor, so only the raw gradient shows a wrong scale under FSDP2
-    (issue 29: a 2x loss scale under FSDP2 alone passed the other FSDP2 tests)."""
+    (a 2x loss scale under FSDP2 alone would pass the other FSDP2 tests)."""
     import torch
 
     one = run_script(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "one.json", "same", 1)
@@ -153,11 +153,6 @@ def linear_lr(steps: int, optimizer_steps_per_step: int = 2, learning_rate: floa
     return [learning_rate * (1 - k * optimizer_steps_per_step / total) for k in range(1, steps + 1)]
 
 
-def logged(out: Path) -> list[dict]:
-    """The metrics a PPO run wrote to `out`/metrics.jsonl, one dict per step."""
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def assert_same_logs(a: list[dict], b: list[dict]) -> None:
     """Run b (interrupted and resumed) logged, step by step, what the uninterrupted run a logged (timings
     aside)."""
@@ -196,7 +191,7 @@ def assert_same_final_weights(a: Path, b: Path, initial: Path) -> dict:
 def test_linear_lr_two_ranks_equals_one(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
     """lr_scheduler_type: linear advances once per optimiser step on every process, whatever their number:
     the lr after each step on 2 processes is that of 1 process and the closed form. accelerate's scheduler
-    wrapper stepped it once per process, so on 2 it reached 0 halfway through the run (issue 13)."""
+    wrapper stepped it once per process, so on 2 it reached 0 halfway through the run."""
 
     def logged_lr(out, num_processes):
         args = ppo_cli_args(tiny_model_dir, tiny_rm_dir, prompt_file, out, 3)
@@ -352,7 +347,7 @@ def test_fsdp2_first_step_kl_zero_ratio_one(
 ):
     """fsdp.yaml on 2 CPU processes (the same patch), in bf16 (the file's setting) and in fp32: with bf16 the
     prepared policy computes in bf16 (accelerate's FSDP2 MixedPrecisionPolicy and autocast), and so must the
-    reference and the RM, or KL != 0 and rho != 1 before the first update (issue 13). One minibatch per
+    reference and the RM, or KL != 0 and rho != 1 before the first update. One minibatch per
     step, so step 1's ratio and approx-KL are those of the first minibatch, before any update. The linear LR
     schedule decays once per optimiser step here too (it is not accelerate's to step)."""
     extra = ["--mini_batch_size", "4", "--save_steps", "0", "--lr_scheduler_type", "linear"]

@@ -1,4 +1,4 @@
-"""Issue 41: a PPO step with one optimiser step skips the rollout's old-policy forward where that is exact
+"""A PPO step with one optimiser step skips the rollout's old-policy forward where that is exact
 (`PPOTrainer.old_logprobs_from_update`): the old log-probs and entropy come from the update's own forward,
 detached. The same draws, the same raw gradients, the same weights and the same metrics as with the separate
 forward, bit for bit; the ratio is exactly 1."""

@@ -1,9 +1,12 @@
-"""The policy-loss family of issue 37 through the real PPO path (SPEC "The policy-loss family of 2025-26"; the
-math and its worked examples are tests/test_loss_family.py): every key runs in a tiny-model update and does
-something measurable, the defaults keep today's metric set, the aggregations and dynamic sampling are the same
-with gradient accumulation and with 2 processes as with 1 (raw gradients, before clipping), LoRA and FSDP2
-with an option on, a kill -9 and resume with dynamic sampling ends bit-identical, the DAPO recipe runs, and
-the bad combinations are one-line ConfigErrors naming the key.
+"""The policy-loss family of 2025-26 through the real PPO path (the math and its worked examples are
+tests/rl/test_loss_family.py): every key runs in a tiny-model update and does something measurable, the
+defaults keep today's metric set, the aggregations and dynamic sampling are the same with gradient
+accumulation and on two data-parallel ranks simulated in one process as on one (raw gradients, before
+clipping), the sampler correction's weight carries no gradient, dynamic sampling ties on the raw scores (or
+the verifier's verdicts) and its KL sees every sampled group, LoRA with an option on, a kill -9 and resume
+with dynamic sampling ends bit-identical, the DAPO recipe runs, and the bad combinations are one-line
+ConfigErrors naming the key. The multi-process runs (below: ppo_ranks.py MODE loss_options on 1 and 2
+processes, FSDP2) are in tests/multiprocess/test_ppo_options_on_two_processes.py.
 
     option                   where
     policy_loss ppo_clip     test_clip_higher_logs_each_side, test_dual_clip_bounds_..., multi-process dapo
@@ -11,12 +14,15 @@ the bad combinations are one-line ConfigErrors naming the key.
     dual_clip                test_dual_clip_bounds_..., multi-process dapo
     policy_loss gspo         test_gspo_clips_whole_responses, multi-process gspo
     policy_loss cispo        test_cispo_keeps_the_gradient_of_clipped_tokens, LoRA, multi-process cispo
-    policy_loss sapo         test_sapo_fades_the_gradient_where_ppo_clips_it (and tests/test_policy_losses.py)
-    loss_aggregation         test_aggregations_..._accumulation (all three), multi-process (all three), FSDP2
-    sampler_correction(+cap) test_sampler_corrections_with_bfloat16_sampling, multi-process dapo (tis), gspo (mis)
+    policy_loss sapo         test_sapo_fades_the_gradient_where_ppo_clips_it (and tests/rl/test_policy_losses.py)
+    loss_aggregation         test_aggregations_..._accumulation (all three), test_global_normaliser_two_simulated_...,
+                             multi-process (all three), FSDP2
+    sampler_correction(+cap) test_sampler_corrections_with_bfloat16_sampling, test_sampler_correction_weight_...,
+                             multi-process dapo (tis), gspo (mis)
     overlong_buffer/penalty  test_overlong_penalty_in_the_rewards, multi-process dapo, the DAPO recipe
     mask_truncated           test_mask_truncated_..., multi-process dapo
-    dynamic_sampling(+max)   test_dynamic_sampling_..., kill and resume, multi-process dapo, FSDP2, the recipe
+    dynamic_sampling(+max)   test_dynamic_sampling_..., test_kl_and_its_controller_see_every_sampled_group, kill and
+                             resume, multi-process dapo, FSDP2, the recipe
 """
 
 from __future__ import annotations
@@ -24,33 +30,36 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import signal
-import subprocess
-import sys
+import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
 from helpers import (
+    REWARD_FNS,
     ROOT,
-    build_model,
-    launch,
+    TAGGED_CHAT_TEMPLATE,
     ppo_cli_args,
+    ppo_command,
     ppo_config,
     record_raw_grads,
     sum_tolerance,
+    tiny_chat_model,
     tiny_ppo_trainer,
     use_fixed_responses,
 )
 
 from llm_rlhf.core.config import format_help, parse_config
 from llm_rlhf.core.errors import ConfigError, UserError
-from llm_rlhf.ppo.config import Config
+from llm_rlhf.models.reward_fn import decode_texts
+from llm_rlhf.models.scoring import Scores
+from llm_rlhf.ppo.config import Config, batch_sizes
 from llm_rlhf.rl import loss_math, ppo_math
 from llm_rlhf.rl.estimators import ROWS, names
 
-SCRIPTS = ROOT / "tests" / "scripts"
-EVEN = str(ROOT / "tests" / "reward_fns.py") + ":even_length"  # 0 / 1 scores: groups tie often
+EVEN = REWARD_FNS + ":even_length"  # 0 / 1 scores: groups tie often
+HALF = REWARD_FNS + ":half"  # 0.5 for every response: every group ties
 NEW_STATS = ("policy/clipfrac_low", "policy/clipfrac_high", "policy/dual_clipfrac", "sampler/", "sampling/",
              "objective/overlong_penalty")  # fmt: skip
 
@@ -149,7 +158,7 @@ def test_clip_ranges_resolve_per_policy_loss():
 
 def test_defaults_keep_todays_metrics(tiny_model_dir, prompt_file, tmp_path):
     """With every key of the family at its default, a grpo step logs none of the new statistics and its
-    update is `ppo_math.policy_loss`'s (runs bit-identical to before the keys: the session report)."""
+    update is `ppo_math.policy_loss`'s (the same update, bit for bit, as without the family's keys)."""
     cfg = grpo_config(tiny_model_dir, prompt_file, tmp_path)
     assert cfg.plain_policy_loss
     trainer = tiny_ppo_trainer(cfg)
@@ -288,7 +297,7 @@ def test_mask_truncated_gives_no_gradient_from_truncated_responses(tiny_model_di
 
 def test_overlong_penalty_in_the_rewards(tiny_model_dir, prompt_file, tmp_path):
     """max_new_tokens 8, overlong_buffer 4: the fixed responses' lengths (2, 3, 5, 6, 8 with EOS; 8 truncated)
-    get 0, 0, -0.25, -0.5, -1 and -1 added to their scores at the last token (SPEC's ramp), logged as
+    get 0, 0, -0.25, -0.5, -1 and -1 added to their scores at the last token (the overlong ramp), logged as
     objective/overlong_penalty; with eos_penalty -2 the truncated ones score -2 (it replaces the sum)."""
     cfg = grpo_config(tiny_model_dir, prompt_file, tmp_path, overlong_buffer=4, overlong_penalty=1.0)
     trainer = tiny_ppo_trainer(cfg)
@@ -329,6 +338,36 @@ def test_sampler_corrections_with_bfloat16_sampling(tiny_model_dir, prompt_file,
     use_fixed_responses(trainer)  # Samples without sampler log-probs
     with pytest.raises(UserError, match="^sampler_correction mis: the sampler recorded no log-probs"):
         trainer.ppo_step()
+
+
+@pytest.mark.parametrize("correction", ["tis", "mis"])
+def test_sampler_correction_weight_carries_no_gradient(tiny_model_dir, prompt_file, tmp_path, correction):
+    """A rollout whose sampler log-probs are the old policy's + 0.1 * N(0, 1) (cap 1.05: some weights
+    truncated or masked): the trainer's raw gradient is that of the token-mean loss -w_t * A_t * rho_t written
+    out, with the weights w_t = min(pi_old / q, C) (tis) or 1[1/C <= pi_old / q <= C] (mis) detached (rho = 1
+    and no clip at the first update). Fails if the weight carries gradient (w * exp(lp - sg(lp)): the same
+    values, twice the gradient)."""
+    cfg = grpo_config(tiny_model_dir, prompt_file, tmp_path, sampler_correction=correction,
+                      sampler_correction_cap=1.05)  # fmt: skip
+    rollout, advantages = fixed_rollout(cfg)
+    mask = rollout.response_mask
+    noise = 0.1 * torch.randn(mask.shape, generator=torch.Generator().manual_seed(1))  # (B, R)
+    rollout.sampler_logprobs = torch.where(mask, rollout.logprobs + noise, 0.0)  # log q
+    ratio = torch.exp(rollout.logprobs - rollout.sampler_logprobs)  # (B, R) pi_old / q
+    corrected = (ratio > 1.05) | ((ratio < 1 / 1.05) if correction == "mis" else False)  # (B, R)
+    weights = ratio.clamp(max=1.05) if correction == "tis" else (~corrected).float()  # (B, R), no grad
+    assert 0 < int((corrected & mask).sum()) < int(mask.sum()), "some weights truncated or masked"
+
+    trainer = tiny_ppo_trainer(cfg)
+    params = list(trainer.trainable_parameters())
+    logprobs, _, _ = trainer.forward_policy(rollout, train=True)  # (B, R), with grad
+    rho = torch.exp(logprobs - rollout.logprobs)  # (B, R), 1 in value
+    loss = (-weights * advantages * rho)[mask].sum() / mask.sum()  # token mean over the minibatch
+    by_hand = torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])
+
+    got = raw_gradient(cfg, rollout, advantages)
+    assert by_hand.abs().max() > 1e-4
+    torch.testing.assert_close(got, by_hand, atol=1e-6 * float(by_hand.abs().max()), rtol=1e-4)
 
 
 # --- dynamic sampling --------------------------------------------------------------------------------------
@@ -422,63 +461,242 @@ def test_lora_with_cispo_and_dynamic_sampling(tiny_model_dir, prompt_file, tmp_p
     assert "policy/clipfrac_high" in metrics and "sampling/rounds" in metrics
 
 
-# --- processes ----------------------------------------------------------------------------------------------
+def tie_config(tiny_model_dir, prompt_file, tmp_path, **kw):
+    return grpo_config(tiny_model_dir, prompt_file, tmp_path, **{"dynamic_sampling": True,
+                       "dynamic_sampling_max_rounds": 3, **kw})  # fmt: skip
 
 
-@pytest.mark.multiprocess
-@pytest.mark.slow
-def test_loss_options_two_ranks_and_accumulation_equal_one(
-    tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path
+@pytest.mark.parametrize(
+    "shaping",
+    [dict(overlong_buffer=4, overlong_penalty=1.0), dict(eos_penalty=-1.0)],
+    ids=["overlong", "eos"],
+)
+def test_dynamic_sampling_ties_on_raw_scores_not_the_penalties(
+    tiny_model_dir, prompt_file, tmp_path, shaping
 ):
-    """tests/scripts/ppo_ranks.py MODE loss_options on 1 and on 2 processes (two launches): dapo (clip-higher,
-    dual clip, seq_mean_token_mean, TIS, overlong shaping, mask_truncated, dynamic sampling with a tied group
-    in the first round), gspo (token_sum_norm, MIS) and cispo (on gae), each with ordinary minibatches and
-    with micro-batches of one episode: the raw gradient of every update (2 steps x 2 epochs) and the steps'
-    metrics are those of one process without accumulation."""
-    runs = {}
-    for world in (1, 2):
-        out = tmp_path / f"{world}.json"
-        args = [str(SCRIPTS / "ppo_ranks.py"), str(tiny_model_dir), str(tiny_rm_dir), str(prompt_file), str(out),
-                "loss_options"]  # fmt: skip
-        launch(args, world)
-        runs[world] = json.loads(out.read_text())["runs"]
-    one = runs[1]
-    assert set(one) == {f"{n}{a}" for n in ("dapo", "gspo", "cispo") for a in ("", "/accumulate")}
-    for key in one:
-        name = key.split("/")[0]
-        base = one[name]
-        for run in (one[key], runs[2][key]):
-            assert len(run["grads"]) == len(base["grads"]) == 4, key
-            for update, (ga, gb) in enumerate(zip(base["grads"], run["grads"])):
-                # after an Adam step (lr 1e-2) the weights differ by float rounding: |diff| < 2e-6 there
-                torch.testing.assert_close(torch.tensor(gb), torch.tensor(ga), atol=1e-7 if update == 0 else 2e-6,
-                                           rtol=1e-4, msg=f"{key} update {update + 1}")  # fmt: skip
-            for m1, m2 in zip(base["metrics"], run["metrics"]):
-                for k, v in m1.items():
-                    if k.startswith(("loss/", "policy/", "sampler/", "sampling/", "objective/")):
-                        assert m2[k] == pytest.approx(v, rel=1e-4, abs=1e-5), (key, m1["step"], k)
-    dapo = one["dapo"]["metrics"]
-    assert [m["sampling/rounds"] for m in dapo] == [2.0, 2.0] and dapo[0]["sampling/groups_dropped"] == 2.0
-    assert dapo[0]["sampler/corrected_frac"] > 0 and dapo[0]["objective/overlong_penalty"] < 0
-    assert one["gspo"]["metrics"][0]["sampler/corrected_frac"] > 0
-    assert one["cispo"]["metrics"][1]["policy/clipfrac_high"] > 0
+    """Every response scores 0.5 (the groups all tie) and the responses have different lengths, some
+    truncated (`use_fixed_responses`): the overlong penalty and the EOS penalty separate some groups' shaped
+    scores, but no penalty unties a group. Every round's groups are tied, so the step samples its 3 rounds,
+    drops 8 groups and trains 4 tied ones. Fails if the tie test reads the shaped scores."""
+    trainer = tiny_ppo_trainer(tie_config(tiny_model_dir, prompt_file, tmp_path, reward_fn=HALF, **shaping))
+    use_fixed_responses(trainer)
+    rollout, _ = trainer.rollout(trainer.collector.in_groups(trainer.collector.queries(trainer.step)))
+    shaped = trainer.rewards(rollout, 0.0)[0].sum(-1)  # (B,) the score the rewards hold (kl_coef 0)
+    assert not loss_math.tied_groups(scores=shaped, samples_per_prompt=2).all(), "the penalty unties a group"
+    m = trainer.ppo_step()
+    assert (m["sampling/rounds"], m["sampling/groups_dropped"]) == (3.0, 8.0)
+    assert m["sampling/tied_groups_trained"] == 4.0 and trainer.collector.extra_prompts == 8
 
 
-@pytest.mark.multiprocess
-@pytest.mark.slow
-def test_fsdp2_with_dynamic_sampling(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
-    """fsdp.yaml (FSDP2) on 2 CPU processes: grpo with dynamic sampling, clip-higher and seq_mean_token_mean;
-    the rounds are the same on every process (the sharded forwards are collectives), the run ends."""
-    out = tmp_path / "fsdp"
-    args = ppo_cli_args(tiny_model_dir, "none", prompt_file, out, 3, advantage_estimator="grpo",
-                        samples_per_prompt=2, rollout_batch_size=2, mini_batch_size=4, reward_fn=EVEN,
-                        dynamic_sampling="true", cliprange_high=0.28, loss_aggregation="seq_mean_token_mean",
-                        gold_judge="none")[2:]  # fmt: skip
-    launch([str(SCRIPTS / "fsdp2_on_cpu.py"), *args], 2, config="fsdp.yaml", mixed_precision="no")
-    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == [1, 2, 3]
-    assert all("sampling/rounds" in m and "policy/clipfrac_high" in m for m in metrics)
-    assert (out / "model.safetensors").is_file()
+def write_verifier(folder) -> str:
+    (folder / "verifiers.py").write_text(
+        "def always(prompts, responses):\n    return [1.0 for _ in responses]\n"
+    )
+    return str(folder / "verifiers.py") + ":always"
+
+
+def test_dynamic_sampling_ties_on_the_verifier_verdicts(tiny_model_dir, prompt_file, tmp_path):
+    """With accuracy_fn (the task's verifier, loaded by `build_trainer`), a group ties when its verdicts tie:
+    every answer correct (always 1.0) while the reward function grades by parity is dropped in every round;
+    with every score 0.5 and the verdicts by parity, the groups tie where the parities do."""
+    always = write_verifier(tmp_path)
+    trainer = tiny_ppo_trainer(
+        tie_config(tiny_model_dir, prompt_file, tmp_path, reward_fn=EVEN, accuracy_fn=always)
+    )
+    assert trainer.collector.verifier is not None and trainer.collector.verifier.key == "accuracy_fn"
+    use_fixed_responses(trainer)
+    rollout, _ = trainer.rollout(trainer.collector.in_groups(trainer.collector.queries(trainer.step)))
+    assert not loss_math.tied_groups(scores=rollout.scores, samples_per_prompt=2).all(), "the scores differ"
+    m = trainer.ppo_step()
+    assert (m["sampling/rounds"], m["sampling/groups_dropped"], m["sampling/tied_groups_trained"]) == (
+        3,
+        8,
+        4,
+    )
+
+    cfg = tie_config(tiny_model_dir, prompt_file, tmp_path, reward_fn=HALF, accuracy_fn=EVEN,
+                     dynamic_sampling_max_rounds=1)  # fmt: skip
+    trainer = tiny_ppo_trainer(cfg)
+    use_fixed_responses(trainer)
+    rollouts, real = [], trainer.dynamic_rollout
+
+    def dynamic_rollout(*args):
+        out = real(*args)
+        rollouts.append(out[0])
+        return out
+
+    trainer.dynamic_rollout = dynamic_rollout
+    m = trainer.ppo_step()
+    r = rollouts[0]
+    _, responses = decode_texts(trainer.tokenizer, r.query, r.query_mask, r.response, r.response_mask)
+    parity = torch.tensor([float(len(text) % 2 == 0) for text in responses])  # (B,)
+    tied = loss_math.tied_groups(scores=parity, samples_per_prompt=2)  # (P,)
+    assert 0 < int(tied.sum()) < 4, "some groups tie on parity, some do not"
+    assert m["sampling/tied_groups_trained"] == float(tied.sum())
+
+
+def test_kl_and_its_controller_see_every_sampled_group(tiny_model_dir, prompt_file, tmp_path):
+    """The policy moved off the reference, all groups tied (every score 0.5), 3 rounds: objective/kl is the
+    mean sequence KL over the 24 sampled responses, the 16 dropped ones' too, and the adaptive controller
+    moves by that KL (its target set to it once sampled: beta stays where it was, where the 8 kept
+    responses' KL would move it). Fails if either reads the kept responses alone."""
+    cfg = tie_config(tiny_model_dir, prompt_file, tmp_path, reward_fn=HALF, kl_controller="adaptive",
+                     init_kl_coef=0.1, kl_target=0.01, kl_horizon=10)  # fmt: skip
+    trainer = tiny_ppo_trainer(cfg)
+    use_fixed_responses(trainer)
+    with torch.no_grad():
+        for p in trainer.unwrapped_policy.lm.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(2)))
+    every = []  # the sequence KL of every sampled round, computed alone
+    real_generate = trainer.collector.generate
+
+    def generate(queries, sampling=None):
+        samples = real_generate(queries, sampling)
+        logprobs, _, _ = trainer.forward_policy(samples)
+        kl = ppo_math.kl_penalty(logprobs=logprobs, ref_logprobs=trainer.reference_logprobs(samples),
+                                 estimator=cfg.kl_estimator)  # fmt: skip
+        every.append(ppo_math.sequence_kl(kl=kl, response_mask=samples.response_mask))
+        if len(every) == 3:  # the last round: the controller's target is the KL of every sampled response
+            trainer.kl_ctl.target = float(torch.cat(every).mean())
+        return samples
+
+    trainer.collector.generate = generate
+    m = trainer.ppo_step()
+    every = torch.cat(every)  # (24,)
+    assert every.shape == (24,) and m["sampling/rounds"] == 3
+    assert m["objective/kl"] == pytest.approx(float(every.mean()), rel=1e-5)
+    kept = float(every[:8].mean())  # all tied: the first round's groups fill the step
+    assert abs(kept / float(every.mean()) - 1) > 0.01, "the dropped rounds' KL differs"
+    assert trainer.kl_ctl.value == pytest.approx(0.1, rel=1e-5)  # the error 0: beta unmoved
+
+
+# --- two data-parallel ranks simulated in one process -------------------------------------------------------
+# One trainer per rank (the same initial weights), two threads, and a stand-in accelerator whose `reduce` is the
+# all-reduce of the two threads' tensors; everything else is the trainer's real code.
+
+
+class TwoRanks:
+    """The accelerator as the trainer's collectives see it on one of two data-parallel ranks played by two
+    threads: `reduce(x, "sum" | "mean")` waits for the other rank's call and returns the all-reduce of both
+    tensors; process_index is this rank's; the rest is the rank's real (one-process) accelerator. One
+    `TwoRanks` per rank, sharing `pair` (a barrier, the parts)."""
+
+    num_processes = 2
+
+    def __init__(self, rank: int, pair: SimpleNamespace, real):
+        self.process_index, self.pair, self.real = rank, pair, real
+
+    def __getattr__(self, name: str):
+        return getattr(self.real, name)  # unwrap_model, device, ...
+
+    @staticmethod
+    def pair() -> SimpleNamespace:
+        return SimpleNamespace(barrier=threading.Barrier(2, timeout=30), parts={})
+
+    def reduce(self, x: torch.Tensor, reduction: str) -> torch.Tensor:
+        pair = self.pair
+        pair.parts[self.process_index] = x
+        pair.barrier.wait()
+        total = pair.parts[0] + pair.parts[1]
+        pair.barrier.wait()  # both have read the parts before the next call writes them
+        return total if reduction == "sum" else total / 2
+
+
+def on_two_ranks(trainers, work) -> list:
+    """`work(rank, trainer)` on two threads, each trainer's accelerator the rank's `TwoRanks`; the results."""
+    pair, out, errors = TwoRanks.pair(), [None, None], []
+    real = [t.accelerator for t in trainers]
+    for rank, t in enumerate(trainers):
+        t.context.accelerator = TwoRanks(rank, pair, t.accelerator)  # the trainer's, the collector's, the update's
+
+    def run(rank: int) -> None:
+        try:
+            out[rank] = work(rank, trainers[rank])
+        except Exception as e:  # noqa: BLE001 - re-raised in the test's thread below
+            errors.append(e)
+            pair.barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for t, accelerator in zip(trainers, real):
+        t.context.accelerator = accelerator
+    if errors:
+        raise errors[0]
+    return out
+
+
+def rank_trainer(cfg, **sizes):
+    """A trainer of `cfg` whose batch sizes are those of one of 2 processes (`sizes` the per-process keys)."""
+    trainer = tiny_ppo_trainer(cfg)
+    keys = dict(rollout_batch_size=cfg.rollout_batch_size, mini_batch_size=cfg.mini_batch_size,
+                gradient_accumulation_steps=cfg.gradient_accumulation_steps, ppo_epochs=cfg.ppo_epochs,
+                steps=cfg.steps, samples_per_prompt=cfg.samples_per_prompt)  # fmt: skip
+    trainer.context.sizes = batch_sizes(**{**keys, **sizes, "num_processes": 2})  # every part's
+    return trainer
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [dict(), dict(cliprange_high=0.28), dict(loss_aggregation="seq_mean_token_mean"),
+     dict(loss_aggregation="token_sum_norm"), dict(cliprange_high=0.28, gradient_accumulation_steps=2)],
+    ids=["plain", "token_mean", "seq_mean_token_mean", "token_sum_norm", "accumulated"],
+)  # fmt: skip
+def test_global_normaliser_two_simulated_ranks_equal_one(tiny_model_dir, prompt_file, tmp_path, keys):
+    """One minibatch of 8 responses of 2 to 8 tokens (`use_fixed_responses`): on one process, and cut into two
+    ranks of 2 groups (rank 0 holds 20 tokens, rank 1 25) whose normaliser and token counts are all-reduced by
+    two threads: the mean of the ranks' raw gradients (what DDP's all-reduce gives) is the one process's, for
+    the plain loss and every aggregation. Fails if the normaliser N is this rank's (not all-reduced), or if
+    the policy loss's share is not multiplied by the processes DDP averages over."""
+    cfg = grpo_config(tiny_model_dir, prompt_file, tmp_path, **keys)
+    rollout, advantages = fixed_rollout(cfg)
+    one = raw_gradient(cfg, rollout, advantages)
+    halves = [torch.arange(0, 4), torch.arange(4, 8)]
+    lengths = [int(rollout.response_mask[h].sum()) for h in halves]
+    assert lengths[0] != lengths[1], "the ranks hold different numbers of tokens"
+
+    trainers = [rank_trainer(cfg, rollout_batch_size=2, mini_batch_size=4) for _ in (0, 1)]
+    grads = [[], []]
+    for t, store in zip(trainers, grads):
+        record_raw_grads(t, store)  # on the real accelerator, whose clip the trainer's `acc` calls
+    on_two_ranks(
+        trainers, lambda r, t: t.train_on_rollout(rollout.select(halves[r]), advantages[halves[r]], None)
+    )
+    assert len(grads[0]) == len(grads[1]) == 1 and one.abs().max() > 1e-4
+    mean = (grads[0][0] + grads[1][0]) / 2  # DDP's all-reduce of the ranks' gradients
+    torch.testing.assert_close(mean, one, atol=1e-6 * float(one.abs().max()), rtol=1e-4)
+
+
+def test_dynamic_sampling_rounds_are_the_same_on_two_simulated_ranks(tiny_model_dir, prompt_file, tmp_path):
+    """Two ranks of 2 groups each: rank 0's groups are untied from the first round, rank 1's tie in rounds 1
+    and 2 (scripted scores): both sample 3 rounds (their collectives match), rank 0 trains its first
+    round's groups, rank 1 its third's, and the counts are global: 8 groups dropped, none tied trained. Fails
+    if a process stops on its own untied count."""
+    cfg = tie_config(tiny_model_dir, prompt_file, tmp_path, reward_fn=HALF, dynamic_sampling_max_rounds=4)
+    trainers = [rank_trainer(cfg, rollout_batch_size=2, mini_batch_size=4) for _ in (0, 1)]
+    untied, tied = torch.tensor([0.0, 1.0, 1.0, 0.0]), torch.tensor([1.0, 1.0, 0.0, 0.0])  # (B,) 2 groups
+    script = {0: [untied] * 4, 1: [tied, tied, untied, untied]}  # each rank's scores, round by round
+    for rank, t in enumerate(trainers):
+        use_fixed_responses(t)
+        rounds = iter(script[rank])
+        t.collector.score = lambda samples, rounds=rounds: Scores(scores=next(rounds))
+
+    def step(rank, t):
+        times = {}
+        return t.dynamic_rollout(t.collector.queries(t.step), times)
+
+    (r0, _, s0, kl0), (r1, _, s1, kl1) = on_two_ranks(trainers, step)
+    assert s0["sampling/rounds"] == s1["sampling/rounds"] == 3.0
+    assert s0["sampling/groups_dropped"] == s1["sampling/groups_dropped"] == 8.0
+    assert s0["sampling/tied_groups_trained"] == s1["sampling/tied_groups_trained"] == 0.0
+    assert r0.scores.tolist() == untied.tolist() and r1.scores.tolist() == untied.tolist()
+    assert kl0.shape == kl1.shape == (8,)  # the dropped rows: 2 rounds x 2 groups x 2 samples
+    assert trainers[0].collector.extra_prompts == trainers[1].collector.extra_prompts == 8
+
+
+# --- kill -9 and resume -------------------------------------------------------------------------------------
 
 
 @pytest.mark.slow
@@ -493,16 +711,7 @@ def test_dynamic_sampling_killed_and_resumed_ends_bit_identical(tiny_model_dir, 
                             samples_per_prompt=2, rollout_batch_size=2, mini_batch_size=4, save_steps=2,
                             reward_fn=EVEN, dynamic_sampling="true", dynamic_sampling_max_rounds=4,
                             gold_judge="none")  # fmt: skip
-        if kill_at is not None:
-            args = [str(SCRIPTS / "kill_at_step.py"), str(kill_at), *args[2:]]
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-            "PYTHONPATH": str(ROOT),
-        }
-        return subprocess.run([sys.executable, *args, *more], cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=900)  # fmt: skip
+        return ppo_command(args, *more, kill_at=kill_at)
 
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     assert command(straight).returncode == 0
@@ -532,7 +741,6 @@ def test_the_dapo_recipe_runs_on_a_tiny_chat_llama(tmp_path, monkeypatch):
     """recipes/smollm2-arithmetic/dapo.yaml (grpo with clip-higher 0.2/0.28, dynamic sampling, token-mean,
     overlong shaping, no KL) on a tiny Llama with a chat template, two steps on the committed arithmetic
     prompts: it parses through PPO's Config with the DAPO keys and runs."""
-    from transformers import AutoTokenizer
 
     from llm_rlhf.interfaces import cli
 
@@ -541,13 +749,7 @@ def test_the_dapo_recipe_runs_on_a_tiny_chat_llama(tmp_path, monkeypatch):
     cfg = parse_config(Config, ["--config", str(recipe)])
     assert (cfg.advantage_estimator, cfg.cliprange_low, cfg.cliprange_high) == ("grpo", 0.2, 0.28)
     assert cfg.dynamic_sampling and cfg.loss_aggregation == "token_mean" and cfg.overlong_buffer > 0
-    model = build_model(tmp_path / "tiny_chat_llama", "llama", n_positions=160)
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    tokenizer.chat_template = (
-        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-    )
-    tokenizer.save_pretrained(model)
+    model = tiny_chat_model(tmp_path / "tiny_chat_llama", TAGGED_CHAT_TEMPLATE, n_positions=160)
     out = tmp_path / "dapo"
     keys = {"model_name_or_path": model, "output_dir": out, "steps": 2, "rollout_batch_size": 2,
             "mini_batch_size": 4, "max_prompt_length": 128, "max_new_tokens": 4, "overlong_buffer": 2,

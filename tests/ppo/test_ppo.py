@@ -1,25 +1,34 @@
 """PPO stage: invariants at step 0, the frozen reference, padding invariance, gradient accumulation,
-every parameter trained, exact resume, LoRA with one copy of the base weights."""
+every parameter trained, exact resume, LoRA with one copy of the base weights; and the global batch however it
+is cut: two data-parallel ranks draw different prompts, the critic-free token mean and REINFORCE++'s whitening
+are over the minibatch and every process, not per micro-batch or per process."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import typing
+from types import SimpleNamespace
 
 import pytest
 import torch
 from helpers import (
+    SENTENCES,
     killed_and_resumed,
     one_update,
+    perturb,
     ppo_config,
     record_raw_grads,
+    recording_rollouts,
     tiny_ppo_trainer,
     use_fixed_responses,
+    write_jsonl,
 )
 
 from llm_rlhf.ppo import trainer as ppo_trainer
 from llm_rlhf.ppo.config import Config, batch_sizes
+from llm_rlhf.rl import ppo_math
 from llm_rlhf.rl.estimators import ESTIMATORS
 from llm_rlhf.rl.rollout import Samples
 from llm_rlhf.stages import ppo
@@ -131,9 +140,9 @@ def test_logprobs_and_values_independent_of_padding_and_batch(
 
 def test_gradient_accumulation_equivalence(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
     """One minibatch of 8 == 8 accumulated micro-batches of 1: the RAW gradient before clipping (an Adam
-    step or a clipped gradient would hide a wrong loss scale, issue 13), and the update. The responses have
+    step or a clipped gradient would hide a wrong loss scale), and the update. The responses have
     different lengths (2 to 8 tokens, `use_fixed_responses`), so averaging per micro-batch instead of per
-    token of the minibatch gives another gradient and fails this test (issue 29)."""
+    token of the minibatch gives another gradient and fails this test."""
     results, grads = [], []
     for ga in (1, 8):
         cfg = ppo_config(
@@ -164,7 +173,7 @@ def test_gradient_accumulation_equivalence(tiny_model_dir, tiny_rm_dir, prompt_f
 def test_first_epoch_ratio_exactly_one_with_responses_that_end_early(
     tiny_model_dir, tiny_llama_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch, policy
 ):
-    """SPEC: rho == 1 exactly before the first update. Every micro-batch of the first minibatch comes
+    """rho == 1 exactly before the first update (the old policy is the policy). Every micro-batch of the first minibatch comes
     before that update; responses ending at different positions give the micro-batches different trimmed
     widths (and the old log-probs must come from forwards of the same rows at the same widths)."""
     model_dir = tiny_model_dir if policy == "gpt2" else tiny_llama_dir
@@ -434,3 +443,171 @@ def test_bf16_autocast_trains_in_bf16_and_stays_close_to_fp32(
     assert updates[True].abs().sum() > 0
     cosine = torch.nn.functional.cosine_similarity(updates[True], updates[False], dim=0)
     assert cosine > 0.9, f"bf16 and fp32 updates point different ways (cosine {cosine:.3f})"
+
+
+# --- micro-batches, data-parallel ranks and the global batch --------------------------------------------
+# Two data-parallel ranks are simulated in one process where the code reads only the rank
+# (`accelerator.process_index`) or sums over the ranks (`accelerator.reduce`): the real methods run, the
+# stand-in accelerator gives them the rank, or the sum over two threads that play the two ranks.
+
+
+def test_two_ranks_draw_different_prompts_whose_union_is_one_process_prompts(tiny_model_dir, tmp_path):
+    """18 distinct prompts, 6 per step: one process draws them 6 at a time; two ranks of 3 prompts each, the
+    same run on 2 processes (`batch_sizes` with num_processes 2, the rank given to `next_queries` as
+    `accelerator.process_index`), draw different prompts at every step, rank 0's then rank 1's being the one
+    process's 6, and the 3 steps of the first pass over the data hold every prompt once. Fails if every
+    rank gets the same prompts."""
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"{i}: {SENTENCES[i % 10]}"} for i in range(18)])
+
+    def trainer_for(rollout_batch_size: int, num_processes: int):
+        cfg = ppo_config(tiny_model_dir, None, prompts, tmp_path, reward_fn="reward_fns:half",
+                         rollout_batch_size=rollout_batch_size, mini_batch_size=rollout_batch_size, seed=3)  # fmt: skip
+        trainer = tiny_ppo_trainer(cfg)
+        trainer.context.sizes = batch_sizes(rollout_batch_size=rollout_batch_size, mini_batch_size=rollout_batch_size,
+                                        gradient_accumulation_steps=1, ppo_epochs=cfg.ppo_epochs, steps=cfg.steps,
+                                        num_processes=num_processes)  # fmt: skip
+        return trainer
+
+    one, ranks = trainer_for(6, 1), trainer_for(3, 2)
+    assert ranks.sizes.prompts_per_step == one.sizes.prompts_per_step == 6
+    real_accelerator, seen = ranks.accelerator, []
+    for step in range(4):  # step 3 starts the second pass, in another order
+        drawn = []
+        for rank in (0, 1):
+            ranks.context.accelerator = SimpleNamespace(process_index=rank)
+            drawn.append(ranks.collector.queries(step))
+        ranks.context.accelerator = real_accelerator
+        assert len(drawn[0]) == len(drawn[1]) == 3
+        assert not set(map(tuple, drawn[0])) & set(map(tuple, drawn[1])), (
+            f"step {step}: the ranks share a prompt"
+        )
+        assert drawn[0] + drawn[1] == one.collector.queries(step), step
+        if step < 3:
+            seen += drawn[0] + drawn[1]
+    assert sorted(seen) == sorted(one.collector.prompts), "the first pass holds every prompt once"
+
+
+def test_critic_free_token_mean_is_over_the_minibatch_not_per_micro_batch(
+    tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path
+):
+    """A grpo step with the KL in the loss, responses of 2 to 8 tokens (`use_fixed_responses`) and the policy
+    moved off the reference (the policy loss and the KL loss both have gradients): one minibatch of 8 and 8
+    accumulated micro-batches of 1 give the same raw gradient. Fails if each micro-batch's mean is averaged
+    instead of weighted by its share of the minibatch's tokens."""
+    grads = []
+    for ga in (1, 8):
+        cfg = ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / str(ga), advantage_estimator="grpo",
+                         samples_per_prompt=2, rollout_batch_size=4, mini_batch_size=8, gradient_accumulation_steps=ga,
+                         ppo_epochs=1, max_grad_norm=1e9, kl_controller="fixed", init_kl_coef=0.5)  # fmt: skip
+        trainer, raw = tiny_ppo_trainer(cfg), []
+        use_fixed_responses(trainer)
+        perturb(trainer.unwrapped_policy, seed=1)
+        record_raw_grads(trainer, raw)
+        metrics = trainer.ppo_step()
+        assert len(raw) == 1 and metrics["loss/kl"] > 0
+        grads.append(raw[0])
+    assert grads[0].abs().max() > 1e-4
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-6 * float(grads[0].abs().max()), rtol=1e-4)
+
+
+def reinforce_pp_config(tiny_model_dir, tiny_rm_dir, prompt_file, out, **kw):
+    """reinforce_pp, 4 prompts x 2 samples, one minibatch of 8 in 4 micro-batches, the KL in the reward."""
+    return ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, out, advantage_estimator="reinforce_pp",
+                      samples_per_prompt=2, rollout_batch_size=4, mini_batch_size=8, gradient_accumulation_steps=4,
+                      ppo_epochs=1, kl_controller="fixed", init_kl_coef=0.5, **kw)  # fmt: skip
+
+
+def naive_reinforce_pp(rollout, beta: float) -> torch.Tensor:
+    """REINFORCE++'s advantages written out: per-token rewards -beta * k1 and the score at the last
+    token, gamma = 1 returns row by row, whitened (mean, unbiased std) over every response token of the
+    batch. (B, R) float64, 0 at padding."""
+    mask = rollout.response_mask
+    returns = torch.zeros(mask.shape, dtype=torch.float64)
+    for b in range(mask.shape[0]):
+        tokens = mask[b].nonzero().flatten().tolist()
+        running = 0.0
+        for t in reversed(tokens):
+            reward = -beta * float(rollout.logprobs[b, t] - rollout.ref_logprobs[b, t])
+            running += reward + (float(rollout.scores[b]) if t == tokens[-1] else 0.0)
+            returns[b, t] = running
+    values = returns[mask]
+    out = torch.zeros_like(returns)
+    out[mask] = (values - values.mean()) / values.std()
+    return out
+
+
+def test_reinforce_pp_whitens_over_the_minibatch_not_per_micro_batch(
+    tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch
+):
+    """The advantages the policy loss gets, micro-batch by micro-batch (4 of 2 rows, responses of different
+    lengths), are the whole rollout's returns whitened together. Fails if each micro-batch is whitened alone."""
+    trainer = tiny_ppo_trainer(reinforce_pp_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path))
+    use_fixed_responses(trainer)
+    rollouts, given, policy_loss = recording_rollouts(trainer), [], ppo_math.policy_loss
+
+    def recording(**kw):
+        given.append(kw["advantages"].detach())
+        return policy_loss(**kw)
+
+    monkeypatch.setattr(ppo_math, "policy_loss", recording)
+    trainer.ppo_step()
+    assert len(given) == 4, "4 micro-batches, the first epoch in rollout order"
+    rollout = rollouts[0]
+    assert len(set(rollout.response_mask.sum(-1).tolist())) > 1, "responses of different lengths"
+    expected = naive_reinforce_pp(rollout, beta=0.5)
+    torch.testing.assert_close(torch.cat(given).double(), expected, atol=1e-5, rtol=1e-5)
+
+
+class TwoThreadSum:
+    """`accelerator.reduce(x, "sum")` of two data-parallel ranks played by two threads: each call waits for
+    the other rank's call and returns the sum of both tensors (as an all-reduce does)."""
+
+    num_processes = 2
+
+    def __init__(self, device):
+        self.device, self.barrier, self.parts = device, threading.Barrier(2, timeout=60), []
+
+    def reduce(self, x: torch.Tensor, reduction: str) -> torch.Tensor:
+        assert reduction == "sum"
+        self.parts.append(x)
+        self.barrier.wait()
+        total = self.parts[0] + self.parts[1]
+        if self.barrier.wait() == 0:  # both have read the parts: one thread clears them for the next call
+            self.parts.clear()
+        self.barrier.wait()
+        return total
+
+
+def test_reinforce_pp_whitens_over_every_process(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
+    """The rollout cut into two ranks of 2 prompts x 2 samples (whole groups), each rank's advantages made by
+    the real `advantages` with the ranks' sums all-reduced (two threads): together they are the one process's
+    advantages of the whole rollout, and differ from each half whitened alone. Fails if REINFORCE++ whitens
+    per process."""
+    trainer = tiny_ppo_trainer(reinforce_pp_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path))
+    use_fixed_responses(trainer)
+    rollout, _ = trainer.rollout(trainer.collector.in_groups(trainer.collector.queries(trainer.step)))
+    rewards, _ = trainer.rewards(rollout, 0.5)
+    whole, _ = trainer.advantages(rollout, rewards)  # one process
+    torch.testing.assert_close(whole.double(), naive_reinforce_pp(rollout, beta=0.5), atol=1e-5, rtol=1e-5)
+
+    halves = [torch.arange(0, 4), torch.arange(4, 8)]
+    real_accelerator, out, errors = trainer.accelerator, [None, None], []
+    trainer.context.accelerator = TwoThreadSum(trainer.device)
+
+    def rank(r: int) -> None:
+        try:
+            out[r] = trainer.advantages(rollout.select(halves[r]), rewards[halves[r]])[0]
+        except Exception as e:  # noqa: BLE001 - re-raised in the test's thread below
+            errors.append(e)
+            trainer.accelerator.barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    trainer.context.accelerator = real_accelerator
+    assert not errors, errors
+    torch.testing.assert_close(torch.cat(out), whole, atol=1e-6, rtol=1e-5)
+    alone = trainer.advantages(rollout.select(halves[0]), rewards[halves[0]])[0]
+    assert not torch.allclose(alone, whole[halves[0]], atol=1e-3), "whitened alone, a half differs"

@@ -1,4 +1,4 @@
-"""Every PPO option through `ppo_step` (issue 13): the KL estimators, eos_penalty, score_clip,
+"""Every PPO option through `ppo_step`: the KL estimators, eos_penalty, score_clip,
 whiten_rewards, target_approxkl, ratio_guard, value_model: reward; and non-finite values stopping a run."""
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def test_ratio_guard_skips_every_update_and_reports_no_statistics(
 
 def test_skipped_minibatch_is_left_out_of_the_statistics(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
     """The second minibatch's log-probs are pushed up by 5 nats (rho ~ 148 > ratio_guard = 10): it is
-    skipped, the step's policy/ratio is the mean over the minibatches that were kept (issue 13), and the
+    skipped, the step's policy/ratio is the mean over the minibatches that were kept, and the
     linear LR schedule advanced for the kept one only (1 of the run's 4 optimiser steps)."""
     cfg = ppo_config(
         tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, ppo_epochs=1, lr_scheduler_type="linear"
@@ -254,7 +254,7 @@ def test_nan_loss_stops_before_the_update(tiny_model_dir, tiny_rm_dir, prompt_fi
 
 def test_nan_loss_after_an_update_says_the_weights_moved(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
     """A NaN in the second minibatch of a PPO step: the first minibatch's optimiser step has already moved
-    the weights, and the message says so (one optimiser step) instead of "nothing was updated" (issue 29)."""
+    the weights, and the message says so (one optimiser step) instead of "nothing was updated"."""
     trainer = tiny_ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path))
     sizes = trainer.sizes
     per_minibatch = sizes.mini_batch_per_process // sizes.micro_batch_per_process  # forwards per minibatch

@@ -1,4 +1,4 @@
-"""No compute on padding (issue 14): the PPO forwards run on `Samples.trimmed()` rows and the RM on
+"""No compute on padding: the PPO forwards run on `Samples.trimmed()` rows and the RM on
 `trim_padding_columns`, and give the same log-probs, values, entropy, ref log-probs, scores, gradients and
 update as the same forwards over the padded rows, up to float rounding. The same comparisons catch a trim
 that drops one real token (an off-by-one on either side)."""
@@ -135,24 +135,22 @@ def assert_same_rollout(a: Rollout, b: Rollout) -> None:
     assert_same(a.scores, b.scores, "scores")
 
 
+@pytest.fixture()
+def tiny_policies(tiny_model_dir, tiny_llama_dir) -> dict:
+    """The tiny policies by architecture: "gpt2" and "llama"."""
+    return {"gpt2": tiny_model_dir, "llama": tiny_llama_dir}
+
+
 @pytest.mark.parametrize(
     "policy, value_model, use_lora", [("gpt2", "policy", False), ("llama", "reward", True)]
 )
 @pytest.mark.slow
 def test_trimmed_forwards_match_padded(
-    policy,
-    value_model,
-    use_lora,
-    tiny_model_dir,
-    tiny_llama_dir,
-    tiny_rm_dir,
-    prompt_file,
-    tmp_path,
-    monkeypatch,
+    policy, value_model, use_lora, tiny_policies, tiny_rm_dir, prompt_file, tmp_path, monkeypatch
 ):
     """Policy log-probs, values (value head or RM critic), entropy, reference log-probs (a frozen copy or
     the LoRA base) and RM scores: trimmed == padded at every real position."""
-    model_dir = tiny_model_dir if policy == "gpt2" else tiny_llama_dir
+    model_dir = tiny_policies[policy]
     trainer = make_trainer(
         model_dir, tiny_rm_dir, prompt_file, tmp_path, value_model=value_model, use_lora=use_lora
     )

@@ -10,22 +10,17 @@ The runs pass `--device cpu` (the default is the GPU where there is one): the co
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT, load_script
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
 def load_benchmark(name: str = "ppo_step"):
-    spec = importlib.util.spec_from_file_location(f"{name}_benchmark", ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "benchmarks" / f"{name}.py", f"{name}_benchmark")
 
 
 @pytest.fixture()
@@ -154,9 +149,7 @@ def test_flops_count_the_shapes_that_ran():
 def test_rollout_benchmark_prints_the_ratio_to_the_roofline(tiny_model_dir, tiny_llama_dir, tmp_path, capsys):
     """benchmarks/rollout.py on the tiny models (the tiny Llama standing in for SmolLM2, with its LoRA): every
     path of the ablation samples, and each row has a positive step time, tokens/s and roofline ratio."""
-    spec = importlib.util.spec_from_file_location("rollout_benchmark", ROOT / "benchmarks" / "rollout.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("rollout")
     out = tmp_path / "rollout.json"
     args = ["--reviews-dir", str(tiny_model_dir), "--smollm2-dir", str(tiny_llama_dir), "--batches", "2,3"]
     args += [
@@ -198,9 +191,7 @@ def test_rollout_roofline_counts_the_matmul_weights(tiny_llama_dir):
     """N counts every linear weight once (the tied LM head too); the roofline is the larger of the two bounds."""
     from transformers import AutoModelForCausalLM
 
-    spec = importlib.util.spec_from_file_location("rollout_benchmark", ROOT / "benchmarks" / "rollout.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("rollout")
     lm = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
     c = lm.config
     d, kv = c.hidden_size, c.num_key_value_heads * c.head_dim
@@ -216,11 +207,7 @@ def test_rollout_roofline_counts_the_matmul_weights(tiny_llama_dir):
 
 def test_prompt_grouping_benchmark_times_each_way(tiny_llama_dir, prompt_file, capsys):
     """benchmarks/prompt_grouping.py on the tiny Llama: every way of batching is timed on every repetition."""
-    spec = importlib.util.spec_from_file_location(
-        "prompt_grouping", ROOT / "benchmarks" / "prompt_grouping.py"
-    )
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script(ROOT / "benchmarks" / "prompt_grouping.py")
     args = ["--model-dir", str(tiny_llama_dir), "--prompt-file", str(prompt_file), "--prompts", "6"]
     seconds = bench.main(
         args + ["--groups", "3", "--new-tokens", "3", "--reps", "2"]
@@ -233,9 +220,7 @@ def test_prompt_grouping_benchmark_times_each_way(tiny_llama_dir, prompt_file, c
 def test_static_cache_benchmark_draws_the_same_tokens_in_every_mode(tiny_llama_dir, capsys):
     """benchmarks/static_cache.py on the tiny Llama with its LoRA: the static cache and the compiled static-cache
     step give the dynamic cache's logits up to float rounding when fed the same tokens, and each mode is timed."""
-    spec = importlib.util.spec_from_file_location("static_cache", ROOT / "benchmarks" / "static_cache.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script(ROOT / "benchmarks" / "static_cache.py")
     args = ["--model", "smollm2-lora", "--smollm2-dir", str(tiny_llama_dir), "--lora-r", "2"]
     results = bench.main(args + ["--batches", "2,3", "--new-tokens", "5", "--calls", "2"])
     assert [(r["batch"], r["mode"]) for r in results] == [(b, m) for b in (2, 3) for m in bench.MODES]

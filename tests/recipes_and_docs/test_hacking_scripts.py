@@ -1,25 +1,16 @@
-"""The scripts that measure the reward-hacking watch (issue 40): the planted preference file and the table."""
+"""The scripts that measure the reward-hacking watch: the planted preference file and the table."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import yaml
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "data" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from helpers import ROOT, load_script
 
 
 def test_plant_marks_the_chosen_of_a_seeded_fraction_and_nothing_else():
-    plant = load_script("make_planted_prefs").plant
+    plant = load_script(ROOT / "data" / "make_planted_prefs.py").plant
     rows = [
         {"prompt": f"p{i}", "chosen": f" good {i}.", "rejected": f" bad {i}.", "margin": 1.0}
         for i in range(10)
@@ -50,7 +41,7 @@ def write_run(folder: Path, golds: list[float], alarm_step, final_rules: list[st
 
 
 def test_the_table_reads_the_alarm_the_gold_peak_and_the_lead(tmp_path):
-    table = load_script("hacking_table")
+    table = load_script(ROOT / "data" / "hacking_table.py")
     hacked = write_run(
         tmp_path / "hacked", [-1.0, 0.5, 0.2, -0.5], alarm_step=10, final_rules=["word_distinct_2"]
     )

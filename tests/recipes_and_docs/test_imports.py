@@ -15,7 +15,7 @@
 - interfaces  the command line, the Python API, the pipeline and the report
 
 A module imports modules of its own folder or of a folder below, never above, and the graph has no cycle;
-first-party imports are at module top only. `python tests/test_imports.py` prints the graph.
+first-party imports are at module top only. `python tests/recipes_and_docs/test_imports.py` prints the graph.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "llm_rlhf"
+PACKAGE = Path(__file__).resolve().parents[2] / "llm_rlhf"  # not helpers.ROOT: the file also runs alone
 FLOORS = {
     "core": 0, "rl": 1, "models": 2, "tasks": 2, "evaluation": 3, "training": 3, "ppo": 4, "stages": 5,
     "interfaces": 6, "": 7,
@@ -157,7 +157,7 @@ def test_public_api_unchanged():
 
 def test_dir_lists_the_api_without_importing_it():
     """`dir(llm_rlhf)` (a notebook's tab completion) lists the lazy API, and neither it nor `import llm_rlhf`
-    imports the stages' libraries (issue 50: it listed only `API` and `importlib`)."""
+    imports the stages' libraries (a lazy module's own `dir` would list only `API` and `importlib`)."""
     code = (
         "import sys, llm_rlhf; names = dir(llm_rlhf); "
         "print(repr((names, sorted({'torch', 'transformers', 'trl', 'llm_rlhf.interfaces.api'} & set(sys.modules)))))"

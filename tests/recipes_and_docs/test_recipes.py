@@ -11,7 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SENTIMENT_JUDGE, build_model, flags, tiny_overrides
+from helpers import (
+    FIXTURES,
+    ROOT,
+    SENTIMENT_JUDGE,
+    TAGGED_CHAT_TEMPLATE,
+    build_model,
+    flags,
+    tiny_chat_model,
+    tiny_overrides,
+)
 
 from llm_rlhf.core.config import parse_config
 from llm_rlhf.core.utils import read_json
@@ -19,9 +28,8 @@ from llm_rlhf.interfaces import cli, pipeline
 from llm_rlhf.ppo import config as ppo_config
 from llm_rlhf.stages import compare, dpo, evaluate, reward, sft
 
-ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
-HH_FIXTURE = Path(__file__).resolve().parent / "fixtures" / "hh_rlhf.jsonl"
+HH_FIXTURE = FIXTURES / "hh_rlhf.jsonl"
 CONFIGS = {"sft": sft.Config, "rm": reward.Config, "ppo": ppo_config.Config, "eval": evaluate.Config,
            "pipeline": pipeline.Config}  # fmt: skip
 OPTIONAL = {"dpo": dpo.Config, "compare": compare.Config}  # stage files only some recipes have (reviews)
@@ -30,7 +38,7 @@ NAMES = sorted(p.name for p in RECIPES.iterdir() if p.is_dir())
 YAMLS = sorted(RECIPES.glob("*/*.yaml"))
 
 
-GYM_RECIPES = [name for name in NAMES if name.startswith("gym-")]  # reasoning-gym tasks (tests/test_tasks.py)
+GYM_RECIPES = [name for name in NAMES if name.startswith("gym-")]  # reasoning-gym tasks (tests/tasks/test_tasks.py)
 RULE_RECIPES = [
     "smollm2-arithmetic",
     *GYM_RECIPES,
@@ -39,8 +47,8 @@ CHAINED_RECIPES = [name for name in NAMES if name not in RULE_RECIPES]  # sft ->
 
 
 def test_the_recipes_are_the_documented_ones():
-    """The recipes of the README's table; a gym recipe (`gym-*`, one per trained reasoning-gym task, issue 50)
-    is checked by tests/test_tasks.py: its pipeline names a task of data/tasks/tasks.yaml."""
+    """The recipes of the README's table; a gym recipe (`gym-*`, one per trained reasoning-gym task) is checked
+    by tests/tasks/test_tasks.py: its pipeline names a task of data/tasks/tasks.yaml."""
     assert [name for name in NAMES if name not in GYM_RECIPES] == [
         "gpt2-hh",
         "gpt2-reviews",
@@ -99,7 +107,7 @@ def test_every_recipe_parses(path, monkeypatch):
     monkeypatch.chdir(ROOT)  # recipes name their files relative to the repo root
     recipe = recipe_pipeline(path.parent.name)
     if path.stem != "pipeline" and recipe.task is not None:
-        # a gym recipe's stage file: its task's files and verifier come from the pipeline (issue 50)
+        # a gym recipe's stage file: its task's files and verifier come from the pipeline
         assert getattr(recipe, f"{path.stem}_config") == str(path.relative_to(ROOT))
         pipeline.stage_config(recipe, path.stem)
         return
@@ -138,7 +146,7 @@ def test_the_stage_files_of_a_recipe_chain(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_ppo_and_eval_recipes_spell_out_the_same_generation_controls(name, monkeypatch):
-    """Both files name stop_strings and min_new_tokens (issue 16), and agree on them and on the sampling
+    """Both files name stop_strings and min_new_tokens, and agree on them and on the sampling
     settings: the evaluation must sample from the distribution PPO trained, and end responses where it did."""
     import yaml
 
@@ -319,16 +327,9 @@ def test_the_rule_recipe_runs_through_the_pipeline_on_a_tiny_chat_llama(tmp_path
     of its own) in place of SmolLM2, two steps and a few held-out problems: the committed arithmetic prompts
     are rendered and verified, the held-out evaluations and the eval stage report accuracy, and the eval
     baseline is the starting model (its KL to itself 0)."""
-    from transformers import AutoTokenizer
 
     monkeypatch.chdir(ROOT)
-    model = build_model(tmp_path / "tiny_chat_llama", "llama", n_positions=160)
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    tokenizer.chat_template = (
-        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-    )
-    tokenizer.save_pretrained(model)
+    model = tiny_chat_model(tmp_path / "tiny_chat_llama", TAGGED_CHAT_TEMPLATE, n_positions=160)
     out = tmp_path / "run"
     ppo_keys = {"model_name_or_path": str(model), "steps": 2, "rollout_batch_size": 2, "mini_batch_size": 4,
                 "max_prompt_length": 128, "max_new_tokens": 4, "eval_every": 1, "eval_num_prompts": 3,

@@ -1,4 +1,4 @@
-"""The scripts that turn a sweep's run folders into a README's table (data/seed_table.py, issue 52)."""
+"""The scripts that turn a sweep's run folders into a README's table (data/seed_table.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_hacking_scripts import load_script
+from helpers import ROOT, load_script
 
 
 def write_variant(
@@ -32,7 +32,7 @@ def write_variant(
 
 
 def test_read_at_interpolates_between_evaluations_and_says_nothing_outside():
-    read_at = load_script("seed_table").read_at
+    read_at = load_script(ROOT / "data" / "seed_table.py").read_at
     assert read_at([0.0, 1.0, 3.0], [0.1, 0.3, 0.7], 2.0) == pytest.approx(0.5)
     assert read_at([0.0, 1.0], [0.1, 0.3], 1.0) == pytest.approx(0.3)
     assert all(v != v for v in (read_at([0.0, 1.0], [0.1, 0.3], 1.5), read_at([], [], 0.0)))  # NaN
@@ -41,7 +41,7 @@ def test_read_at_interpolates_between_evaluations_and_says_nothing_outside():
 def test_the_table_averages_each_loss_over_its_seeds_and_reads_them_at_a_shared_kl(
     tmp_path, monkeypatch, capsys
 ):
-    table = load_script("seed_table")
+    table = load_script(ROOT / "data" / "seed_table.py")
     write_variant(tmp_path / "a-seed0", loss="a", seed=0, accuracy=[0.1, 0.3, 0.5], kl=[0, 1, 2], step_s=10)
     write_variant(tmp_path / "a-seed1", loss="a", seed=1, accuracy=[0.1, 0.5, 0.7], kl=[0, 1, 2], step_s=12)
     write_variant(tmp_path / "b-seed0", loss="b", seed=0, accuracy=[0.1, 0.2, 0.2], kl=[0, 0.5, 1], step_s=20)

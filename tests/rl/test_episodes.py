@@ -1,14 +1,13 @@
-"""Episodes of several turns (issue 51): exact ids, the policy's tokens only in every loss and KL, bounded
+"""Episodes of several turns: exact ids, the policy's tokens only in every loss and KL, bounded
 environments, every estimator and loss on episodes, exact resume."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import killed_and_resumed, ppo_config, tiny_chat_model, tiny_ppo_trainer
+from helpers import ROOT, killed_and_resumed, ppo_config, tiny_chat_model, tiny_ppo_trainer
 
 from llm_rlhf.core.errors import UserError
 from llm_rlhf.models.loading import load_tokenizer
@@ -19,7 +18,6 @@ from llm_rlhf.stages import ppo
 from llm_rlhf.tasks.environments import ToolUse, calculator, describe_tools, environment_factory
 
 ECHO = "tests/envs.py:Echo"
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def env_config(model_dir, prompt_file, out, **kw):
@@ -311,28 +309,7 @@ def test_a_bad_environment_spec_is_one_line_naming_the_key():
     assert isinstance(environment_factory("calculator")(), ToolUse)
 
 
-# --- processes, evaluation, resume ---------------------------------------------------------------
-
-
-@pytest.mark.multiprocess
-def test_episodes_are_the_same_on_one_and_two_processes(tiny_model_dir, prompt_file, tmp_path):
-    """The global prompts of a step played greedily on 1 process and on 2 (each rank its half, the ranks taking
-    different numbers of turns): the same ids and masks for every prompt; then a sampled PPO step on 2 ranks
-    completes (no rank waits at a collective the other never reaches)."""
-    from helpers import ROOT, launch
-
-    SCRIPTS = ROOT / "tests" / "scripts"
-
-    runs = {}
-    for n in (1, 2):
-        out = tmp_path / f"{n}.json"
-        launch([str(SCRIPTS / "episode_ranks.py"), str(tiny_model_dir), str(prompt_file), str(out)], n)
-        runs[n] = json.loads(out.read_text())
-    assert (runs[1]["world"], runs[2]["world"]) == (1, 2)
-    one, two = runs[1]["episodes"], runs[2]["episodes"]
-    assert len(one) == len(two) == 8 and one == two
-    assert any(sum(e["env_mask"]) > 0 for e in one) and len({e["turns"] for e in one}) > 1
-    assert runs[2]["metrics"]["env/turns"] >= 1
+# --- evaluation, resume --------------------------------------------------------------------------------
 
 
 def test_heldout_evaluation_and_the_eval_stage_play_episodes(tiny_model_dir, prompt_file, tmp_path):

@@ -1,35 +1,37 @@
-"""The critic-free advantage estimators through the PPO stage (issue 24): grpo, dr_grpo, rloo, reinforce_pp
+"""The critic-free advantage estimators through the PPO stage: grpo, dr_grpo, rloo, reinforce_pp
 and remax on the same rollout, KL, clipped update and checkpoints as gae; group sampling
 (samples_per_prompt), where the KL goes (kl_in_loss), ReMax's greedy baseline, no value function, and the
-config errors. The math itself is tested in tests/test_ppo_math.py; the two-process equivalence in
-tests/test_multiprocess.py."""
+config errors. The math itself is tested in tests/rl/test_group_advantages.py and tests/rl/test_ppo_math.py;
+the two-process equivalence in tests/multiprocess/test_ppo_ddp_fsdp.py."""
 
 from __future__ import annotations
 
-import ast
 import copy
 import dataclasses
 import json
-import os
 import signal
-import subprocess
-import sys
 
 import pytest
 import torch
 from helpers import (
+    COLON_CHAT_TEMPLATE,
     ROOT,
     SENTIMENT_JUDGE,
+    names_compared_outside,
+    perturb,
     ppo_cli_args,
+    ppo_command,
     ppo_config,
     record_raw_grads,
     recording_rollouts,
     tiny_ppo_trainer,
+    with_chat_template,
 )
 
 from llm_rlhf.core.config import format_help, parse_config
 from llm_rlhf.core.errors import ConfigError
 from llm_rlhf.interfaces import cli
+from llm_rlhf.models.loading import load_causal_lm
 from llm_rlhf.ppo import building as ppo_building
 from llm_rlhf.ppo import rollouts as ppo_rollouts
 from llm_rlhf.ppo.config import Config, batch_sizes
@@ -248,18 +250,7 @@ def test_each_row_builds_a_value_function_only_with_a_critic(
 def test_no_branch_on_an_estimator_name_outside_the_table():
     """Outside `llm_rlhf/rl/estimators.py` no comparison names an estimator (`x == "gae"`, `x in ("grpo", ...)`):
     what an estimator is, is its row."""
-    found, paths = [], sorted((ROOT / "llm_rlhf").rglob("*.py"))
-    assert len(paths) > 30 and any(p.name == "ppo.py" for p in paths)  # the scan reads the whole package
-    for path in paths:
-        if path.name == "estimators.py":
-            continue
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.Compare):
-                for side in (node.left, *node.comparators):
-                    names = [side] if isinstance(side, ast.Constant) else getattr(side, "elts", [])
-                    if any(isinstance(n, ast.Constant) and n.value in ADVANTAGE_ESTIMATORS for n in names):
-                        found.append(f"{path.name}:{node.lineno}")
-    assert found == []
+    assert names_compared_outside("estimators.py", ADVANTAGE_ESTIMATORS) == []
 
 
 # --- every estimator trains the policy, and nothing else ---------------------------------------------
@@ -316,7 +307,8 @@ def test_each_estimator_trains_every_parameter_without_a_value_function(
 def naive_advantages(
     estimator: str, rewards: list[float], k: int, baseline: list[float] | None
 ) -> list[float]:
-    """One advantage per response from the sequence rewards, group by group, written out (SPEC)."""
+    """One advantage per response from the sequence rewards, group by group, written out (each estimator's
+    formula)."""
     out = []
     for p in range(len(rewards) // k):
         r = rewards[p * k : (p + 1) * k]
@@ -357,7 +349,7 @@ def recording_advantages(trainer) -> list:
 def test_advantages_are_each_groups_own(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, estimator):
     """3 prompts x 4 samples, in minibatches of 6 and micro-batches of 2 (neither a multiple of k = 4), on the
     second step (the policy has moved: the sequence rewards hold -beta * KL, the KL in the reward): rows
-    p*k .. p*k + k - 1 hold prompt p, and the advantages `train_on_rollout` gets are the SPEC's formulas over
+    p*k .. p*k + k - 1 hold prompt p, and the advantages `train_on_rollout` gets are the estimators' formulas over
     exactly those rows, written out group by group (ReMax: against the greedy response to prompt p, its
     score and KL measured as the samples' are; REINFORCE++: gamma = 1 returns whitened over the batch)."""
     k, beta = 4, 0.5
@@ -473,6 +465,54 @@ def test_kl_in_the_loss(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monk
     assert second["objective/non_score_reward"] == pytest.approx(-beta * second["objective/kl"], rel=1e-5)
 
 
+def row_tokens(rollout, b: int) -> tuple[list[int], list[int]]:
+    """Row b's real query and response tokens (no padding)."""
+    query = rollout.query[b][rollout.query_mask[b].bool()].tolist()
+    response = rollout.response[b][rollout.response_mask[b]].tolist()
+    return query, response
+
+def response_logprobs_alone(lm, query: list[int], response: list[int]) -> torch.Tensor:
+    """log p(y_t | x, y_<t) of each response token, the row alone (no padding), at temperature 1. (T,)"""
+    ids = torch.tensor([query + response])
+    logits = lm(input_ids=ids).logits[0, len(query) - 1 : -1]  # (T, V): position t predicts response token t
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+
+def test_kl_in_the_loss_gradient_is_beta_times_the_gradient_of_token_mean_k3(
+    tiny_model_dir, prompt_file, tmp_path
+):
+    """grpo with its KL in the loss and a constant score (every group tied: every advantage 0, the policy loss
+    has zero gradient), the policy moved off the reference: the raw gradient of the one update (before
+    clipping) is beta * grad of the token mean of k3 over the minibatch, computed here row by row with the
+    reference loaded again from its folder, and it is not zero. Fails if k3 is detached (zero gradient) or
+    taken against the old policy (zero at the first epoch, where the policy is the old one)."""
+    beta = 0.5
+    cfg = ppo_config(tiny_model_dir, None, prompt_file, tmp_path, reward_fn="reward_fns:half",
+                     advantage_estimator="grpo", samples_per_prompt=4, rollout_batch_size=2, mini_batch_size=8,
+                     ppo_epochs=1, steps=1, kl_controller="fixed", init_kl_coef=beta, max_grad_norm=1e9)  # fmt: skip
+    assert cfg.kl_penalty_in_loss
+    trainer = tiny_ppo_trainer(cfg)
+    perturb(trainer.unwrapped_policy, seed=0)
+    before = copy.deepcopy(trainer.unwrapped_policy)  # the weights the update's gradient is taken at
+    rollouts, raw = recording_rollouts(trainer), []
+    record_raw_grads(trainer, raw)
+    metrics = trainer.ppo_step()
+    assert metrics["objective/groups_tied"] == 1.0 and metrics["loss/kl"] > 0
+    assert len(raw) == 1, "one optimiser step"
+
+    rollout, reference = rollouts[0], load_causal_lm(str(tiny_model_dir)).eval()
+    k3_sum, tokens = 0.0, int(rollout.response_mask.sum())
+    for b in range(rollout.query.shape[0]):
+        query, response = row_tokens(rollout, b)
+        logp = response_logprobs_alone(before.lm, query, response)  # (T,) with grad
+        with torch.no_grad():
+            ref = response_logprobs_alone(reference, query, response)  # (T,)
+        k3_sum = k3_sum + (torch.exp(ref - logp) - (ref - logp) - 1).sum()
+    (beta * k3_sum / tokens).backward()
+    expected = torch.cat([p.grad.flatten() for p in before.parameters() if p.requires_grad])
+    assert expected.abs().max() > 1e-4 and raw[0].abs().max() > 1e-4
+    torch.testing.assert_close(raw[0], expected, atol=1e-5 * float(expected.abs().max()), rtol=1e-4)
+
+
 # --- ReMax's greedy baseline ---------------------------------------------------------------------------------
 
 
@@ -526,16 +566,7 @@ def test_grpo_killed_and_resumed_ends_bit_identical(tiny_model_dir, tiny_rm_dir,
                             eval_every=2, eval_prompt_file=prompt_file, eval_num_prompts=4,
                             gold_judge=SENTIMENT_JUDGE, lr_scheduler_type="linear",
                             accuracy_fn="tests/reward_fns.py:even_length")  # fmt: skip
-        if kill_at is not None:  # ["-m", "llm_rlhf", "ppo", ...] -> [kill_at_step.py, N, "ppo", ...]
-            args = [str(ROOT / "tests" / "scripts" / "kill_at_step.py"), str(kill_at), *args[2:]]
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-            "PYTHONPATH": str(ROOT),
-        }
-        return subprocess.run([sys.executable, *args, *more], cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=900)  # fmt: skip
+        return ppo_command(args, *more, kill_at=kill_at)
 
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     subprocess_ok(command(straight))
@@ -572,12 +603,6 @@ def subprocess_ok(result):
 
 # --- what works with gae works with each estimator -----------------------------------------------------------
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("estimator", "setting"),
@@ -594,17 +619,12 @@ def test_estimators_with_the_options_of_gae(
 
     from helpers import write_jsonl
 
-    from llm_rlhf.models.loading import load_tokenizer
 
     kw = {}
     if setting == "lora_and_stop_strings":
         kw = dict(use_lora=True, stop_strings=["e", "a"], min_new_tokens=2)
     elif setting == "chat_prompts":
-        chat_model = tmp_path / "chat_model"
-        shutil.copytree(tiny_model_dir, chat_model)
-        tokenizer = load_tokenizer(str(chat_model))
-        tokenizer.chat_template = CHAT_TEMPLATE
-        tokenizer.save_pretrained(chat_model)
+        chat_model = with_chat_template(tiny_model_dir, tmp_path / "chat_model", COLON_CHAT_TEMPLATE)
         chats = [
             [{"role": "user", "content": p}] for p in ("The film is", "A gorgeous", "The acting", "It's a")
         ]

@@ -1,5 +1,5 @@
-"""Generation controls and chat prompts (issue 16): stop strings, min_new_tokens and chat `messages` prompts,
-in sampling, PPO (one process and two), evaluation and the judge.
+"""Generation controls and chat prompts: stop strings, min_new_tokens and chat `messages` prompts, in sampling,
+PPO, evaluation and the judge (on two processes: tests/multiprocess/test_ppo_options_on_two_processes.py).
 
 The invariant behind the first two: the sampled tokens come from the distribution whose log-probs PPO uses.
 A stop string only cuts a response after sampling (the kept tokens are the draws made without it); under
@@ -12,27 +12,28 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
 from helpers import (
+    CHATS,
+    COLON_CHAT_TEMPLATE,
+    RENDERED,
+    ROOT,
     SENTIMENT_JUDGE,
+    STOP_STRINGS,
     bos_model_dir,
-    build_model,
     eval_config,
-    launch,
     multinomial_draw,
+    naive_end,
     naive_inverse_cdf_draw,
     naive_sample,
-    ppo_cli_args,
     ppo_config,
     recording_rollouts,
     tiny_ppo_trainer,
     write_jsonl,
 )
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from llm_rlhf.core.config import parse_config, save_config
 from llm_rlhf.core.data import load_prompt_dataset
@@ -58,67 +59,8 @@ from llm_rlhf.rl.rollout import (
 )
 from llm_rlhf.stages import evaluate, ppo
 
-ROOT = Path(__file__).resolve().parents[1]
-STOPS = ["e", "a"]  # in about one token of five of the tiny tokenizer's: some responses stop, some do not
 PROMPTS = ["The film is", "A gorgeous", "It's a terrible movie", "The acting"]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
-CHATS = [
-    [{"role": "user", "content": "The film is"}],
-    [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "A gorgeous"}],
-    [{"role": "user", "content": "The acting"}, {"role": "assistant", "content": " is superb."}],
-]
-RENDERED = [  # every turn before the last assistant turn, then the generation prompt
-    "user: The film is\nassistant:",
-    "system: Be kind.\nuser: A gorgeous\nassistant:",
-    "user: The acting\nassistant:",
-]
-
-
 # --- fixtures and references -------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def eos_prone_dir(tmp_path_factory) -> Path:
-    """The tiny GPT-2 with its EOS logit raised by 5 at every position (P(EOS) ~ 0.25 instead of ~1/400), so
-    responses end early and min_new_tokens has something to prevent: ln_f's bias moved along EOS's (tied)
-    output embedding w adds 5 * w.w / w.w to the EOS logit."""
-    folder = build_model(tmp_path_factory.mktemp("tiny_gpt2_eos"), "gpt2")
-    lm = AutoModelForCausalLM.from_pretrained(folder)
-    eos = lm.config.eos_token_id
-    with torch.no_grad():
-        w = lm.transformer.wte.weight[eos].clone()
-        lm.transformer.ln_f.bias += 5.0 * w / w.dot(w)
-    lm.save_pretrained(folder, safe_serialization=True)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def chat_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
-    """The tiny GPT-2 whose tokenizer has a chat template (as an instruct model's, e.g. SmolLM2-Instruct)."""
-    folder = tmp_path_factory.mktemp("tiny_gpt2_chat") / "model"
-    shutil.copytree(tiny_model_dir, folder)
-    tokenizer = load_tokenizer(str(folder))
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
-def naive_end(tokenizer, ids: list[int], stop_strings, min_new_tokens: int = 0) -> int | None:
-    """Where `ids` ends at its first stop string, checked the long way: the first length n >= min_new_tokens
-    (and >= 1) whose decoded text holds more occurrences of some stop string than the text of its first n - 1
-    tokens. None when no token completes one."""
-
-    def count(text: str, stop: str) -> int:
-        return sum(text.startswith(stop, i) for i in range(len(text)))
-
-    for n in range(max(min_new_tokens, 1), len(ids) + 1):
-        before, after = (tokenizer.decode(ids[:m], skip_special_tokens=False) for m in (n - 1, n))
-        if any(count(after, stop) > count(before, stop) for stop in stop_strings):
-            return n
-    return None
 
 
 def record_sampled_scores(monkeypatch) -> list:
@@ -207,14 +149,14 @@ def test_stop_strings_only_cut_the_draws(eos_prone_dir, min_new_tokens):
     plain = sample(lm, tokenizer, query, query_mask, plain_sampling)
     torch.manual_seed(0)
     cut = sample(
-        lm, tokenizer, query, query_mask, dataclasses.replace(plain_sampling, stop_strings=tuple(STOPS))
+        lm, tokenizer, query, query_mask, dataclasses.replace(plain_sampling, stop_strings=tuple(STOP_STRINGS))
     )
     R = cut.response.shape[1]
     kinds = {"stop": 0, "eos": 0, "truncated": 0}
     for b in range(query.shape[0]):
         drawn = plain.response[b][plain.response_mask[b]].tolist()  # up to and including the first EOS
         text_tokens = drawn[:-1] if plain.ended_with_eos(eos)[b] else drawn
-        n = naive_end(tokenizer, text_tokens, STOPS, min_new_tokens)
+        n = naive_end(tokenizer, text_tokens, STOP_STRINGS, min_new_tokens)
         kept = cut.response[b][cut.response_mask[b]].tolist()
         if n is not None:
             kinds["stop"] += 1
@@ -231,7 +173,7 @@ def test_stop_strings_only_cut_the_draws(eos_prone_dir, min_new_tokens):
 
 @pytest.mark.parametrize("path", ["generate", "fast"])
 def test_min_new_tokens_draws_from_the_eos_masked_softmax(eos_prone_dir, path, monkeypatch):
-    """On both sampling paths (`tests/test_sampling.py`): generate's multinomial draws, the fast path's
+    """On both sampling paths (`tests/rl/test_sampling.py`): generate's multinomial draws, the fast path's
     inverse-CDF draws."""
     if path == "generate":
         monkeypatch.setattr(fast_sampling, "supports", lambda lm: False)
@@ -259,7 +201,7 @@ def test_min_new_tokens_draws_from_the_eos_masked_softmax(eos_prone_dir, path, m
 
 
 @pytest.mark.parametrize(
-    "stop_strings, min_new_tokens", [(STOPS, 0), ([], 3), (STOPS, 3)], ids=["stop", "min", "both"]
+    "stop_strings, min_new_tokens", [(STOP_STRINGS, 0), ([], 3), (STOP_STRINGS, 3)], ids=["stop", "min", "both"]
 )
 def test_ppo_logprobs_are_those_generate_sampled_from(
     eos_prone_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch, stop_strings, min_new_tokens
@@ -326,7 +268,7 @@ def test_ppo_steps_with_stop_strings_and_min_new_tokens(
     the rollout and the training forward), response_length and eos_rate those of the rollout, and the EOS
     trick treating a stop string as an end (no penalty) like an EOS."""
     cfg = ppo_config(eos_prone_dir, tiny_rm_dir, prompt_file, tmp_path, rollout_batch_size=16, mini_batch_size=16,
-                   ppo_epochs=1, max_new_tokens=10, stop_strings=STOPS, min_new_tokens=2, eos_penalty=-3.0)  # fmt: skip
+                   ppo_epochs=1, max_new_tokens=10, stop_strings=STOP_STRINGS, min_new_tokens=2, eos_penalty=-3.0)  # fmt: skip
     trainer = tiny_ppo_trainer(cfg)
     eos = trainer.tokenizer.eos_token_id
     rollouts, ended, shaped = recording_rollouts(trainer), [], ppo_math.shaped_rewards
@@ -366,7 +308,7 @@ def test_eval_scores_the_cut_responses(eos_prone_dir, tiny_model_dir, tiny_rm_di
         seen.extend(responses)
         return [float(len(r)) for r in responses]
 
-    sampling = Sampling(max_new_tokens=10, temperature=1.0, stop_strings=tuple(STOPS), min_new_tokens=2)
+    sampling = Sampling(max_new_tokens=10, temperature=1.0, stop_strings=tuple(STOP_STRINGS), min_new_tokens=2)
     prompts = PROMPTS * 3
     draws = measures.PairedSampling(sampling, seed=3, batch_size=len(prompts))
     records = measures.sample_and_score(lm, tokenizer, prompts, draws, measures=measures.Measures(Scorer(rm), judge),
@@ -388,7 +330,7 @@ def test_eval_scores_the_cut_responses(eos_prone_dir, tiny_model_dir, tiny_rm_di
         assert record["response"] == tokenizer.decode(text_ids, skip_special_tokens=True)
         assert record["eos"] == bool(batch.ended(eos)[b]) and record["gold_score"] == len(record["response"])
         if batch.stopped[b]:
-            assert naive_end(tokenizer, text_ids, STOPS, 2) == len(text_ids)
+            assert naive_end(tokenizer, text_ids, STOP_STRINGS, 2) == len(text_ids)
         query = batch.query[b][batch.query_mask[b].bool()][None]  # (1, P_b)
         alone = Samples(query=query, query_mask=torch.ones_like(query), response=torch.tensor([ids]),
                         response_mask=torch.ones((1, len(ids)), dtype=torch.bool))  # fmt: skip
@@ -406,7 +348,7 @@ def test_chat_prompts_are_rendered_with_the_template_and_one_bos(tmp_path):
     template's tokens with one BOS, in PPO's prompts as in the data layer's."""
     folder = bos_model_dir(tmp_path / "bos_model")
     tokenizer = load_tokenizer(str(folder))
-    tokenizer.chat_template = "{{ bos_token }}" + CHAT_TEMPLATE
+    tokenizer.chat_template = "{{ bos_token }}" + COLON_CHAT_TEMPLATE
     tokenizer.save_pretrained(folder)
     tokenizer = load_tokenizer(str(folder))
     bos = tokenizer.bos_token_id
@@ -419,7 +361,7 @@ def test_chat_prompts_are_rendered_with_the_template_and_one_bos(tmp_path):
     cfg = parse_config(ppo_trainer.Config, ["--prompt_file", str(path), "--max_prompt_length", "64"])
     assert ppo_building.load_prompt_ids(cfg, tokenizer) == expected
 
-    tokenizer.chat_template = CHAT_TEMPLATE  # a template without the BOS: the tokenizer adds it, once
+    tokenizer.chat_template = COLON_CHAT_TEMPLATE  # a template without the BOS: the tokenizer adds it, once
     assert [encode_prompt(tokenizer, p) for p in load_prompt_dataset(path, tokenizer, max_prompt_length=64)["prompt"]] == expected  # fmt: skip
 
 
@@ -479,7 +421,7 @@ def test_ppo_eval_and_judge_take_chat_prompts(chat_model_dir, tiny_rm_dir, tmp_p
 def test_system_prompt_is_the_system_turn_of_prompts_without_one_in_ppo_and_eval(
     chat_model_dir, tiny_rm_dir, tmp_path
 ):
-    """`system_prompt` (issue 41: the recipes' shorter system message) goes in front of every chat prompt that
+    """`system_prompt` (the recipes' shorter system message) goes in front of every chat prompt that
     has no system turn of its own, in PPO's rollouts and held-out evaluation and in the eval stage, and is
     saved with the run's config; a prompt with its own system turn keeps it."""
     chats = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in CHATS])
@@ -590,96 +532,6 @@ def test_help_documents_the_new_keys(command, keys, capsys):
     names = {"ppo": ppo_trainer.Config, "eval": evaluate.Config}.get(command)
     if names is not None:
         assert {f.name for f in dataclasses.fields(names)} >= set(keys)
-
-
-# --- two processes --------------------------------------------------------------------------------------
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_two_processes_with_stop_strings_and_min_new_tokens(
-    eos_prone_dir, tiny_rm_dir, prompt_file, tmp_path
-):
-    """`accelerate launch` with 2 DDP processes: two PPO steps and held-out evaluations with stop strings and
-    min_new_tokens. Every rollout row on each process is cut at its first stop string and no shorter than
-    min_new_tokens, and the logged response_length and eos_rate are those of the rows of both processes."""
-    from llm_rlhf.models.loading import load_tokenizer as tokenizer_of
-
-    out, record = tmp_path / "run", tmp_path / "rollouts"
-    args = ppo_cli_args(eos_prone_dir, tiny_rm_dir, prompt_file, out, 2)[2:]  # without "-m llm_rlhf"
-    args += ["--max_new_tokens", "10", "--stop_strings", '["e", "a"]', "--min_new_tokens", "2", "--save_steps", "0",
-             "--eval_every", "1", "--eval_prompt_file", str(prompt_file), "--eval_num_prompts", "4",
-             "--gold_judge", SENTIMENT_JUDGE]  # fmt: skip
-    launch([str(ROOT / "tests" / "scripts" / "record_rollouts.py"), str(record), *args], 2)
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    ranks = [json.loads((record / f"rollouts_{r}.json").read_text()) for r in (0, 1)]
-    assert len(metrics) == 2 and all(len(steps) == 2 for steps in ranks)
-    assert metrics[0]["objective/kl"] == 0.0
-    tokenizer = tokenizer_of(str(eos_prone_dir))
-    eos = tokenizer.eos_token_id
-    stopped_rows = 0
-    for step, m in enumerate(metrics):
-        lengths, ended = [], []
-        for steps in ranks:
-            rollout = steps[step]
-            for ids, mask, stopped, end in zip(
-                rollout["response"], rollout["response_mask"], rollout["stopped"], rollout["ended"]
-            ):
-                real = [i for i, keep in zip(ids, mask) if keep]
-                assert mask == [True] * len(real) + [False] * (len(mask) - len(real))
-                assert 2 <= len(real) <= 10
-                text_ids = real[:-1] if real[-1] == eos else real
-                assert naive_end(tokenizer, text_ids, STOPS, 2) == (len(real) if stopped else None)
-                assert end == (stopped or real[-1] == eos)
-                stopped_rows += stopped
-                lengths.append(len(real))
-                ended.append(end)
-        assert m["response_length"] == pytest.approx(sum(lengths) / len(lengths), rel=1e-6)
-        assert m["eos_rate"] == pytest.approx(sum(ended) / len(ended), rel=1e-6)
-    assert stopped_rows > 0
-    heldout = [json.loads(line) for line in (out / "eval_log.jsonl").read_text().splitlines()]
-    assert len(heldout) == 3 and all(r["response_length"] >= 2 for r in heldout)
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_two_processes_with_chat_prompts(chat_model_dir, tiny_rm_dir, tmp_path):
-    """`accelerate launch` with 2 DDP processes on chat `messages` prompts, with stop strings and
-    min_new_tokens: every process's queries are the template's rendering of a chat,
-    and the first step's old log-probs, after the stop-string cuts, are those of the distribution sampled
-    from: recomputed here by a plain forward of the model on each prompt + kept response, alone and unpadded,
-    at the temperature with EOS masked before min_new_tokens. KL = 0 exactly at that step on every row."""
-    chats = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in CHATS] * 4)
-    out, record = tmp_path / "run", tmp_path / "rollouts"
-    args = ppo_cli_args(chat_model_dir, tiny_rm_dir, chats, out, 2)[2:]  # without "-m llm_rlhf"
-    args += ["--max_new_tokens", "8", "--max_prompt_length", "40", "--temperature", "0.8",
-             "--stop_strings", json.dumps(STOPS), "--min_new_tokens", "2", "--save_steps", "0"]  # fmt: skip
-    launch([str(ROOT / "tests" / "scripts" / "record_rollouts.py"), str(record), *args], 2)
-    ranks = [json.loads((record / f"rollouts_{r}.json").read_text()) for r in (0, 1)]
-    tokenizer = load_tokenizer(str(chat_model_dir))
-    lm = freeze(load_causal_lm(str(chat_model_dir)))  # the policy before its first update
-    eos = tokenizer.eos_token_id
-    queries = [tokenizer.decode(q) for steps in ranks for q in steps[0]["query"]]
-    assert len(queries) == 8 and set(queries) <= set(RENDERED)  # 4 rows per process, each a rendered chat
-    assert all(len(steps) == 2 for steps in ranks)
-    assert any(any(steps[0]["stopped"]) for steps in ranks)
-    for steps in ranks:
-        first = steps[0]
-        for query, ids, mask, logprobs, ref in zip(
-            first["query"],
-            first["response"],
-            first["response_mask"],
-            first["logprobs"],
-            first["ref_logprobs"],
-        ):
-            kept = [i for i, keep in zip(ids, mask) if keep]
-            assert len(kept) >= 2
-            with torch.no_grad():
-                logits = lm(torch.tensor([query + kept])).logits[0, len(query) - 1 : -1] / 0.8  # (L, V)
-            logits[:2, eos] = float("-inf")  # min_new_tokens: EOS cannot end the response before token 2
-            naive = logits.log_softmax(-1).gather(-1, torch.tensor(kept)[:, None]).squeeze(-1)  # (L,)
-            torch.testing.assert_close(torch.tensor(logprobs[: len(kept)]), naive, atol=2e-5, rtol=1e-5)
-            assert logprobs[: len(kept)] == ref[: len(kept)]  # policy == reference at the first step
 
 
 @pytest.mark.parametrize("config", [ppo_trainer.Config, evaluate.Config])

@@ -1,4 +1,4 @@
-"""The policy-loss family of 2025-26 (SPEC section of that name, issue 37) against its worked examples,
+"""The policy-loss family of 2025-26 (DAPO, GSPO, CISPO, SAPO and their kin) against its worked examples,
 naive loops and naive autograd versions: clip-higher and the dual clip, the loss aggregations and their
 invariance under gradient accumulation and processes, GSPO, CISPO, SAPO, the sampler correction, overlong
 shaping and dynamic sampling's group selection."""
@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from helpers import F64, TIGHT, t64
 
 from llm_rlhf.rl.loss_math import (
     LOSS_AGGREGATIONS,
@@ -25,21 +26,14 @@ from llm_rlhf.rl.policy_losses import ROWS as LOSS_ROWS
 from llm_rlhf.rl.policy_losses import LossInputs, cispo_token_losses, gspo_token_losses, sapo_token_losses
 from llm_rlhf.rl.ppo_math import masked_mean, policy_loss, ppo_clip_token_losses, token_advantages
 
-F64 = torch.float64
-TIGHT = {"rtol": 0, "atol": 1e-12}
 
-
-def t64(values) -> torch.Tensor:
-    return torch.tensor(values, dtype=F64)
-
-
-def spec_digits(actual: torch.Tensor, printed: list[float], decimals: list[int]) -> None:
-    """`actual` rounds to the SPEC's printed figures: within half a unit of each one's last printed digit."""
+def example_digits(actual: torch.Tensor, printed: list[float], decimals: list[int]) -> None:
+    """`actual` rounds to the worked example's printed figures: within half a unit of each one's last printed digit."""
     for a, p, d in zip(actual.tolist(), printed, decimals, strict=True):
         assert abs(a - p) <= 0.5 * 10.0**-d + 1e-15, (a, p, d)
 
 
-# SPEC "The policy-loss family": one minibatch of two responses, max new tokens L = 4.
+# The policy-loss family's worked example: one minibatch of two responses, max new tokens L = 4.
 # a: 2 tokens, A = 1.0, rho = (1.3, 0.9); b: 4 tokens, A = -0.5, rho = (1.1, 0.7, 1.0, 1.25).
 L = 4
 MASK = torch.tensor([[True, True, False, False], [True, True, True, True]])
@@ -47,7 +41,7 @@ RATIOS = t64([[1.3, 0.9, 1.0, 1.0], [1.1, 0.7, 1.0, 1.25]])  # the padding's rat
 ADVANTAGES = token_advantages(advantages=t64([1.0, -0.5]), response_mask=MASK)  # (2, 4)
 
 
-def spec_logprobs(ratios: torch.Tensor = RATIOS) -> torch.Tensor:
+def example_logprobs(ratios: torch.Tensor = RATIOS) -> torch.Tensor:
     """log pi_theta with log pi_old = 0, so rho = exp(logprobs); with grad."""
     return ratios.log().requires_grad_()
 
@@ -76,7 +70,7 @@ def naive_ppo_clip(rho, a, eps_low, eps_high, dual_clip=None):
 
 
 def test_worked_example_clip_higher_token_losses_and_gradient():
-    logprobs = spec_logprobs()
+    logprobs = example_logprobs()
     losses, stats = clip_higher(logprobs)
     expected = t64([[-1.28, -0.9, 0, 0], [0.55, 0.4, 0.5, 0.625]])
     torch.testing.assert_close(losses, expected, **TIGHT)
@@ -88,8 +82,8 @@ def test_worked_example_clip_higher_token_losses_and_gradient():
     assert not stats.dual_clipped.any()
     torch.testing.assert_close(stats.ratio[MASK], RATIOS[MASK], **TIGHT)
 
-    symmetric, _ = clip_higher(spec_logprobs(), cliprange_high=0.2)
-    torch.testing.assert_close(symmetric[0, 0], t64(-1.2), **TIGHT)  # SPEC: -1.2 on a1 with a symmetric 0.2
+    symmetric, _ = clip_higher(example_logprobs(), cliprange_high=0.2)
+    torch.testing.assert_close(symmetric[0, 0], t64(-1.2), **TIGHT)  # the example's -1.2 on a1 with a symmetric 0.2
     torch.testing.assert_close(symmetric[1, 3], t64(0.625), **TIGHT)  # b4 at 1.25: A < 0, no upper clip
 
 
@@ -143,7 +137,7 @@ def test_dual_clip_only_touches_negative_advantages_above_c():
 @pytest.mark.parametrize("bad", [1.0, 0.5])
 def test_dual_clip_must_exceed_one(bad):
     with pytest.raises(ValueError, match="dual_clip must be > 1"):
-        clip_higher(spec_logprobs(), dual_clip=bad)
+        clip_higher(example_logprobs(), dual_clip=bad)
 
 
 def test_ppo_clip_token_losses_match_the_naive_loop():
@@ -234,7 +228,7 @@ def test_policy_loss_is_the_token_mean_of_ppo_clip_and_unchanged():
     ],
 )
 def test_worked_example_loss_aggregation(aggregation, expected, normaliser):
-    logprobs = spec_logprobs()
+    logprobs = example_logprobs()
     losses, _ = clip_higher(logprobs)
     n = loss_normaliser(loss_mask=MASK, aggregation=aggregation, max_new_tokens=L)
     assert n.item() == normaliser
@@ -391,10 +385,10 @@ def naive_gspo(logprobs, old, seq_advantages, mask, eps_low, eps_high):
 
 
 def test_worked_example_gspo():
-    logprobs = spec_logprobs()
+    logprobs = example_logprobs()
     losses, stats = gspo(logprobs)  # the paper's clip range is the default: 3e-4 below, 4e-4 above
     s = stats.ratio[:, 0]
-    spec_digits(s, [1.0816654, 0.9904902], [7, 7])
+    example_digits(s, [1.0816654, 0.9904902], [7, 7])
     torch.testing.assert_close(s, t64([math.sqrt(1.3 * 0.9), (1.1 * 0.7 * 1.0 * 1.25) ** 0.25]), **TIGHT)
     torch.testing.assert_close(losses, t64([[-1.0004, -1.0004, 0, 0], [0.49985] * 4]), **TIGHT)
     assert stats.clipped_high.tolist() == [[True, True, False, False], [False] * 4]
@@ -413,7 +407,7 @@ def test_worked_example_gspo():
 def test_gspo_gradient_flows_through_the_sequence_ratio():
     """Unclipped (a wide range), the token form's gradient is the sequence objective's: on token t of
     response i, d loss / d log pi(y_t) = -A_i * s_i / (G * |y_i|), the same as autograd through s_i."""
-    logprobs = spec_logprobs()
+    logprobs = example_logprobs()
     losses, stats = gspo(logprobs, cliprange_low=0.5, cliprange_high=0.5)
     assert not stats.clipped.any()
     n = loss_normaliser(loss_mask=MASK, aggregation="seq_mean_token_mean", max_new_tokens=L)
@@ -425,7 +419,7 @@ def test_gspo_gradient_flows_through_the_sequence_ratio():
     expected = t64([[-1.0 * s_a / (2 * 2)] * 2 + [0, 0], [0.5 * s_b / (2 * 4)] * 4])
     torch.testing.assert_close(logprobs.grad, expected, **TIGHT)
 
-    naive_logprobs = spec_logprobs()
+    naive_logprobs = example_logprobs()
     naive = naive_gspo(naive_logprobs, torch.zeros_like(naive_logprobs), [1.0, -0.5], MASK, 0.5, 0.5)
     naive.backward()
     torch.testing.assert_close(loss, naive, **TIGHT)
@@ -465,7 +459,7 @@ def test_gspo_matches_naive_autograd_on_random_responses():
 
 
 def test_worked_example_cispo():
-    logprobs = spec_logprobs()
+    logprobs = example_logprobs()
     losses, stats = cispo_token_losses(
         logprobs=logprobs,
         old_logprobs=torch.zeros_like(logprobs),
@@ -476,8 +470,8 @@ def test_worked_example_cispo():
     n = loss_normaliser(loss_mask=MASK, aggregation="token_mean", max_new_tokens=L)
     aggregate_loss(token_losses=losses, loss_mask=MASK, aggregation="token_mean", normaliser=n).backward()
     grad = logprobs.grad
-    spec_digits(grad[0, :2], [-0.21333, -0.15], [5, 2])
-    spec_digits(grad[1], [0.091667, 0.058333, 0.083333, 0.104167], [6, 6, 6, 6])
+    example_digits(grad[0, :2], [-0.21333, -0.15], [5, 2])
+    example_digits(grad[1], [0.091667, 0.058333, 0.083333, 0.104167], [6, 6, 6, 6])
     # exactly -sg(min(rho, 1.28)) * A / 6: every token keeps a gradient, a1's weight truncated at 1.28
     expected = t64([[-1.28 / 6, -0.9 / 6, 0, 0], [0.55 / 6, 0.35 / 6, 0.5 / 6, 0.625 / 6]])
     torch.testing.assert_close(grad, expected, **TIGHT)
@@ -539,18 +533,18 @@ def sapo(ratios, advantages, mask=None):
 
 
 def test_worked_example_sapo():
-    """SPEC: rho = (1.2, 0.9, 1.0), A = (1.0, -0.5, 2.0) -> losses (-2.199336, 0.902427, -4.0), d loss / d log
+    """Worked example: rho = (1.2, 0.9, 1.0), A = (1.0, -0.5, 2.0) -> losses (-2.199336, 0.902427, -4.0), d loss / d log
     pi = (-1.188080, 0.448762, -2.0) (PPO's clip at 0.2: -1.2, 0.45, -2.0)."""
     losses, stats, grad = sapo([1.2, 0.9, 1.0], [1.0, -0.5, 2.0])
-    spec_digits(losses, [-2.199336, 0.902427, -4.0], [6, 6, 6])
-    spec_digits(grad, [-1.188080, 0.448762, -2.0], [6, 6, 6])
+    example_digits(losses, [-2.199336, 0.902427, -4.0], [6, 6, 6])
+    example_digits(grad, [-1.188080, 0.448762, -2.0], [6, 6, 6])
     # by hand: a1 tau_pos = 1: -4 sigmoid(0.2); a2 tau_neg = 1.05: (4 / 1.05) sigmoid(-0.105) * 0.5
     s1, s2 = sigmoid(0.2), sigmoid(1.05 * -0.1)
     torch.testing.assert_close(losses, t64([-4.0 * s1, 0.5 * (4.0 / 1.05) * s2, -4.0]), **TIGHT)
     expected_grad = [-1.2 * 4 * s1 * (1 - s1), 0.5 * 0.9 * 4 * s2 * (1 - s2), -2.0 * 1.0 * 4 * 0.25]
     torch.testing.assert_close(grad, t64(expected_grad), **TIGHT)
     assert not (stats.clipped_high | stats.clipped_low | stats.dual_clipped).any()  # no hard clip
-    # PPO's clip at 0.2 on the same tokens, for the comparison the SPEC prints
+    # PPO's clip at 0.2 on the same tokens, for the comparison the worked example prints
     ppo_lp = t64([1.2, 0.9, 1.0]).log().requires_grad_()
     ppo, _ = ppo_clip_token_losses(
         logprobs=ppo_lp, old_logprobs=torch.zeros(3, dtype=F64), advantages=t64([1.0, -0.5, 2.0]),
@@ -561,10 +555,10 @@ def test_worked_example_sapo():
 
 
 def test_sapo_fades_off_policy_where_ppo_stops():
-    """SPEC: far off-policy with A = 1, rho = 2 -> gradient -1.572895, rho = 3 -> -1.259923, where PPO's clip
+    """Worked example: far off-policy with A = 1, rho = 2 -> gradient -1.572895, rho = 3 -> -1.259923, where PPO's clip
     gives 0; at rho = 1 the gradient is the plain policy gradient -A whatever the sign and tau."""
     _, _, grad = sapo([2.0, 3.0], [1.0, 1.0])
-    spec_digits(grad, [-1.572895, -1.259923], [6, 6])
+    example_digits(grad, [-1.572895, -1.259923], [6, 6])
     s2, s3 = sigmoid(1.0), sigmoid(2.0)
     torch.testing.assert_close(grad, t64([-2.0 * 4 * s2 * (1 - s2), -3.0 * 4 * s3 * (1 - s3)]), **TIGHT)
     _, _, at_one = sapo([1.0, 1.0, 1.0], [1.0, -0.5, 3.0])
@@ -617,7 +611,7 @@ def correction(kind, d, cap=2.0, mask=None):
 
 def test_worked_example_sampler_correction():
     tis, tis_stats = correction("tis", [0.1, -0.2, 0.9])
-    spec_digits(tis[0], [1.10517, 0.81873, 2.0], [5, 5, 1])
+    example_digits(tis[0], [1.10517, 0.81873, 2.0], [5, 5, 1])
     torch.testing.assert_close(tis, t64([[math.exp(0.1), math.exp(-0.2), 2.0]]), **TIGHT)
     assert tis_stats.corrected.tolist() == [[False, False, True]]
     torch.testing.assert_close(
@@ -650,7 +644,7 @@ def test_sampler_correction_bounds_mask_and_naive_loop():
 
 
 def test_sampler_correction_weights_the_token_losses_without_gradient():
-    logprobs = spec_logprobs()
+    logprobs = example_logprobs()
     losses, _ = clip_higher(logprobs)
     sampler = torch.zeros(2, 4, dtype=F64)
     old = t64([[0.1, -0.2, 0, 0], [0.9, 0.0, 0.0, 0.0]])

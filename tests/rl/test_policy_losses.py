@@ -1,33 +1,23 @@
-"""The policy-loss table (issue 50, `llm_rlhf/rl/policy_losses.py`): its names are the config's choices and
+"""The policy-loss table (`llm_rlhf/rl/policy_losses.py`): its names are the config's choices and
 the help's, no code outside it branches on a loss's name, each row's facts agree with its function (the clip
 keys it reads, one ratio per response, its paper's aggregation), and the config reads the row: the clip keys
 a loss does not read are errors naming the key, `loss_aggregation` null is the row's, an explicit one wins
-with a note where it departs from the paper. The math and the SPEC's worked examples (SAPO's too) are
-tests/test_loss_family.py; the losses through the trainer tests/test_loss_options.py."""
+with a note where it departs from the paper. The math and its worked examples (SAPO's too) are
+tests/rl/test_loss_family.py; the losses through the trainer tests/ppo/test_loss_options.py."""
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 
 import pytest
 import torch
-from helpers import ROOT, ppo_cli_args, ppo_config
+from helpers import F64, REWARD_FNS, names_compared_outside, ppo_cli_args, ppo_config
 
 from llm_rlhf.core.config import format_help
 from llm_rlhf.core.errors import ConfigError
 from llm_rlhf.ppo.config import Config
 from llm_rlhf.rl import estimators, loss_math, ppo_math
-from llm_rlhf.rl.policy_losses import (
-    CLIP_KEYS,
-    DEFAULT_LOSS,
-    LOSSES,
-    POLICY_LOSSES,
-    ROWS,
-    LossInputs,
-)
-
-F64 = torch.float64
+from llm_rlhf.rl.policy_losses import CLIP_KEYS, DEFAULT_LOSS, LOSSES, POLICY_LOSSES, ROWS, LossInputs
 
 
 def grpo(**kw) -> Config:
@@ -70,18 +60,7 @@ def test_table_is_the_accepted_names_and_the_help():
 def test_no_branch_on_a_loss_name_outside_the_table():
     """Outside `llm_rlhf/rl/policy_losses.py` no comparison names a policy loss (`x == "gspo"`,
     `"gspo" in row.policy_losses`, `x in ("ppo_clip", ...)`): what a loss is, is its row."""
-    found, paths = [], sorted((ROOT / "llm_rlhf").rglob("*.py"))
-    assert len(paths) > 30 and any(p.name == "ppo.py" for p in paths)  # the scan reads the whole package
-    for path in paths:
-        if path.name == "policy_losses.py":
-            continue
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.Compare):
-                for side in (node.left, *node.comparators):
-                    names = [side] if isinstance(side, ast.Constant) else getattr(side, "elts", [])
-                    if any(isinstance(n, ast.Constant) and n.value in POLICY_LOSSES for n in names):
-                        found.append(f"{path.name}:{node.lineno}")
-    assert found == []
+    assert names_compared_outside("policy_losses.py", POLICY_LOSSES) == []
 
 
 # --- each row agrees with its function -------------------------------------------------------------------
@@ -155,8 +134,8 @@ def test_a_loss_of_one_ratio_per_response_needs_one_advantage_per_response(row, 
 
 
 def test_gspo_defaults_to_its_papers_aggregation():
-    """Issue 50: on the SPEC example GSPO's objective is the mean over responses, -0.250275; the token mean
-    that was the default before gives -0.000233 (the responses' losses weighted by their lengths cancel)."""
+    """On the worked example GSPO's objective is the mean over responses, -0.250275; the token mean
+    (the aggregation of the other losses) gives -0.000233 (the responses' losses weighted by their lengths cancel)."""
     mask = torch.tensor([[True, True, False, False], [True, True, True, True]])
     ratios = torch.tensor([[1.3, 0.9, 1.0, 1.0], [1.1, 0.7, 1.0, 1.25]], dtype=F64)
     x = LossInputs(
@@ -186,7 +165,7 @@ def test_the_note_is_printed_at_the_start_of_the_run(tiny_model_dir, prompt_file
 
     args = ppo_cli_args(tiny_model_dir, None, prompt_file, tmp_path / "run", steps=1, advantage_estimator="grpo",
                         samples_per_prompt=2, rollout_batch_size=2, mini_batch_size=4, ppo_epochs=1,
-                        reward_fn=str(ROOT / "tests" / "reward_fns.py") + ":even_length", eval_every=0,
+                        reward_fn=REWARD_FNS + ":even_length", eval_every=0,
                         policy_loss="gspo", loss_aggregation="token_mean")  # fmt: skip
     assert args[:3] == ["-m", "llm_rlhf", "ppo"] and cli.main(args[2:]) == 0
     out = capsys.readouterr().out

@@ -1,15 +1,18 @@
-"""The PPO math against the SPEC worked examples, hand-computed values and naive reference loops."""
+"""The PPO math of `llm_rlhf.rl.ppo_math` and `token_math` against hand-worked examples, hand-computed values
+and naive reference loops: the KL and the shaped rewards, GAE, the clipped objective, the masked reductions,
+the response mask, log-probs, entropy and the KL estimators, the value loss, the KL controllers, REINFORCE++
+and the KL in the loss. (The group-relative advantages: test_group_advantages.py; the reward-model math:
+test_reward_math.py.)"""
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest
 import torch
+from helpers import F64, FOUR_DECIMALS, TIGHT, t64
 
-from llm_rlhf.rl import reward_math, token_math
-from llm_rlhf.rl.estimators import grpo_advantages, remax_advantages, rloo_advantages
+from llm_rlhf.rl import ppo_math, token_math
 from llm_rlhf.rl.loss_math import spread_about_one
 from llm_rlhf.rl.ppo_math import (
     AdaptiveKLController,
@@ -25,25 +28,16 @@ from llm_rlhf.rl.ppo_math import (
     masked_whiten,
     policy_loss,
     reinforce_pp_advantages,
-    scores_by_prompt,
     sequence_kl,
     shaped_rewards,
     token_advantages,
     value_loss,
 )
-from llm_rlhf.rl.reward_math import bradley_terry_loss, ranking_to_pairs
 from llm_rlhf.rl.token_math import entropy_from_logits, logprobs_from_logits, response_mask_from_tokens
 
-F64 = torch.float64
-TIGHT = {"rtol": 0, "atol": 1e-12}
-
-# SPEC "Worked examples": the 3-token response "very very sleepy", beta = 0.1, RM score 5.0.
+# The worked example: the 3-token response "very very sleepy", beta = 0.1, RM score 5.0.
 LOGPROBS = [-0.9, -2.5, -0.5]
 REF_LOGPROBS = [-1.5, -1.0, -0.5]
-
-
-def t64(values) -> torch.Tensor:
-    return torch.tensor(values, dtype=F64)
 
 
 def naive_gae(rewards, values, mask, gamma, lam):
@@ -81,7 +75,7 @@ def random_layout(generator: torch.Generator, B: int, T: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# SPEC worked examples
+# The worked example
 # ----------------------------------------------------------------------------------------------
 
 
@@ -109,7 +103,7 @@ def test_worked_example_gae():
     torch.testing.assert_close(returns, t64([[3.7884, 4.47, 5.00]]), **TIGHT)
 
 
-CLIP_CASES = [  # (A, rho, loss, clipped) from the SPEC table, epsilon = 0.2
+CLIP_CASES = [  # (A, rho, loss, clipped) worked by hand, epsilon = 0.2
     pytest.param(2.0, 1.1, -2.2, False, id="good-safe"),
     pytest.param(2.0, 1.5, -2.4, True, id="good-aggressive"),
     pytest.param(-2.0, 0.9, 1.8, False, id="bad-safe"),
@@ -488,44 +482,6 @@ def test_explained_variance():
 
 
 # ----------------------------------------------------------------------------------------------
-# Reward model
-# ----------------------------------------------------------------------------------------------
-
-
-def test_bradley_terry_loss_against_hand_values():
-    loss = bradley_terry_loss(chosen_scores=t64([2.0]), rejected_scores=t64([0.5]))
-    torch.testing.assert_close(loss, t64(math.log1p(math.exp(-1.5))), **TIGHT)  # -log sigma(1.5)
-    assert abs(loss.item() - 0.20141327798275246) < 1e-12
-
-    with_margin = bradley_terry_loss(
-        chosen_scores=t64([2.0, 1.0]), rejected_scores=t64([0.5, 1.0]), margin=t64([1.0, 0.0])
-    )
-    torch.testing.assert_close(with_margin, t64((math.log1p(math.exp(-0.5)) + math.log(2.0)) / 2), **TIGHT)
-
-    huge_gap = bradley_terry_loss(chosen_scores=t64([-1000.0]), rejected_scores=t64([1000.0]))
-    assert huge_gap.item() == 2000.0  # logsigmoid keeps it finite
-
-
-def test_bradley_terry_gradient_pushes_chosen_up_and_rejected_down():
-    chosen, rejected = t64([0.3]).requires_grad_(), t64([0.1]).requires_grad_()
-    bradley_terry_loss(chosen_scores=chosen, rejected_scores=rejected).backward()
-    assert chosen.grad.item() < 0 < rejected.grad.item()
-
-
-def test_ranking_to_pairs():
-    assert ranking_to_pairs(["B", "A", "D", "C"]) == [
-        ("B", "A"),
-        ("B", "D"),
-        ("B", "C"),
-        ("A", "D"),
-        ("A", "C"),
-        ("D", "C"),
-    ]
-    assert len(ranking_to_pairs(list(range(7)))) == 7 * 6 // 2
-    assert ranking_to_pairs([0]) == []
-
-
-# ----------------------------------------------------------------------------------------------
 # KL controllers
 # ----------------------------------------------------------------------------------------------
 
@@ -575,78 +531,6 @@ def test_kl_controllers_state_dict_round_trip():
     assert other.value == 0.05
 
 
-# --- best-of-n and the over-optimisation law -----------------------------------------------------
-
-
-def test_best_of_n_kl_formula():
-    assert reward_math.best_of_n_kl(1) == 0.0
-    assert reward_math.best_of_n_kl(2) == pytest.approx(math.log(2) - 0.5)
-    assert reward_math.best_of_n_kl(64) == pytest.approx(math.log(64) - 63 / 64)
-    with pytest.raises(ValueError):
-        reward_math.best_of_n_kl(0)
-
-
-def naive_best_of_n_weights(rewards: list[float], n: int) -> list[float]:
-    """Every n-subset of the samples equally likely; the best of a subset gets its share, split equally
-    between samples that tie for the best."""
-    weights = [0.0] * len(rewards)
-    subsets = list(itertools.combinations(range(len(rewards)), n))
-    for subset in subsets:
-        best = max(rewards[i] for i in subset)
-        winners = [i for i in subset if rewards[i] == best]
-        for i in winners:
-            weights[i] += 1 / len(subsets) / len(winners)
-    return weights
-
-
-@pytest.mark.parametrize("n", [1, 2, 3, 6])
-def test_best_of_n_weights_match_enumeration_of_subsets(n):
-    rewards = torch.tensor([[0.3, -1.2, 2.0, 0.7, 0.1, -0.4], [1.0, 0.0, 1.0, 2.0, 0.0, 1.0]])  # row 2 ties
-    weights = reward_math.best_of_n_weights(rewards=rewards, n=n)
-    for row, w in zip(rewards.tolist(), weights):
-        assert w.tolist() == pytest.approx(naive_best_of_n_weights(row, n), abs=1e-12)
-
-
-def test_best_of_n_weights_estimate_the_mean_of_the_best():
-    """Uniform(0, 1) rewards: E[max of n] = n / (n + 1)."""
-    torch.manual_seed(0)
-    rewards = torch.rand(2000, 32)
-    for n in (1, 4, 16):
-        estimate = (reward_math.best_of_n_weights(rewards=rewards, n=n) * rewards.double()).sum(1).mean()
-        assert float(estimate) == pytest.approx(n / (n + 1), abs=0.01)
-    with pytest.raises(ValueError):
-        reward_math.best_of_n_weights(rewards=rewards, n=33)
-
-
-def test_best_of_n_empirical_kl():
-    # Distinct rewards: the analytic value, up to the finite sample (0.041 nats at n = N = 64).
-    rewards = torch.randn(2, 64)
-    for n in (1, 2, 8, 16):
-        kl = reward_math.best_of_n_empirical_kl(rewards=rewards, n=n)
-        assert kl.tolist() == pytest.approx([reward_math.best_of_n_kl(n)] * 2, abs=0.005)
-    kl64 = float(reward_math.best_of_n_empirical_kl(rewards=rewards, n=64)[0])
-    assert reward_math.best_of_n_kl(64) - 0.05 < kl64 < reward_math.best_of_n_kl(64)
-    # Ties by hand: values 0 (p 1/2), 1 (1/4), 2 (1/4); F = 1/2, 3/4, 1; q = F^2 - F(-)^2 = 1/4, 5/16, 7/16.
-    kl = reward_math.best_of_n_empirical_kl(rewards=torch.tensor([[0.0, 1.0, 0.0, 2.0]]), n=2)
-    expected = 0.25 * math.log(0.5) + 0.3125 * math.log(1.25) + 0.4375 * math.log(1.75)
-    assert float(kl[0]) == pytest.approx(expected, abs=1e-12)
-    one_response = torch.ones(1, 8)  # every sample the same: best-of-n has no choice
-    assert float(reward_math.best_of_n_empirical_kl(rewards=one_response, n=4)[0]) == 0.0
-
-
-@pytest.mark.parametrize("form, law", [("bon", reward_math.gao_bon_law), ("rl", reward_math.gao_rl_law)])
-def test_fit_gao_law_recovers_its_coefficients(form, law):
-    d = torch.linspace(0.2, 4.0, 12, dtype=torch.float64)
-    fit = reward_math.fit_gao_law(d=d, gain=law(d, alpha=1.3, beta=0.4), form=form)
-    assert (fit.alpha, fit.beta) == (pytest.approx(1.3, abs=1e-9), pytest.approx(0.4, abs=1e-9))
-    assert fit.rmse < 1e-9 and fit.num_points == 12
-    torch.manual_seed(0)
-    noisy = reward_math.fit_gao_law(d=d, gain=law(d, alpha=1.3, beta=0.4) + 0.05 * torch.randn(12), form=form)
-    assert abs(noisy.alpha - 1.3) < 3 * noisy.alpha_stderr + 1e-3 and noisy.rmse > 0.02
-    with pytest.raises(ValueError):
-        reward_math.fit_gao_law(d=torch.tensor([0.0, 1.0, 2.0]), gain=torch.zeros(3), form=form)
-
-
 def test_mask_eos_logits_hand_example_and_gradient():
     """EOS (id 2) gets -inf at positions t < min_new_tokens = 2, nothing else changes; the log-probs are then
     those of softmax over the other tokens there, the entropy is finite, and no gradient is NaN."""
@@ -673,35 +557,8 @@ def test_mask_eos_logits_hand_example_and_gradient():
 
 
 # ----------------------------------------------------------------------------------------------
-# Critic-free estimators
+# REINFORCE++ and the KL in the loss
 # ----------------------------------------------------------------------------------------------
-
-SPEC_GROUP = [1.0, 0.0, 0.0, 3.0]  # SPEC "Critic-free estimators": the k = 4 scores of one prompt
-FOUR_DECIMALS = {"rtol": 0, "atol": 5e-5}
-
-GROUP_ESTIMATORS = {  # name -> advantages(scores, k), the group-relative ones
-    "grpo": lambda scores, k: grpo_advantages(scores=scores, samples_per_prompt=k),
-    "dr_grpo": lambda scores, k: grpo_advantages(scores=scores, samples_per_prompt=k, scale_by_std=False),
-    "rloo": lambda scores, k: rloo_advantages(scores=scores, samples_per_prompt=k),
-}
-
-
-def naive_group_advantages(scores: list[float], k: int, estimator: str, eps: float = 1e-4) -> torch.Tensor:
-    """The loops of the `grpo_advantages` and `rloo_advantages` docstrings, in plain python floats."""
-    advantages = [0.0] * len(scores)
-    for p in range(len(scores) // k):
-        r = scores[p * k : (p + 1) * k]
-        mean = sum(r) / k
-        std = math.sqrt(sum((r_j - mean) ** 2 for r_j in r) / (k - 1))
-        for i in range(k):
-            if estimator == "grpo":
-                advantages[p * k + i] = (r[i] - mean) / (std + eps)
-            elif estimator == "dr_grpo":
-                advantages[p * k + i] = r[i] - mean
-            else:
-                advantages[p * k + i] = r[i] - sum(r[j] for j in range(k) if j != i) / (k - 1)
-    return t64(advantages)
-
 
 def naive_reinforce_pp_returns(rewards, mask) -> torch.Tensor:
     """The loop of the `reinforce_pp_advantages` docstring, in plain python floats."""
@@ -714,30 +571,6 @@ def naive_reinforce_pp_returns(rewards, mask) -> torch.Tensor:
     return t64(returns)
 
 
-@pytest.mark.parametrize(
-    ("estimator", "expected"),
-    [
-        pytest.param("dr_grpo", [0.0, -1.0, -1.0, 2.0], id="dr_grpo"),
-        pytest.param("rloo", [0.0, -1.3333, -1.3333, 2.6667], id="rloo"),
-    ],
-)
-def test_worked_example_group_advantages(estimator, expected):
-    advantages = GROUP_ESTIMATORS[estimator](t64(SPEC_GROUP), 4)
-    torch.testing.assert_close(advantages, t64(expected), **FOUR_DECIMALS)
-
-
-def test_worked_example_grpo():
-    """The SPEC's GRPO values are (r - mean) / std, std = sqrt(2) with n - 1; with the formula's eps = 1e-4 in
-    the denominator the last one rounds to 1.4141 instead of 1.4142, so the 4-decimal check is at eps = 0
-    and the default eps is checked against the closed form."""
-    scores = t64(SPEC_GROUP)
-    eps_free = grpo_advantages(scores=scores, samples_per_prompt=4, eps=0.0)
-    torch.testing.assert_close(eps_free, t64([0.0, -0.7071, -0.7071, 1.4142]), **FOUR_DECIMALS)
-
-    advantages = grpo_advantages(scores=scores, samples_per_prompt=4)  # eps = 1e-4
-    torch.testing.assert_close(advantages, t64([0.0, -1.0, -1.0, 2.0]) / (math.sqrt(2.0) + 1e-4), **TIGHT)
-
-
 def test_worked_example_reinforce_pp():
     """From the log-probs of the 3-token example through the k1 reward shaping to REINFORCE++."""
     mask = torch.ones(1, 3, dtype=torch.bool)
@@ -745,7 +578,7 @@ def test_worked_example_reinforce_pp():
     rewards, _ = shaped_rewards(scores=t64([5.0]), kl=kl, kl_coef=0.1, response_mask=mask)
     advantages, returns = reinforce_pp_advantages(rewards=rewards, response_mask=mask)
     torch.testing.assert_close(returns, t64([[5.09, 5.15, 5.00]]), **TIGHT)
-    # masked_whiten's unbiased variance (n - 1) is the one the SPEC's numbers use; n would give
+    # masked_whiten's unbiased variance (n - 1) is the one the worked example's numbers use; n would give
     # (0.1622, 1.1355, -1.2978).
     torch.testing.assert_close(advantages, t64([[0.1325, 0.9272, -1.0596]]), **FOUR_DECIMALS)
 
@@ -785,151 +618,44 @@ def test_kl_loss_gradient_through_the_policy_logprobs():
     assert (policy.grad[mask & (logprobs < ref_logprobs)] < 0).all()
 
 
-@pytest.mark.parametrize("estimator", sorted(GROUP_ESTIMATORS))
-@pytest.mark.parametrize(("num_prompts", "k"), [(1, 2), (5, 3), (7, 4), (3, 8)])
-def test_group_advantages_match_naive_loops(estimator, num_prompts, k):
-    generator = torch.Generator().manual_seed(num_prompts * 10 + k)
-    scores = torch.randn(num_prompts * k, generator=generator, dtype=F64) * 3 + 1
-    scores[:k] = 0.5  # one group where every response scored the same: all advantages 0, not NaN
-    advantages = GROUP_ESTIMATORS[estimator](scores, k)
-    expected = naive_group_advantages(scores.tolist(), k, estimator)
-    torch.testing.assert_close(advantages, expected, rtol=0, atol=1e-12)
-    assert not advantages[:k].any()
+def test_k3_in_the_loss_is_not_clamped():
+    """A token the reference gives e^5 times the policy's probability: k3 = e^5 - 5 - 1 ~ 142.4 (past verl's
+    and OpenRLHF's clamp at 10) and its gradient 1 - e^5 per unit of log p, in full (README glossary, k3: why
+    no clamp). Fails if k3 is clamped (value 10, gradient 0)."""
+    logprobs = torch.tensor([[-6.0, -1.0]], requires_grad=True)
+    ref_logprobs = torch.tensor([[-1.0, -1.0]])
+    mask = torch.tensor([[True, True]])
+    loss = ppo_math.kl_loss(logprobs=logprobs, ref_logprobs=ref_logprobs, response_mask=mask, kl_coef=1.0)
+    loss.backward()
+    assert float(loss.detach()) == pytest.approx((math.exp(5) - 6) / 2, rel=1e-6)
+    assert logprobs.grad[0].tolist() == pytest.approx([(1 - math.exp(5)) / 2, 0.0], rel=1e-6)
 
 
-def test_group_advantages_in_float32():
-    scores = torch.tensor([1.0, 0.0, 0.0, 3.0, 2.0, 2.5])
-    for name, estimator in GROUP_ESTIMATORS.items():
-        advantages = estimator(scores, 3)
-        assert advantages.dtype == torch.float32 and advantages.shape == (6,), name
-        torch.testing.assert_close(
-            advantages, naive_group_advantages(scores.tolist(), 3, name).float(), msg=name
-        )
+def test_k3_loss_expected_gradient_is_the_forward_kl_gradient():
+    """For one state, a categorical policy p = softmax(z) and a reference q: the expectation over y ~ p of the
+    gradient of k3(y) (through log p(y) only, as the loss differentiates it) is grad_z KL(q || p), the forward
+    KL, not grad_z KL(p || q), the reverse KL that the reward's k1 penalty optimises through the policy
+    gradient (k2 in the loss would give that one). The two agree to first order as p -> q. README glossary, k3."""
+    torch.manual_seed(0)
+    z = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    log_q = torch.log_softmax(torch.randn(6, dtype=torch.float64), dim=-1)
 
+    def expected_gradient(estimator: str) -> torch.Tensor:
+        log_p = torch.log_softmax(z, dim=-1)
+        values = ppo_math.kl_penalty(logprobs=log_p, ref_logprobs=log_q, estimator=estimator)  # (V,)
+        (grad,) = torch.autograd.grad((log_p.exp().detach() * values).sum(), z)  # sum_y p(y) grad k(y)
+        return grad
 
-@pytest.mark.parametrize("estimator", sorted(GROUP_ESTIMATORS))
-def test_groups_are_consecutive_rows(estimator):
-    """A permutation inside each group permutes the advantages; moving rows between groups changes them,
-    so advantages taken over the wrong responses are caught."""
-    generator = torch.Generator().manual_seed(0)
-    k, num_prompts = 4, 3
-    scores = torch.randn(num_prompts * k, generator=generator, dtype=F64)
-    advantages = GROUP_ESTIMATORS[estimator](scores, k)
+    def kl_gradient(a_is_p: bool) -> torch.Tensor:
+        log_p = torch.log_softmax(z, dim=-1)
+        log_a, log_b = (log_p, log_q) if a_is_p else (log_q, log_p)
+        (grad,) = torch.autograd.grad((log_a.exp() * (log_a - log_b)).sum(), z)
+        return grad
 
-    within = torch.cat([p * k + torch.randperm(k, generator=generator) for p in range(num_prompts)])
-    torch.testing.assert_close(GROUP_ESTIMATORS[estimator](scores[within], k), advantages[within], **TIGHT)
-
-    # Rows read column-wise (sample 0 of every prompt, then sample 1, ...): every new group mixes prompts.
-    across = torch.arange(num_prompts * k).view(num_prompts, k).T.reshape(-1)  # (B,)
-    regrouped = GROUP_ESTIMATORS[estimator](scores[across], k)
-    assert not torch.allclose(regrouped, advantages[across])
-
-    # The same scores read as 4 prompts of 3 samples are other groups, with other advantages.
-    assert not torch.allclose(GROUP_ESTIMATORS[estimator](scores, 3), advantages)
-
-
-@pytest.mark.parametrize("estimator", sorted(GROUP_ESTIMATORS))
-def test_group_advantages_ignore_a_constant_added_to_a_group(estimator):
-    generator = torch.Generator().manual_seed(1)
-    k, num_prompts = 4, 5
-    scores = torch.randn(num_prompts * k, generator=generator, dtype=F64)
-    shift = (torch.randn(num_prompts, generator=generator, dtype=F64) * 10).repeat_interleave(
-        k
-    )  # one per group
-    torch.testing.assert_close(
-        GROUP_ESTIMATORS[estimator](scores + shift, k),
-        GROUP_ESTIMATORS[estimator](scores, k),
-        rtol=0,
-        atol=1e-12,
-    )
-
-
-def test_dr_grpo_keeps_the_scale_that_grpo_divides_out():
-    """Scaling a group's scores by c scales Dr. GRPO's advantages by c; GRPO's are (r - mean) / (std + eps),
-    so they stay put up to eps, and are Dr. GRPO's divided by each group's std + eps."""
-    generator = torch.Generator().manual_seed(2)
-    k, num_prompts = 4, 3
-    scores = torch.randn(num_prompts * k, generator=generator, dtype=F64)
-    dr_grpo = grpo_advantages(scores=scores, samples_per_prompt=k, scale_by_std=False)
-    grpo = grpo_advantages(scores=scores, samples_per_prompt=k)
-
-    torch.testing.assert_close(
-        grpo_advantages(scores=7.0 * scores, samples_per_prompt=k, scale_by_std=False), 7.0 * dr_grpo, **TIGHT
-    )
-    torch.testing.assert_close(
-        grpo_advantages(scores=7.0 * scores, samples_per_prompt=k), grpo, rtol=1e-3, atol=0
-    )
-    torch.testing.assert_close(
-        grpo_advantages(scores=7.0 * scores, samples_per_prompt=k, eps=0.0),
-        grpo_advantages(scores=scores, samples_per_prompt=k, eps=0.0),
-        rtol=0,
-        atol=1e-12,
-    )
-    std = scores.view(num_prompts, k).std(dim=1).repeat_interleave(k)  # (B,) each row's group std, n - 1
-    torch.testing.assert_close(grpo, dr_grpo / (std + 1e-4), **TIGHT)
-
-
-def test_rloo_is_grpo_centering_scaled_by_k_over_k_minus_one():
-    generator = torch.Generator().manual_seed(3)
-    for k in (2, 3, 5):
-        scores = torch.randn(4 * k, generator=generator, dtype=F64)
-        centered = grpo_advantages(scores=scores, samples_per_prompt=k, scale_by_std=False)
-        torch.testing.assert_close(
-            rloo_advantages(scores=scores, samples_per_prompt=k), k / (k - 1) * centered, rtol=0, atol=1e-12
-        )
-
-
-@pytest.mark.parametrize("estimator", sorted(GROUP_ESTIMATORS))
-@pytest.mark.parametrize("k", [1, 0])
-def test_group_estimators_need_two_samples_per_prompt(estimator, k):
-    with pytest.raises(ValueError, match=r"samples_per_prompt >= 2 \(got -?\d+\)"):
-        GROUP_ESTIMATORS[estimator](t64([1.0, 2.0, 3.0, 4.0]), k)
-
-
-def test_scores_by_prompt_layout_and_errors():
-    scores = t64(range(8))
-    torch.testing.assert_close(
-        scores_by_prompt(scores=scores, samples_per_prompt=4), t64([[0, 1, 2, 3], [4, 5, 6, 7]]), **TIGHT
-    )
-    torch.testing.assert_close(
-        scores_by_prompt(scores=scores, samples_per_prompt=1), scores.view(8, 1), **TIGHT
-    )
-    with pytest.raises(ValueError, match="samples_per_prompt = 3 does not divide the batch of 8 sequences"):
-        scores_by_prompt(scores=scores, samples_per_prompt=3)
-    with pytest.raises(ValueError, match="samples_per_prompt = 0"):
-        scores_by_prompt(scores=scores, samples_per_prompt=0)
-    with pytest.raises(ValueError, match=r"shape \(B,\); got shape \(2, 4\)"):
-        scores_by_prompt(scores=scores.view(2, 4), samples_per_prompt=4)
-    with pytest.raises(ValueError, match="samples_per_prompt = 3 does not divide"):
-        grpo_advantages(scores=scores, samples_per_prompt=3)
-
-
-def test_remax_subtracts_the_greedy_score_of_the_same_prompt():
-    scores = t64([1.0, 0.0, 0.0, 3.0, 2.0, -1.0])  # 3 prompts x 2 samples
-    greedy = t64([0.5, 1.0, -2.0])
-    advantages = remax_advantages(scores=scores, baseline_scores=greedy, samples_per_prompt=2)
-    torch.testing.assert_close(advantages, t64([0.5, -0.5, -1.0, 2.0, 4.0, 1.0]), **TIGHT)
-
-    generator = torch.Generator().manual_seed(4)
-    scores, greedy = (
-        torch.randn(12, generator=generator, dtype=F64),
-        torch.randn(4, generator=generator, dtype=F64),
-    )
-    expected = t64([float(scores[p * 3 + i] - greedy[p]) for p in range(4) for i in range(3)])  # the loop
-    torch.testing.assert_close(
-        remax_advantages(scores=scores, baseline_scores=greedy, samples_per_prompt=3), expected, **TIGHT
-    )
-    # ReMax as published, one sample per prompt.
-    torch.testing.assert_close(
-        remax_advantages(scores=scores, baseline_scores=scores.flip(0), samples_per_prompt=1),
-        scores - scores.flip(0),
-        **TIGHT,
-    )
-
-
-def test_remax_baseline_must_be_one_score_per_prompt():
-    with pytest.raises(ValueError, match=r"one greedy score per prompt, shape \(3,\); got shape \(6,\)"):
-        remax_advantages(scores=t64(range(6)), baseline_scores=t64(range(6)), samples_per_prompt=2)
+    forward, reverse = kl_gradient(a_is_p=False), kl_gradient(a_is_p=True)
+    torch.testing.assert_close(expected_gradient("k3"), forward)
+    torch.testing.assert_close(expected_gradient("mse"), reverse)
+    assert not torch.allclose(forward, reverse, atol=1e-3)
 
 
 def test_token_advantages_fill_the_response_and_nothing_else():

@@ -2,7 +2,7 @@
 PPO uses: a checkpoint's generation_config.json (repetition_penalty, top_k, min_new_tokens, ...) and
 transformers' own defaults (top_k=50) must not reshape it. Checked draw for draw against a naive loop
 that samples from the plain softmax with the same random numbers, on every path `rollout.sample` takes:
-`generate` (torch.multinomial), and the fast path of issue 26 (`fast_sampling`: its own decode loop,
+`generate` (torch.multinomial), and the fast path (`fast_sampling`: its own decode loop,
 inverse-CDF draws, LoRA merged and weights prepacked for decoding; or, with sampling_compile, its decode steps
 compiled with a static KV cache)."""
 
@@ -268,7 +268,7 @@ def test_decoding_weights_compute_the_same_layers_and_restore_them_bit_for_bit(
     assert not any(getattr(m, "merged", False) for m in lm.modules())
 
 
-# --- lower-precision sampling, the opt-in (issue 26) ---------------------------------------------------------
+# --- lower-precision sampling, the opt-in --------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("kind", ["gpt2-lora", "llama-lora"])

@@ -1,4 +1,4 @@
-"""Run under `accelerate launch`: a user's script that trains with the Python API (issue 27).
+"""Run under `accelerate launch`: a user's script that trains with the Python API.
 
     python api_ppo.py MODEL_DIR PROMPT_FILE OUT_DIR
 

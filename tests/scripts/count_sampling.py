@@ -4,7 +4,7 @@
     python count_sampling.py OUT_DIR ARGS...
 
 Writes OUT_DIR/sample_calls_<rank>.json. With sharded parameters (ZeRO-3, FSDP) each call is a series of
-collectives, so every process must make the same calls (issue 13).
+collectives, so every process must make the same calls.
 """
 
 from __future__ import annotations

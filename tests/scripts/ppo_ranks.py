@@ -34,7 +34,8 @@ a gather every rank enters) before the engine's step applies it (the config's gr
 stage3_param_persistence_threshold, stage3_max_live_parameters and stage3_max_reuse_distance to 0 (every
 parameter partitioned, none kept live: the tiny model is under the default thresholds) and, after the
 updates, samples with the real sampler while rank 0's responses all end at once (EOS forced) and the other
-rank's run to max_new_tokens: "sampled_lengths" holds each rank's longest response (issue 39: that hung).
+rank's run to max_new_tokens: "sampled_lengths" holds each rank's longest response (ranks out of step there
+would hang).
 
 MODE "lora": "same" with a LoRA adapter (LORA; the reference is the policy with the adapter disabled), on one
 process or under DeepSpeed as in MODE gae_grpo (under ZeRO-3 the adapter's and the base model's parameters
@@ -42,7 +43,7 @@ partitioned alike, then the sampling with rank 0 ending at once); after the upda
 merge_lora false (`ppo_checkpoints.save_policy`: under ZeRO-3 gathered from the partitions) into OUT_JSON's path
 without its suffix.
 
-MODE "loss_options": for each configuration of LOSS_OPTIONS (the policy-loss family of issue 37: clip-higher,
+MODE "loss_options": for each configuration of LOSS_OPTIONS (the policy-loss family: clip-higher,
 dual clip, the loss aggregations, the sampler corrections, overlong shaping, truncated masking, GSPO, CISPO,
 dynamic sampling), a trainer runs 2 steps of 2 epochs, with ordinary minibatches and with micro-batches of one
 episode (key NAME and NAME/accumulate); OUT_JSON holds the raw gradient of every update and the metrics. Its
@@ -85,22 +86,25 @@ LOSS_OPTIONS = {  # name: (advantage_estimator, samples per prompt, the keys of 
 LORA = dict(use_lora=True, lora_r=4, lora_dropout=0.0)  # MODE lora: "same" with a LoRA adapter
 
 
-def run(
-    accelerator,
-    model_dir,
-    rm_dir,
-    prompt_file,
-    mode,
-    combine,
-    estimator="gae",
-    k=1,
-    options=None,
-    accumulate=False,
-    save_to=None,
-) -> dict:
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """What the command line fixes for every run of this process: its accelerator, the policy's and the reward
+    model's folders, the prompts, MODE and the ensemble's combine rule."""
+
+    accelerator: Accelerator
+    model_dir: str
+    rm_dir: str
+    prompt_file: str
+    mode: str
+    combine: str = "mean"
+
+
+def run(launch: Launch, estimator="gae", k=1, options=None, accumulate=False, save_to=None) -> dict:
     """Build a trainer (as `llm-rlhf ppo` does) whose rollouts are fixed, run its steps and record them.
     options: keys of the policy-loss family (MODE loss_options) or LORA; accumulate: micro-batches of one
     episode; save_to: a folder to save the policy into after the steps, with merge_lora false (MODE lora)."""
+    accelerator, model_dir, rm_dir, mode = launch.accelerator, launch.model_dir, launch.rm_dir, launch.mode
+    prompt_file, combine = launch.prompt_file, launch.combine
     world, rank = accelerator.num_processes, accelerator.process_index
     local = GLOBAL_BATCH // world  # episodes per rank: whole groups (k divides it)
     loss_options = mode == "loss_options"
@@ -265,7 +269,7 @@ def main() -> None:
     use_cpu_ddp_without_gpus()
     accelerator = Accelerator()
     world = accelerator.num_processes
-    args = (accelerator, model_dir, rm_dir, prompt_file, mode, combine)
+    launch = Launch(accelerator, model_dir, rm_dir, prompt_file, mode, combine)
     plugin = accelerator.state.deepspeed_plugin
     if plugin is not None:  # clipping off, as max_grad_norm 1e9 makes it off on one process
         plugin.deepspeed_config["gradient_clipping"] = 1e9
@@ -274,9 +278,10 @@ def main() -> None:
             stage3_param_persistence_threshold=0, stage3_max_live_parameters=0, stage3_max_reuse_distance=0
         )
     if mode == "estimators":
-        record = {"runs": {name: run(*args, estimator=name, k=k) for name, k in ESTIMATORS.items()}}
+        record = {"runs": {name: run(launch, estimator=name, k=k) for name, k in ESTIMATORS.items()}}
     elif mode == "gae_grpo":
-        gae, grpo = run(*args[:-2], "same", combine), run(*args[:-2], "same", combine, estimator="grpo", k=4)
+        same = dataclasses.replace(launch, mode="same")
+        gae, grpo = run(same), run(same, estimator="grpo", k=4)
         record = {
             "grads": gae["grads"][0],
             "metrics": gae["metrics"],
@@ -291,12 +296,12 @@ def main() -> None:
             for accumulate in (False, True):
                 key = f"{name}/accumulate" if accumulate else name
                 record["runs"][key] = run(
-                    *args, estimator=estimator, k=k, options=options, accumulate=accumulate
+                    launch, estimator=estimator, k=k, options=options, accumulate=accumulate
                 )
     else:
         lora = mode == "lora"
         save_to = Path(out_json).with_suffix("") if lora else None
-        result = run(*args, options=LORA if lora else None, save_to=save_to)
+        result = run(launch, options=LORA if lora else None, save_to=save_to)
         record = {
             "grads": result["grads"][0],
             "metrics": result["metrics"],
@@ -312,7 +317,7 @@ def main() -> None:
     if world > 1:
         # Leave without interpreter teardown: with the comm hook above registered in the C++ reducer, a rank
         # rarely aborted at exit ("terminate called without an active exception", exit -6) while gloo's
-        # threads were torn down, after its work was done (session 5 notes); destroy_process_group hung.
+        # threads were torn down, after its work was done; destroy_process_group hung.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

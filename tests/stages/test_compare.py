@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import SENTIMENT_JUDGE, pipeline_argv, run_pipeline
+from helpers import ROOT, SENTIMENT_JUDGE, pipeline_argv, run_pipeline
 
 from llm_rlhf.core.config import parse_config
 from llm_rlhf.core.errors import ConfigError, UserError
@@ -25,8 +25,6 @@ from llm_rlhf.models.scoring import Scorer
 from llm_rlhf.rl import reward_math
 from llm_rlhf.rl.rollout import Sampling
 from llm_rlhf.stages import compare
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def test_best_of_n_points_are_the_expectations_over_the_samples(tiny_model_dir, tiny_rm_dir, prompt_file):
@@ -85,7 +83,7 @@ def test_compare_stage_puts_ppo_dpo_and_best_of_n_on_one_plot(
 ):
     """The pipeline's optional compare stage after SFT, RM and PPO (held-out evaluations at every step):
     one DPO run per beta, best-of-n from the SFT model, the laws fitted, the report's section."""
-    monkeypatch.chdir(REPO)
+    monkeypatch.chdir(ROOT)
     out = tmp_path / "run"
     argv = pipeline_argv(out, tiny_model_dir, sft_files, pref_files, prompt_file)
     dpo_tiny = {"train_file": str(pref_files[0]), "eval_file": str(pref_files[0]), "max_length": 48,

@@ -8,12 +8,11 @@ import dataclasses
 import json
 import math
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import pairs_stage_on_two_processes
+from helpers import ROOT
 
 from llm_rlhf.core.config import parse_config
 from llm_rlhf.core.errors import ConfigError
@@ -23,7 +22,6 @@ from llm_rlhf.models.reward_model import encode_pair
 from llm_rlhf.rl.rollout import encode_prompt
 from llm_rlhf.stages import dpo, reward
 
-ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "reviews" / "dpo.yaml"
 
 
@@ -422,11 +420,3 @@ def test_recipe_parses_and_runs_a_few_steps(tmp_path, tiny_model_dir, pref_files
         "--eval_file", str(val), "--output_dir", str(tmp_path / "dpo"), "--max_steps", "2", "--max_length", "32",
     ])  # fmt: skip
     assert dpo.run(cfg)["global_step"] == 2
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_two_process_ddp_run_on_cpu(tmp_path, tiny_model_dir, pref_files):
-    """`accelerate launch` with 2 processes trains one model with DDP (not two copies): 6 steps of 4 pairs
-    per process cover 48 of the 40 training pairs, epoch 1.2 (asserted by the helper)."""
-    pairs_stage_on_two_processes("dpo", tiny_model_dir, pref_files, tmp_path / "dpo")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import approx_numbers, launch, write_jsonl
+from helpers import ROOT, approx_numbers, write_jsonl
 
 from llm_rlhf.core.config import parse_config
 from llm_rlhf.core.data import load_sft_dataset
@@ -18,7 +18,7 @@ from llm_rlhf.models.loading import load_causal_lm, load_tokenizer
 from llm_rlhf.rl.rollout import Sampling
 from llm_rlhf.stages import sft
 
-RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "reviews" / "sft.yaml"
+RECIPE = ROOT / "recipes" / "reviews" / "sft.yaml"
 
 
 def tiny_config(model_dir: Path, files: tuple[Path, Path], out: Path, *extra: str) -> sft.Config:
@@ -235,22 +235,3 @@ def test_resume_without_a_checkpoint_is_a_user_error(tmp_path, tiny_model_dir, s
         == f"error: --resume: no checkpoint in '{out / 'checkpoints'}' to continue from\n"
     )
     assert not out.exists()
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_accelerate_launch_two_processes(tmp_path, tiny_model_dir, sft_files):
-    """`accelerate launch` with the repo's DDP config: 2 CPU processes (gloo), one set of outputs."""
-    out = tmp_path / "run"
-    argv = ["--model_name_or_path", str(tiny_model_dir), "--train_file", str(sft_files[0]), "--eval_file",
-            str(sft_files[1]), "--output_dir", str(out), "--max_length", "32", "--max_steps", "4",
-            "--per_device_train_batch_size", "4", "--save_steps", "2", "--eval_steps", "2", "--num_samples", "2",
-            "--max_new_tokens", "4"]  # fmt: skip
-    launch(["-m", "llm_rlhf", "sft", *argv], 2)
-    metrics = read_json(out / "metrics.json")
-    assert metrics["global_step"] == 4
-    epochs = [
-        r["epoch"] for r in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if "train_loss" in r
-    ]
-    assert epochs == [pytest.approx(4 * 4 * 2 / 40)], "4 steps x 4 sequences x 2 processes over 40 examples"
-    assert (out / "model.safetensors").exists() and (out / "checkpoints" / "checkpoint-4").is_dir()

@@ -3,16 +3,14 @@ adversarial responses, reading the problem back from a rendered chat prompt, the
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import random
-import sys
 from fractions import Fraction
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT, TAGGED_CHAT_TEMPLATE, load_script, smollm2_chat
 
 from llm_rlhf.core.data import load_prompt_dataset
 from llm_rlhf.core.errors import UserError
@@ -32,21 +30,8 @@ from llm_rlhf.tasks.arithmetic import (
     reward,
 )
 
-REPO = Path(__file__).resolve().parent.parent
-DATA = REPO / "data" / "arithmetic"
-SPEC = "llm_rlhf.tasks.arithmetic:reward"
-
-
-def smollm2_chat(*user_turns: str, answers: tuple[str, ...] = ()) -> str:
-    """A prompt as SmolLM2-Instruct's chat template renders it with the generation prompt (its exact text)."""
-    text = (
-        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
-    )
-    for i, turn in enumerate(user_turns):
-        text += f"<|im_start|>user\n{turn}<|im_end|>\n"
-        if i < len(answers):
-            text += f"<|im_start|>assistant\n{answers[i]}<|im_end|>\n"
-    return text + "<|im_start|>assistant\n"
+DATA = ROOT / "data" / "arithmetic"
+VERIFIER = "llm_rlhf.tasks.arithmetic:reward"
 
 
 def read(name: str) -> list[dict]:
@@ -155,7 +140,7 @@ def test_a_prompt_without_a_problem_is_an_error():
     through the reward-function loader it is one line naming the function."""
     with pytest.raises(ValueError, match=r"prompt 1 asks no arithmetic problem.*'The film is'"):
         reward([smollm2_chat("What is 3 + 4?"), "The film is"], ["7", "7"])
-    loaded = load_reward_fn(SPEC)
+    loaded = load_reward_fn(VERIFIER)
     with pytest.raises(
         UserError, match=r"^reward_fn 'llm_rlhf.tasks.arithmetic:reward' raised ValueError: prompt 0 "
     ):
@@ -163,7 +148,7 @@ def test_a_prompt_without_a_problem_is_an_error():
 
 
 def test_loads_as_a_reward_function():
-    loaded = load_reward_fn(SPEC)
+    loaded = load_reward_fn(VERIFIER)
     prompts = [smollm2_chat("What is 3 + 4?"), smollm2_chat("Subtract 2 from 9.")]
     assert probe(loaded, prompts) == [0.0, 0.0, 0.0, 0.0]  # the dummy responses hold no number
     assert loaded(prompts, ["7", "The answer is 7."]) == [1.0, 1.0]
@@ -174,10 +159,7 @@ def test_the_committed_prompts_score_through_the_ppo_path(tmp_path, tiny_model_d
     PPO hands them to a reward function (encode_prompt, decode_texts): the row's answer scores 1, and 0 once
     changed by one."""
     tokenizer = load_tokenizer(str(tiny_model_dir))
-    tokenizer.chat_template = (
-        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-    )
+    tokenizer.chat_template = TAGGED_CHAT_TEMPLATE
     rows = read("eval_prompts.jsonl")[:16]
     dataset = load_prompt_dataset(DATA / "eval_prompts.jsonl", tokenizer, max_prompt_length=128)
     prompts = dataset["prompt"][:16]
@@ -241,10 +223,7 @@ def test_committed_files():
 
 
 def test_committed_files_match_the_script(tmp_path, monkeypatch):
-    spec = importlib.util.spec_from_file_location("make_arithmetic", REPO / "data" / "make_arithmetic.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "make_arithmetic", module)
-    spec.loader.exec_module(module)
+    module = load_script(ROOT / "data" / "make_arithmetic.py", monkeypatch=monkeypatch)
     module.build(tmp_path)
     for name in ("train_prompts.jsonl", "eval_prompts.jsonl"):
         assert (tmp_path / name).read_bytes() == (DATA / name).read_bytes(), name

@@ -7,7 +7,6 @@ metadata), and the conversion must give back exactly the model those dequantised
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -15,8 +14,8 @@ from pathlib import Path
 import gguf  # the `test` extra installs it
 import pytest
 import torch
+from helpers import ROOT, load_script
 
-REPO = Path(__file__).resolve().parents[1]
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2 as in SmolLM2
 TEXTS = [
     "The movie was a quiet, funny and warm film about a family.",
@@ -27,11 +26,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def make_smollm2():
-    spec = importlib.util.spec_from_file_location("make_smollm2", REPO / "data" / "make_smollm2.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["make_smollm2"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "data" / "make_smollm2.py", register=True)
 
 
 def tiny_tokenizer():
@@ -209,7 +204,7 @@ def test_a_missing_smollm2_folder_names_the_command_that_builds_it(tmp_path):
         ["ppo", "--model_name_or_path", str(missing), "--output_dir", str(tmp_path / "ppo")],
     ):
         done = subprocess.run(
-            [sys.executable, "-m", "llm_rlhf", *argv], capture_output=True, text=True, cwd=REPO, timeout=300
+            [sys.executable, "-m", "llm_rlhf", *argv], capture_output=True, text=True, cwd=ROOT, timeout=300
         )
         assert done.returncode == 2, done.stderr
         assert done.stderr.strip().splitlines()[-1].endswith("; build it with `python data/make_smollm2.py`")

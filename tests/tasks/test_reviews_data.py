@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+from helpers import ROOT, load_script
 
-REPO = Path(__file__).resolve().parent.parent
-DATA = REPO / "data" / "reviews"
+DATA = ROOT / "data" / "reviews"
 BASE_MODEL = DATA / "base_model"
 PAIR_MIN_MARGIN = 1.0  # the rule in data/make_reviews.py and data/README.md
 EOS = "<|endoftext|>"
@@ -130,10 +127,7 @@ def test_gold_ratings_are_means_of_individual_ratings():
 
 def test_data_matches_the_script(tmp_path, monkeypatch):
     """Committed files == a fresh run of data/make_reviews.py (needs the source files next to the repo)."""
-    spec = importlib.util.spec_from_file_location("make_reviews", REPO / "data" / "make_reviews.py")
-    make_reviews = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "make_reviews", make_reviews)  # dataclasses look their module up
-    spec.loader.exec_module(make_reviews)
+    make_reviews = load_script(ROOT / "data" / "make_reviews.py", monkeypatch=monkeypatch)  # dataclasses need it
     if not make_reviews.DEFAULT_SOURCE.is_dir():
         pytest.skip(f"source data not found at {make_reviews.DEFAULT_SOURCE}")
     counts = make_reviews.build(make_reviews.DEFAULT_SOURCE, tmp_path)

@@ -8,7 +8,6 @@ import importlib.metadata
 import importlib.util
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
@@ -16,7 +15,16 @@ import pytest
 import reasoning_gym
 import torch
 import yaml
-from helpers import build_model, ppo_config, recording_rollouts, tiny_ppo_trainer
+from helpers import (
+    ROOT,
+    TAGGED_CHAT_TEMPLATE,
+    load_script,
+    ppo_config,
+    recording_rollouts,
+    smollm2_chat,
+    tiny_chat_model,
+    tiny_ppo_trainer,
+)
 
 from llm_rlhf.core.config import parse_config
 from llm_rlhf.core.errors import ConfigError, UserError
@@ -39,26 +47,11 @@ from llm_rlhf.tasks.gym import (
     write_task,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 TASKS_DIR = ROOT / "data" / "tasks"
 TASKS_YAML = TASKS_DIR / "tasks.yaml"
 RECIPES = ROOT / "recipes"
 GYM_RECIPES = sorted(p.name for p in RECIPES.iterdir() if p.is_dir() and p.name.startswith("gym-"))
 CHAIN = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1)
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-
-
-def smollm2_chat(user: str) -> str:
-    """A prompt as SmolLM2-Instruct's chat template renders one user turn with the generation prompt."""
-    return (
-        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
-        f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
-    )
-
-
 def read(path: Path) -> list[dict]:
     with path.open(encoding="utf-8") as f:
         return [json.loads(line) for line in f]
@@ -280,14 +273,9 @@ def test_the_task_reward_through_the_ppo_path(chain_folder, tmp_path):
     """A real PPO step on a tiny chat Llama whose responses are the right answer for even rows and a wrong one
     for odd rows: the rollout's scores are the verifier's 1 and 0 on the prompts and responses PPO decoded,
     and the step's objective/scores is their mean."""
-    model = build_model(tmp_path / "chat_llama", "llama", n_positions=256)
-    from llm_rlhf.models.loading import load_tokenizer
-
-    tokenizer = load_tokenizer(str(model))
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(model)
-    spec = f"{chain_folder}/verifier.py:reward"
-    cfg = ppo_config(model, None, chain_folder / "train_prompts.jsonl", tmp_path / "ppo", reward_fn=spec,
+    model = tiny_chat_model(tmp_path / "chat_llama", TAGGED_CHAT_TEMPLATE, n_positions=256)
+    verifier_fn = f"{chain_folder}/verifier.py:reward"
+    cfg = ppo_config(model, None, chain_folder / "train_prompts.jsonl", tmp_path / "ppo", reward_fn=verifier_fn,
                      accuracy_fn=f"{chain_folder}/verifier.py:accuracy", max_prompt_length=200,
                      max_new_tokens=16, gold_judge="none", steps=1)  # fmt: skip
     trainer = tiny_ppo_trainer(cfg)
@@ -329,11 +317,7 @@ def test_the_task_reward_through_the_ppo_path(chain_folder, tmp_path):
 
 
 def load_make_tasks(monkeypatch):
-    spec = importlib.util.spec_from_file_location("make_tasks", ROOT / "data" / "make_tasks.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "make_tasks", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "data" / "make_tasks.py", monkeypatch=monkeypatch)
 
 
 def test_committed_folders_match_the_script(tmp_path, monkeypatch):
@@ -413,7 +397,7 @@ def test_the_wording_folders_ask_no_training_problem_of_their_rung():
             assert asked and not trained & set(asked), name
 
 
-# The task of each gym recipe, and the keys its stage files spelled out before a pipeline named the task (issue 50)
+# The task of each gym recipe, and the keys its stage files spelled out themselves before a pipeline named the task
 NAMED_BEFORE = {"gym-chain_sum-t2d1": "chain_sum-t2d1", "gym-chain_sum-t2d2": "chain_sum-t2d2",
                 "gym-chain_sum-t3d1": "chain_sum-t3d1", "gym-leg_counting-a1": "leg_counting-a1",
                 "gym-letter_counting-w2": "letter_counting-w2"}  # fmt: skip
@@ -525,7 +509,7 @@ def test_the_second_rung_sweep_is_three_estimators_and_the_loss_family_by_three_
 
 
 def test_the_first_rung_loss_sweep_is_the_loss_family_by_three_seeds_at_the_estimators_responses(monkeypatch):
-    """recipes/gym-chain_sum-t2d1/losses (issue 52): the DAPO shape, GSPO, CISPO and SAPO on seeds 0, 1, 2, each the
+    """recipes/gym-chain_sum-t2d1/losses: the DAPO shape, GSPO, CISPO and SAPO on seeds 0, 1, 2, each the
     rung-1 recipe with GRPO groups of 4 and 32 trained responses a step (the estimator table's budget), only the
     loss's published keys changed; GSPO and SAPO take their row's aggregation (loss_aggregation null)."""
     monkeypatch.chdir(ROOT)
@@ -556,7 +540,7 @@ def test_the_first_rung_loss_sweep_is_the_loss_family_by_three_seeds_at_the_esti
 
 
 def test_the_second_rung_curriculum_is_rung_twos_recipe_from_rung_ones_policy(monkeypatch):
-    """recipes/gym-chain_sum-t3d1/curriculum (issue 52): seeds 0, 1, 2 of rung 2's own PPO recipe, with one key
+    """recipes/gym-chain_sum-t3d1/curriculum: seeds 0, 1, 2 of rung 2's own PPO recipe, with one key
     changed: the start (and the KL's reference) is the rung-1 recipe's PPO output, not the instruct model."""
     monkeypatch.chdir(ROOT)
     rung_two = gym_configs("gym-chain_sum-t3d1")["ppo"]
@@ -582,13 +566,8 @@ def test_a_gym_recipe_runs_through_the_pipeline_on_a_tiny_chat_llama(tmp_path, m
     """`llm-rlhf pipeline --config recipes/gym-chain_sum-t2d1/pipeline.yaml` with a tiny Llama (a chat template of
     its own) in place of SmolLM2, two steps and a few held-out problems: the committed task files are rendered
     and scored by the task's verifier, and the held-out evaluations and the eval stage report its accuracy."""
-    from llm_rlhf.models.loading import load_tokenizer
-
     monkeypatch.chdir(ROOT)
-    model = build_model(tmp_path / "tiny_chat_llama", "llama", n_positions=256)
-    tokenizer = load_tokenizer(str(model))
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(model)
+    model = tiny_chat_model(tmp_path / "tiny_chat_llama", TAGGED_CHAT_TEMPLATE, n_positions=256)
     out = tmp_path / "run"
     ppo_keys = {"model_name_or_path": str(model), "steps": 2, "rollout_batch_size": 2, "mini_batch_size": 4,
                 "max_prompt_length": 200, "max_new_tokens": 4, "eval_every": 1, "eval_num_prompts": 3}  # fmt: skip

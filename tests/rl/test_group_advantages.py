@@ -1,0 +1,212 @@
+"""The group-relative advantages of the critic-free estimators (`llm_rlhf.rl.estimators`: GRPO, Dr. GRPO,
+RLOO, ReMax) against their worked example and the naive loops of their docstrings: a prompt's samples are
+consecutive rows, a constant added to a group changes nothing, Dr. GRPO keeps the scale GRPO divides out, and
+the layout errors. (The estimators through the PPO stage: tests/rl/test_estimators.py.)"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import F64, FOUR_DECIMALS, TIGHT, t64
+
+from llm_rlhf.rl.estimators import grpo_advantages, remax_advantages, rloo_advantages
+from llm_rlhf.rl.ppo_math import scores_by_prompt
+
+EXAMPLE_GROUP = [1.0, 0.0, 0.0, 3.0]  # the worked example of the critic-free estimators: one prompt's k = 4 scores
+
+
+GROUP_ESTIMATORS = {  # name -> advantages(scores, k), the group-relative ones
+    "grpo": lambda scores, k: grpo_advantages(scores=scores, samples_per_prompt=k),
+    "dr_grpo": lambda scores, k: grpo_advantages(scores=scores, samples_per_prompt=k, scale_by_std=False),
+    "rloo": lambda scores, k: rloo_advantages(scores=scores, samples_per_prompt=k),
+}
+
+
+def naive_group_advantages(scores: list[float], k: int, estimator: str, eps: float = 1e-4) -> torch.Tensor:
+    """The loops of the `grpo_advantages` and `rloo_advantages` docstrings, in plain python floats."""
+    advantages = [0.0] * len(scores)
+    for p in range(len(scores) // k):
+        r = scores[p * k : (p + 1) * k]
+        mean = sum(r) / k
+        std = math.sqrt(sum((r_j - mean) ** 2 for r_j in r) / (k - 1))
+        for i in range(k):
+            if estimator == "grpo":
+                advantages[p * k + i] = (r[i] - mean) / (std + eps)
+            elif estimator == "dr_grpo":
+                advantages[p * k + i] = r[i] - mean
+            else:
+                advantages[p * k + i] = r[i] - sum(r[j] for j in range(k) if j != i) / (k - 1)
+    return t64(advantages)
+
+
+@pytest.mark.parametrize(
+    ("estimator", "expected"),
+    [
+        pytest.param("dr_grpo", [0.0, -1.0, -1.0, 2.0], id="dr_grpo"),
+        pytest.param("rloo", [0.0, -1.3333, -1.3333, 2.6667], id="rloo"),
+    ],
+)
+def test_worked_example_group_advantages(estimator, expected):
+    advantages = GROUP_ESTIMATORS[estimator](t64(EXAMPLE_GROUP), 4)
+    torch.testing.assert_close(advantages, t64(expected), **FOUR_DECIMALS)
+
+
+def test_worked_example_grpo():
+    """The worked example's GRPO values are (r - mean) / std, std = sqrt(2) with n - 1; with the formula's eps = 1e-4 in
+    the denominator the last one rounds to 1.4141 instead of 1.4142, so the 4-decimal check is at eps = 0
+    and the default eps is checked against the closed form."""
+    scores = t64(EXAMPLE_GROUP)
+    eps_free = grpo_advantages(scores=scores, samples_per_prompt=4, eps=0.0)
+    torch.testing.assert_close(eps_free, t64([0.0, -0.7071, -0.7071, 1.4142]), **FOUR_DECIMALS)
+
+    advantages = grpo_advantages(scores=scores, samples_per_prompt=4)  # eps = 1e-4
+    torch.testing.assert_close(advantages, t64([0.0, -1.0, -1.0, 2.0]) / (math.sqrt(2.0) + 1e-4), **TIGHT)
+
+
+@pytest.mark.parametrize("estimator", sorted(GROUP_ESTIMATORS))
+@pytest.mark.parametrize(("num_prompts", "k"), [(1, 2), (5, 3), (7, 4), (3, 8)])
+def test_group_advantages_match_naive_loops(estimator, num_prompts, k):
+    generator = torch.Generator().manual_seed(num_prompts * 10 + k)
+    scores = torch.randn(num_prompts * k, generator=generator, dtype=F64) * 3 + 1
+    scores[:k] = 0.5  # one group where every response scored the same: all advantages 0, not NaN
+    advantages = GROUP_ESTIMATORS[estimator](scores, k)
+    expected = naive_group_advantages(scores.tolist(), k, estimator)
+    torch.testing.assert_close(advantages, expected, rtol=0, atol=1e-12)
+    assert not advantages[:k].any()
+
+
+def test_group_advantages_in_float32():
+    scores = torch.tensor([1.0, 0.0, 0.0, 3.0, 2.0, 2.5])
+    for name, estimator in GROUP_ESTIMATORS.items():
+        advantages = estimator(scores, 3)
+        assert advantages.dtype == torch.float32 and advantages.shape == (6,), name
+        torch.testing.assert_close(
+            advantages, naive_group_advantages(scores.tolist(), 3, name).float(), msg=name
+        )
+
+
+@pytest.mark.parametrize("estimator", sorted(GROUP_ESTIMATORS))
+def test_groups_are_consecutive_rows(estimator):
+    """A permutation inside each group permutes the advantages; moving rows between groups changes them,
+    so advantages taken over the wrong responses are caught."""
+    generator = torch.Generator().manual_seed(0)
+    k, num_prompts = 4, 3
+    scores = torch.randn(num_prompts * k, generator=generator, dtype=F64)
+    advantages = GROUP_ESTIMATORS[estimator](scores, k)
+
+    within = torch.cat([p * k + torch.randperm(k, generator=generator) for p in range(num_prompts)])
+    torch.testing.assert_close(GROUP_ESTIMATORS[estimator](scores[within], k), advantages[within], **TIGHT)
+
+    # Rows read column-wise (sample 0 of every prompt, then sample 1, ...): every new group mixes prompts.
+    across = torch.arange(num_prompts * k).view(num_prompts, k).T.reshape(-1)  # (B,)
+    regrouped = GROUP_ESTIMATORS[estimator](scores[across], k)
+    assert not torch.allclose(regrouped, advantages[across])
+
+    # The same scores read as 4 prompts of 3 samples are other groups, with other advantages.
+    assert not torch.allclose(GROUP_ESTIMATORS[estimator](scores, 3), advantages)
+
+
+@pytest.mark.parametrize("estimator", sorted(GROUP_ESTIMATORS))
+def test_group_advantages_ignore_a_constant_added_to_a_group(estimator):
+    generator = torch.Generator().manual_seed(1)
+    k, num_prompts = 4, 5
+    scores = torch.randn(num_prompts * k, generator=generator, dtype=F64)
+    shift = (torch.randn(num_prompts, generator=generator, dtype=F64) * 10).repeat_interleave(
+        k
+    )  # one per group
+    torch.testing.assert_close(
+        GROUP_ESTIMATORS[estimator](scores + shift, k),
+        GROUP_ESTIMATORS[estimator](scores, k),
+        rtol=0,
+        atol=1e-12,
+    )
+
+
+def test_dr_grpo_keeps_the_scale_that_grpo_divides_out():
+    """Scaling a group's scores by c scales Dr. GRPO's advantages by c; GRPO's are (r - mean) / (std + eps),
+    so they stay put up to eps, and are Dr. GRPO's divided by each group's std + eps."""
+    generator = torch.Generator().manual_seed(2)
+    k, num_prompts = 4, 3
+    scores = torch.randn(num_prompts * k, generator=generator, dtype=F64)
+    dr_grpo = grpo_advantages(scores=scores, samples_per_prompt=k, scale_by_std=False)
+    grpo = grpo_advantages(scores=scores, samples_per_prompt=k)
+
+    torch.testing.assert_close(
+        grpo_advantages(scores=7.0 * scores, samples_per_prompt=k, scale_by_std=False), 7.0 * dr_grpo, **TIGHT
+    )
+    torch.testing.assert_close(
+        grpo_advantages(scores=7.0 * scores, samples_per_prompt=k), grpo, rtol=1e-3, atol=0
+    )
+    torch.testing.assert_close(
+        grpo_advantages(scores=7.0 * scores, samples_per_prompt=k, eps=0.0),
+        grpo_advantages(scores=scores, samples_per_prompt=k, eps=0.0),
+        rtol=0,
+        atol=1e-12,
+    )
+    std = scores.view(num_prompts, k).std(dim=1).repeat_interleave(k)  # (B,) each row's group std, n - 1
+    torch.testing.assert_close(grpo, dr_grpo / (std + 1e-4), **TIGHT)
+
+
+def test_rloo_is_grpo_centering_scaled_by_k_over_k_minus_one():
+    generator = torch.Generator().manual_seed(3)
+    for k in (2, 3, 5):
+        scores = torch.randn(4 * k, generator=generator, dtype=F64)
+        centered = grpo_advantages(scores=scores, samples_per_prompt=k, scale_by_std=False)
+        torch.testing.assert_close(
+            rloo_advantages(scores=scores, samples_per_prompt=k), k / (k - 1) * centered, rtol=0, atol=1e-12
+        )
+
+
+@pytest.mark.parametrize("estimator", sorted(GROUP_ESTIMATORS))
+@pytest.mark.parametrize("k", [1, 0])
+def test_group_estimators_need_two_samples_per_prompt(estimator, k):
+    with pytest.raises(ValueError, match=r"samples_per_prompt >= 2 \(got -?\d+\)"):
+        GROUP_ESTIMATORS[estimator](t64([1.0, 2.0, 3.0, 4.0]), k)
+
+
+def test_scores_by_prompt_layout_and_errors():
+    scores = t64(range(8))
+    torch.testing.assert_close(
+        scores_by_prompt(scores=scores, samples_per_prompt=4), t64([[0, 1, 2, 3], [4, 5, 6, 7]]), **TIGHT
+    )
+    torch.testing.assert_close(
+        scores_by_prompt(scores=scores, samples_per_prompt=1), scores.view(8, 1), **TIGHT
+    )
+    with pytest.raises(ValueError, match="samples_per_prompt = 3 does not divide the batch of 8 sequences"):
+        scores_by_prompt(scores=scores, samples_per_prompt=3)
+    with pytest.raises(ValueError, match="samples_per_prompt = 0"):
+        scores_by_prompt(scores=scores, samples_per_prompt=0)
+    with pytest.raises(ValueError, match=r"shape \(B,\); got shape \(2, 4\)"):
+        scores_by_prompt(scores=scores.view(2, 4), samples_per_prompt=4)
+    with pytest.raises(ValueError, match="samples_per_prompt = 3 does not divide"):
+        grpo_advantages(scores=scores, samples_per_prompt=3)
+
+
+def test_remax_subtracts_the_greedy_score_of_the_same_prompt():
+    scores = t64([1.0, 0.0, 0.0, 3.0, 2.0, -1.0])  # 3 prompts x 2 samples
+    greedy = t64([0.5, 1.0, -2.0])
+    advantages = remax_advantages(scores=scores, baseline_scores=greedy, samples_per_prompt=2)
+    torch.testing.assert_close(advantages, t64([0.5, -0.5, -1.0, 2.0, 4.0, 1.0]), **TIGHT)
+
+    generator = torch.Generator().manual_seed(4)
+    scores, greedy = (
+        torch.randn(12, generator=generator, dtype=F64),
+        torch.randn(4, generator=generator, dtype=F64),
+    )
+    expected = t64([float(scores[p * 3 + i] - greedy[p]) for p in range(4) for i in range(3)])  # the loop
+    torch.testing.assert_close(
+        remax_advantages(scores=scores, baseline_scores=greedy, samples_per_prompt=3), expected, **TIGHT
+    )
+    # ReMax as published, one sample per prompt.
+    torch.testing.assert_close(
+        remax_advantages(scores=scores, baseline_scores=scores.flip(0), samples_per_prompt=1),
+        scores - scores.flip(0),
+        **TIGHT,
+    )
+
+
+def test_remax_baseline_must_be_one_score_per_prompt():
+    with pytest.raises(ValueError, match=r"one greedy score per prompt, shape \(3,\); got shape \(6,\)"):
+        remax_advantages(scores=t64(range(6)), baseline_scores=t64(range(6)), samples_per_prompt=2)
