@@ -25,6 +25,7 @@ sys.path.insert(0, str(REPO))
 
 from llm_rlhf.core.config import parse_config  # noqa: E402
 from llm_rlhf.interfaces import pipeline  # noqa: E402
+from llm_rlhf.stages import ppo  # noqa: E402
 
 PIPELINE = REPO / "recipes" / "gym-chain_sum-t3d1" / "tool" / "pipeline.yaml"
 
@@ -33,12 +34,12 @@ def run(model: str, steps: int, environment: str | None, out: Path, **keys) -> l
     """`steps` PPO steps of the tool recipe's config from `model`, with `environment` (and any other PPO `keys`,
     e.g. a tiny model's max_prompt_length); the metrics per step."""
     cfg = pipeline.sweep_runs(parse_config(pipeline.Config, ["--config", str(PIPELINE)]))[1]  # seed 0
-    ppo = pipeline.stage_config(cfg, "ppo")
-    ppo.model_name_or_path, ppo.output_dir, ppo.steps = model, str(out), steps
-    ppo.eval_every, ppo.save_steps, ppo.log_samples_every, ppo.environment = 0, 0, 0, environment
+    ppo_cfg = pipeline.stage_config(cfg, "ppo")
+    ppo_cfg.model_name_or_path, ppo_cfg.output_dir, ppo_cfg.steps = model, str(out), steps
+    ppo_cfg.eval_every, ppo_cfg.save_steps, ppo_cfg.log_samples_every, ppo_cfg.environment = 0, 0, 0, environment
     for key, value in keys.items():
-        setattr(ppo, key, value)
-    ppo.run(ppo)
+        setattr(ppo_cfg, key, value)
+    ppo.run(ppo_cfg)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 

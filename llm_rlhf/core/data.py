@@ -567,6 +567,14 @@ def split_shared_prompt(chosen: str, rejected: str) -> tuple[str, str, str]:
     return chosen[:n], chosen[n:], rejected[n:]
 
 
+def ranking_to_pairs(ranked: list) -> list[tuple]:
+    """Expand a ranking, best first, into its K(K-1)/2 (chosen, rejected) pairs (Ouyang et al. 2022,
+    sec. 3.5). ["B", "A", "D", "C"] -> [(B, A), (B, D), (B, C), (A, D), (A, C), (D, C)].
+    Works on items or indices alike.
+    """
+    return [(ranked[i], ranked[j]) for i in range(len(ranked)) for j in range(i + 1, len(ranked))]
+
+
 def load_preference_dataset(
     source: str | os.PathLike,
     tokenizer,
@@ -619,9 +627,8 @@ def load_preference_dataset(
             ranked = [
                 check_text(r, file=rows.file, row=row, field=f"ranked[{k}]") for k, r in enumerate(ranked)
             ]
-            for a in range(len(ranked)):
-                for b in range(a + 1, len(ranked)):
-                    add(prompt, ranked[a], ranked[b], row, fields=(f"ranked[{a}]", f"ranked[{b}]"))
+            for a, b in ranking_to_pairs(list(range(len(ranked)))):
+                add(prompt, ranked[a], ranked[b], row, fields=(f"ranked[{a}]", f"ranked[{b}]"))
     elif "prompt" in columns and not hh:
         for i in range(len(rows.records)):
             prompt, chosen, rejected = (_field(rows, i, f) for f in ("prompt", "chosen", "rejected"))

@@ -297,7 +297,7 @@ def sweep_runs(cfg: Config) -> list[Config]:
     )
     runs = [shared] if shared.stages else []  # e.g. `stages: [ppo, eval]`: nothing shared to run first
     for variant in cfg.sweep:
-        ppo = {**cfg.ppo, **{k: v for k, v in variant.items() if k != "name"}}
+        ppo_overrides = {**cfg.ppo, **{k: v for k, v in variant.items() if k != "name"}}
         folder = out / variant["name"]
         runs.append(
             dataclasses.replace(
@@ -306,7 +306,7 @@ def sweep_runs(cfg: Config) -> list[Config]:
                 stages=[s for s in cfg.stages if s in ("ppo", "eval")],
                 sweep=None,
                 report=False,
-                ppo=ppo,
+                ppo=ppo_overrides,
                 shared_dir=str(out),
                 shared_stages=shared.stages,
             )

@@ -50,14 +50,6 @@ def bradley_terry_loss(
     return -torch.nn.functional.logsigmoid(diff).mean()
 
 
-def ranking_to_pairs(ranked: list) -> list[tuple]:
-    """Expand a ranking, best first, into its K(K-1)/2 (chosen, rejected) pairs (Ouyang et al. 2022,
-    sec. 3.5). ["B", "A", "D", "C"] -> [(B, A), (B, D), (B, C), (A, D), (A, C), (D, C)].
-    Works on items or indices alike.
-    """
-    return [(ranked[i], ranked[j]) for i in range(len(ranked)) for j in range(i + 1, len(ranked))]
-
-
 # ---------------------------------------------------------------------------------------------
 # Reward-model ensembles
 # ---------------------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ from llm_rlhf.models.reward_model import (
     score_pairs,
     sequence_classifier_from,
 )
+from llm_rlhf.rl.reward_math import bradley_terry_loss
 from llm_rlhf.training.hf_stage import (
     SCHEDULERS,
     TrainerStageConfig,
@@ -313,7 +314,8 @@ def build_trainer(cfg: Config, model, tokenizer, train_dataset, eval_dataset):
 def evaluate_pairs(
     model: RewardModel, pairs, *, batch_size: int, progress: str | bool = False
 ) -> dict[str, float]:
-    """Pairwise accuracy (ties count 1/2) and mean margin r(y_w) - r(y_l) in raw score units."""
+    """Pairwise accuracy (ties count 1/2), mean margin r(y_w) - r(y_l) in raw score units, and the pairs'
+    Bradley-Terry loss (`reward_math.bradley_terry_loss`, no margin: what training minimised, held out)."""
     n = len(pairs)
     scores = score_pairs(
         model, list(pairs["prompt"]) * 2, list(pairs["chosen"]) + list(pairs["rejected"]),
@@ -323,6 +325,7 @@ def evaluate_pairs(
     return {
         "accuracy": pairwise_accuracy(chosen.numpy(), rejected.numpy()),
         "margin": float((chosen - rejected).mean()),
+        "loss": float(bradley_terry_loss(chosen_scores=chosen.double(), rejected_scores=rejected.double())),
     }
 
 
@@ -381,6 +384,7 @@ def normalize_and_evaluate(cfg: Config, reward_model: RewardModel, inputs: Input
         metrics[f"{prefix}_accuracy"] = result["accuracy"]
         metrics[f"{prefix}_margin"] = result["margin"]  # raw score units
         metrics[f"{prefix}_margin_normalized"] = result["margin"] / std  # in units of the reference std
+        metrics[f"{prefix}_pair_loss"] = result["loss"]
         metrics[f"{prefix}_pairs"] = len(pairs)
         name = "baseline_accuracy" if prefix == "eval" else f"baseline_{prefix}_accuracy"
         metrics[name] = baseline.accuracy(*_full_texts(pairs))

@@ -342,6 +342,7 @@ def test_config_dataclass_is_flat(tmp_path):
         "loss_aggregation": "token_sum_norm", "sampler_correction": "tis", "sampler_correction_cap": 1.5,
         "overlong_buffer": 4, "overlong_penalty": 0.5, "dynamic_sampling": False,
         "environment": None,  # episodes: set in the critic-free config below (min_new_tokens 0 there)
+        "task": None,  # a task's files: tests/recipes_and_docs/test_stage_files.py
     }  # fmt: skip
     for f in dataclasses.fields(Config):
         value = getattr(default, f.name)

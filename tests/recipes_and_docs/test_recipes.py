@@ -34,7 +34,8 @@ CONFIGS = {"sft": sft.Config, "rm": reward.Config, "ppo": ppo_config.Config, "ev
            "pipeline": pipeline.Config}  # fmt: skip
 OPTIONAL = {"dpo": dpo.Config, "compare": compare.Config}  # stage files only some recipes have (reviews)
 VARIANTS = {"dapo": ppo_config.Config}  # a stage's recipe with other keys (smollm2-arithmetic: DAPO's PPO)
-NAMES = sorted(p.name for p in RECIPES.iterdir() if p.is_dir())
+SHARED = "gym"  # recipes/gym/: the stage files the checkable-task recipes share (tests/recipes_and_docs/test_stage_files.py)
+NAMES = sorted(p.name for p in RECIPES.iterdir() if p.is_dir() and p.name != SHARED)
 YAMLS = sorted(RECIPES.glob("*/*.yaml"))
 
 
@@ -58,10 +59,12 @@ def test_the_recipes_are_the_documented_ones():
         "smollm2-reviews",
     ]
     for name in NAMES:
-        files = {p.name for p in (RECIPES / name).iterdir()}
-        stages = parse_config(pipeline.Config, ["--config", str(RECIPES / name / "pipeline.yaml")]).stages
-        assert {f"{stage}.yaml" for stage in stages} | {"pipeline.yaml", "README.md"} <= files, name
-        assert (stages == ["ppo", "eval"]) == (name in RULE_RECIPES), name
+        assert {"pipeline.yaml", "README.md"} <= {p.name for p in (RECIPES / name).iterdir()}, name
+        cfg = parse_config(pipeline.Config, ["--config", str(RECIPES / name / "pipeline.yaml")])
+        for stage in cfg.stages:  # each stage's file: the recipe's own, or the shared one of recipes/gym/
+            stage_file = ROOT / getattr(cfg, f"{stage}_config")
+            assert stage_file.parent in (RECIPES / name, RECIPES / SHARED) and stage_file.is_file(), (name, stage)
+        assert (cfg.stages == ["ppo", "eval"]) == (name in RULE_RECIPES), name
 
 
 def test_the_rule_recipe_evaluates_against_its_starting_model_with_its_verifier(monkeypatch):
@@ -105,6 +108,9 @@ def stage_configs(name: str) -> dict:
 @pytest.mark.parametrize("path", YAMLS, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_every_recipe_parses(path, monkeypatch):
     monkeypatch.chdir(ROOT)  # recipes name their files relative to the repo root
+    if path.parent.name == SHARED:  # a shared stage file runs alone on its own task
+        parse_config(CONFIGS[path.stem], ["--config", str(path)])
+        return
     recipe = recipe_pipeline(path.parent.name)
     if path.stem != "pipeline" and recipe.task is not None:
         # a gym recipe's stage file: its task's files and verifier come from the pipeline
@@ -151,10 +157,11 @@ def test_ppo_and_eval_recipes_spell_out_the_same_generation_controls(name, monke
     import yaml
 
     monkeypatch.chdir(ROOT)
-    folder = RECIPES / name
     keys = {"temperature", "top_k", "top_p", "stop_strings", "min_new_tokens"}
+    recipe = recipe_pipeline(name)
     written = {
-        stage: set(yaml.safe_load((folder / f"{stage}.yaml").read_text())) for stage in ("ppo", "eval")
+        stage: set(yaml.safe_load((ROOT / getattr(recipe, f"{stage}_config")).read_text()))
+        for stage in ("ppo", "eval")
     }
     assert {"stop_strings", "min_new_tokens"} <= written["ppo"] & written["eval"]
     cfg = stage_configs(name)

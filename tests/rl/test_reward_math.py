@@ -11,8 +11,9 @@ import pytest
 import torch
 from helpers import TIGHT, t64
 
+from llm_rlhf.core.data import ranking_to_pairs
 from llm_rlhf.rl import reward_math
-from llm_rlhf.rl.reward_math import bradley_terry_loss, ranking_to_pairs
+from llm_rlhf.rl.reward_math import bradley_terry_loss
 
 
 def test_bradley_terry_loss_against_hand_values():

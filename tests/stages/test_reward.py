@@ -12,6 +12,7 @@ import torch
 from helpers import ROOT, write_jsonl
 
 from llm_rlhf.core.config import parse_config
+from llm_rlhf.core.data import ranking_to_pairs
 from llm_rlhf.core.errors import ConfigError, DataError, UserError
 from llm_rlhf.models.baseline import fit_bow_baseline, pairwise_accuracy
 from llm_rlhf.models.reward_model import (
@@ -76,7 +77,7 @@ def test_bradley_terry_loss_hand_computed():
 
 
 def test_ranking_expands_into_all_pairs(tmp_path, tiny_model_dir):
-    assert reward_math.ranking_to_pairs(["B", "A", "D", "C"]) == [
+    assert ranking_to_pairs(["B", "A", "D", "C"]) == [
         ("B", "A"), ("B", "D"), ("B", "C"), ("A", "D"), ("A", "C"), ("D", "C"),
     ]  # fmt: skip
     from llm_rlhf.core.data import load_preference_dataset
@@ -86,7 +87,7 @@ def test_ranking_expands_into_all_pairs(tmp_path, tiny_model_dir):
         tmp_path / "ranked.jsonl", [{"prompt": "The film", "ranked": [" B", " A", " D", " C"]}]
     )
     pairs = load_preference_dataset(str(path), load_tokenizer(str(tiny_model_dir)), max_length=32)
-    assert list(zip(pairs["chosen"], pairs["rejected"])) == reward_math.ranking_to_pairs(
+    assert list(zip(pairs["chosen"], pairs["rejected"])) == ranking_to_pairs(
         [" B", " A", " D", " C"]
     )
 
@@ -331,6 +332,13 @@ def test_rm_stage_end_to_end(tmp_path, tiny_model_dir, pref_files):
     assert norm["n"] == len(prompts) and "training pairs" in norm["reference_set"]
     scores = score_pairs(rm, prompts, responses, batch_size=3)
     assert scores.mean().item() == pytest.approx(0.0, abs=1e-4)
+    # the held-out pair loss: -mean log sigmoid(r_w - r_l) over the eval pairs, in raw scores
+    pairs = load_preference_dataset(cfg.eval_file, rm.tokenizer, max_length=cfg.max_length)
+    n = len(pairs)
+    raw = score_pairs(rm, list(pairs["prompt"]) * 2, list(pairs["chosen"]) + list(pairs["rejected"]),
+                      normalize=False).double()  # fmt: skip
+    expected = -torch.nn.functional.logsigmoid(raw[:n] - raw[n:]).mean().item()
+    assert metrics["eval_pair_loss"] == pytest.approx(expected, rel=1e-5)
     assert scores.std(unbiased=False).item() == pytest.approx(1.0, abs=1e-4)
 
     plain = AutoModelForSequenceClassification.from_pretrained(out).eval()  # plain transformers: raw scores

@@ -358,11 +358,12 @@ def test_a_gym_recipe_is_task_files_and_the_tasks_verifier(name, monkeypatch):
     assert folder.parent == Path("data/tasks") and (ROOT / folder / "task.json").is_file()
     assert folder.name == cfg["pipeline"].task in {t.name for t in load_tasks(TASKS_YAML)}  # named once
     for stage in ("ppo", "eval"):  # the stage files name none of the task's keys (the pipeline refuses them)
-        written = yaml.safe_load((RECIPES / name / f"{stage}.yaml").read_text())
+        # the same file for every gym recipe: recipes/gym/ (a new recipe names it and its task)
+        assert getattr(cfg["pipeline"], f"{stage}_config") == f"recipes/gym/{stage}.yaml"
+        written = yaml.safe_load((RECIPES / "gym" / f"{stage}.yaml").read_text())
         assert not set(written) & set(TASK_KEYS[stage]), stage
-        # the same file in every gym recipe (the READMEs say so): a new recipe copies it unchanged
-        same = (RECIPES / GYM_RECIPES[0] / f"{stage}.yaml").read_bytes()
-        assert (RECIPES / name / f"{stage}.yaml").read_bytes() == same, stage
+        assert written["task"] != cfg["pipeline"].task or name == "gym-chain_sum-t2d1"  # the pipeline's wins
+        assert cfg[stage].task == cfg["pipeline"].task
     assert ppo_cfg.prompt_file == str(folder / "train_prompts.jsonl")
     assert ppo_cfg.eval_prompt_file == eval_cfg.prompt_file == str(folder / "eval_prompts.jsonl")
     assert ppo_cfg.reward_fn == eval_cfg.reward_fn == f"{folder}/verifier.py:reward"
@@ -445,7 +446,7 @@ def test_a_pipelines_task_is_named_once_and_overrides_win(tmp_path, monkeypatch)
         resolved("--task", "no_such")
     assert resolved("--ppo", '{"prompt_file": "mine.jsonl"}').prompt_file == "mine.jsonl"
     stage_file = tmp_path / "ppo.yaml"
-    stage_file.write_text((RECIPES / "gym-chain_sum-t2d1" / "ppo.yaml").read_text()
+    stage_file.write_text((RECIPES / "gym" / "ppo.yaml").read_text()
                           + "prompt_file: data/tasks/chain_sum-t2d1/train_prompts.jsonl\n")  # fmt: skip
     with pytest.raises(
         ConfigError, match=r"ppo.yaml: prompt_file come from the pipeline's task 'chain_sum-t2d1'"
