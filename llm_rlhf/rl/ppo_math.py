@@ -215,7 +215,7 @@ def compute_gae(
 
     Only positions where response_mask is True take part, as if the others were not there: padding
     after the response cannot leak into the recursion. The vectorised loop below (T steps over all B
-    rows at once) equals this naive double loop, which `tests/test_ppo_math.py` checks:
+    rows at once) equals this naive double loop, which `tests/rl/test_ppo_math.py` checks:
 
         for b in range(B):
             next_value = next_advantage = 0.0
@@ -489,7 +489,7 @@ def kl_loss(
     The same kl_coef is another penalty here than in the reward. k3's value estimates the per-token reverse
     KL(pi_theta || pi_ref), as the reward's k1 does, but its expected gradient over y_t ~ pi_theta is
     sum_y (p(y) - q(y)) grad log p(y) = grad KL(pi_ref || pi_theta) at s_t: the forward KL, whose gradient
-    equals the reverse KL's only to first order near pi_ref (tests/test_audit_gaps.py), averaged over the
+    equals the reverse KL's only to first order near pi_ref (tests/rl/test_ppo_math.py), averaged over the
     minibatch's tokens. In the reward, -kl_coef * k1_t enters the returns and the policy gradient follows the
     reverse KL of the whole response (summed over its tokens).
     Not clamped (verl and OpenRLHF clamp k3 to [-10, 10]): k3 >= 0, so only the upper bound could bind
