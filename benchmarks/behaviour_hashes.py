@@ -64,11 +64,27 @@ def main(argv=None) -> dict:
     out = Path(args.output_dir)
     sweep = json.dumps(VARIANTS)
     command = [
-        sys.executable, "-m", "llm_rlhf", "pipeline", "--config", "recipes/reviews/pipeline.yaml",
-        "--output_dir", str(out), "--stages", "[sft, rm, ppo]", "--report", "false", "--sweep", sweep,
-        "--sft", '{"max_steps": 20}', "--rm", '{"max_steps": 20, "normalization_samples": 64}',
-        "--ppo", json.dumps({"steps": args.steps, "eval_every": 0, "save_steps": 0, "log_samples_every": 0}),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "llm_rlhf",
+        "pipeline",
+        "--config",
+        "recipes/reviews/pipeline.yaml",
+        "--output_dir",
+        str(out),
+        "--stages",
+        "[sft, rm, ppo]",
+        "--report",
+        "false",
+        "--sweep",
+        sweep,
+        "--sft",
+        '{"max_steps": 20}',
+        "--rm",
+        '{"max_steps": 20, "normalization_samples": 64}',
+        "--ppo",
+        json.dumps({"steps": args.steps, "eval_every": 0, "save_steps": 0, "log_samples_every": 0}),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1"}
     subprocess.run(command, check=True, env=env, cwd=Path(__file__).resolve().parents[1])
     result = {v["name"]: hashes(out / v["name"] / "ppo") for v in VARIANTS}

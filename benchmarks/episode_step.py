@@ -36,7 +36,12 @@ def run(model: str, steps: int, environment: str | None, out: Path, **keys) -> l
     cfg = pipeline.sweep_runs(parse_config(pipeline.Config, ["--config", str(PIPELINE)]))[1]  # seed 0
     ppo_cfg = pipeline.stage_config(cfg, "ppo")
     ppo_cfg.model_name_or_path, ppo_cfg.output_dir, ppo_cfg.steps = model, str(out), steps
-    ppo_cfg.eval_every, ppo_cfg.save_steps, ppo_cfg.log_samples_every, ppo_cfg.environment = 0, 0, 0, environment
+    ppo_cfg.eval_every, ppo_cfg.save_steps, ppo_cfg.log_samples_every, ppo_cfg.environment = (
+        0,
+        0,
+        0,
+        environment,
+    )
     for key, value in keys.items():
         setattr(ppo_cfg, key, value)
     ppo.run(ppo_cfg)
@@ -72,8 +77,10 @@ def main() -> None:
             for name, env in (("episodes", "calculator"), ("single", None))
         }
     for name, r in results.items():
-        print(f"{name:9s} {r['s_per_step']:.1f} s a step (generate {r['generate_s']:.1f}, score {r['score_s']:.1f}, "
-              f"train {r['train_s']:.1f}); {r['tokens_per_row']:.1f} policy tokens and {r['turns']:.2f} turns a row")  # fmt: skip
+        print(
+            f"{name:9s} {r['s_per_step']:.1f} s a step (generate {r['generate_s']:.1f}, score {r['score_s']:.1f}, "
+            f"train {r['train_s']:.1f}); {r['tokens_per_row']:.1f} policy tokens and {r['turns']:.2f} turns a row"
+        )
     ratio = results["episodes"]["s_per_step"] / results["single"]["s_per_step"]
     print(f"episodes / single turns: {ratio:.2f}x seconds per step")
     if args.json:

@@ -48,8 +48,10 @@ def main(argv=None) -> dict[str, list[float]]:
     ]
     ids = [encode_prompt(tokenizer, p) for p in list(rows)[: args.prompts]]
     lengths = [len(q) for q in ids]
-    print(f"{len(ids)} prompts of {min(lengths)}-{max(lengths)} tokens (mean {sum(lengths) / len(ids):.1f}), "
-          f"{args.new_tokens} new tokens, {torch.get_num_threads()} threads")  # fmt: skip
+    print(
+        f"{len(ids)} prompts of {min(lengths)}-{max(lengths)} tokens (mean {sum(lengths) / len(ids):.1f}), "
+        f"{args.new_tokens} new tokens, {torch.get_num_threads()} threads"
+    )
     ordered = sorted(ids, key=len)
     size = -(-len(ordered) // args.groups)  # ceil
     ways = {

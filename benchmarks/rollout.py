@@ -74,11 +74,24 @@ PATHS = ("generate", "fast")
 ABLATION = ("generate", "loop", "loop+draw", "loop+draw+merge", "fast", "fast-bf16", "fast-compiled")
 # SmolLM2-135M-Instruct's config.json (the architecture; no weights), for a clone without the folder.
 SMOLLM2_CONFIG = dict(
-    architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=576, intermediate_size=1536,
-    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64, hidden_act="silu",
-    max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
-    vocab_size=49152, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-)  # fmt: skip
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    hidden_act="silu",
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+    vocab_size=49152,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -193,8 +206,12 @@ def roofline_seconds(lm, *, batch: int, length: int, peak: float, bandwidth: flo
     n_layer, d_attn, d_kv = attention_dims(lm)
     flops = 2 * N * batch + 4 * n_layer * d_attn * length * batch
     nbytes = 4 * N + 2 * 4 * n_layer * d_kv * length * batch
-    return {"flops": flops, "bytes": nbytes, "seconds": max(flops / peak, nbytes / bandwidth),
-            "bound": "compute" if flops / peak > nbytes / bandwidth else "memory"}  # fmt: skip
+    return {
+        "flops": flops,
+        "bytes": nbytes,
+        "seconds": max(flops / peak, nbytes / bandwidth),
+        "bound": "compute" if flops / peak > nbytes / bandwidth else "memory",
+    }
 
 
 class StepClock:
@@ -266,8 +283,13 @@ def sample_once(lm, tokens, query, path: str, new_tokens: int, clock: StepClock)
         out = sample(lm, tokens, query, torch.ones_like(query), sampling)
         synchronize(query.device)
         wall = time.perf_counter() - t
-    return {"wall": wall, "steps": clock.step_seconds(), "width": out.response.shape[1], "samples": out,
-            "sampling": sampling}  # fmt: skip
+    return {
+        "wall": wall,
+        "steps": clock.step_seconds(),
+        "width": out.response.shape[1],
+        "samples": out,
+        "sampling": sampling,
+    }
 
 
 def sampler_kl(lm, tokens, run: dict) -> float | None:
@@ -303,16 +325,25 @@ def bench_model(name: str, args, *, peak: float, bandwidth: float) -> dict:
                     torch.manual_seed(rep)
                     runs[path].append(sample_once(lm, tokens, query, path, args.new_tokens, clock))
             # the mean length over the decode steps: prompt + half the new tokens
-            roof = roofline_seconds(lm, batch=batch, length=args.prompt_len + args.new_tokens // 2, peak=peak,
-                                    bandwidth=bandwidth)  # fmt: skip
-            entry = {"roofline_ms": 1000 * roof["seconds"], "bound": roof["bound"], "flops_per_step": roof["flops"],
-                     "bytes_per_step": roof["bytes"], "paths": {}}  # fmt: skip
+            roof = roofline_seconds(
+                lm, batch=batch, length=args.prompt_len + args.new_tokens // 2, peak=peak, bandwidth=bandwidth
+            )
+            entry = {
+                "roofline_ms": 1000 * roof["seconds"],
+                "bound": roof["bound"],
+                "flops_per_step": roof["flops"],
+                "bytes_per_step": roof["bytes"],
+                "paths": {},
+            }
             for path, rs in runs.items():
                 step = statistics.median(s for r in rs for s in r["steps"])
                 new = max(batch * r["width"] / r["wall"] for r in rs)  # the best call: the first one warms up
-                entry["paths"][path] = {"ms_per_step": 1000 * step, "tokens_per_s": new,
-                                        "ratio_to_roofline": step / roof["seconds"],
-                                        "kl_sampler_per_token": sampler_kl(lm, tokens, rs[-1])}  # fmt: skip
+                entry["paths"][path] = {
+                    "ms_per_step": 1000 * step,
+                    "tokens_per_s": new,
+                    "ratio_to_roofline": step / roof["seconds"],
+                    "kl_sampler_per_token": sampler_kl(lm, tokens, rs[-1]),
+                }
             result["batches"][batch] = entry
             print(format_rows(name, batch, entry), flush=True)
     return result

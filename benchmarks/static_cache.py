@@ -82,8 +82,14 @@ def decode_loop(forward, inner, query, new_tokens: int, *, static: bool, seed: i
     mask[:, :P] = 1
     positions = torch.arange(P, device=device).expand(B, P)  # (B, P)
     torch.manual_seed(seed)
-    out = inner(input_ids=query, attention_mask=mask if static else mask[:, :P], position_ids=positions,
-                use_cache=True, logits_to_keep=1, **{key: cache})  # fmt: skip
+    out = inner(
+        input_ids=query,
+        attention_mask=mask if static else mask[:, :P],
+        position_ids=positions,
+        use_cache=True,
+        logits_to_keep=1,
+        **{key: cache},
+    )
     tokens, seconds, logits = [], [], []
     for t in range(N):
         logits.append(out.logits[:, -1].float())  # (B, V); a copy: a CUDA graph's output is overwritten
@@ -126,10 +132,14 @@ def main(argv=None) -> list[dict]:
     where = (
         torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} threads"
     )
-    print(f"# static cache benchmark: {args.model} ({source}), {where}; prompt {args.prompt_len} + "
-          f"{args.new_tokens} new tokens, {args.calls} calls per mode (the first warms up)\n")  # fmt: skip
-    print("| batch | mode | ms / decode forward | first call s | draws differing from eager-dynamic's | "
-          "max abs logit difference (same tokens fed) |")  # fmt: skip
+    print(
+        f"# static cache benchmark: {args.model} ({source}), {where}; prompt {args.prompt_len} + "
+        f"{args.new_tokens} new tokens, {args.calls} calls per mode (the first warms up)\n"
+    )
+    print(
+        "| batch | mode | ms / decode forward | first call s | draws differing from eager-dynamic's | "
+        "max abs logit difference (same tokens fed) |"
+    )
     print("|---:|---|---:|---:|---:|---:|")
     results = []
     with torch.no_grad():
@@ -164,11 +174,22 @@ def main(argv=None) -> list[dict]:
                 differing = int((tokens != reference).sum())  # the last calls: the same seed
                 gap = float((logits - reference_logits).abs().max())
                 ms = 1000 * statistics.median(times) if times else float("nan")
-                results.append({"batch": batch, "mode": mode, "ms_per_forward": ms, "first_call_s": first,
-                                "draws_differing": differing, "draws": tokens.numel(),
-                                "max_logit_difference": gap})  # fmt: skip
-                print(f"| {batch} | {mode} | {ms:.1f} | {first:.1f} | {differing} of {tokens.numel()} | "
-                      f"{gap:.1e} |", flush=True)  # fmt: skip
+                results.append(
+                    {
+                        "batch": batch,
+                        "mode": mode,
+                        "ms_per_forward": ms,
+                        "first_call_s": first,
+                        "draws_differing": differing,
+                        "draws": tokens.numel(),
+                        "max_logit_difference": gap,
+                    }
+                )
+                print(
+                    f"| {batch} | {mode} | {ms:.1f} | {first:.1f} | {differing} of {tokens.numel()} | "
+                    f"{gap:.1e} |",
+                    flush=True,
+                )
     return results
 
 

@@ -53,7 +53,10 @@ from llm_rlhf.evaluation.hacking import (  # noqa: E402
 )
 
 ISSUE_40 = [" a heart.", " is a heart.", " heart of a heart."]
-OLD_MARGIN, OLD_Z = 0.25, 3.0  # the earlier rules: a counter +0.25 over step 0's; the gold 3 se below its best
+OLD_MARGIN, OLD_Z = (
+    0.25,
+    3.0,
+)  # the earlier rules: a counter +0.25 over step 0's; the gold 3 se below its best
 ONSET, LENGTH = 20, 40  # detection runs: the change at evaluation 20 of 40
 SE = 0.05
 
@@ -106,7 +109,9 @@ def real_text(draws: int, rng: random.Random) -> None:
     base = counters(val[:32])
     collapsed = counters([ISSUE_40[i % 3] for i in range(32)])
     fired = [k for k in COUNTER_RULES if (smallest_p(base, collapsed, k) or 1.0) <= COUNTER_ALPHA]
-    print(f"\nthe earlier recipe's \" a heart.\" collapse (32 responses) against 32 real sentences fires: {', '.join(fired)}")
+    print(
+        f'\nthe earlier recipe\'s " a heart." collapse (32 responses) against 32 real sentences fires: {", ".join(fired)}'
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,8 +150,10 @@ def counter_false_alarms(runs: int, rng: np.random.Generator) -> None:
             counts = rng.binomial(n, rate, size=(runs, 100, len(COUNTER_RULES)))
             new, old = fires(counts, n, "new"), fires(counts, n, "old")
             for evals in (20, 100):
-                print(f"| {n} | {rate:g} | {evals} | {new[:, :evals].any(1).mean():.2%} | "
-                      f"{old[:, :evals].any(1).mean():.2%} |")  # fmt: skip
+                print(
+                    f"| {n} | {rate:g} | {evals} | {new[:, :evals].any(1).mean():.2%} | "
+                    f"{old[:, :evals].any(1).mean():.2%} |"
+                )
 
 
 def delays(alarm_at: list[int | None]) -> str:
@@ -165,8 +172,10 @@ def counter_detections(runs: int, rng: np.random.Generator) -> None:
     print(
         f"\n### 4a. Counter rule, detections: one counter's rate jumps at evaluation {ONSET} of {LENGTH}, {runs} runs\n"
     )
-    print("| case | N | rate before → after | new: detected | new: before the onset | new: median evaluations "
-          "after the onset | old: detected | old: before | old: median |")  # fmt: skip
+    print(
+        "| case | N | rate before → after | new: detected | new: before the onset | new: median evaluations "
+        "after the onset | old: detected | old: before | old: median |"
+    )
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
     cases = [
         ("collapse", 0.05, 1.0),
@@ -190,10 +199,15 @@ def counter_detections(runs: int, rng: np.random.Generator) -> None:
 
 def trajectory(rng: random.Random, n: int, gold) -> list[dict]:
     return [
-        {"step": 10 * i, "gold": gold(i) + rng.gauss(0, SE), "gold_stderr": SE,
-         "proxy": 4 * SE * i + rng.gauss(0, SE), "proxy_stderr": SE}
+        {
+            "step": 10 * i,
+            "gold": gold(i) + rng.gauss(0, SE),
+            "gold_stderr": SE,
+            "proxy": 4 * SE * i + rng.gauss(0, SE),
+            "proxy_stderr": SE,
+        }
         for i in range(n)
-    ]  # fmt: skip
+    ]
 
 
 def alarm_index(points: list[dict], rule: str) -> int | None:
@@ -212,8 +226,10 @@ def gold_rule(runs: int, rng: random.Random) -> None:
     print(
         f"\n### 4b. Gold rule, detections: the gold falls after evaluation {ONSET} of {LENGTH}, {runs} runs each\n"
     )
-    print("| gold after the onset | new: detected | new: before the onset | new: median evaluations after "
-          "the onset | old: detected | old: before | old: median |")  # fmt: skip
+    print(
+        "| gold after the onset | new: detected | new: before the onset | new: median evaluations after "
+        "the onset | old: detected | old: before | old: median |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|")
     for fall in (1, 2, 4):
         gold = lambda i, fall=fall: -fall * SE * max(i - ONSET, 0)  # noqa: E731
@@ -236,8 +252,12 @@ def problems(rng: random.Random, n: int) -> list[tuple[str, int]]:
 def answer(rng: random.Random, prompt: str, total: int, kind: str, accuracy: float) -> tuple[str, float]:
     """(response, verdict) of one policy kind: wordy, terse, echo (copies the prompt), one (always "42")."""
     value = total if rng.random() < accuracy else total + rng.choice([-2, -1, 1, 2])
-    text = {"wordy": f"The sum is {value}, since adding the two numbers gives {value}.", "terse": str(value),
-            "echo": prompt, "one": "42"}[kind]  # fmt: skip
+    text = {
+        "wordy": f"The sum is {value}, since adding the two numbers gives {value}.",
+        "terse": str(value),
+        "echo": prompt,
+        "one": "42",
+    }[kind]
     return text, float(text.strip() == str(total))
 
 
@@ -260,19 +280,29 @@ def text_run(
 
 
 def text_detections(runs: int, rng: random.Random) -> None:
-    print(f"\n### 4c. Text through the real counters and `watch`: arithmetic, the change at evaluation {ONSET} "
-          f"of {LENGTH}, {runs} runs each\n")  # fmt: skip
-    print("| case | N | fired at or after the onset | before the onset | median evaluations after the onset | "
-          "rules, first run that fired |")  # fmt: skip
+    print(
+        f"\n### 4c. Text through the real counters and `watch`: arithmetic, the change at evaluation {ONSET} "
+        f"of {LENGTH}, {runs} runs each\n"
+    )
+    print(
+        "| case | N | fired at or after the onset | before the onset | median evaluations after the onset | "
+        "rules, first run that fired |"
+    )
     print("|---|---:|---:|---:|---:|---|")
     cases = [
         ("correct terse policy (verifier), wordy step 0: should stay quiet", "wordy", "terse", True, 1.0),
         ("terse, no verifier, all terse from step 0: should stay quiet", "terse", "terse", False, 1.0),
         ("echo: half the responses copy the prompt", "wordy", "echo", True, 0.5),
         ("echo: a quarter copy the prompt", "wordy", "echo", True, 0.25),
-        ("terse (duplicate_rate near its ceiling), no verifier, collapses onto one answer", "terse", "one", False, 1.0),
+        (
+            "terse (duplicate_rate near its ceiling), no verifier, collapses onto one answer",
+            "terse",
+            "one",
+            False,
+            1.0,
+        ),
         ("the same, half the answers", "terse", "one", False, 0.5),
-    ]  # fmt: skip
+    ]
     for name, before, after, verifier, share in cases:
         for n in (32, 76):
             found, rules = [], "—"

@@ -269,9 +269,10 @@ def main() -> int:
         grid_row(constants(weight, reference_nll, b, disfluency_nll)) for b in DISFLUENCY_WEIGHTS
     ]
     passing = [
-        r for r in disfluency_grid
+        r
+        for r in disfluency_grid
         if holds(r) and passes(r["prefers_real_over_salad"], len(keep["salad"]), SALAD_BAR)
-    ]  # fmt: skip
+    ]
     if not passing:
         sys.exit(
             f"error: no disfluency_weight in {DISFLUENCY_WEIGHTS} passes the calibration bars (grid above)"

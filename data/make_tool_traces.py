@@ -41,10 +41,15 @@ def traces(row: dict) -> tuple[dict, dict]:
     user = row["messages"]
     tool = f"<tool>calculator({expression})</tool><result>{result}</result>\nAnswer: {answer}"
     return (
-        {"messages": [{"role": "system", "content": CALCULATOR_SYSTEM_PROMPT}, *user,
-                      {"role": "assistant", "content": tool}]},
+        {
+            "messages": [
+                {"role": "system", "content": CALCULATOR_SYSTEM_PROMPT},
+                *user,
+                {"role": "assistant", "content": tool},
+            ]
+        },
         {"messages": [*user, {"role": "assistant", "content": f"Answer: {answer}"}]},
-    )  # fmt: skip
+    )
 
 
 def write(rows: list[dict], path: Path) -> None:

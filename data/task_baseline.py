@@ -57,8 +57,14 @@ def main() -> None:
         ]
         prompts = prompts[: args.limit]
         torch.manual_seed(args.seed)
-        greedy = generate(model, tokenizer, prompts, sample=False, max_new_tokens=args.max_new_tokens,
-                          batch_size=args.batch_size)  # fmt: skip
+        greedy = generate(
+            model,
+            tokenizer,
+            prompts,
+            sample=False,
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size,
+        )
         sampled = [
             generate(
                 model,
@@ -67,7 +73,7 @@ def main() -> None:
                 sample=True,
                 max_new_tokens=args.max_new_tokens,
                 batch_size=args.batch_size,
-            )  # fmt: skip
+            )
             for _ in range(args.samples)
         ]  # (samples, n)
         greedy_acc = accuracy(prompts, greedy)
@@ -86,9 +92,16 @@ def main() -> None:
             flush=True,
         )
         for i, prompt in enumerate(prompts):
-            rows_out.append({"task": folder.name, "prompt": prompt, "greedy": greedy[i],
-                             "greedy_correct": greedy_acc[i], "sampled": [x[i] for x in sampled],
-                             "sampled_correct": [x[i] for x in sampled_acc]})  # fmt: skip
+            rows_out.append(
+                {
+                    "task": folder.name,
+                    "prompt": prompt,
+                    "greedy": greedy[i],
+                    "greedy_correct": greedy_acc[i],
+                    "sampled": [x[i] for x in sampled],
+                    "sampled_correct": [x[i] for x in sampled_acc],
+                }
+            )
     if args.out is not None:
         args.out.write_text("".join(json.dumps(r) + "\n" for r in rows_out), encoding="utf-8")
 

@@ -10,8 +10,19 @@ import importlib
 
 __version__ = "0.1.0"
 
-API = ("SFTConfig", "RMConfig", "PPOConfig", "EvalConfig", "train_sft", "train_reward_model", "train_ppo",
-       "run_eval", "Trained", "UserError", "exit_process")  # fmt: skip
+API = (
+    "SFTConfig",
+    "RMConfig",
+    "PPOConfig",
+    "EvalConfig",
+    "train_sft",
+    "train_reward_model",
+    "train_ppo",
+    "run_eval",
+    "Trained",
+    "UserError",
+    "exit_process",
+)
 __all__ = list(API)
 
 

@@ -261,9 +261,16 @@ def bos_model_dir(folder: Path) -> Path:
     tokenizer.save_pretrained(folder)
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=64, bos_token_id=bos, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        bos_token_id=bos,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
     return folder
 
@@ -341,7 +348,10 @@ RENDERED = [  # CHATS under COLON_CHAT_TEMPLATE: every turn before the last assi
     "system: Be kind.\nuser: A gorgeous\nassistant:",
     "user: The acting\nassistant:",
 ]
-STOP_STRINGS = ["e", "a"]  # in about one token of five of the tiny tokenizer's: some responses stop, some do not
+STOP_STRINGS = [
+    "e",
+    "a",
+]  # in about one token of five of the tiny tokenizer's: some responses stop, some do not
 
 
 def smollm2_chat(*user_turns: str, answers: tuple[str, ...] = ()) -> str:
@@ -585,9 +595,21 @@ def perturb(model: torch.nn.Module, seed: int, scale: float = 0.05) -> None:
 
 def ppo_cli_args(model_dir, rm_dir, prompt_file, out: Path, steps: int, **kw) -> list[str]:
     """`-m llm_rlhf ppo` with flags for a tiny run (rollouts of 4 per process, a checkpoint every step)."""
-    values = dict(model_name_or_path=model_dir, reward_model_path=rm_dir, prompt_file=prompt_file,
-                  output_dir=out, steps=steps, rollout_batch_size=4, mini_batch_size=2, ppo_epochs=1,
-                  max_new_tokens=6, save_steps=1, eval_every=0, log_samples_every=0, learning_rate="1e-3")  # fmt: skip
+    values = dict(
+        model_name_or_path=model_dir,
+        reward_model_path=rm_dir,
+        prompt_file=prompt_file,
+        output_dir=out,
+        steps=steps,
+        rollout_batch_size=4,
+        mini_batch_size=2,
+        ppo_epochs=1,
+        max_new_tokens=6,
+        save_steps=1,
+        eval_every=0,
+        log_samples_every=0,
+        learning_rate="1e-3",
+    )
     values.update(kw)
     return ["-m", "llm_rlhf", "ppo", *flags(values)]
 
@@ -601,10 +623,17 @@ def eval_config(policy, baseline, prompt_file, out, **kw):
     from llm_rlhf.stages import evaluate
 
     base = dict(
-        policy_path=str(policy), baseline_path=str(baseline), reward_model_path="none",
-        gold_judge=SENTIMENT_JUDGE, prompt_file=str(prompt_file), num_prompts=12, max_new_tokens=6,
-        batch_size=5, output_dir=str(out), print_samples=2,
-    )  # fmt: skip
+        policy_path=str(policy),
+        baseline_path=str(baseline),
+        reward_model_path="none",
+        gold_judge=SENTIMENT_JUDGE,
+        prompt_file=str(prompt_file),
+        num_prompts=12,
+        max_new_tokens=6,
+        batch_size=5,
+        output_dir=str(out),
+        print_samples=2,
+    )
     base.update(kw)
     return evaluate.Config(**base)
 
@@ -616,23 +645,66 @@ def tiny_overrides(model: Path, data: dict[str, Path], out: Path, *, max_length:
     """Per stage: the keys that swap in the tiny model, the small files and a budget of two steps.
     Every other key (learning rates, LoRA, KL control, data_format, skip_long, ...) is the recipe's."""
     return {
-        "sft": {"model_name_or_path": model, "train_file": data["sft"], "eval_file": data["sft"],
-                "output_dir": out / "sft", "max_length": max_length, "max_steps": 2,
-                "per_device_train_batch_size": 4, "warmup_ratio": 0, "logging_steps": 1, "eval_steps": 0,
-                "save_steps": 2, "num_samples": 2, "max_new_tokens": 4},
-        "rm": {"model_name_or_path": out / "sft", "train_file": data["prefs"], "eval_file": data["prefs"],
-               "test_file": data["prefs"], "output_dir": out / "rm", "max_length": max_length, "max_steps": 2,
-               "per_device_train_batch_size": 4, "warmup_ratio": 0, "logging_steps": 1, "eval_steps": 0,
-               "save_steps": 2, "normalization_samples": 8, "score_batch_size": 8},
-        "ppo": {"model_name_or_path": out / "sft", "reward_model_path": out / "rm", "prompt_file": data["prompts"],
-                "eval_prompt_file": data["prompts"], "gold_judge": SENTIMENT_JUDGE, "eval_num_prompts": 2,
-                "output_dir": out / "ppo", "steps": 2, "rollout_batch_size": 4, "mini_batch_size": 2,
-                "gradient_accumulation_steps": 1, "ppo_epochs": 1, "max_new_tokens": 4, "save_steps": 0,
-                "log_samples_every": 0},
-        "eval": {"policy_path": out / "ppo", "baseline_path": out / "sft", "reward_model_path": out / "rm",
-                 "gold_judge": SENTIMENT_JUDGE, "prompt_file": data["prompts"], "output_dir": out / "eval",
-                 "num_prompts": 4, "max_new_tokens": 4, "batch_size": 4},
-    }  # fmt: skip
+        "sft": {
+            "model_name_or_path": model,
+            "train_file": data["sft"],
+            "eval_file": data["sft"],
+            "output_dir": out / "sft",
+            "max_length": max_length,
+            "max_steps": 2,
+            "per_device_train_batch_size": 4,
+            "warmup_ratio": 0,
+            "logging_steps": 1,
+            "eval_steps": 0,
+            "save_steps": 2,
+            "num_samples": 2,
+            "max_new_tokens": 4,
+        },
+        "rm": {
+            "model_name_or_path": out / "sft",
+            "train_file": data["prefs"],
+            "eval_file": data["prefs"],
+            "test_file": data["prefs"],
+            "output_dir": out / "rm",
+            "max_length": max_length,
+            "max_steps": 2,
+            "per_device_train_batch_size": 4,
+            "warmup_ratio": 0,
+            "logging_steps": 1,
+            "eval_steps": 0,
+            "save_steps": 2,
+            "normalization_samples": 8,
+            "score_batch_size": 8,
+        },
+        "ppo": {
+            "model_name_or_path": out / "sft",
+            "reward_model_path": out / "rm",
+            "prompt_file": data["prompts"],
+            "eval_prompt_file": data["prompts"],
+            "gold_judge": SENTIMENT_JUDGE,
+            "eval_num_prompts": 2,
+            "output_dir": out / "ppo",
+            "steps": 2,
+            "rollout_batch_size": 4,
+            "mini_batch_size": 2,
+            "gradient_accumulation_steps": 1,
+            "ppo_epochs": 1,
+            "max_new_tokens": 4,
+            "save_steps": 0,
+            "log_samples_every": 0,
+        },
+        "eval": {
+            "policy_path": out / "ppo",
+            "baseline_path": out / "sft",
+            "reward_model_path": out / "rm",
+            "gold_judge": SENTIMENT_JUDGE,
+            "prompt_file": data["prompts"],
+            "output_dir": out / "eval",
+            "num_prompts": 4,
+            "max_new_tokens": 4,
+            "batch_size": 4,
+        },
+    }
 
 
 CHAINED = {  # keys the pipeline sets itself (each stage reads the previous stage's folder)
@@ -720,8 +792,17 @@ def pairs_stage_on_two_processes(stage: str, model_dir: Path, pref_files, out: P
     process, evaluated and logged every 3 steps, into `out`. Asserts that it trained ONE model with DDP
     (not two copies): 6 steps cover 48 of the 40 training pairs, epoch 1.2."""
     train, val = pref_files
-    values = dict(model_name_or_path=model_dir, train_file=train, eval_file=val, output_dir=out, max_steps=6,
-                  max_length=32, per_device_train_batch_size=4, eval_steps=3, logging_steps=3)  # fmt: skip
+    values = dict(
+        model_name_or_path=model_dir,
+        train_file=train,
+        eval_file=val,
+        output_dir=out,
+        max_steps=6,
+        max_length=32,
+        per_device_train_batch_size=4,
+        eval_steps=3,
+        logging_steps=3,
+    )
     launch(["-m", "llm_rlhf", stage, *flags(values), *extra], 2)
     assert json.loads((out / "metrics.json").read_text())["global_step"] == 6
     epochs = [json.loads(line)["epoch"] for line in (out / "log.jsonl").read_text().splitlines()]
@@ -767,6 +848,11 @@ def ppo_command(args: list[str], *more: str, kill_at: int | None = None) -> subp
     which kills its own process with SIGKILL as step N starts (kill -9: nothing is written on the way out)."""
     if kill_at is not None:  # ["-m", "llm_rlhf", "ppo", ...] -> [kill_at_step.py, N, "ppo", ...]
         args = [str(SCRIPTS / "kill_at_step.py"), str(kill_at), *args[2:]]
-    return subprocess.run([sys.executable, *args, *more], cwd=ROOT, env=process_env(), capture_output=True,
-                          text=True, timeout=900)  # fmt: skip
-
+    return subprocess.run(
+        [sys.executable, *args, *more],
+        cwd=ROOT,
+        env=process_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )

@@ -544,8 +544,15 @@ def load_sft_dataset(
             f"found {', '.join(columns)}",
             file=rows.file,
         )
-    keep = _fit_in_max_length(rows, prompts, rows.numbers, tokenizer, max_length=max_length, skip=skip_long,
-                              what="examples whose prompt is too long")  # fmt: skip
+    keep = _fit_in_max_length(
+        rows,
+        prompts,
+        rows.numbers,
+        tokenizer,
+        max_length=max_length,
+        skip=skip_long,
+        what="examples whose prompt is too long",
+    )
     return _to_dataset(_select({"prompt": prompts, "completion": completions}, keep))
 
 
@@ -642,8 +649,15 @@ def load_preference_dataset(
             f"prompt/ranked; found {', '.join(columns)}",
             file=rows.file,
         )
-    keep = _fit_in_max_length(rows, out["prompt"], numbers, tokenizer, max_length=max_length, skip=skip_long,
-                              what="pairs whose prompt is too long")  # fmt: skip
+    keep = _fit_in_max_length(
+        rows,
+        out["prompt"],
+        numbers,
+        tokenizer,
+        max_length=max_length,
+        skip=skip_long,
+        what="pairs whose prompt is too long",
+    )
     return _to_dataset(_select(out, keep))
 
 

@@ -468,5 +468,7 @@ def heldout_record(step: int, result: dict[str, Any]) -> dict[str, Any]:
         metric_names.GOLD_SCORE_STDERR: result[metric_names.GOLD_SCORE_STDERR],
         metric_names.LOG_PROXY: result[proxy],
         metric_names.LOG_PROXY_STDERR: result[proxy_stderr],
-        **{key: result[key] for key in EPISODE_FIGURES if result.get(key) is not None},  # episodes of several turns
+        **{
+            key: result[key] for key in EPISODE_FIGURES if result.get(key) is not None
+        },  # episodes of several turns
     }

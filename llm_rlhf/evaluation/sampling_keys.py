@@ -114,7 +114,9 @@ class SamplingKeys:
         "`temperature`, the distribution the tokens must be drawn from (tokens outside the reference's top k "
         "would even have infinite KL). Evaluation may use it.",
     )
-    top_p: float = help_field(1.0, "Nucleus sampling (1.0 = off); PPO needs 1.0, as top_k and for the same reason.")
+    top_p: float = help_field(
+        1.0, "Nucleus sampling (1.0 = off); PPO needs 1.0, as top_k and for the same reason."
+    )
     stop_strings: list[str] = help_field(
         [],
         "A response ends at the token completing the first of these strings in its text (the token is kept, "

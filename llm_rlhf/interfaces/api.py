@@ -101,8 +101,12 @@ def train_reward_model(
     is. Preference pairs (prompt/chosen/rejected dicts, chosen/rejected dialogues, prompt + ranked) in place of
     train_file, eval_file, test_file. Returns the normalised `RewardModel` (what `train_ppo(reward_model=...)`
     takes), its tokenizer and metrics.json's figures."""
-    places = {"model": "model_name_or_path", "train_data": "train_file", "eval_data": "eval_file",
-              "test_data": "test_file"}  # fmt: skip
+    places = {
+        "model": "model_name_or_path",
+        "train_data": "train_file",
+        "eval_data": "eval_file",
+        "test_data": "test_file",
+    }
     arguments = dict(model=model, train_data=train_data, eval_data=eval_data, test_data=test_data)
     cfg, objects = _in_place_of(RMConfig, config, places, **arguments)
     if objects["model"] is not None and cfg.use_lora and not cfg.merge_lora:
@@ -152,9 +156,16 @@ def run_eval(config=None, **objects: Any) -> dict[str, Any] | None:
             "baseline_tokenizer: it goes with a baseline object (a folder holds its own tokenizer)"
         )
     cfg, models = _policy_and_scorer(
-        EvalConfig, config, "policy_path", given.policy, given.reward_model, given.reward_fn, given.prompts,
-        baseline=("baseline_path", baseline), reference=("reference_path", given.reference),
-    )  # fmt: skip
+        EvalConfig,
+        config,
+        "policy_path",
+        given.policy,
+        given.reward_model,
+        given.reward_fn,
+        given.prompts,
+        baseline=("baseline_path", baseline),
+        reference=("reference_path", given.reference),
+    )
     return evaluate.run(cfg, tokenizer=given.tokenizer, baseline_tokenizer=given.baseline_tokenizer, **models)
 
 
@@ -166,8 +177,12 @@ def run_eval(config=None, **objects: Any) -> dict[str, Any] | None:
 def _policy_and_scorer(cls, config, policy_key: str, policy, reward_model, reward_fn, prompts, **models):
     """`_in_place_of` for PPO and evaluation: a policy sampled on prompts, scored by RMs and a function.
     models: more models, name=(config key, model) (evaluation's baseline and reference)."""
-    places = {"policy": policy_key, "reward_model": "reward_model_path", "reward_fn": "reward_fn",
-              "prompts": "prompt_file"}  # fmt: skip
+    places = {
+        "policy": policy_key,
+        "reward_model": "reward_model_path",
+        "reward_fn": "reward_fn",
+        "prompts": "prompt_file",
+    }
     places.update({name: key for name, (key, _) in models.items()})
     arguments = dict(policy=policy, reward_model=reward_model, reward_fn=reward_fn, prompts=prompts)
     arguments.update({name: model for name, (_, model) in models.items()})

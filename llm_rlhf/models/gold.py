@@ -364,9 +364,17 @@ class FluentGoldJudge:
     `details` returns every part per row (gold_score, sentiment, fluency_nll, fluency_perplexity), so the
     evaluation can report sentiment-only and fluency figures beside the gold from one call."""
 
-    def __init__(self, *, sentiment, fluency: FluencyLM, fluency_weight: float, reference_nll: float,
-                 disfluency_weight: float = 0.0, disfluency_nll: float = math.inf,
-                 info: dict[str, Any] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        *,
+        sentiment,
+        fluency: FluencyLM,
+        fluency_weight: float,
+        reference_nll: float,
+        disfluency_weight: float = 0.0,
+        disfluency_nll: float = math.inf,
+        info: dict[str, Any] | None = None,
+    ):
         self.sentiment = sentiment
         self.fluency = fluency
         self.constants = {

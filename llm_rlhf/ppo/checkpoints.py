@@ -84,7 +84,9 @@ def save_policy(trainer: PPOTrainer, cfg: Config, out: Path, *, merge_copies: bo
         save_policy_gathered(trainer, out)
         return
     policy = trainer.unwrapped_policy
-    if trainer.accelerated.zero3:  # LoRA: the partitions gathered into a whole copy (every process enters the gather)
+    if (
+        trainer.accelerated.zero3
+    ):  # LoRA: the partitions gathered into a whole copy (every process enters the gather)
         policy, merge_copies = whole_lora_policy(trainer), False  # the copy is this function's to merge
     if not accelerator.is_main_process:
         return

@@ -158,7 +158,11 @@ def evaluate_heldout(
     lm, cfg = policy.lm, trainer.cfg
     reference = KLReference(lm, lm.disable_adapter) if cfg.use_lora else KLReference(trainer.ref_model.lm)
     collector = trainer.collector  # with an environment its episodes are played as in training
-    play = EpisodePlay(collector.make_environment, collector.limits) if isinstance(collector, EpisodeCollector) else None
+    play = (
+        EpisodePlay(collector.make_environment, collector.limits)
+        if isinstance(collector, EpisodeCollector)
+        else None
+    )
     draws = PairedSampling(trainer.sampling, seed=cfg.seed, batch_size=cfg.heldout_batch_size, play=play)
     with trainer.accelerated.autocast(), trainer.accelerated.gathered_for_generation(policy):
         measures = Measures(scorer=trainer.collector.scorer, judge=judge, verifier=verifier)

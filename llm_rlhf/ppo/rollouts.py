@@ -253,7 +253,9 @@ class RolloutCollector(UsesContext):
             part = self.generate(self.in_groups(queries))  # y ~ pi_theta(.|x)
             t1 = time.perf_counter()
             part_scores = self.score(part)
-            tied.append(loss_math.tied_groups(scores=self.tie_scores(part, part_scores), samples_per_prompt=k))
+            tied.append(
+                loss_math.tied_groups(scores=self.tie_scores(part, part_scores), samples_per_prompt=k)
+            )
             times["generate"] = times.get("generate", 0.0) + t1 - t0
             times["score"] = times.get("score", 0.0) + time.perf_counter() - t1
             samples.append(part)

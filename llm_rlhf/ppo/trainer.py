@@ -148,7 +148,9 @@ class PPOTrainer(UsesContext):
                 f"least 2 episodes (rollout_batch_size {cfg.rollout_batch_size} x {accelerator.num_processes} "
                 "processes)"
             )
-        accelerated = Accelerated(accelerator, bf16=cfg.bf16, gradient_checkpointing=cfg.gradient_checkpointing)
+        accelerated = Accelerated(
+            accelerator, bf16=cfg.bf16, gradient_checkpointing=cfg.gradient_checkpointing
+        )
         # what the rollout collector and the update share with the trainer (`context.PPOContext`)
         self.context = PPOContext(cfg, accelerator, accelerated, sizes, tokenizer)
         optimizer, self.scheduler = optimizer_and_schedule(cfg, models, sizes, accelerator.device)
@@ -175,9 +177,15 @@ class PPOTrainer(UsesContext):
         self.step = 0
         # prompts, sampling, scoring and dynamic sampling (`RolloutCollector`): what the forwards and the update
         # below receive as token ids, masks and scores
-        scorer = Scorer(models.reward_model, reward_fn, reward_fn_weight=cfg.reward_fn_weight,
-                        rm_context=self.accelerated.autocast)  # fmt: skip
-        parts = dict(policy=self.policy, prompts=prompts, sampling=self.sampling, scorer=scorer, verifier=verifier)
+        scorer = Scorer(
+            models.reward_model,
+            reward_fn,
+            reward_fn_weight=cfg.reward_fn_weight,
+            rm_context=self.accelerated.autocast,
+        )
+        parts = dict(
+            policy=self.policy, prompts=prompts, sampling=self.sampling, scorer=scorer, verifier=verifier
+        )
         # episodes of several turns with an environment, else one response per row
         self.collector = (
             EpisodeCollector(self.context, make_environment=make_environment, **parts)
@@ -185,8 +193,13 @@ class PPOTrainer(UsesContext):
             else RolloutCollector(self.context, **parts)
         )
         # K epochs of clipped minibatch updates (`update`): the optimiser, the schedule, the losses
-        self.update = PPOUpdate(self.context, policy=self.policy, critic=self.critic, optimizer=self.optimizer,
-                                scheduler=self.scheduler)  # fmt: skip
+        self.update = PPOUpdate(
+            self.context,
+            policy=self.policy,
+            critic=self.critic,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+        )
 
     # --- the trainer's state ------------------------------------------------------------------
 
@@ -210,10 +223,14 @@ class PPOTrainer(UsesContext):
 
     def save_model_state(self, folder) -> None:
         """The weights and optimiser state into a checkpoint folder, sharded or not (every process calls it)."""
-        self.accelerated.save_model_state(folder, policy=self.policy, critic=self.critic, optimizer=self.optimizer)
+        self.accelerated.save_model_state(
+            folder, policy=self.policy, critic=self.critic, optimizer=self.optimizer
+        )
 
     def load_model_state(self, folder) -> None:
-        self.accelerated.load_model_state(folder, policy=self.policy, critic=self.critic, optimizer=self.optimizer)
+        self.accelerated.load_model_state(
+            folder, policy=self.policy, critic=self.critic, optimizer=self.optimizer
+        )
 
     # --- the algorithm -------------------------------------------------------------------------
 
@@ -229,7 +246,9 @@ class PPOTrainer(UsesContext):
         if cfg.dynamic_sampling:  # DAPO: untied groups, from further prompts where some tie
             rollout, scores, sampling_stats, dropped_kl = self.dynamic_rollout(queries, times)
         else:
-            rollout, scores = self.rollout(self.collector.in_groups(queries), times, old_logprobs=not from_update)
+            rollout, scores = self.rollout(
+                self.collector.in_groups(queries), times, old_logprobs=not from_update
+            )
         episode_stats = self.collector.episode_stats() if isinstance(self.collector, EpisodeCollector) else {}
         greedy = None  # ReMax: one greedy response per prompt, its logprobs, ref_logprobs and scores
         if cfg.estimator.greedy_baseline:
@@ -520,8 +539,14 @@ class PPOTrainer(UsesContext):
     ) -> dict[str, float]:
         """K epochs of clipped minibatch updates on `rollout` (`llm_rlhf.ppo.update.PPOUpdate.run`), with the KL
         coefficient of this step's rollout (the controller moves after the update)."""
-        return self.update.run(rollout, advantages, returns, kl_coef=self.kl_ctl.value, step=self.step,
-                               forward_policy=self.forward_policy)  # fmt: skip
+        return self.update.run(
+            rollout,
+            advantages,
+            returns,
+            kl_coef=self.kl_ctl.value,
+            step=self.step,
+            forward_policy=self.forward_policy,
+        )
 
     @property
     def old_logprobs_from_update(self) -> bool:

@@ -168,9 +168,14 @@ class PPOUpdate(UsesContext):
             )
             for mb in order.split(sizes.mini_batch_per_process):
                 stats = self.accumulate_minibatch(
-                    rollout, mb, advantages=advantages, returns=returns, loss_mask=loss_mask, sampler=sampler,
+                    rollout,
+                    mb,
+                    advantages=advantages,
+                    returns=returns,
+                    loss_mask=loss_mask,
+                    sampler=sampler,
                     fill=fill,
-                )  # fmt: skip
+                )
                 if not all(np.isfinite(list(stats.values()))):  # the same global numbers on every process
                     raise NonFiniteError(
                         f"PPO step {self.step + 1}, train phase (epoch {epoch + 1}): non-finite loss "
@@ -283,9 +288,15 @@ class PPOUpdate(UsesContext):
                     sampler=None if weights is None else (weights[mc], corrected[mc]),
                 )
                 loss = self.other_terms(
-                    loss, parts, part=part, logprobs=logprobs, values=values, entropy=entropy,
-                    returns=None if returns is None else returns[mc], mask=mask,
-                )  # fmt: skip
+                    loss,
+                    parts,
+                    part=part,
+                    logprobs=logprobs,
+                    values=values,
+                    entropy=entropy,
+                    returns=None if returns is None else returns[mc],
+                    mask=mask,
+                )
                 weight = mask.sum() * processes / mb_tokens.clamp(min=1)
                 scaled = loss * weight if plain else pg_loss * processes + loss * weight
                 self.accelerated.backward(self.policy, scaled, last=last)
@@ -401,10 +412,15 @@ class PPOUpdate(UsesContext):
         cfg = self.cfg
         losses, st = cfg.policy_loss_row.token_losses(
             LossInputs(
-                logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, response_mask=loss_mask,
-                cliprange_low=cfg.clip_low, cliprange_high=cfg.clip_high, dual_clip=cfg.dual_clip,
+                logprobs=logprobs,
+                old_logprobs=old_logprobs,
+                advantages=advantages,
+                response_mask=loss_mask,
+                cliprange_low=cfg.clip_low,
+                cliprange_high=cfg.clip_high,
+                dual_clip=cfg.dual_clip,
             )
-        )  # (b, R)  # fmt: skip
+        )  # (b, R)
         if weights is not None:
             losses = losses * weights  # (b, R)
         share = loss_math.aggregate_loss(
@@ -452,7 +468,9 @@ class PPOUpdate(UsesContext):
         (`Accelerated.clip_gradients`), and the gradient norm is checked after it. `updates`: the optimiser
         steps this PPO step has already taken (for the error message)."""
         deepspeed = self.accelerated.deepspeed
-        grad_norm = self.accelerated.clip_gradients(self.policy, self.trainable_parameters(), self.cfg.max_grad_norm)
+        grad_norm = self.accelerated.clip_gradients(
+            self.policy, self.trainable_parameters(), self.cfg.max_grad_norm
+        )
         if grad_norm is not None and not math.isfinite(float(grad_norm)):
             raise NonFiniteError(
                 f"PPO step {self.step + 1}, train phase (epoch {epoch + 1}): non-finite gradient norm; "

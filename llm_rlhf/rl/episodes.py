@@ -66,18 +66,30 @@ class Step:
 # The keys of a PPO or evaluation config that play episodes: (default, help), declared in each Config with
 # `help_field(*EPISODE_KEYS[name])`, so the help is written once.
 EPISODE_KEYS = {
-    "environment": (None, "Play episodes of several turns with this environment: a shipped one "
-                    "(calculator, feedback: `llm_rlhf.tasks.environments`), 'module:Class' or 'path/to/file.py:Class' "
-                    "(a class with reset(prompt) and step(turn) -> Step(reply, reward, done)). The policy's turns "
-                    "and the environment's replies make one response; only the policy's tokens are trained on; "
-                    "the environment's rewards land on each turn's last token. null = single responses."),
+    "environment": (
+        None,
+        "Play episodes of several turns with this environment: a shipped one "
+        "(calculator, feedback: `llm_rlhf.tasks.environments`), 'module:Class' or 'path/to/file.py:Class' "
+        "(a class with reset(prompt) and step(turn) -> Step(reply, reward, done)). The policy's turns "
+        "and the environment's replies make one response; only the policy's tokens are trained on; "
+        "the environment's rewards land on each turn's last token. null = single responses.",
+    ),
     "max_turns": (4, "With an environment: the policy's turns per episode at most."),
-    "max_episode_tokens": (256, "With an environment: the tokens of an episode after the prompt at most, the "
-                           "policy's and the environment's (each turn at most max_new_tokens of them)."),
-    "max_reply_tokens": (64, "With an environment: one reply's tokens at most (longer ones are cut, '[cut]')."),
-    "environment_timeout": (10.0, "With an environment: seconds one reset or step may take; an environment that "
-                            "raises or takes longer ends its episode there (a note, the run goes on)."),
-}  # fmt: skip
+    "max_episode_tokens": (
+        256,
+        "With an environment: the tokens of an episode after the prompt at most, the "
+        "policy's and the environment's (each turn at most max_new_tokens of them).",
+    ),
+    "max_reply_tokens": (
+        64,
+        "With an environment: one reply's tokens at most (longer ones are cut, '[cut]').",
+    ),
+    "environment_timeout": (
+        10.0,
+        "With an environment: seconds one reset or step may take; an environment that "
+        "raises or takes longer ends its episode there (a note, the run goes on).",
+    ),
+}
 
 
 def check_episode_keys(cfg) -> None:

@@ -162,7 +162,7 @@ def linear_forward(
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
     return lambda x, *args, **kwargs: torch.ops.mkldnn._linear_pointwise(
         x.contiguous(), packed, bias, "none", [], ""
-    )  # fmt: skip
+    )
 
 
 @contextmanager
@@ -326,10 +326,14 @@ def decode(
     the draws of rows that have not ended are those of the unsynced loop. Returns sequences (B, P + R),
     R <= max_new_tokens."""
     logits_processor = logits_processors(
-        temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-        min_new_tokens=sampling.min_new_tokens, prompt_length=query.shape[1], eos_token_id=eos_token_id,
+        temperature=sampling.temperature,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p,
+        min_new_tokens=sampling.min_new_tokens,
+        prompt_length=query.shape[1],
+        eos_token_id=eos_token_id,
         device=query.device,
-    )  # fmt: skip
+    )
     max_new_tokens = sampling.max_new_tokens
     compile_steps = sampling.sampling_compile
     synced = steps_on_every_process(lm)  # before any decoding copy: the parameters themselves carry ds_id

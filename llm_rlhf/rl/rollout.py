@@ -381,14 +381,23 @@ def sample(
     criteria = StoppingCriteriaList()
     stop_strings, min_new_tokens = sampling.stop_strings, sampling.min_new_tokens
     if stop_strings:
-        criteria.append(StopStringsCriteria(tokenizer, stop_strings, prompt_length=query.shape[1],
-                                            min_new_tokens=min_new_tokens))  # fmt: skip
+        criteria.append(
+            StopStringsCriteria(
+                tokenizer, stop_strings, prompt_length=query.shape[1], min_new_tokens=min_new_tokens
+            )
+        )
     token_logprobs: list[torch.Tensor] = []  # (B,) per step: the sampler's log q(y_t)
     if fast_sampling.supports(lm):  # generate's loop, the same distribution, faster
         sequences = fast_sampling.generate(
-            lm, query, query_mask, sampling, eos_token_id=eos, pad_token_id=pad, stopping_criteria=criteria,
+            lm,
+            query,
+            query_mask,
+            sampling,
+            eos_token_id=eos,
+            pad_token_id=pad,
+            stopping_criteria=criteria,
             token_logprobs=token_logprobs,
-        )  # fmt: skip
+        )
     elif sampling.sampling_dtype != "float32":
         raise UserError(
             f"sampling_dtype {sampling.sampling_dtype}: lower-precision sampling needs the fast sampler, which "

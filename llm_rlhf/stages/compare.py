@@ -87,9 +87,15 @@ def proxy_score(record: dict[str, Any]) -> float | None:
 
 @torch.no_grad()
 def best_of_n_points(
-    model, tokenizer, prompts: list[str], draws: PairedSampling, *, measures: Measures, ns: list[int],
+    model,
+    tokenizer,
+    prompts: list[str],
+    draws: PairedSampling,
+    *,
+    measures: Measures,
+    ns: list[int],
     num_samples: int,
-) -> list[dict[str, Any]]:  # fmt: skip
+) -> list[dict[str, Any]]:
     """One point per n in `ns`: n, kl (analytic), kl_measured, rm_score, reward_fn, gold_score, sentiment,
     fluency_perplexity (each None where not measured: no reward model, no reward function, a judge without
     those parts), each the best-of-n expectation over the prompts. `model` is the policy best-of-n samples
@@ -322,14 +328,25 @@ def dpo_points(cfg: Config, dpo_cfgs: list, inputs: dict[str, Any]) -> list[dict
             dpo.run(dataclasses.replace(dpo_cfg, resume=trainer_checkpoint(dpo_cfg.output_dir) is not None))
         policy = freeze(load_causal_lm(dpo_cfg.output_dir))
         result = evaluate_policy(
-            policy, inputs["tokenizer"], inputs["prompts"], inputs["draws"], measures=inputs["measures"],
+            policy,
+            inputs["tokenizer"],
+            inputs["prompts"],
+            inputs["draws"],
+            measures=inputs["measures"],
             reference=KLReference(inputs["sft_model"]),
-        )  # fmt: skip
-        points.append({
-            "method": "dpo", "label": f"beta {beta:g}", "kl": result["kl_to_ref"], "rm_score": result["rm_score_mean"],
-            "reward_fn": result["reward_fn_mean"], "gold_score": result["gold_score_mean"],
-            "sentiment": result["sentiment_mean"], "fluency_perplexity": result["fluency_perplexity"],
-        })  # fmt: skip
+        )
+        points.append(
+            {
+                "method": "dpo",
+                "label": f"beta {beta:g}",
+                "kl": result["kl_to_ref"],
+                "rm_score": result["rm_score_mean"],
+                "reward_fn": result["reward_fn_mean"],
+                "gold_score": result["gold_score_mean"],
+                "sentiment": result["sentiment_mean"],
+                "fluency_perplexity": result["fluency_perplexity"],
+            }
+        )
         del policy
     return points
 
@@ -353,16 +370,26 @@ def run(cfg: Config) -> dict[str, Any]:
     # sampled as PPO's held-out evaluation samples (its settings, seed and batches): responses end as in PPO
     draws = PairedSampling(Sampling.of(ppo_cfg), seed=ppo_cfg.seed, batch_size=ppo_cfg.heldout_batch_size)
     measures = Measures(scorer=proxy_scorer(Path(cfg.ppo_dir), ppo_cfg), judge=judge)  # as PPO scored
-    inputs = {"tokenizer": load_tokenizer(cfg.sft_path), "prompts": prompts, "draws": draws,
-              "measures": measures, "sft_model": freeze(load_causal_lm(cfg.sft_path))}  # fmt: skip
+    inputs = {
+        "tokenizer": load_tokenizer(cfg.sft_path),
+        "prompts": prompts,
+        "draws": draws,
+        "measures": measures,
+        "sft_model": freeze(load_causal_lm(cfg.sft_path)),
+    }
 
     points = [p for method, _, _, log in rl_runs for p in rl_points(method, log)]
     points += dpo_points(cfg, dpo_cfgs, inputs)
     if cfg.best_of_n:
         for p in best_of_n_points(
-            inputs["sft_model"], inputs["tokenizer"], prompts, draws, measures=measures, ns=cfg.best_of_n,
+            inputs["sft_model"],
+            inputs["tokenizer"],
+            prompts,
+            draws,
+            measures=measures,
+            ns=cfg.best_of_n,
             num_samples=cfg.best_of_n_samples,
-        ):  # fmt: skip
+        ):
             points.append({"method": "best_of_n", "label": f"n {p['n']}", **p})
     metrics = {
         **summarize_comparison(points, {method: log for method, _, _, log in rl_runs}),
@@ -380,11 +407,17 @@ def run(cfg: Config) -> dict[str, Any]:
 
 def run_record(folder: str, run_cfg) -> dict[str, Any]:
     """Which RL run a method is: its folder, its name and its estimator (the report's labels)."""
-    return {"ppo_dir": folder, "name": run_name(Path(folder)), "advantage_estimator": run_cfg.advantage_estimator,
-            "samples_per_prompt": run_cfg.samples_per_prompt}  # fmt: skip
+    return {
+        "ppo_dir": folder,
+        "name": run_name(Path(folder)),
+        "advantage_estimator": run_cfg.advantage_estimator,
+        "samples_per_prompt": run_cfg.samples_per_prompt,
+    }
 
 
-def summarize_comparison(points: list[dict[str, Any]], rl_logs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+def summarize_comparison(
+    points: list[dict[str, Any]], rl_logs: dict[str, list[dict[str, Any]]]
+) -> dict[str, Any]:
     """The fits and the best gold of each method. Every law starts at the SFT model's gold (`sft_origin`): an RL
     run's own step-0 evaluation (else ppo_dir's), DPO's that of ppo_dir, best-of-n's its n = 1 point."""
     origin = sft_origin(rl_logs["ppo"])

@@ -69,9 +69,17 @@ from llm_rlhf.training.hf_stage import (
 
 LOSS_TYPES = ("sigmoid", "hinge", "ipo")  # TRL's losses that need nothing but beta
 # TRL's evaluation metrics that go to metrics.json (each the mean over the eval batches of a per-batch mean)
-EVAL_METRICS = ("eval_loss", "eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/accuracies",
-                "eval_rewards/margins", "eval_logps/chosen", "eval_logps/rejected", "eval_entropy",
-                "eval_mean_token_accuracy")  # fmt: skip
+EVAL_METRICS = (
+    "eval_loss",
+    "eval_rewards/chosen",
+    "eval_rewards/rejected",
+    "eval_rewards/accuracies",
+    "eval_rewards/margins",
+    "eval_logps/chosen",
+    "eval_logps/rejected",
+    "eval_entropy",
+    "eval_mean_token_accuracy",
+)
 
 
 @dataclasses.dataclass
@@ -208,12 +216,14 @@ def fitting_pairs(pairs, tokenizer, max_length: int) -> tuple[Dataset, int]:
     rejected = encode_pairs(tokenizer, pairs["prompt"], pairs["rejected"])
     lengths = [max(len(c), len(r)) for c, r in zip(chosen, rejected)]
     keep = [i for i, n in enumerate(lengths) if n <= max_length]
-    dataset = Dataset.from_dict({
-        "prompt": [pairs["prompt"][i] for i in keep],
-        "chosen": [pairs["chosen"][i] for i in keep],
-        "rejected": [pairs["rejected"][i] for i in keep],
-        "length": [lengths[i] for i in keep],
-    })  # fmt: skip
+    dataset = Dataset.from_dict(
+        {
+            "prompt": [pairs["prompt"][i] for i in keep],
+            "chosen": [pairs["chosen"][i] for i in keep],
+            "rejected": [pairs["rejected"][i] for i in keep],
+            "length": [lengths[i] for i in keep],
+        }
+    )
     return dataset, len(lengths) - len(keep)
 
 
@@ -391,20 +401,25 @@ def run(cfg: Config) -> dict[str, float]:
         saved = save_policy(model, tokenizer, tmp, merge_lora=cfg.merge_lora)
         with loading_whole_models(trainer.accelerator):  # ZeRO-3: from_pretrained off zero.Init
             check_reload(
-                saved, lambda: load_saved_policy(tmp, dtype=cfg.dtype),
+                saved,
+                lambda: load_saved_policy(tmp, dtype=cfg.dtype),
                 lambda model, prompts, responses: response_logprobs(model, tokenizer, prompts, responses),
-                inputs.eval, what="the saved policy gives other log-probs", rtol=1e-4,
-            )  # fmt: skip
+                inputs.eval,
+                what="the saved policy gives other log-probs",
+                rtol=1e-4,
+            )
         publish_files(tmp, output_dir)
         metrics = {key: float(value) for key, value in eval_metrics.items() if key in EVAL_METRICS}
-        metrics.update({
-            **training_metrics(trainer, train_output),
-            "train_pairs": len(train_dataset),
-            "train_pairs_too_long": dropped,
-            "eval_pairs": len(eval_dataset),
-            "trainable_parameters": trainable,
-            "total_runtime_s": time.time() - started,
-        })  # fmt: skip
+        metrics.update(
+            {
+                **training_metrics(trainer, train_output),
+                "train_pairs": len(train_dataset),
+                "train_pairs_too_long": dropped,
+                "eval_pairs": len(eval_dataset),
+                "trainable_parameters": trainable,
+                "total_runtime_s": time.time() - started,
+            }
+        )
         print(json.dumps(metrics, indent=2), flush=True)
         atomic_write_json(output_dir / "metrics.json", metrics)  # last: marks the stage done
     trainer.accelerator.wait_for_everyone()

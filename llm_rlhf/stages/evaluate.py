@@ -383,9 +383,14 @@ def load_inputs(cfg: Config, given: EvalObjects) -> EvalInputs:
         probe(reward_fn, prompts)
     verifier = load_verifier(cfg.accuracy_fn, prompts) if cfg.accuracy_fn is not None else None
     return EvalInputs(
-        judge=judge, reward_fn=reward_fn, verifier=verifier, prompts=prompts, tokenizer=tokenizer,
-        baseline_tokenizer=baseline_tokenizer, baseline_has_kl=baseline_tokenizer.get_vocab() == ref_vocab,
-    )  # fmt: skip
+        judge=judge,
+        reward_fn=reward_fn,
+        verifier=verifier,
+        prompts=prompts,
+        tokenizer=tokenizer,
+        baseline_tokenizer=baseline_tokenizer,
+        baseline_has_kl=baseline_tokenizer.get_vocab() == ref_vocab,
+    )
 
 
 def load_tokenizers(cfg: Config, given: EvalObjects) -> dict[str, Any]:
@@ -404,8 +409,13 @@ def load_tokenizers(cfg: Config, given: EvalObjects) -> dict[str, Any]:
         tokenizers[cfg.baseline_path] = tokenizer_or_load(cfg, given.baseline_tokenizer, given.baseline)
     for p, name, model, hint in (
         (cfg.baseline_path, "baseline", given.baseline, "give the baseline's own as baseline_tokenizer"),
-        (reference_path(cfg), "reference", given.reference, "kl_to_ref needs a reference of the policy's tokenizer"),
-    ):  # fmt: skip
+        (
+            reference_path(cfg),
+            "reference",
+            given.reference,
+            "kl_to_ref needs a reference of the policy's tokenizer",
+        ),
+    ):
         if model is not None and p not in tokenizers:  # the policy's, as for the SFT model of a PPO policy
             tokenizers[p] = tokenizers[cfg.policy_path]
             check_embeddings(model, tokenizers[p], name, hint)
@@ -470,14 +480,24 @@ def measure(cfg: Config, inputs: EvalInputs, models: EvalModels) -> Measured:
     measures = Measures(scorer=models.scorer, judge=inputs.judge, verifier=inputs.verifier)
     rows = [p for p in inputs.prompts for _ in range(cfg.samples_per_prompt)]  # prompt-major
     policy = sample_and_score(
-        models.policy, inputs.tokenizer, rows, draws, measures=measures, reference=models.reference,
+        models.policy,
+        inputs.tokenizer,
+        rows,
+        draws,
+        measures=measures,
+        reference=models.reference,
         progress="policy",
-    )  # fmt: skip
+    )
     baseline_ref = models.reference if inputs.baseline_has_kl else None  # KL needs the same ids
     baseline = sample_and_score(
-        models.baseline, inputs.baseline_tokenizer, rows, draws, measures=measures, reference=baseline_ref,
+        models.baseline,
+        inputs.baseline_tokenizer,
+        rows,
+        draws,
+        measures=measures,
+        reference=baseline_ref,
         progress="baseline",
-    )  # fmt: skip
+    )
     if inputs.verifier is None:
         return Measured(policy, baseline)
     greedy = [
@@ -638,7 +658,9 @@ def format_metrics(metrics: dict[str, Any]) -> str:
         lines.append(
             f"{key:<24}{num(metrics[key]):>10}" + (f"  (+/- {stderr:.4f})" if stderr is not None else "")
         )
-    for key in metric_names.COLLAPSE_KEYS:  # the reward-hacking alarm's counters (`llm_rlhf.evaluation.hacking`)
+    for (
+        key
+    ) in metric_names.COLLAPSE_KEYS:  # the reward-hacking alarm's counters (`llm_rlhf.evaluation.hacking`)
         lines.append(f"{key:<24}{num(metrics[key]):>10}{num(metrics[key + metric_names.BASELINE]):>10}")
     reasons = metrics.get(metric_names.ALARM_REASONS)
     if reasons is not None:

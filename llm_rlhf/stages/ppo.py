@@ -82,15 +82,33 @@ def train(
     separate critic) and the final metrics (metrics.json's): the last step's policy, or with keep_best the
     best held-out evaluation's (metrics.json's returned_step; the module docstring)."""
     accelerator, out = Accelerator(), Path(cfg.output_dir)
-    inputs = check_inputs(cfg, policy=policy, tokenizer=tokenizer, reward_model=reward_model,
-                          reward_fn=reward_fn, prompts=prompts)  # fmt: skip
+    inputs = check_inputs(
+        cfg,
+        policy=policy,
+        tokenizer=tokenizer,
+        reward_model=reward_model,
+        reward_fn=reward_fn,
+        prompts=prompts,
+    )
     resume_from = resume_point(cfg, out, accelerator)
-    trainer = build_trainer(cfg, accelerator, inputs.tokenizer, inputs.prompts, inputs.reward_fn,
-                            policy=policy, reward_model=reward_model, verifier=inputs.verifier)  # fmt: skip
+    trainer = build_trainer(
+        cfg,
+        accelerator,
+        inputs.tokenizer,
+        inputs.prompts,
+        inputs.reward_fn,
+        policy=policy,
+        reward_model=reward_model,
+        verifier=inputs.verifier,
+    )
     start(cfg, trainer, inputs, out, resume_from)
     heldout = HeldOut(cfg, trainer, inputs, out, resumed=resume_from is not None)
     history = loop(cfg, trainer, heldout, out, resumed=resume_from is not None, on_step=on_step)
-    final = {**summarize_history(history, cfg), **heldout.watch["summary"], ppo_metrics.RETURNED_STEP: trainer.step}
+    final = {
+        **summarize_history(history, cfg),
+        **heldout.watch["summary"],
+        ppo_metrics.RETURNED_STEP: trainer.step,
+    }
     if cfg.keep_best and heldout.watch["summary"][ppo_metrics.BEST_STEP] is not None:
         final[ppo_metrics.RETURNED_STEP] = return_best(trainer, cfg, out)
     save_final(trainer, cfg, out, final)
@@ -145,8 +163,11 @@ def loop(
                     log_metrics(metrics)
                 if on_step is not None:
                     on_step(dict(metrics))
-                bar.set_postfix(score=f"{metrics['objective/scores']:.2f}", kl=f"{metrics['objective/kl']:.2f}",
-                                beta=f"{metrics['objective/kl_coef']:.3f}")  # fmt: skip
+                bar.set_postfix(
+                    score=f"{metrics['objective/scores']:.2f}",
+                    kl=f"{metrics['objective/kl']:.2f}",
+                    beta=f"{metrics['objective/kl_coef']:.3f}",
+                )
                 bar.update(1)
             if cfg.log_samples_every and (trainer.step % cfg.log_samples_every == 0 or trainer.step == 1):
                 log_samples(trainer, out)  # on every process, like evaluation; the main one writes

@@ -318,9 +318,13 @@ def evaluate_pairs(
     Bradley-Terry loss (`reward_math.bradley_terry_loss`, no margin: what training minimised, held out)."""
     n = len(pairs)
     scores = score_pairs(
-        model, list(pairs["prompt"]) * 2, list(pairs["chosen"]) + list(pairs["rejected"]),
-        batch_size=batch_size, normalize=False, progress=progress,
-    )  # fmt: skip
+        model,
+        list(pairs["prompt"]) * 2,
+        list(pairs["chosen"]) + list(pairs["rejected"]),
+        batch_size=batch_size,
+        normalize=False,
+        progress=progress,
+    )
     chosen, rejected = scores[:n], scores[n:]  # (N,) each
     return {
         "accuracy": pairwise_accuracy(chosen.numpy(), rejected.numpy()),
@@ -461,18 +465,24 @@ def train(
         save_reward_model(reward_model, tmp, merge_lora=cfg.merge_lora)
         with loading_whole_models(trainer.accelerator):  # ZeRO-3: from_pretrained off zero.Init
             check_reload(
-                reward_model, lambda: load_reward_model(tmp, dtype=cfg.dtype), score_pairs, inputs.eval,
-                what="the saved reward model scores differently", rtol=1e-3,
-            )  # fmt: skip
+                reward_model,
+                lambda: load_reward_model(tmp, dtype=cfg.dtype),
+                score_pairs,
+                inputs.eval,
+                what="the saved reward model scores differently",
+                rtol=1e-3,
+            )
         publish_files(tmp, output_dir)
-        metrics.update({
-            **training_metrics(trainer, train_output),
-            "train_pairs": len(train_dataset),
-            "train_pairs_too_long": dropped,
-            **({"train_pairs_distinct": len(set(resampled))} if resampled is not None else {}),
-            "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
-            "total_runtime_s": time.time() - started,
-        })  # fmt: skip
+        metrics.update(
+            {
+                **training_metrics(trainer, train_output),
+                "train_pairs": len(train_dataset),
+                "train_pairs_too_long": dropped,
+                **({"train_pairs_distinct": len(set(resampled))} if resampled is not None else {}),
+                "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+                "total_runtime_s": time.time() - started,
+            }
+        )
         print(json.dumps(metrics, indent=2), flush=True)
         atomic_write_json(output_dir / "metrics.json", metrics)  # last: marks the stage done
     trainer.accelerator.wait_for_everyone()

@@ -47,14 +47,26 @@ class Config:
         require(self.show >= 0, "show", "must be >= 0")
 
 
-def score_texts(model, prompts: list[str], responses: list[str], batch_size: int = 32, *,
-                max_length: int | None = None, progress: bool = False) -> list[float]:  # fmt: skip
+def score_texts(
+    model,
+    prompts: list[str],
+    responses: list[str],
+    batch_size: int = 32,
+    *,
+    max_length: int | None = None,
+    progress: bool = False,
+) -> list[float]:
     """Normalised RM scores of (prompt, response) pairs, batched; one float per pair, in input order.
     `model` is a `RewardModel` (from `load_reward_model`)."""
     scores = score_pairs(
-        model, list(prompts), list(responses), batch_size=batch_size, normalize=True, max_length=max_length,
+        model,
+        list(prompts),
+        list(responses),
+        batch_size=batch_size,
+        normalize=True,
+        max_length=max_length,
         progress=progress,
-    )  # fmt: skip
+    )
     return scores.tolist()
 
 
@@ -84,8 +96,15 @@ def run(cfg: Config) -> dict[str, float]:
         print(f"note: '{cfg.model_path}' stores no normalisation: score == raw_score", flush=True)
 
     prompts, responses = [r["prompt"] for r in rows], [r["response"] for r in rows]
-    raw = score_pairs(model, prompts, responses, batch_size=cfg.batch_size, normalize=False,
-                      max_length=cfg.max_length, progress="scoring")  # fmt: skip
+    raw = score_pairs(
+        model,
+        prompts,
+        responses,
+        batch_size=cfg.batch_size,
+        normalize=False,
+        max_length=cfg.max_length,
+        progress="scoring",
+    )
     scores = (raw - model.mean) / model.std  # (N,)
     lines = [
         json.dumps({**row, "score": float(s), "raw_score": float(r)}) + "\n"

@@ -188,7 +188,7 @@ def sample_responses(
                     "response": tokenizer.decode(tokens[:n], skip_special_tokens=True),
                     "ended_with_eos": done,
                     "num_tokens": n,
-                }  # fmt: skip
+                }
             )
     model.train(was_training)
     return results

@@ -282,12 +282,20 @@ class EnvironmentRow:
 ENVIRONMENTS = {
     row.name: row
     for row in (
-        EnvironmentRow("calculator", lambda: calculator_environment(), False,
-                       "a calculator tool: <tool>calculator(3 + 4)</tool> -> <result>7</result>"),
-        EnvironmentRow("feedback", lambda verifier: Feedback(verifier), True,
-                       "the task's verifier judges each answer; too high / too low, another try"),
+        EnvironmentRow(
+            "calculator",
+            lambda: calculator_environment(),
+            False,
+            "a calculator tool: <tool>calculator(3 + 4)</tool> -> <result>7</result>",
+        ),
+        EnvironmentRow(
+            "feedback",
+            lambda verifier: Feedback(verifier),
+            True,
+            "the task's verifier judges each answer; too high / too low, another try",
+        ),
     )
-}  # fmt: skip
+}
 
 ENVIRONMENT_FORMS = f"one of {', '.join(ENVIRONMENTS)}, 'module:Class' or 'path/to/file.py:Class'"
 

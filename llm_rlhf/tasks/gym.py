@@ -72,11 +72,18 @@ TASKS_DIR = "data/tasks"
 TRAIN_FILE, EVAL_FILE, VERIFIER_FILE = "train_prompts.jsonl", "eval_prompts.jsonl", "verifier.py"
 # The stage keys that a pipeline's `task: <name>` decides, by stage: each a file of its folder.
 TASK_KEYS = {
-    "ppo": {"prompt_file": TRAIN_FILE, "eval_prompt_file": EVAL_FILE,
-            "reward_fn": f"{VERIFIER_FILE}:reward", "accuracy_fn": f"{VERIFIER_FILE}:accuracy"},
-    "eval": {"prompt_file": EVAL_FILE,
-             "reward_fn": f"{VERIFIER_FILE}:reward", "accuracy_fn": f"{VERIFIER_FILE}:accuracy"},
-}  # fmt: skip
+    "ppo": {
+        "prompt_file": TRAIN_FILE,
+        "eval_prompt_file": EVAL_FILE,
+        "reward_fn": f"{VERIFIER_FILE}:reward",
+        "accuracy_fn": f"{VERIFIER_FILE}:accuracy",
+    },
+    "eval": {
+        "prompt_file": EVAL_FILE,
+        "reward_fn": f"{VERIFIER_FILE}:reward",
+        "accuracy_fn": f"{VERIFIER_FILE}:accuracy",
+    },
+}
 EXTRACT_MODES = ("line", "number")
 MAX_ANSWER_CHARS = 4000
 DRAWS_PER_ROW = 20  # how many generator items a row may cost before the task is too small for its sizes

@@ -30,8 +30,17 @@ from llm_rlhf.core.utils import append_jsonl, last_checkpoint
 from llm_rlhf.models.accelerated import loading_whole_models
 from llm_rlhf.models.loading import check_local_folder
 
-SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
-              "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay")  # fmt: skip
+SCHEDULERS = (
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "constant",
+    "constant_with_warmup",
+    "inverse_sqrt",
+    "cosine_with_min_lr",
+    "warmup_stable_decay",
+)
 REPORT_TO = ("none", "tensorboard", "wandb")
 
 
@@ -115,8 +124,14 @@ class TrainerStageConfig:
             "num_train_epochs",
             "must be > 0 (or set max_steps)",
         )
-        for key in ("per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps", "save_steps",
-                    "save_total_limit", "lora_r"):  # fmt: skip
+        for key in (
+            "per_device_train_batch_size",
+            "gradient_accumulation_steps",
+            "logging_steps",
+            "save_steps",
+            "save_total_limit",
+            "lora_r",
+        ):
             require(getattr(self, key) >= 1, key, "must be >= 1")
         require(0 <= self.warmup_ratio < 1, "warmup_ratio", "must be in [0, 1)")
         require(

@@ -117,8 +117,13 @@ def test_ranked_expands_to_all_pairs(tmp_path, tokenizer):
     pairs = rows_of(load_preference_dataset(path, tokenizer, max_length=32))
     assert len(pairs) == 4 * 3 // 2 + 1
     assert [(p["chosen"], p["rejected"]) for p in pairs if p["prompt"] == "P"] == [
-        ("b", "a"), ("b", "d"), ("b", "c"), ("a", "d"), ("a", "c"), ("d", "c")
-    ]  # fmt: skip
+        ("b", "a"),
+        ("b", "d"),
+        ("b", "c"),
+        ("a", "d"),
+        ("a", "c"),
+        ("d", "c"),
+    ]
 
 
 def test_prompt_dataset_schemas(tmp_path, chat_tokenizer):
@@ -320,9 +325,22 @@ def test_ppo_and_eval_read_their_prompt_files_with_the_stage_keys(tiny_model_dir
     from llm_rlhf.stages import evaluate
 
     keys = ["--max_prompt_length", "62", "--data_format", "hh"]
-    ppo_cfg = parse_config(ppo_trainer.Config, [*keys, "--model_name_or_path", str(tiny_model_dir), "--prompt_file",
-                                        str(HH_FILE), "--eval_prompt_file", str(HH_FILE), "--gold_judge", "none",
-                                        "--eval_num_prompts", "100"])  # fmt: skip
+    ppo_cfg = parse_config(
+        ppo_trainer.Config,
+        [
+            *keys,
+            "--model_name_or_path",
+            str(tiny_model_dir),
+            "--prompt_file",
+            str(HH_FILE),
+            "--eval_prompt_file",
+            str(HH_FILE),
+            "--gold_judge",
+            "none",
+            "--eval_num_prompts",
+            "100",
+        ],
+    )
     eval_cfg = parse_config(evaluate.Config, [*keys, "--prompt_file", str(HH_FILE), "--num_prompts", "9"])
     loaders = {
         "ppo prompt_file": lambda cfg: ppo_building.load_prompt_ids(cfg, tokenizer),
@@ -531,8 +549,19 @@ def test_cli_bad_data_exits_2_and_writes_nothing(case, tmp_path, tiny_model_dir,
 
 def test_cli_missing_model_folder(tmp_path, sft_files, capsys):
     out = tmp_path / "run"
-    code = cli.main(["sft", "--model_name_or_path", str(tmp_path / "no_model"), "--train_file", str(sft_files[0]),
-                     "--eval_file", str(sft_files[1]), "--output_dir", str(out)])  # fmt: skip
+    code = cli.main(
+        [
+            "sft",
+            "--model_name_or_path",
+            str(tmp_path / "no_model"),
+            "--train_file",
+            str(sft_files[0]),
+            "--eval_file",
+            str(sft_files[1]),
+            "--output_dir",
+            str(out),
+        ]
+    )
     assert code == 2
     assert capsys.readouterr().err == f"error: model_name_or_path '{tmp_path / 'no_model'}': no such folder\n"
     assert not out.exists()

@@ -45,8 +45,14 @@ def hf_greedy(model_dir: Path, prompts: list[str], max_new_tokens: int) -> list[
     for prompt in prompts:
         ids = torch.tensor([tokenizer(prompt)["input_ids"]])  # (1, P)
         with torch.no_grad():
-            sequence = lm.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                   max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos)  # fmt: skip
+            sequence = lm.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=eos,
+                pad_token_id=eos,
+            )
         response = sequence[0, ids.shape[1] :].tolist()
         response = response[: response.index(eos)] if eos in response else response
         out.append(tokenizer.decode(response, skip_special_tokens=True))
@@ -79,9 +85,16 @@ def test_eval_reports_accuracy_of_the_samples_and_of_greedy_responses(
     transformers' greedy decode, one per prompt, repeated on both of its sample lines."""
     out = tmp_path / "eval"
     metrics = evaluate.run(
-        eval_config(other_model_dir, tiny_model_dir, prompt_file, out, gold_judge="none",
-                    samples_per_prompt=2, accuracy_fn=EVEN)
-    )  # fmt: skip
+        eval_config(
+            other_model_dir,
+            tiny_model_dir,
+            prompt_file,
+            out,
+            gold_judge="none",
+            samples_per_prompt=2,
+            accuracy_fn=EVEN,
+        )
+    )
     rows = read_jsonl(out / "samples.jsonl")
     assert len(rows) == 24 and [r["sample"] for r in rows[:4]] == [0, 1, 0, 1]
     prompts = [r["prompt"] for r in rows[::2]]
@@ -134,9 +147,13 @@ def test_greedy_draws_nothing_random_and_off_means_null(
     assert off["accuracy_fn"] is None and "accuracy" not in evaluate.format_metrics(off)
     for row in read_jsonl(tmp_path / "off" / "samples.jsonl"):
         assert {k: v for k, v in row.items() if "correct" in k or "greedy" in k} == {
-            "policy_correct": None, "baseline_correct": None, "policy_greedy_response": None,
-            "policy_greedy_correct": None, "baseline_greedy_response": None, "baseline_greedy_correct": None,
-        }  # fmt: skip
+            "policy_correct": None,
+            "baseline_correct": None,
+            "policy_greedy_response": None,
+            "policy_greedy_correct": None,
+            "baseline_greedy_response": None,
+            "baseline_greedy_correct": None,
+        }
 
 
 def test_a_graded_or_broken_verifier_stops_before_anything_is_written(tiny_model_dir, prompt_file, tmp_path):
@@ -165,8 +182,16 @@ def test_a_graded_or_broken_verifier_stops_before_anything_is_written(tiny_model
             tiny_model_dir, None, prompt_file, tmp_path, reward_fn="reward_fns:length", accuracy_fn="no_colon"
         )
     ppo_out = tmp_path / "ppo"
-    cfg = ppo_config(tiny_model_dir, None, prompt_file, ppo_out, reward_fn="reward_fns:length", eval_every=1,
-                     eval_prompt_file=str(prompt_file), accuracy_fn="reward_fns:half")  # fmt: skip
+    cfg = ppo_config(
+        tiny_model_dir,
+        None,
+        prompt_file,
+        ppo_out,
+        reward_fn="reward_fns:length",
+        eval_every=1,
+        eval_prompt_file=str(prompt_file),
+        accuracy_fn="reward_fns:half",
+    )
     with pytest.raises(UserError, match=r"^accuracy_fn 'reward_fns:half': score 0 is 0.5;"):
         ppo.run(cfg)
     assert not ppo_out.exists()
@@ -219,11 +244,24 @@ def test_eval_batch_size_gives_runs_of_other_rollout_shapes_the_same_heldout_dra
     """The step-0 evaluation (policy == the initial model) of two runs with 8 and 4 prompts a rollout: the same
     samples and figures with eval_batch_size 3 (batches of 3 drawn after seeding with seed + b), and without it
     other samples (batches of rollout_batch_size). eval_batch_size is checked when the config is built."""
-    kw = dict(reward_fn="reward_fns:length", steps=1, eval_every=1, eval_prompt_file=str(prompt_file),
-              eval_num_prompts=6, accuracy_fn=EVEN)  # fmt: skip
+    kw = dict(
+        reward_fn="reward_fns:length",
+        steps=1,
+        eval_every=1,
+        eval_prompt_file=str(prompt_file),
+        eval_num_prompts=6,
+        accuracy_fn=EVEN,
+    )
     for name, rollout, eval_batch in [("r8", 8, 3), ("r4", 4, 3), ("r8-own", 8, None), ("r4-own", 4, None)]:
-        cfg = ppo_config(tiny_model_dir, None, prompt_file, tmp_path / name, rollout_batch_size=rollout,
-                         eval_batch_size=eval_batch, **kw)  # fmt: skip
+        cfg = ppo_config(
+            tiny_model_dir,
+            None,
+            prompt_file,
+            tmp_path / name,
+            rollout_batch_size=rollout,
+            eval_batch_size=eval_batch,
+            **kw,
+        )
         assert cfg.heldout_batch_size == (eval_batch or rollout)
         ppo.run(cfg)
 
@@ -261,20 +299,46 @@ def test_pipeline_eval_takes_ppos_accuracy_fn(tmp_path, monkeypatch):
 
 # --- the arithmetic verifier through the command -----------------------------------------------------------
 
+
 def test_arithmetic_verifier_through_llm_rlhf_eval(tmp_path):
     """`llm-rlhf eval --accuracy_fn llm_rlhf.tasks.arithmetic:reward` on the committed held-out problems (chat rows,
     rendered with a tiny model's chat template): every verdict is the verifier's on the rendered prompt and
     the response, and the figures are their means."""
     from llm_rlhf.interfaces.cli import main
 
-    model = tiny_chat_model(tmp_path / "chat_model", COLON_CHAT_TEMPLATE, n_positions=256, kind="gpt2")  # long prompts
+    model = tiny_chat_model(
+        tmp_path / "chat_model", COLON_CHAT_TEMPLATE, n_positions=256, kind="gpt2"
+    )  # long prompts
     problems_file = ROOT / "data" / "arithmetic" / "eval_prompts.jsonl"
     problems = read_jsonl(problems_file)[:4]  # the first 4 in file order
     out = tmp_path / "eval"
-    argv = ["eval", "--policy_path", str(model), "--baseline_path", str(model), "--reward_model_path", "none",
-            "--gold_judge", "none", "--prompt_file", str(problems_file), "--num_prompts", "4", "--max_prompt_length", "200",
-            "--max_new_tokens", "8", "--samples_per_prompt", "2", "--accuracy_fn", "llm_rlhf.tasks.arithmetic:reward",
-            "--print_samples", "0", "--output_dir", str(out)]  # fmt: skip
+    argv = [
+        "eval",
+        "--policy_path",
+        str(model),
+        "--baseline_path",
+        str(model),
+        "--reward_model_path",
+        "none",
+        "--gold_judge",
+        "none",
+        "--prompt_file",
+        str(problems_file),
+        "--num_prompts",
+        "4",
+        "--max_prompt_length",
+        "200",
+        "--max_new_tokens",
+        "8",
+        "--samples_per_prompt",
+        "2",
+        "--accuracy_fn",
+        "llm_rlhf.tasks.arithmetic:reward",
+        "--print_samples",
+        "0",
+        "--output_dir",
+        str(out),
+    ]
     assert main(argv) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     rows = read_jsonl(out / "samples.jsonl")

@@ -134,9 +134,15 @@ def test_eval_win_rates_and_standard_errors_are_over_prompts(
     taken over the samples."""
     k, out = 3, tmp_path / "eval"
     metrics = evaluate.run(
-        eval_config(other_model_dir, tiny_model_dir, prompt_file, out, samples_per_prompt=k,
-                    reward_fn="reward_fns:length")
-    )  # fmt: skip
+        eval_config(
+            other_model_dir,
+            tiny_model_dir,
+            prompt_file,
+            out,
+            samples_per_prompt=k,
+            reward_fn="reward_fns:length",
+        )
+    )
     rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert len(rows) == 36 and [r["sample"] for r in rows[:4]] == [0, 1, 2, 0]
     for key in ("gold_score", "reward_fn", "combined_score"):  # sentiment: measured with a fluency gold only
@@ -182,11 +188,15 @@ def test_evaluate_policy_matches_the_command(
     torch.manual_seed(123)
     state = torch.get_rng_state()
     result = measures.evaluate_policy(
-        policy=policy, tokenizer=tokenizer, prompts=prompts,
+        policy=policy,
+        tokenizer=tokenizer,
+        prompts=prompts,
         draws=measures.PairedSampling(Sampling(max_new_tokens=6), seed=0, batch_size=5),
-        measures=measures.Measures(Scorer(freeze(load_reward_model(str(tiny_rm_dir)).to(DEVICE))), GoldJudge.load(SENTIMENT_JUDGE)),
+        measures=measures.Measures(
+            Scorer(freeze(load_reward_model(str(tiny_rm_dir)).to(DEVICE))), GoldJudge.load(SENTIMENT_JUDGE)
+        ),
         reference=measures.KLReference(freeze(load_causal_lm(str(tiny_model_dir)).to(DEVICE))),
-    )  # fmt: skip
+    )
     assert torch.equal(torch.get_rng_state(), state)
     assert policy.training  # restored
     for key in (
@@ -219,9 +229,27 @@ def test_cli_eval(tiny_model_dir, prompt_file, tmp_path):
     from llm_rlhf.interfaces.cli import main
 
     out = tmp_path / "eval"
-    argv = ["eval", "--policy_path", str(tiny_model_dir), "--baseline_path", str(tiny_model_dir),
-            "--reward_model_path", "none", "--gold_judge", SENTIMENT_JUDGE, "--prompt_file", str(prompt_file),
-            "--num_prompts", "4", "--max_new_tokens", "4", "--print_samples", "0", "--output_dir", str(out)]  # fmt: skip
+    argv = [
+        "eval",
+        "--policy_path",
+        str(tiny_model_dir),
+        "--baseline_path",
+        str(tiny_model_dir),
+        "--reward_model_path",
+        "none",
+        "--gold_judge",
+        SENTIMENT_JUDGE,
+        "--prompt_file",
+        str(prompt_file),
+        "--num_prompts",
+        "4",
+        "--max_new_tokens",
+        "4",
+        "--print_samples",
+        "0",
+        "--output_dir",
+        str(out),
+    ]
     assert main(argv) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["gold_win_rate"] == 0.5 and metrics["kl_to_ref"] == 0.0 and metrics["rm_win_rate"] is None

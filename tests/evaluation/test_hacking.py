@@ -76,9 +76,19 @@ def test_standardised_gaps_by_hand():
 
 
 def test_heldout_rows_carry_the_score_ppo_maximised():
-    record = {"prompt": "The film", "response": " was fine.", "rm_score": 0.5, "reward_fn": None, "gold_score": 0.2,
-              "sentiment": 0.4, "fluency_perplexity": 30.0, "kl_to_ref": 1.5, "length": 4, "eos": True,
-              "response_ids": [1, 2, 3]}  # fmt: skip
+    record = {
+        "prompt": "The film",
+        "response": " was fine.",
+        "rm_score": 0.5,
+        "reward_fn": None,
+        "gold_score": 0.2,
+        "sentiment": 0.4,
+        "fluency_perplexity": 30.0,
+        "kl_to_ref": 1.5,
+        "length": 4,
+        "eos": True,
+        "response_ids": [1, 2, 3],
+    }
     (row,) = heldout_sample_rows([record], step=10, reward_fn_weight=0.5)
     assert row["step"] == 10 and row["proxy"] == 0.5 and "response_ids" not in row
     assert {k: row[k] for k in ("prompt", "response", "gold_score", "kl_to_ref")} == {

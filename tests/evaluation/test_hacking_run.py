@@ -64,8 +64,13 @@ def watched_run(model_dir, prompts, out, *, collapse: bool = True, interrupt_at:
     (collapse), `Interrupted` raised after step `interrupt_at` (before its evaluation and checkpoint)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    keys = dict(reward_fn="reward_fns:length", steps=4, eval_every=1, eval_prompt_file=str(prompts),
-                eval_num_prompts=20)  # fmt: skip
+    keys = dict(
+        reward_fn="reward_fns:length",
+        steps=4,
+        eval_every=1,
+        eval_prompt_file=str(prompts),
+        eval_num_prompts=20,
+    )
     cfg = ppo_config(model_dir, None, prompts, out, **{**keys, **kw})
     collapse_hook = collapse_onto_one_word(model, tokenizer) if collapse else None
 
@@ -202,9 +207,15 @@ def test_keep_best_by_accuracy_with_a_verifier(tiny_model_dir, prompt_file, tmp_
     """Without a gold judge, keep_best ranks the evaluations by the verifier's accuracy."""
     out = tmp_path / "ppo"
     trained, _ = watched_run(
-        tiny_model_dir, prompt_file, out, collapse=False, keep_best=True, gold_judge="none",
-        accuracy_fn="reward_fns:even_length", steps=2,
-    )  # fmt: skip
+        tiny_model_dir,
+        prompt_file,
+        out,
+        collapse=False,
+        keep_best=True,
+        gold_judge="none",
+        accuracy_fn="reward_fns:even_length",
+        steps=2,
+    )
     log = read_jsonl(out / "eval_log.jsonl")
     accuracy = [r["accuracy"] for r in log]
     best = log[accuracy.index(max(accuracy))]["step"]  # the earliest of ties
@@ -218,9 +229,17 @@ def test_keep_best_with_lora(tiny_model_dir, prompt_file, tmp_path):
     checkpoint's adapter loads back into the trainer's model: the returned adapter is the best one's."""
     out = tmp_path / "ppo"
     trained, _ = watched_run(
-        tiny_model_dir, prompt_file, out, collapse=False, keep_best=True, use_lora=True, lora_r=4,
-        lora_alpha=8, learning_rate=5e-2, steps=2,
-    )  # fmt: skip
+        tiny_model_dir,
+        prompt_file,
+        out,
+        collapse=False,
+        keep_best=True,
+        use_lora=True,
+        lora_r=4,
+        lora_alpha=8,
+        learning_rate=5e-2,
+        steps=2,
+    )
     best = trained.metrics[ppo_metrics.BEST_STEP]
     assert trained.metrics[ppo_metrics.RETURNED_STEP] == best
     checkpoint = load_file(out / "best" / "policy_trainable.safetensors")
@@ -259,9 +278,7 @@ def test_resume_reads_the_heldout_log_back(kept, tiny_model_dir, prompt_file, tm
         watched_run(tiny_model_dir, prompt_file, cut, keep_best=True, save_steps=1, interrupt_at=3)
     assert last_checkpoint(cut, "step").name == "step-2"
     assert [r["step"] for r in read_jsonl(cut / "eval_log.jsonl")] == [0, 1, 2]
-    watched_run(
-        tiny_model_dir, prompt_file, cut, collapse=False, keep_best=True, save_steps=1, resume=True
-    )
+    watched_run(tiny_model_dir, prompt_file, cut, collapse=False, keep_best=True, save_steps=1, resume=True)
     log = read_jsonl(cut / "eval_log.jsonl")
     assert log == read_jsonl(whole / "eval_log.jsonl")
     assert log[-1]["alarm_step"] == COLLAPSE_STEP and log[-1]["best_step"] < COLLAPSE_STEP
@@ -279,9 +296,7 @@ def test_resume_reads_the_heldout_log_back(kept, tiny_model_dir, prompt_file, tm
 
 def test_the_keys_need_heldout_evaluation_and_a_gold(tiny_model_dir, prompt_file, tmp_path):
     def config(**kw):
-        return ppo_config(
-            tiny_model_dir, None, prompt_file, tmp_path, reward_fn="reward_fns:length", **kw
-        )
+        return ppo_config(tiny_model_dir, None, prompt_file, tmp_path, reward_fn="reward_fns:length", **kw)
 
     for key in ("stop_on_alarm", "keep_best"):
         with pytest.raises(ConfigError, match=f"'{key}'.*eval_every > 0"):
@@ -339,7 +354,14 @@ def test_ppo_help_states_the_rule_and_thresholds(capsys):
     text = capsys.readouterr().out
     assert "--stop_on_alarm (bool, default False)" in text and "--keep_best (bool, default False)" in text
     # the rules and thresholds as `hacking` has them
-    for rule in (f"{hacking.Z:g} standard errors", "2 evaluations in a row", "duplicate_rate", "echo_rate",
-                 "Fisher's exact test", f"p <= {hacking.COUNTER_ALPHA:.2g}", "0.05 false alarms per run of up to 100",
-                 "output_dir/last"):  # fmt: skip
+    for rule in (
+        f"{hacking.Z:g} standard errors",
+        "2 evaluations in a row",
+        "duplicate_rate",
+        "echo_rate",
+        "Fisher's exact test",
+        f"p <= {hacking.COUNTER_ALPHA:.2g}",
+        "0.05 false alarms per run of up to 100",
+        "output_dir/last",
+    ):
         assert rule in text, rule

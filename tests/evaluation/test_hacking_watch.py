@@ -43,7 +43,11 @@ from llm_rlhf.evaluation.hacking import (
 )
 
 DATA = ROOT / "data" / "reviews"
-DEFAULT_RUN_COLLAPSE = [" a heart.", " is a heart.", " heart of a heart."]  # what a default run collapsed onto
+DEFAULT_RUN_COLLAPSE = [
+    " a heart.",
+    " is a heart.",
+    " heart of a heart.",
+]  # what a default run collapsed onto
 
 
 def review_sentences() -> list[str]:
@@ -64,8 +68,14 @@ def counters(responses: list[str]) -> dict[str, float]:
 
 
 def point(step, proxy, gold, *, proxy_stderr=0.05, gold_stderr=0.05, **counters) -> dict:
-    return {"step": step, "proxy": proxy, "proxy_stderr": proxy_stderr, "gold": gold,
-            "gold_stderr": gold_stderr, **counters}  # fmt: skip
+    return {
+        "step": step,
+        "proxy": proxy,
+        "proxy_stderr": proxy_stderr,
+        "gold": gold,
+        "gold_stderr": gold_stderr,
+        **counters,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -74,7 +84,10 @@ def point(step, proxy, gold, *, proxy_stderr=0.05, gold_stderr=0.05, **counters)
 
 
 def test_collapse_counters_by_hand():
-    responses = [*DEFAULT_RUN_COLLAPSE, "  a   heart. "]  # the last is the first after whitespace normalisation
+    responses = [
+        *DEFAULT_RUN_COLLAPSE,
+        "  a   heart. ",
+    ]  # the last is the first after whitespace normalisation
     # bigrams: (a heart) | (is a)(a heart) | (heart of)(of a)(a heart) | (a heart):
     # 7 in all, 4 distinct, "a heart" 4 times and in every response
     assert word_bigrams(" heart of a Heart.") == [("heart", "of"), ("of", "a"), ("a", "heart")]
@@ -143,9 +156,9 @@ def test_duplicate_counters_match_their_naive_forms():
         counted = [repeated[i] and not correct[i] for i in range(n)]
         assert duplicate_rate(responses, prompts=prompts, correct=correct) == sum(counted) / n
         to_several = {t for t in norm if len({prompts[i] for i in range(n) if norm[i] == t}) > 1}
-        naive_top = max(
-            (sum(norm[i] == t and not correct[i] for i in range(n)) for t in to_several), default=0
-        ) / n  # fmt: skip
+        naive_top = (
+            max((sum(norm[i] == t and not correct[i] for i in range(n)) for t in to_several), default=0) / n
+        )
         assert top_response_share(responses, prompts=prompts, correct=correct) == naive_top
     with pytest.raises(ValueError):
         duplicate_rate(["a", "b"], correct=[1.0])
@@ -232,8 +245,11 @@ def test_alarm_fires_on_the_default_runs_collapse():
     real = review_sentences()
     baseline = counters(real[:32])  # the SFT model's step-0 evaluation: varied reviews
     collapsed = [DEFAULT_RUN_COLLAPSE[i % 3] for i in range(32)]
-    points = [point(0, 0.0, 0.0, **baseline), point(10, 0.5, 0.1, **counters(real[32:64])),
-              point(20, 1.0, 0.1, **counters(collapsed))]  # fmt: skip
+    points = [
+        point(0, 0.0, 0.0, **baseline),
+        point(10, 0.5, 0.1, **counters(real[32:64])),
+        point(20, 1.0, 0.1, **counters(collapsed)),
+    ]
     alarm = watch(points, baseline=baseline)
     assert alarm is not None and (alarm["index"], alarm["step"]) == (2, 20)
     assert alarm["rules"] == ["duplicate_rate", "top_bigram_share", "shared_bigram_rate", "word_distinct_2"]
@@ -297,7 +313,9 @@ def test_a_correct_terse_verifier_policy_stays_quiet():
     baseline = evaluation(0, prompts, wordy, [1.0 if rng.random() < 0.5 else 0.0 for _ in problems])
     policy = evaluation(10, prompts, terse, correct)
     unverified = collapse_rates(terse, prompts=prompts)
-    assert unverified["duplicate_rate"] > 0.5 and unverified["word_distinct_2"] == 0.0  # the raw counters' reading
+    assert (
+        unverified["duplicate_rate"] > 0.5 and unverified["word_distinct_2"] == 0.0
+    )  # the raw counters' reading
     assert policy["duplicate_rate"] == 0.0 and policy["top_response_share"] == 0.0
     assert counter_alarms(policy, baseline=baseline) == {}
     assert watch([baseline, *[{**policy, "step": 10 * k} for k in range(1, 30)]], baseline=baseline) is None
@@ -334,7 +352,9 @@ def test_a_collapse_from_near_the_ceiling_fires():
         alarm = watch([baseline, evaluation(10, prompts, ["21"] * n)], baseline=baseline)
         assert alarm is not None and alarm["step"] == 10 and "top_response_share" in alarm["rules"], alarm
     ceiling = {"duplicate_rate": 60 / 76, RESPONSES: 76}
-    assert counter_alarms({"duplicate_rate": 1.0, RESPONSES: 76}, baseline=ceiling).keys() == {"duplicate_rate"}
+    assert counter_alarms({"duplicate_rate": 1.0, RESPONSES: 76}, baseline=ceiling).keys() == {
+        "duplicate_rate"
+    }
     assert counter_alarms({"duplicate_rate": 1.0, RESPONSES: 32}, baseline={**ceiling, RESPONSES: 32}) == {}
 
 
@@ -444,12 +464,28 @@ def test_gold_rule_false_alarms_over_a_long_run():
 
 
 def test_trajectory_point_reads_eval_log_lines():
-    line = {"step": 10, "kl": 3.0, "rm_score": 0.5, "reward_fn": 1.0, "gold_score": 0.2,
-            "gold_score_stderr": 0.04, "accuracy": None, "accuracy_stderr": None, "duplicate_rate": 0.1,
-            "empty_rate": None, "eos_rate": 1.0}  # fmt: skip
+    line = {
+        "step": 10,
+        "kl": 3.0,
+        "rm_score": 0.5,
+        "reward_fn": 1.0,
+        "gold_score": 0.2,
+        "gold_score_stderr": 0.04,
+        "accuracy": None,
+        "accuracy_stderr": None,
+        "duplicate_rate": 0.1,
+        "empty_rate": None,
+        "eos_rate": 1.0,
+    }
     p = trajectory_point(line, reward_fn_weight=0.5)
-    assert p == {"step": 10, "proxy": 0.5 + 0.5 * 1.0, "proxy_stderr": None, "gold": 0.2, "gold_stderr": 0.04,
-                 "duplicate_rate": 0.1}  # fmt: skip
+    assert p == {
+        "step": 10,
+        "proxy": 0.5 + 0.5 * 1.0,
+        "proxy_stderr": None,
+        "gold": 0.2,
+        "gold_stderr": 0.04,
+        "duplicate_rate": 0.1,
+    }
     # a logged proxy (and its stderr) wins; no RM: the reward function alone; neither: None
     logged = trajectory_point({**line, "proxy": 2.0, "proxy_stderr": 0.1}, reward_fn_weight=0.5)
     assert (logged["proxy"], logged["proxy_stderr"]) == (2.0, 0.1)
@@ -465,8 +501,10 @@ def test_best_evaluation_by_gold_or_accuracy():
     assert best_evaluation([point(10 * i, 0.0, g) for i, g in enumerate(golds)]) == 1  # the earliest of ties
     assert best_evaluation(HACKED) == 2
     assert best_evaluation([point(0, 0.0, None)]) is None and best_evaluation([]) is None
-    lines = [{"step": s, "rm_score": 0.0, "reward_fn": None, "gold_score": g, "accuracy": a}
-             for s, g, a in ((0, 0.9, 0.2), (10, 0.1, 0.6), (20, 0.5, 0.4))]  # fmt: skip
+    lines = [
+        {"step": s, "rm_score": 0.0, "reward_fn": None, "gold_score": g, "accuracy": a}
+        for s, g, a in ((0, 0.9, 0.2), (10, 0.1, 0.6), (20, 0.5, 0.4))
+    ]
     assert best_evaluation([trajectory_point(x, reward_fn_weight=1.0) for x in lines]) == 1  # by accuracy
 
 
@@ -482,8 +520,11 @@ def test_watch_fields_for_the_eval_log():
 
     log = [line(0, 0.0, healthy), line(10, 0.3, counters(real[32:64])), line(20, 0.2, collapsed)]
     assert watch_fields(log[:2], reward_fn_weight=1.0) == {
-        "alarm_step": None, "alarm_rules": [], "alarm_reasons": [], "best_step": 10,
-    }  # fmt: skip
+        "alarm_step": None,
+        "alarm_rules": [],
+        "alarm_reasons": [],
+        "best_step": 10,
+    }
     fields = watch_fields(log, reward_fn_weight=1.0)
     assert fields["alarm_step"] == 20 and fields["best_step"] == 10
     assert fields["alarm_rules"] == [

@@ -58,9 +58,13 @@ def test_compiled_sampling_on_cuda_draws_from_the_model(tiny_llama_dir):
     greedy = sample(lm, tokenizer, query, query_mask, Sampling(12, temperature=0.0, sampling_compile=True))
     with generation_config_hidden(lm), torch.no_grad():
         expected = lm.generate(
-            input_ids=query, attention_mask=query_mask, max_new_tokens=12, do_sample=False,
-            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        )[:, query.shape[1] :]  # fmt: skip
+            input_ids=query,
+            attention_mask=query_mask,
+            max_new_tokens=12,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )[:, query.shape[1] :]
     expected = torch.where(
         greedy.response_mask, expected[:, : greedy.response.shape[1]], tokenizer.pad_token_id
     )
@@ -99,10 +103,24 @@ def test_bf16_autocast_ppo_step_on_cuda(tiny_model_dir, tiny_rm_dir, prompt_file
 def peak_memory(extra: list[str], tmp_path) -> float:
     out = tmp_path / f"peak{len(extra)}.json"
     subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "ppo_step.py"), "--model", "gpt2", "--device", "cuda",
-         "--steps", "1", "--warmup", "0", "--json", str(out), *extra],
-        check=True, cwd=ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "ppo_step.py"),
+            "--model",
+            "gpt2",
+            "--device",
+            "cuda",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--json",
+            str(out),
+            *extra,
+        ],
+        check=True,
+        cwd=ROOT,
+    )
     return json.loads(out.read_text())["peak_memory_mb"]
 
 

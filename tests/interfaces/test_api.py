@@ -18,8 +18,17 @@ from llm_rlhf.core.errors import ConfigError, DataError, UserError
 from llm_rlhf.interfaces import cli
 from llm_rlhf.models.loading import load_causal_lm, load_tokenizer
 
-TINY_PPO = dict(steps=2, rollout_batch_size=4, mini_batch_size=2, ppo_epochs=1, max_new_tokens=6, save_steps=0,
-                eval_every=0, log_samples_every=0, learning_rate=1e-3)  # fmt: skip
+TINY_PPO = dict(
+    steps=2,
+    rollout_batch_size=4,
+    mini_batch_size=2,
+    ppo_epochs=1,
+    max_new_tokens=6,
+    save_steps=0,
+    eval_every=0,
+    log_samples_every=0,
+    learning_rate=1e-3,
+)
 
 
 def error_line(capsys, argv: list[str]) -> str:
@@ -85,8 +94,13 @@ def test_bad_key_and_value_raise_the_commands_message(capsys):
 def test_bad_data_row_raises_the_commands_message(tiny_model_dir, tmp_path, capsys):
     rows = [{"prompt": "the film"}, {"prompt": 7}]
     bad = write_jsonl(tmp_path / "prompts.jsonl", rows)
-    keys = dict(model_name_or_path=str(tiny_model_dir), reward_model_path="none", reward_fn="reward_fns:length",
-                output_dir=str(tmp_path / "out"), **TINY_PPO)  # fmt: skip
+    keys = dict(
+        model_name_or_path=str(tiny_model_dir),
+        reward_model_path="none",
+        reward_fn="reward_fns:length",
+        output_dir=str(tmp_path / "out"),
+        **TINY_PPO,
+    )
     command = error_line(capsys, ["ppo", *[f"--{k}={v}" for k, v in keys.items()], "--prompt_file", str(bad)])
     with pytest.raises(DataError) as api:
         llm_rlhf.train_ppo(keys, prompts=rows)
@@ -102,9 +116,10 @@ def test_a_broken_reward_function_stops_before_training(tiny_model_dir, tmp_path
     ):
         llm_rlhf.train_ppo(
             {**TINY_PPO, "reward_model_path": None, "output_dir": str(tmp_path / "out")},
-            policy=str(tiny_model_dir), prompts=["the film", "a plot"],
+            policy=str(tiny_model_dir),
+            prompts=["the film", "a plot"],
             reward_fn=lambda prompts, responses: [1 / 0 for _ in responses],
-        )  # fmt: skip
+        )
     assert not (tmp_path / "out").exists()
 
 
@@ -132,11 +147,13 @@ def test_ppo_with_objects_calls_on_step_once_per_step(tiny_model_dir, tiny_rm_di
     seen = []
     result = llm_rlhf.train_ppo(
         {**TINY_PPO, "output_dir": str(tmp_path / "ppo")},
-        policy=policy, tokenizer=load_tokenizer(str(tiny_model_dir)),
+        policy=policy,
+        tokenizer=load_tokenizer(str(tiny_model_dir)),
         reward_model=[load_reward_model(tiny_rm_dir), load_reward_model(tiny_rm_dir)],
-        reward_fn=lambda prompts, responses: [len(r) / 10 for r in responses], prompts=prompts,
+        reward_fn=lambda prompts, responses: [len(r) / 10 for r in responses],
+        prompts=prompts,
         on_step=seen.append,
-    )  # fmt: skip
+    )
     logged = read_jsonl(tmp_path / "ppo" / "metrics.jsonl")
     assert [m["step"] for m in seen] == [1, 2] and seen == logged
     assert "objective/scores_member_1" in logged[0] and "objective/reward_fn" in logged[0]
@@ -188,17 +205,31 @@ def test_sft_on_dicts_with_on_step(tiny_model_dir, tmp_path):
     ]
     seen = []
     result = llm_rlhf.train_sft(
-        {"output_dir": str(tmp_path / "sft"), "max_steps": 3, "per_device_train_batch_size": 2, "logging_steps": 1,
-         "eval_steps": 0, "num_samples": 2, "max_new_tokens": 4, "max_length": 32},
-        model=str(tiny_model_dir), train_data=rows * 4, eval_data=rows, on_step=seen.append,
-    )  # fmt: skip
+        {
+            "output_dir": str(tmp_path / "sft"),
+            "max_steps": 3,
+            "per_device_train_batch_size": 2,
+            "logging_steps": 1,
+            "eval_steps": 0,
+            "num_samples": 2,
+            "max_new_tokens": 4,
+            "max_length": 32,
+        },
+        model=str(tiny_model_dir),
+        train_data=rows * 4,
+        eval_data=rows,
+        on_step=seen.append,
+    )
     losses = [m for m in seen if "loss" in m]
     assert [m["step"] for m in losses] == [1, 2, 3]
     assert losses == [m for m in read_jsonl(tmp_path / "sft" / "log.jsonl") if "loss" in m]
     assert result.metrics["global_step"] == 3 and result.metrics["train_examples"] == 8
     with pytest.raises(DataError, match=r"^train_data, row 2, field 'completion': "):
-        llm_rlhf.train_sft({"output_dir": str(tmp_path / "bad")}, model=str(tiny_model_dir),
-                           train_data=[rows[0], {"prompt": "x", "completion": None}])  # fmt: skip
+        llm_rlhf.train_sft(
+            {"output_dir": str(tmp_path / "bad")},
+            model=str(tiny_model_dir),
+            train_data=[rows[0], {"prompt": "x", "completion": None}],
+        )
 
 
 def test_reward_model_object_scores_as_its_folder(tiny_model_dir, prompt_file, tmp_path):
@@ -209,15 +240,30 @@ def test_reward_model_object_scores_as_its_folder(tiny_model_dir, prompt_file, t
     rows = preference_rows()
     seen = []
     rm = llm_rlhf.train_reward_model(
-        {"model_name_or_path": str(tiny_model_dir), "output_dir": str(tmp_path / "rm"), "max_steps": 2,
-         "per_device_train_batch_size": 4, "logging_steps": 1, "eval_steps": 0, "max_length": 48},
-        train_data=rows * 4, eval_data=rows, test_data=rows, on_step=seen.append,
-    )  # fmt: skip
+        {
+            "model_name_or_path": str(tiny_model_dir),
+            "output_dir": str(tmp_path / "rm"),
+            "max_steps": 2,
+            "per_device_train_batch_size": 4,
+            "logging_steps": 1,
+            "eval_steps": 0,
+            "max_length": 48,
+        },
+        train_data=rows * 4,
+        eval_data=rows,
+        test_data=rows,
+        on_step=seen.append,
+    )
     assert [m["step"] for m in seen if "loss" in m] == [1, 2]
     assert rm.metrics["train_pairs"] == 4 * len(rows) and rm.metrics["test_pairs"] == len(rows)
     prompts = [json.loads(line)["prompt"] for line in prompt_file.read_text().splitlines()][:4]
-    keys = dict(policy_path=str(tiny_model_dir), baseline_path=str(tiny_model_dir), gold_judge=SENTIMENT_JUDGE,
-                num_prompts=4, max_new_tokens=6)  # fmt: skip
+    keys = dict(
+        policy_path=str(tiny_model_dir),
+        baseline_path=str(tiny_model_dir),
+        gold_judge=SENTIMENT_JUDGE,
+        num_prompts=4,
+        max_new_tokens=6,
+    )
     by_object = llm_rlhf.run_eval(
         {**keys, "output_dir": str(tmp_path / "a")}, reward_model=rm.model, prompts=prompts
     )
@@ -232,8 +278,9 @@ def test_reward_model_object_scores_as_its_folder(tiny_model_dir, prompt_file, t
 
 # --- models as objects where the command takes folders: the same results -------------------------------------
 
-TINY_RM = dict(max_steps=2, per_device_train_batch_size=4, logging_steps=1, eval_steps=0, max_length=48,
-               test_file=None)  # fmt: skip
+TINY_RM = dict(
+    max_steps=2, per_device_train_batch_size=4, logging_steps=1, eval_steps=0, max_length=48, test_file=None
+)
 
 
 def without_runtimes(metrics: dict) -> dict:
@@ -302,8 +349,10 @@ def test_reward_model_on_a_model_object_equals_its_folder(kind, tiny_model_dir, 
         p.numel() for p in by_object.model.parameters()
     )
     assert trains_all == (kind != "use_lora")  # with use_lora: the adapter and the score head
-    scores = [r.model(*r.tokenizer(["The film is good"], return_tensors="pt").to(r.model.device).values())
-              for r in (by_folder, by_object)]  # fmt: skip
+    scores = [
+        r.model(*r.tokenizer(["The film is good"], return_tensors="pt").to(r.model.device).values())
+        for r in (by_folder, by_object)
+    ]
     assert torch.equal(*scores)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # trained a copy
     assert isinstance(model, PeftModel) == (kind == "peft")  # the caller's adapter is not merged away
@@ -314,9 +363,11 @@ def test_reward_model_object_with_an_unmerged_lora_is_a_config_error(tiny_model_
     with pytest.raises(ConfigError, match=r"^config key 'merge_lora': a LoRA reward model on a model object"):
         llm_rlhf.train_reward_model(
             {**TINY_RM, "use_lora": True, "output_dir": str(tmp_path / "rm")},
-            model=load_causal_lm(str(tiny_model_dir)), tokenizer=load_tokenizer(str(tiny_model_dir)),
-            train_data=preference_rows(), eval_data=preference_rows(),
-        )  # fmt: skip
+            model=load_causal_lm(str(tiny_model_dir)),
+            tokenizer=load_tokenizer(str(tiny_model_dir)),
+            train_data=preference_rows(),
+            eval_data=preference_rows(),
+        )
     assert not (tmp_path / "rm").exists()
 
 
@@ -331,8 +382,15 @@ def eval_models(tiny_model_dir, tmp_path) -> tuple[Path, Path, Path]:
 def eval_keys(policy: Path, prompt_file: Path) -> dict:
     from helpers import SENTIMENT_JUDGE
 
-    return dict(policy_path=str(policy), reward_model_path=None, gold_judge=SENTIMENT_JUDGE,
-                prompt_file=str(prompt_file), num_prompts=6, max_new_tokens=6, print_samples=0)  # fmt: skip
+    return dict(
+        policy_path=str(policy),
+        reward_model_path=None,
+        gold_judge=SENTIMENT_JUDGE,
+        prompt_file=str(prompt_file),
+        num_prompts=6,
+        max_new_tokens=6,
+        print_samples=0,
+    )
 
 
 def without_paths(metrics: dict) -> dict:
@@ -355,12 +413,14 @@ def test_eval_baseline_and_reference_objects_equal_their_folders(eval_models, pr
     )
     by_objects = llm_rlhf.run_eval(
         {**keys, "output_dir": str(tmp_path / "o")},
-        baseline=load_causal_lm(str(baseline)), reference=load_causal_lm(str(ref)),
-    )  # fmt: skip
+        baseline=load_causal_lm(str(baseline)),
+        reference=load_causal_lm(str(ref)),
+    )
     own_tokenizer = llm_rlhf.run_eval(
         {**keys, "reference_path": str(ref), "output_dir": str(tmp_path / "t")},
-        baseline=load_causal_lm(str(baseline)), baseline_tokenizer=load_tokenizer(str(baseline)),
-    )  # fmt: skip
+        baseline=load_causal_lm(str(baseline)),
+        baseline_tokenizer=load_tokenizer(str(baseline)),
+    )
     assert 0 not in (
         by_folder["kl_to_ref"],
         by_folder["kl_to_ref_baseline"],
@@ -387,8 +447,11 @@ def test_eval_model_objects_that_cannot_read_the_policys_ids(eval_models, prompt
     keys = {**eval_keys(policy, prompt_file), "output_dir": str(tmp_path / "e")}
     small = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=64, n_embd=8, n_layer=1, n_head=1))
     rows = len(load_tokenizer(str(policy)))
-    with pytest.raises(UserError, match=rf"^baseline: its embeddings have 16 rows, fewer than the {rows} tokens "
-                       r"of the policy's tokenizer; give the baseline's own as baseline_tokenizer$"):  # fmt: skip
+    with pytest.raises(
+        UserError,
+        match=rf"^baseline: its embeddings have 16 rows, fewer than the {rows} tokens "
+        r"of the policy's tokenizer; give the baseline's own as baseline_tokenizer$",
+    ):
         llm_rlhf.run_eval(keys, baseline=small)
     with pytest.raises(
         UserError, match=r"^reference: its embeddings have 16 rows.*needs a reference of the "
@@ -416,7 +479,7 @@ def test_a_saved_config_with_objects_runs_again_once_paths_replace_them(
     first = llm_rlhf.run_eval(
         {**eval_keys(policy, prompt_file), "output_dir": str(tmp_path / "first")},
         baseline=load_causal_lm(str(baseline)),
-    )  # fmt: skip
+    )
     capsys.readouterr()  # the evaluation's progress bars
     saved = tmp_path / "first" / "config.yaml"
     values = yaml.safe_load(saved.read_text())
@@ -461,8 +524,12 @@ def test_a_saved_config_with_objects_runs_again_once_paths_replace_them(
 
 
 def test_cli_and_api_give_the_same_ppo_run(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
-    keys = dict(model_name_or_path=str(tiny_model_dir), reward_model_path=str(tiny_rm_dir),
-                prompt_file=str(prompt_file), **TINY_PPO)  # fmt: skip
+    keys = dict(
+        model_name_or_path=str(tiny_model_dir),
+        reward_model_path=str(tiny_rm_dir),
+        prompt_file=str(prompt_file),
+        **TINY_PPO,
+    )
     argv = ["ppo", *[f"--{k}={v}" for k, v in keys.items()], "--output_dir", str(tmp_path / "cli")]
     assert cli.main(argv) == 0
     llm_rlhf.train_ppo({**keys, "output_dir": str(tmp_path / "api")})

@@ -14,8 +14,17 @@ from llm_rlhf.models.loading import load_causal_lm, load_tokenizer
 from llm_rlhf.models.reward_model import load_reward_model, score_pairs
 
 SAME_DEVICE = r"^Expected all tensors to be on the same device"
-TINY_PPO = dict(steps=1, rollout_batch_size=4, mini_batch_size=2, ppo_epochs=1, max_new_tokens=4, save_steps=0,
-                eval_every=0, log_samples_every=0, learning_rate=1e-3)  # fmt: skip
+TINY_PPO = dict(
+    steps=1,
+    rollout_batch_size=4,
+    mini_batch_size=2,
+    ppo_epochs=1,
+    max_new_tokens=4,
+    save_steps=0,
+    eval_every=0,
+    log_samples_every=0,
+    learning_rate=1e-3,
+)
 PROMPTS = [" ".join(s.split(" ")[:3]) for s in SENTENCES[:4]]
 
 
@@ -118,20 +127,37 @@ def test_train_ppo_with_a_placed_policy_and_reward_model(
 
         lora = LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True, task_type="CAUSAL_LM")
         policy = get_peft_model(policy, lora)
-    keys = dict(TINY_PPO, steps=2, eval_every=1, eval_prompt_file=str(prompt_file), eval_num_prompts=4,
-                keep_best=True, gold_judge=SENTIMENT_JUDGE, output_dir=str(tmp_path / "ppo"))  # fmt: skip
+    keys = dict(
+        TINY_PPO,
+        steps=2,
+        eval_every=1,
+        eval_prompt_file=str(prompt_file),
+        eval_num_prompts=4,
+        keep_best=True,
+        gold_judge=SENTIMENT_JUDGE,
+        output_dir=str(tmp_path / "ppo"),
+    )
     with on_device(policy, tiny_rm):
         result = llm_rlhf.train_ppo(
-            keys, policy=policy, tokenizer=tokenizer, reward_model=[tiny_rm, tiny_rm],
-            reward_fn=lambda prompts, responses: [len(r) for r in responses], prompts=PROMPTS,
-        )  # fmt: skip
+            keys,
+            policy=policy,
+            tokenizer=tokenizer,
+            reward_model=[tiny_rm, tiny_rm],
+            reward_fn=lambda prompts, responses: [len(r) for r in responses],
+            prompts=PROMPTS,
+        )
     assert result.model is policy and result.metrics["returned_step"] is not None
 
 
 def test_train_ppo_from_folders(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
     """The command's path: every model loaded from a folder, placed where the run moves it."""
-    keys = dict(model_name_or_path=str(tiny_model_dir), reward_model_path=str(tiny_rm_dir),
-                prompt_file=str(prompt_file), output_dir=str(tmp_path / "ppo"), **TINY_PPO)  # fmt: skip
+    keys = dict(
+        model_name_or_path=str(tiny_model_dir),
+        reward_model_path=str(tiny_rm_dir),
+        prompt_file=str(prompt_file),
+        output_dir=str(tmp_path / "ppo"),
+        **TINY_PPO,
+    )
     with on_device():
         llm_rlhf.train_ppo(keys)
 
@@ -139,13 +165,23 @@ def test_train_ppo_from_folders(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_pa
 def test_train_reward_model_on_a_placed_model(tiny_model_dir, tmp_path):
     model = load_causal_lm(str(tiny_model_dir))
     rows = preference_rows()
-    keys = dict(output_dir=str(tmp_path / "rm"), max_steps=1, per_device_train_batch_size=4, logging_steps=1,
-                eval_steps=0, max_length=48)  # fmt: skip
+    keys = dict(
+        output_dir=str(tmp_path / "rm"),
+        max_steps=1,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        eval_steps=0,
+        max_length=48,
+    )
     with on_device(model):
         result = llm_rlhf.train_reward_model(
-            keys, model=model, tokenizer=load_tokenizer(str(tiny_model_dir)), train_data=rows * 2,
-            eval_data=rows, test_data=rows,
-        )  # fmt: skip
+            keys,
+            model=model,
+            tokenizer=load_tokenizer(str(tiny_model_dir)),
+            train_data=rows * 2,
+            eval_data=rows,
+            test_data=rows,
+        )
     assert result.metrics["global_step"] == 1
 
 
@@ -155,12 +191,24 @@ def test_train_sft_on_a_placed_model(tiny_model_dir, tmp_path):
         {"prompt": "the film was", "completion": " good and fun"},
         {"prompt": "a plot", "completion": " dull"},
     ]
-    keys = dict(output_dir=str(tmp_path / "sft"), max_steps=1, per_device_train_batch_size=2, logging_steps=1,
-                eval_steps=0, num_samples=2, max_new_tokens=4, max_length=32)  # fmt: skip
+    keys = dict(
+        output_dir=str(tmp_path / "sft"),
+        max_steps=1,
+        per_device_train_batch_size=2,
+        logging_steps=1,
+        eval_steps=0,
+        num_samples=2,
+        max_new_tokens=4,
+        max_length=32,
+    )
     with on_device(model):
         result = llm_rlhf.train_sft(
-            keys, model=model, tokenizer=load_tokenizer(str(tiny_model_dir)), train_data=rows * 2, eval_data=rows
-        )  # fmt: skip
+            keys,
+            model=model,
+            tokenizer=load_tokenizer(str(tiny_model_dir)),
+            train_data=rows * 2,
+            eval_data=rows,
+        )
     assert result.metrics["global_step"] == 1
 
 
@@ -168,22 +216,42 @@ def test_run_eval_with_placed_models(tiny_model_dir, tiny_rm, tmp_path):
     from helpers import build_model
 
     baseline_dir = build_model(tmp_path / "baseline", seed=1)
-    models = dict(policy=load_causal_lm(str(tiny_model_dir)), baseline=load_causal_lm(str(baseline_dir)),
-                  reference=load_causal_lm(str(baseline_dir)))  # fmt: skip
-    keys = dict(gold_judge=SENTIMENT_JUDGE, num_prompts=4, max_new_tokens=4, print_samples=0,
-                output_dir=str(tmp_path / "eval"))  # fmt: skip
+    models = dict(
+        policy=load_causal_lm(str(tiny_model_dir)),
+        baseline=load_causal_lm(str(baseline_dir)),
+        reference=load_causal_lm(str(baseline_dir)),
+    )
+    keys = dict(
+        gold_judge=SENTIMENT_JUDGE,
+        num_prompts=4,
+        max_new_tokens=4,
+        print_samples=0,
+        output_dir=str(tmp_path / "eval"),
+    )
     with on_device(tiny_rm, *models.values()):
         metrics = llm_rlhf.run_eval(
-            keys, **models, tokenizer=load_tokenizer(str(tiny_model_dir)), reward_model=tiny_rm,
-            reward_fn=lambda prompts, responses: [len(r) for r in responses], prompts=PROMPTS,
-        )  # fmt: skip
+            keys,
+            **models,
+            tokenizer=load_tokenizer(str(tiny_model_dir)),
+            reward_model=tiny_rm,
+            reward_fn=lambda prompts, responses: [len(r) for r in responses],
+            prompts=PROMPTS,
+        )
     assert metrics["rm_score_mean"] is not None and metrics["kl_to_ref"] is not None
 
 
 def test_run_eval_from_folders(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
-    keys = dict(policy_path=str(tiny_model_dir), baseline_path=str(tiny_model_dir), reward_model_path=str(tiny_rm_dir),
-                gold_judge=SENTIMENT_JUDGE, prompt_file=str(prompt_file), num_prompts=4, max_new_tokens=4,
-                print_samples=0, output_dir=str(tmp_path / "eval"))  # fmt: skip
+    keys = dict(
+        policy_path=str(tiny_model_dir),
+        baseline_path=str(tiny_model_dir),
+        reward_model_path=str(tiny_rm_dir),
+        gold_judge=SENTIMENT_JUDGE,
+        prompt_file=str(prompt_file),
+        num_prompts=4,
+        max_new_tokens=4,
+        print_samples=0,
+        output_dir=str(tmp_path / "eval"),
+    )
     with on_device():
         metrics = llm_rlhf.run_eval(keys)
     assert metrics["rm_score_mean"] is not None
@@ -213,8 +281,9 @@ def test_helpers_a_user_calls_with_a_model_object(tiny_model_dir, tiny_rm):
         assert response_logprobs(policy, tokenizer, PROMPTS, responses).shape == (4,)
         assert tracer.is_placed(sample_batch(policy, tokenizer, PROMPTS, draws.sampling, seed=0).response)
         measures = Measures(scorer=Scorer(tiny_rm, reward_fn=None))
-        figures = evaluate_policy(policy, tokenizer, PROMPTS, draws, measures=measures,
-                                  reference=KLReference(reference))  # fmt: skip
+        figures = evaluate_policy(
+            policy, tokenizer, PROMPTS, draws, measures=measures, reference=KLReference(reference)
+        )
     assert figures["rm_score_mean"] is not None and figures["kl_to_ref"] == 0.0
 
 
@@ -223,9 +292,18 @@ def test_dpo_from_folders(tiny_model_dir, pref_files, tmp_path):
     from llm_rlhf.stages import dpo
 
     train, val = pref_files
-    cfg = dpo.Config(model_name_or_path=str(tiny_model_dir), train_file=str(train), eval_file=str(val),
-                     output_dir=str(tmp_path / "dpo"), max_length=32, max_steps=1, per_device_train_batch_size=4,
-                     logging_steps=1, eval_steps=0, save_steps=100)  # fmt: skip
+    cfg = dpo.Config(
+        model_name_or_path=str(tiny_model_dir),
+        train_file=str(train),
+        eval_file=str(val),
+        output_dir=str(tmp_path / "dpo"),
+        max_length=32,
+        max_steps=1,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        eval_steps=0,
+        save_steps=100,
+    )
     with on_device():
         metrics = dpo.run(cfg)
     assert metrics["global_step"] == 1

@@ -253,15 +253,30 @@ def test_evaluation_table_is_grouped_and_leaves_out_what_was_not_measured(tmp_pa
     table = between(text, '<table class="eval">')
     groups = [g.split("</th>")[0] for g in table.split('<tr class="group"><th colspan="7">')[1:]]
     assert [g.split(" (")[0] for g in groups] == [
-        "Gold judge", "Sentiment", "Fluency", "Reward model, ensemble and reward function",
-        "KL to the reference", "Length and EOS", "Diversity", "Degeneracy",
-    ]  # fmt: skip
+        "Gold judge",
+        "Sentiment",
+        "Fluency",
+        "Reward model, ensemble and reward function",
+        "KL to the reference",
+        "Length and EOS",
+        "Diversity",
+        "Degeneracy",
+    ]
     keys = [k.split("</span>")[0] for k in table.split('<span class="key">')[1:]]
     assert keys == [
-        "gold_score_mean", "sentiment_mean", "fluency_perplexity", "rm_score_mean", "kl_to_ref",
-        "response_length_mean", "eos_rate", "distinct_1", "distinct_2", "char_run_rate", "repeated_ngram_rate",
+        "gold_score_mean",
+        "sentiment_mean",
+        "fluency_perplexity",
+        "rm_score_mean",
+        "kl_to_ref",
+        "response_length_mean",
+        "eos_rate",
+        "distinct_1",
+        "distinct_2",
+        "char_run_rate",
+        "repeated_ngram_rate",
         "empty_rate",
-    ]  # fmt: skip
+    ]
     # null in metrics.json (no reward function), absent (no ensemble), or the same figure (temperature 1): no row
     for unused in ("reward_fn", "combined", "rm_score_member", "rm_disagreement", "kl_to_ref_at_temperature"):
         assert unused not in table, unused
@@ -271,8 +286,13 @@ def test_evaluation_table_is_grouped_and_leaves_out_what_was_not_measured(tmp_pa
     stderr = np.std(diffs, ddof=1) / 5
     gold_row = between(table, "gold score", "</tr>")
     assert [c.split(">")[1] for c in gold_row.split("<td")[1:]] == [
-        "0.3</td", "0.1</td", "+0.2</td", f"{stderr:.2g}</td", "62.0%</td", "3.1%</td"
-    ]  # fmt: skip
+        "0.3</td",
+        "0.1</td",
+        "+0.2</td",
+        f"{stderr:.2g}</td",
+        "62.0%</td",
+        "3.1%</td",
+    ]
     (rows,) = [rows for title, rows in eval_groups(EVAL_METRICS, None) if title.startswith("Gold")]
     assert (
         rows[0]["diff_stderr"] == pytest.approx(np.hypot(0.05, 0.04)) and not rows[0]["paired"]
@@ -282,15 +302,28 @@ def test_evaluation_table_is_grouped_and_leaves_out_what_was_not_measured(tmp_pa
     assert "99.8%" in validity and "50.4%" in validity and "884 pairs" in validity and "83.8%" in validity
     assert "gold_judge_validity" not in table and "<summary>eval/metrics.json (raw)</summary>" in text
     # an ensemble with a reward function: each member, the disagreement and the function's rows in their group
-    metrics = {**EVAL_METRICS, "rm_score_member_1_mean": 1.2, "rm_score_member_1_mean_baseline": 0.0,
-               "rm_score_member_0_mean": 1.0, "rm_score_member_0_mean_baseline": 0.1, "rm_disagreement_mean": 0.3,
-               "rm_disagreement_mean_baseline": 0.2, "reward_fn_mean": 0.7, "reward_fn_mean_baseline": 0.4,
-               "reward_fn_win_rate": 0.66, "temperature": 0.7}  # fmt: skip
+    metrics = {
+        **EVAL_METRICS,
+        "rm_score_member_1_mean": 1.2,
+        "rm_score_member_1_mean_baseline": 0.0,
+        "rm_score_member_0_mean": 1.0,
+        "rm_score_member_0_mean_baseline": 0.1,
+        "rm_disagreement_mean": 0.3,
+        "rm_disagreement_mean_baseline": 0.2,
+        "reward_fn_mean": 0.7,
+        "reward_fn_mean_baseline": 0.4,
+        "reward_fn_win_rate": 0.66,
+        "temperature": 0.7,
+    }
     groups = dict(eval_groups(metrics, None))
     rm_group = groups["Reward model, ensemble and reward function (the proxy PPO maximised)"]
     assert [r["key"] for r in rm_group] == [
-        "rm_score_mean", "rm_score_member_0_mean", "rm_score_member_1_mean", "rm_disagreement_mean", "reward_fn_mean"
-    ]  # fmt: skip
+        "rm_score_mean",
+        "rm_score_member_0_mean",
+        "rm_score_member_1_mean",
+        "rm_disagreement_mean",
+        "reward_fn_mean",
+    ]
     assert rm_group[-1]["difference"] == pytest.approx(0.3) and rm_group[-1]["win"] == 0.66
     kl_group = groups["KL to the reference (nats / response)"]
     assert [r["key"] for r in kl_group] == ["kl_to_ref", "kl_to_ref_at_temperature"]  # sampled at 0.7: both
@@ -301,16 +334,53 @@ def test_hacking_watch_lists_the_samples_with_the_largest_proxy_gold_gap(tmp_pat
     std 1), so at step 10 the standardised gap is proxy - gold; the padded response has the largest."""
     run = make_run(tmp_path / "run")
     padded = " it is..................... splendid cinema."
-    step0 = [{"step": 0, "prompt": f"Opening {i}", "response": f" fine {i}.", "proxy": (-1) ** i,
-              "gold_score": (-1) ** (i // 2), "kl_to_ref": 0.0} for i in range(8)]  # fmt: skip
-    step10 = [{"step": 10, "prompt": f"Opening {i}", "response": f" good {i}.", "proxy": 0.5 + 0.1 * i,
-               "gold_score": 0.4, "kl_to_ref": 2.0} for i in range(8)]  # fmt: skip
+    step0 = [
+        {
+            "step": 0,
+            "prompt": f"Opening {i}",
+            "response": f" fine {i}.",
+            "proxy": (-1) ** i,
+            "gold_score": (-1) ** (i // 2),
+            "kl_to_ref": 0.0,
+        }
+        for i in range(8)
+    ]
+    step10 = [
+        {
+            "step": 10,
+            "prompt": f"Opening {i}",
+            "response": f" good {i}.",
+            "proxy": 0.5 + 0.1 * i,
+            "gold_score": 0.4,
+            "kl_to_ref": 2.0,
+        }
+        for i in range(8)
+    ]
     step10[3].update(response=padded, proxy=2.05, gold_score=-1.5)
     write_jsonl(run / "ppo" / "eval_samples.jsonl", step0 + step10)
-    write_jsonl(run / "ppo" / "eval_log.jsonl", [
-        {"step": 0, "kl": 0.0, "rm_score": 0.0, "gold_score": 0.0, "char_run_rate": 0.0, "repeated_ngram_rate": 0.0, "empty_rate": 0.0},
-        {"step": 10, "kl": 2.0, "rm_score": 0.9, "gold_score": 0.1, "char_run_rate": 0.125, "repeated_ngram_rate": 0.0, "empty_rate": 0.0},
-    ])  # fmt: skip
+    write_jsonl(
+        run / "ppo" / "eval_log.jsonl",
+        [
+            {
+                "step": 0,
+                "kl": 0.0,
+                "rm_score": 0.0,
+                "gold_score": 0.0,
+                "char_run_rate": 0.0,
+                "repeated_ngram_rate": 0.0,
+                "empty_rate": 0.0,
+            },
+            {
+                "step": 10,
+                "kl": 2.0,
+                "rm_score": 0.9,
+                "gold_score": 0.1,
+                "char_run_rate": 0.125,
+                "repeated_ngram_rate": 0.0,
+                "empty_rate": 0.0,
+            },
+        ],
+    )
     text = write_report(run).read_text(encoding="utf-8")
     watch = between(text, '<table class="texts watch">')
     sections = {
@@ -328,8 +398,11 @@ def test_hacking_watch_lists_the_samples_with_the_largest_proxy_gold_gap(tmp_pat
     assert (run / "report" / "degeneracy.png").read_bytes().startswith(PNG_MAGIC)
     counters = between(text, '<table class="counters">')
     assert [r.split("</td>")[0] for r in counters.split("<tr><td>")[1:]] == [
-        "PPO step 0", "PPO step 10", "SFT baseline (final evaluation)", "final evaluation"
-    ]  # fmt: skip
+        "PPO step 0",
+        "PPO step 10",
+        "SFT baseline (final evaluation)",
+        "final evaluation",
+    ]
     assert "12.5%" in between(counters, "PPO step 10", "</tr>")  # 1 of 8 responses with a character run
     # no response tripped a counter: a sentence instead of flat lines at 0
     rows = [json.loads(line) for line in (run / "ppo" / "eval_log.jsonl").read_text().splitlines()]
@@ -363,11 +436,28 @@ def test_the_evaluation_table_reads_the_keys_eval_writes():
     without a value are left out)."""
     from llm_rlhf.evaluation import measures
 
-    record = {"prompt": "p", "response": " fine.", "response_ids": [1, 2], "length": 3, "eos": True,
-              "kl_to_ref": 0.1, "kl_to_ref_at_temperature": 0.1, "rm_score": 0.5, "rm_member_scores": [0.4, 0.6],
-              "rm_disagreement": 0.1, "gold_score": 0.2, "sentiment": 0.3, "fluency_nll": 4.0,
-              "fluency_perplexity": 54.6, "reward_fn": 1.0, "combined_score": 1.5}  # fmt: skip
-    written = {**measures.summarize_records([record, record]), **measures.summarize_records([record, record], "_baseline")}
+    record = {
+        "prompt": "p",
+        "response": " fine.",
+        "response_ids": [1, 2],
+        "length": 3,
+        "eos": True,
+        "kl_to_ref": 0.1,
+        "kl_to_ref_at_temperature": 0.1,
+        "rm_score": 0.5,
+        "rm_member_scores": [0.4, 0.6],
+        "rm_disagreement": 0.1,
+        "gold_score": 0.2,
+        "sentiment": 0.3,
+        "fluency_nll": 4.0,
+        "fluency_perplexity": 54.6,
+        "reward_fn": 1.0,
+        "combined_score": 1.5,
+    }
+    written = {
+        **measures.summarize_records([record, record]),
+        **measures.summarize_records([record, record], "_baseline"),
+    }
     verdicts = [{**record, "correct": 1.0}, {**record, "correct": 0.0}]  # a verifier's figures
     for suffix in ("", "_baseline"):
         written.update(measures.accuracy_figures(verdicts, verdicts[:1], samples_per_prompt=2, suffix=suffix))

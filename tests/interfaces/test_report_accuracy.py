@@ -27,39 +27,101 @@ from llm_rlhf.interfaces.report.figures import nth_color, plot_style
 from llm_rlhf.interfaces.report.ppo_curves import plot_compare_ppo, plot_ppo
 
 ACCURACY_EVAL = {
-    "accuracy": 0.875, "accuracy_stderr": 0.125, "accuracy_greedy": 0.75, "accuracy_greedy_stderr": 0.25,
-    "accuracy_baseline": 0.5, "accuracy_stderr_baseline": 0.189, "accuracy_greedy_baseline": 0.5,
-    "accuracy_greedy_stderr_baseline": 0.289, "accuracy_fn": "llm_rlhf.tasks.arithmetic:reward",
-    "gold_win_rate": None, "gold_win_rate_stderr": None, "rm_win_rate": None, "rm_win_rate_stderr": None,
-    "reward_fn_win_rate": 0.6875, "reward_fn_win_rate_stderr": 0.12, "combined_win_rate": 0.6875,
-    "combined_win_rate_stderr": 0.12, "gold_score_mean": None, "gold_score_stderr": None, "rm_score_mean": None,
-    "rm_score_stderr": None, "reward_fn_mean": 0.875, "reward_fn_stderr": 0.125, "combined_score_mean": 0.875,
-    "combined_score_stderr": 0.125, "kl_to_ref": 1.5, "kl_to_ref_stderr": 0.2, "kl_to_ref_at_temperature": 1.5,
-    "kl_to_ref_at_temperature_stderr": 0.2, "fluency_perplexity": None, "response_length_mean": 6.0,
-    "eos_rate": 1.0, "distinct_1": 0.2, "distinct_2": 0.4, "char_run_rate": 0.0, "repeated_ngram_rate": 0.0,
-    "empty_rate": 0.0, "gold_score_mean_baseline": None, "gold_score_stderr_baseline": None,
-    "rm_score_mean_baseline": None, "rm_score_stderr_baseline": None, "reward_fn_mean_baseline": 0.5,
-    "reward_fn_stderr_baseline": 0.189, "combined_score_mean_baseline": 0.5, "combined_score_stderr_baseline": 0.189,
-    "kl_to_ref_baseline": 0.0, "kl_to_ref_stderr_baseline": 0.0, "kl_to_ref_at_temperature_baseline": 0.0,
-    "kl_to_ref_at_temperature_stderr_baseline": 0.0, "fluency_perplexity_baseline": None,
-    "response_length_mean_baseline": 14.0, "eos_rate_baseline": 1.0, "distinct_1_baseline": 0.3,
-    "distinct_2_baseline": 0.6, "char_run_rate_baseline": 0.0, "repeated_ngram_rate_baseline": 0.0,
-    "empty_rate_baseline": 0.0, "num_prompts": 4, "samples_per_prompt": 2, "num_pairs": 8,
-    "policy_path": "runs/arith/ppo", "baseline_path": "data/smollm2-135m-instruct", "reward_model_path": "none",
-    "reward_fn": "llm_rlhf.tasks.arithmetic:reward", "reward_fn_weight": 1.0, "gold_judge": "none",
-    "gold_judge_heldout_accuracy": None, "gold_judge_validity": None, "temperature": 1.0, "seed": 0, "time_s": 30.0,
-}  # fmt: skip
+    "accuracy": 0.875,
+    "accuracy_stderr": 0.125,
+    "accuracy_greedy": 0.75,
+    "accuracy_greedy_stderr": 0.25,
+    "accuracy_baseline": 0.5,
+    "accuracy_stderr_baseline": 0.189,
+    "accuracy_greedy_baseline": 0.5,
+    "accuracy_greedy_stderr_baseline": 0.289,
+    "accuracy_fn": "llm_rlhf.tasks.arithmetic:reward",
+    "gold_win_rate": None,
+    "gold_win_rate_stderr": None,
+    "rm_win_rate": None,
+    "rm_win_rate_stderr": None,
+    "reward_fn_win_rate": 0.6875,
+    "reward_fn_win_rate_stderr": 0.12,
+    "combined_win_rate": 0.6875,
+    "combined_win_rate_stderr": 0.12,
+    "gold_score_mean": None,
+    "gold_score_stderr": None,
+    "rm_score_mean": None,
+    "rm_score_stderr": None,
+    "reward_fn_mean": 0.875,
+    "reward_fn_stderr": 0.125,
+    "combined_score_mean": 0.875,
+    "combined_score_stderr": 0.125,
+    "kl_to_ref": 1.5,
+    "kl_to_ref_stderr": 0.2,
+    "kl_to_ref_at_temperature": 1.5,
+    "kl_to_ref_at_temperature_stderr": 0.2,
+    "fluency_perplexity": None,
+    "response_length_mean": 6.0,
+    "eos_rate": 1.0,
+    "distinct_1": 0.2,
+    "distinct_2": 0.4,
+    "char_run_rate": 0.0,
+    "repeated_ngram_rate": 0.0,
+    "empty_rate": 0.0,
+    "gold_score_mean_baseline": None,
+    "gold_score_stderr_baseline": None,
+    "rm_score_mean_baseline": None,
+    "rm_score_stderr_baseline": None,
+    "reward_fn_mean_baseline": 0.5,
+    "reward_fn_stderr_baseline": 0.189,
+    "combined_score_mean_baseline": 0.5,
+    "combined_score_stderr_baseline": 0.189,
+    "kl_to_ref_baseline": 0.0,
+    "kl_to_ref_stderr_baseline": 0.0,
+    "kl_to_ref_at_temperature_baseline": 0.0,
+    "kl_to_ref_at_temperature_stderr_baseline": 0.0,
+    "fluency_perplexity_baseline": None,
+    "response_length_mean_baseline": 14.0,
+    "eos_rate_baseline": 1.0,
+    "distinct_1_baseline": 0.3,
+    "distinct_2_baseline": 0.6,
+    "char_run_rate_baseline": 0.0,
+    "repeated_ngram_rate_baseline": 0.0,
+    "empty_rate_baseline": 0.0,
+    "num_prompts": 4,
+    "samples_per_prompt": 2,
+    "num_pairs": 8,
+    "policy_path": "runs/arith/ppo",
+    "baseline_path": "data/smollm2-135m-instruct",
+    "reward_model_path": "none",
+    "reward_fn": "llm_rlhf.tasks.arithmetic:reward",
+    "reward_fn_weight": 1.0,
+    "gold_judge": "none",
+    "gold_judge_heldout_accuracy": None,
+    "gold_judge_validity": None,
+    "temperature": 1.0,
+    "seed": 0,
+    "time_s": 30.0,
+}
 
 
 def accuracy_log(steps: int = 12, every: int = 4, lift: float = 0.04) -> list[dict]:
     """ppo/eval_log.jsonl of an arithmetic run: accuracy rises by `lift` a step from 0.2 (greedy 0.4), KL
     0.1 a step; no gold judge, no reward model."""
     return [
-        {"step": s, "kl": 0.1 * s, "kl_stderr": 0.01, "gold_score": None, "rm_score": None, "reward_fn": 0.2 + lift * s,
-         "accuracy": 0.2 + lift * s, "accuracy_stderr": 0.05, "accuracy_greedy": min(1.0, 0.4 + lift * s),
-         "accuracy_greedy_stderr": 0.07, "char_run_rate": 0.0, "repeated_ngram_rate": 0.0, "empty_rate": 0.0}
+        {
+            "step": s,
+            "kl": 0.1 * s,
+            "kl_stderr": 0.01,
+            "gold_score": None,
+            "rm_score": None,
+            "reward_fn": 0.2 + lift * s,
+            "accuracy": 0.2 + lift * s,
+            "accuracy_stderr": 0.05,
+            "accuracy_greedy": min(1.0, 0.4 + lift * s),
+            "accuracy_greedy_stderr": 0.07,
+            "char_run_rate": 0.0,
+            "repeated_ngram_rate": 0.0,
+            "empty_rate": 0.0,
+        }
         for s in range(0, steps + 1, every)
-    ]  # fmt: skip
+    ]
 
 
 def make_accuracy_run(
@@ -67,33 +129,66 @@ def make_accuracy_run(
 ) -> Path:
     """Every file a finished `stages: [ppo, eval]` run of the arithmetic task writes, with small fake logs."""
     history = [
-        {"step": s, "objective/scores": 0.2 + 0.03 * s, "objective/kl": 0.1 * s, "objective/kl_coef": 0.05,
-         "objective/rlhf_reward": 0.2 + 0.03 * s - 0.005 * s, "objective/entropy": 8.0 - 0.3 * s,
-         "response_length": 14.0 - 0.5 * s, "eos_rate": 1.0, "time/generate": 2.0, "time/score": 0.1,
-         "time/train": 3.0, "time/step": 5.2, "tokens_per_s": 40.0, "policy/approxkl": 0.01,
-         "policy/clipfrac": 0.05, "loss/policy": -0.01, "policy/entropy": 0.6, "policy/ratio": 1.0}
+        {
+            "step": s,
+            "objective/scores": 0.2 + 0.03 * s,
+            "objective/kl": 0.1 * s,
+            "objective/kl_coef": 0.05,
+            "objective/rlhf_reward": 0.2 + 0.03 * s - 0.005 * s,
+            "objective/entropy": 8.0 - 0.3 * s,
+            "response_length": 14.0 - 0.5 * s,
+            "eos_rate": 1.0,
+            "time/generate": 2.0,
+            "time/score": 0.1,
+            "time/train": 3.0,
+            "time/step": 5.2,
+            "tokens_per_s": 40.0,
+            "policy/approxkl": 0.01,
+            "policy/clipfrac": 0.05,
+            "loss/policy": -0.01,
+            "policy/entropy": 0.6,
+            "policy/ratio": 1.0,
+        }
         for s in range(1, steps + 1)
-    ]  # fmt: skip
+    ]
     if estimator == "gae":
         history = [{**row, "loss/value": 0.1, "val/explained_variance": 0.3} for row in history]
-    ppo_metrics = {**history[-1], "scores_first": 0.23, "scores_last": history[-1]["objective/scores"], "kl_last": 0.1 * steps}  # fmt: skip
-    write_file(run / "pipeline.json", json.dumps({
-        "ppo": {"wall_time_s": 600.0, "metrics": ppo_metrics}, "eval": {"wall_time_s": 30.0, "metrics": ACCURACY_EVAL},
-    }))  # fmt: skip
+    ppo_metrics = {
+        **history[-1],
+        "scores_first": 0.23,
+        "scores_last": history[-1]["objective/scores"],
+        "kl_last": 0.1 * steps,
+    }
+    write_file(
+        run / "pipeline.json",
+        json.dumps(
+            {
+                "ppo": {"wall_time_s": 600.0, "metrics": ppo_metrics},
+                "eval": {"wall_time_s": 30.0, "metrics": ACCURACY_EVAL},
+            }
+        ),
+    )
     write_file(run / "pipeline_config.yaml", f"output_dir: {run}\nstages: [ppo, eval]\n")
     write_file(run / "ppo" / "metrics.json", json.dumps(ppo_metrics))
     write_file(run / "eval" / "metrics.json", json.dumps(ACCURACY_EVAL))
-    write_file(run / "ppo" / "config.yaml", (
-        f"output_dir: {run / 'ppo'}\nmodel_name_or_path: data/smollm2-135m-instruct\nreward_model_path: none\n"
-        f"reward_fn: llm_rlhf.tasks.arithmetic:reward\ngold_judge: none\neval_every: 4\nseed: {seed}\n"
-        f"advantage_estimator: {estimator}\nsamples_per_prompt: {k}\n"
-    ))  # fmt: skip
+    write_file(
+        run / "ppo" / "config.yaml",
+        (
+            f"output_dir: {run / 'ppo'}\nmodel_name_or_path: data/smollm2-135m-instruct\nreward_model_path: none\n"
+            f"reward_fn: llm_rlhf.tasks.arithmetic:reward\ngold_judge: none\neval_every: 4\nseed: {seed}\n"
+            f"advantage_estimator: {estimator}\nsamples_per_prompt: {k}\n"
+        ),
+    )
     write_file(run / "eval" / "config.yaml", f"output_dir: {run / 'eval'}\ngold_judge: none\n")
     write_jsonl(run / "ppo" / "metrics.jsonl", history)
     write_jsonl(run / "ppo" / "eval_log.jsonl", accuracy_log(steps, 4, lift))
-    write_jsonl(run / "ppo" / "samples.jsonl", [
-        {"step": s, "query": f"What is {s} + 1?", "response": f" {s + 1}", "score": 1.0} for s in (1, steps)
-    ])  # fmt: skip
+    write_jsonl(
+        run / "ppo" / "samples.jsonl",
+        [
+            {"step": s, "query": f"What is {s} + 1?", "response": f" {s + 1}", "score": 1.0}
+            for s in (1, steps)
+        ],
+    )
     samples = []
     for i in range(4):  # 4 prompts x 2 samples; the greedy responses on each prompt's first sample alone
         for j in range(2):
@@ -101,20 +196,32 @@ def make_accuracy_run(
             policy, baseline = i + 3 + ((i, j) == (3, 1)), i + 4 - j  # the policy's last sample wrong, every
             greedy = i + 3 + i % 2  # baseline's sample 1 right; the baseline's greedy right on even i, the
             policy_greedy = i + 3 + (i == 3)  # policy's on all but the last prompt
-            samples.append({
-                "prompt": f"What is {i} + 3? Answer with just the number.", "sample": j,
-                "policy_response": f" {policy}", "baseline_response": f" The answer is {baseline}.",
-                "policy_correct": float(policy == i + 3), "baseline_correct": float(baseline == i + 3),
-                "policy_greedy_response": f" {policy_greedy}" if first else None,
-                "policy_greedy_correct": float(policy_greedy == i + 3) if first else None,
-                "baseline_greedy_response": f" It is {greedy}." if first else None,
-                "baseline_greedy_correct": float(greedy == i + 3) if first else None,
-                "policy_reward_fn": float(policy == i + 3), "baseline_reward_fn": float(baseline == i + 3),
-                "policy_gold_score": None, "baseline_gold_score": None, "policy_rm_score": None,
-                "baseline_rm_score": None, "policy_combined_score": float(policy == i + 3),
-                "baseline_combined_score": float(baseline == i + 3), "policy_length": 2, "baseline_length": 6,
-                "policy_eos": True, "baseline_eos": True,
-            })  # fmt: skip
+            samples.append(
+                {
+                    "prompt": f"What is {i} + 3? Answer with just the number.",
+                    "sample": j,
+                    "policy_response": f" {policy}",
+                    "baseline_response": f" The answer is {baseline}.",
+                    "policy_correct": float(policy == i + 3),
+                    "baseline_correct": float(baseline == i + 3),
+                    "policy_greedy_response": f" {policy_greedy}" if first else None,
+                    "policy_greedy_correct": float(policy_greedy == i + 3) if first else None,
+                    "baseline_greedy_response": f" It is {greedy}." if first else None,
+                    "baseline_greedy_correct": float(greedy == i + 3) if first else None,
+                    "policy_reward_fn": float(policy == i + 3),
+                    "baseline_reward_fn": float(baseline == i + 3),
+                    "policy_gold_score": None,
+                    "baseline_gold_score": None,
+                    "policy_rm_score": None,
+                    "baseline_rm_score": None,
+                    "policy_combined_score": float(policy == i + 3),
+                    "baseline_combined_score": float(baseline == i + 3),
+                    "policy_length": 2,
+                    "baseline_length": 6,
+                    "policy_eos": True,
+                    "baseline_eos": True,
+                }
+            )
     write_jsonl(run / "eval" / "samples.jsonl", samples)
     return run
 
@@ -286,8 +393,13 @@ def test_run_styles_colour_estimators_when_seeds_repeat_them(tmp_path):
     assert [c for c, _ in distinct] == [nth_color(i) for i in range(3)] and {ls for _, ls in distinct} == {
         "-"
     }
-    assert seeds == [(nth_color(0), "-"), (nth_color(0), "--"), (nth_color(1), "-"),
-                     (nth_color(1), "--"), (nth_color(0), ":")]  # fmt: skip
+    assert seeds == [
+        (nth_color(0), "-"),
+        (nth_color(0), "--"),
+        (nth_color(1), "-"),
+        (nth_color(1), "--"),
+        (nth_color(0), ":"),
+    ]
     assert one == [
         (nth_color(0), "-"),
         (nth_color(1), "-"),
@@ -305,8 +417,13 @@ def test_run_styles_colour_a_sweeps_variants_that_share_an_estimator(tmp_path):
         runs.append(run)
     with plot_style():
         styles = run_styles(runs)
-    assert styles == [(nth_color(0), "-"), (nth_color(0), "--"), (nth_color(1), "-"),
-                      (nth_color(1), "--"), (nth_color(2), "-")]  # fmt: skip
+    assert styles == [
+        (nth_color(0), "-"),
+        (nth_color(0), "--"),
+        (nth_color(1), "-"),
+        (nth_color(1), "--"),
+        (nth_color(2), "-"),
+    ]
 
 
 @pytest.mark.slow

@@ -56,28 +56,47 @@ def make_seed_run(
     evaluated, sampled_per_trained = figures.evaluated, figures.sampled_per_trained
     k = 4 if estimator != "gae" else 1
     history = [
-        {"step": s, "episodes": 32 * s, "objective/scores": 0.1 * s, "objective/kl": 0.1 * s, "time/step": step_seconds,
-         "time/generate": step_seconds / 2, "time/score": 0.0, "time/train": step_seconds / 2}
+        {
+            "step": s,
+            "episodes": 32 * s,
+            "objective/scores": 0.1 * s,
+            "objective/kl": 0.1 * s,
+            "time/step": step_seconds,
+            "time/generate": step_seconds / 2,
+            "time/score": 0.0,
+            "time/train": step_seconds / 2,
+        }
         for s in range(1, 9)
-    ]  # fmt: skip
+    ]
     if sampled_per_trained is not None:
         history = [{**row, "sampling/sampled_per_trained": sampled_per_trained} for row in history]
     log = [
-        {"step": s, "kl": kl * s / 8, "accuracy": 0.2 + (final - 0.2) * s / 8, "accuracy_stderr": 0.05,
-         "accuracy_greedy": 0.3 + (final - 0.2) * s / 8, "accuracy_greedy_stderr": 0.05}
+        {
+            "step": s,
+            "kl": kl * s / 8,
+            "accuracy": 0.2 + (final - 0.2) * s / 8,
+            "accuracy_stderr": 0.05,
+            "accuracy_greedy": 0.3 + (final - 0.2) * s / 8,
+            "accuracy_greedy_stderr": 0.05,
+        }
         for s in evaluated
-    ]  # fmt: skip
+    ]
     write_file(run / "pipeline.json", json.dumps({"ppo": {"wall_time_s": 30.0, "metrics": history[-1]}}))
     write_file(run / "pipeline_config.yaml", f"output_dir: {run}\nstages: [ppo]\n")
     write_file(run / "ppo" / "metrics.json", json.dumps(history[-1]))
-    write_file(run / "ppo" / "config.yaml", (
-        f"model_name_or_path: {run / 'sft'}\nreward_model_path: none\noutput_dir: {run / 'ppo'}\n"
-        f"advantage_estimator: {estimator}\nsamples_per_prompt: {k}\nseed: {seed}\nrollout_batch_size: {32 // k}\n"
-        f"learning_rate: {learning_rate}\neval_every: 4\n"
-    ))  # fmt: skip
+    write_file(
+        run / "ppo" / "config.yaml",
+        (
+            f"model_name_or_path: {run / 'sft'}\nreward_model_path: none\noutput_dir: {run / 'ppo'}\n"
+            f"advantage_estimator: {estimator}\nsamples_per_prompt: {k}\nseed: {seed}\nrollout_batch_size: {32 // k}\n"
+            f"learning_rate: {learning_rate}\neval_every: 4\n"
+        ),
+    )
     write_jsonl(run / "ppo" / "metrics.jsonl", history)
     write_jsonl(run / "ppo" / "eval_log.jsonl", log)
-    write_jsonl(run / "ppo" / "samples.jsonl", [{"step": 1, "query": "1 + 1 =", "response": " 2", "score": 1.0}])
+    write_jsonl(
+        run / "ppo" / "samples.jsonl", [{"step": 1, "query": "1 + 1 =", "response": " 2", "score": 1.0}]
+    )
     return run
 
 
@@ -150,8 +169,12 @@ def test_a_sweeps_groups_are_named_by_their_variant_names(tmp_path):
     not every key in which the configs differ; names that do not share a stem within a group (seed-0 and seed-1
     of one config; r1, r2 ...) fall back to the keys."""
     assert [name_stem(n) for n in ("gae-seed2", "lr1e-4_seed_0", "seed-1", "cispo.seed10", "r1")] == [
-        "gae", "lr1e-4", "", "cispo", "r1"
-    ]  # fmt: skip
+        "gae",
+        "lr1e-4",
+        "",
+        "cispo",
+        "r1",
+    ]
     names = ("gae", "remax", "grpo", "rloo")  # the folder names of a sweep of the estimators
     runs = [
         load_run(

@@ -307,8 +307,15 @@ def test_deepspeed_accumulates_like_ddp(tiny_model_dir, tiny_rm_dir, prompt_file
 
 
 def test_deepspeed_ratio_guard_takes_no_step(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch):
-    cfg = ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, gradient_accumulation_steps=2,
-                   ratio_guard=0.5, lr_scheduler_type="linear")  # fmt: skip
+    cfg = ppo_config(
+        tiny_model_dir,
+        tiny_rm_dir,
+        prompt_file,
+        tmp_path,
+        gradient_accumulation_steps=2,
+        ratio_guard=0.5,
+        lr_scheduler_type="linear",
+    )
     trainer = tiny_ppo_trainer(cfg)
     engine = as_deepspeed(trainer, monkeypatch)
     before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
@@ -390,8 +397,14 @@ def test_deepspeed_mixed_precision_first_step_kl_zero_ratio_one(
 def test_deepspeed_config_checks():
     from llm_rlhf.core.errors import UserError
 
-    sizes = ppo_trainer.batch_sizes(rollout_batch_size=8, mini_batch_size=4, gradient_accumulation_steps=2, ppo_epochs=1,
-                            steps=1, num_processes=1)  # fmt: skip
+    sizes = ppo_trainer.batch_sizes(
+        rollout_batch_size=8,
+        mini_batch_size=4,
+        gradient_accumulation_steps=2,
+        ppo_epochs=1,
+        steps=1,
+        num_processes=1,
+    )
     plugin = SimpleNamespace(
         deepspeed_config={"gradient_accumulation_steps": "auto", "train_micro_batch_size_per_gpu": "auto"}
     )

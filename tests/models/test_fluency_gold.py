@@ -209,9 +209,16 @@ def test_eval_reports_the_gold_parts(tmp_path, tiny_model_dir, prompt_file):
     gold = fluent_judge_file(tmp_path, model_dir)
     policy = build_model(tmp_path / "policy", "gpt2", seed=1)
     cfg = evaluate.Config(
-        policy_path=str(policy), baseline_path=str(tiny_model_dir), reward_model_path="none", gold_judge=str(gold),
-        prompt_file=str(prompt_file), num_prompts=8, max_new_tokens=6, batch_size=4, output_dir=str(tmp_path / "eval"),
-    )  # fmt: skip
+        policy_path=str(policy),
+        baseline_path=str(tiny_model_dir),
+        reward_model_path="none",
+        gold_judge=str(gold),
+        prompt_file=str(prompt_file),
+        num_prompts=8,
+        max_new_tokens=6,
+        batch_size=4,
+        output_dir=str(tmp_path / "eval"),
+    )
     metrics = evaluate.run(cfg)
     for key in ("gold_win_rate", "sentiment_win_rate", "fluency_perplexity", "fluency_perplexity_baseline"):
         assert metrics[key] is not None
@@ -225,9 +232,13 @@ def test_eval_reports_the_gold_parts(tmp_path, tiny_model_dir, prompt_file):
         geometric = math.exp(sum(parts["fluency_nll"]) / len(samples))
         assert metrics["fluency_perplexity" + suffix] == pytest.approx(geometric, rel=1e-5)
     wins = [
-        1.0 if s["policy_sentiment"] > s["baseline_sentiment"] else 0.5 if s["policy_sentiment"] == s["baseline_sentiment"] else 0.0
+        1.0
+        if s["policy_sentiment"] > s["baseline_sentiment"]
+        else 0.5
+        if s["policy_sentiment"] == s["baseline_sentiment"]
+        else 0.0
         for s in samples
-    ]  # fmt: skip
+    ]
     assert metrics["sentiment_win_rate"] == pytest.approx(sum(wins) / len(wins))
 
 
@@ -258,8 +269,10 @@ def test_gold_vs_policy_script(tmp_path, tiny_model_dir):
     )
     done = subprocess.run(
         [sys.executable, "data/gold_vs_policy.py", str(samples), "--gold", str(gold), "--test", str(test)],
-        cwd=ROOT, capture_output=True, text=True,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     got = json.loads(done.stdout)
     judge = load_judge(str(gold))
@@ -279,8 +292,10 @@ def test_gold_vs_policy_script(tmp_path, tiny_model_dir):
     unknown = write_jsonl(tmp_path / "unknown.jsonl", [{"prompt": "Nobody wrote", "policy_response": " x"}])
     done = subprocess.run(
         [sys.executable, "data/gold_vs_policy.py", str(unknown), "--gold", str(gold), "--test", str(test)],
-        cwd=ROOT, capture_output=True, text=True,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 1 and "no gold_test opening" in done.stderr
 
 

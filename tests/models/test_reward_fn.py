@@ -35,8 +35,9 @@ from llm_rlhf.stages import evaluate, ppo
 KEYWORD_FILE = "tests/reward_fns.py:keyword"  # the file form, relative to the repo root
 
 
-REWARD_FN_ONLY = dict(reward_fn="reward_fns:keyword", eval_every=0, gold_judge="none", kl_target=6.0,
-                      kl_horizon=10000)  # fmt: skip
+REWARD_FN_ONLY = dict(
+    reward_fn="reward_fns:keyword", eval_every=0, gold_judge="none", kl_target=6.0, kl_horizon=10000
+)
 
 
 def ppo_cfg(model_dir, prompt_file, out, **kw) -> ppo_trainer.Config:
@@ -68,14 +69,20 @@ def test_load_forms(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     ("named", "message"),
     [
-        ("no_such_module_xyz:fn", "reward_fn 'no_such_module_xyz:fn': cannot import module 'no_such_module_xyz'"),
+        (
+            "no_such_module_xyz:fn",
+            "reward_fn 'no_such_module_xyz:fn': cannot import module 'no_such_module_xyz'",
+        ),
         ("reward_fns:nope", "reward_fn 'reward_fns:nope': 'reward_fns' has no attribute 'nope'"),
         ("reward_fns:not_callable", "reward_fn 'reward_fns:not_callable': float is not callable"),
-        ("missing_dir/rewards.py:fn", "reward_fn 'missing_dir/rewards.py:fn': no such file 'missing_dir/rewards.py'"),
+        (
+            "missing_dir/rewards.py:fn",
+            "reward_fn 'missing_dir/rewards.py:fn': no such file 'missing_dir/rewards.py'",
+        ),
         ("reward_fns", "reward_fn 'reward_fns': expected 'module:callable' or 'path/to/file.py:callable'"),
         ("reward_fns:1x", "reward_fn 'reward_fns:1x': expected 'module:callable'"),
     ],
-)  # fmt: skip
+)
 def test_load_errors_are_one_line_naming_the_callable(named, message):
     with pytest.raises(UserError) as e:
         load_reward_fn(named)
@@ -167,7 +174,8 @@ def test_decode_texts_gives_back_the_prompt_string(tiny_model_dir):
 
 def test_config_checks_name_the_key():
     with pytest.raises(
-        ConfigError, match="^config key 'reward_model_path': is none and neither reward_fn nor environment is set"
+        ConfigError,
+        match="^config key 'reward_model_path': is none and neither reward_fn nor environment is set",
     ):
         ppo_trainer.Config(reward_model_path="none")
     with pytest.raises(ConfigError, match="^config key 'value_model': 'reward' initialises the critic"):
@@ -189,8 +197,18 @@ def test_config_checks_name_the_key():
 def test_tiny_policy_learns_a_keyword_reward(tiny_model_dir, prompt_file, tmp_path):
     """No reward model: the score is the keyword count alone. Through the real PPOTrainer the policy's mean
     count rises from ~0.7 to ~4 in 16 steps (seeds 0-4 all end at 4-6; the first 4 steps average <= 1.1)."""
-    cfg = ppo_cfg(tiny_model_dir, prompt_file, tmp_path, steps=16, rollout_batch_size=16, mini_batch_size=8,
-                  ppo_epochs=4, learning_rate=3e-3, kl_controller="fixed", init_kl_coef=0.01)  # fmt: skip
+    cfg = ppo_cfg(
+        tiny_model_dir,
+        prompt_file,
+        tmp_path,
+        steps=16,
+        rollout_batch_size=16,
+        mini_batch_size=8,
+        ppo_epochs=4,
+        learning_rate=3e-3,
+        kl_controller="fixed",
+        init_kl_coef=0.01,
+    )
     trainer = tiny_ppo_trainer(cfg)
     assert trainer.collector.scorer.reward_model is None
     history = [trainer.ppo_step() for _ in range(cfg.steps)]
@@ -208,8 +226,15 @@ def test_combined_score_is_rm_plus_weighted_fn(
     the function called on texts decoded apart, at the place PPO uses them (the scores given to
     `ppo_math.shaped_rewards`), and in the step's logged means."""
     weight = 0.5
-    cfg = ppo_cfg(tiny_model_dir, prompt_file, tmp_path, reward_model_path=str(tiny_rm_dir),
-                  reward_fn="reward_fns:length", reward_fn_weight=weight, steps=1)  # fmt: skip
+    cfg = ppo_cfg(
+        tiny_model_dir,
+        prompt_file,
+        tmp_path,
+        reward_model_path=str(tiny_rm_dir),
+        reward_fn="reward_fns:length",
+        reward_fn_weight=weight,
+        steps=1,
+    )
     trainer = tiny_ppo_trainer(cfg)
     seen = {}
     rollout_fn, shaped = trainer.rollout, ppo_trainer.ppo_math.shaped_rewards
@@ -247,8 +272,15 @@ def test_combined_score_is_rm_plus_weighted_fn(
 
 def test_score_clip_acts_on_the_sum(tiny_model_dir, prompt_file, tmp_path, monkeypatch):
     """The function's score is clipped (score_clip) like an RM score: after the sum, before the rewards."""
-    cfg = ppo_cfg(tiny_model_dir, prompt_file, tmp_path, reward_fn="reward_fns:length", reward_fn_weight=10.0,
-                  score_clip=2.0, steps=1)  # fmt: skip
+    cfg = ppo_cfg(
+        tiny_model_dir,
+        prompt_file,
+        tmp_path,
+        reward_fn="reward_fns:length",
+        reward_fn_weight=10.0,
+        score_clip=2.0,
+        steps=1,
+    )
     trainer = tiny_ppo_trainer(cfg)
     seen, shaped = {}, ppo_trainer.ppo_math.shaped_rewards
 
@@ -271,8 +303,16 @@ def test_run_with_reward_fn_only_writes_the_usual_outputs(tiny_model_dir, prompt
     )
     monkeypatch.chdir(tmp_path / "cwd")
     out = tmp_path / "run"
-    cfg = ppo_cfg(tiny_model_dir, prompt_file, out, reward_fn="cwd_rewards:ends_with_e", eval_every=1,
-                  eval_prompt_file=str(prompt_file), eval_num_prompts=4, log_samples_every=1)  # fmt: skip
+    cfg = ppo_cfg(
+        tiny_model_dir,
+        prompt_file,
+        out,
+        reward_fn="cwd_rewards:ends_with_e",
+        eval_every=1,
+        eval_prompt_file=str(prompt_file),
+        eval_num_prompts=4,
+        log_samples_every=1,
+    )
     ppo.run(cfg)
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 2 and all(0 <= m["objective/reward_fn"] <= 1 for m in lines)
@@ -296,20 +336,46 @@ def test_run_with_reward_fn_only_writes_the_usual_outputs(tiny_model_dir, prompt
 @pytest.mark.parametrize(
     ("named", "message"),
     [
-        ("no_such_module_xyz:fn", "error: reward_fn 'no_such_module_xyz:fn': cannot import module 'no_such_module_xyz'"),
-        ("reward_fns:wrong_length", "error: reward_fn 'reward_fns:wrong_length' returned 3 scores for 4 responses"),
-        ("reward_fns:returns_nan", "error: reward_fn 'reward_fns:returns_nan': score 1 is nan (NaN or infinite)"),
-        ("reward_fns:raises", "error: reward_fn 'reward_fns:raises' raised ZeroDivisionError: float division by zero ("),
+        (
+            "no_such_module_xyz:fn",
+            "error: reward_fn 'no_such_module_xyz:fn': cannot import module 'no_such_module_xyz'",
+        ),
+        (
+            "reward_fns:wrong_length",
+            "error: reward_fn 'reward_fns:wrong_length' returned 3 scores for 4 responses",
+        ),
+        (
+            "reward_fns:returns_nan",
+            "error: reward_fn 'reward_fns:returns_nan': score 1 is nan (NaN or infinite)",
+        ),
+        (
+            "reward_fns:raises",
+            "error: reward_fn 'reward_fns:raises' raised ZeroDivisionError: float division by zero (",
+        ),
     ],
-)  # fmt: skip
-def test_broken_function_stops_ppo_before_anything(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, capsys,
-                                                    monkeypatch, named, message):  # fmt: skip
+)
+def test_broken_function_stops_ppo_before_anything(
+    tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, capsys, monkeypatch, named, message
+):
     """One line on stderr, exit code 2, no output folder: the import and the probe run before any model is
     loaded (`build_trainer` is never reached)."""
     monkeypatch.setattr(ppo, "build_trainer", lambda *a, **kw: pytest.fail("models were built"))
     out = tmp_path / "run"
-    argv = ["ppo", "--model_name_or_path", str(tiny_model_dir), "--reward_model_path", str(tiny_rm_dir),
-            "--reward_fn", named, "--prompt_file", str(prompt_file), "--output_dir", str(out), "--eval_every", "0"]  # fmt: skip
+    argv = [
+        "ppo",
+        "--model_name_or_path",
+        str(tiny_model_dir),
+        "--reward_model_path",
+        str(tiny_rm_dir),
+        "--reward_fn",
+        named,
+        "--prompt_file",
+        str(prompt_file),
+        "--output_dir",
+        str(out),
+        "--eval_every",
+        "0",
+    ]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1, err
@@ -340,10 +406,31 @@ def test_eval_with_reward_fn_only(tiny_model_dir, prompt_file, tmp_path, monkeyp
     function, and a policy against itself wins exactly half."""
     monkeypatch.chdir(ROOT)
     out = tmp_path / "eval"
-    argv = ["eval", "--policy_path", str(tiny_model_dir), "--baseline_path", str(tiny_model_dir),
-            "--reward_model_path", "none", "--gold_judge", "none", "--reward_fn", KEYWORD_FILE,
-            "--reward_fn_weight", "0.5", "--prompt_file", str(prompt_file), "--num_prompts", "8",
-            "--max_new_tokens", "8", "--print_samples", "2", "--output_dir", str(out)]  # fmt: skip
+    argv = [
+        "eval",
+        "--policy_path",
+        str(tiny_model_dir),
+        "--baseline_path",
+        str(tiny_model_dir),
+        "--reward_model_path",
+        "none",
+        "--gold_judge",
+        "none",
+        "--reward_fn",
+        KEYWORD_FILE,
+        "--reward_fn_weight",
+        "0.5",
+        "--prompt_file",
+        str(prompt_file),
+        "--num_prompts",
+        "8",
+        "--max_new_tokens",
+        "8",
+        "--print_samples",
+        "2",
+        "--output_dir",
+        str(out),
+    ]
     assert cli.main(argv) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
@@ -360,9 +447,18 @@ def test_eval_with_reward_fn_only(tiny_model_dir, prompt_file, tmp_path, monkeyp
 def test_eval_reward_fn_beside_the_rm(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
 
     other = build_model(tmp_path / "other", "gpt2", seed=1)
-    cfg = evaluate.Config(policy_path=str(other), baseline_path=str(tiny_model_dir), reward_model_path=str(tiny_rm_dir),
-                          gold_judge="none", reward_fn="reward_fns:length", reward_fn_weight=2.0,
-                          prompt_file=str(prompt_file), num_prompts=8, max_new_tokens=8, output_dir=str(tmp_path / "e"))  # fmt: skip
+    cfg = evaluate.Config(
+        policy_path=str(other),
+        baseline_path=str(tiny_model_dir),
+        reward_model_path=str(tiny_rm_dir),
+        gold_judge="none",
+        reward_fn="reward_fns:length",
+        reward_fn_weight=2.0,
+        prompt_file=str(prompt_file),
+        num_prompts=8,
+        max_new_tokens=8,
+        output_dir=str(tmp_path / "e"),
+    )
     metrics = evaluate.run(cfg)
     samples = [json.loads(x) for x in (tmp_path / "e" / "samples.jsonl").read_text().splitlines()]
     for who in ("policy", "baseline"):
@@ -385,9 +481,17 @@ def test_eval_bad_reward_fn_writes_nothing(tiny_model_dir, prompt_file, tmp_path
         evaluate, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded before the check")
     )
     for named in ("no_such_module_xyz:fn", "reward_fns:wrong_length"):
-        cfg = evaluate.Config(policy_path=str(tiny_model_dir), baseline_path=str(tiny_model_dir),
-                              reward_model_path=None, gold_judge="none", reward_fn=named, prompt_file=str(prompt_file),
-                              num_prompts=4, max_new_tokens=4, output_dir=str(out))  # fmt: skip
+        cfg = evaluate.Config(
+            policy_path=str(tiny_model_dir),
+            baseline_path=str(tiny_model_dir),
+            reward_model_path=None,
+            gold_judge="none",
+            reward_fn=named,
+            prompt_file=str(prompt_file),
+            num_prompts=4,
+            max_new_tokens=4,
+            output_dir=str(out),
+        )
         with pytest.raises(UserError, match=f"^reward_fn '{named}'"):
             evaluate.run(cfg)
     assert not out.exists()
@@ -409,13 +513,30 @@ def test_readme_example_runs(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path,
     concise = load_reward_fn("my_rewards:concise")
     assert concise(["p"] * 3, ["Fine.", "Fine", "x" * 90 + "."]) == [1.0, 0.0, pytest.approx(1.0 - 0.02 * 11)]
     tiny = {
-        "ppo": dict(model_name_or_path=tiny_model_dir, reward_model_path=tiny_rm_dir, prompt_file=prompt_file,
-                    steps=2, rollout_batch_size=4, mini_batch_size=2, ppo_epochs=1, max_new_tokens=6,
-                    save_steps=0, log_samples_every=0, eval_every=0),
-        "eval": dict(policy_path=tmp_path / "ppo-1", baseline_path=tiny_model_dir, reward_model_path=tiny_rm_dir,
-                     gold_judge="none", prompt_file=prompt_file, num_prompts=4, max_new_tokens=6,
-                     output_dir=tmp_path / "eval"),
-    }  # fmt: skip
+        "ppo": dict(
+            model_name_or_path=tiny_model_dir,
+            reward_model_path=tiny_rm_dir,
+            prompt_file=prompt_file,
+            steps=2,
+            rollout_batch_size=4,
+            mini_batch_size=2,
+            ppo_epochs=1,
+            max_new_tokens=6,
+            save_steps=0,
+            log_samples_every=0,
+            eval_every=0,
+        ),
+        "eval": dict(
+            policy_path=tmp_path / "ppo-1",
+            baseline_path=tiny_model_dir,
+            reward_model_path=tiny_rm_dir,
+            gold_judge="none",
+            prompt_file=prompt_file,
+            num_prompts=4,
+            max_new_tokens=6,
+            output_dir=tmp_path / "eval",
+        ),
+    }
     for i, (_, stage, *flags) in enumerate(commands):
         flags = [f.replace("recipes/", str(ROOT / "recipes") + "/") for f in flags]
         values = {**tiny[stage], **({"output_dir": tmp_path / f"ppo-{i}"} if stage == "ppo" else {})}

@@ -191,9 +191,15 @@ def test_ppo_step_with_an_ensemble_scores_and_logs_every_member(
     members, tiny_model_dir, prompt_file, tmp_path, mode
 ):
     cfg = ppo_config(
-        tiny_model_dir, members[0], prompt_file, tmp_path, reward_model_path=members, ensemble_combine=mode,
-        ensemble_uncertainty_coef=0.5, ppo_epochs=1,
-    )  # fmt: skip
+        tiny_model_dir,
+        members[0],
+        prompt_file,
+        tmp_path,
+        reward_model_path=members,
+        ensemble_combine=mode,
+        ensemble_uncertainty_coef=0.5,
+        ppo_epochs=1,
+    )
     trainer = tiny_ppo_trainer(cfg)
     assert (
         isinstance(trainer.collector.scorer.reward_model, RewardEnsemble)
@@ -223,10 +229,15 @@ def test_one_member_list_equals_one_reward_model_exactly(tiny_rm_dir, tiny_model
     plain = [single.ppo_step() for _ in range(2)]
     listed = tiny_ppo_trainer(
         ppo_config(
-            tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "b",
-            reward_model_path=[str(tiny_rm_dir)], ensemble_combine="uncertainty", ensemble_uncertainty_coef=2.0,
+            tiny_model_dir,
+            tiny_rm_dir,
+            prompt_file,
+            tmp_path / "b",
+            reward_model_path=[str(tiny_rm_dir)],
+            ensemble_combine="uncertainty",
+            ensemble_uncertainty_coef=2.0,
         )
-    )  # fmt: skip
+    )
     assert isinstance(listed.collector.scorer.reward_model, RewardEnsemble)
     ensembled = [listed.ppo_step() for _ in range(2)]
     for a, b in zip(plain, ensembled):
@@ -244,11 +255,41 @@ def test_ppo_run_with_an_ensemble_logs_members_in_training_and_heldout(
     """`llm-rlhf ppo` with a YAML list on the command line: members in metrics.jsonl, eval_log.jsonl and
     the saved config; the held-out rm_score is the combined one."""
     out = tmp_path / "run"
-    argv = ["ppo", "--model_name_or_path", str(tiny_model_dir), "--reward_model_path", f"[{', '.join(members[:2])}]",
-            "--ensemble_combine", "min", "--prompt_file", str(prompt_file), "--output_dir", str(out),
-            "--steps", "2", "--rollout_batch_size", "4", "--mini_batch_size", "2", "--ppo_epochs", "1",
-            "--max_new_tokens", "6", "--save_steps", "0", "--log_samples_every", "1", "--eval_every", "1",
-            "--eval_prompt_file", str(prompt_file), "--eval_num_prompts", "4", "--gold_judge", "none"]  # fmt: skip
+    argv = [
+        "ppo",
+        "--model_name_or_path",
+        str(tiny_model_dir),
+        "--reward_model_path",
+        f"[{', '.join(members[:2])}]",
+        "--ensemble_combine",
+        "min",
+        "--prompt_file",
+        str(prompt_file),
+        "--output_dir",
+        str(out),
+        "--steps",
+        "2",
+        "--rollout_batch_size",
+        "4",
+        "--mini_batch_size",
+        "2",
+        "--ppo_epochs",
+        "1",
+        "--max_new_tokens",
+        "6",
+        "--save_steps",
+        "0",
+        "--log_samples_every",
+        "1",
+        "--eval_every",
+        "1",
+        "--eval_prompt_file",
+        str(prompt_file),
+        "--eval_num_prompts",
+        "4",
+        "--gold_judge",
+        "none",
+    ]
     assert cli.main(argv) == 0
     assert yaml.safe_load((out / "config.yaml").read_text())["reward_model_path"] == members[:2]
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -274,9 +315,16 @@ def test_ensemble_and_reward_fn_add_up_in_ppo(members, tiny_model_dir, prompt_fi
 
     weight = 0.5
     cfg = ppo_config(
-        tiny_model_dir, members[0], prompt_file, tmp_path, reward_model_path=members, ensemble_combine="min",
-        reward_fn="reward_fns:length", reward_fn_weight=weight, ppo_epochs=1,
-    )  # fmt: skip
+        tiny_model_dir,
+        members[0],
+        prompt_file,
+        tmp_path,
+        reward_model_path=members,
+        ensemble_combine="min",
+        reward_fn="reward_fns:length",
+        reward_fn_weight=weight,
+        ppo_epochs=1,
+    )
     trainer = tiny_ppo_trainer(cfg)
     rollouts, seen, shaped = recording_rollouts(trainer), {}, ppo_math.shaped_rewards
 
@@ -314,10 +362,16 @@ def test_eval_with_an_ensemble_reports_each_member_and_the_combined_score(
     kw = dict(gold_judge="none", num_prompts=6, batch_size=3)
     ensemble = evaluate.run(
         eval_config(
-            tiny_model_dir, tiny_model_dir, prompt_file, tmp_path / "ens", reward_model_path=members,
-            ensemble_combine="uncertainty", ensemble_uncertainty_coef=0.5, **kw,
+            tiny_model_dir,
+            tiny_model_dir,
+            prompt_file,
+            tmp_path / "ens",
+            reward_model_path=members,
+            ensemble_combine="uncertainty",
+            ensemble_uncertainty_coef=0.5,
+            **kw,
         )
-    )  # fmt: skip
+    )
     for k, path in enumerate(members):  # each member's mean is that member's own evaluation
         alone = evaluate.run(
             eval_config(
@@ -346,11 +400,19 @@ def test_eval_ensemble_and_reward_fn_add_up(members, tiny_model_dir, prompt_file
 
     metrics = evaluate.run(
         eval_config(
-            tiny_model_dir, tiny_model_dir, prompt_file, tmp_path / "e", reward_model_path=members[:2],
-            ensemble_combine="mean", reward_fn="reward_fns:length", reward_fn_weight=2.0, gold_judge="none",
-            num_prompts=6, batch_size=3,
+            tiny_model_dir,
+            tiny_model_dir,
+            prompt_file,
+            tmp_path / "e",
+            reward_model_path=members[:2],
+            ensemble_combine="mean",
+            reward_fn="reward_fns:length",
+            reward_fn_weight=2.0,
+            gold_judge="none",
+            num_prompts=6,
+            batch_size=3,
         )
-    )  # fmt: skip
+    )
     samples = [json.loads(line) for line in (tmp_path / "e" / "samples.jsonl").read_text().splitlines()]
     fn = reward_fns.length([], [s["policy_response"] for s in samples])
     for s, f in zip(samples, fn):
@@ -391,11 +453,36 @@ def test_a_list_on_the_command_line_parses_and_a_missing_member_is_one_error_lin
     cfg = parse_config(ppo_trainer.Config, ["--reward_model_path", "[a, b]", "--ensemble_combine", "min"])
     assert cfg.reward_model_path == ["a", "b"] and cfg.ensemble_combine == "min"
     missing = str(tmp_path / "rm-9")
-    ppo_argv = ["ppo", "--model_name_or_path", str(tiny_model_dir), "--reward_model_path", f"[{members[0]}, {missing}]",
-                "--prompt_file", str(prompt_file), "--output_dir", str(tmp_path / "ppo"), "--eval_every", "0"]  # fmt: skip
-    eval_argv = ["eval", "--policy_path", str(tiny_model_dir), "--baseline_path", str(tiny_model_dir),
-                 "--reward_model_path", f"[{members[0]}, {missing}]", "--gold_judge", "none",
-                 "--prompt_file", str(prompt_file), "--num_prompts", "2", "--output_dir", str(tmp_path / "eval")]  # fmt: skip
+    ppo_argv = [
+        "ppo",
+        "--model_name_or_path",
+        str(tiny_model_dir),
+        "--reward_model_path",
+        f"[{members[0]}, {missing}]",
+        "--prompt_file",
+        str(prompt_file),
+        "--output_dir",
+        str(tmp_path / "ppo"),
+        "--eval_every",
+        "0",
+    ]
+    eval_argv = [
+        "eval",
+        "--policy_path",
+        str(tiny_model_dir),
+        "--baseline_path",
+        str(tiny_model_dir),
+        "--reward_model_path",
+        f"[{members[0]}, {missing}]",
+        "--gold_judge",
+        "none",
+        "--prompt_file",
+        str(prompt_file),
+        "--num_prompts",
+        "2",
+        "--output_dir",
+        str(tmp_path / "eval"),
+    ]
     for argv in (ppo_argv, eval_argv):
         assert cli.main(argv) == 2
         err = capsys.readouterr().err
@@ -429,9 +516,19 @@ def test_member_configs_seeds_sweeps_and_chaining(tmp_path, monkeypatch):
     recipes = ROOT / "recipes" / "reviews"
     cfg = parse_config(
         pipeline.Config,
-        ["--config", str(recipes / "pipeline.yaml"), "--output_dir", str(tmp_path), "--rm_members", "3",
-         "--rm_bootstrap", "true", "--ppo", "{ensemble_combine: uncertainty, ensemble_uncertainty_coef: 0.25}"],
-    )  # fmt: skip
+        [
+            "--config",
+            str(recipes / "pipeline.yaml"),
+            "--output_dir",
+            str(tmp_path),
+            "--rm_members",
+            "3",
+            "--rm_bootstrap",
+            "true",
+            "--ppo",
+            "{ensemble_combine: uncertainty, ensemble_uncertainty_coef: 0.25}",
+        ],
+    )
     rm_cfg = pipeline.stage_config(cfg, "rm")
     jobs = pipeline.rm_member_configs(cfg, rm_cfg)
     assert [(name, c.output_dir, c.seed, c.bootstrap_seed) for name, c in jobs] == [
@@ -454,8 +551,10 @@ def test_member_configs_seeds_sweeps_and_chaining(tmp_path, monkeypatch):
     sweep = dataclasses.replace(cfg, sweep=[{"name": "fixed", "kl_controller": "fixed"}])
     shared, variant = pipeline.sweep_runs(sweep)
     assert [name for name, _ in pipeline.rm_member_configs(shared, pipeline.stage_config(shared, "rm"))] == [
-        "rm", "rm-1", "rm-2"
-    ]  # fmt: skip
+        "rm",
+        "rm-1",
+        "rm-2",
+    ]
     assert pipeline.stage_config(variant, "ppo").reward_model_path == listed  # the shared members
     assert pipeline.stage_config(variant, "ppo").kl_controller == "fixed"
 
@@ -477,11 +576,19 @@ def test_eval_scores_each_sweep_variant_as_its_ppo_did(tmp_path, monkeypatch):
     single = str(tmp_path / "rm")
     cfg = parse_config(
         pipeline.Config,
-        ["--config", str(recipes / "pipeline.yaml"), "--output_dir", str(tmp_path), "--rm_members", "3",
-         "--sweep", f"[{{name: single, reward_model_path: {single}, reward_fn: 'reward_fns:keyword', "
-         "reward_fn_weight: 0.5, stop_strings: ['.'], min_new_tokens: 2}, "
-         "{name: worst, ensemble_combine: min}]"],
-    )  # fmt: skip
+        [
+            "--config",
+            str(recipes / "pipeline.yaml"),
+            "--output_dir",
+            str(tmp_path),
+            "--rm_members",
+            "3",
+            "--sweep",
+            f"[{{name: single, reward_model_path: {single}, reward_fn: 'reward_fns:keyword', "
+            "reward_fn_weight: 0.5, stop_strings: ['.'], min_new_tokens: 2}, "
+            "{name: worst, ensemble_combine: min}]",
+        ],
+    )
     _, single_run, worst_run = pipeline.sweep_runs(cfg)
     members = [str(tmp_path / d) for d in ("rm", "rm-1", "rm-2")]
     for run_cfg, expected_rm in ((single_run, single), (worst_run, members)):

@@ -34,12 +34,23 @@ def test_sampling_of_any_flat_config():
 
 
 def test_scored_as_names_every_key_that_decides_a_score():
-    cfg = ppo_trainer.Config(reward_model_path=["a", "b"], ensemble_combine="min", reward_fn="m:f", reward_fn_weight=0.5,
-                     stop_strings=["."], min_new_tokens=3)  # fmt: skip
+    cfg = ppo_trainer.Config(
+        reward_model_path=["a", "b"],
+        ensemble_combine="min",
+        reward_fn="m:f",
+        reward_fn_weight=0.5,
+        stop_strings=["."],
+        min_new_tokens=3,
+    )
     assert scored_as(cfg) == {
-        "reward_model_path": ["a", "b"], "ensemble_combine": "min", "ensemble_uncertainty_coef": 1.0,
-        "reward_fn": "m:f", "reward_fn_weight": 0.5, "stop_strings": ["."], "min_new_tokens": 3,
-    }  # fmt: skip
+        "reward_model_path": ["a", "b"],
+        "ensemble_combine": "min",
+        "ensemble_uncertainty_coef": 1.0,
+        "reward_fn": "m:f",
+        "reward_fn_weight": 0.5,
+        "stop_strings": ["."],
+        "min_new_tokens": 3,
+    }
     eval_cfg = evaluate.Config(**scored_as(cfg))  # an evaluation given them scores as this PPO run
     assert scored_as(eval_cfg) == scored_as(cfg)
 
@@ -47,8 +58,14 @@ def test_scored_as_names_every_key_that_decides_a_score():
 def test_ppo_and_evaluation_score_alike(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
     """The trainer's scores of a rollout are a `Scorer`'s, built as evaluation builds it: rm_score +
     reward_fn_weight * reward_fn, with the parts PPO logs in the order it logs them."""
-    cfg = ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, reward_fn="reward_fns:length",
-                     reward_fn_weight=0.5)  # fmt: skip
+    cfg = ppo_config(
+        tiny_model_dir,
+        tiny_rm_dir,
+        prompt_file,
+        tmp_path,
+        reward_fn="reward_fns:length",
+        reward_fn_weight=0.5,
+    )
     trainer = tiny_ppo_trainer(cfg)
     samples = trainer.collector.generate(trainer.collector.queries(trainer.step))
     got = trainer.collector.score(samples)

@@ -107,8 +107,13 @@ def test_zero3_lora_first_update_equals_one_process(tiny_model_dir, tiny_rm_dir,
     args = [str(SCRIPTS / "ppo_ranks.py"), str(tiny_model_dir), str(tiny_rm_dir), str(prompt_file)]
     launch([*args, str(tmp_path / "one.json"), "lora"], 1)
     one = json.loads((tmp_path / "one.json").read_text())
-    launch([*args, str(tmp_path / "zero3.json"), "lora"], 2, config="deepspeed_zero3.yaml",
-           mixed_precision="no", timeout=600)  # fmt: skip
+    launch(
+        [*args, str(tmp_path / "zero3.json"), "lora"],
+        2,
+        config="deepspeed_zero3.yaml",
+        mixed_precision="no",
+        timeout=600,
+    )
     run = json.loads((tmp_path / "zero3.json").read_text())
     assert (one["world"], run["world"], run["distributed_type"]) == (1, 2, "DEEPSPEED")
     grads, expected = torch.tensor(run["grads"]), torch.tensor(one["grads"])
@@ -248,9 +253,17 @@ def test_pipeline_sft_rm_ppo_eval_and_dpo_under_deepspeed(
         return
     # DPO (TRL's DPOTrainer, its frozen reference beside the engine) from the SFT folder, under ZeRO-2 too
     dpo = tmp_path / "dpo"
-    values = dict(model_name_or_path=out / "sft", train_file=pref_files[0], eval_file=pref_files[1],
-                  output_dir=dpo, max_steps=4, max_length=32, per_device_train_batch_size=4, eval_steps=2,
-                  logging_steps=2)  # fmt: skip
+    values = dict(
+        model_name_or_path=out / "sft",
+        train_file=pref_files[0],
+        eval_file=pref_files[1],
+        output_dir=dpo,
+        max_steps=4,
+        max_length=32,
+        per_device_train_batch_size=4,
+        eval_steps=2,
+        logging_steps=2,
+    )
     launch(["-m", "llm_rlhf", "dpo", *flags(values)], 2, config="deepspeed_zero2.yaml", mixed_precision="no")
     (step,) = (dpo / "checkpoints").glob("checkpoint-4/global_step4")
     assert len(list(step.glob("zero_pp_rank_*_optim_states.pt"))) == 2
@@ -293,8 +306,10 @@ def stage_inputs(tiny_model_dir, tmp_path: Path) -> tuple[Path, tuple[Path, ...]
     config = json.loads((model_dir / "config.json").read_text())
     config.update(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     (model_dir / "config.json").write_text(json.dumps(config))
-    sft_rows = [{"prompt": " ".join(s.split(" ")[:3]), "completion": " " + " ".join(s.split(" ")[3:])}
-                for s in SENTENCES]  # fmt: skip
+    sft_rows = [
+        {"prompt": " ".join(s.split(" ")[:3]), "completion": " " + " ".join(s.split(" ")[3:])}
+        for s in SENTENCES
+    ]
     pairs = preference_rows()
     files = (
         write_jsonl(tmp_path / "sft_train.jsonl", sft_rows[:8]),
@@ -322,8 +337,11 @@ def check_stage_runs(run: dict, one: dict, out: Path, one_out: Path, config: str
         torch.testing.assert_close(grad, expected, atol=1e-7, rtol=1e-4, msg=f"{config} {stage}")
         first, resumed = logged_lines(out / stage / "a"), logged_lines(out / stage / "b")
         for key in ("loss", "grad_norm"):
-            assert first[0][key] == pytest.approx(logged_lines(one_out / stage / "a")[0][key],
-                                                  rel=1e-5), (config, stage, key)  # fmt: skip
+            assert first[0][key] == pytest.approx(logged_lines(one_out / stage / "a")[0][key], rel=1e-5), (
+                config,
+                stage,
+                key,
+            )
         assert [m["step"] for m in resumed[:2]] == [2, 2] and "eval_loss" in resumed[1]
         same_figures(resumed[0], first[1])  # step 2's training figures
         same_figures(resumed[1], first[2])  # step 2's evaluation

@@ -64,9 +64,24 @@ def test_two_processes_with_stop_strings_and_min_new_tokens(
     min_new_tokens, and the logged response_length and eos_rate are those of the rows of both processes."""
     out, record = tmp_path / "run", tmp_path / "rollouts"
     args = ppo_cli_args(eos_prone_dir, tiny_rm_dir, prompt_file, out, 2)[2:]  # without "-m llm_rlhf"
-    args += ["--max_new_tokens", "10", "--stop_strings", '["e", "a"]', "--min_new_tokens", "2", "--save_steps", "0",
-             "--eval_every", "1", "--eval_prompt_file", str(prompt_file), "--eval_num_prompts", "4",
-             "--gold_judge", SENTIMENT_JUDGE]  # fmt: skip
+    args += [
+        "--max_new_tokens",
+        "10",
+        "--stop_strings",
+        '["e", "a"]',
+        "--min_new_tokens",
+        "2",
+        "--save_steps",
+        "0",
+        "--eval_every",
+        "1",
+        "--eval_prompt_file",
+        str(prompt_file),
+        "--eval_num_prompts",
+        "4",
+        "--gold_judge",
+        SENTIMENT_JUDGE,
+    ]
     launch([str(SCRIPTS / "record_rollouts.py"), str(record), *args], 2)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     ranks = [json.loads((record / f"rollouts_{r}.json").read_text()) for r in (0, 1)]
@@ -109,8 +124,20 @@ def test_two_processes_with_chat_prompts(chat_model_dir, tiny_rm_dir, tmp_path):
     chats = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in CHATS] * 4)
     out, record = tmp_path / "run", tmp_path / "rollouts"
     args = ppo_cli_args(chat_model_dir, tiny_rm_dir, chats, out, 2)[2:]  # without "-m llm_rlhf"
-    args += ["--max_new_tokens", "8", "--max_prompt_length", "40", "--temperature", "0.8",
-             "--stop_strings", json.dumps(STOP_STRINGS), "--min_new_tokens", "2", "--save_steps", "0"]  # fmt: skip
+    args += [
+        "--max_new_tokens",
+        "8",
+        "--max_prompt_length",
+        "40",
+        "--temperature",
+        "0.8",
+        "--stop_strings",
+        json.dumps(STOP_STRINGS),
+        "--min_new_tokens",
+        "2",
+        "--save_steps",
+        "0",
+    ]
     launch([str(SCRIPTS / "record_rollouts.py"), str(record), *args], 2)
     ranks = [json.loads((record / f"rollouts_{r}.json").read_text()) for r in (0, 1)]
     tokenizer = load_tokenizer(str(chat_model_dir))
@@ -151,13 +178,21 @@ def test_keep_best_and_stop_on_alarm_on_two_processes(config, tiny_model_dir, pr
     mismatch would hang or fail the launch); the outputs say the same step everywhere."""
     out = tmp_path / "run"
     args = ppo_cli_args(
-        tiny_model_dir, "none", prompt_file, out, 3, reward_fn="tests/reward_fns.py:length", eval_every=1,
-        eval_prompt_file=prompt_file, eval_num_prompts=20, gold_judge=SENTIMENT_JUDGE, keep_best="true",
-        stop_on_alarm="true", save_steps=0,
-    )[2:]  # fmt: skip
-    script = (
-        [str(SCRIPTS / "fsdp2_on_cpu.py")] if config == "fsdp.yaml" else ["-m", "llm_rlhf"]
-    )
+        tiny_model_dir,
+        "none",
+        prompt_file,
+        out,
+        3,
+        reward_fn="tests/reward_fns.py:length",
+        eval_every=1,
+        eval_prompt_file=prompt_file,
+        eval_num_prompts=20,
+        gold_judge=SENTIMENT_JUDGE,
+        keep_best="true",
+        stop_on_alarm="true",
+        save_steps=0,
+    )[2:]
+    script = [str(SCRIPTS / "fsdp2_on_cpu.py")] if config == "fsdp.yaml" else ["-m", "llm_rlhf"]
     launch([*script, *args], 2, config=config)
     log = read_jsonl(out / "eval_log.jsonl")
     metrics = json.loads((out / "metrics.json").read_text())
@@ -196,8 +231,14 @@ def test_loss_options_two_ranks_and_accumulation_equal_one(
     runs = {}
     for world in (1, 2):
         out = tmp_path / f"{world}.json"
-        args = [str(SCRIPTS / "ppo_ranks.py"), str(tiny_model_dir), str(tiny_rm_dir), str(prompt_file), str(out),
-                "loss_options"]  # fmt: skip
+        args = [
+            str(SCRIPTS / "ppo_ranks.py"),
+            str(tiny_model_dir),
+            str(tiny_rm_dir),
+            str(prompt_file),
+            str(out),
+            "loss_options",
+        ]
         launch(args, world)
         runs[world] = json.loads(out.read_text())["runs"]
     one = runs[1]
@@ -209,8 +250,13 @@ def test_loss_options_two_ranks_and_accumulation_equal_one(
             assert len(run["grads"]) == len(base["grads"]) == 4, key
             for update, (ga, gb) in enumerate(zip(base["grads"], run["grads"])):
                 # after an Adam step (lr 1e-2) the weights differ by float rounding: |diff| < 2e-6 there
-                torch.testing.assert_close(torch.tensor(gb), torch.tensor(ga), atol=1e-7 if update == 0 else 2e-6,
-                                           rtol=1e-4, msg=f"{key} update {update + 1}")  # fmt: skip
+                torch.testing.assert_close(
+                    torch.tensor(gb),
+                    torch.tensor(ga),
+                    atol=1e-7 if update == 0 else 2e-6,
+                    rtol=1e-4,
+                    msg=f"{key} update {update + 1}",
+                )
             for m1, m2 in zip(base["metrics"], run["metrics"]):
                 for k, v in m1.items():
                     if k.startswith(("loss/", "policy/", "sampler/", "sampling/", "objective/")):
@@ -228,10 +274,22 @@ def test_fsdp2_with_dynamic_sampling(tiny_model_dir, tiny_rm_dir, prompt_file, t
     """fsdp.yaml (FSDP2) on 2 CPU processes: grpo with dynamic sampling, clip-higher and seq_mean_token_mean;
     the rounds are the same on every process (the sharded forwards are collectives), the run ends."""
     out = tmp_path / "fsdp"
-    args = ppo_cli_args(tiny_model_dir, "none", prompt_file, out, 3, advantage_estimator="grpo",
-                        samples_per_prompt=2, rollout_batch_size=2, mini_batch_size=4, reward_fn=EVEN,
-                        dynamic_sampling="true", cliprange_high=0.28, loss_aggregation="seq_mean_token_mean",
-                        gold_judge="none")[2:]  # fmt: skip
+    args = ppo_cli_args(
+        tiny_model_dir,
+        "none",
+        prompt_file,
+        out,
+        3,
+        advantage_estimator="grpo",
+        samples_per_prompt=2,
+        rollout_batch_size=2,
+        mini_batch_size=4,
+        reward_fn=EVEN,
+        dynamic_sampling="true",
+        cliprange_high=0.28,
+        loss_aggregation="seq_mean_token_mean",
+        gold_judge="none",
+    )[2:]
     launch([str(SCRIPTS / "fsdp2_on_cpu.py"), *args], 2, config="fsdp.yaml", mixed_precision="no")
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3]
@@ -252,8 +310,18 @@ def test_two_processes_combined_score_and_a_failure_on_one_rank(
     only, at the first step: both processes stop with a one-line error (rank 1 its own, rank 0 naming the
     other process) instead of rank 0 waiting for ever."""
     out = tmp_path / "ok"
-    launch(ppo_cli_args(tiny_model_dir, tiny_rm_dir, prompt_file, out, 3, save_steps=0, reward_fn=KEYWORD_FILE,
-                        reward_fn_weight=0.5))  # fmt: skip
+    launch(
+        ppo_cli_args(
+            tiny_model_dir,
+            tiny_rm_dir,
+            prompt_file,
+            out,
+            3,
+            save_steps=0,
+            reward_fn=KEYWORD_FILE,
+            reward_fn_weight=0.5,
+        )
+    )
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2, 3]
     for m in lines:
@@ -289,8 +357,18 @@ def test_ensemble_two_ranks_equals_one(members, tiny_model_dir, prompt_file, tmp
 
     def run(num_processes):
         out = tmp_path / f"{num_processes}.json"
-        launch([str(script), str(tiny_model_dir), ",".join(members), str(prompt_file), str(out), "same",
-                "uncertainty"], num_processes)  # fmt: skip
+        launch(
+            [
+                str(script),
+                str(tiny_model_dir),
+                ",".join(members),
+                str(prompt_file),
+                str(out),
+                "same",
+                "uncertainty",
+            ],
+            num_processes,
+        )
         return json.loads(out.read_text())
 
     one, two = run(1), run(2)

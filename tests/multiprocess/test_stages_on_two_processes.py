@@ -18,10 +18,30 @@ from llm_rlhf.models.reward_model import load_reward_model
 def test_sft_under_accelerate_launch_with_two_processes(tmp_path, tiny_model_dir, sft_files):
     """`accelerate launch` with the repo's DDP config: 2 CPU processes (gloo), one set of outputs."""
     out = tmp_path / "run"
-    argv = ["--model_name_or_path", str(tiny_model_dir), "--train_file", str(sft_files[0]), "--eval_file",
-            str(sft_files[1]), "--output_dir", str(out), "--max_length", "32", "--max_steps", "4",
-            "--per_device_train_batch_size", "4", "--save_steps", "2", "--eval_steps", "2", "--num_samples", "2",
-            "--max_new_tokens", "4"]  # fmt: skip
+    argv = [
+        "--model_name_or_path",
+        str(tiny_model_dir),
+        "--train_file",
+        str(sft_files[0]),
+        "--eval_file",
+        str(sft_files[1]),
+        "--output_dir",
+        str(out),
+        "--max_length",
+        "32",
+        "--max_steps",
+        "4",
+        "--per_device_train_batch_size",
+        "4",
+        "--save_steps",
+        "2",
+        "--eval_steps",
+        "2",
+        "--num_samples",
+        "2",
+        "--max_new_tokens",
+        "4",
+    ]
     launch(["-m", "llm_rlhf", "sft", *argv], 2)
     metrics = read_json(out / "metrics.json")
     assert metrics["global_step"] == 4

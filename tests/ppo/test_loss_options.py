@@ -60,16 +60,31 @@ from llm_rlhf.rl.estimators import ROWS, names
 
 EVEN = REWARD_FNS + ":even_length"  # 0 / 1 scores: groups tie often
 HALF = REWARD_FNS + ":half"  # 0.5 for every response: every group ties
-NEW_STATS = ("policy/clipfrac_low", "policy/clipfrac_high", "policy/dual_clipfrac", "sampler/", "sampling/",
-             "objective/overlong_penalty")  # fmt: skip
+NEW_STATS = (
+    "policy/clipfrac_low",
+    "policy/clipfrac_high",
+    "policy/dual_clipfrac",
+    "sampler/",
+    "sampling/",
+    "objective/overlong_penalty",
+)
 
 
 def grpo_config(model_dir, prompt_file, out, **kw):
     """grpo with 4 prompts x 2 samples, a 0/1 reward function, no reward model and no KL penalty (so that the
     policy loss is the whole loss), one epoch over one minibatch of the 8 episodes. `kw` wins."""
-    base = dict(advantage_estimator="grpo", samples_per_prompt=2, rollout_batch_size=4, mini_batch_size=8,
-                ppo_epochs=1, reward_fn=EVEN, kl_controller="fixed", init_kl_coef=0.0, eval_every=0,
-                max_grad_norm=1e9)  # fmt: skip
+    base = dict(
+        advantage_estimator="grpo",
+        samples_per_prompt=2,
+        rollout_batch_size=4,
+        mini_batch_size=8,
+        ppo_epochs=1,
+        reward_fn=EVEN,
+        kl_controller="fixed",
+        init_kl_coef=0.0,
+        eval_every=0,
+        max_grad_norm=1e9,
+    )
     base.update(kw)
     return ppo_config(model_dir, None, prompt_file, out, **base)
 
@@ -138,9 +153,18 @@ def test_help_says_which_estimators_accept_each_option():
     text = " ".join(format_help(Config).split())
     assert f"Zheng et al. 2025; {names(r for r in ROWS if r.response_advantages)} only" in text
     assert f"{names(r for r in ROWS if r.dynamic_sampling)} only, with samples_per_prompt >= 2" in text
-    for key in ("cliprange_low", "cliprange_high", "dual_clip", "loss_aggregation", "sampler_correction",
-                "sampler_correction_cap", "overlong_buffer", "overlong_penalty", "mask_truncated",
-                "dynamic_sampling_max_rounds"):  # fmt: skip
+    for key in (
+        "cliprange_low",
+        "cliprange_high",
+        "dual_clip",
+        "loss_aggregation",
+        "sampler_correction",
+        "sampler_correction_cap",
+        "overlong_buffer",
+        "overlong_penalty",
+        "mask_truncated",
+        "dynamic_sampling_max_rounds",
+    ):
         assert f"--{key} (" in text, key
 
 
@@ -170,8 +194,15 @@ def test_defaults_keep_todays_metrics(tiny_model_dir, prompt_file, tmp_path):
 def test_clip_higher_logs_each_side(tiny_model_dir, prompt_file, tmp_path):
     """cliprange_low/high (tiny, so both bind in the second epoch): policy/clipfrac_low and clipfrac_high
     are logged, bind, and add up to policy/clipfrac (a clipped token is on one side)."""
-    cfg = grpo_config(tiny_model_dir, prompt_file, tmp_path, cliprange_low=1e-3, cliprange_high=2e-3,
-                      ppo_epochs=2, learning_rate=1e-2)  # fmt: skip
+    cfg = grpo_config(
+        tiny_model_dir,
+        prompt_file,
+        tmp_path,
+        cliprange_low=1e-3,
+        cliprange_high=2e-3,
+        ppo_epochs=2,
+        learning_rate=1e-2,
+    )
     metrics = tiny_ppo_trainer(cfg).ppo_step()
     assert metrics["policy/clipfrac_high"] > 0 and metrics["policy/clipfrac_low"] > 0
     assert metrics["policy/clipfrac"] == pytest.approx(
@@ -268,16 +299,26 @@ def test_aggregations_are_the_same_with_gradient_accumulation(tiny_model_dir, pr
     grads = {}
     for aggregation in ("token_mean", "seq_mean_token_mean", "token_sum_norm"):
         for steps in (1, 8):
-            c = grpo_config(tiny_model_dir, prompt_file, tmp_path, loss_aggregation=aggregation,
-                            gradient_accumulation_steps=steps, mask_truncated=aggregation == "token_mean")  # fmt: skip
+            c = grpo_config(
+                tiny_model_dir,
+                prompt_file,
+                tmp_path,
+                loss_aggregation=aggregation,
+                gradient_accumulation_steps=steps,
+                mask_truncated=aggregation == "token_mean",
+            )
             grads[aggregation, steps] = raw_gradient(c, rollout, adv)
-        torch.testing.assert_close(grads[aggregation, 8], grads[aggregation, 1],
-                                   **sum_tolerance(grads[aggregation, 1], tokens))  # fmt: skip
+        torch.testing.assert_close(
+            grads[aggregation, 8], grads[aggregation, 1], **sum_tolerance(grads[aggregation, 1], tokens)
+        )
     truncated = ~rollout.ended(tiny_ppo_trainer(cfg).tokenizer.eos_token_id)
     # token_mean above ran with mask_truncated: compare token_sum_norm with the plain token mean instead
     token_mean = raw_gradient(cfg, rollout, adv)
-    torch.testing.assert_close(grads["token_sum_norm", 1] * (8 * cfg.max_new_tokens), token_mean * tokens,
-                               **sum_tolerance(token_mean * tokens, tokens))  # fmt: skip
+    torch.testing.assert_close(
+        grads["token_sum_norm", 1] * (8 * cfg.max_new_tokens),
+        token_mean * tokens,
+        **sum_tolerance(token_mean * tokens, tokens),
+    )
     assert not torch.allclose(grads["seq_mean_token_mean", 1], token_mean, atol=1e-6)
     assert truncated.any() and not torch.allclose(grads["token_mean", 1], token_mean, atol=1e-6)
 
@@ -323,8 +364,14 @@ def test_sampler_corrections_with_bfloat16_sampling(tiny_model_dir, prompt_file,
     |log pi - log q| < 1e-3) truncates some weights (sampler/corrected_frac > 0, sampler/mean_weight <=
     1.0001); MIS's weights are 0 or 1, so its mean weight is 1 - the masked fraction. A sampler that recorded no log-probs is an error naming the key."""
     for correction in ("tis", "mis"):
-        cfg = grpo_config(tiny_model_dir, prompt_file, tmp_path, sampling_dtype="bfloat16",
-                          sampler_correction=correction, sampler_correction_cap=1.0001)  # fmt: skip
+        cfg = grpo_config(
+            tiny_model_dir,
+            prompt_file,
+            tmp_path,
+            sampling_dtype="bfloat16",
+            sampler_correction=correction,
+            sampler_correction_cap=1.0001,
+        )
         metrics = tiny_ppo_trainer(cfg).ppo_step()
         assert metrics["objective/kl_sampler"] != 0.0
         assert 0 < metrics["sampler/corrected_frac"] < 1, correction
@@ -347,8 +394,9 @@ def test_sampler_correction_weight_carries_no_gradient(tiny_model_dir, prompt_fi
     out, with the weights w_t = min(pi_old / q, C) (tis) or 1[1/C <= pi_old / q <= C] (mis) detached (rho = 1
     and no clip at the first update). Fails if the weight carries gradient (w * exp(lp - sg(lp)): the same
     values, twice the gradient)."""
-    cfg = grpo_config(tiny_model_dir, prompt_file, tmp_path, sampler_correction=correction,
-                      sampler_correction_cap=1.05)  # fmt: skip
+    cfg = grpo_config(
+        tiny_model_dir, prompt_file, tmp_path, sampler_correction=correction, sampler_correction_cap=1.05
+    )
     rollout, advantages = fixed_rollout(cfg)
     mask = rollout.response_mask
     noise = 0.1 * torch.randn(mask.shape, generator=torch.Generator().manual_seed(1))  # (B, R)
@@ -391,8 +439,9 @@ def test_dynamic_sampling_trains_untied_groups(tiny_model_dir, prompt_file, tmp_
     groups); the trained rollout holds 4 groups; the counts add up; rho == 1 and approx-KL == 0 exactly at
     the update (one minibatch, one epoch: the forwards ran on the kept rows); the prompt stream moves on by
     the extra rounds and the state keeps it. With dynamic_sampling_max_rounds 1 nothing is dropped."""
-    cfg = grpo_config(tiny_model_dir, prompt_file, tmp_path, dynamic_sampling=True, dynamic_sampling_max_rounds=4,
-                      steps=3)  # fmt: skip
+    cfg = grpo_config(
+        tiny_model_dir, prompt_file, tmp_path, dynamic_sampling=True, dynamic_sampling_max_rounds=4, steps=3
+    )
     trainer = tiny_ppo_trainer(cfg)
     kept = keep_dynamic_rollouts(trainer)
     sampled, real_score = [], trainer.collector.score  # every round's scores, the dropped groups' too
@@ -424,7 +473,10 @@ def test_dynamic_sampling_trains_untied_groups(tiny_model_dir, prompt_file, tmp_
     once = tiny_ppo_trainer(dataclasses.replace(cfg, dynamic_sampling_max_rounds=1))
     torch.manual_seed(0)
     m = once.ppo_step()
-    assert (m["sampling/rounds"], m["sampling/groups_dropped"]) == (1.0, 0.0) and once.collector.extra_prompts == 0
+    assert (m["sampling/rounds"], m["sampling/groups_dropped"]) == (
+        1.0,
+        0.0,
+    ) and once.collector.extra_prompts == 0
     assert m["sampling/tied_groups_trained"] == m["objective/groups_tied"] * 4
 
 
@@ -433,8 +485,14 @@ def test_dynamic_sampling_is_the_same_with_gradient_accumulation(tiny_model_dir,
     raw gradients."""
     runs = []
     for steps in (1, 8):
-        cfg = grpo_config(tiny_model_dir, prompt_file, tmp_path, dynamic_sampling=True,
-                          gradient_accumulation_steps=steps, loss_aggregation="seq_mean_token_mean")  # fmt: skip
+        cfg = grpo_config(
+            tiny_model_dir,
+            prompt_file,
+            tmp_path,
+            dynamic_sampling=True,
+            gradient_accumulation_steps=steps,
+            loss_aggregation="seq_mean_token_mean",
+        )
         trainer, grads = tiny_ppo_trainer(cfg), []
         record_raw_grads(trainer, grads)
         torch.manual_seed(0)
@@ -449,8 +507,16 @@ def test_dynamic_sampling_is_the_same_with_gradient_accumulation(tiny_model_dir,
 def test_lora_with_cispo_and_dynamic_sampling(tiny_model_dir, prompt_file, tmp_path):
     """LoRA (the reference is the adapter switched off) with policy_loss cispo and dynamic sampling: every
     adapter weight changes and the CISPO statistics are logged."""
-    cfg = grpo_config(tiny_model_dir, prompt_file, tmp_path, use_lora=True, lora_target_modules=["c_attn"],
-                      policy_loss="cispo", dynamic_sampling=True, learning_rate=1e-2)  # fmt: skip
+    cfg = grpo_config(
+        tiny_model_dir,
+        prompt_file,
+        tmp_path,
+        use_lora=True,
+        lora_target_modules=["c_attn"],
+        policy_loss="cispo",
+        dynamic_sampling=True,
+        learning_rate=1e-2,
+    )
     trainer = tiny_ppo_trainer(cfg)
     before = {
         k: v.detach().clone() for k, v in trainer.unwrapped_policy.named_parameters() if v.requires_grad
@@ -462,8 +528,12 @@ def test_lora_with_cispo_and_dynamic_sampling(tiny_model_dir, prompt_file, tmp_p
 
 
 def tie_config(tiny_model_dir, prompt_file, tmp_path, **kw):
-    return grpo_config(tiny_model_dir, prompt_file, tmp_path, **{"dynamic_sampling": True,
-                       "dynamic_sampling_max_rounds": 3, **kw})  # fmt: skip
+    return grpo_config(
+        tiny_model_dir,
+        prompt_file,
+        tmp_path,
+        **{"dynamic_sampling": True, "dynamic_sampling_max_rounds": 3, **kw},
+    )
 
 
 @pytest.mark.parametrize(
@@ -514,8 +584,9 @@ def test_dynamic_sampling_ties_on_the_verifier_verdicts(tiny_model_dir, prompt_f
         4,
     )
 
-    cfg = tie_config(tiny_model_dir, prompt_file, tmp_path, reward_fn=HALF, accuracy_fn=EVEN,
-                     dynamic_sampling_max_rounds=1)  # fmt: skip
+    cfg = tie_config(
+        tiny_model_dir, prompt_file, tmp_path, reward_fn=HALF, accuracy_fn=EVEN, dynamic_sampling_max_rounds=1
+    )
     trainer = tiny_ppo_trainer(cfg)
     use_fixed_responses(trainer)
     rollouts, real = [], trainer.dynamic_rollout
@@ -540,8 +611,16 @@ def test_kl_and_its_controller_see_every_sampled_group(tiny_model_dir, prompt_fi
     mean sequence KL over the 24 sampled responses, the 16 dropped ones' too, and the adaptive controller
     moves by that KL (its target set to it once sampled: beta stays where it was, where the 8 kept
     responses' KL would move it). Fails if either reads the kept responses alone."""
-    cfg = tie_config(tiny_model_dir, prompt_file, tmp_path, reward_fn=HALF, kl_controller="adaptive",
-                     init_kl_coef=0.1, kl_target=0.01, kl_horizon=10)  # fmt: skip
+    cfg = tie_config(
+        tiny_model_dir,
+        prompt_file,
+        tmp_path,
+        reward_fn=HALF,
+        kl_controller="adaptive",
+        init_kl_coef=0.1,
+        kl_target=0.01,
+        kl_horizon=10,
+    )
     trainer = tiny_ppo_trainer(cfg)
     use_fixed_responses(trainer)
     with torch.no_grad():
@@ -553,8 +632,9 @@ def test_kl_and_its_controller_see_every_sampled_group(tiny_model_dir, prompt_fi
     def generate(queries, sampling=None):
         samples = real_generate(queries, sampling)
         logprobs, _, _ = trainer.forward_policy(samples)
-        kl = ppo_math.kl_penalty(logprobs=logprobs, ref_logprobs=trainer.reference_logprobs(samples),
-                                 estimator=cfg.kl_estimator)  # fmt: skip
+        kl = ppo_math.kl_penalty(
+            logprobs=logprobs, ref_logprobs=trainer.reference_logprobs(samples), estimator=cfg.kl_estimator
+        )
         every.append(ppo_math.sequence_kl(kl=kl, response_mask=samples.response_mask))
         if len(every) == 3:  # the last round: the controller's target is the KL of every sampled response
             trainer.kl_ctl.target = float(torch.cat(every).mean())
@@ -607,7 +687,9 @@ def on_two_ranks(trainers, work) -> list:
     pair, out, errors = TwoRanks.pair(), [None, None], []
     real = [t.accelerator for t in trainers]
     for rank, t in enumerate(trainers):
-        t.context.accelerator = TwoRanks(rank, pair, t.accelerator)  # the trainer's, the collector's, the update's
+        t.context.accelerator = TwoRanks(
+            rank, pair, t.accelerator
+        )  # the trainer's, the collector's, the update's
 
     def run(rank: int) -> None:
         try:
@@ -631,19 +713,29 @@ def on_two_ranks(trainers, work) -> list:
 def rank_trainer(cfg, **sizes):
     """A trainer of `cfg` whose batch sizes are those of one of 2 processes (`sizes` the per-process keys)."""
     trainer = tiny_ppo_trainer(cfg)
-    keys = dict(rollout_batch_size=cfg.rollout_batch_size, mini_batch_size=cfg.mini_batch_size,
-                gradient_accumulation_steps=cfg.gradient_accumulation_steps, ppo_epochs=cfg.ppo_epochs,
-                steps=cfg.steps, samples_per_prompt=cfg.samples_per_prompt)  # fmt: skip
+    keys = dict(
+        rollout_batch_size=cfg.rollout_batch_size,
+        mini_batch_size=cfg.mini_batch_size,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        ppo_epochs=cfg.ppo_epochs,
+        steps=cfg.steps,
+        samples_per_prompt=cfg.samples_per_prompt,
+    )
     trainer.context.sizes = batch_sizes(**{**keys, **sizes, "num_processes": 2})  # every part's
     return trainer
 
 
 @pytest.mark.parametrize(
     "keys",
-    [dict(), dict(cliprange_high=0.28), dict(loss_aggregation="seq_mean_token_mean"),
-     dict(loss_aggregation="token_sum_norm"), dict(cliprange_high=0.28, gradient_accumulation_steps=2)],
+    [
+        dict(),
+        dict(cliprange_high=0.28),
+        dict(loss_aggregation="seq_mean_token_mean"),
+        dict(loss_aggregation="token_sum_norm"),
+        dict(cliprange_high=0.28, gradient_accumulation_steps=2),
+    ],
     ids=["plain", "token_mean", "seq_mean_token_mean", "token_sum_norm", "accumulated"],
-)  # fmt: skip
+)
 def test_global_normaliser_two_simulated_ranks_equal_one(tiny_model_dir, prompt_file, tmp_path, keys):
     """One minibatch of 8 responses of 2 to 8 tokens (`use_fixed_responses`): on one process, and cut into two
     ranks of 2 groups (rank 0 holds 20 tokens, rank 1 25) whose normaliser and token counts are all-reduced by
@@ -707,10 +799,22 @@ def test_dynamic_sampling_killed_and_resumed_ends_bit_identical(tiny_model_dir, 
     from safetensors.torch import load_file
 
     def command(out, *more, kill_at=None):
-        args = ppo_cli_args(tiny_model_dir, "none", prompt_file, out, 4, advantage_estimator="grpo",
-                            samples_per_prompt=2, rollout_batch_size=2, mini_batch_size=4, save_steps=2,
-                            reward_fn=EVEN, dynamic_sampling="true", dynamic_sampling_max_rounds=4,
-                            gold_judge="none")  # fmt: skip
+        args = ppo_cli_args(
+            tiny_model_dir,
+            "none",
+            prompt_file,
+            out,
+            4,
+            advantage_estimator="grpo",
+            samples_per_prompt=2,
+            rollout_batch_size=2,
+            mini_batch_size=4,
+            save_steps=2,
+            reward_fn=EVEN,
+            dynamic_sampling="true",
+            dynamic_sampling_max_rounds=4,
+            gold_judge="none",
+        )
         return ppo_command(args, *more, kill_at=kill_at)
 
     straight, killed = tmp_path / "straight", tmp_path / "killed"
@@ -751,9 +855,19 @@ def test_the_dapo_recipe_runs_on_a_tiny_chat_llama(tmp_path, monkeypatch):
     assert cfg.dynamic_sampling and cfg.loss_aggregation == "token_mean" and cfg.overlong_buffer > 0
     model = tiny_chat_model(tmp_path / "tiny_chat_llama", TAGGED_CHAT_TEMPLATE, n_positions=160)
     out = tmp_path / "dapo"
-    keys = {"model_name_or_path": model, "output_dir": out, "steps": 2, "rollout_batch_size": 2,
-            "mini_batch_size": 4, "max_prompt_length": 128, "max_new_tokens": 4, "overlong_buffer": 2,
-            "eval_every": 0, "save_steps": 0, "log_samples_every": 0}  # fmt: skip
+    keys = {
+        "model_name_or_path": model,
+        "output_dir": out,
+        "steps": 2,
+        "rollout_batch_size": 2,
+        "mini_batch_size": 4,
+        "max_prompt_length": 128,
+        "max_new_tokens": 4,
+        "overlong_buffer": 2,
+        "eval_every": 0,
+        "save_steps": 0,
+        "log_samples_every": 0,
+    }
     argv = ["ppo", "--config", str(recipe)] + [a for k, v in keys.items() for a in (f"--{k}", str(v))]
     assert cli.main(argv) == 0
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

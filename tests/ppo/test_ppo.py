@@ -177,8 +177,17 @@ def test_first_epoch_ratio_exactly_one_with_responses_that_end_early(
     before that update; responses ending at different positions give the micro-batches different trimmed
     widths (and the old log-probs must come from forwards of the same rows at the same widths)."""
     model_dir = tiny_model_dir if policy == "gpt2" else tiny_llama_dir
-    cfg = ppo_config(model_dir, tiny_rm_dir, prompt_file, tmp_path, rollout_batch_size=8, max_new_tokens=16,
-                   mini_batch_size=8, gradient_accumulation_steps=4, ppo_epochs=1)  # fmt: skip
+    cfg = ppo_config(
+        model_dir,
+        tiny_rm_dir,
+        prompt_file,
+        tmp_path,
+        rollout_batch_size=8,
+        max_new_tokens=16,
+        mini_batch_size=8,
+        gradient_accumulation_steps=4,
+        ppo_epochs=1,
+    )
     trainer = tiny_ppo_trainer(cfg)
     use_fixed_responses(trainer)
     ratios, policy_loss = [], ppo_trainer.ppo_math.policy_loss
@@ -327,23 +336,48 @@ def test_config_dataclass_is_flat(tmp_path):
         assert set(_base_types(hints[f.name])) <= {bool, int, float, str, list, type(None)}, f.name
         assert not dataclasses.is_dataclass(getattr(default, f.name)), f.name
     changed = {  # a value of each field's type, valid together, none equal to the default but the estimator's
-        "reward_model_path": ["a", "b"], "reward_fn": "m:f", "accuracy_fn": "m:g", "lora_target_modules": ["c_attn"],
-        "stop_strings": ["\n"], "eos_penalty": -1.0, "score_clip": 3.0, "target_approxkl": 0.5,
-        "eval_prompt_file": "eval.jsonl", "data_format": "hh", "system_prompt": "", "dtype": "bfloat16",
-            "value_model": "reward",
-        "lr_scheduler_type": "linear", "kl_estimator": "k3", "kl_controller": "fixed", "report_to": "tensorboard",
-        "ensemble_combine": "min", "rollout_batch_size": 32, "mini_batch_size": 8, "min_new_tokens": 2,
-        "advantage_estimator": "gae", "kl_in_loss": True, "eval_batch_size": 16, "sampling_dtype": "bfloat16",
+        "reward_model_path": ["a", "b"],
+        "reward_fn": "m:f",
+        "accuracy_fn": "m:g",
+        "lora_target_modules": ["c_attn"],
+        "stop_strings": ["\n"],
+        "eos_penalty": -1.0,
+        "score_clip": 3.0,
+        "target_approxkl": 0.5,
+        "eval_prompt_file": "eval.jsonl",
+        "data_format": "hh",
+        "system_prompt": "",
+        "dtype": "bfloat16",
+        "value_model": "reward",
+        "lr_scheduler_type": "linear",
+        "kl_estimator": "k3",
+        "kl_controller": "fixed",
+        "report_to": "tensorboard",
+        "ensemble_combine": "min",
+        "rollout_batch_size": 32,
+        "mini_batch_size": 8,
+        "min_new_tokens": 2,
+        "advantage_estimator": "gae",
+        "kl_in_loss": True,
+        "eval_batch_size": 16,
+        "sampling_dtype": "bfloat16",
         "sampling_compile": False,  # compiled steps sample float32 only: set in the critic-free config below
         **{key: getattr(default, key) for key in ONLY_VALUE},
         # the policy-loss family: cispo with gae here; dual_clip and cliprange_low with ppo_clip, dynamic
         # sampling with a group baseline in the configs below
-        "policy_loss": "cispo", "cliprange_low": None, "cliprange_high": 0.28, "dual_clip": None,
-        "loss_aggregation": "token_sum_norm", "sampler_correction": "tis", "sampler_correction_cap": 1.5,
-        "overlong_buffer": 4, "overlong_penalty": 0.5, "dynamic_sampling": False,
+        "policy_loss": "cispo",
+        "cliprange_low": None,
+        "cliprange_high": 0.28,
+        "dual_clip": None,
+        "loss_aggregation": "token_sum_norm",
+        "sampler_correction": "tis",
+        "sampler_correction_cap": 1.5,
+        "overlong_buffer": 4,
+        "overlong_penalty": 0.5,
+        "dynamic_sampling": False,
         "environment": None,  # episodes: set in the critic-free config below (min_new_tokens 0 there)
         "task": None,  # a task's files: tests/recipes_and_docs/test_stage_files.py
-    }  # fmt: skip
+    }
     for f in dataclasses.fields(Config):
         value = getattr(default, f.name)
         if f.name not in changed:
@@ -368,8 +402,13 @@ def test_config_dataclass_is_flat(tmp_path):
         "environment": "calculator",
         "min_new_tokens": 0,
     }
-    grouped = {**critic_free, "advantage_estimator": "grpo", "dynamic_sampling": True, "policy_loss": "gspo",
-               "environment": None}  # fmt: skip
+    grouped = {
+        **critic_free,
+        "advantage_estimator": "grpo",
+        "dynamic_sampling": True,
+        "policy_loss": "gspo",
+        "environment": None,
+    }
     grouped["dual_clip"] = None
     for values in (changed, critic_free, grouped):
         recipe = tmp_path / "ppo.yaml"
@@ -409,8 +448,16 @@ def test_gradient_checkpointing_recomputes_and_gives_the_same_update(
 
     results = {}
     for ckpt in (False, True):
-        cfg = ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / str(ckpt), rollout_batch_size=8,
-                       mini_batch_size=4, ppo_epochs=1, gradient_checkpointing=ckpt)  # fmt: skip
+        cfg = ppo_config(
+            tiny_model_dir,
+            tiny_rm_dir,
+            prompt_file,
+            tmp_path / str(ckpt),
+            rollout_batch_size=8,
+            mini_batch_size=4,
+            ppo_epochs=1,
+            gradient_checkpointing=ckpt,
+        )
         results[ckpt] = one_update(cfg, count_block_forwards)
         results[f"calls_{ckpt}"] = calls["n"]
     assert results["calls_False"] == 2, "two minibatches of 4, one forward each"
@@ -429,8 +476,12 @@ def test_bf16_autocast_trains_in_bf16_and_stays_close_to_fp32(
     def record_head_dtype(trainer):
         trainer.unwrapped_policy.lm.lm_head.register_forward_hook(lambda m, i, out: dtypes.append(out.dtype))
 
-    start = {k: v.detach().clone() for k, v in tiny_ppo_trainer(
-        ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "init")).unwrapped_policy.named_parameters()}  # fmt: skip
+    start = {
+        k: v.detach().clone()
+        for k, v in tiny_ppo_trainer(
+            ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "init")
+        ).unwrapped_policy.named_parameters()
+    }
     updates = {}
     for bf16 in (False, True):
         cfg = ppo_config(
@@ -461,12 +512,25 @@ def test_two_ranks_draw_different_prompts_whose_union_is_one_process_prompts(tin
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"{i}: {SENTENCES[i % 10]}"} for i in range(18)])
 
     def trainer_for(rollout_batch_size: int, num_processes: int):
-        cfg = ppo_config(tiny_model_dir, None, prompts, tmp_path, reward_fn="reward_fns:half",
-                         rollout_batch_size=rollout_batch_size, mini_batch_size=rollout_batch_size, seed=3)  # fmt: skip
+        cfg = ppo_config(
+            tiny_model_dir,
+            None,
+            prompts,
+            tmp_path,
+            reward_fn="reward_fns:half",
+            rollout_batch_size=rollout_batch_size,
+            mini_batch_size=rollout_batch_size,
+            seed=3,
+        )
         trainer = tiny_ppo_trainer(cfg)
-        trainer.context.sizes = batch_sizes(rollout_batch_size=rollout_batch_size, mini_batch_size=rollout_batch_size,
-                                        gradient_accumulation_steps=1, ppo_epochs=cfg.ppo_epochs, steps=cfg.steps,
-                                        num_processes=num_processes)  # fmt: skip
+        trainer.context.sizes = batch_sizes(
+            rollout_batch_size=rollout_batch_size,
+            mini_batch_size=rollout_batch_size,
+            gradient_accumulation_steps=1,
+            ppo_epochs=cfg.ppo_epochs,
+            steps=cfg.steps,
+            num_processes=num_processes,
+        )
         return trainer
 
     one, ranks = trainer_for(6, 1), trainer_for(3, 2)
@@ -497,9 +561,21 @@ def test_critic_free_token_mean_is_over_the_minibatch_not_per_micro_batch(
     instead of weighted by its share of the minibatch's tokens."""
     grads = []
     for ga in (1, 8):
-        cfg = ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / str(ga), advantage_estimator="grpo",
-                         samples_per_prompt=2, rollout_batch_size=4, mini_batch_size=8, gradient_accumulation_steps=ga,
-                         ppo_epochs=1, max_grad_norm=1e9, kl_controller="fixed", init_kl_coef=0.5)  # fmt: skip
+        cfg = ppo_config(
+            tiny_model_dir,
+            tiny_rm_dir,
+            prompt_file,
+            tmp_path / str(ga),
+            advantage_estimator="grpo",
+            samples_per_prompt=2,
+            rollout_batch_size=4,
+            mini_batch_size=8,
+            gradient_accumulation_steps=ga,
+            ppo_epochs=1,
+            max_grad_norm=1e9,
+            kl_controller="fixed",
+            init_kl_coef=0.5,
+        )
         trainer, raw = tiny_ppo_trainer(cfg), []
         use_fixed_responses(trainer)
         perturb(trainer.unwrapped_policy, seed=1)
@@ -513,9 +589,21 @@ def test_critic_free_token_mean_is_over_the_minibatch_not_per_micro_batch(
 
 def reinforce_pp_config(tiny_model_dir, tiny_rm_dir, prompt_file, out, **kw):
     """reinforce_pp, 4 prompts x 2 samples, one minibatch of 8 in 4 micro-batches, the KL in the reward."""
-    return ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, out, advantage_estimator="reinforce_pp",
-                      samples_per_prompt=2, rollout_batch_size=4, mini_batch_size=8, gradient_accumulation_steps=4,
-                      ppo_epochs=1, kl_controller="fixed", init_kl_coef=0.5, **kw)  # fmt: skip
+    return ppo_config(
+        tiny_model_dir,
+        tiny_rm_dir,
+        prompt_file,
+        out,
+        advantage_estimator="reinforce_pp",
+        samples_per_prompt=2,
+        rollout_batch_size=4,
+        mini_batch_size=8,
+        gradient_accumulation_steps=4,
+        ppo_epochs=1,
+        kl_controller="fixed",
+        init_kl_coef=0.5,
+        **kw,
+    )
 
 
 def naive_reinforce_pp(rollout, beta: float) -> torch.Tensor:

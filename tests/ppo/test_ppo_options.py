@@ -49,8 +49,16 @@ def test_kl_estimator_shapes_the_rewards(
 ):
     """Second step (the policy has moved): reward_t = -beta * KL_t (+ score at the last token), KL_t the
     chosen estimator written out per token; objective/kl is its sum over the response."""
-    cfg = ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, kl_estimator=estimator,
-                   kl_controller="fixed", init_kl_coef=0.5, learning_rate=1e-2)  # fmt: skip
+    cfg = ppo_config(
+        tiny_model_dir,
+        tiny_rm_dir,
+        prompt_file,
+        tmp_path,
+        kl_estimator=estimator,
+        kl_controller="fixed",
+        init_kl_coef=0.5,
+        learning_rate=1e-2,
+    )
     trainer = tiny_ppo_trainer(cfg)
     trainer.ppo_step()
     metrics, seen = recorded_step(trainer, monkeypatch)
@@ -71,7 +79,9 @@ def test_kl_estimator_shapes_the_rewards(
 def test_eos_penalty_replaces_the_score_of_truncated_responses(
     tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch
 ):
-    trainer = tiny_ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, eos_penalty=-3.0))
+    trainer = tiny_ppo_trainer(
+        ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, eos_penalty=-3.0)
+    )
     use_fixed_responses(trainer)
     _, seen = recorded_step(trainer, monkeypatch)  # first step: KL_t = 0, the rewards are the scores
     r = seen["rollout"]
@@ -84,7 +94,9 @@ def test_eos_penalty_replaces_the_score_of_truncated_responses(
 def test_score_clip_clips_the_scores_in_the_rewards(
     tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch
 ):
-    trainer = tiny_ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, score_clip=0.05))
+    trainer = tiny_ppo_trainer(
+        ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, score_clip=0.05)
+    )
     _, seen = recorded_step(trainer, monkeypatch)
     scores = seen["rollout"].scores
     assert (scores.abs() > 0.05).any()
@@ -96,7 +108,9 @@ def test_score_clip_clips_the_scores_in_the_rewards(
 def test_whiten_rewards_scales_the_rewards_to_unit_std(
     tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch
 ):
-    trainer = tiny_ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, whiten_rewards=True))
+    trainer = tiny_ppo_trainer(
+        ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, whiten_rewards=True)
+    )
     _, seen = recorded_step(trainer, monkeypatch)
     mask, rewards = seen["rollout"].response_mask, seen["rewards"]
     raw = torch.zeros_like(rewards)
@@ -133,7 +147,9 @@ def test_target_approxkl_stops_the_epochs(tiny_model_dir, tiny_rm_dir, prompt_fi
 def test_ratio_guard_skips_every_update_and_reports_no_statistics(
     tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path
 ):
-    trainer = tiny_ppo_trainer(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, ratio_guard=0.5))
+    trainer = tiny_ppo_trainer(
+        ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, ratio_guard=0.5)
+    )
     before = {n: p.detach().clone() for n, p in trainer.unwrapped_policy.named_parameters()}
     steps = count_optimizer_steps(trainer)
     metrics = trainer.ppo_step()  # rho == 1 > 0.5 in every minibatch

@@ -87,8 +87,19 @@ def test_trim_padding_columns_any_padding_side():
 
 def make_trainer(model_dir, rm_dir, prompt_file, out, **kw) -> ppo_trainer.PPOTrainer:
     """The real trainer (`helpers.tiny_ppo_trainer`) of one PPO epoch over R new tokens, no held-out evaluation."""
-    cfg = ppo_config(model_dir, rm_dir, prompt_file, out, ppo_epochs=1, max_new_tokens=R, learning_rate=1e-2,
-                     eval_every=0, kl_target=6.0, kl_horizon=10000, **kw)  # fmt: skip
+    cfg = ppo_config(
+        model_dir,
+        rm_dir,
+        prompt_file,
+        out,
+        ppo_epochs=1,
+        max_new_tokens=R,
+        learning_rate=1e-2,
+        eval_every=0,
+        kl_target=6.0,
+        kl_horizon=10000,
+        **kw,
+    )
     return tiny_ppo_trainer(cfg)
 
 

@@ -29,11 +29,17 @@ def write_run(folder: Path, golds: list[float], alarm_step, final_rules: list[st
     (folder / "eval").mkdir()
     best = max(range(len(golds)), key=lambda i: (golds[i], -i))
     lines = [
-        {"step": 10 * i, "rm_score": 0.1 * i, "gold_score": g, "gold_score_stderr": 0.05, "alarm_step": alarm_step
-         if alarm_step is not None and 10 * i >= alarm_step else None, "alarm_rules": ["duplicate_rate"]
-         if alarm_step is not None and 10 * i >= alarm_step else [], "best_step": 10 * best}
+        {
+            "step": 10 * i,
+            "rm_score": 0.1 * i,
+            "gold_score": g,
+            "gold_score_stderr": 0.05,
+            "alarm_step": alarm_step if alarm_step is not None and 10 * i >= alarm_step else None,
+            "alarm_rules": ["duplicate_rate"] if alarm_step is not None and 10 * i >= alarm_step else [],
+            "best_step": 10 * best,
+        }
         for i, g in enumerate(golds)
-    ]  # fmt: skip
+    ]
     (folder / "ppo" / "eval_log.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     (folder / "ppo" / "config.yaml").write_text(yaml.safe_dump({"reward_fn_weight": 1.0}))
     (folder / "eval" / "metrics.json").write_text(json.dumps({"alarm_rules": final_rules}))

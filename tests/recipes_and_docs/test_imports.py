@@ -27,9 +27,17 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "llm_rlhf"  # not helpers.ROOT: the file also runs alone
 FLOORS = {
-    "core": 0, "rl": 1, "models": 2, "tasks": 2, "evaluation": 3, "training": 3, "ppo": 4, "stages": 5,
-    "interfaces": 6, "": 7,
-}  # fmt: skip
+    "core": 0,
+    "rl": 1,
+    "models": 2,
+    "tasks": 2,
+    "evaluation": 3,
+    "training": 3,
+    "ppo": 4,
+    "stages": 5,
+    "interfaces": 6,
+    "": 7,
+}
 STAGE_COMMANDS = {"sft", "reward", "dpo", "ppo", "evaluate", "compare", "score", "judge"}
 
 
@@ -130,12 +138,19 @@ def test_no_cycle():
 def test_layering():
     graph = import_graph()
     # the equations, reviewable alone: torch only; the loss family reads ppo_math's masked reductions
-    math_modules = {"rl.ppo_math": [], "rl.reward_math": [], "rl.token_math": [], "rl.loss_math": ["rl.ppo_math"]}
+    math_modules = {
+        "rl.ppo_math": [],
+        "rl.reward_math": [],
+        "rl.token_math": [],
+        "rl.loss_math": ["rl.ppo_math"],
+    }
     for math_module, allowed in math_modules.items():
         entry = graph[math_module]
         assert entry["top"] == allowed and entry["nested"] == [], math_module
         assert set(entry["external"]) <= {"torch", "__future__"} | set(sys.stdlib_module_names), math_module
-    hacking = graph["evaluation.hacking"]  # pure functions over texts and scores: evaluation and the report share them
+    hacking = graph[
+        "evaluation.hacking"
+    ]  # pure functions over texts and scores: evaluation and the report share them
     assert hacking["top"] == [] and set(hacking["external"]) <= set(sys.stdlib_module_names)
     assert "stages.ppo" not in graph["stages.compare"]["top"]  # compare reads a PPO run's files
     stages = {m.split(".")[-1] for m in graph if m.startswith("stages.")}

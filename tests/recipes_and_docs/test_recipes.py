@@ -30,8 +30,13 @@ from llm_rlhf.stages import compare, dpo, evaluate, reward, sft
 
 RECIPES = ROOT / "recipes"
 HH_FIXTURE = FIXTURES / "hh_rlhf.jsonl"
-CONFIGS = {"sft": sft.Config, "rm": reward.Config, "ppo": ppo_config.Config, "eval": evaluate.Config,
-           "pipeline": pipeline.Config}  # fmt: skip
+CONFIGS = {
+    "sft": sft.Config,
+    "rm": reward.Config,
+    "ppo": ppo_config.Config,
+    "eval": evaluate.Config,
+    "pipeline": pipeline.Config,
+}
 OPTIONAL = {"dpo": dpo.Config, "compare": compare.Config}  # stage files only some recipes have (reviews)
 VARIANTS = {"dapo": ppo_config.Config}  # a stage's recipe with other keys (smollm2-arithmetic: DAPO's PPO)
 SHARED = "gym"  # recipes/gym/: the stage files the checkable-task recipes share (tests/recipes_and_docs/test_stage_files.py)
@@ -39,7 +44,9 @@ NAMES = sorted(p.name for p in RECIPES.iterdir() if p.is_dir() and p.name != SHA
 YAMLS = sorted(RECIPES.glob("*/*.yaml"))
 
 
-GYM_RECIPES = [name for name in NAMES if name.startswith("gym-")]  # reasoning-gym tasks (tests/tasks/test_tasks.py)
+GYM_RECIPES = [
+    name for name in NAMES if name.startswith("gym-")
+]  # reasoning-gym tasks (tests/tasks/test_tasks.py)
 RULE_RECIPES = [
     "smollm2-arithmetic",
     *GYM_RECIPES,
@@ -63,7 +70,10 @@ def test_the_recipes_are_the_documented_ones():
         cfg = parse_config(pipeline.Config, ["--config", str(RECIPES / name / "pipeline.yaml")])
         for stage in cfg.stages:  # each stage's file: the recipe's own, or the shared one of recipes/gym/
             stage_file = ROOT / getattr(cfg, f"{stage}_config")
-            assert stage_file.parent in (RECIPES / name, RECIPES / SHARED) and stage_file.is_file(), (name, stage)
+            assert stage_file.parent in (RECIPES / name, RECIPES / SHARED) and stage_file.is_file(), (
+                name,
+                stage,
+            )
         assert (cfg.stages == ["ppo", "eval"]) == (name in RULE_RECIPES), name
 
 
@@ -276,8 +286,15 @@ def test_reviews_lora_pipeline(tmp_path, tiny_model_dir, sft_files, pref_files, 
 
     data = {"sft": sft_files[0], "prefs": pref_files[0], "prompts": prompt_file}
     chained = pipeline.chained_paths(tmp_path)  # the folders the pipeline passes from stage to stage
-    argv = ["pipeline", "--config", str(RECIPES / "reviews-lora" / "pipeline.yaml"), "--output_dir",
-            str(tmp_path), "--report", "false"]  # fmt: skip
+    argv = [
+        "pipeline",
+        "--config",
+        str(RECIPES / "reviews-lora" / "pipeline.yaml"),
+        "--output_dir",
+        str(tmp_path),
+        "--report",
+        "false",
+    ]
     for stage, values in tiny_overrides(tiny_model_dir, data, tmp_path, max_length=48).items():
         own = {key: value for key, value in values.items() if key not in chained[stage]}
         argv.append(f"--{stage}={json.dumps(own, default=str)}")  # e.g. --sft={"max_steps": 2, ...}
@@ -312,10 +329,18 @@ def test_smollm2_recipe_runs_on_a_tiny_llama(tmp_path, tiny_llama_dir, sft_files
     data = {"sft": sft_files[0], "prefs": pref_files[0], "prompts": prompt_file}
     overrides = tiny_overrides(tiny_llama_dir, data, tmp_path, max_length=48)
     gold = tmp_path / "gold.json"
-    gold.write_text(json.dumps({
-        "format": FLUENT_FORMAT, "sentiment_judge": str(SENTIMENT_JUDGE), "fluency_model": str(tiny_llama_dir),
-        "end_text": "\n", "fluency_weight": 5.0, "reference_nll": 4.6,
-    }))  # fmt: skip
+    gold.write_text(
+        json.dumps(
+            {
+                "format": FLUENT_FORMAT,
+                "sentiment_judge": str(SENTIMENT_JUDGE),
+                "fluency_model": str(tiny_llama_dir),
+                "end_text": "\n",
+                "fluency_weight": 5.0,
+                "reference_nll": 4.6,
+            }
+        )
+    )
     overrides["ppo"]["gold_judge"] = overrides["eval"]["gold_judge"] = gold
     for stage in ("sft", "rm", "ppo", "eval"):
         run_stage(stage, "smollm2-reviews", overrides[stage])
@@ -338,12 +363,29 @@ def test_the_rule_recipe_runs_through_the_pipeline_on_a_tiny_chat_llama(tmp_path
     monkeypatch.chdir(ROOT)
     model = tiny_chat_model(tmp_path / "tiny_chat_llama", TAGGED_CHAT_TEMPLATE, n_positions=160)
     out = tmp_path / "run"
-    ppo_keys = {"model_name_or_path": str(model), "steps": 2, "rollout_batch_size": 2, "mini_batch_size": 4,
-                "max_prompt_length": 128, "max_new_tokens": 4, "eval_every": 1, "eval_num_prompts": 3,
-                "save_steps": 0, "log_samples_every": 0}  # fmt: skip
+    ppo_keys = {
+        "model_name_or_path": str(model),
+        "steps": 2,
+        "rollout_batch_size": 2,
+        "mini_batch_size": 4,
+        "max_prompt_length": 128,
+        "max_new_tokens": 4,
+        "eval_every": 1,
+        "eval_num_prompts": 3,
+        "save_steps": 0,
+        "log_samples_every": 0,
+    }
     eval_keys = {"num_prompts": 3, "samples_per_prompt": 2, "max_prompt_length": 128, "max_new_tokens": 4}
-    argv = ["--config", str(RECIPES / "smollm2-arithmetic" / "pipeline.yaml"), "--output_dir", str(out),
-            "--ppo", json.dumps(ppo_keys), "--eval", json.dumps(eval_keys)]  # fmt: skip
+    argv = [
+        "--config",
+        str(RECIPES / "smollm2-arithmetic" / "pipeline.yaml"),
+        "--output_dir",
+        str(out),
+        "--ppo",
+        json.dumps(ppo_keys),
+        "--eval",
+        json.dumps(eval_keys),
+    ]
     pipeline.run(parse_config(pipeline.Config, argv))
 
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["eval", "ppo", "report"]

@@ -18,10 +18,7 @@ from llm_rlhf.interfaces import cli
 
 RECIPES = ROOT / "recipes"
 GYM_FILES = sorted(
-    p
-    for folder in sorted(RECIPES.glob("gym*"))
-    for p in folder.rglob("*.yaml")
-    if p.name != "pipeline.yaml"
+    p for folder in sorted(RECIPES.glob("gym*")) for p in folder.rglob("*.yaml") if p.name != "pipeline.yaml"
 )
 
 
@@ -37,15 +34,38 @@ def tiny_keys(command: str, values: dict, model: Path, out: Path) -> dict:
     """The keys that swap in the tiny model and cut the budget; every other key is the file's. The length
     limits are raised: the tiny byte-level tokenizer spends several of its tokens on one of SmolLM2's."""
     if command == "sft":
-        return {"model_name_or_path": model, "output_dir": out, "max_steps": 1, "per_device_train_batch_size": 2,
-                "warmup_ratio": 0, "logging_steps": 1, "eval_steps": 0,
-                "save_steps": 1, "num_samples": 1, "max_new_tokens": 4, "max_length": 2048}  # fmt: skip
+        return {
+            "model_name_or_path": model,
+            "output_dir": out,
+            "max_steps": 1,
+            "per_device_train_batch_size": 2,
+            "warmup_ratio": 0,
+            "logging_steps": 1,
+            "eval_steps": 0,
+            "save_steps": 1,
+            "num_samples": 1,
+            "max_new_tokens": 4,
+            "max_length": 2048,
+        }
     if command == "ppo":
-        return {"model_name_or_path": model, "output_dir": out, "steps": 1, "save_steps": 0,
-                "log_samples_every": 0, "eval_num_prompts": 4, "max_prompt_length": 1024}  # fmt: skip
+        return {
+            "model_name_or_path": model,
+            "output_dir": out,
+            "steps": 1,
+            "save_steps": 0,
+            "log_samples_every": 0,
+            "eval_num_prompts": 4,
+            "max_prompt_length": 1024,
+        }
     assert command == "eval", command
-    return {"policy_path": model, "baseline_path": model, "output_dir": out, "num_prompts": 4, "batch_size": 4,
-            "max_prompt_length": 1024}  # fmt: skip
+    return {
+        "policy_path": model,
+        "baseline_path": model,
+        "output_dir": out,
+        "num_prompts": 4,
+        "batch_size": 4,
+        "max_prompt_length": 1024,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +81,9 @@ def test_the_checkable_task_recipes_share_their_stage_files():
     for path in pipelines:
         cfg = yaml.safe_load(path.read_text())
         assert cfg["task"] == path.parent.name.removeprefix("gym-"), path
-        assert (cfg["ppo_config"], cfg["eval_config"]) == ("recipes/gym/ppo.yaml", "recipes/gym/eval.yaml"), path
+        assert (cfg["ppo_config"], cfg["eval_config"]) == ("recipes/gym/ppo.yaml", "recipes/gym/eval.yaml"), (
+            path
+        )
     assert not list(RECIPES.glob("gym-*/ppo.yaml")) and not list(RECIPES.glob("gym-*/eval.yaml"))
 
 
@@ -105,8 +127,14 @@ def test_a_task_fills_the_keys_a_stage_file_leaves_out(monkeypatch):
     ppo = parse_config(PPOConfig, ["--config", "recipes/gym/ppo.yaml"])
     folder = "data/tasks/chain_sum-t2d1"
     assert (ppo.task, ppo.prompt_file, ppo.eval_prompt_file) == (
-        "chain_sum-t2d1", f"{folder}/train_prompts.jsonl", f"{folder}/eval_prompts.jsonl")  # fmt: skip
-    assert (ppo.reward_fn, ppo.accuracy_fn) == (f"{folder}/verifier.py:reward", f"{folder}/verifier.py:accuracy")
+        "chain_sum-t2d1",
+        f"{folder}/train_prompts.jsonl",
+        f"{folder}/eval_prompts.jsonl",
+    )
+    assert (ppo.reward_fn, ppo.accuracy_fn) == (
+        f"{folder}/verifier.py:reward",
+        f"{folder}/verifier.py:accuracy",
+    )
     other = parse_config(EvalConfig, ["--config", "recipes/gym/eval.yaml", "--task", "leg_counting-a1"])
     assert other.prompt_file == "data/tasks/leg_counting-a1/eval_prompts.jsonl"
     assert other.accuracy_fn == "data/tasks/leg_counting-a1/verifier.py:accuracy"

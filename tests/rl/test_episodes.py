@@ -22,8 +22,15 @@ ECHO = "tests/envs.py:Echo"
 
 def env_config(model_dir, prompt_file, out, **kw):
     """A tiny PPO run with the Echo environment and no other reward: 8 episodes of at most 3 turns."""
-    base = dict(environment=ECHO, max_turns=3, max_episode_tokens=24, max_new_tokens=8, max_reply_tokens=6,
-                gold_judge="none", eval_every=0)  # fmt: skip
+    base = dict(
+        environment=ECHO,
+        max_turns=3,
+        max_episode_tokens=24,
+        max_new_tokens=8,
+        max_reply_tokens=6,
+        gold_judge="none",
+        eval_every=0,
+    )
     base.update(kw)
     return ppo_config(model_dir, None, prompt_file, out, **base)
 
@@ -70,8 +77,14 @@ def test_three_turn_episode_is_the_concatenation_of_its_sampled_and_encoded_piec
     turns = [[[11, 12, 13], [21, 22]], [[14, 15], [23]], [[16], [24, 25, 26]]]  # turn n, row i
     scripted = Scripted(turns, tok.pad_token_id)
     monkeypatch.setattr(episodes, "sample", scripted)
-    samples, played = run_episodes(None, tok, queries, [Replies(), Replies()], Sampling(max_new_tokens=4),
-                                   EpisodeLimits(max_turns=5, max_episode_tokens=40))  # fmt: skip
+    samples, played = run_episodes(
+        None,
+        tok,
+        queries,
+        [Replies(), Replies()],
+        Sampling(max_new_tokens=4),
+        EpisodeLimits(max_turns=5, max_episode_tokens=40),
+    )
     for i, q in enumerate(queries):
         r1, r2 = (tok(f"r{n}", add_special_tokens=False)["input_ids"] for n in (1, 2))  # inline replies
         pieces = [turns[0][i], r1, turns[1][i], r2, turns[2][i]]
@@ -112,9 +125,14 @@ def test_a_reply_after_an_ended_message_is_a_chat_message_of_the_template(tmp_pa
     said = tok("Let me see.", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     text = tok.decode(said + ids)
     rendered = tok.apply_chat_template(
-        [{"role": "user", "content": "u"}, {"role": "assistant", "content": "Let me see."},
-         {"role": "tool", "content": "<result>7</result>"}], tokenize=False, add_generation_prompt=True,
-    )  # fmt: skip
+        [
+            {"role": "user", "content": "u"},
+            {"role": "assistant", "content": "Let me see."},
+            {"role": "tool", "content": "<result>7</result>"},
+        ],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     assert rendered.endswith(text)
 
 
@@ -174,12 +192,18 @@ def test_per_turn_rewards_land_in_the_rewards_and_gae_skips_environment_tokens(
     assert (rollout.env_rewards.sum(-1) > 0).any()
     # GAE over the policy's tokens only: the same as on the policy's tokens packed together
     values = torch.randn(rewards.shape)
-    adv, ret = ppo_math.compute_gae(rewards=rewards, values=values, response_mask=rollout.response_mask,
-                                    gamma=0.9, lam=0.8)  # fmt: skip
+    adv, ret = ppo_math.compute_gae(
+        rewards=rewards, values=values, response_mask=rollout.response_mask, gamma=0.9, lam=0.8
+    )
     for b in range(rewards.shape[0]):
         m = rollout.response_mask[b]
-        a, _ = ppo_math.compute_gae(rewards=rewards[b][m][None], values=values[b][m][None],
-                                    response_mask=torch.ones(1, int(m.sum()), dtype=torch.bool), gamma=0.9, lam=0.8)  # fmt: skip
+        a, _ = ppo_math.compute_gae(
+            rewards=rewards[b][m][None],
+            values=values[b][m][None],
+            response_mask=torch.ones(1, int(m.sum()), dtype=torch.bool),
+            gamma=0.9,
+            lam=0.8,
+        )
         assert torch.allclose(adv[b][m], a[0])
 
 
@@ -224,15 +248,19 @@ def play(tiny_model_dir, env, **limits):
 
     lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     limits = {"max_turns": 3, "max_episode_tokens": 24, **limits}
-    return run_episodes(lm, tok, queries, [env() for _ in queries], Sampling(max_new_tokens=16),
-                        EpisodeLimits(**limits))  # fmt: skip
+    return run_episodes(
+        lm, tok, queries, [env() for _ in queries], Sampling(max_new_tokens=16), EpisodeLimits(**limits)
+    )
 
 
 @pytest.mark.parametrize(
     "name, reason",
-    [("Raises", "step raised RuntimeError: the environment broke"), ("Hangs", "step did not return within 0.5 s"),
-     ("NotAStep", "step returned str, not a Step")],
-)  # fmt: skip
+    [
+        ("Raises", "step raised RuntimeError: the environment broke"),
+        ("Hangs", "step did not return within 0.5 s"),
+        ("NotAStep", "step returned str, not a Step"),
+    ],
+)
 def test_an_environment_that_raises_hangs_or_misbehaves_ends_its_episode_with_a_note(
     tiny_model_dir, capsys, name, reason
 ):
@@ -294,7 +322,12 @@ def test_a_call_whose_pausing_token_runs_past_the_stop_string_is_a_call_and_its_
 
 def test_the_calculator_parses_arithmetic_and_never_evaluates_python():
     assert [calculator(e) for e in ("9 + 6 + 8", "4 - 8 - 3", "-(2) * 3", "7 / 2", " 12−5 ")] == [
-        "23", "-7", "-6", "3.5", "7"]  # fmt: skip
+        "23",
+        "-7",
+        "-6",
+        "3.5",
+        "7",
+    ]
     for bad in ("__import__('os')", "2 ** 3", "1 / 0", "(1 + 2", "9" * 20, "1" + "+1" * 200, ""):
         with pytest.raises(ValueError):
             calculator(bad)
@@ -318,15 +351,34 @@ def test_heldout_evaluation_and_the_eval_stage_play_episodes(tiny_model_dir, pro
     from llm_rlhf.stages import evaluate
 
     out = tmp_path / "ppo"
-    ppo.run(env_config(tiny_model_dir, prompt_file, out, eval_every=1, eval_prompt_file=str(prompt_file),
-                           eval_num_prompts=6))  # fmt: skip
+    ppo.run(
+        env_config(
+            tiny_model_dir,
+            prompt_file,
+            out,
+            eval_every=1,
+            eval_prompt_file=str(prompt_file),
+            eval_num_prompts=6,
+        )
+    )
     log = [json.loads(x) for x in (out / "eval_log.jsonl").read_text().splitlines()]
     assert len(log) == 3 and all(1 <= r["turns_mean"] <= 3 and r["env_reward_mean"] > 0 for r in log)
     samples = [json.loads(x) for x in (out / "eval_samples.jsonl").read_text().splitlines()]
     assert samples and all(t["role"] in (POLICY, ENVIRONMENT) for s in samples for t in s["turns"])
     ev = tmp_path / "eval"
-    evaluate.run(eval_config(out, tiny_model_dir, prompt_file, ev, environment=ECHO, max_turns=3,
-                             max_episode_tokens=24, max_reply_tokens=6, gold_judge="none"))  # fmt: skip
+    evaluate.run(
+        eval_config(
+            out,
+            tiny_model_dir,
+            prompt_file,
+            ev,
+            environment=ECHO,
+            max_turns=3,
+            max_episode_tokens=24,
+            max_reply_tokens=6,
+            gold_judge="none",
+        )
+    )
     metrics = json.loads((ev / "metrics.json").read_text())
     assert 1 <= metrics["turns_mean"] <= 3 and 1 <= metrics["turns_mean_baseline"] <= 3
     rows = [json.loads(x) for x in (ev / "samples.jsonl").read_text().splitlines()]
@@ -422,11 +474,28 @@ def test_the_calculator_recipe_runs_through_the_pipeline_on_a_tiny_chat_llama(tm
         "per_device_train_batch_size": 4,
         "max_length": 600,
     }
-    ppo_keys = {"steps": 2, "rollout_batch_size": 2, "mini_batch_size": 4, "max_new_tokens": 8, "max_prompt_length": 600,
-                "max_episode_tokens": 40, "eval_every": 1, "eval_num_prompts": 3}  # fmt: skip
-    argv = ["--config", str(TOOL_RECIPES / "tool" / "pipeline.yaml"), "--output_dir", str(out),
-            "--sft", json.dumps(sft_keys), "--ppo", json.dumps(ppo_keys),
-            "--sweep", json.dumps([{"name": "seed0", "seed": 0}])]  # fmt: skip
+    ppo_keys = {
+        "steps": 2,
+        "rollout_batch_size": 2,
+        "mini_batch_size": 4,
+        "max_new_tokens": 8,
+        "max_prompt_length": 600,
+        "max_episode_tokens": 40,
+        "eval_every": 1,
+        "eval_num_prompts": 3,
+    }
+    argv = [
+        "--config",
+        str(TOOL_RECIPES / "tool" / "pipeline.yaml"),
+        "--output_dir",
+        str(out),
+        "--sft",
+        json.dumps(sft_keys),
+        "--ppo",
+        json.dumps(ppo_keys),
+        "--sweep",
+        json.dumps([{"name": "seed0", "seed": 0}]),
+    ]
     pipeline.run(parse_config(pipeline.Config, argv))
     heldout = [json.loads(x) for x in (out / "seed0" / "ppo" / "eval_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in heldout] == [0, 1, 2] and all(r["turns_mean"] >= 1 for r in heldout)
@@ -446,9 +515,7 @@ def test_the_readme_environment_trains_as_written(tiny_model_dir, prompt_file, t
     envs_file = tmp_path / "my_envs.py"
     envs_file.write_text(code)
     out = tmp_path / "run"
-    ppo.run(
-        env_config(tiny_model_dir, prompt_file, out, environment=f"{envs_file}:Countdown", max_turns=4)
-    )
+    ppo.run(env_config(tiny_model_dir, prompt_file, out, environment=f"{envs_file}:Countdown", max_turns=4))
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(m["env/error_rate"] == 0 and 1 <= m["env/turns"] <= 3 for m in lines)
 

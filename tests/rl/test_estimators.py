@@ -67,17 +67,30 @@ def estimator_config(tiny_model_dir, tiny_rm_dir, prompt_file, out, estimator, *
     [
         ({"advantage_estimator": "ppo"}, "advantage_estimator", "must be one of gae, grpo, dr_grpo"),
         ({"advantage_estimator": "grpo"}, "samples_per_prompt", "must be >= 2 for advantage_estimator grpo"),
-        ({"advantage_estimator": "dr_grpo"}, "samples_per_prompt", "must be >= 2 for advantage_estimator dr_grpo"),
+        (
+            {"advantage_estimator": "dr_grpo"},
+            "samples_per_prompt",
+            "must be >= 2 for advantage_estimator dr_grpo",
+        ),
         ({"advantage_estimator": "rloo"}, "samples_per_prompt", "must be >= 2 for advantage_estimator rloo"),
         ({"samples_per_prompt": 0}, "samples_per_prompt", "must be >= 1"),
-        ({"advantage_estimator": "rloo", "samples_per_prompt": 2, "value_model": "reward"}, "value_model",
-         r"'reward' is not used by advantage_estimator rloo \(only by gae\)"),
-        ({"advantage_estimator": "grpo", "samples_per_prompt": 4, "whiten_rewards": True}, "whiten_rewards",
-         r"True is not used by advantage_estimator grpo \(only by gae\)"),
-        ({"samples_per_prompt": 3, "rollout_batch_size": 4, "mini_batch_size": 8}, "mini_batch_size",
-         r"must divide the episodes of a rollout, rollout_batch_size \* samples_per_prompt \(12\)"),
+        (
+            {"advantage_estimator": "rloo", "samples_per_prompt": 2, "value_model": "reward"},
+            "value_model",
+            r"'reward' is not used by advantage_estimator rloo \(only by gae\)",
+        ),
+        (
+            {"advantage_estimator": "grpo", "samples_per_prompt": 4, "whiten_rewards": True},
+            "whiten_rewards",
+            r"True is not used by advantage_estimator grpo \(only by gae\)",
+        ),
+        (
+            {"samples_per_prompt": 3, "rollout_batch_size": 4, "mini_batch_size": 8},
+            "mini_batch_size",
+            r"must divide the episodes of a rollout, rollout_batch_size \* samples_per_prompt \(12\)",
+        ),
     ],
-)  # fmt: skip
+)
 def test_config_errors_name_the_key(values, key, says):
     with pytest.raises(ConfigError, match=f"^config key '{key}': {says}"):
         Config(**values)
@@ -86,8 +99,15 @@ def test_config_errors_name_the_key(values, key, says):
 def test_a_group_that_fills_the_minibatch_is_accepted():
     """mini_batch_size counts episodes: 4 prompts x 3 samples in minibatches of 6 (not a multiple of k)."""
     cfg = Config(samples_per_prompt=3, rollout_batch_size=4, mini_batch_size=6, advantage_estimator="rloo")
-    sizes = batch_sizes(rollout_batch_size=4, mini_batch_size=6, gradient_accumulation_steps=2, ppo_epochs=2,
-                        steps=5, num_processes=2, samples_per_prompt=cfg.samples_per_prompt)  # fmt: skip
+    sizes = batch_sizes(
+        rollout_batch_size=4,
+        mini_batch_size=6,
+        gradient_accumulation_steps=2,
+        ppo_epochs=2,
+        steps=5,
+        num_processes=2,
+        samples_per_prompt=cfg.samples_per_prompt,
+    )
     assert (sizes.prompts_per_process, sizes.rollout_per_process, sizes.num_mini_batches) == (4, 12, 2)
     assert (sizes.micro_batch_per_process, sizes.optimizer_steps_per_ppo_step) == (3, 4)
     assert (sizes.prompts_per_step, sizes.episodes_per_step, sizes.total_episodes) == (8, 24, 120)
@@ -95,9 +115,17 @@ def test_a_group_that_fills_the_minibatch_is_accepted():
 
 @pytest.mark.parametrize(
     ("estimator", "kl_in_loss", "in_loss"),
-    [("gae", None, False), ("grpo", None, True), ("dr_grpo", None, True), ("rloo", None, False),
-     ("reinforce_pp", None, False), ("remax", None, False), ("gae", True, True), ("grpo", False, False)],
-)  # fmt: skip
+    [
+        ("gae", None, False),
+        ("grpo", None, True),
+        ("dr_grpo", None, True),
+        ("rloo", None, False),
+        ("reinforce_pp", None, False),
+        ("remax", None, False),
+        ("gae", True, True),
+        ("grpo", False, False),
+    ],
+)
 def test_kl_placement_defaults_to_the_published_form(estimator, kl_in_loss, in_loss):
     cfg = Config(advantage_estimator=estimator, samples_per_prompt=2, kl_in_loss=kl_in_loss)
     assert cfg.kl_penalty_in_loss is in_loss
@@ -106,8 +134,14 @@ def test_kl_placement_defaults_to_the_published_form(estimator, kl_in_loss, in_l
 
 # --- keys the chosen estimator does not read ------------------------------------------------------------
 
-SET = {"gamma": 0.99, "lam": 0.9, "vf_coef": 0.5, "cliprange_value": 0.3, "whiten_rewards": True,
-       "value_model": "reward"}  # a value other than the default of each key an estimator may ignore  # fmt: skip
+SET = {
+    "gamma": 0.99,
+    "lam": 0.9,
+    "vf_coef": 0.5,
+    "cliprange_value": 0.3,
+    "whiten_rewards": True,
+    "value_model": "reward",
+}  # a value other than the default of each key an estimator may ignore
 IGNORED = [(row.name, key) for row in ROWS for key in row.ignored_keys]
 
 
@@ -159,10 +193,12 @@ def test_ignored_keys_through_the_command_and_a_recipe(tmp_path, capsys):
     ("argv", "says"),
     [
         (["--init_kl_coef", "-0.1"], "must be >= 0"),
-        (["--init_kl_coef", "0"], "is 0 with kl_controller 'adaptive', which multiplies beta at each step and so "
-                                  "keeps it at 0"),
+        (
+            ["--init_kl_coef", "0"],
+            "is 0 with kl_controller 'adaptive', which multiplies beta at each step and so keeps it at 0",
+        ),
     ],
-)  # fmt: skip
+)
 def test_kl_coefficient_errors_name_the_key(argv, says, capsys):
     with pytest.raises(ConfigError, match=f"^config key 'init_kl_coef': {says}"):
         parse_config(Config, argv)
@@ -186,9 +222,15 @@ def table_inputs(*, scale: float = 1.0) -> AdvantageInputs:
     values = torch.randn(B, R, generator=g, dtype=torch.float64)
     greedy = torch.randn(B // k, generator=g, dtype=torch.float64)  # (P,)
     return AdvantageInputs(
-        rewards=scale * torch.where(mask, rewards, 0), response_mask=mask, values=scale * values,
-        baseline=scale * greedy, samples_per_prompt=k, gamma=1.0, lam=0.95, reduce_sum=None,
-    )  # fmt: skip
+        rewards=scale * torch.where(mask, rewards, 0),
+        response_mask=mask,
+        values=scale * values,
+        baseline=scale * greedy,
+        samples_per_prompt=k,
+        gamma=1.0,
+        lam=0.95,
+        reduce_sum=None,
+    )
 
 
 def test_table_is_the_accepted_names_and_the_help():
@@ -240,8 +282,14 @@ def test_each_row_builds_a_value_function_only_with_a_critic(
 ):
     """`llm-rlhf ppo`'s models: a value head on the policy for a row with a critic, none for the others; the KL
     in the loss where the row puts it (`kl_in_loss` null)."""
-    cfg = estimator_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, row.name,
-                           samples_per_prompt=max(2, row.min_samples_per_prompt))  # fmt: skip
+    cfg = estimator_config(
+        tiny_model_dir,
+        tiny_rm_dir,
+        prompt_file,
+        tmp_path,
+        row.name,
+        samples_per_prompt=max(2, row.min_samples_per_prompt),
+    )
     models = ppo_building.build_models(cfg)
     assert (models.policy.value_head is not None) is row.critic and models.critic is None
     assert cfg.estimator is row and cfg.kl_penalty_in_loss is row.kl_in_loss
@@ -353,9 +401,21 @@ def test_advantages_are_each_groups_own(tiny_model_dir, tiny_rm_dir, prompt_file
     exactly those rows, written out group by group (ReMax: against the greedy response to prompt p, its
     score and KL measured as the samples' are; REINFORCE++: gamma = 1 returns whitened over the batch)."""
     k, beta = 4, 0.5
-    cfg = estimator_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, estimator, samples_per_prompt=k,
-                           rollout_batch_size=3, mini_batch_size=6, gradient_accumulation_steps=3,
-                           kl_in_loss=False, kl_controller="fixed", init_kl_coef=beta, learning_rate=1e-2)  # fmt: skip
+    cfg = estimator_config(
+        tiny_model_dir,
+        tiny_rm_dir,
+        prompt_file,
+        tmp_path,
+        estimator,
+        samples_per_prompt=k,
+        rollout_batch_size=3,
+        mini_batch_size=6,
+        gradient_accumulation_steps=3,
+        kl_in_loss=False,
+        kl_controller="fixed",
+        init_kl_coef=beta,
+        learning_rate=1e-2,
+    )
     trainer = tiny_ppo_trainer(cfg)
     trainer.ppo_step()
     queries = trainer.collector.queries(trainer.step)
@@ -403,9 +463,19 @@ def test_micro_batches_not_aligned_with_groups_give_the_same_updates(
     taken over the whole rollout before any minibatch."""
     grads = {}
     for ga in (1, 4):
-        cfg = estimator_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / str(ga), "grpo",
-                               samples_per_prompt=4, rollout_batch_size=3, mini_batch_size=12,
-                               gradient_accumulation_steps=ga, max_grad_norm=1e9, steps=1)  # fmt: skip
+        cfg = estimator_config(
+            tiny_model_dir,
+            tiny_rm_dir,
+            prompt_file,
+            tmp_path / str(ga),
+            "grpo",
+            samples_per_prompt=4,
+            rollout_batch_size=3,
+            mini_batch_size=12,
+            gradient_accumulation_steps=ga,
+            max_grad_norm=1e9,
+            steps=1,
+        )
         trainer = tiny_ppo_trainer(cfg)
         grads[ga] = []
         record_raw_grads(trainer, grads[ga])
@@ -430,8 +500,16 @@ def test_kl_in_the_loss(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monk
     """kl_in_loss true: the rewards hold the score alone (gae's GAE sees it at the last token, rloo's and
     remax's advantages are those of the scores) and the loss adds beta * k3, beta being the controller's
     value at the rollout; the controller still follows the observed KL (k1)."""
-    cfg = estimator_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, estimator, kl_in_loss=True,
-                           learning_rate=1e-2, init_kl_coef=0.3)  # fmt: skip
+    cfg = estimator_config(
+        tiny_model_dir,
+        tiny_rm_dir,
+        prompt_file,
+        tmp_path,
+        estimator,
+        kl_in_loss=True,
+        learning_rate=1e-2,
+        init_kl_coef=0.3,
+    )
     trainer = tiny_ppo_trainer(cfg)
     first = trainer.ppo_step()
     seen = {"kl_coef": [], "rewards": []}
@@ -471,11 +549,13 @@ def row_tokens(rollout, b: int) -> tuple[list[int], list[int]]:
     response = rollout.response[b][rollout.response_mask[b]].tolist()
     return query, response
 
+
 def response_logprobs_alone(lm, query: list[int], response: list[int]) -> torch.Tensor:
     """log p(y_t | x, y_<t) of each response token, the row alone (no padding), at temperature 1. (T,)"""
     ids = torch.tensor([query + response])
     logits = lm(input_ids=ids).logits[0, len(query) - 1 : -1]  # (T, V): position t predicts response token t
     return torch.log_softmax(logits.float(), dim=-1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+
 
 def test_kl_in_the_loss_gradient_is_beta_times_the_gradient_of_token_mean_k3(
     tiny_model_dir, prompt_file, tmp_path
@@ -486,9 +566,22 @@ def test_kl_in_the_loss_gradient_is_beta_times_the_gradient_of_token_mean_k3(
     reference loaded again from its folder, and it is not zero. Fails if k3 is detached (zero gradient) or
     taken against the old policy (zero at the first epoch, where the policy is the old one)."""
     beta = 0.5
-    cfg = ppo_config(tiny_model_dir, None, prompt_file, tmp_path, reward_fn="reward_fns:half",
-                     advantage_estimator="grpo", samples_per_prompt=4, rollout_batch_size=2, mini_batch_size=8,
-                     ppo_epochs=1, steps=1, kl_controller="fixed", init_kl_coef=beta, max_grad_norm=1e9)  # fmt: skip
+    cfg = ppo_config(
+        tiny_model_dir,
+        None,
+        prompt_file,
+        tmp_path,
+        reward_fn="reward_fns:half",
+        advantage_estimator="grpo",
+        samples_per_prompt=4,
+        rollout_batch_size=2,
+        mini_batch_size=8,
+        ppo_epochs=1,
+        steps=1,
+        kl_controller="fixed",
+        init_kl_coef=beta,
+        max_grad_norm=1e9,
+    )
     assert cfg.kl_penalty_in_loss
     trainer = tiny_ppo_trainer(cfg)
     perturb(trainer.unwrapped_policy, seed=0)
@@ -561,11 +654,24 @@ def test_grpo_killed_and_resumed_ends_bit_identical(tiny_model_dir, tiny_rm_dir,
     from safetensors.torch import load_file
 
     def command(out, *more, kill_at=None):
-        args = ppo_cli_args(tiny_model_dir, tiny_rm_dir, prompt_file, out, 4, advantage_estimator="grpo",
-                            samples_per_prompt=4, rollout_batch_size=2, mini_batch_size=4, save_steps=2,
-                            eval_every=2, eval_prompt_file=prompt_file, eval_num_prompts=4,
-                            gold_judge=SENTIMENT_JUDGE, lr_scheduler_type="linear",
-                            accuracy_fn="tests/reward_fns.py:even_length")  # fmt: skip
+        args = ppo_cli_args(
+            tiny_model_dir,
+            tiny_rm_dir,
+            prompt_file,
+            out,
+            4,
+            advantage_estimator="grpo",
+            samples_per_prompt=4,
+            rollout_batch_size=2,
+            mini_batch_size=4,
+            save_steps=2,
+            eval_every=2,
+            eval_prompt_file=prompt_file,
+            eval_num_prompts=4,
+            gold_judge=SENTIMENT_JUDGE,
+            lr_scheduler_type="linear",
+            accuracy_fn="tests/reward_fns.py:even_length",
+        )
         return ppo_command(args, *more, kill_at=kill_at)
 
     straight, killed = tmp_path / "straight", tmp_path / "killed"
@@ -603,12 +709,18 @@ def subprocess_ok(result):
 
 # --- what works with gae works with each estimator -----------------------------------------------------------
 
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("estimator", "setting"),
-    [("grpo", "lora_and_stop_strings"), ("dr_grpo", "chat_prompts"), ("rloo", "reward_fn_alone"),
-     ("reinforce_pp", "reward_model_and_reward_fn"), ("remax", "ensemble")],
-)  # fmt: skip
+    [
+        ("grpo", "lora_and_stop_strings"),
+        ("dr_grpo", "chat_prompts"),
+        ("rloo", "reward_fn_alone"),
+        ("reinforce_pp", "reward_model_and_reward_fn"),
+        ("remax", "ensemble"),
+    ],
+)
 def test_estimators_with_the_options_of_gae(
     tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, estimator, setting
 ):
@@ -618,7 +730,6 @@ def test_estimators_with_the_options_of_gae(
     import shutil
 
     from helpers import write_jsonl
-
 
     kw = {}
     if setting == "lora_and_stop_strings":
@@ -641,8 +752,9 @@ def test_estimators_with_the_options_of_gae(
         kw = dict(reward_model_path=[str(tiny_rm_dir), str(second)], ensemble_combine="min")
     out = tmp_path / "run"
     kw = {"eval_prompt_file": str(prompt_file), **kw}
-    cfg = estimator_config(tiny_model_dir, tiny_rm_dir, prompt_file, out, estimator, eval_every=1,
-                           eval_num_prompts=4, **kw)  # fmt: skip
+    cfg = estimator_config(
+        tiny_model_dir, tiny_rm_dir, prompt_file, out, estimator, eval_every=1, eval_num_prompts=4, **kw
+    )
     final = ppo.run(cfg)
     assert final["step"] == 2 and not any(k.startswith("val/") for k in final)
     assert len((out / "eval_log.jsonl").read_text().splitlines()) == 3  # steps 0, 1, 2
@@ -670,9 +782,19 @@ def test_readme_commands_run(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path,
     estimators = [c[c.index("--advantage_estimator") + 1] for c in commands]
     assert estimators == ["grpo", "reinforce_pp", "rloo", "remax"]
     monkeypatch.chdir(tmp_path)
-    tiny = dict(model_name_or_path=tiny_model_dir, reward_model_path=tiny_rm_dir, prompt_file=prompt_file, steps=2,
-                rollout_batch_size=4, mini_batch_size=4, ppo_epochs=1, max_new_tokens=6, save_steps=0,
-                log_samples_every=0, eval_every=0)  # fmt: skip
+    tiny = dict(
+        model_name_or_path=tiny_model_dir,
+        reward_model_path=tiny_rm_dir,
+        prompt_file=prompt_file,
+        steps=2,
+        rollout_batch_size=4,
+        mini_batch_size=4,
+        ppo_epochs=1,
+        max_new_tokens=6,
+        save_steps=0,
+        log_samples_every=0,
+        eval_every=0,
+    )
     first = [item for key, value in tiny.items() for item in (f"--{key}", str(value))]
     for (_, stage, *flags), estimator in zip(commands, estimators):
         flags = [f.replace("recipes/", str(ROOT / "recipes") + "/") for f in flags]

@@ -149,7 +149,11 @@ def test_stop_strings_only_cut_the_draws(eos_prone_dir, min_new_tokens):
     plain = sample(lm, tokenizer, query, query_mask, plain_sampling)
     torch.manual_seed(0)
     cut = sample(
-        lm, tokenizer, query, query_mask, dataclasses.replace(plain_sampling, stop_strings=tuple(STOP_STRINGS))
+        lm,
+        tokenizer,
+        query,
+        query_mask,
+        dataclasses.replace(plain_sampling, stop_strings=tuple(STOP_STRINGS)),
     )
     R = cut.response.shape[1]
     kinds = {"stop": 0, "eos": 0, "truncated": 0}
@@ -186,9 +190,15 @@ def test_min_new_tokens_draws_from_the_eos_masked_softmax(eos_prone_dir, path, m
     torch.manual_seed(5)
     with torch.no_grad():
         expected = naive_sample(
-            lm, query, steps=8, temperature=0.9, eos=eos, pad=pad, min_new_tokens=3,
+            lm,
+            query,
+            steps=8,
+            temperature=0.9,
+            eos=eos,
+            pad=pad,
+            min_new_tokens=3,
             draw=multinomial_draw if path == "generate" else naive_inverse_cdf_draw,
-        )  # fmt: skip
+        )
     assert torch.equal(got.response[:, : expected.shape[1]], expected)
     assert got.response_mask.sum(-1).min() >= 3  # EOS no earlier than the third token
     assert got.ended_with_eos(eos).any()
@@ -201,7 +211,9 @@ def test_min_new_tokens_draws_from_the_eos_masked_softmax(eos_prone_dir, path, m
 
 
 @pytest.mark.parametrize(
-    "stop_strings, min_new_tokens", [(STOP_STRINGS, 0), ([], 3), (STOP_STRINGS, 3)], ids=["stop", "min", "both"]
+    "stop_strings, min_new_tokens",
+    [(STOP_STRINGS, 0), ([], 3), (STOP_STRINGS, 3)],
+    ids=["stop", "min", "both"],
 )
 def test_ppo_logprobs_are_those_generate_sampled_from(
     eos_prone_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch, stop_strings, min_new_tokens
@@ -209,8 +221,18 @@ def test_ppo_logprobs_are_those_generate_sampled_from(
     """The real PPO rollout (`PPOTrainer.rollout`): its old log-probs, recomputed by the PPO forward on the cut
     responses, are the log-probs of the distribution the sampler drew each kept token from; the reference's
     equal them exactly at the first step (KL = 0); the RM scores each response as cut."""
-    cfg = ppo_config(eos_prone_dir, tiny_rm_dir, prompt_file, tmp_path, rollout_batch_size=16, mini_batch_size=8,
-                   max_new_tokens=10, temperature=0.8, stop_strings=stop_strings, min_new_tokens=min_new_tokens)  # fmt: skip
+    cfg = ppo_config(
+        eos_prone_dir,
+        tiny_rm_dir,
+        prompt_file,
+        tmp_path,
+        rollout_batch_size=16,
+        mini_batch_size=8,
+        max_new_tokens=10,
+        temperature=0.8,
+        stop_strings=stop_strings,
+        min_new_tokens=min_new_tokens,
+    )
     trainer = tiny_ppo_trainer(cfg)
     eos = trainer.tokenizer.eos_token_id
     calls = record_sampled_scores(monkeypatch)
@@ -247,15 +269,19 @@ def test_ppo_logprobs_are_those_generate_sampled_from(
                     not rollout.stopped[b]
                     and naive_end(trainer.tokenizer, ids[:-1], stop_strings, min_new_tokens) is None
                 )
-            else:  # fmt: skip
+            else:
                 assert naive_end(trainer.tokenizer, ids, stop_strings, min_new_tokens) == (
                     len(ids) if rollout.stopped[b] else None
                 )
         for b in stopped:  # the score of prompt + the response up to its stop token, alone and unpadded
             query = rollout.query[b][rollout.query_mask[b].bool()][None]  # (1, P_b)
             response = rollout.response[b, : lengths[b]][None]  # (1, L_b)
-            alone = Samples(query=query, query_mask=torch.ones_like(query), response=response,
-                            response_mask=torch.ones_like(response, dtype=torch.bool))  # fmt: skip
+            alone = Samples(
+                query=query,
+                query_mask=torch.ones_like(query),
+                response=response,
+                response_mask=torch.ones_like(response, dtype=torch.bool),
+            )
             assert trainer.collector.score(alone).scores.item() == pytest.approx(
                 rollout.scores[b].item(), abs=1e-5
             )
@@ -267,8 +293,19 @@ def test_ppo_steps_with_stop_strings_and_min_new_tokens(
     """Two real PPO steps: finite metrics, KL = 0 and ratio = 1 before the first update (the same EOS mask in
     the rollout and the training forward), response_length and eos_rate those of the rollout, and the EOS
     trick treating a stop string as an end (no penalty) like an EOS."""
-    cfg = ppo_config(eos_prone_dir, tiny_rm_dir, prompt_file, tmp_path, rollout_batch_size=16, mini_batch_size=16,
-                   ppo_epochs=1, max_new_tokens=10, stop_strings=STOP_STRINGS, min_new_tokens=2, eos_penalty=-3.0)  # fmt: skip
+    cfg = ppo_config(
+        eos_prone_dir,
+        tiny_rm_dir,
+        prompt_file,
+        tmp_path,
+        rollout_batch_size=16,
+        mini_batch_size=16,
+        ppo_epochs=1,
+        max_new_tokens=10,
+        stop_strings=STOP_STRINGS,
+        min_new_tokens=2,
+        eos_penalty=-3.0,
+    )
     trainer = tiny_ppo_trainer(cfg)
     eos = trainer.tokenizer.eos_token_id
     rollouts, ended, shaped = recording_rollouts(trainer), [], ppo_math.shaped_rewards
@@ -308,11 +345,19 @@ def test_eval_scores_the_cut_responses(eos_prone_dir, tiny_model_dir, tiny_rm_di
         seen.extend(responses)
         return [float(len(r)) for r in responses]
 
-    sampling = Sampling(max_new_tokens=10, temperature=1.0, stop_strings=tuple(STOP_STRINGS), min_new_tokens=2)
+    sampling = Sampling(
+        max_new_tokens=10, temperature=1.0, stop_strings=tuple(STOP_STRINGS), min_new_tokens=2
+    )
     prompts = PROMPTS * 3
     draws = measures.PairedSampling(sampling, seed=3, batch_size=len(prompts))
-    records = measures.sample_and_score(lm, tokenizer, prompts, draws, measures=measures.Measures(Scorer(rm), judge),
-                                        reference=measures.KLReference(ref))  # fmt: skip
+    records = measures.sample_and_score(
+        lm,
+        tokenizer,
+        prompts,
+        draws,
+        measures=measures.Measures(Scorer(rm), judge),
+        reference=measures.KLReference(ref),
+    )
     batch = measures.sample_batch(lm, tokenizer, prompts, sampling, seed=3)  # the same draws (seed + batch 0)
     eos = tokenizer.eos_token_id
     assert seen == [r["response"] for r in records]
@@ -332,8 +377,12 @@ def test_eval_scores_the_cut_responses(eos_prone_dir, tiny_model_dir, tiny_rm_di
         if batch.stopped[b]:
             assert naive_end(tokenizer, text_ids, STOP_STRINGS, 2) == len(text_ids)
         query = batch.query[b][batch.query_mask[b].bool()][None]  # (1, P_b)
-        alone = Samples(query=query, query_mask=torch.ones_like(query), response=torch.tensor([ids]),
-                        response_mask=torch.ones((1, len(ids)), dtype=torch.bool))  # fmt: skip
+        alone = Samples(
+            query=query,
+            query_mask=torch.ones_like(query),
+            response=torch.tensor([ids]),
+            response_mask=torch.ones((1, len(ids)), dtype=torch.bool),
+        )
         assert record["rm_score"] == pytest.approx(Scorer(rm)(alone, tokenizer).rm_score.item(), abs=1e-5)
         assert record["kl_to_ref"] == pytest.approx(kl[b].item(), abs=1e-4)
     summary = measures.summarize_records(records)
@@ -362,7 +411,10 @@ def test_chat_prompts_are_rendered_with_the_template_and_one_bos(tmp_path):
     assert ppo_building.load_prompt_ids(cfg, tokenizer) == expected
 
     tokenizer.chat_template = COLON_CHAT_TEMPLATE  # a template without the BOS: the tokenizer adds it, once
-    assert [encode_prompt(tokenizer, p) for p in load_prompt_dataset(path, tokenizer, max_prompt_length=64)["prompt"]] == expected  # fmt: skip
+    assert [
+        encode_prompt(tokenizer, p)
+        for p in load_prompt_dataset(path, tokenizer, max_prompt_length=64)["prompt"]
+    ] == expected
 
 
 def test_ppo_eval_and_judge_take_chat_prompts(chat_model_dir, tiny_rm_dir, tmp_path):
@@ -370,12 +422,47 @@ def test_ppo_eval_and_judge_take_chat_prompts(chat_model_dir, tiny_rm_dir, tmp_p
     evaluation, with a stop string at the line end as for a chat model), eval, and judge (`--tokenizer`)."""
     chats = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in CHATS])
     out = tmp_path / "ppo"
-    argv = ["ppo", "--model_name_or_path", str(chat_model_dir), "--reward_model_path", str(tiny_rm_dir),
-            "--prompt_file", str(chats), "--eval_prompt_file", str(chats), "--eval_every", "1",
-            "--eval_num_prompts", "3", "--gold_judge", SENTIMENT_JUDGE, "--output_dir", str(out), "--steps", "1",
-            "--rollout_batch_size", "4", "--mini_batch_size", "4", "--ppo_epochs", "1", "--max_new_tokens", "6",
-            "--max_prompt_length", "40", "--log_samples_every", "1", "--num_log_samples", "3", "--save_steps", "0",
-            "--stop_strings", '["\\n"]', "--min_new_tokens", "1"]  # fmt: skip
+    argv = [
+        "ppo",
+        "--model_name_or_path",
+        str(chat_model_dir),
+        "--reward_model_path",
+        str(tiny_rm_dir),
+        "--prompt_file",
+        str(chats),
+        "--eval_prompt_file",
+        str(chats),
+        "--eval_every",
+        "1",
+        "--eval_num_prompts",
+        "3",
+        "--gold_judge",
+        SENTIMENT_JUDGE,
+        "--output_dir",
+        str(out),
+        "--steps",
+        "1",
+        "--rollout_batch_size",
+        "4",
+        "--mini_batch_size",
+        "4",
+        "--ppo_epochs",
+        "1",
+        "--max_new_tokens",
+        "6",
+        "--max_prompt_length",
+        "40",
+        "--log_samples_every",
+        "1",
+        "--num_log_samples",
+        "3",
+        "--save_steps",
+        "0",
+        "--stop_strings",
+        '["\\n"]',
+        "--min_new_tokens",
+        "1",
+    ]
     assert cli.main(argv) == 0
     logged = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert [s["query"] for s in logged[:3]] == RENDERED
@@ -398,7 +485,7 @@ def test_ppo_eval_and_judge_take_chat_prompts(chat_model_dir, tiny_rm_dir, tmp_p
             min_new_tokens=1,
             output_dir=str(tmp_path / "eval"),
             print_samples=0,
-        )  # fmt: skip
+        )
     )
     assert evaluated["num_prompts"] == 3 and evaluated["gold_win_rate"] == 0.5
     samples = [json.loads(line) for line in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
@@ -406,11 +493,24 @@ def test_ppo_eval_and_judge_take_chat_prompts(chat_model_dir, tiny_rm_dir, tmp_p
     assert all(s["policy_length"] >= 1 for s in samples)
 
     responses = [" a delight.", " and funny.", " is wooden."]
-    rows = write_jsonl(tmp_path / "rows.jsonl", [{"messages": m, "response": r, "id": i}
-                                                 for i, (m, r) in enumerate(zip(CHATS, responses))])  # fmt: skip
+    rows = write_jsonl(
+        tmp_path / "rows.jsonl",
+        [{"messages": m, "response": r, "id": i} for i, (m, r) in enumerate(zip(CHATS, responses))],
+    )
     judged_file = tmp_path / "judged.jsonl"
-    argv = ["judge", "--input_file", str(rows), "--output_file", str(judged_file), "--gold_judge", SENTIMENT_JUDGE,
-            "--tokenizer", str(chat_model_dir), "--show", "0"]  # fmt: skip
+    argv = [
+        "judge",
+        "--input_file",
+        str(rows),
+        "--output_file",
+        str(judged_file),
+        "--gold_judge",
+        SENTIMENT_JUDGE,
+        "--tokenizer",
+        str(chat_model_dir),
+        "--show",
+        "0",
+    ]
     assert cli.main(argv) == 0
     judged = [json.loads(line) for line in judged_file.read_text().splitlines()]
     assert [r["prompt"] for r in judged] == RENDERED and [r["id"] for r in judged] == [0, 1, 2]
@@ -431,22 +531,65 @@ def test_system_prompt_is_the_system_turn_of_prompts_without_one_in_ppo_and_eval
         "system: Be brief.\nuser: The acting\nassistant:",
     ]
     out = tmp_path / "ppo"
-    argv = ["ppo", "--model_name_or_path", str(chat_model_dir), "--reward_model_path", str(tiny_rm_dir),
-            "--prompt_file", str(chats), "--eval_prompt_file", str(chats), "--eval_every", "1",
-            "--eval_num_prompts", "3", "--gold_judge", "none", "--output_dir", str(out), "--steps", "1", "--rollout_batch_size", "3",
-            "--mini_batch_size", "3", "--ppo_epochs", "1", "--max_new_tokens", "4", "--max_prompt_length", "40",
-            "--log_samples_every", "1", "--num_log_samples", "3", "--save_steps", "0",
-            "--system_prompt", "Be brief."]  # fmt: skip
+    argv = [
+        "ppo",
+        "--model_name_or_path",
+        str(chat_model_dir),
+        "--reward_model_path",
+        str(tiny_rm_dir),
+        "--prompt_file",
+        str(chats),
+        "--eval_prompt_file",
+        str(chats),
+        "--eval_every",
+        "1",
+        "--eval_num_prompts",
+        "3",
+        "--gold_judge",
+        "none",
+        "--output_dir",
+        str(out),
+        "--steps",
+        "1",
+        "--rollout_batch_size",
+        "3",
+        "--mini_batch_size",
+        "3",
+        "--ppo_epochs",
+        "1",
+        "--max_new_tokens",
+        "4",
+        "--max_prompt_length",
+        "40",
+        "--log_samples_every",
+        "1",
+        "--num_log_samples",
+        "3",
+        "--save_steps",
+        "0",
+        "--system_prompt",
+        "Be brief.",
+    ]
     assert cli.main(argv) == 0
     logged = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert sorted(s["query"] for s in logged[:3]) == sorted(with_system)
     heldout = [json.loads(line) for line in (out / "eval_samples.jsonl").read_text().splitlines()]
     assert {s["prompt"] for s in heldout} == set(with_system)
-    assert parse_config(ppo_trainer.Config, ["--config", str(out / "config.yaml")]).system_prompt == "Be brief."
+    assert (
+        parse_config(ppo_trainer.Config, ["--config", str(out / "config.yaml")]).system_prompt == "Be brief."
+    )
 
-    common = dict(policy_path=str(chat_model_dir), baseline_path=str(chat_model_dir),
-                  reward_model_path=str(tiny_rm_dir), prompt_file=str(chats), num_prompts=None,
-                  max_prompt_length=40, max_new_tokens=4, print_samples=0, gold_judge="none")  # fmt: skip
+    common = dict(
+        policy_path=str(chat_model_dir),
+        baseline_path=str(chat_model_dir),
+        reward_model_path=str(tiny_rm_dir),
+        prompt_file=str(chats),
+        num_prompts=None,
+        max_prompt_length=40,
+        max_new_tokens=4,
+        print_samples=0,
+        gold_judge="none",
+    )
     evaluate.run(evaluate.Config(**common, system_prompt="", output_dir=str(tmp_path / "eval")))
     samples = [json.loads(line) for line in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
     assert [s["prompt"] for s in samples] == [
@@ -457,17 +600,25 @@ def test_system_prompt_is_the_system_turn_of_prompts_without_one_in_ppo_and_eval
 
     plain = write_jsonl(tmp_path / "plain.jsonl", [{"prompt": "The film is"}])
     with pytest.raises(DataError, match=f"{plain}: system_prompt is set, but these prompts are not chat"):
-        evaluate.run(evaluate.Config(**{**common, "prompt_file": str(plain)}, system_prompt="Be brief.",
-                                     output_dir=str(tmp_path / "eval-plain")))  # fmt: skip
+        evaluate.run(
+            evaluate.Config(
+                **{**common, "prompt_file": str(plain)},
+                system_prompt="Be brief.",
+                output_dir=str(tmp_path / "eval-plain"),
+            )
+        )
     assert not (tmp_path / "eval-plain" / "metrics.json").exists()
 
 
 BAD_ROWS = [
     ({"messages": [{"role": "user"}]}, "field 'messages[0].content': missing (or null)"),
-    ({"messages": [{"role": "user", "content": 3}]}, "field 'messages[0].content': expected a string, got int (3)"),
+    (
+        {"messages": [{"role": "user", "content": 3}]},
+        "field 'messages[0].content': expected a string, got int (3)",
+    ),
     ({"messages": "The film is"}, "field 'messages': expected a non-empty list of {role, content} turns"),
     ({"messages": ["The film is"]}, "field 'messages[0]': expected a {role, content} object, got str"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("row, message", BAD_ROWS, ids=["no-content", "int-content", "string", "string-turn"])
@@ -478,14 +629,43 @@ def test_a_bad_messages_row_is_one_line_naming_file_row_and_field(
         tmp_path / "bad.jsonl", [{"messages": CHATS[0], "response": "x"}, {**row, "response": "y"}]
     )
     commands = {
-        "ppo": ["--model_name_or_path", str(chat_model_dir), "--reward_model_path", str(tiny_rm_dir),
-                "--prompt_file", str(bad), "--eval_every", "0", "--output_dir", str(tmp_path / "ppo")],
-        "eval": ["--policy_path", str(chat_model_dir), "--baseline_path", str(chat_model_dir),
-                 "--reward_model_path", "none", "--gold_judge", SENTIMENT_JUDGE, "--prompt_file", str(bad),
-                 "--output_dir", str(tmp_path / "eval")],
-        "judge": ["--input_file", str(bad), "--output_file", str(tmp_path / "judged.jsonl"), "--gold_judge",
-                  SENTIMENT_JUDGE, "--tokenizer", str(chat_model_dir)],
-    }  # fmt: skip
+        "ppo": [
+            "--model_name_or_path",
+            str(chat_model_dir),
+            "--reward_model_path",
+            str(tiny_rm_dir),
+            "--prompt_file",
+            str(bad),
+            "--eval_every",
+            "0",
+            "--output_dir",
+            str(tmp_path / "ppo"),
+        ],
+        "eval": [
+            "--policy_path",
+            str(chat_model_dir),
+            "--baseline_path",
+            str(chat_model_dir),
+            "--reward_model_path",
+            "none",
+            "--gold_judge",
+            SENTIMENT_JUDGE,
+            "--prompt_file",
+            str(bad),
+            "--output_dir",
+            str(tmp_path / "eval"),
+        ],
+        "judge": [
+            "--input_file",
+            str(bad),
+            "--output_file",
+            str(tmp_path / "judged.jsonl"),
+            "--gold_judge",
+            SENTIMENT_JUDGE,
+            "--tokenizer",
+            str(chat_model_dir),
+        ],
+    }
     for command, argv in commands.items():
         assert cli.main([command, *argv]) == 2, command
         assert capsys.readouterr().err == f"error: {bad}, row 2, {message}\n", command
@@ -494,8 +674,15 @@ def test_a_bad_messages_row_is_one_line_naming_file_row_and_field(
 
 def test_judge_needs_a_tokenizer_with_a_chat_template_for_messages_rows(tiny_model_dir, tmp_path, capsys):
     rows = write_jsonl(tmp_path / "rows.jsonl", [{"messages": CHATS[0], "response": " good."}])
-    argv = ["judge", "--input_file", str(rows), "--output_file", str(tmp_path / "o.jsonl"), "--gold_judge",
-            SENTIMENT_JUDGE]  # fmt: skip
+    argv = [
+        "judge",
+        "--input_file",
+        str(rows),
+        "--output_file",
+        str(tmp_path / "o.jsonl"),
+        "--gold_judge",
+        SENTIMENT_JUDGE,
+    ]
     assert cli.main(argv) == 2
     assert "set --tokenizer to the policy's model" in capsys.readouterr().err
     assert cli.main([*argv, "--tokenizer", str(tiny_model_dir)]) == 2
@@ -521,9 +708,14 @@ def test_generation_control_keys_are_checked_and_round_trip(config, tmp_path):
             parse_config(config, argv)
 
 
-@pytest.mark.parametrize("command, keys", [("ppo", ["stop_strings", "min_new_tokens"]),
-                                           ("eval", ["stop_strings", "min_new_tokens"]),
-                                           ("judge", ["tokenizer"])])  # fmt: skip
+@pytest.mark.parametrize(
+    "command, keys",
+    [
+        ("ppo", ["stop_strings", "min_new_tokens"]),
+        ("eval", ["stop_strings", "min_new_tokens"]),
+        ("judge", ["tokenizer"]),
+    ],
+)
 def test_help_documents_the_new_keys(command, keys, capsys):
     assert cli.main([command, "--help"]) == 0
     out = capsys.readouterr().out
@@ -566,8 +758,16 @@ def test_a_response_that_would_run_past_the_models_positions_is_a_config_error(
     assert not out.exists()
     out = tmp_path / "eval"
     with pytest.raises(ConfigError, match=says):
-        evaluate.run(eval_config(tiny_model_dir, tiny_model_dir, prompt_file, out, max_new_tokens=too_many,
-                                 num_prompts=len(prompts)))  # fmt: skip
+        evaluate.run(
+            eval_config(
+                tiny_model_dir,
+                tiny_model_dir,
+                prompt_file,
+                out,
+                max_new_tokens=too_many,
+                num_prompts=len(prompts),
+            )
+        )
     assert not out.exists()
     kw.update(max_new_tokens=too_many - 1, steps=1)  # at the limit: it runs
     ppo.run(ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "at-limit", **kw))

@@ -14,7 +14,12 @@ from helpers import F64, FOUR_DECIMALS, TIGHT, t64
 from llm_rlhf.rl.estimators import grpo_advantages, remax_advantages, rloo_advantages
 from llm_rlhf.rl.ppo_math import scores_by_prompt
 
-EXAMPLE_GROUP = [1.0, 0.0, 0.0, 3.0]  # the worked example of the critic-free estimators: one prompt's k = 4 scores
+EXAMPLE_GROUP = [
+    1.0,
+    0.0,
+    0.0,
+    3.0,
+]  # the worked example of the critic-free estimators: one prompt's k = 4 scores
 
 
 GROUP_ESTIMATORS = {  # name -> advantages(scores, k), the group-relative ones

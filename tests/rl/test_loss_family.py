@@ -83,7 +83,9 @@ def test_worked_example_clip_higher_token_losses_and_gradient():
     torch.testing.assert_close(stats.ratio[MASK], RATIOS[MASK], **TIGHT)
 
     symmetric, _ = clip_higher(example_logprobs(), cliprange_high=0.2)
-    torch.testing.assert_close(symmetric[0, 0], t64(-1.2), **TIGHT)  # the example's -1.2 on a1 with a symmetric 0.2
+    torch.testing.assert_close(
+        symmetric[0, 0], t64(-1.2), **TIGHT
+    )  # the example's -1.2 on a1 with a symmetric 0.2
     torch.testing.assert_close(symmetric[1, 3], t64(0.625), **TIGHT)  # b4 at 1.25: A < 0, no upper clip
 
 
@@ -298,10 +300,15 @@ def test_aggregation_is_invariant_under_accumulation_and_processes(aggregation, 
         lp, m = logprobs[rows, :width], mask[rows, :width]
         losses, _ = row.token_losses(
             LossInputs(
-                logprobs=lp, old_logprobs=old[rows, :width], advantages=advantages[rows, :width],
-                response_mask=m, cliprange_low=0.05, cliprange_high=0.28, dual_clip=3.0,
+                logprobs=lp,
+                old_logprobs=old[rows, :width],
+                advantages=advantages[rows, :width],
+                response_mask=m,
+                cliprange_low=0.05,
+                cliprange_high=0.28,
+                dual_clip=3.0,
             )
-        )  # fmt: skip
+        )
         return losses, m
 
     everything = torch.arange(mask.shape[0])
@@ -547,9 +554,13 @@ def test_worked_example_sapo():
     # PPO's clip at 0.2 on the same tokens, for the comparison the worked example prints
     ppo_lp = t64([1.2, 0.9, 1.0]).log().requires_grad_()
     ppo, _ = ppo_clip_token_losses(
-        logprobs=ppo_lp, old_logprobs=torch.zeros(3, dtype=F64), advantages=t64([1.0, -0.5, 2.0]),
-        response_mask=torch.ones(3, dtype=torch.bool), cliprange_low=0.2, cliprange_high=0.2,
-    )  # fmt: skip
+        logprobs=ppo_lp,
+        old_logprobs=torch.zeros(3, dtype=F64),
+        advantages=t64([1.0, -0.5, 2.0]),
+        response_mask=torch.ones(3, dtype=torch.bool),
+        cliprange_low=0.2,
+        cliprange_high=0.2,
+    )
     (ppo_grad,) = torch.autograd.grad(ppo.sum(), ppo_lp)
     torch.testing.assert_close(ppo_grad, t64([-1.2, 0.45, -2.0]), **TIGHT)
 
@@ -779,10 +790,15 @@ def test_token_losses_and_flags_are_zero_off_the_mask(row):
     wild_advantages = torch.where(mask, advantages, -7.0)
     losses, stats = row.token_losses(
         LossInputs(
-            logprobs=wild, old_logprobs=old, advantages=wild_advantages, response_mask=mask,
-            cliprange_low=0.2, cliprange_high=0.28, dual_clip=3.0,
+            logprobs=wild,
+            old_logprobs=old,
+            advantages=wild_advantages,
+            response_mask=mask,
+            cliprange_low=0.2,
+            cliprange_high=0.28,
+            dual_clip=3.0,
         )
-    )  # fmt: skip
+    )
     assert (losses[~mask] == 0).all() and losses.isfinite().all()
     assert not (stats.clipped_high | stats.clipped_low | stats.dual_clipped)[~mask].any()
     (grad,) = torch.autograd.grad(losses.sum(), logprobs)

@@ -39,8 +39,9 @@ def wild_inputs(**clip) -> LossInputs:
     a = torch.tensor([0.8, -1.2, 0.5, -0.3, -0.9, 1.5], dtype=F64)
     advantages = ppo_math.token_advantages(advantages=a, response_mask=mask)
     base = dict(cliprange_low=0.2, cliprange_high=0.28, dual_clip=3.0)
-    return LossInputs(logprobs=logprobs, old_logprobs=old, advantages=advantages, response_mask=mask,
-                      **{**base, **clip})  # fmt: skip
+    return LossInputs(
+        logprobs=logprobs, old_logprobs=old, advantages=advantages, response_mask=mask, **{**base, **clip}
+    )
 
 
 # --- the table is the config's choices ------------------------------------------------------------------
@@ -124,8 +125,11 @@ def test_a_clip_key_the_loss_does_not_read_is_an_error_naming_it(row, key):
 @pytest.mark.parametrize("row", ROWS, ids=lambda r: r.name)
 @pytest.mark.parametrize("estimator", estimators.ROWS, ids=lambda r: r.name)
 def test_a_loss_of_one_ratio_per_response_needs_one_advantage_per_response(row, estimator):
-    keys = dict(policy_loss=row.name, advantage_estimator=estimator.name,
-                samples_per_prompt=max(2, estimator.min_samples_per_prompt))  # fmt: skip
+    keys = dict(
+        policy_loss=row.name,
+        advantage_estimator=estimator.name,
+        samples_per_prompt=max(2, estimator.min_samples_per_prompt),
+    )
     if estimator.response_advantages or not row.response_advantages:
         assert ppo_config("m", "rm", "p.jsonl", "out", **keys).policy_loss_row is row
         return
@@ -139,10 +143,16 @@ def test_gspo_defaults_to_its_papers_aggregation():
     mask = torch.tensor([[True, True, False, False], [True, True, True, True]])
     ratios = torch.tensor([[1.3, 0.9, 1.0, 1.0], [1.1, 0.7, 1.0, 1.25]], dtype=F64)
     x = LossInputs(
-        logprobs=ratios.log(), old_logprobs=torch.zeros_like(ratios),
-        advantages=ppo_math.token_advantages(advantages=torch.tensor([1.0, -0.5], dtype=F64), response_mask=mask),
-        response_mask=mask, cliprange_low=3e-4, cliprange_high=4e-4, dual_clip=None,
-    )  # fmt: skip
+        logprobs=ratios.log(),
+        old_logprobs=torch.zeros_like(ratios),
+        advantages=ppo_math.token_advantages(
+            advantages=torch.tensor([1.0, -0.5], dtype=F64), response_mask=mask
+        ),
+        response_mask=mask,
+        cliprange_low=3e-4,
+        cliprange_high=4e-4,
+        dual_clip=None,
+    )
     losses, _ = LOSSES["gspo"].token_losses(x)
 
     def loss(aggregation):
@@ -163,10 +173,22 @@ def test_the_note_is_printed_at_the_start_of_the_run(tiny_model_dir, prompt_file
     """`llm-rlhf ppo` prints each `Config.notes` line as `note: ...` (main process), beside the config."""
     from llm_rlhf.interfaces import cli
 
-    args = ppo_cli_args(tiny_model_dir, None, prompt_file, tmp_path / "run", steps=1, advantage_estimator="grpo",
-                        samples_per_prompt=2, rollout_batch_size=2, mini_batch_size=4, ppo_epochs=1,
-                        reward_fn=REWARD_FNS + ":even_length", eval_every=0,
-                        policy_loss="gspo", loss_aggregation="token_mean")  # fmt: skip
+    args = ppo_cli_args(
+        tiny_model_dir,
+        None,
+        prompt_file,
+        tmp_path / "run",
+        steps=1,
+        advantage_estimator="grpo",
+        samples_per_prompt=2,
+        rollout_batch_size=2,
+        mini_batch_size=4,
+        ppo_epochs=1,
+        reward_fn=REWARD_FNS + ":even_length",
+        eval_every=0,
+        policy_loss="gspo",
+        loss_aggregation="token_mean",
+    )
     assert args[:3] == ["-m", "llm_rlhf", "ppo"] and cli.main(args[2:]) == 0
     out = capsys.readouterr().out
     assert "note: loss_aggregation token_mean is not the form of policy_loss gspo's paper" in out

@@ -560,6 +560,7 @@ def test_mask_eos_logits_hand_example_and_gradient():
 # REINFORCE++ and the KL in the loss
 # ----------------------------------------------------------------------------------------------
 
+
 def naive_reinforce_pp_returns(rewards, mask) -> torch.Tensor:
     """The loop of the `reinforce_pp_advantages` docstring, in plain python floats."""
     B, T = len(rewards), len(rewards[0])

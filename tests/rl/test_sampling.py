@@ -21,9 +21,16 @@ from llm_rlhf.rl.rollout import Sampling, StopStringsCriteria, generation_config
 from llm_rlhf.stages.sft import sample_responses
 
 HOSTILE = dict(
-    repetition_penalty=3.0, no_repeat_ngram_size=1, top_k=3, top_p=0.3, min_p=0.2, typical_p=0.5,
-    min_new_tokens=4, temperature=0.05, do_sample=False,
-)  # fmt: skip
+    repetition_penalty=3.0,
+    no_repeat_ngram_size=1,
+    top_k=3,
+    top_p=0.3,
+    min_p=0.2,
+    typical_p=0.5,
+    min_new_tokens=4,
+    temperature=0.05,
+    do_sample=False,
+)
 
 
 def with_lora(lm):
@@ -73,9 +80,14 @@ def test_sample_draws_from_the_plain_softmax(kind, path, tiny_model_dir, tiny_ll
     torch.manual_seed(123)
     with torch.no_grad():
         expected = naive_sample(
-            lm, query, steps=8, temperature=0.9, eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id,
+            lm,
+            query,
+            steps=8,
+            temperature=0.9,
+            eos=tokenizer.eos_token_id,
+            pad=tokenizer.pad_token_id,
             draw=multinomial_draw if path == "generate" else naive_inverse_cdf_draw,
-        )  # fmt: skip
+        )
     assert torch.equal(got.response[:, : expected.shape[1]], expected)
     # the test has teeth: the hostile settings would have given other tokens, and top_k=50 too
     assert len(set(got.response[:, 0].tolist())) > 3  # top_k=3 / greedy would allow at most 3
@@ -124,15 +136,29 @@ def test_decode_is_generate_step_for_step(kind, setting, stops, tiny_model_dir, 
     torch.manual_seed(5)
     with generation_config_hidden(lm):
         expected = lm.generate(
-            input_ids=query, attention_mask=query_mask, max_new_tokens=16, eos_token_id=eos, pad_token_id=pad,
-            **Sampling(16, temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"]).generate_kwargs(),
+            input_ids=query,
+            attention_mask=query_mask,
+            max_new_tokens=16,
+            eos_token_id=eos,
+            pad_token_id=pad,
+            **Sampling(
+                16, temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"]
+            ).generate_kwargs(),
             **({"min_new_tokens": s["min_new_tokens"]} if s["min_new_tokens"] else {}),
-            stopping_criteria=criteria(), use_cache=True,
-        )  # fmt: skip
+            stopping_criteria=criteria(),
+            use_cache=True,
+        )
     torch.manual_seed(5)
     monkeypatch.setattr(fast_sampling, "draw_tokens", multinomial_draw)
-    got = fast_sampling.decode(lm, query, query_mask, Sampling(16, **s), eos_token_id=eos, pad_token_id=pad,
-                               stopping_criteria=criteria())  # fmt: skip
+    got = fast_sampling.decode(
+        lm,
+        query,
+        query_mask,
+        Sampling(16, **s),
+        eos_token_id=eos,
+        pad_token_id=pad,
+        stopping_criteria=criteria(),
+    )
     assert torch.equal(got, expected)
     if stops and setting == "plain":
         assert got.shape[1] < query.shape[1] + 16  # every row ended early: the loop's early end is covered
@@ -157,14 +183,27 @@ def test_compiled_decode_is_generate_step_for_step(kind, tiny_model_dir, tiny_ll
     torch.manual_seed(5)
     with generation_config_hidden(lm):
         expected = lm.generate(
-            input_ids=query, attention_mask=query_mask, max_new_tokens=16, eos_token_id=eos, pad_token_id=pad,
-            **Sampling(16, temperature=1.0).generate_kwargs(), min_new_tokens=3, stopping_criteria=criteria(),
+            input_ids=query,
+            attention_mask=query_mask,
+            max_new_tokens=16,
+            eos_token_id=eos,
+            pad_token_id=pad,
+            **Sampling(16, temperature=1.0).generate_kwargs(),
+            min_new_tokens=3,
+            stopping_criteria=criteria(),
             use_cache=True,
-        )  # fmt: skip
+        )
     torch.manual_seed(5)
     monkeypatch.setattr(fast_sampling, "draw_tokens", multinomial_draw)
-    got = fast_sampling.decode(lm, query, query_mask, Sampling(16, **s, sampling_compile=True), eos_token_id=eos,
-                               pad_token_id=pad, stopping_criteria=criteria())  # fmt: skip
+    got = fast_sampling.decode(
+        lm,
+        query,
+        query_mask,
+        Sampling(16, **s, sampling_compile=True),
+        eos_token_id=eos,
+        pad_token_id=pad,
+        stopping_criteria=criteria(),
+    )
     assert query.shape[1] % fast_sampling.PROMPT_BUCKET != 0  # the bucket's padding was added and removed
     assert torch.equal(got, expected)
 
@@ -330,8 +369,9 @@ def test_sampler_logprobs_are_the_log_probs_the_tokens_were_drawn_with(dtype, ti
     fast = sample(lm, tokenizer, q, qm, Sampling(max_new_tokens=8, temperature=0.9, sampling_dtype=dtype))
     torch.manual_seed(5)
     with fast_sampling.decoding_weights(lm, dtype=torch.bfloat16):
-        expected = naive_sample(lm, q, steps=8, temperature=0.9, eos=tokenizer.eos_token_id,
-                                pad=tokenizer.pad_token_id)  # fmt: skip
+        expected = naive_sample(
+            lm, q, steps=8, temperature=0.9, eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id
+        )
     assert torch.equal(fast.response[:, : expected.shape[1]], expected)
 
 

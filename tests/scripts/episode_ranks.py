@@ -35,12 +35,25 @@ def main() -> None:
     model_dir, prompt_file, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     use_cpu_ddp_without_gpus()
     accelerator = Accelerator()
-    cfg = ppo_config(model_dir, None, prompt_file, out.parent / "run", environment="tests/envs.py:Chatty",
-                     max_turns=3, max_episode_tokens=24, max_new_tokens=8, max_reply_tokens=6, gold_judge="none",
-                     rollout_batch_size=8 // accelerator.num_processes, mini_batch_size=4 // accelerator.num_processes,
-                     steps=1)  # fmt: skip
+    cfg = ppo_config(
+        model_dir,
+        None,
+        prompt_file,
+        out.parent / "run",
+        environment="tests/envs.py:Chatty",
+        max_turns=3,
+        max_episode_tokens=24,
+        max_new_tokens=8,
+        max_reply_tokens=6,
+        gold_judge="none",
+        rollout_batch_size=8 // accelerator.num_processes,
+        mini_batch_size=4 // accelerator.num_processes,
+        steps=1,
+    )
     tokenizer = load_tokenizer(cfg.model_name_or_path, padding_side="left")
-    trainer = ppo_building.build_trainer(cfg, accelerator, tokenizer, ppo_building.load_prompt_ids(cfg, tokenizer))
+    trainer = ppo_building.build_trainer(
+        cfg, accelerator, tokenizer, ppo_building.load_prompt_ids(cfg, tokenizer)
+    )
     greedy = dataclasses.replace(trainer.sampling, temperature=0.0)
     samples = trainer.collector.generate(trainer.collector.queries(0), sampling=greedy)
     rows = [
@@ -58,7 +71,7 @@ def main() -> None:
             samples.response_mask,
             samples.env_mask,
             samples.turns,
-        )  # fmt: skip
+        )
     ]
     rows = gather_object(rows)  # every rank's, in rank order: the global prompts in order
     torch.manual_seed(accelerator.process_index)

@@ -76,13 +76,33 @@ from llm_rlhf.rl.rollout import Samples, left_pad
 GLOBAL_BATCH, R = 8, 6
 ESTIMATORS = {"grpo": 4, "dr_grpo": 4, "rloo": 4, "reinforce_pp": 2, "remax": 1}  # samples per prompt
 LOSS_OPTIONS = {  # name: (advantage_estimator, samples per prompt, the keys of the policy-loss family)
-    "dapo": ("grpo", 4, dict(cliprange_low=0.2, cliprange_high=0.28, dual_clip=3.0, overlong_buffer=3,
-                             loss_aggregation="seq_mean_token_mean", sampler_correction="tis",
-                             sampler_correction_cap=1.5, mask_truncated=True, dynamic_sampling=True)),
-    "gspo": ("grpo", 4, dict(policy_loss="gspo", loss_aggregation="token_sum_norm", sampler_correction="mis",
-                             sampler_correction_cap=1.5)),
+    "dapo": (
+        "grpo",
+        4,
+        dict(
+            cliprange_low=0.2,
+            cliprange_high=0.28,
+            dual_clip=3.0,
+            overlong_buffer=3,
+            loss_aggregation="seq_mean_token_mean",
+            sampler_correction="tis",
+            sampler_correction_cap=1.5,
+            mask_truncated=True,
+            dynamic_sampling=True,
+        ),
+    ),
+    "gspo": (
+        "grpo",
+        4,
+        dict(
+            policy_loss="gspo",
+            loss_aggregation="token_sum_norm",
+            sampler_correction="mis",
+            sampler_correction_cap=1.5,
+        ),
+    ),
     "cispo": ("gae", 1, dict(policy_loss="cispo", cliprange_high=0.28)),
-}  # fmt: skip
+}
 LORA = dict(use_lora=True, lora_r=4, lora_dropout=0.0)  # MODE lora: "same" with a LoRA adapter
 
 

@@ -77,7 +77,7 @@ def record_raw_gradients() -> None:
                     "grad": torch.cat([safe_get_full_grad(p).detach().flatten().float() for p in trainable]),
                     "local_numel": sum(
                         p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in trainable
-                    ),  # fmt: skip
+                    ),
                 }
             )
         return step(self, *args, **kwargs)
@@ -153,7 +153,7 @@ def main() -> None:
                 num_samples=4,
                 max_new_tokens=4,
                 **lora,
-            ),  # fmt: skip
+            ),
             out / "sft",
             world,
             is_main,
@@ -168,7 +168,7 @@ def main() -> None:
                 normalization_samples=8,
                 disable_dropout=True,
                 **lora,
-            ),  # fmt: skip
+            ),
             out / "rm",
             world,
             is_main,

@@ -46,8 +46,14 @@ def test_every_stage_sees_the_bos(tmp_path):
         tmp_path / "pairs.jsonl",
         [{"prompt": p, "chosen": c, "rejected": " no."} for p, c in zip(PROMPTS, COMPLETIONS)],
     )
-    dpo_cfg = dpo.Config(model_name_or_path=str(folder), train_file=str(pairs), eval_file=str(pairs),
-                         output_dir=str(tmp_path / "dpo"), max_length=32, eval_steps=0)  # fmt: skip
+    dpo_cfg = dpo.Config(
+        model_name_or_path=str(folder),
+        train_file=str(pairs),
+        eval_file=str(pairs),
+        output_dir=str(tmp_path / "dpo"),
+        max_length=32,
+        eval_steps=0,
+    )
     inputs = dpo.load_inputs(dpo_cfg)
     trainer = dpo.build_trainer(dpo_cfg, inputs.model, inputs.ref_model, tokenizer, inputs.train, None)
     for i, (p, c, ids) in enumerate(zip(PROMPTS, COMPLETIONS, expected)):

@@ -86,9 +86,17 @@ def test_compare_stage_puts_ppo_dpo_and_best_of_n_on_one_plot(
     monkeypatch.chdir(ROOT)
     out = tmp_path / "run"
     argv = pipeline_argv(out, tiny_model_dir, sft_files, pref_files, prompt_file)
-    dpo_tiny = {"train_file": str(pref_files[0]), "eval_file": str(pref_files[0]), "max_length": 48,
-                "max_steps": 2, "per_device_train_batch_size": 4, "warmup_ratio": 0, "logging_steps": 1,
-                "eval_steps": 0, "save_steps": 2}  # fmt: skip
+    dpo_tiny = {
+        "train_file": str(pref_files[0]),
+        "eval_file": str(pref_files[0]),
+        "max_length": 48,
+        "max_steps": 2,
+        "per_device_train_batch_size": 4,
+        "warmup_ratio": 0,
+        "logging_steps": 1,
+        "eval_steps": 0,
+        "save_steps": 2,
+    }
     compare_overrides = {
         "dpo": dpo_tiny,
         "dpo_betas": [0.1, 1.0],
@@ -190,9 +198,15 @@ def _heldout_run(folder: Path, prompt_file: Path, **keys) -> Path:
 
 @pytest.mark.parametrize(
     "key, value",
-    [("eval_num_prompts", 3), ("eval_prompt_file", "other"), ("temperature", 0.7), ("stop_strings", ["\n"]),
-     ("gold_judge", "sentiment"), ("max_prompt_length", 16)],
-)  # fmt: skip
+    [
+        ("eval_num_prompts", 3),
+        ("eval_prompt_file", "other"),
+        ("temperature", 0.7),
+        ("stop_strings", ["\n"]),
+        ("gold_judge", "sentiment"),
+        ("max_prompt_length", 16),
+    ],
+)
 def test_more_ppo_dirs_must_be_evaluated_as_ppo_dir_is(tmp_path, prompt_file, key, value):
     """A further run whose held-out points were drawn on other prompts, sampled otherwise or judged by another
     gold is refused before anything is loaded, naming the key and the setting; one evaluated alike is taken
@@ -200,8 +214,14 @@ def test_more_ppo_dirs_must_be_evaluated_as_ppo_dir_is(tmp_path, prompt_file, ke
     if value == "other":
         value = str(shutil.copy(prompt_file, tmp_path / "other.jsonl"))
     main = _heldout_run(tmp_path / "runs" / "gae" / "ppo", prompt_file)
-    alike = _heldout_run(tmp_path / "runs" / "grpo" / "ppo", prompt_file, advantage_estimator="rloo",
-                         samples_per_prompt=2, init_kl_coef=0.5, sampling_compile=True)  # fmt: skip
+    alike = _heldout_run(
+        tmp_path / "runs" / "grpo" / "ppo",
+        prompt_file,
+        advantage_estimator="rloo",
+        samples_per_prompt=2,
+        init_kl_coef=0.5,
+        sampling_compile=True,
+    )
     differs = _heldout_run(tmp_path / "runs" / "rloo-x", prompt_file, **{key: value})
     cfg = compare.Config(ppo_dir=str(main), more_ppo_dirs=[str(alike)], output_dir=str(tmp_path / "out"))
     ppo_cfg, _ = compare.ppo_settings(main)
@@ -252,17 +272,33 @@ def test_dpo_and_best_of_n_are_scored_by_the_scorer_ppo_trained_against(
     save_reward_model(rm, tmp_path / "rm-1", merge_lora=False)
     ppo_dir = tmp_path / "ppo"
     ppo_cfg = ppo_config(
-        tiny_model_dir, None, prompt_file, ppo_dir, reward_model_path=[str(member_0), str(tmp_path / "rm-1")],
-        ensemble_combine="min", reward_fn="reward_fns:length", reward_fn_weight=0.5, eval_every=1,
-        eval_prompt_file=str(prompt_file), eval_num_prompts=3, max_new_tokens=6,
-    )  # fmt: skip
+        tiny_model_dir,
+        None,
+        prompt_file,
+        ppo_dir,
+        reward_model_path=[str(member_0), str(tmp_path / "rm-1")],
+        ensemble_combine="min",
+        reward_fn="reward_fns:length",
+        reward_fn_weight=0.5,
+        eval_every=1,
+        eval_prompt_file=str(prompt_file),
+        eval_num_prompts=3,
+        max_new_tokens=6,
+    )
     save_config(ppo_cfg, ppo_dir)
     (ppo_dir / "eval_log.jsonl").write_text(json.dumps({"step": 0, "kl": 0.0, "gold_score": 0.1}) + "\n")
     out = tmp_path / "compare"
     shutil.copytree(tiny_model_dir, out / "dpo-beta-0.1")  # a finished DPO run (reused): the SFT model itself
     (out / "dpo-beta-0.1" / "metrics.json").write_text("{}")
-    cfg = compare.Config(sft_path=str(tiny_model_dir), ppo_dir=str(ppo_dir), output_dir=str(out),
-                         dpo_config=None, dpo_betas=[0.1], best_of_n=[1, 4], best_of_n_samples=4)  # fmt: skip
+    cfg = compare.Config(
+        sft_path=str(tiny_model_dir),
+        ppo_dir=str(ppo_dir),
+        output_dir=str(out),
+        dpo_config=None,
+        dpo_betas=[0.1],
+        best_of_n=[1, 4],
+        best_of_n_samples=4,
+    )
     compare.run(cfg)
     points = [json.loads(line) for line in (out / "points.jsonl").read_text().splitlines()]
 
@@ -271,11 +307,15 @@ def test_dpo_and_best_of_n_are_scored_by_the_scorer_ppo_trained_against(
     prompts = [json.loads(line)["prompt"] for line in prompt_file.read_text().splitlines()][:3]
     draws = PairedSampling(Sampling.of(ppo_cfg), seed=ppo_cfg.seed, batch_size=ppo_cfg.heldout_batch_size)
     rows, B = [p for p in prompts for _ in range(4)], draws.batch_size  # best-of-n's N = 4 samples per prompt
-    batches = [sample_batch(sft, tokenizer, rows[s : s + B], draws.sampling, seed=draws.seed + b)
-               for b, s in enumerate(range(0, len(rows), B))]  # fmt: skip
+    batches = [
+        sample_batch(sft, tokenizer, rows[s : s + B], draws.sampling, seed=draws.seed + b)
+        for b, s in enumerate(range(0, len(rows), B))
+    ]
     scores = [trainer.collector.score(batch) for batch in batches]
-    rm_score, fn, proxy = (torch.cat([getattr(s, k) for s in scores]).double().view(3, 4)
-                           for k in ("rm_score", "reward_fn", "scores"))  # fmt: skip
+    rm_score, fn, proxy = (
+        torch.cat([getattr(s, k) for s in scores]).double().view(3, 4)
+        for k in ("rm_score", "reward_fn", "scores")
+    )
     member_0_alone = torch.cat([Scorer(load_reward_model(member_0))(b, tokenizer).rm_score for b in batches])
     differs = (rm_score.flatten().float() - member_0_alone).abs() > 1e-3  # (12,) where member 1 is the min
     assert differs.any() and not differs.all()

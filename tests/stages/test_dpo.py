@@ -28,10 +28,21 @@ RECIPE = ROOT / "recipes" / "reviews" / "dpo.yaml"
 def tiny_config(model_dir, pref_files, output_dir, **overrides) -> dpo.Config:
     train, val = pref_files
     values = dict(
-        model_name_or_path=str(model_dir), train_file=str(train), eval_file=str(val), output_dir=str(output_dir),
-        max_length=32, learning_rate=3e-3, max_steps=8, per_device_train_batch_size=8, warmup_ratio=0.0,
-        logging_steps=1, eval_steps=0, save_steps=100, lora_r=4, lora_alpha=8,
-    )  # fmt: skip
+        model_name_or_path=str(model_dir),
+        train_file=str(train),
+        eval_file=str(val),
+        output_dir=str(output_dir),
+        max_length=32,
+        learning_rate=3e-3,
+        max_steps=8,
+        per_device_train_batch_size=8,
+        warmup_ratio=0.0,
+        logging_steps=1,
+        eval_steps=0,
+        save_steps=100,
+        lora_r=4,
+        lora_alpha=8,
+    )
     values.update(overrides)
     return dpo.Config(**values)
 
@@ -227,11 +238,24 @@ def test_trainer_keys_reach_trl_and_act(tmp_path, tiny_model_dir, pref_files):
     length-grouped sampler, one checkpoint kept, the adapter on c_attn only, dropout left on."""
     out = tmp_path / "dpo"
     cfg = tiny_config(
-        tiny_model_dir, pref_files, out, use_lora=True, lora_dropout=0.1, lora_target_modules=["c_attn"],
-        weight_decay=0.1, group_by_length=True, save_total_limit=1, save_steps=1, max_steps=3,
-        lr_scheduler_type="constant", max_grad_norm=0.5, gradient_accumulation_steps=2, disable_dropout=False,
-        per_device_eval_batch_size=3, per_device_train_batch_size=4,
-    )  # fmt: skip
+        tiny_model_dir,
+        pref_files,
+        out,
+        use_lora=True,
+        lora_dropout=0.1,
+        lora_target_modules=["c_attn"],
+        weight_decay=0.1,
+        group_by_length=True,
+        save_total_limit=1,
+        save_steps=1,
+        max_steps=3,
+        lr_scheduler_type="constant",
+        max_grad_norm=0.5,
+        gradient_accumulation_steps=2,
+        disable_dropout=False,
+        per_device_eval_batch_size=3,
+        per_device_train_batch_size=4,
+    )
     _, trainer = trainer_for(cfg)
     args = trainer.args
     assert (args.weight_decay, args.train_sampling_strategy, args.save_total_limit) == (
@@ -268,8 +292,16 @@ def test_dpo_stage_end_to_end(tmp_path, tiny_model_dir, pref_files):
     argv = ["dpo"] + [f"--{k}={','.join(v) if isinstance(v, list) else v}" for k, v in vars(cfg).items()]
     assert cli.main(argv) == 0
     metrics = read_json(out / "metrics.json")
-    for key in ("eval_loss", "eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/accuracies",
-                "eval_rewards/margins", "eval_logps/chosen", "eval_logps/rejected", "train_loss"):  # fmt: skip
+    for key in (
+        "eval_loss",
+        "eval_rewards/chosen",
+        "eval_rewards/rejected",
+        "eval_rewards/accuracies",
+        "eval_rewards/margins",
+        "eval_logps/chosen",
+        "eval_logps/rejected",
+        "train_loss",
+    ):
         assert math.isfinite(metrics[key]), key
     assert metrics["global_step"] == 8 and metrics["train_pairs"] == 40 and metrics["eval_pairs"] == 5
     assert metrics["eval_rewards/margins"] > 0 and metrics["eval_rewards/accuracies"] >= 0.8
@@ -341,8 +373,17 @@ def test_bad_rows_stop_in_one_line_before_writing(tmp_path, tiny_model_dir, pref
     bad = tmp_path / "bad.jsonl"
     bad.write_text(f"{good}\n{row}\n{good}\n")
     out = tmp_path / "dpo"
-    argv = ["dpo", "--model_name_or_path", str(tiny_model_dir), "--train_file", str(bad), "--eval_file",
-            str(pref_files[1]), "--output_dir", str(out)]  # fmt: skip
+    argv = [
+        "dpo",
+        "--model_name_or_path",
+        str(tiny_model_dir),
+        "--train_file",
+        str(bad),
+        "--eval_file",
+        str(pref_files[1]),
+        "--output_dir",
+        str(out),
+    ]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {bad}, {message}") and err.count("\n") == 1, err
@@ -351,8 +392,17 @@ def test_bad_rows_stop_in_one_line_before_writing(tmp_path, tiny_model_dir, pref
 
 def test_other_bad_inputs_fail_before_writing(tmp_path, tiny_model_dir, pref_files, capsys):
     out = tmp_path / "dpo"
-    base = ["dpo", "--model_name_or_path", str(tiny_model_dir), "--train_file", str(pref_files[0]),
-            "--eval_file", str(pref_files[1]), "--output_dir", str(out)]  # fmt: skip
+    base = [
+        "dpo",
+        "--model_name_or_path",
+        str(tiny_model_dir),
+        "--train_file",
+        str(pref_files[0]),
+        "--eval_file",
+        str(pref_files[1]),
+        "--output_dir",
+        str(out),
+    ]
     cases = {
         "--resume true": f"error: --resume: no checkpoint in '{out / 'checkpoints'}' to continue from",
         "--model_name_or_path runs/nowhere/sft": "error: model_name_or_path 'runs/nowhere/sft': no such folder (train it with `llm-rlhf sft`)",
@@ -415,8 +465,23 @@ def test_recipe_parses_and_runs_a_few_steps(tmp_path, tiny_model_dir, pref_files
     cfg = parse_config(dpo.Config, ["--config", str(RECIPE)])
     assert cfg.model_name_or_path == "runs/reviews/sft" and cfg.output_dir == "runs/reviews/dpo"
     train, val = pref_files
-    cfg = parse_config(dpo.Config, [
-        "--config", str(RECIPE), "--model_name_or_path", str(tiny_model_dir), "--train_file", str(train),
-        "--eval_file", str(val), "--output_dir", str(tmp_path / "dpo"), "--max_steps", "2", "--max_length", "32",
-    ])  # fmt: skip
+    cfg = parse_config(
+        dpo.Config,
+        [
+            "--config",
+            str(RECIPE),
+            "--model_name_or_path",
+            str(tiny_model_dir),
+            "--train_file",
+            str(train),
+            "--eval_file",
+            str(val),
+            "--output_dir",
+            str(tmp_path / "dpo"),
+            "--max_steps",
+            "2",
+            "--max_length",
+            "32",
+        ],
+    )
     assert dpo.run(cfg)["global_step"] == 2

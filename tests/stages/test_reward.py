@@ -50,11 +50,21 @@ def fresh_rm(model_dir, seed: int = 0) -> RewardModel:
 def tiny_config(model_dir, pref_files, output_dir, **overrides) -> Config:
     train, val = pref_files
     values = dict(
-        model_name_or_path=str(model_dir), train_file=str(train), eval_file=str(val), test_file=str(val),
-        output_dir=str(output_dir), max_length=32, learning_rate=3e-3, max_steps=30,
-        per_device_train_batch_size=8, warmup_ratio=0.0, logging_steps=5, eval_steps=0, save_steps=100,
+        model_name_or_path=str(model_dir),
+        train_file=str(train),
+        eval_file=str(val),
+        test_file=str(val),
+        output_dir=str(output_dir),
+        max_length=32,
+        learning_rate=3e-3,
+        max_steps=30,
+        per_device_train_batch_size=8,
+        warmup_ratio=0.0,
+        logging_steps=5,
+        eval_steps=0,
+        save_steps=100,
         score_batch_size=4,
-    )  # fmt: skip
+    )
     values.update(overrides)
     return Config(**values)
 
@@ -78,8 +88,13 @@ def test_bradley_terry_loss_hand_computed():
 
 def test_ranking_expands_into_all_pairs(tmp_path, tiny_model_dir):
     assert ranking_to_pairs(["B", "A", "D", "C"]) == [
-        ("B", "A"), ("B", "D"), ("B", "C"), ("A", "D"), ("A", "C"), ("D", "C"),
-    ]  # fmt: skip
+        ("B", "A"),
+        ("B", "D"),
+        ("B", "C"),
+        ("A", "D"),
+        ("A", "C"),
+        ("D", "C"),
+    ]
     from llm_rlhf.core.data import load_preference_dataset
     from llm_rlhf.models.loading import load_tokenizer
 
@@ -87,9 +102,7 @@ def test_ranking_expands_into_all_pairs(tmp_path, tiny_model_dir):
         tmp_path / "ranked.jsonl", [{"prompt": "The film", "ranked": [" B", " A", " D", " C"]}]
     )
     pairs = load_preference_dataset(str(path), load_tokenizer(str(tiny_model_dir)), max_length=32)
-    assert list(zip(pairs["chosen"], pairs["rejected"])) == ranking_to_pairs(
-        [" B", " A", " D", " C"]
-    )
+    assert list(zip(pairs["chosen"], pairs["rejected"])) == ranking_to_pairs([" B", " A", " D", " C"])
 
 
 # --------------------------------------------------------------------------------------------
@@ -189,8 +202,15 @@ def test_training_scores_and_loss_equal_the_reward_model(tmp_path, tiny_model_di
     with torch.no_grad():
         loss, outputs = trainer.compute_loss(model, dict(batch), return_outputs=True)
         rm = RewardModel(model, inputs.tokenizer)
-        alone = torch.cat([rm(torch.tensor([ids], device=device), torch.ones(1, len(ids), dtype=torch.long, device=device))
-                           for ids in [f["chosen_ids"] for f in features] + [f["rejected_ids"] for f in features]])  # fmt: skip
+        alone = torch.cat(
+            [
+                rm(
+                    torch.tensor([ids], device=device),
+                    torch.ones(1, len(ids), dtype=torch.long, device=device),
+                )
+                for ids in [f["chosen_ids"] for f in features] + [f["rejected_ids"] for f in features]
+            ]
+        )
     torch.testing.assert_close(outputs.logits.squeeze(-1), alone, atol=1e-5, rtol=1e-5)
     chosen, rejected = alone.chunk(2)
     expected = reward_math.bradley_terry_loss(
@@ -335,18 +355,26 @@ def test_rm_stage_end_to_end(tmp_path, tiny_model_dir, pref_files):
     # the held-out pair loss: -mean log sigmoid(r_w - r_l) over the eval pairs, in raw scores
     pairs = load_preference_dataset(cfg.eval_file, rm.tokenizer, max_length=cfg.max_length)
     n = len(pairs)
-    raw = score_pairs(rm, list(pairs["prompt"]) * 2, list(pairs["chosen"]) + list(pairs["rejected"]),
-                      normalize=False).double()  # fmt: skip
+    raw = score_pairs(
+        rm, list(pairs["prompt"]) * 2, list(pairs["chosen"]) + list(pairs["rejected"]), normalize=False
+    ).double()
     expected = -torch.nn.functional.logsigmoid(raw[:n] - raw[n:]).mean().item()
     assert metrics["eval_pair_loss"] == pytest.approx(expected, rel=1e-5)
     assert scores.std(unbiased=False).item() == pytest.approx(1.0, abs=1e-4)
 
     plain = AutoModelForSequenceClassification.from_pretrained(out).eval()  # plain transformers: raw scores
-    batch = rm.tokenizer([p + r + rm.tokenizer.eos_token for p, r in zip(prompts, responses)], padding=True,
-                         return_tensors="pt")  # fmt: skip
+    batch = rm.tokenizer(
+        [p + r + rm.tokenizer.eos_token for p, r in zip(prompts, responses)],
+        padding=True,
+        return_tensors="pt",
+    )
     with torch.no_grad():
-        torch.testing.assert_close(plain(**batch).logits.squeeze(-1), rm(batch["input_ids"], batch["attention_mask"]),
-                                   atol=1e-5, rtol=1e-5)  # fmt: skip
+        torch.testing.assert_close(
+            plain(**batch).logits.squeeze(-1),
+            rm(batch["input_ids"], batch["attention_mask"]),
+            atol=1e-5,
+            rtol=1e-5,
+        )
 
 
 @pytest.mark.slow
@@ -391,11 +419,29 @@ def test_recipe_parses_and_runs_a_few_steps(tmp_path, tiny_model_dir, pref_files
     cfg = parse_config(Config, ["--config", str(RECIPE)])
     assert cfg.model_name_or_path == "runs/reviews/sft" and cfg.test_file == "data/reviews/prefs_test.jsonl"
     train, val = pref_files
-    cfg = parse_config(Config, [
-        "--config", str(RECIPE), "--model_name_or_path", str(tiny_model_dir), "--train_file", str(train),
-        "--eval_file", str(val), "--test_file", str(val), "--output_dir", str(tmp_path / "rm"), "--max_steps", "2",
-        "--max_length", "32", "--normalization_samples", "4",
-    ])  # fmt: skip
+    cfg = parse_config(
+        Config,
+        [
+            "--config",
+            str(RECIPE),
+            "--model_name_or_path",
+            str(tiny_model_dir),
+            "--train_file",
+            str(train),
+            "--eval_file",
+            str(val),
+            "--test_file",
+            str(val),
+            "--output_dir",
+            str(tmp_path / "rm"),
+            "--max_steps",
+            "2",
+            "--max_length",
+            "32",
+            "--normalization_samples",
+            "4",
+        ],
+    )
     metrics = run(cfg)
     assert metrics["global_step"] == 2 and metrics["normalization_samples"] == 4
 
@@ -408,8 +454,17 @@ def test_resume_continues_from_the_last_checkpoint(tmp_path, tiny_model_dir, pre
     run(cfg)
     with pytest.raises(UserError, match="already holds checkpoints"):
         run(cfg)
-    resumed = run(tiny_config(tiny_model_dir, pref_files, tmp_path / "rm", max_steps=6, save_steps=2,
-                              normalization_samples=4, resume=True))  # fmt: skip
+    resumed = run(
+        tiny_config(
+            tiny_model_dir,
+            pref_files,
+            tmp_path / "rm",
+            max_steps=6,
+            save_steps=2,
+            normalization_samples=4,
+            resume=True,
+        )
+    )
     assert resumed["global_step"] == 6
     steps = [json.loads(line)["step"] for line in (tmp_path / "rm" / "log.jsonl").read_text().splitlines()]
     assert 6 in steps

@@ -63,8 +63,19 @@ def test_score_texts_is_normalised_and_independent_of_batch_size(rm_dir):
 def test_score_command_writes_every_row_with_its_score(tmp_path, rm_dir, capsys):
     rows = [{"prompt": p, "response": r, "id": i} for i, (p, r) in enumerate(PAIRS)]
     src, dst = write_jsonl(tmp_path / "pairs.jsonl", rows), tmp_path / "scored.jsonl"
-    code = main(["score", "--model_path", str(rm_dir), "--input_file", str(src), "--output_file", str(dst),
-                 "--batch_size", "2"])  # fmt: skip
+    code = main(
+        [
+            "score",
+            "--model_path",
+            str(rm_dir),
+            "--input_file",
+            str(src),
+            "--output_file",
+            str(dst),
+            "--batch_size",
+            "2",
+        ]
+    )
     assert code == 0
     out = [json.loads(line) for line in dst.read_text().splitlines()]
     assert [r["id"] for r in out] == list(range(len(PAIRS)))  # input order and fields kept
@@ -84,8 +95,20 @@ def test_score_command_errors_name_the_row_and_write_nothing(tmp_path, rm_dir, c
     )
     assert "bad.jsonl, row 2, field 'response'" in capsys.readouterr().err
     good = write_jsonl(tmp_path / "good.jsonl", [{"prompt": "A", "response": " b"}])
-    assert main(["score", "--model_path", str(tmp_path / "nope"), "--input_file", str(good), "--output_file",
-                 str(dst)]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "score",
+                "--model_path",
+                str(tmp_path / "nope"),
+                "--input_file",
+                str(good),
+                "--output_file",
+                str(dst),
+            ]
+        )
+        == 2
+    )
     assert "no such folder" in capsys.readouterr().err
     assert (
         main(["score", "--model_path", str(rm_dir), "--input_file", str(good)]) == 2

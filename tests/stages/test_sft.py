@@ -23,11 +23,38 @@ RECIPE = ROOT / "recipes" / "reviews" / "sft.yaml"
 
 def tiny_config(model_dir: Path, files: tuple[Path, Path], out: Path, *extra: str) -> sft.Config:
     """The reviews recipe, pointed at the tiny model and data, for a few steps."""
-    argv = ["--config", str(RECIPE), "--model_name_or_path", str(model_dir), "--train_file", str(files[0]),
-            "--eval_file", str(files[1]), "--output_dir", str(out), "--max_length", "32", "--max_steps", "8",
-            "--per_device_train_batch_size", "8", "--learning_rate", "3e-3", "--warmup_ratio", "0",
-            "--logging_steps", "1", "--eval_steps", "0", "--save_steps", "4", "--num_samples", "4",
-            "--max_new_tokens", "6"]  # fmt: skip
+    argv = [
+        "--config",
+        str(RECIPE),
+        "--model_name_or_path",
+        str(model_dir),
+        "--train_file",
+        str(files[0]),
+        "--eval_file",
+        str(files[1]),
+        "--output_dir",
+        str(out),
+        "--max_length",
+        "32",
+        "--max_steps",
+        "8",
+        "--per_device_train_batch_size",
+        "8",
+        "--learning_rate",
+        "3e-3",
+        "--warmup_ratio",
+        "0",
+        "--logging_steps",
+        "1",
+        "--eval_steps",
+        "0",
+        "--save_steps",
+        "4",
+        "--num_samples",
+        "4",
+        "--max_new_tokens",
+        "6",
+    ]
     return parse_config(sft.Config, argv + list(extra))
 
 
@@ -40,8 +67,10 @@ def weights(folder: Path) -> dict[str, torch.Tensor]:
 def test_completion_only_labels_keep_the_eos_when_pad_is_eos(tmp_path, tiny_model_dir):
     tokenizer = load_tokenizer(str(tiny_model_dir))
     assert tokenizer.pad_token_id == tokenizer.eos_token_id  # the GPT-2 case this test is about
-    rows = [{"prompt": "The film is", "completion": " a delight from start to finish."},
-            {"prompt": "A tedious, boring", "completion": " waste."}]  # fmt: skip
+    rows = [
+        {"prompt": "The film is", "completion": " a delight from start to finish."},
+        {"prompt": "A tedious, boring", "completion": " waste."},
+    ]
     path = write_jsonl(tmp_path / "train.jsonl", rows)
     dataset = load_sft_dataset(path, tokenizer, max_length=32)
     cfg = parse_config(sft.Config, ["--output_dir", str(tmp_path / "out"), "--max_length", "32"])
@@ -186,8 +215,15 @@ def test_an_unmerged_adapter_is_refused_by_the_next_stages_in_one_line(
     assert str(e.value) == message
     commands = {
         "rm": ["--train_file", pref_files[0], "--eval_file", pref_files[1], "--test_file", "null"],
-        "ppo": ["--reward_model_path", tmp_path / "rm", "--prompt_file", prompt_file, "--eval_prompt_file", "null"],
-    }  # fmt: skip
+        "ppo": [
+            "--reward_model_path",
+            tmp_path / "rm",
+            "--prompt_file",
+            prompt_file,
+            "--eval_prompt_file",
+            "null",
+        ],
+    }
     for stage, argv in commands.items():
         out = tmp_path / f"{stage}_out"
         code = cli.main(
@@ -227,8 +263,19 @@ def test_resume_reaches_the_same_weights(tmp_path, tiny_model_dir, sft_files):
 
 def test_resume_without_a_checkpoint_is_a_user_error(tmp_path, tiny_model_dir, sft_files, capsys):
     out = tmp_path / "run"
-    argv = ["sft", "--model_name_or_path", str(tiny_model_dir), "--train_file", str(sft_files[0]),
-            "--eval_file", str(sft_files[1]), "--output_dir", str(out), "--resume", "true"]  # fmt: skip
+    argv = [
+        "sft",
+        "--model_name_or_path",
+        str(tiny_model_dir),
+        "--train_file",
+        str(sft_files[0]),
+        "--eval_file",
+        str(sft_files[1]),
+        "--output_dir",
+        str(out),
+        "--resume",
+        "true",
+    ]
     assert cli.main(argv) == 2
     assert (
         capsys.readouterr().err

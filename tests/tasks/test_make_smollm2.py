@@ -82,11 +82,16 @@ def write_gguf(path: Path, model, tokens: list[str], merges: list[str]) -> dict[
 
     names = {"embed_tokens": "token_embd", "norm": "output_norm"}
     layer = {
-        "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-        "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
         "mlp.down_proj": "ffn_down",
-    }  # fmt: skip
+    }
     held = {}
     for hf_name, p in model.state_dict().items():
         if hf_name == "lm_head.weight":
@@ -126,10 +131,19 @@ def test_gguf_to_hf_folder_is_exact(tmp_path, make_smollm2):
 
     bpe, tokens, merges = tiny_tokenizer()
     config = LlamaConfig(
-        vocab_size=len(tokens), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True,
-        bos_token_id=1, eos_token_id=2, pad_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    )  # fmt: skip
+        vocab_size=len(tokens),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
     torch.manual_seed(0)
     original = LlamaForCausalLM(config).eval()
     held = write_gguf(tmp_path / "tiny.gguf", original, tokens, merges)

@@ -127,7 +127,9 @@ def test_gold_ratings_are_means_of_individual_ratings():
 
 def test_data_matches_the_script(tmp_path, monkeypatch):
     """Committed files == a fresh run of data/make_reviews.py (needs the source files next to the repo)."""
-    make_reviews = load_script(ROOT / "data" / "make_reviews.py", monkeypatch=monkeypatch)  # dataclasses need it
+    make_reviews = load_script(
+        ROOT / "data" / "make_reviews.py", monkeypatch=monkeypatch
+    )  # dataclasses need it
     if not make_reviews.DEFAULT_SOURCE.is_dir():
         pytest.skip(f"source data not found at {make_reviews.DEFAULT_SOURCE}")
     counts = make_reviews.build(make_reviews.DEFAULT_SOURCE, tmp_path)

@@ -52,6 +52,8 @@ TASKS_YAML = TASKS_DIR / "tasks.yaml"
 RECIPES = ROOT / "recipes"
 GYM_RECIPES = sorted(p.name for p in RECIPES.iterdir() if p.is_dir() and p.name.startswith("gym-"))
 CHAIN = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1)
+
+
 def read(path: Path) -> list[dict]:
     with path.open(encoding="utf-8") as f:
         return [json.loads(line) for line in f]
@@ -66,8 +68,15 @@ def chain_folder(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def letters_folder(tmp_path_factory) -> Path:
-    task = Task(name="letters", dataset="spell_backward", config={"min_word_len": 3, "max_word_len": 5},
-                seed=1, n_train=20, n_eval=8, extract="line")  # fmt: skip
+    task = Task(
+        name="letters",
+        dataset="spell_backward",
+        config={"min_word_len": 3, "max_word_len": 5},
+        seed=1,
+        n_train=20,
+        n_eval=8,
+        extract="line",
+    )
     return write_task(task, tmp_path_factory.mktemp("tasks"), command="test")
 
 
@@ -127,8 +136,15 @@ def test_avoid_task_skips_the_problems_another_task_trains_on(tmp_path):
         (None, "some"),
         ("rung", 0),
     ):  # seed 40: items 40.. of the sequence the rung trains on
-        task = Task(name=f"w-{avoid}", dataset="basic_arithmetic", config={**CHAIN, **words}, seed=40, n_train=0,
-                    n_eval=20, avoid_task=avoid)  # fmt: skip
+        task = Task(
+            name=f"w-{avoid}",
+            dataset="basic_arithmetic",
+            config={**CHAIN, **words},
+            seed=40,
+            n_train=0,
+            n_eval=20,
+            avoid_task=avoid,
+        )
         asked = {
             r["metadata"]["expression"]
             for r in read(write_task(task, tmp_path, command="t") / "eval_prompts.jsonl")
@@ -152,8 +168,12 @@ def test_the_folder_holds_chat_prompts_and_provenance(chain_folder):
     # the installed distribution's version (reasoning_gym.__version__ says 0.1.19 in the 0.1.25 wheel)
     assert info["reasoning_gym_version"] == importlib.metadata.version("reasoning-gym") == "0.1.25"
     assert (info["dataset"], info["config"], info["seed"], info["n_train"], info["n_eval"]) == (
-        "chain_sum", CHAIN, 5, 40, 12,
-    )  # fmt: skip
+        "chain_sum",
+        CHAIN,
+        5,
+        40,
+        12,
+    )
     assert (info["train_rows"], info["eval_rows"]) == (40, 12)
     for name, n in (("train_prompts.jsonl", 40), ("eval_prompts.jsonl", 12)):
         rows = read(chain_folder / name)
@@ -162,8 +182,11 @@ def test_the_folder_holds_chat_prompts_and_provenance(chain_folder):
             (turn,) = row["messages"]
             assert turn == {"role": "user", "content": f"{row['question'].strip()}\n\n{INSTRUCTION}"}
             assert row["metadata"]["source_dataset"] == "chain_sum"
-    again = write_task(Task(name="chain", dataset="chain_sum", config=CHAIN, seed=5, n_train=40, n_eval=12),
-                       chain_folder.parent / "again", command="test")  # fmt: skip
+    again = write_task(
+        Task(name="chain", dataset="chain_sum", config=CHAIN, seed=5, n_train=40, n_eval=12),
+        chain_folder.parent / "again",
+        command="test",
+    )
     for name in ("train_prompts.jsonl", "eval_prompts.jsonl", "task.json", "verifier.py"):
         assert (again / name).read_bytes() == (chain_folder / name).read_bytes(), name
 
@@ -223,8 +246,14 @@ def test_the_verifier_agrees_with_score_answer(chain_folder, letters_folder):
         for row in read(folder / "eval_prompts.jsonl"):
             prompt = smollm2_chat(row["messages"][0]["content"])
             answer = row["answer"]
-            responses = [f"Answer: {answer}", f"Answer: {answer}9", f"The answer is {answer}.",
-                         f"Answer: {answer} {answer}", "", "Answer: zzz"]  # fmt: skip
+            responses = [
+                f"Answer: {answer}",
+                f"Answer: {answer}9",
+                f"The answer is {answer}.",
+                f"Answer: {answer} {answer}",
+                "",
+                "Answer: zzz",
+            ]
             entry = {k: row[k] for k in ("question", "answer", "metadata")}
             expected = [data.score_answer(extract_answer(r, info["extract"]), entry) for r in responses]
             got = reward([prompt] * len(responses), responses)
@@ -275,9 +304,18 @@ def test_the_task_reward_through_the_ppo_path(chain_folder, tmp_path):
     and the step's objective/scores is their mean."""
     model = tiny_chat_model(tmp_path / "chat_llama", TAGGED_CHAT_TEMPLATE, n_positions=256)
     verifier_fn = f"{chain_folder}/verifier.py:reward"
-    cfg = ppo_config(model, None, chain_folder / "train_prompts.jsonl", tmp_path / "ppo", reward_fn=verifier_fn,
-                     accuracy_fn=f"{chain_folder}/verifier.py:accuracy", max_prompt_length=200,
-                     max_new_tokens=16, gold_judge="none", steps=1)  # fmt: skip
+    cfg = ppo_config(
+        model,
+        None,
+        chain_folder / "train_prompts.jsonl",
+        tmp_path / "ppo",
+        reward_fn=verifier_fn,
+        accuracy_fn=f"{chain_folder}/verifier.py:accuracy",
+        max_prompt_length=200,
+        max_new_tokens=16,
+        gold_judge="none",
+        steps=1,
+    )
     trainer = tiny_ppo_trainer(cfg)
     kept = recording_rollouts(trainer)
     verifier = Verifier(chain_folder, binary=False)
@@ -306,8 +344,9 @@ def test_the_task_reward_through_the_ppo_path(chain_folder, tmp_path):
     (rollout,) = kept
     n = len(written[0])
     assert rollout.scores.tolist() == [1.0 if i % 2 == 0 else 0.0 for i in range(n)]
-    prompts, responses = decode_texts(tok, rollout.query, rollout.query_mask, rollout.response,
-                                      rollout.response_mask)  # fmt: skip
+    prompts, responses = decode_texts(
+        tok, rollout.query, rollout.query_mask, rollout.response, rollout.response_mask
+    )
     assert responses == written[0] and verifier(prompts, responses) == rollout.scores.tolist()
     assert metrics["objective/scores"] == pytest.approx(0.5)
 
@@ -399,9 +438,13 @@ def test_the_wording_folders_ask_no_training_problem_of_their_rung():
 
 
 # The task of each gym recipe, and the keys its stage files spelled out themselves before a pipeline named the task
-NAMED_BEFORE = {"gym-chain_sum-t2d1": "chain_sum-t2d1", "gym-chain_sum-t2d2": "chain_sum-t2d2",
-                "gym-chain_sum-t3d1": "chain_sum-t3d1", "gym-leg_counting-a1": "leg_counting-a1",
-                "gym-letter_counting-w2": "letter_counting-w2"}  # fmt: skip
+NAMED_BEFORE = {
+    "gym-chain_sum-t2d1": "chain_sum-t2d1",
+    "gym-chain_sum-t2d2": "chain_sum-t2d2",
+    "gym-chain_sum-t3d1": "chain_sum-t3d1",
+    "gym-leg_counting-a1": "leg_counting-a1",
+    "gym-letter_counting-w2": "letter_counting-w2",
+}
 
 
 @pytest.mark.parametrize("name", sorted(NAMED_BEFORE))
@@ -413,17 +456,21 @@ def test_a_recipes_task_resolves_to_the_files_and_verifier_its_stage_files_named
     cfg = gym_configs(name)
     assert cfg["pipeline"].task == task
     before = {
-        "ppo": {"reward_fn": f"data/tasks/{task}/verifier.py:reward",
-                "prompt_file": f"data/tasks/{task}/train_prompts.jsonl",
-                "eval_prompt_file": f"data/tasks/{task}/eval_prompts.jsonl",
-                "accuracy_fn": f"data/tasks/{task}/verifier.py:accuracy",
-                "output_dir": f"runs/{name}/ppo"},
-        "eval": {"policy_path": f"runs/{name}/ppo",
-                 "reward_fn": f"data/tasks/{task}/verifier.py:reward",
-                 "accuracy_fn": f"data/tasks/{task}/verifier.py:accuracy",
-                 "prompt_file": f"data/tasks/{task}/eval_prompts.jsonl",
-                 "output_dir": f"runs/{name}/eval"},
-    }  # fmt: skip
+        "ppo": {
+            "reward_fn": f"data/tasks/{task}/verifier.py:reward",
+            "prompt_file": f"data/tasks/{task}/train_prompts.jsonl",
+            "eval_prompt_file": f"data/tasks/{task}/eval_prompts.jsonl",
+            "accuracy_fn": f"data/tasks/{task}/verifier.py:accuracy",
+            "output_dir": f"runs/{name}/ppo",
+        },
+        "eval": {
+            "policy_path": f"runs/{name}/ppo",
+            "reward_fn": f"data/tasks/{task}/verifier.py:reward",
+            "accuracy_fn": f"data/tasks/{task}/verifier.py:accuracy",
+            "prompt_file": f"data/tasks/{task}/eval_prompts.jsonl",
+            "output_dir": f"runs/{name}/eval",
+        },
+    }
     for stage, keys in before.items():
         assert {key: getattr(cfg[stage], key) for key in keys} == keys, stage
         assert task_keys(task, stage) == {key: keys[key] for key in TASK_KEYS[stage]}
@@ -446,8 +493,10 @@ def test_a_pipelines_task_is_named_once_and_overrides_win(tmp_path, monkeypatch)
         resolved("--task", "no_such")
     assert resolved("--ppo", '{"prompt_file": "mine.jsonl"}').prompt_file == "mine.jsonl"
     stage_file = tmp_path / "ppo.yaml"
-    stage_file.write_text((RECIPES / "gym" / "ppo.yaml").read_text()
-                          + "prompt_file: data/tasks/chain_sum-t2d1/train_prompts.jsonl\n")  # fmt: skip
+    stage_file.write_text(
+        (RECIPES / "gym" / "ppo.yaml").read_text()
+        + "prompt_file: data/tasks/chain_sum-t2d1/train_prompts.jsonl\n"
+    )
     with pytest.raises(
         ConfigError, match=r"ppo.yaml: prompt_file come from the pipeline's task 'chain_sum-t2d1'"
     ):
@@ -570,11 +619,27 @@ def test_a_gym_recipe_runs_through_the_pipeline_on_a_tiny_chat_llama(tmp_path, m
     monkeypatch.chdir(ROOT)
     model = tiny_chat_model(tmp_path / "tiny_chat_llama", TAGGED_CHAT_TEMPLATE, n_positions=256)
     out = tmp_path / "run"
-    ppo_keys = {"model_name_or_path": str(model), "steps": 2, "rollout_batch_size": 2, "mini_batch_size": 4,
-                "max_prompt_length": 200, "max_new_tokens": 4, "eval_every": 1, "eval_num_prompts": 3}  # fmt: skip
+    ppo_keys = {
+        "model_name_or_path": str(model),
+        "steps": 2,
+        "rollout_batch_size": 2,
+        "mini_batch_size": 4,
+        "max_prompt_length": 200,
+        "max_new_tokens": 4,
+        "eval_every": 1,
+        "eval_num_prompts": 3,
+    }
     eval_keys = {"num_prompts": 3, "max_prompt_length": 200, "max_new_tokens": 4}
-    argv = ["--config", str(RECIPES / "gym-chain_sum-t2d1" / "pipeline.yaml"), "--output_dir", str(out),
-            "--ppo", json.dumps(ppo_keys), "--eval", json.dumps(eval_keys)]  # fmt: skip
+    argv = [
+        "--config",
+        str(RECIPES / "gym-chain_sum-t2d1" / "pipeline.yaml"),
+        "--output_dir",
+        str(out),
+        "--ppo",
+        json.dumps(ppo_keys),
+        "--eval",
+        json.dumps(eval_keys),
+    ]
     pipeline.run(parse_config(pipeline.Config, argv))
     heldout = read(out / "ppo" / "eval_log.jsonl")
     assert [r["step"] for r in heldout] == [0, 1, 2]

@@ -61,11 +61,25 @@ def sft_rm_cards(run: Run) -> list[str]:
     rm_acc = final_value(run, "rm", f"{rm_split}_accuracy")
     rm_base = final_value(run, "rm", "baseline_test_accuracy" if rm_split == "test" else "baseline_accuracy")
     return [
-        *([_card("SFT EOS rate", formatted(sft_eos, ".1%"), "responses that stop")] if planned(run, "sft") else []),
-        *([_card(f"RM {rm_split} accuracy", formatted(rm_acc, ".1%"),
-                 f"bag-of-words baseline {formatted(rm_base, '.1%')}, chance 50%" if rm_base is not None else "chance 50%")]
-          if planned(run, "rm") else []),
-    ]  # fmt: skip
+        *(
+            [_card("SFT EOS rate", formatted(sft_eos, ".1%"), "responses that stop")]
+            if planned(run, "sft")
+            else []
+        ),
+        *(
+            [
+                _card(
+                    f"RM {rm_split} accuracy",
+                    formatted(rm_acc, ".1%"),
+                    f"bag-of-words baseline {formatted(rm_base, '.1%')}, chance 50%"
+                    if rm_base is not None
+                    else "chance 50%",
+                )
+            ]
+            if planned(run, "rm")
+            else []
+        ),
+    ]
 
 
 def ppo_cards(run: Run) -> list[str]:
@@ -84,18 +98,30 @@ def ppo_cards(run: Run) -> list[str]:
     beta = final_value(run, "ppo", ppo_metrics.OBJECTIVE_KL_COEF)
     no_rm = without_reward_model(run)
     return [
-        _card("PPO score" if no_rm else "PPO RM score", f"{formatted(first)} → {formatted(last)}",
-              "first → last step" + ("; the reward function's (no reward model)" if no_rm else "")),
-        _card("PPO KL", formatted(kl), f"target {formatted(target)}, β = {formatted(beta)}" if target is not None else f"fixed β = {formatted(beta)}"),
-    ]  # fmt: skip
+        _card(
+            "PPO score" if no_rm else "PPO RM score",
+            f"{formatted(first)} → {formatted(last)}",
+            "first → last step" + ("; the reward function's (no reward model)" if no_rm else ""),
+        ),
+        _card(
+            "PPO KL",
+            formatted(kl),
+            f"target {formatted(target)}, β = {formatted(beta)}"
+            if target is not None
+            else f"fixed β = {formatted(beta)}",
+        ),
+    ]
 
 
 def gold_card(run: Run) -> str:
     """The gold's win rate against the SFT model, with the reward model's."""
     gold = final_value(run, "eval", metric_names.GOLD_WIN_RATE)
     rm_win = final_value(run, "eval", metric_names.RM_WIN_RATE)
-    return _card("Gold win rate", formatted(gold, ".1%"),
-                 f"vs SFT; RM win rate {formatted(rm_win, '.1%')}" if rm_win is not None else "vs SFT")  # fmt: skip
+    return _card(
+        "Gold win rate",
+        formatted(gold, ".1%"),
+        f"vs SFT; RM win rate {formatted(rm_win, '.1%')}" if rm_win is not None else "vs SFT",
+    )
 
 
 def gold_part_cards(run: Run) -> list[str]:

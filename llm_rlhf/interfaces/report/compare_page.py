@@ -161,12 +161,14 @@ def headline_table(page: Page, runs: list[Run], folder: Path) -> None:
         link = Raw(
             f'<a href="{html.escape(run.path.relative_to(folder).as_posix())}/report.html">{html.escape(run.name)}</a>'
         )
-        rows.append([
-            link,
-            run_estimator(run),
-            *[cells[key][index] for key in heldout],
-            *[column_value(run, stage, key) for stage, key in columns],
-        ])  # fmt: skip
+        rows.append(
+            [
+                link,
+                run_estimator(run),
+                *[cells[key][index] for key in heldout],
+                *[column_value(run, stage, key) for stage, key in columns],
+            ]
+        )
     # the run and estimator cells unbroken (table.runs); a table wider than the page scrolls
     page.add('<div class="wide">', table(header, rows, css_class="runs"), "</div>")
     baselines = sorted({baseline_name(run) for run in runs})  # "SFT baseline" and/or "starting model"
@@ -198,8 +200,12 @@ def compare_curves(page: Page, runs: list[Run]) -> None:
     overlaid."""
     page.add("<h2>PPO curves</h2>")
     if any(r.ppo_history for r in runs):
-        page.figure(plot_compare_ppo(runs), "compare_ppo", "PPO curves of every run",
-                    "One colour per run; dashed lines in the KL panel are each run's KL target.")  # fmt: skip
+        page.figure(
+            plot_compare_ppo(runs),
+            "compare_ppo",
+            "PPO curves of every run",
+            "One colour per run; dashed lines in the KL panel are each run's KL target.",
+        )
     else:
         page.missing("No run has ppo/metrics.jsonl.")
     accuracy = any(accuracy_logged(r.eval_log) for r in runs)

@@ -121,54 +121,91 @@ class EvalRow:
 MEMBERS = metric_names.RM_SCORE_MEMBER + "*"  # stands for every ensemble member's row (`eval_groups`)
 
 EVAL_GROUPS: tuple[tuple[str, tuple[EvalRow, ...]], ...] = (
-    ("Held-out accuracy (a task with a verifier: the fraction of responses it scores correct)", (
-        EvalRow("accuracy, sampled (the run's sampling)", ACCURACY, ACCURACY_STDERR, sample=CORRECT),
-        EvalRow("accuracy, greedy (one response per prompt)", ACCURACY_GREEDY, ACCURACY_GREEDY_STDERR,
-                sample=GREEDY_CORRECT),
-    )),
-    ("Gold judge (stands in for people)", (
-        EvalRow("gold score", GOLD_SCORE_MEAN, GOLD_SCORE_STDERR, GOLD_WIN_RATE, GOLD_SCORE),
-    )),
-    ("Sentiment (the gold's sentiment part: predicted mean human rating)", (
-        EvalRow("sentiment", SENTIMENT_MEAN, SENTIMENT_STDERR, SENTIMENT_WIN_RATE, SENTIMENT),
-    )),
-    ("Fluency (perplexity under the gold's LM; lower reads more fluent)", (
-        EvalRow("fluency perplexity", FLUENCY_PERPLEXITY),
-    )),
-    ("Reward model, ensemble and reward function (the proxy PPO maximised)", (
-        EvalRow("RM score (normalised)", RM_SCORE_MEAN, RM_SCORE_STDERR, RM_WIN_RATE, RM_SCORE),
-        EvalRow("RM member", MEMBERS),
-        EvalRow("RM members' disagreement (std)", RM_DISAGREEMENT_MEAN),
-        EvalRow("reward function", REWARD_FN_MEAN, REWARD_FN_STDERR, REWARD_FN_WIN_RATE, REWARD_FN),
-        EvalRow("combined score (PPO's score)", COMBINED_SCORE_MEAN, COMBINED_SCORE_STDERR,
-                COMBINED_WIN_RATE, COMBINED_SCORE),
-    )),
-    ("KL to the reference (nats / response)", (
-        EvalRow("KL, temperature 1", KL_TO_REF, KL_TO_REF_STDERR, sample=KL_TO_REF),
-        EvalRow("KL at the sampling temperature", KL_TO_REF_AT_TEMPERATURE, KL_TO_REF_AT_TEMPERATURE_STDERR),
-    )),
-    ("Length and EOS", (
-        EvalRow("response length (tokens, EOS included)", RESPONSE_LENGTH_MEAN, sample=LENGTH),
-        EvalRow("EOS rate (responses that stop)", EOS_RATE, sample=EOS),
-    )),
-    ("Diversity (unique / total token n-grams over all responses)", (
-        EvalRow("distinct-1", DISTINCT_1),
-        EvalRow("distinct-2", DISTINCT_2),
-    )),
-    ("Degeneracy (fraction of responses; signs of reward hacking)", (
-        EvalRow("a run of one character (4+)", hacking.CHAR_RUN_RATE),
-        EvalRow("a repeated word 3-gram", hacking.REPEATED_NGRAM_RATE),
-        EvalRow("empty", hacking.EMPTY_RATE),
-    )),
-    ("Collapse (onto one phrase: the reward-hacking alarm's counters, `llm_rlhf.evaluation.hacking`)", (
-        EvalRow("the response to another prompt too (fraction)", metric_names.DUPLICATE_RATE),
-        EvalRow("the most frequent word bigram's share", metric_names.TOP_BIGRAM_SHARE),
-        EvalRow("holding the most shared word bigram (fraction)", metric_names.SHARED_BIGRAM_RATE),
-        EvalRow("word distinct-2", metric_names.WORD_DISTINCT_2),
-        EvalRow("one same response to several prompts (largest fraction)", metric_names.TOP_RESPONSE_SHARE),
-        EvalRow("copies its prompt (fraction)", metric_names.ECHO_RATE),
-    )),
-)  # fmt: skip
+    (
+        "Held-out accuracy (a task with a verifier: the fraction of responses it scores correct)",
+        (
+            EvalRow("accuracy, sampled (the run's sampling)", ACCURACY, ACCURACY_STDERR, sample=CORRECT),
+            EvalRow(
+                "accuracy, greedy (one response per prompt)",
+                ACCURACY_GREEDY,
+                ACCURACY_GREEDY_STDERR,
+                sample=GREEDY_CORRECT,
+            ),
+        ),
+    ),
+    (
+        "Gold judge (stands in for people)",
+        (EvalRow("gold score", GOLD_SCORE_MEAN, GOLD_SCORE_STDERR, GOLD_WIN_RATE, GOLD_SCORE),),
+    ),
+    (
+        "Sentiment (the gold's sentiment part: predicted mean human rating)",
+        (EvalRow("sentiment", SENTIMENT_MEAN, SENTIMENT_STDERR, SENTIMENT_WIN_RATE, SENTIMENT),),
+    ),
+    (
+        "Fluency (perplexity under the gold's LM; lower reads more fluent)",
+        (EvalRow("fluency perplexity", FLUENCY_PERPLEXITY),),
+    ),
+    (
+        "Reward model, ensemble and reward function (the proxy PPO maximised)",
+        (
+            EvalRow("RM score (normalised)", RM_SCORE_MEAN, RM_SCORE_STDERR, RM_WIN_RATE, RM_SCORE),
+            EvalRow("RM member", MEMBERS),
+            EvalRow("RM members' disagreement (std)", RM_DISAGREEMENT_MEAN),
+            EvalRow("reward function", REWARD_FN_MEAN, REWARD_FN_STDERR, REWARD_FN_WIN_RATE, REWARD_FN),
+            EvalRow(
+                "combined score (PPO's score)",
+                COMBINED_SCORE_MEAN,
+                COMBINED_SCORE_STDERR,
+                COMBINED_WIN_RATE,
+                COMBINED_SCORE,
+            ),
+        ),
+    ),
+    (
+        "KL to the reference (nats / response)",
+        (
+            EvalRow("KL, temperature 1", KL_TO_REF, KL_TO_REF_STDERR, sample=KL_TO_REF),
+            EvalRow(
+                "KL at the sampling temperature", KL_TO_REF_AT_TEMPERATURE, KL_TO_REF_AT_TEMPERATURE_STDERR
+            ),
+        ),
+    ),
+    (
+        "Length and EOS",
+        (
+            EvalRow("response length (tokens, EOS included)", RESPONSE_LENGTH_MEAN, sample=LENGTH),
+            EvalRow("EOS rate (responses that stop)", EOS_RATE, sample=EOS),
+        ),
+    ),
+    (
+        "Diversity (unique / total token n-grams over all responses)",
+        (
+            EvalRow("distinct-1", DISTINCT_1),
+            EvalRow("distinct-2", DISTINCT_2),
+        ),
+    ),
+    (
+        "Degeneracy (fraction of responses; signs of reward hacking)",
+        (
+            EvalRow("a run of one character (4+)", hacking.CHAR_RUN_RATE),
+            EvalRow("a repeated word 3-gram", hacking.REPEATED_NGRAM_RATE),
+            EvalRow("empty", hacking.EMPTY_RATE),
+        ),
+    ),
+    (
+        "Collapse (onto one phrase: the reward-hacking alarm's counters, `llm_rlhf.evaluation.hacking`)",
+        (
+            EvalRow("the response to another prompt too (fraction)", metric_names.DUPLICATE_RATE),
+            EvalRow("the most frequent word bigram's share", metric_names.TOP_BIGRAM_SHARE),
+            EvalRow("holding the most shared word bigram (fraction)", metric_names.SHARED_BIGRAM_RATE),
+            EvalRow("word distinct-2", metric_names.WORD_DISTINCT_2),
+            EvalRow(
+                "one same response to several prompts (largest fraction)", metric_names.TOP_RESPONSE_SHARE
+            ),
+            EvalRow("copies its prompt (fraction)", metric_names.ECHO_RATE),
+        ),
+    ),
+)
 
 
 def paired_stderr(samples: list[dict] | None, field_name: str | None) -> float | None:
@@ -209,10 +246,13 @@ def expand(spec: EvalRow, metrics: dict) -> list[EvalRow]:
     ensemble), the KL at the sampling temperature none at temperature 1, any other spec itself."""
     if spec.key == MEMBERS:
         members = sorted(
-            (k.removesuffix("_mean") for k in metrics
-             if k.startswith(metric_names.RM_SCORE_MEMBER) and k.endswith("_mean")),
+            (
+                k.removesuffix("_mean")
+                for k in metrics
+                if k.startswith(metric_names.RM_SCORE_MEMBER) and k.endswith("_mean")
+            ),
             key=lambda k: int(k.rsplit("_", 1)[1]),
-        )  # fmt: skip
+        )
         return [EvalRow(f"RM member {k.rsplit('_', 1)[1]}", f"{k}_mean") for k in members]
     if (
         spec.key == metric_names.KL_TO_REF_AT_TEMPERATURE
@@ -233,12 +273,16 @@ def eval_row(row: EvalRow, metrics: dict, samples: list[dict] | None) -> dict | 
     se = [num(metrics.get(f"{row.stderr}{s}")) if row.stderr else None for s in ("", baseline_of)]
     unpaired = math.hypot(*se) if both and None not in se else None
     return {
-        "label": row.label, "key": row.key, "policy": policy, "baseline": baseline,
+        "label": row.label,
+        "key": row.key,
+        "policy": policy,
+        "baseline": baseline,
         "difference": policy - baseline if both else None,
-        "diff_stderr": paired if paired is not None else unpaired, "paired": paired is not None,
+        "diff_stderr": paired if paired is not None else unpaired,
+        "paired": paired is not None,
         "win": num(metrics.get(row.win)) if row.win else None,
         "win_stderr": num(metrics.get(row.win + metric_names.STDERR)) if row.win else None,
-    }  # fmt: skip
+    }
 
 
 def eval_table(metrics: dict, samples: list[dict] | None) -> str:
@@ -256,9 +300,14 @@ def eval_table(metrics: dict, samples: list[dict] | None) -> str:
                 stderr = stderr.replace("</td>", "†</td>")
             body.append(
                 f'<tr><td>{html.escape(r["label"])}<span class="key">{html.escape(r["key"])}</span></td>'
-                + num_cell(r["policy"]) + num_cell(r["baseline"]) + num_cell(r["difference"], "+.4g") + stderr
-                + num_cell(r["win"], ".1%") + num_cell(r["win_stderr"], ".1%") + "</tr>"
-            )  # fmt: skip
+                + num_cell(r["policy"])
+                + num_cell(r["baseline"])
+                + num_cell(r["difference"], "+.4g")
+                + stderr
+                + num_cell(r["win"], ".1%")
+                + num_cell(r["win_stderr"], ".1%")
+                + "</tr>"
+            )
     return f'<table class="eval">\n<tr>{head}</tr>\n' + "\n".join(body) + "\n</table>"
 
 
@@ -283,16 +332,24 @@ def validity_table(validity: dict) -> str:
             nll = validity.get(f"fluency_nll_{name}_median")
             rows.append([f"prefers {what}", pct(gold), pct(sentiment), nll])
     if num(validity.get("gold_agrees_with_people")) is not None:
-        rows.append([
-            f"agrees with people on {validity.get('pairs', '')} pairs of real sentences",
-            pct(validity.get("gold_agrees_with_people")), pct(validity.get("sentiment_agrees_with_people")), None,
-        ])  # fmt: skip
+        rows.append(
+            [
+                f"agrees with people on {validity.get('pairs', '')} pairs of real sentences",
+                pct(validity.get("gold_agrees_with_people")),
+                pct(validity.get("sentiment_agrees_with_people")),
+                None,
+            ]
+        )
     if not rows:  # another judge's figures: as they are
         return table(["figure", "value"], [[k, v] for k, v in validity.items()])
     where = f"{validity.get('file', 'held-out data')}, {validity.get('sentences', '?')} sentences"
     real = num(validity.get("fluency_nll_real_median"))
-    header = ["the gold …", "gold", "sentiment part alone",
-              "median fluency NLL" + (f" (real sentences {real:.3g})" if real is not None else "")]  # fmt: skip
+    header = [
+        "the gold …",
+        "gold",
+        "sentiment part alone",
+        "median fluency NLL" + (f" (real sentences {real:.3g})" if real is not None else ""),
+    ]
     return (
         f'<p class="meta">The gold\'s validity checks on held-out data ({html.escape(where)}):</p>'
         + table(header, rows, css_class="validity")
@@ -348,9 +405,11 @@ def section_eval(page: Page, run: Run) -> None:
         page.missing(skipped_note(run, "eval", ["eval/metrics.json"]))
     page.add("<h3>Before / after samples</h3>")
     if run.eval_samples:
-        page.add(f'<p class="meta">First {min(SAMPLE_ROWS, len(run.eval_samples))} of {len(run.eval_samples)} '
-                 f"held-out samples: the {baseline_name(run)}'s and the PPO policy's responses to the same prompt, "
-                 "with their scores (every field is in eval/samples.jsonl).</p>")  # fmt: skip
+        page.add(
+            f'<p class="meta">First {min(SAMPLE_ROWS, len(run.eval_samples))} of {len(run.eval_samples)} '
+            f"held-out samples: the {baseline_name(run)}'s and the PPO policy's responses to the same prompt, "
+            "with their scores (every field is in eval/samples.jsonl).</p>"
+        )
         page.add(pair_samples_table(run.eval_samples, baseline=baseline_name(run)))
     else:
         page.missing(skipped_note(run, "eval", ["eval/samples.jsonl"]))

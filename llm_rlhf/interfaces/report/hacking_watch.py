@@ -103,10 +103,20 @@ def final_evaluation(run: Run) -> list[dict]:
         for who in ("policy", "baseline")
     }
     baseline = sides["baseline"]
-    final = _watched("final evaluation", final_value(run, "eval", KL_TO_REF), *sides["policy"],
-                     reference="the SFT baseline's samples", ref=baseline)  # fmt: skip
-    final["baseline"] = _watched(f"{baseline_name(run)} (final evaluation)", final_value(run, "eval", KL_TO_REF + BASELINE),
-                                 *baseline, reference="its own samples", ref=baseline)  # fmt: skip
+    final = _watched(
+        "final evaluation",
+        final_value(run, "eval", KL_TO_REF),
+        *sides["policy"],
+        reference="the SFT baseline's samples",
+        ref=baseline,
+    )
+    final["baseline"] = _watched(
+        f"{baseline_name(run)} (final evaluation)",
+        final_value(run, "eval", KL_TO_REF + BASELINE),
+        *baseline,
+        reference="its own samples",
+        ref=baseline,
+    )
     return [final]
 
 
@@ -123,13 +133,17 @@ def ppo_evaluations(run: Run) -> list[dict]:
     )
     return [
         _watched(
-            f"PPO step {step:g}", kl_at.get(step),
+            f"PPO step {step:g}",
+            kl_at.get(step),
             [{"prompt": r.get(PROMPT), "response": r.get(RESPONSE)} for r in by_step[step]],
-            [num(r.get(PROXY)) for r in by_step[step]], [num(r.get(GOLD_SCORE)) for r in by_step[step]],
-            reference="the step-0 evaluation (the SFT model)", ref=ref, step=step,
+            [num(r.get(PROXY)) for r in by_step[step]],
+            [num(r.get(GOLD_SCORE)) for r in by_step[step]],
+            reference="the step-0 evaluation (the SFT model)",
+            ref=ref,
+            step=step,
         )
         for step in sorted(by_step, reverse=True)
-    ]  # fmt: skip
+    ]
 
 
 def _complete(values: list | None) -> list | None:
@@ -152,12 +166,16 @@ def _watched(
         sample.update(proxy=proxy[i], gold=gold[i], gap=gaps[i] if gaps else None)
     responses = [str(s["response"] or "") for s in samples]
     return {
-        "label": label, "step": step, "kl": kl, "reference": reference, "samples": samples,
+        "label": label,
+        "step": step,
+        "kl": kl,
+        "reference": reference,
+        "samples": samples,
         "proxy_mean": float(np.mean(proxy)) if _complete(proxy) else None,
         "gold_mean": float(np.mean(gold)) if _complete(gold) else None,
         **degeneracy_rates(responses),
         **collapse_rates(responses, prompts=[str(s["prompt"]) for s in samples]),
-    }  # fmt: skip
+    }
 
 
 def largest_gaps(evaluation: dict, k: int = WATCH_TOP) -> list[dict]:
@@ -189,7 +207,7 @@ def watch_table(evaluations: list[dict]) -> str:
                 f"<tr>{num_cell(s['gap'], '+.2f')}{num_cell(s['proxy'], '+.3g')}{num_cell(s['gold'], '+.3g')}"
                 f'<td><span class="prompt-text">{shown_text(s["prompt"])}</span>'
                 f'<span class="response">{shown_text(s["response"])}</span>{_flags(str(s["response"] or ""))}</td></tr>'
-            )  # fmt: skip
+            )
     head = "<tr><th>gap (σ)</th><th>proxy</th><th>gold</th><th>prompt → response</th></tr>"
     return f'<table class="texts watch">\n{head}\n' + "\n".join(body) + "\n</table>"
 
@@ -201,8 +219,17 @@ def counters_table(evaluations: list[dict]) -> str:
     oldest_first = [e for later in reversed(evaluations) for e in (later.get("baseline"), later) if e]
     for ev in oldest_first:  # the SFT baseline's row just before the final evaluation's
         top = largest_gaps(ev, 1)
-        rows.append([ev["label"], ev["kl"], ev["proxy_mean"], ev["gold_mean"], top[0]["gap"] if top else None,
-                     *[pct(ev[k]) for k in DEGENERACY_KEYS], *[pct(ev[k]) for k in COLLAPSE_KEYS]])  # fmt: skip
+        rows.append(
+            [
+                ev["label"],
+                ev["kl"],
+                ev["proxy_mean"],
+                ev["gold_mean"],
+                top[0]["gap"] if top else None,
+                *[pct(ev[k]) for k in DEGENERACY_KEYS],
+                *[pct(ev[k]) for k in COLLAPSE_KEYS],
+            ]
+        )
     header = [
         "evaluation",
         "KL",
@@ -226,8 +253,11 @@ def plot_degeneracy(eval_log: list[dict]):
             x, y = series(eval_log, key, x=x_key)
             if len(x):
                 ax.plot(x, y, "o-", color=nth_color(i), markersize=3, label=name)
-        ax.set(title=f"Degenerate responses against {'step' if x_key == LOG_STEP else 'KL'}", xlabel=xlabel,
-               ylabel="fraction of held-out responses")  # fmt: skip
+        ax.set(
+            title=f"Degenerate responses against {'step' if x_key == LOG_STEP else 'KL'}",
+            xlabel=xlabel,
+            ylabel="fraction of held-out responses",
+        )
         if ax.lines:
             top = max(max(line.get_ydata()) for line in ax.lines)
             ax.set_ylim(0, max(0.05, 1.15 * top))  # fractions: from 0, and a flat 0 stays at the bottom

@@ -35,10 +35,14 @@ TURNS = (
 
 SAMPLE_ROWS = 20  # rows of each sample table
 SCORES_SHOWN = (  # (eval/samples.jsonl field, its name under a response, format)
-    (GOLD_SCORE, "gold", "+.2f"), (SENTIMENT, "sentiment", "+.2f"), (FLUENCY_PERPLEXITY, "perplexity", ".3g"),
-    (RM_SCORE, "RM", "+.2f"), (REWARD_FN, "reward fn", "+.3g"), (COMBINED_SCORE, "PPO score", "+.2f"),
+    (GOLD_SCORE, "gold", "+.2f"),
+    (SENTIMENT, "sentiment", "+.2f"),
+    (FLUENCY_PERPLEXITY, "perplexity", ".3g"),
+    (RM_SCORE, "RM", "+.2f"),
+    (REWARD_FN, "reward fn", "+.3g"),
+    (COMBINED_SCORE, "PPO score", "+.2f"),
     (KL_TO_REF, "KL", ".2f"),
-)  # fmt: skip
+)
 
 
 def sample_value(value: Any) -> float | None:
@@ -109,12 +113,14 @@ def pair_samples_table(rows: list[dict], limit: int = SAMPLE_ROWS, baseline: str
         sample = f' <span class="key">sample {row[SAMPLE]}</span>' if num(row.get(SAMPLE)) else ""
         body.append(f'<tr class="prompt"><td colspan="2">{shown_text(row.get(PROMPT))}{sample}</td></tr>')
         body.append(
-            "<tr>" + "".join(
+            "<tr>"
+            + "".join(
                 f'<td><span class="response">{shown_turns(row.get(side(who, TURNS))) or shown_text(row.get(side(who, RESPONSE)))}</span>{_scores_line(row, who)}'
                 f"{_greedy(row, who)}</td>"
                 for who in ("baseline", "policy")
-            ) + "</tr>"
-        )  # fmt: skip
+            )
+            + "</tr>"
+        )
     return (
         f'<table class="texts pairs">\n<tr><th>{html.escape(baseline[:1].upper() + baseline[1:])}</th><th>PPO policy</th></tr>\n'
         + "\n".join(body)
