@@ -8,7 +8,8 @@ import json
 
 import pytest
 import yaml
-from helpers import ROOT, interrupt_ppo_at, pipeline_argv, ppo_steps, run_pipeline
+from helpers import ROOT, pipeline_argv, ppo_steps, run_pipeline
+from processes import interrupt_ppo_at
 
 from llm_rlhf.core.utils import read_json
 

@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, SENTENCES, flags, launch, logged, ppo_cli_args, preference_rows, write_jsonl
+from helpers import ROOT, SENTENCES, flags, logged, ppo_cli_args, preference_rows, write_jsonl
+from processes import launch
 
 SCRIPTS = ROOT / "tests" / "scripts"
 

@@ -7,7 +7,8 @@ import math
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, launch, logged, ppo_cli_args
+from helpers import ROOT, logged, ppo_cli_args
+from processes import launch
 
 SCRIPTS = ROOT / "tests" / "scripts"
 

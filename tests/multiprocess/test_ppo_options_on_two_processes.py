@@ -16,12 +16,12 @@ from helpers import (
     SCRIPTS,
     SENTIMENT_JUDGE,
     STOP_STRINGS,
-    launch,
     naive_end,
     ppo_cli_args,
     read_jsonl,
     write_jsonl,
 )
+from processes import launch
 from safetensors.torch import load_file
 
 from llm_rlhf.models.loading import freeze, load_causal_lm, load_tokenizer

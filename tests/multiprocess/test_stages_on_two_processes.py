@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import SCRIPTS, launch, pairs_stage_on_two_processes, pipeline_argv, ppo_steps, read_jsonl
+from helpers import SCRIPTS, pipeline_argv, ppo_steps, read_jsonl
+from processes import launch, pairs_stage_on_two_processes
 
 from llm_rlhf.core.utils import read_json
 from llm_rlhf.models.reward_model import load_reward_model

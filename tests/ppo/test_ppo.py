@@ -9,13 +9,13 @@ import dataclasses
 import json
 import threading
 import typing
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from helpers import (
     SENTENCES,
-    killed_and_resumed,
     one_update,
     perturb,
     ppo_config,
@@ -25,6 +25,7 @@ from helpers import (
     use_fixed_responses,
     write_jsonl,
 )
+from processes import killed_and_resumed
 
 from llm_rlhf.ppo import trainer as ppo_trainer
 from llm_rlhf.ppo.config import Config, batch_sizes
@@ -320,7 +321,7 @@ def test_kill_and_resume_matches_uninterrupted(
                 assert mb[k] == pytest.approx(v, rel=1e-6, abs=1e-7, nan_ok=True), (ma["step"], k)
 
 
-def test_config_dataclass_is_flat(tmp_path):
+def test_config_dataclass_is_flat(tmp_path, monkeypatch):
     """One flat dataclass: every field is a scalar or a list of scalars (no nested config) with its help
     text, and every one is reachable from the command line and from a YAML recipe: each set to a value
     other than its default comes back as given, so any key of a recipe can be overridden by a flag."""
@@ -376,7 +377,7 @@ def test_config_dataclass_is_flat(tmp_path):
         "overlong_penalty": 0.5,
         "dynamic_sampling": False,
         "environment": None,  # episodes: set in the critic-free config below (min_new_tokens 0 there)
-        "task": None,  # a task's files: tests/recipes_and_docs/test_stage_files.py
+        "task": None,  # set in the grouped config below (its files: tests/recipes_and_docs/test_stage_files.py)
     }
     for f in dataclasses.fields(Config):
         value = getattr(default, f.name)
@@ -408,8 +409,10 @@ def test_config_dataclass_is_flat(tmp_path):
         "dynamic_sampling": True,
         "policy_loss": "gspo",
         "environment": None,
+        "task": "chain_sum-t2d1",  # fills nothing here: every key it would fill is set
     }
     grouped["dual_clip"] = None
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])  # the task's folder, relative to the repo root
     for values in (changed, critic_free, grouped):
         recipe = tmp_path / "ppo.yaml"
         recipe.write_text(yaml.safe_dump(values))

@@ -25,7 +25,7 @@ from helpers import (
 from llm_rlhf.core.config import parse_config
 from llm_rlhf.core.utils import read_json
 from llm_rlhf.interfaces import cli, pipeline
-from llm_rlhf.ppo import config as ppo_config
+from llm_rlhf.ppo.config import Config
 from llm_rlhf.stages import compare, dpo, evaluate, reward, sft
 
 RECIPES = ROOT / "recipes"
@@ -33,12 +33,12 @@ HH_FIXTURE = FIXTURES / "hh_rlhf.jsonl"
 CONFIGS = {
     "sft": sft.Config,
     "rm": reward.Config,
-    "ppo": ppo_config.Config,
+    "ppo": Config,
     "eval": evaluate.Config,
     "pipeline": pipeline.Config,
 }
 OPTIONAL = {"dpo": dpo.Config, "compare": compare.Config}  # stage files only some recipes have (reviews)
-VARIANTS = {"dapo": ppo_config.Config}  # a stage's recipe with other keys (smollm2-arithmetic: DAPO's PPO)
+VARIANTS = {"dapo": Config}  # a stage's recipe with other keys (smollm2-arithmetic: DAPO's PPO)
 SHARED = "gym"  # recipes/gym/: the stage files the checkable-task recipes share (tests/recipes_and_docs/test_stage_files.py)
 NAMES = sorted(p.name for p in RECIPES.iterdir() if p.is_dir() and p.name != SHARED)
 YAMLS = sorted(RECIPES.glob("*/*.yaml"))
@@ -82,7 +82,7 @@ def test_the_rule_recipe_evaluates_against_its_starting_model_with_its_verifier(
     alone, and both the eval file and the pipeline compare the policy with that model on the same score."""
     monkeypatch.chdir(ROOT)
     folder = RECIPES / "smollm2-arithmetic"
-    ppo_cfg = parse_config(ppo_config.Config, ["--config", str(folder / "ppo.yaml")])
+    ppo_cfg = parse_config(Config, ["--config", str(folder / "ppo.yaml")])
     eval_cfg = parse_config(evaluate.Config, ["--config", str(folder / "eval.yaml")])
     piped = pipeline.stage_config(
         parse_config(pipeline.Config, ["--config", str(folder / "pipeline.yaml")]), "eval"
@@ -110,7 +110,7 @@ def stage_configs(name: str) -> dict:
     if cfg.task is not None:
         return {stage: pipeline.stage_config(cfg, stage) for stage in ("ppo", "eval")}
     return {
-        "ppo": parse_config(ppo_config.Config, ["--config", str(folder / "ppo.yaml")]),
+        "ppo": parse_config(Config, ["--config", str(folder / "ppo.yaml")]),
         "eval": parse_config(evaluate.Config, ["--config", str(folder / "eval.yaml")]),
     }
 
@@ -399,3 +399,42 @@ def test_the_rule_recipe_runs_through_the_pipeline_on_a_tiny_chat_llama(tmp_path
     for key in ("accuracy", "accuracy_greedy", "accuracy_baseline", "accuracy_greedy_baseline"):
         assert 0.0 <= metrics[key] <= 1.0, key
     assert (out / "report.html").is_file()
+
+
+# --- the DAPO recipe ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_dapo_recipe_runs_on_a_tiny_chat_llama(tmp_path, monkeypatch):
+    """recipes/smollm2-arithmetic/dapo.yaml (grpo with clip-higher 0.2/0.28, dynamic sampling, token-mean,
+    overlong shaping, no KL) on a tiny Llama with a chat template, two steps on the committed arithmetic
+    prompts: it parses through PPO's Config with the DAPO keys and runs."""
+
+    from llm_rlhf.interfaces import cli
+
+    monkeypatch.chdir(ROOT)
+    recipe = ROOT / "recipes" / "smollm2-arithmetic" / "dapo.yaml"
+    cfg = parse_config(Config, ["--config", str(recipe)])
+    assert (cfg.advantage_estimator, cfg.cliprange_low, cfg.cliprange_high) == ("grpo", 0.2, 0.28)
+    assert cfg.dynamic_sampling and cfg.loss_aggregation == "token_mean" and cfg.overlong_buffer > 0
+    model = tiny_chat_model(tmp_path / "tiny_chat_llama", TAGGED_CHAT_TEMPLATE, n_positions=160)
+    out = tmp_path / "dapo"
+    keys = {
+        "model_name_or_path": model,
+        "output_dir": out,
+        "steps": 2,
+        "rollout_batch_size": 2,
+        "mini_batch_size": 4,
+        "max_prompt_length": 128,
+        "max_new_tokens": 4,
+        "overlong_buffer": 2,
+        "eval_every": 0,
+        "save_steps": 0,
+        "log_samples_every": 0,
+    }
+    argv = ["ppo", "--config", str(recipe)] + [a for k, v in keys.items() for a in (f"--{k}", str(v))]
+    assert cli.main(argv) == 0
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2 and all(
+        "sampling/rounds" in m and "objective/overlong_penalty" in m for m in metrics
+    )

@@ -7,7 +7,8 @@ import json
 
 import pytest
 import torch
-from helpers import ROOT, killed_and_resumed, ppo_config, tiny_chat_model, tiny_ppo_trainer
+from helpers import ROOT, ppo_config, tiny_chat_model, tiny_ppo_trainer
+from processes import killed_and_resumed
 
 from llm_rlhf.core.errors import UserError
 from llm_rlhf.models.loading import load_tokenizer

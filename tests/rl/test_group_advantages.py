@@ -12,6 +12,11 @@ import torch
 from helpers import F64, FOUR_DECIMALS, TIGHT, t64
 
 from llm_rlhf.rl.estimators import grpo_advantages, remax_advantages, rloo_advantages
+from llm_rlhf.rl.loss_math import (
+    group_rows,
+    select_groups,
+    tied_groups,
+)
 from llm_rlhf.rl.ppo_math import scores_by_prompt
 
 EXAMPLE_GROUP = [
@@ -215,3 +220,41 @@ def test_remax_subtracts_the_greedy_score_of_the_same_prompt():
 def test_remax_baseline_must_be_one_score_per_prompt():
     with pytest.raises(ValueError, match=r"one greedy score per prompt, shape \(3,\); got shape \(6,\)"):
         remax_advantages(scores=t64(range(6)), baseline_scores=t64(range(6)), samples_per_prompt=2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Dynamic sampling
+# ----------------------------------------------------------------------------------------------
+
+
+def test_tied_groups_finds_groups_whose_scores_all_tie():
+    scores = torch.tensor([1.0, 1, 1, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0.5, 0.5, 0.5, 0.25])
+    assert tied_groups(scores=scores, samples_per_prompt=4).tolist() == [True, False, True, False]
+    naive = [len(set(scores[p * 4 : p * 4 + 4].tolist())) == 1 for p in range(4)]
+    assert tied_groups(scores=scores, samples_per_prompt=4).tolist() == naive
+    with pytest.raises(ValueError, match="does not divide"):
+        tied_groups(scores=scores, samples_per_prompt=3)
+
+
+def naive_select(tied, n):
+    kept = [p for p in range(len(tied)) if not tied[p]][:n]
+    kept += [p for p in range(len(tied)) if tied[p]][: n - len(kept)]
+    return sorted(kept)
+
+
+@pytest.mark.parametrize("num_groups", [1, 2, 3, 4, 5, 6])
+def test_select_groups_takes_untied_groups_first_then_fills_with_tied(num_groups):
+    tied = torch.tensor([False, True, False, True, True, False])
+    selected = select_groups(tied=tied, num_groups=num_groups)
+    assert selected.tolist() == naive_select(tied.tolist(), num_groups)
+    assert select_groups(tied=tied, num_groups=2).tolist() == [0, 2]
+    assert select_groups(tied=tied, num_groups=4).tolist() == [0, 1, 2, 5]
+
+
+def test_select_groups_needs_enough_groups_and_group_rows():
+    with pytest.raises(ValueError, match="at least num_groups = 3"):
+        select_groups(tied=torch.tensor([False, True]), num_groups=3)
+    assert group_rows(groups=torch.tensor([0, 2]), samples_per_prompt=2).tolist() == [0, 1, 4, 5]
+    scores = torch.tensor([0.0, 1, 1, 1, 1, 0, 2, 2])
+    groups = select_groups(tied=tied_groups(scores=scores, samples_per_prompt=2), num_groups=2)
+    assert scores[group_rows(groups=groups, samples_per_prompt=2)].tolist() == [0.0, 1, 1, 0]

@@ -14,13 +14,10 @@ from helpers import F64, TIGHT, t64
 from llm_rlhf.rl.loss_math import (
     LOSS_AGGREGATIONS,
     aggregate_loss,
-    group_rows,
     loss_normaliser,
     mask_truncated,
     overlong_penalty,
     sampler_correction_weights,
-    select_groups,
-    tied_groups,
 )
 from llm_rlhf.rl.policy_losses import ROWS as LOSS_ROWS
 from llm_rlhf.rl.policy_losses import LossInputs, cispo_token_losses, gspo_token_losses, sapo_token_losses
@@ -742,44 +739,6 @@ def test_mask_truncated_drops_whole_responses_from_the_loss():
         token_losses=losses, loss_mask=loss_mask, aggregation="token_mean", normaliser=6
     ).backward()
     assert (logprobs.grad[0] == 0).all() and (logprobs.grad[1:][loss_mask[1:]] != 0).all()
-
-
-# ----------------------------------------------------------------------------------------------
-# Dynamic sampling
-# ----------------------------------------------------------------------------------------------
-
-
-def test_tied_groups_finds_groups_whose_scores_all_tie():
-    scores = torch.tensor([1.0, 1, 1, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0.5, 0.5, 0.5, 0.25])
-    assert tied_groups(scores=scores, samples_per_prompt=4).tolist() == [True, False, True, False]
-    naive = [len(set(scores[p * 4 : p * 4 + 4].tolist())) == 1 for p in range(4)]
-    assert tied_groups(scores=scores, samples_per_prompt=4).tolist() == naive
-    with pytest.raises(ValueError, match="does not divide"):
-        tied_groups(scores=scores, samples_per_prompt=3)
-
-
-def naive_select(tied, n):
-    kept = [p for p in range(len(tied)) if not tied[p]][:n]
-    kept += [p for p in range(len(tied)) if tied[p]][: n - len(kept)]
-    return sorted(kept)
-
-
-@pytest.mark.parametrize("num_groups", [1, 2, 3, 4, 5, 6])
-def test_select_groups_takes_untied_groups_first_then_fills_with_tied(num_groups):
-    tied = torch.tensor([False, True, False, True, True, False])
-    selected = select_groups(tied=tied, num_groups=num_groups)
-    assert selected.tolist() == naive_select(tied.tolist(), num_groups)
-    assert select_groups(tied=tied, num_groups=2).tolist() == [0, 2]
-    assert select_groups(tied=tied, num_groups=4).tolist() == [0, 1, 2, 5]
-
-
-def test_select_groups_needs_enough_groups_and_group_rows():
-    with pytest.raises(ValueError, match="at least num_groups = 3"):
-        select_groups(tied=torch.tensor([False, True]), num_groups=3)
-    assert group_rows(groups=torch.tensor([0, 2]), samples_per_prompt=2).tolist() == [0, 1, 4, 5]
-    scores = torch.tensor([0.0, 1, 1, 1, 1, 0, 2, 2])
-    groups = select_groups(tied=tied_groups(scores=scores, samples_per_prompt=2), num_groups=2)
-    assert scores[group_rows(groups=groups, samples_per_prompt=2)].tolist() == [0.0, 1, 1, 0]
 
 
 @pytest.mark.parametrize("row", LOSS_ROWS, ids=lambda r: r.name)

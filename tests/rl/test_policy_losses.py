@@ -11,12 +11,19 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import F64, REWARD_FNS, names_compared_outside, ppo_cli_args, ppo_config
+from helpers import (
+    F64,
+    REWARD_FNS,
+    names_compared_outside,
+    ppo_cli_args,
+    ppo_config,
+)
 
 from llm_rlhf.core.config import format_help
 from llm_rlhf.core.errors import ConfigError
 from llm_rlhf.ppo.config import Config
 from llm_rlhf.rl import estimators, loss_math, ppo_math
+from llm_rlhf.rl.estimators import names
 from llm_rlhf.rl.policy_losses import CLIP_KEYS, DEFAULT_LOSS, LOSSES, POLICY_LOSSES, ROWS, LossInputs
 
 
@@ -192,3 +199,73 @@ def test_the_note_is_printed_at_the_start_of_the_run(tiny_model_dir, prompt_file
     assert args[:3] == ["-m", "llm_rlhf", "ppo"] and cli.main(args[2:]) == 0
     out = capsys.readouterr().out
     assert "note: loss_aggregation token_mean is not the form of policy_loss gspo's paper" in out
+
+
+# --- config ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("keys", "named"),
+    [
+        (dict(policy_loss="gspo"), "policy_loss"),  # gae: per-token advantages
+        (dict(policy_loss="gspo", advantage_estimator="reinforce_pp"), "policy_loss"),
+        (dict(policy_loss="ppo"), "policy_loss"),
+        (dict(dynamic_sampling=True), "dynamic_sampling"),  # gae: no group baseline
+        (dict(dynamic_sampling=True, advantage_estimator="remax"), "dynamic_sampling"),
+        (dict(dynamic_sampling=True, advantage_estimator="grpo", samples_per_prompt=1), "samples_per_prompt"),
+        (dict(dynamic_sampling_max_rounds=0), "dynamic_sampling_max_rounds"),
+        (dict(sampler_correction="tis", sampler_correction_cap=0.5), "sampler_correction_cap"),
+        (dict(sampler_correction="is"), "sampler_correction"),
+        (dict(dual_clip=1.0), "dual_clip"),
+        (dict(dual_clip=3.0, policy_loss="cispo"), "dual_clip"),
+        (dict(cliprange_low=0.1, policy_loss="cispo"), "cliprange_low"),
+        (dict(cliprange_high=0.0), "cliprange_high"),
+        (dict(overlong_buffer=9), "overlong_buffer"),  # max_new_tokens 8
+        (dict(overlong_buffer=-1), "overlong_buffer"),
+        (dict(overlong_penalty=-1.0), "overlong_penalty"),
+        (dict(loss_aggregation="sum"), "loss_aggregation"),
+    ],
+)
+def test_bad_combinations_are_one_line_config_errors(keys, named):
+    with pytest.raises(ConfigError) as e:
+        ppo_config("m", "rm", "p.jsonl", "out", **keys)
+    assert f"config key '{named}'" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_command_rejects_gspo_with_gae_in_one_line(capsys):
+    from llm_rlhf.interfaces import cli
+
+    assert cli.main(["ppo", "--policy_loss", "gspo", "--advantage_estimator", "gae"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: config key 'policy_loss'") and "\n" not in err
+
+
+def test_help_says_which_estimators_accept_each_option():
+    text = " ".join(format_help(Config).split())
+    assert f"Zheng et al. 2025; {names(r for r in estimators.ROWS if r.response_advantages)} only" in text
+    assert (
+        f"{names(r for r in estimators.ROWS if r.dynamic_sampling)} only, with samples_per_prompt >= 2"
+        in text
+    )
+    for key in (
+        "cliprange_low",
+        "cliprange_high",
+        "dual_clip",
+        "loss_aggregation",
+        "sampler_correction",
+        "sampler_correction_cap",
+        "overlong_buffer",
+        "overlong_penalty",
+        "mask_truncated",
+        "dynamic_sampling_max_rounds",
+    ):
+        assert f"--{key} (" in text, key
+
+
+def test_clip_ranges_resolve_per_policy_loss():
+    cfg = lambda **kw: ppo_config("m", "rm", "p.jsonl", "out", **kw)  # noqa: E731
+    assert (cfg().clip_low, cfg().clip_high, cfg().plain_policy_loss) == (0.2, 0.2, True)
+    assert (cfg(cliprange=0.1).clip_low, cfg(cliprange_high=0.28).clip_high) == (0.1, 0.28)
+    gspo = cfg(policy_loss="gspo", advantage_estimator="grpo", samples_per_prompt=2)
+    assert (gspo.clip_low, gspo.clip_high, gspo.plain_policy_loss) == (3e-4, 4e-4, False)
+    assert cfg(policy_loss="cispo").clip_high == 0.2 and not cfg(mask_truncated=True).plain_policy_loss
