@@ -293,7 +293,8 @@ def build_trainer(cfg: Config, model, tokenizer, train_dataset, eval_dataset):
         remove_unused_columns=False,  # keep `length` for the sampler: the dataset holds nothing else extra
         # `accelerate launch` with several processes on a machine without GPUs: transformers only sets up
         # DDP over gloo when told to use the CPU; otherwise every process would train its own copy.
-        use_cpu=int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available(),
+        # and bf16 autocast on a CPU is refused unless the run is marked as a CPU run
+        use_cpu=(int(os.environ.get("WORLD_SIZE", "1")) > 1 or cfg.bf16) and not torch.cuda.is_available(),
     )
     return RewardTrainer(
         model=model,

@@ -485,3 +485,15 @@ def test_recipe_parses_and_runs_a_few_steps(tmp_path, tiny_model_dir, pref_files
         ],
     )
     assert dpo.run(cfg)["global_step"] == 2
+
+
+def test_bf16_trains_on_a_cpu(tmp_path, tiny_model_dir, pref_files):
+    """bf16 autocast runs on a machine without a GPU (transformers refuses bf16 there unless the run is marked
+    as a CPU run): the Trainer autocasts in bfloat16 and the stage finishes."""
+    if torch.cuda.is_available():
+        pytest.skip("a CPU-only case: with CUDA the Trainer's device is the GPU")
+    cfg = tiny_config(tiny_model_dir, pref_files, tmp_path / "dpo", bf16=True, max_steps=2)
+    _, trainer = trainer_for(cfg)
+    assert trainer.args.bf16 and trainer.args.use_cpu and trainer.args.device.type == "cpu"
+    metrics = dpo.run(cfg)
+    assert metrics["global_step"] == 2

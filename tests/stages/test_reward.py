@@ -532,3 +532,19 @@ def test_config_rules():
 def test_loading_a_causal_lm_folder_as_reward_model_is_refused(tiny_model_dir):
     with pytest.raises(UserError, match="no trained score head"):
         load_reward_model(tiny_model_dir)
+
+
+def test_bf16_trains_on_a_cpu(tmp_path, tiny_model_dir, pref_files):
+    """bf16 autocast runs on a machine without a GPU (transformers refuses bf16 there unless the run is marked
+    as a CPU run): the Trainer autocasts in bfloat16 and the stage finishes."""
+    if torch.cuda.is_available():
+        pytest.skip("a CPU-only case: with CUDA the Trainer's device is the GPU")
+    cfg = tiny_config(tiny_model_dir, pref_files, tmp_path / "rm", bf16=True, max_steps=2)
+    from llm_rlhf.stages.reward import _tokenize
+
+    inputs = load_inputs(cfg)
+    train, _ = _tokenize(inputs.train, inputs.tokenizer, cfg.max_length)
+    trainer = build_trainer(cfg, inputs.model, inputs.tokenizer, train, None)
+    assert trainer.args.bf16 and trainer.args.use_cpu and trainer.args.device.type == "cpu"
+    metrics = run(cfg)
+    assert metrics["global_step"] == 2 and math.isfinite(metrics["eval_accuracy"])
