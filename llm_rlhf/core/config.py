@@ -112,8 +112,11 @@ def parse_config(cls: type[C], argv: list[str]) -> C:
         key = key.replace("-", "_")
         if not eq:
             nxt = argv[i + 1] if i + 1 < len(argv) else None
-            is_bool = key in fields and bool in _base_types(hints[key])
-            if nxt is None or nxt.startswith("--") or (is_bool and nxt.lower() not in ("true", "false")):
+            kinds = _base_types(hints[key]) if key in fields else ()
+            is_bool = bool in kinds
+            # a bool-only key takes a following true/false; a bool-or-string key (bf16: auto) any value
+            bare = is_bool and str not in kinds and nxt is not None and nxt.lower() not in ("true", "false")
+            if nxt is None or nxt.startswith("--") or bare:
                 if not is_bool and key != "config":
                     raise ConfigError(f"command line: '--{key}' needs a value")
                 value = "true"

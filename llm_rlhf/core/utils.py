@@ -26,6 +26,41 @@ def seed_everything(seed: int, process_index: int = 0) -> int:
     return s
 
 
+BF16_CHOICES = (True, False, "auto")
+
+
+def native_bf16() -> tuple[bool, str]:
+    """Whether bfloat16 matmuls run natively where this process computes, and why (a phrase for the logs).
+
+    A GPU: `torch.cuda.is_bf16_supported()` (Ampere and later). A CPU: the AMX-BF16 or AVX512-BF16
+    instructions that oneDNN's bf16 kernels use; without them (AVX2 only) bf16 is emulated and slower than
+    float32, and its rounding differs from the native kernels'."""
+    import torch
+
+    if torch.cuda.is_available():
+        ok = torch.cuda.is_bf16_supported()
+        return ok, f"the GPU {'computes' if ok else 'does not compute'} bf16 natively"
+    cpu = getattr(torch, "cpu", None)
+    if getattr(cpu, "_is_amx_tile_supported", lambda: False)():
+        return True, "the CPU has AMX"
+    if getattr(cpu, "_is_avx512_bf16_supported", lambda: False)():
+        return True, "the CPU has AVX512-BF16"
+    return False, "the CPU has neither AMX nor AVX512-BF16 (bf16 would be emulated)"
+
+
+def resolve_bf16(value: bool | str, key: str = "bf16") -> tuple[bool, str]:
+    """A config's `bf16` key (true, false or "auto") as the bool a run uses, and the phrase it logs: "auto" is
+    bf16 exactly where `native_bf16` says the hardware computes it; true and false are taken as they are."""
+    if value not in BF16_CHOICES:
+        from llm_rlhf.core.errors import ConfigError
+
+        raise ConfigError(f"config key '{key}': {value!r} must be true, false or auto")
+    if value == "auto":
+        on, why = native_bf16()
+        return on, f"bf16 autocast {'on' if on else 'off'} ({key}: auto; {why})"
+    return bool(value), f"bf16 autocast {'on' if value else 'off'} ({key}: {str(value).lower()})"
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
     """Write to a temporary file in the same folder, fsync, then rename over `path`."""
     path = Path(path)

@@ -30,6 +30,7 @@ from llm_rlhf.models.loading import (
     tokenizer_or_load,
     use_fused_gelu,
 )
+from llm_rlhf.models.lora import lora_placement
 from llm_rlhf.models.reward_fn import RewardFn, decode_texts, load_reward_fn, probe
 from llm_rlhf.models.reward_model import (
     check_members_exist,
@@ -69,7 +70,7 @@ def build_models(cfg: Config, *, policy=None, reward_model=None) -> PPOModels:
             r=cfg.lora_r,
             lora_alpha=cfg.lora_alpha,
             lora_dropout=cfg.lora_dropout,
-            target_modules=cfg.lora_target_modules,
+            **lora_placement(lm, cfg.lora_target_modules, cfg.lora_layers),
             task_type="CAUSAL_LM",
         )
         lm = get_peft_model(lm, lora)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from llm_rlhf.core.callables import split_callable_spec
 from llm_rlhf.core.config import checked_keywords, help_field, is_off, require
 from llm_rlhf.core.data import DATA_FORMATS
+from llm_rlhf.core.utils import resolve_bf16
 from llm_rlhf.evaluation import hacking
 from llm_rlhf.evaluation.sampling_keys import SamplingRunKeys, fill_from_task
 from llm_rlhf.models.scoring import check_score_keys
@@ -71,7 +72,11 @@ class Config(SamplingRunKeys):
         "Prompts to sample responses for (JSONL/CSV/Parquet or a hub dataset).",
     )
     output_dir: str = help_field("runs/reviews/ppo", "Where the policy, value head, logs and checkpoints go.")
-    bf16: bool = help_field(False, "bf16 autocast for forward passes (CPU and GPU).")
+    bf16: bool | str = help_field(
+        False,
+        "bf16 autocast for the forward passes: true, false, or auto (on where the hardware computes bf16 "
+        "natively: a GPU from Ampere on, a CPU with AMX or AVX512-BF16; logged).",
+    )
     gradient_checkpointing: bool = help_field(
         False, "Recompute activations in the backward pass to save memory."
     )
@@ -238,6 +243,11 @@ class Config(SamplingRunKeys):
     lora_target_modules: list[str] | None = help_field(
         None, "Modules to adapt (null = peft's default for the architecture)."
     )
+    lora_layers: int | None = help_field(
+        None,
+        "Adapters only in the last N transformer blocks (peft's layers_to_transform): the update's backward "
+        "pass stops below them; null = every block.",
+    )
     merge_lora: bool = help_field(
         True, "With LoRA: save the merged policy as a plain HF folder (the adapter is kept in adapter/)."
     )
@@ -287,6 +297,8 @@ class Config(SamplingRunKeys):
     )
 
     def __post_init__(self):
+        self.bf16, self.precision = resolve_bf16(self.bf16)
+        require(self.lora_layers is None or self.lora_layers >= 1, "lora_layers", "must be >= 1 (or null)")
         fill_from_task(self, "ppo")
         require(self.data_format in DATA_FORMATS, "data_format", f"must be one of {', '.join(DATA_FORMATS)}")
         check_reward_keys(self)

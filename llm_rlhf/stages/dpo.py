@@ -60,12 +60,14 @@ from llm_rlhf.training.hf_stage import (
     TrainerStageConfig,
     check_reload,
     final_eval,
+    first_rows,
     log_callback,
     start_outputs,
     trainer_checkpoint,
     training_metrics,
     whole_model,
 )
+from llm_rlhf.training.length_groups import MixedLengthBatches
 
 LOSS_TYPES = ("sigmoid", "hinge", "ipo")  # TRL's losses that need nothing but beta
 # TRL's evaluation metrics that go to metrics.json (each the mean over the eval batches of a per-batch mean)
@@ -192,6 +194,7 @@ def load_inputs(cfg: Config) -> Inputs:
     rules = {"max_length": cfg.max_length, "data_format": cfg.data_format, "skip_long": cfg.skip_long}
     train = load_preference_dataset(cfg.train_file, tokenizer, split=cfg.train_split, **rules)
     val = load_preference_dataset(cfg.eval_file, tokenizer, split=cfg.eval_split, **rules)
+    val = first_rows(val, cfg.max_eval_samples)
     train_fitting, dropped = fitting_pairs(train, tokenizer, cfg.max_length)
     eval_fitting, eval_dropped = fitting_pairs(val, tokenizer, cfg.max_length)
     for key, dataset in (("train_file", train_fitting), ("eval_file", eval_fitting)):
@@ -234,11 +237,16 @@ def fitting_pairs(pairs, tokenizer, max_length: int) -> tuple[Dataset, int]:
 
 def lora_config(cfg: Config, model) -> LoraConfig:
     return LoraConfig(
-        **cfg.lora_arguments(),
+        **cfg.lora_arguments(model),
         # GPT-2 stores its linear layers transposed (Conv1D); peft would flip this itself, with a warning
         fan_in_fan_out=any(isinstance(m, Conv1D) for m in model.modules()),
         task_type="CAUSAL_LM",
     )
+
+
+class MixedDPOTrainer(MixedLengthBatches, DPOTrainer):
+    """TRL's DPOTrainer, its length-grouped batches in random order (`llm_rlhf.training.length_groups`): the
+    logged loss shows learning, not the batches' lengths."""
 
 
 def build_trainer(cfg: Config, model, ref_model, tokenizer, train_dataset, eval_dataset) -> DPOTrainer:
@@ -258,7 +266,7 @@ def build_trainer(cfg: Config, model, ref_model, tokenizer, train_dataset, eval_
         # and bf16 autocast on a CPU is refused unless the run is marked as a CPU run
         use_cpu=(int(os.environ.get("WORLD_SIZE", "1")) > 1 or cfg.bf16) and not torch.cuda.is_available(),
     )
-    return DPOTrainer(
+    return MixedDPOTrainer(
         model=model,
         ref_model=ref_model,
         args=args,

@@ -128,6 +128,7 @@ def start(cfg: Config, trainer: PPOTrainer, inputs: RunInputs, out: Path, resume
     if accelerator.is_main_process:
         print(format_config(cfg))
         print("batch sizes:", dataclasses.asdict(trainer.sizes))
+        print(f"precision: {cfg.precision}", flush=True)
         for note in cfg.notes:  # allowed choices that depart from the papers (`Config.notes`)
             print(f"note: {note}", flush=True)
         out.mkdir(parents=True, exist_ok=True)

@@ -50,12 +50,14 @@ from llm_rlhf.training.hf_stage import (
     SCHEDULERS,
     TrainerStageConfig,
     check_reload,
+    first_rows,
     log_callback,
     start_outputs,
     trainer_checkpoint,
     training_metrics,
     whole_model,
 )
+from llm_rlhf.training.length_groups import MixedLengthBatches
 
 
 @checked_keywords
@@ -251,6 +253,7 @@ def load_inputs(
     rules = {"max_length": cfg.max_length, "data_format": cfg.data_format, "skip_long": cfg.skip_long}
     train = load(train_data or cfg.train_file, tokenizer, split=cfg.train_split, **rules)
     val = load(eval_data or cfg.eval_file, tokenizer, split=cfg.eval_split, **rules)
+    val = first_rows(val, cfg.max_eval_samples)
     test_source = test_data or cfg.test_file
     test = load(test_source, tokenizer, split=cfg.eval_split, **rules) if test_source else None
     margins = _margins(cfg, len(train), train_data) if cfg.margin > 0 else None
@@ -273,12 +276,17 @@ def load_inputs(
 # ---------------------------------------------------------------------------------------------------
 
 
-def lora_config(cfg: Config) -> LoraConfig:
+def lora_config(cfg: Config, model) -> LoraConfig:
     return LoraConfig(
-        **cfg.lora_arguments(),
+        **cfg.lora_arguments(model),
         modules_to_save=["score"],  # the head is trained in full and saved with the adapter
         task_type="SEQ_CLS",
     )
+
+
+class MixedRewardTrainer(MixedLengthBatches, RewardTrainer):
+    """TRL's RewardTrainer, its length-grouped batches in random order (`llm_rlhf.training.length_groups`): the
+    logged loss shows learning, not the batches' lengths."""
 
 
 def build_trainer(cfg: Config, model, tokenizer, train_dataset, eval_dataset):
@@ -296,13 +304,13 @@ def build_trainer(cfg: Config, model, tokenizer, train_dataset, eval_dataset):
         # and bf16 autocast on a CPU is refused unless the run is marked as a CPU run
         use_cpu=(int(os.environ.get("WORLD_SIZE", "1")) > 1 or cfg.bf16) and not torch.cuda.is_available(),
     )
-    return RewardTrainer(
+    return MixedRewardTrainer(
         model=model,
         args=args,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
         processing_class=tokenizer,
-        peft_config=lora_config(cfg) if cfg.use_lora else None,
+        peft_config=lora_config(cfg, model) if cfg.use_lora else None,
         callbacks=[log_callback(output_dir / "log.jsonl")],
     )
 
@@ -362,7 +370,14 @@ def _full_texts(pairs) -> tuple[list[str], list[str]]:
 
 def normalize_and_evaluate(cfg: Config, reward_model: RewardModel, inputs: Inputs) -> dict[str, float]:
     """Store the normalisation on `reward_model` (mean/std of its raw scores on the reference set), then
-    held-out accuracy and margin on eval (and test) pairs, with the bag-of-words baseline beside them."""
+    held-out accuracy and margin on eval (and test) pairs, with the bag-of-words baseline beside them.
+    Under `bf16` the scores are computed under bf16 autocast, as PPO computes them with its own `bf16`."""
+    device = next(reward_model.parameters()).device.type
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=cfg.bf16):
+        return _normalize_and_evaluate(cfg, reward_model, inputs)
+
+
+def _normalize_and_evaluate(cfg: Config, reward_model: RewardModel, inputs: Inputs) -> dict[str, float]:
     bs = cfg.score_batch_size
     prompts, responses = reference_texts(inputs.train, max_samples=cfg.normalization_samples, seed=cfg.seed)
     raw = score_pairs(

@@ -38,12 +38,14 @@ from llm_rlhf.rl.rollout import Sampling, encode_prompt, left_pad, sample
 from llm_rlhf.training.hf_stage import (
     TrainerStageConfig,
     final_eval,
+    first_rows,
     log_callback,
     start_outputs,
     trainer_checkpoint,
     training_metrics,
     whole_model,
 )
+from llm_rlhf.training.length_groups import MixedLengthBatches
 
 SAMPLE_BATCH_SIZE = 32  # generation batch for the eos_rate samples (larger batches were slower on CPU)
 
@@ -103,6 +105,7 @@ def load_inputs(cfg: Config, *, model=None, tokenizer=None, train_data=None, eva
     rules = {"max_length": cfg.max_length, "data_format": cfg.data_format, "skip_long": cfg.skip_long}
     train = load_sft_dataset(train_data or cfg.train_file, tokenizer, split=cfg.train_split, **rules)
     val = load_sft_dataset(eval_data or cfg.eval_file, tokenizer, split=cfg.eval_split, **rules)
+    val = first_rows(val, cfg.max_eval_samples)
     if model is None:
         model = load_causal_lm(
             cfg.model_name_or_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code
@@ -117,7 +120,7 @@ def load_inputs(cfg: Config, *, model=None, tokenizer=None, train_data=None, eva
 
 def lora_config(cfg: Config, model) -> LoraConfig:
     return LoraConfig(
-        **cfg.lora_arguments(),
+        **cfg.lora_arguments(model),
         # GPT-2 stores its linear layers transposed (Conv1D); peft would flip this itself, with a warning
         fan_in_fan_out=any(isinstance(m, Conv1D) for m in model.modules()),
         task_type="CAUSAL_LM",
@@ -137,9 +140,14 @@ def training_args(cfg: Config) -> SFTConfig:
     )
 
 
+class MixedSFTTrainer(MixedLengthBatches, SFTTrainer):
+    """TRL's SFTTrainer, its length-grouped batches in random order (`llm_rlhf.training.length_groups`): the
+    logged loss shows learning, not the batches' lengths."""
+
+
 def build_trainer(cfg: Config, model, tokenizer, train_dataset, eval_dataset, args=None):
     """TRL's SFTTrainer on prompt/completion rows: completion-only loss, EOS appended by TRL."""
-    return SFTTrainer(
+    return MixedSFTTrainer(
         model=model,
         args=args if args is not None else training_args(cfg),
         train_dataset=train_dataset,

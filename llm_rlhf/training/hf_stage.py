@@ -26,9 +26,10 @@ from transformers import TrainerCallback
 from llm_rlhf.core.config import format_config, help_field, require, save_config
 from llm_rlhf.core.data import DATA_FORMATS
 from llm_rlhf.core.errors import ConfigError, UserError
-from llm_rlhf.core.utils import append_jsonl, last_checkpoint
+from llm_rlhf.core.utils import append_jsonl, last_checkpoint, resolve_bf16
 from llm_rlhf.models.accelerated import loading_whole_models
 from llm_rlhf.models.loading import check_local_folder
+from llm_rlhf.models.lora import lora_placement
 
 SCHEDULERS = (
     "linear",
@@ -58,6 +59,11 @@ class TrainerStageConfig:
     )
     train_split: str = help_field("train", "Split of train_file when it is a hub dataset.")
     eval_split: str = help_field("test", "Split of eval_file when it is a hub dataset.")
+    max_eval_samples: int | None = help_field(
+        None,
+        "Evaluate on the first N rows of eval_file only (file order; null = every row): each held-out row "
+        "costs a forward at every evaluation.",
+    )
     data_format: str = help_field(
         "auto", "Schema of the data files: 'auto' (detected from the columns) or 'hh' (Anthropic/hh-rlhf)."
     )
@@ -85,7 +91,11 @@ class TrainerStageConfig:
     max_grad_norm: float = help_field(1.0, "Gradient clipping (global L2 norm).")
     seed: int = help_field(42, "Seed for python, numpy, torch, data order and LoRA init.")
     dtype: str = help_field("float32", "Weights dtype: float32, bfloat16 or float16.")
-    bf16: bool = help_field(False, "bfloat16 autocast (mixed precision) during training.")
+    bf16: bool | str = help_field(
+        False,
+        "bfloat16 autocast (mixed precision) during training: true, false, or auto (on where the hardware "
+        "computes bf16 natively: a GPU from Ampere on, a CPU with AMX or AVX512-BF16; logged).",
+    )
     gradient_checkpointing: bool = help_field(
         False, "Recompute activations in the backward pass to save memory."
     )
@@ -100,6 +110,11 @@ class TrainerStageConfig:
     lora_target_modules: list[str] = help_field(
         ["all-linear"],
         "Modules that get adapters ('all-linear' = every linear/Conv1D layer but the LM head).",
+    )
+    lora_layers: int | None = help_field(
+        None,
+        "Adapters only in the last N transformer blocks (peft's layers_to_transform): the backward pass "
+        "stops below them, so a step costs less; null = every block.",
     )
     merge_lora: bool = help_field(
         True,
@@ -116,6 +131,7 @@ class TrainerStageConfig:
     report_to: str = help_field("none", "Also send metrics to: none, tensorboard or wandb.")
 
     def __post_init__(self):
+        self.bf16, self.precision = resolve_bf16(self.bf16)
         require(self.max_length >= 4, "max_length", "must be at least 4 tokens")
         require(self.data_format in DATA_FORMATS, "data_format", f"must be one of {', '.join(DATA_FORMATS)}")
         require(self.learning_rate > 0, "learning_rate", "must be > 0")
@@ -148,6 +164,12 @@ class TrainerStageConfig:
         require(self.report_to in REPORT_TO, "report_to", f"must be one of {', '.join(REPORT_TO)}")
         require(0 <= self.lora_dropout < 1, "lora_dropout", "must be in [0, 1)")
         require(len(self.lora_target_modules) > 0, "lora_target_modules", "needs at least one module name")
+        require(self.lora_layers is None or self.lora_layers >= 1, "lora_layers", "must be >= 1 (or null)")
+        require(
+            self.max_eval_samples is None or self.max_eval_samples >= 1,
+            "max_eval_samples",
+            "must be >= 1 (or null)",
+        )
 
     # --- checks before anything is loaded or written ---------------------------------------------
 
@@ -211,15 +233,19 @@ class TrainerStageConfig:
             trust_remote_code=self.trust_remote_code,
         )
 
-    def lora_arguments(self) -> dict[str, Any]:
-        """peft's LoraConfig arguments both stages set the same way."""
-        targets = self.lora_target_modules
+    def lora_arguments(self, model) -> dict[str, Any]:
+        """peft's LoraConfig arguments the stages set the same way (`model`: where the adapters go)."""
         return dict(
             r=self.lora_r,
             lora_alpha=self.lora_alpha,
             lora_dropout=self.lora_dropout,
-            target_modules="all-linear" if targets == ["all-linear"] else list(targets),
+            **lora_placement(model, list(self.lora_target_modules), self.lora_layers),
         )
+
+
+def first_rows(dataset, n: int | None):
+    """The first n rows of a datasets.Dataset (all of them when n is None or not smaller)."""
+    return dataset if n is None or n >= len(dataset) else dataset.select(range(n))
 
 
 def trainer_checkpoint(output_dir: str | Path) -> str | None:
@@ -252,6 +278,7 @@ def start_outputs(cfg, output_dir: Path) -> None:
     """The first writes of a stage (main process), once every input is valid: print and save the resolved
     config, and remove an earlier metrics.json: a rerun is not done until it writes it again."""
     print(format_config(cfg), flush=True)
+    print(f"precision: {cfg.precision}", flush=True)
     save_config(cfg, output_dir)
     (output_dir / "metrics.json").unlink(missing_ok=True)
 

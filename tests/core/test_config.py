@@ -123,3 +123,30 @@ def test_cli_unknown_key_exits_2_with_one_line(capsys, tmp_path):
     err = capsys.readouterr().err
     assert err == "error: command line: unknown key 'lerning_rate'; did you mean 'learning_rate'?\n"
     assert not (tmp_path / "out").exists()
+
+
+def test_bf16_auto_follows_the_hardware_and_is_logged(monkeypatch):
+    """`bf16: auto` is bf16 where the CPU has AMX or AVX512-BF16 and float32 where bf16 would be emulated; the
+    phrase the stages print says which and why. true/false are taken as they are; anything else names the key."""
+    import torch
+
+    from llm_rlhf.core.errors import ConfigError
+    from llm_rlhf.core.utils import resolve_bf16
+    from llm_rlhf.ppo.config import Config as PPOConfig
+    from llm_rlhf.stages import sft
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for amx, avx512_bf16, expected in ((False, False, False), (False, True, True), (True, False, True)):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v)
+        on, why = resolve_bf16("auto")
+        assert on is expected and why.startswith(f"bf16 autocast {'on' if expected else 'off'} (bf16: auto;")
+        assert ("emulated" in why) is (not expected)
+        cfg = parse_config(sft.Config, ["--bf16", "auto"])
+        assert cfg.bf16 is expected and cfg.precision == why
+        assert PPOConfig(bf16="auto").bf16 is expected
+    assert parse_config(sft.Config, ["--bf16"]).bf16 is True  # a bare flag is still true
+    assert parse_config(sft.Config, ["--bf16", "false", "--max_steps", "3"]).bf16 is False
+    assert resolve_bf16(True) == (True, "bf16 autocast on (bf16: true)")
+    with pytest.raises(ConfigError, match="'bf16': 'fast' must be true, false or auto"):
+        parse_config(sft.Config, ["--bf16", "fast"])

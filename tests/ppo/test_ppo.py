@@ -63,14 +63,23 @@ def test_config_rejects_inconsistent_batch_sizes():
 
 
 @pytest.mark.parametrize(
-    "use_lora, mixed_precision", [(False, "no"), (True, "no"), (False, "bf16"), (True, "bf16")]
+    "use_lora, mixed_precision, extra",
+    [
+        (False, "no", {}),
+        (True, "no", {}),
+        (False, "bf16", {}),
+        (True, "bf16", {}),
+        (False, "no", {"bf16": True}),
+        (True, "no", {"bf16": True, "lora_layers": 1}),
+    ],
 )
 def test_first_step_kl_zero_and_ratio_one(
-    tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, use_lora, mixed_precision
+    tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, use_lora, mixed_precision, extra
 ):
     """mixed_precision bf16 (the sharded accelerate configs): `prepare` runs the policy under autocast,
-    so the reference and the RM must run under it too."""
-    cfg = ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, use_lora=use_lora)
+    so the reference and the RM must run under it too. The config's own bf16 autocast (what `bf16: auto`
+    turns on for a CPU with AVX512-BF16), with adapters in the last block only: still exact."""
+    cfg = ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, use_lora=use_lora, **extra)
     trainer = tiny_ppo_trainer(cfg, mixed_precision=mixed_precision)
     assert trainer.accelerator.mixed_precision == mixed_precision
     rollout, _ = trainer.rollout(trainer.collector.queries(trainer.step))
@@ -236,14 +245,29 @@ def test_response_logprobs_sum_to_the_models_own_lm_loss(tiny_model_dir, tiny_rm
             assert torch.all(logprobs[i][~rmask[i]] == 0)
 
 
-@pytest.mark.parametrize("use_lora", [False, True])
-def test_every_trainable_parameter_changes(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, use_lora):
-    cfg = ppo_config(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, use_lora=use_lora, steps=2)
+@pytest.mark.parametrize("use_lora, lora_layers", [(False, None), (True, None), (True, 1)])
+def test_every_trainable_parameter_changes(
+    tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, use_lora, lora_layers
+):
+    """lora_layers 1: the adapters (peft's default, c_attn for GPT-2) are in the last of the two blocks only."""
+    cfg = ppo_config(
+        tiny_model_dir,
+        tiny_rm_dir,
+        prompt_file,
+        tmp_path,
+        use_lora=use_lora,
+        lora_layers=lora_layers,
+        steps=2,
+    )
     trainer = tiny_ppo_trainer(cfg)
     before = {
         n: p.detach().clone() for n, p in trainer.unwrapped_policy.named_parameters() if p.requires_grad
     }
     assert before
+    adapters = [n for n in before if "lora_" in n]
+    assert len(adapters) == (0 if not use_lora else 4 if lora_layers is None else 2), adapters
+    if lora_layers == 1:
+        assert all(".h.1.attn.c_attn." in n for n in adapters), adapters
     for _ in range(cfg.steps):
         metrics = trainer.ppo_step()
     unchanged = [

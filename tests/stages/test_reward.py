@@ -548,3 +548,33 @@ def test_bf16_trains_on_a_cpu(tmp_path, tiny_model_dir, pref_files):
     assert trainer.args.bf16 and trainer.args.use_cpu and trainer.args.device.type == "cpu"
     metrics = run(cfg)
     assert metrics["global_step"] == 2 and math.isfinite(metrics["eval_accuracy"])
+
+
+def test_lora_layers_puts_the_adapters_in_the_last_blocks(tmp_path, tiny_llama_dir, pref_files):
+    """lora_layers 1 on the 2-block Llama: the Trainer's trainable parameters are block 1's adapters on every
+    linear layer and the score head, and the stage trains and evaluates with them (max_eval_samples 5: the
+    validation figures are those of eval_file's first 5 pairs; the test file is scored in full)."""
+    cfg = tiny_config(
+        tiny_llama_dir,
+        pref_files,
+        tmp_path / "rm",
+        use_lora=True,
+        lora_r=2,
+        lora_layers=1,
+        max_steps=2,
+        max_eval_samples=5,
+    )
+    from llm_rlhf.stages.reward import _tokenize
+
+    inputs = load_inputs(cfg)
+    train, _ = _tokenize(inputs.train, inputs.tokenizer, cfg.max_length)
+    trainer = build_trainer(cfg, inputs.model, inputs.tokenizer, train, None)
+    trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    adapters = [n for n in trainable if "lora_" in n]
+    assert len(adapters) == 2 * 7 and all(".layers.1." in n for n in adapters), adapters
+    assert [n for n in trainable if "lora_" not in n] and all(
+        "score" in n for n in trainable if "lora_" not in n
+    )
+    metrics = run(cfg)
+    assert metrics["global_step"] == 2 and math.isfinite(metrics["test_accuracy"])
+    assert metrics["eval_pairs"] == 5 and metrics["test_pairs"] == len(pref_files[1].read_text().splitlines())

@@ -282,3 +282,28 @@ def test_resume_without_a_checkpoint_is_a_user_error(tmp_path, tiny_model_dir, s
         == f"error: --resume: no checkpoint in '{out / 'checkpoints'}' to continue from\n"
     )
     assert not out.exists()
+
+
+def test_lora_layers_trains_the_last_blocks_only(tmp_path, tiny_model_dir, sft_files):
+    """lora_layers 1 on the 2-block GPT-2: the merged model differs from the base in block 1's linear layers
+    only, each of them changed (all-linear is spelled out for peft, which takes no layer list with it)."""
+    lora = ["--use_lora", "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0", "--num_samples", "0"]
+    out = tmp_path / "run"
+    sft.run(tiny_config(tiny_model_dir, sft_files, out, *lora, "--lora_layers", "1"))
+    before, after = weights(tiny_model_dir), weights(out)
+    changed = sorted(name for name in before if not torch.equal(before[name], after[name]))
+    linear = sorted(
+        f"transformer.h.1.{m}.weight" for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    )
+    assert changed == linear
+
+
+def test_max_eval_samples_evaluates_on_the_first_rows(tmp_path, tiny_model_dir, sft_files):
+    """max_eval_samples 3: the eval loss is that of eval_file's first 3 rows, as a file of those rows alone gives."""
+    first3 = tmp_path / "first3.jsonl"
+    first3.write_text("".join(sft_files[1].read_text().splitlines(keepends=True)[:3]))
+    common = ["--max_steps", "2", "--num_samples", "0", "--save_steps", "100"]
+    cut = sft.run(tiny_config(tiny_model_dir, sft_files, tmp_path / "a", *common, "--max_eval_samples", "3"))
+    alone = sft.run(tiny_config(tiny_model_dir, (sft_files[0], first3), tmp_path / "b", *common))
+    assert cut["eval_examples"] == alone["eval_examples"] == 3
+    assert cut["eval_loss"] == pytest.approx(alone["eval_loss"], rel=1e-6)
