@@ -55,10 +55,9 @@ def resolve_bf16(value: bool | str, key: str = "bf16") -> tuple[bool, str]:
         from llm_rlhf.core.errors import ConfigError
 
         raise ConfigError(f"config key '{key}': {value!r} must be true, false or auto")
-    if value == "auto":
-        on, why = native_bf16()
-        return on, f"bf16 autocast {'on' if on else 'off'} ({key}: auto; {why})"
-    return bool(value), f"bf16 autocast {'on' if value else 'off'} ({key}: {str(value).lower()})"
+    native, why = native_bf16()
+    on = native if value == "auto" else bool(value)
+    return on, f"bf16 autocast {'on' if on else 'off'} ({key}: {str(value).lower()}; {why})"
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:

@@ -90,7 +90,7 @@ from llm_rlhf.core.callables import split_callable_spec
 from llm_rlhf.core.config import checked_keywords, format_config, help_field, is_off, require, save_config
 from llm_rlhf.core.data import DATA_FORMATS, load_prompt_dataset, prompt_rules
 from llm_rlhf.core.errors import UserError
-from llm_rlhf.core.utils import atomic_write_json, atomic_write_text
+from llm_rlhf.core.utils import atomic_write_json, atomic_write_text, resolve_bf16
 from llm_rlhf.evaluation import metric_names
 from llm_rlhf.evaluation.hacking import counter_alarms
 from llm_rlhf.evaluation.measures import (
@@ -162,11 +162,17 @@ class Config(SamplingRunKeys):
         32, "Prompts per generate call (the same batches for both models: part of the pairing)."
     )
     seed: int = help_field(0, "Batch b is sampled after torch.manual_seed(seed + b), for both models.")
+    bf16: bool | str = help_field(
+        False,
+        "bf16 autocast for sampling and every forward (the models, the reward model, the gold's LM): true, "
+        "false, or auto (on where the hardware computes bf16 natively, as PPO's bf16; logged).",
+    )
     # --- output
     output_dir: str = help_field("runs/reviews/eval", "Where metrics.json, samples.jsonl and config.yaml go.")
     print_samples: int = help_field(8, "How many prompt/response pairs to print as a table.")
 
     def __post_init__(self):
+        self.bf16, self.precision = resolve_bf16(self.bf16)
         fill_from_task(self, "eval")
         require(self.data_format in DATA_FORMATS, "data_format", f"must be one of {', '.join(DATA_FORMATS)}")
         check_score_keys(self)  # the reward function's form only: `run` imports it
@@ -326,11 +332,15 @@ def run(cfg: Config, **objects: Any) -> dict[str, Any] | None:
 def _run(cfg: Config, given: EvalObjects) -> dict[str, Any]:
     """The evaluation's steps: every input checked before any model loads, the models loaded, both measured,
     the figures, the outputs written (metrics.json last)."""
+    import torch
+
     started = time.time()
     print(format_config(cfg))
+    print(f"precision: {cfg.precision}", flush=True)
     inputs = load_inputs(cfg, given)
     models = load_models(cfg, given, inputs)
-    measured = measure(cfg, inputs, models)
+    with torch.autocast(PartialState().device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+        measured = measure(cfg, inputs, models)
     metrics = {**eval_figures(cfg, inputs, models, measured), "time_s": time.time() - started}
     write_outputs(cfg, metrics, sample_rows(inputs.prompts, measured, cfg.samples_per_prompt))
     return metrics

@@ -147,6 +147,9 @@ def test_bf16_auto_follows_the_hardware_and_is_logged(monkeypatch):
         assert PPOConfig(bf16="auto").bf16 is expected
     assert parse_config(sft.Config, ["--bf16"]).bf16 is True  # a bare flag is still true
     assert parse_config(sft.Config, ["--bf16", "false", "--max_steps", "3"]).bf16 is False
-    assert resolve_bf16(True) == (True, "bf16 autocast on (bf16: true)")
+    assert resolve_bf16(True) == (
+        True,
+        "bf16 autocast on (bf16: true; the CPU has AMX)",
+    )  # the last CPU above
     with pytest.raises(ConfigError, match="'bf16': 'fast' must be true, false or auto"):
         parse_config(sft.Config, ["--bf16", "fast"])

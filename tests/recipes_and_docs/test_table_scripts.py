@@ -60,3 +60,62 @@ def test_the_table_averages_each_loss_over_its_seeds_and_reads_them_at_a_shared_
     assert rows["a"][6] == "0.400 ± 0.100" and rows["b"][6] == "0.300 ± 0.100"
     assert rows["a"][7] == "11.0 ± 1.0" and rows["b"][8] == "160 ± 0"  # s a step; PPO wall s: 8 steps of 20 s
     assert "- a - b: +0.300 ± 0.141 (resolved at 2 se)" in out
+
+
+def write_main_job(folder: Path, *, test_accuracy: float, alarm_step, alarm_rules: list[str]) -> None:
+    """A finished main-job run as the pipeline leaves it: the stages' metrics, pipeline.json and eval samples."""
+    for stage in ("sft", "rm", "ppo", "eval"):
+        (folder / stage).mkdir(parents=True)
+    (folder / "rm" / "metrics.json").write_text(
+        json.dumps({"test_accuracy": test_accuracy, "baseline_test_accuracy": 0.831})
+    )
+    (folder / "ppo" / "metrics.json").write_text(json.dumps({"alarm_step": alarm_step}))
+    evaluation = {
+        "gold_win_rate": 0.85,
+        "gold_win_rate_stderr": 0.02,
+        "alarm_rules": alarm_rules,
+        "duplicate_rate": 0.01,
+        "word_distinct_2": 0.9,
+        "word_distinct_2_baseline": 0.95,
+        "response_length_mean": 12.0,
+        "response_length_mean_baseline": 15.0,
+    }
+    (folder / "eval" / "metrics.json").write_text(json.dumps(evaluation))
+    times = {"sft": 100.0, "rm": 200.0, "ppo": 250.0, "eval": 90.0}
+    (folder / "pipeline.json").write_text(json.dumps({s: {"wall_time_s": t} for s, t in times.items()}))
+    rows = [
+        {
+            "prompt": f"Prompt {i}",
+            "baseline_response": f" sft | {i}",
+            "policy_response": "" if i == 1 else f" ppo\n{i}",
+            "baseline_gold_score": -0.5,
+            "policy_gold_score": 0.25,
+        }
+        for i in range(15)
+    ]
+    (folder / "eval" / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_the_main_job_table_has_a_row_per_seed_and_the_first_samples_as_written(tmp_path, capsys):
+    table = load_script(ROOT / "data" / "main_job_table.py")
+    write_main_job(tmp_path / "seed0", test_accuracy=0.912, alarm_step=None, alarm_rules=[])
+    write_main_job(tmp_path / "seed1", test_accuracy=0.905, alarm_step=10, alarm_rules=["duplicate_rate"])
+    assert table.main([str(tmp_path / "seed0"), str(tmp_path / "seed1"), "--samples", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line.split(" | ") for line in lines if line.startswith("| seed")]
+    assert rows[0][1:] == [
+        "0.912 (0.831)",
+        "0.850 ± 0.020",
+        "quiet / quiet",
+        "0.010",
+        "0.95",
+        "0.80",
+        "100 / 200 / 250 / 90 = 640 |",
+    ]
+    assert rows[1][3] == "fired at 10 / duplicate_rate"
+    samples = [line for line in lines if line.startswith("| Prompt")]
+    assert samples == [
+        "| Prompt 0 | sft \\| 0 (-0.50) | ppo ⏎ 0 (+0.25) |",
+        "| Prompt 1 | sft \\| 1 (-0.50) | (empty) (+0.25) |",
+        "| Prompt 2 | sft \\| 2 (-0.50) | ppo ⏎ 2 (+0.25) |",
+    ]

@@ -65,7 +65,12 @@ def section_sft(page: Page, run: Run) -> None:
     page.add('<h2 id="sft">1. Supervised fine-tuning</h2>', wall_time_line(run, "sft"))
     if run.sft_log and len(series(run.sft_log, "loss")[0]) + len(series(run.sft_log, "eval_loss")[0]):
         page.figure(
-            plot_sft(run.sft_log), "sft_loss", "SFT loss", "Next-token loss on the completion tokens only."
+            plot_sft(run.sft_log),
+            "sft_loss",
+            "SFT loss",
+            "Next-token loss on the completion tokens only. "
+            "Each train point is the mean over the optimizer steps since the previous point (logging_steps); "
+            "length-grouped batches come in random order, so each point mixes short and long sequences.",
         )
     else:
         skip_section(page, run, "sft", ["sft/train_log.json (no loss curve)"])
@@ -80,7 +85,9 @@ def section_rm(page: Page, run: Run) -> None:
             plot_rm(run.rm_log, run.metrics.get("rm")),
             "rm",
             "Reward model loss, accuracy and margin",
-            "Held-out pairwise accuracy against chance (0.5) and a bag-of-words logistic regression.",
+            "Held-out pairwise accuracy against chance (0.5) and a bag-of-words logistic regression. "
+            "Each train point is the mean over the optimizer steps since the previous point (logging_steps); "
+            "length-grouped batches come in random order, so each point mixes short and long sequences.",
         )
         if not run.rm_log:
             page.missing("Missing: rm/train_log.json — only the final evaluation is plotted.")
