@@ -342,10 +342,13 @@ def test_smollm2_recipe_runs_on_a_tiny_llama(tmp_path, tiny_llama_dir, sft_files
         )
     )
     overrides["ppo"]["gold_judge"] = overrides["eval"]["gold_judge"] = gold
+    for stage in ("sft", "rm", "ppo"):  # the recipe's adapters sit in SmolLM2's last 10 of 30 blocks
+        overrides[stage]["lora_layers"] = 1  # the tiny Llama's last of 2
     for stage in ("sft", "rm", "ppo", "eval"):
         run_stage(stage, "smollm2-reviews", overrides[stage])
     assert_stage_outputs(tmp_path)
-    assert read_json(tmp_path / "rm" / "adapter_config.json")["r"] == 16
+    assert not (tmp_path / "rm" / "adapter_config.json").exists()  # merged: a plain folder for PPO and eval
+    assert read_json(tmp_path / "rm" / "config.json")["num_hidden_layers"] == 2
     eval_metrics = read_json(tmp_path / "eval" / "metrics.json")
     for key in ("gold_win_rate", "sentiment_win_rate", "fluency_perplexity", "fluency_perplexity_baseline"):
         assert eval_metrics[key] is not None, key
