@@ -17,7 +17,7 @@
 #                 its default transformers generation; grpo_compiled: ours with the compiled sampler
 #   6. ppo_*      benchmarks/ppo_step.py at SmolLM2-135M's shape, its phases and MFU: eager float32 (ppo_eager),
 #                 bf16 autocast with the compiled sampler (ppo_gpu); bf16 alone (ppo_bf16) when STAGES names it
-#   7. reviews    the main job, llm-rlhf pipeline --config recipes/reviews/pipeline.yaml: each stage's wall time
+#   7. reviews    the tiny pipeline (the main job's SmolLM2 folder is too large to carry), llm-rlhf pipeline --config recipes/reviews/pipeline.yaml: each stage's wall time
 #                 (its gold's fluency LM is step 4's folder: times only, the gold's values mean nothing here)
 #   8. grpo_cb    step 5 with TRL's use_transformers_continuous_batching
 #

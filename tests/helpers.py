@@ -705,15 +705,29 @@ CHAINED = {  # keys the pipeline sets itself (each stage reads the previous stag
 }
 
 
-def pipeline_argv(out: Path, model: Path, sft_files, pref_files, prompt_file, **extra) -> list[str]:
-    """The reviews pipeline recipe with a tiny model and small files swapped in on the command line."""
+def pipeline_argv(
+    out: Path,
+    model: Path,
+    sft_files,
+    pref_files,
+    prompt_file,
+    *,
+    config: Path | None = None,
+    keys=None,
+    **extra,
+) -> list[str]:
+    """A pipeline recipe (`config`; the reviews one by default) with a tiny model and small files swapped in on
+    the command line; `keys`: more keys per stage ({"sft": {"lora_layers": 1}, ...})."""
     data = {"sft": sft_files[0], "prefs": pref_files[0], "prompts": prompt_file}
     overrides = tiny_overrides(model, data, out, max_length=48)
     overrides["ppo"].update(steps=4, save_steps=2, eval_every=2)
-    for stage, keys in CHAINED.items():
-        for key in keys:
+    for stage, values in (keys or {}).items():
+        overrides[stage].update(values)
+    for stage, chained in CHAINED.items():
+        for key in chained:
             del overrides[stage][key]
-    argv = ["--config", str(ROOT / "recipes" / "reviews" / "pipeline.yaml"), "--output_dir", str(out)]
+    config = config or ROOT / "recipes" / "reviews" / "pipeline.yaml"
+    argv = ["--config", str(config), "--output_dir", str(out)]
     for stage, values in overrides.items():
         plain = {k: str(v) if isinstance(v, Path) else v for k, v in values.items()}
         argv.append(f"--{stage}={yaml.safe_dump(plain, default_flow_style=True, width=10_000).strip()}")

@@ -29,17 +29,18 @@ def seed_everything(seed: int, process_index: int = 0) -> int:
 BF16_CHOICES = (True, False, "auto")
 
 
-def native_bf16() -> tuple[bool, str]:
-    """Whether bfloat16 matmuls run natively where this process computes, and why (a phrase for the logs).
+def auto_bf16() -> tuple[bool, str]:
+    """Whether `bf16: auto` turns bf16 autocast on here, and why (a phrase for the logs).
 
-    A GPU: `torch.cuda.is_bf16_supported()` (Ampere and later). A CPU: the AMX-BF16 or AVX512-BF16
-    instructions that oneDNN's bf16 kernels use; without them (AVX2 only) bf16 is emulated and slower than
-    float32, and its rounding differs from the native kernels'."""
+    A CPU: on where it has the AMX-BF16 or AVX512-BF16 instructions that oneDNN's bf16 kernels use; without
+    them (AVX2 only) bf16 is emulated, slower than float32, and rounds differently from the native kernels.
+    A GPU: off. At the shapes of these recipes a PPO step on an H200 was slower under bf16 autocast than in
+    float32 (the steps are bound by kernel launches and autocast adds casts: README, "On a GPU"); a larger
+    model on a GPU gains from `bf16: true`."""
     import torch
 
     if torch.cuda.is_available():
-        ok = torch.cuda.is_bf16_supported()
-        return ok, f"the GPU {'computes' if ok else 'does not compute'} bf16 natively"
+        return False, "on a GPU auto stays float32 (set bf16: true for a large model)"
     cpu = getattr(torch, "cpu", None)
     if getattr(cpu, "_is_amx_tile_supported", lambda: False)():
         return True, "the CPU has AMX"
@@ -50,12 +51,12 @@ def native_bf16() -> tuple[bool, str]:
 
 def resolve_bf16(value: bool | str, key: str = "bf16") -> tuple[bool, str]:
     """A config's `bf16` key (true, false or "auto") as the bool a run uses, and the phrase it logs: "auto" is
-    bf16 exactly where `native_bf16` says the hardware computes it; true and false are taken as they are."""
+    `auto_bf16`'s choice; true and false are taken as they are."""
     if value not in BF16_CHOICES:
         from llm_rlhf.core.errors import ConfigError
 
         raise ConfigError(f"config key '{key}': {value!r} must be true, false or auto")
-    native, why = native_bf16()
+    native, why = auto_bf16()
     on = native if value == "auto" else bool(value)
     return on, f"bf16 autocast {'on' if on else 'off'} ({key}: {str(value).lower()}; {why})"
 

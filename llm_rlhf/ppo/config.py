@@ -75,7 +75,7 @@ class Config(SamplingRunKeys):
     bf16: bool | str = help_field(
         False,
         "bf16 autocast for the forward passes: true, false, or auto (on where the hardware computes bf16 "
-        "natively: a GPU from Ampere on, a CPU with AMX or AVX512-BF16; logged).",
+        "natively: a CPU with AMX or AVX512-BF16; float32 on a GPU and elsewhere; logged).",
     )
     gradient_checkpointing: bool = help_field(
         False, "Recompute activations in the backward pass to save memory."

@@ -94,7 +94,7 @@ class TrainerStageConfig:
     bf16: bool | str = help_field(
         False,
         "bfloat16 autocast (mixed precision) during training: true, false, or auto (on where the hardware "
-        "computes bf16 natively: a GPU from Ampere on, a CPU with AMX or AVX512-BF16; logged).",
+        "computes bf16 natively: a CPU with AMX or AVX512-BF16; float32 on a GPU and elsewhere; logged).",
     )
     gradient_checkpointing: bool = help_field(
         False, "Recompute activations in the backward pass to save memory."

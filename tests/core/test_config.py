@@ -151,5 +151,10 @@ def test_bf16_auto_follows_the_hardware_and_is_logged(monkeypatch):
         True,
         "bf16 autocast on (bf16: true; the CPU has AMX)",
     )  # the last CPU above
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU: auto stays float32
+    assert resolve_bf16("auto") == (
+        False,
+        "bf16 autocast off (bf16: auto; on a GPU auto stays float32 (set bf16: true for a large model))",
+    )
     with pytest.raises(ConfigError, match="'bf16': 'fast' must be true, false or auto"):
         parse_config(sft.Config, ["--bf16", "fast"])

@@ -6,9 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import (
-    ROOT,
-)
+from helpers import ROOT, pipeline_argv
 
 from llm_rlhf.interfaces import cli
 
@@ -50,3 +48,40 @@ def test_readme_commands_run(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path,
         k = 4 if "--samples_per_prompt" in flags else 1
         assert logged[-1]["episodes"] == 2 * (16 if k == 4 else 4) * k
         assert ("loss/kl" in logged[-1]) is (estimator in ("grpo", "rloo"))
+
+
+def readme_pipeline_commands() -> dict[str, str]:
+    """The README's opening: the main job's and the smoke run's `llm-rlhf pipeline` commands, by their label."""
+    text = (ROOT / "README.md").read_text()
+    opening = text[: text.index("\n## ")]
+    main_block = opening[opening.index("**Main job**") :].split("```bash\n")[1].split("```")[0]
+    smoke = opening[opening.index("**Smoke run**") :].split("`llm-rlhf pipeline")[1].split("`")[0]
+    return {
+        "main": main_block.strip().split(" && ")[-1],
+        "smoke": "llm-rlhf pipeline" + smoke,
+    }
+
+
+@pytest.mark.slow
+def test_the_main_job_and_the_smoke_run_as_the_readme_writes_them(
+    tiny_model_dir, tiny_llama_dir, sft_files, pref_files, prompt_file, tmp_path, monkeypatch
+):
+    """The README's main command (SmolLM2 through the pipeline) with a tiny Llama in SmolLM2's place, the
+    adapters in its last block, and its smoke run with the tiny GPT-2: each exits 0 with every stage's output
+    and the report."""
+    commands = readme_pipeline_commands()
+    assert commands == {
+        "main": "llm-rlhf pipeline --config recipes/smollm2-reviews/pipeline.yaml",
+        "smoke": "llm-rlhf pipeline --config recipes/reviews/smoke.yaml",
+    }
+    monkeypatch.chdir(ROOT)  # the recipes name their stage files relative to the repo root
+    one_block = {stage: {"lora_layers": 1} for stage in ("sft", "rm", "ppo")}  # SmolLM2's last 10 of 30
+    for name, model, keys in (("main", tiny_llama_dir, one_block), ("smoke", tiny_model_dir, None)):
+        _, command, *flags = commands[name].split()
+        out = tmp_path / name
+        config = ROOT / flags[flags.index("--config") + 1]
+        argv = pipeline_argv(out, model, sft_files, pref_files, prompt_file, config=config, keys=keys)
+        assert cli.main([command, *argv]) == 0, name
+        for stage in ("sft", "rm", "ppo", "eval"):
+            assert (out / stage / "metrics.json").is_file(), (name, stage)
+        assert (out / "report.html").is_file(), name

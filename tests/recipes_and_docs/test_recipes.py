@@ -38,7 +38,10 @@ CONFIGS = {
     "pipeline": pipeline.Config,
 }
 OPTIONAL = {"dpo": dpo.Config, "compare": compare.Config}  # stage files only some recipes have (reviews)
-VARIANTS = {"dapo": Config}  # a stage's recipe with other keys (smollm2-arithmetic: DAPO's PPO)
+VARIANTS = {  # a stage's recipe with other keys (smollm2-arithmetic: DAPO's PPO; reviews: the smoke run)
+    "dapo": Config,
+    "smoke": pipeline.Config,
+}
 SHARED = "gym"  # recipes/gym/: the stage files the checkable-task recipes share (tests/recipes_and_docs/test_stage_files.py)
 NAMES = sorted(p.name for p in RECIPES.iterdir() if p.is_dir() and p.name != SHARED)
 YAMLS = sorted(RECIPES.glob("*/*.yaml"))
@@ -128,7 +131,7 @@ def test_every_recipe_parses(path, monkeypatch):
         pipeline.stage_config(recipe, path.stem)
         return
     cfg = parse_config({**CONFIGS, **OPTIONAL, **VARIANTS}[path.stem], ["--config", str(path)])
-    if path.stem == "pipeline":
+    if path.stem in ("pipeline", "smoke"):
         for stage in cfg.stages:  # each stage's recipe file through its Config, with the chaining keys
             pipeline.stage_config(cfg, stage)
 
