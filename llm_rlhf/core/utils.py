@@ -12,6 +12,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, NoReturn
 
+from llm_rlhf.core.errors import ConfigError
+
 
 def seed_everything(seed: int, process_index: int = 0) -> int:
     """Seed python, numpy and torch (CPU and CUDA). Each process gets `seed + process_index`."""
@@ -53,8 +55,6 @@ def resolve_bf16(value: bool | str, key: str = "bf16") -> tuple[bool, str]:
     """A config's `bf16` key (true, false or "auto") as the bool a run uses, and the phrase it logs: "auto" is
     `auto_bf16`'s choice; true and false are taken as they are."""
     if value not in BF16_CHOICES:
-        from llm_rlhf.core.errors import ConfigError
-
         raise ConfigError(f"config key '{key}': {value!r} must be true, false or auto")
     native, why = auto_bf16()
     on = native if value == "auto" else bool(value)

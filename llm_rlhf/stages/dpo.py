@@ -67,7 +67,6 @@ from llm_rlhf.training.hf_stage import (
     training_metrics,
     whole_model,
 )
-from llm_rlhf.training.length_groups import MixedLengthBatches
 
 LOSS_TYPES = ("sigmoid", "hinge", "ipo")  # TRL's losses that need nothing but beta
 # TRL's evaluation metrics that go to metrics.json (each the mean over the eval batches of a per-batch mean)
@@ -244,11 +243,6 @@ def lora_config(cfg: Config, model) -> LoraConfig:
     )
 
 
-class MixedDPOTrainer(MixedLengthBatches, DPOTrainer):
-    """TRL's DPOTrainer, its length-grouped batches in random order (`llm_rlhf.training.length_groups`): the
-    logged loss shows learning, not the batches' lengths."""
-
-
 def build_trainer(cfg: Config, model, ref_model, tokenizer, train_dataset, eval_dataset) -> DPOTrainer:
     """TRL's DPOTrainer on prompt/chosen/rejected strings (TRL appends the EOS and tokenizes them as
     `encode_pairs` does; pinned by tests/stages/test_bos_prompts.py). ref_model None: the LoRA reference."""
@@ -266,7 +260,7 @@ def build_trainer(cfg: Config, model, ref_model, tokenizer, train_dataset, eval_
         # and bf16 autocast on a CPU is refused unless the run is marked as a CPU run
         use_cpu=(int(os.environ.get("WORLD_SIZE", "1")) > 1 or cfg.bf16) and not torch.cuda.is_available(),
     )
-    return MixedDPOTrainer(
+    return DPOTrainer(
         model=model,
         ref_model=ref_model,
         args=args,

@@ -57,7 +57,6 @@ from llm_rlhf.training.hf_stage import (
     training_metrics,
     whole_model,
 )
-from llm_rlhf.training.length_groups import MixedLengthBatches
 
 
 @checked_keywords
@@ -284,11 +283,6 @@ def lora_config(cfg: Config, model) -> LoraConfig:
     )
 
 
-class MixedRewardTrainer(MixedLengthBatches, RewardTrainer):
-    """TRL's RewardTrainer, its length-grouped batches in random order (`llm_rlhf.training.length_groups`): the
-    logged loss shows learning, not the batches' lengths."""
-
-
 def build_trainer(cfg: Config, model, tokenizer, train_dataset, eval_dataset):
     """TRL's RewardTrainer on pre-tokenized pairs (chosen_ids/rejected_ids, so tokenization is `encode_pair`'s)."""
     output_dir = Path(cfg.output_dir)
@@ -304,7 +298,7 @@ def build_trainer(cfg: Config, model, tokenizer, train_dataset, eval_dataset):
         # and bf16 autocast on a CPU is refused unless the run is marked as a CPU run
         use_cpu=(int(os.environ.get("WORLD_SIZE", "1")) > 1 or cfg.bf16) and not torch.cuda.is_available(),
     )
-    return MixedRewardTrainer(
+    return RewardTrainer(
         model=model,
         args=args,
         train_dataset=train_dataset,

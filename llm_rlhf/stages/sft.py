@@ -45,7 +45,6 @@ from llm_rlhf.training.hf_stage import (
     training_metrics,
     whole_model,
 )
-from llm_rlhf.training.length_groups import MixedLengthBatches
 
 SAMPLE_BATCH_SIZE = 32  # generation batch for the eos_rate samples (larger batches were slower on CPU)
 
@@ -140,14 +139,9 @@ def training_args(cfg: Config) -> SFTConfig:
     )
 
 
-class MixedSFTTrainer(MixedLengthBatches, SFTTrainer):
-    """TRL's SFTTrainer, its length-grouped batches in random order (`llm_rlhf.training.length_groups`): the
-    logged loss shows learning, not the batches' lengths."""
-
-
 def build_trainer(cfg: Config, model, tokenizer, train_dataset, eval_dataset, args=None):
     """TRL's SFTTrainer on prompt/completion rows: completion-only loss, EOS appended by TRL."""
-    return MixedSFTTrainer(
+    return SFTTrainer(
         model=model,
         args=args if args is not None else training_args(cfg),
         train_dataset=train_dataset,

@@ -402,6 +402,7 @@ def test_config_dataclass_is_flat(tmp_path, monkeypatch):
         "dynamic_sampling": False,
         "environment": None,  # episodes: set in the critic-free config below (min_new_tokens 0 there)
         "task": None,  # set in the grouped config below (its files: tests/recipes_and_docs/test_stage_files.py)
+        "lora_layers": 2,  # the tiny model's 2 blocks
     }
     for f in dataclasses.fields(Config):
         value = getattr(default, f.name)

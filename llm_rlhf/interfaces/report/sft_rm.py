@@ -69,8 +69,9 @@ def section_sft(page: Page, run: Run) -> None:
             "sft_loss",
             "SFT loss",
             "Next-token loss on the completion tokens only. "
-            "Each train point is the mean over the optimizer steps since the previous point (logging_steps); "
-            "length-grouped batches come in random order, so each point mixes short and long sequences.",
+            "Each train point is the mean over the optimizer steps since the previous point (logging_steps). With "
+            "group_by_length the batches run from long to short within each mega-batch of 50, so a point also "
+            "follows its batches' lengths.",
         )
     else:
         skip_section(page, run, "sft", ["sft/train_log.json (no loss curve)"])
@@ -86,8 +87,9 @@ def section_rm(page: Page, run: Run) -> None:
             "rm",
             "Reward model loss, accuracy and margin",
             "Held-out pairwise accuracy against chance (0.5) and a bag-of-words logistic regression. "
-            "Each train point is the mean over the optimizer steps since the previous point (logging_steps); "
-            "length-grouped batches come in random order, so each point mixes short and long sequences.",
+            "Each train point is the mean over the optimizer steps since the previous point (logging_steps). With "
+            "group_by_length the batches run from long to short within each mega-batch of 50, so a point also "
+            "follows its batches' lengths.",
         )
         if not run.rm_log:
             page.missing("Missing: rm/train_log.json — only the final evaluation is plotted.")
