@@ -289,7 +289,9 @@ def test_dpo_stage_end_to_end(tmp_path, tiny_model_dir, pref_files):
 
     out = tmp_path / "dpo"
     cfg = tiny_config(tiny_model_dir, pref_files, out, save_steps=4)
-    argv = ["dpo"] + [f"--{k}={','.join(v) if isinstance(v, list) else v}" for k, v in vars(cfg).items()]
+    keys = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}  # the keys, not what __post_init__ derives
+    text = {k: ",".join(v) if isinstance(v, list) else "null" if v is None else v for k, v in keys.items()}
+    argv = ["dpo"] + [f"--{k}={v}" for k, v in text.items()]
     assert cli.main(argv) == 0
     metrics = read_json(out / "metrics.json")
     for key in (
