@@ -248,6 +248,12 @@ class Config(SamplingRunKeys):
         "Adapters only in the last N transformer blocks (peft's layers_to_transform): the update's backward "
         "pass stops below them; null = every block.",
     )
+    reuse_frozen_blocks: bool = help_field(
+        True,
+        "With lora_layers: run the blocks below the adapters once per rollout and reuse their output in the "
+        "old policy's, the reference's and every epoch's forward, which then run the adapted blocks only (the "
+        "same outputs; not under FSDP2 or DeepSpeed, whose hooks gather the parameters block by block).",
+    )
     merge_lora: bool = help_field(
         True, "With LoRA: save the merged policy as a plain HF folder (the adapter is kept in adapter/)."
     )

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from llm_rlhf.core.errors import NonFiniteError, UserError
+from llm_rlhf.models import trunk
 from llm_rlhf.models.accelerated import Accelerated
 from llm_rlhf.models.scoring import Scorer, Scores
 from llm_rlhf.ppo import metrics as ppo_metrics
@@ -166,6 +167,13 @@ class PPOTrainer(UsesContext):
         )
         self.accelerated.set_up_root(self.policy, tokenizer.eos_token_id)
         self.ref_model = models.ref_model
+        # blocks whose output the rollout computes once (`llm_rlhf.models.trunk`): 0 = none
+        reuse = (
+            cfg.use_lora
+            and cfg.reuse_frozen_blocks
+            and not (accelerator.is_fsdp2 or self.accelerated.deepspeed)
+        )
+        self.trunk_blocks = trunk.frozen_block_count(self.unwrapped_policy.lm) if reuse else 0
         self.sampling = Sampling.of(cfg)
         # ReMax's baseline response: the same settings, greedy (temperature 0: argmax, no random draw).
         self.greedy = dataclasses.replace(self.sampling, temperature=0.0)
@@ -406,7 +414,7 @@ class PPOTrainer(UsesContext):
         old_logprobs False: no policy forward; logprobs, values and entropy stay None for `train_on_rollout`
         to fill in from the update's own forward (`old_logprobs_from_update`)."""
         t0 = time.perf_counter()
-        samples = self.collector.generate(queries, sampling=sampling)  # y ~ pi_theta(.|x)
+        samples = self.with_trunk(self.collector.generate(queries, sampling=sampling))  # y ~ pi_theta(.|x)
         logprobs = values = entropy = None
         if old_logprobs:
             logprobs, values, entropy = self.in_chunks(self.forward_policy, samples)
@@ -476,6 +484,37 @@ class PPOTrainer(UsesContext):
         )  # (D, R)
         return ppo_math.sequence_kl(kl=kl, response_mask=dropped.response_mask)  # (D,)
 
+    @torch.no_grad()
+    def with_trunk(self, samples: Samples) -> Samples:
+        """`samples` with `trunk` = h_K (B, P + R, H), the output of the policy's K frozen blocks
+        (`llm_rlhf.models.trunk`), which the old policy's, the reference's and every epoch's forward then
+        start from; computed over the chunks `in_chunks` visits, each trimmed to its own widths (the rollout's
+        forwards and the first epoch run on those rows and widths, so rho == 1 and KL == 0 stay exact),
+        zeros at the columns a chunk trims. `samples` unchanged when no block is frozen (K = 0)."""
+        k = self.trunk_blocks
+        if k == 0:
+            return samples
+        policy, n = self.unwrapped_policy, self.sizes.micro_batch_per_process
+        B, P = samples.query.shape
+        hidden = None
+        for i in range(0, B, n):
+            part = samples.select(slice(i, i + n)).trimmed()
+            with self.accelerated.autocast():
+                h = trunk.trunk_states(
+                    policy.lm, k, policy, part.sequence, part.attention_mask
+                )  # (b, P'+R', H)
+            if hidden is None:
+                hidden = h.new_zeros(B, P + samples.response.shape[1], h.shape[-1])
+            start = P - part.query.shape[1]
+            hidden[i : i + n, start : start + h.shape[1]] = h
+        return dataclasses.replace(samples, trunk=hidden)
+
+    def trunk_context(self, samples: Samples):
+        """Inside: a forward of the policy's network on `samples` starts from `samples.trunk` (if set)."""
+        if samples.trunk is None:
+            return nullcontext()
+        return trunk.from_trunk(self.unwrapped_policy.lm, samples.trunk, self.trunk_blocks)
+
     def in_chunks(self, forward, samples: Samples):
         """`forward` over chunks of micro-batch rows, outputs concatenated along the batch: a no-grad pass
         over the whole rollout never holds its (B, R, V) logits and their softmax temporaries at once
@@ -508,7 +547,11 @@ class PPOTrainer(UsesContext):
         policy = self.policy if train else unwrap(self.policy)
         # The entropy needs an autograd graph only when the loss uses it (ent_coef != 0).
         entropy_mode = "grad" if train and self.cfg.ent_coef != 0 else "stats"
-        with self.accelerated.autocast(), self.accelerated.checkpointing(self.unwrapped_policy, train):
+        with (
+            self.accelerated.autocast(),
+            self.accelerated.checkpointing(self.unwrapped_policy, train),
+            self.trunk_context(samples),
+        ):
             logprobs, values, entropy = response_logprobs_and_values(
                 policy, samples, self.sampling, eos_token_id=self.tokenizer.eos_token_id, entropy=entropy_mode
             )
@@ -525,9 +568,11 @@ class PPOTrainer(UsesContext):
         R, eos = samples.response.shape[1], self.tokenizer.eos_token_id
 
         def forward(part: Samples) -> torch.Tensor:
-            logprobs = response_logprobs_and_values(
-                self.ref_model, part.trimmed(), self.sampling, eos_token_id=eos, entropy="none"
-            )[0]
+            part = part.trimmed()
+            with self.trunk_context(part):
+                logprobs = response_logprobs_and_values(
+                    self.ref_model, part, self.sampling, eos_token_id=eos, entropy="none"
+                )[0]
             return pad_columns(logprobs, R)  # (b, R)
 
         with self.accelerated.autocast(), self.reference_context():

@@ -51,7 +51,9 @@ class Samples:
     True where a stop string ended the response, False where an EOS did or nothing did (None: sampled
     without stop strings, as False). sampler_logprobs: (B, R) float, the sampler's own log q(y_t) of each
     response token, 0 at padding (None when greedy or sampled by `generate`): q is the policy's distribution
-    up to float rounding in float32, another one with `sampling_dtype: bfloat16`.
+    up to float rounding in float32, another one with `sampling_dtype: bfloat16`. trunk: (B, P + R, H), the
+    policy's hidden states after its frozen lower blocks (`llm_rlhf.models.trunk`), set by PPO's rollout to
+    reuse them in the forwards that follow; None otherwise.
     """
 
     query: torch.Tensor
@@ -63,6 +65,7 @@ class Samples:
     env_mask: torch.Tensor | None = None
     env_rewards: torch.Tensor | None = None
     turns: torch.Tensor | None = None
+    trunk: torch.Tensor | None = None
 
     @property
     def sequence(self) -> torch.Tensor:
@@ -127,10 +130,13 @@ class Samples:
     def columns(self, query_start: int | None, response_end: int | None):
         """Query columns [query_start:] and response columns [:response_end] of every field (see `trimmed`)."""
         out = {}
+        P = self.query.shape[1]
         for f in dataclasses.fields(self):
             x = getattr(self, f.name)
             if f.name in ("query", "query_mask"):
                 x = x[:, query_start:]  # (B, P')
+            elif f.name == "trunk" and x is not None:
+                x = x[:, query_start : P + (self.response.shape[1] if response_end is None else response_end)]
             elif x is not None and x.dim() > 1:
                 x = x[:, :response_end]  # (B, R') aligned with the response tokens
             out[f.name] = x

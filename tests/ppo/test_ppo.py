@@ -83,6 +83,9 @@ def test_first_step_kl_zero_and_ratio_one(
     trainer = tiny_ppo_trainer(cfg, mixed_precision=mixed_precision)
     assert trainer.accelerator.mixed_precision == mixed_precision
     rollout, _ = trainer.rollout(trainer.collector.queries(trainer.step))
+    assert (rollout.trunk is not None) == (
+        "lora_layers" in extra
+    )  # block 0's output reused (reuse_frozen_blocks)
     ref = trainer.reference_logprobs(rollout)
     kl = (rollout.logprobs - ref)[rollout.response_mask]
     assert torch.equal(kl, torch.zeros_like(kl))  # exactly 0: same weights, same code path
@@ -243,6 +246,45 @@ def test_response_logprobs_sum_to_the_models_own_lm_loss(tiny_model_dir, tiny_rm
             expected = -lm(input_ids=ids, labels=labels).loss * len(r)
             assert logprobs[i][rmask[i]].sum().item() == pytest.approx(expected.item(), abs=1e-4, rel=1e-5)
             assert torch.all(logprobs[i][~rmask[i]] == 0)
+
+
+def test_reusing_the_frozen_blocks_trains_as_the_full_forwards(
+    tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path
+):
+    """reuse_frozen_blocks (adapters in block 1 of 2): block 0 runs once per rollout, and three PPO steps log
+    the metrics and leave the adapters of the run whose every forward runs both blocks, up to float rounding
+    (the shuffled epochs' micro-batches are trimmed to other widths than the chunks block 0 ran on)."""
+    runs = {}
+    for reuse in (True, False):
+        cfg = ppo_config(
+            tiny_model_dir,
+            tiny_rm_dir,
+            prompt_file,
+            tmp_path / str(reuse),
+            use_lora=True,
+            lora_layers=1,
+            reuse_frozen_blocks=reuse,
+            steps=3,
+        )
+        trainer = tiny_ppo_trainer(cfg)
+        assert trainer.trunk_blocks == (1 if reuse else 0)
+        calls = []  # block 0's own computation (its first layer norm), not a skipped call
+        block0 = trainer.unwrapped_policy.lm.base_model.model.transformer.h[0]
+        block0.ln_1.register_forward_pre_hook(lambda m, a, calls=calls: calls.append(1))
+        metrics = [trainer.ppo_step() for _ in range(cfg.steps)]
+        adapters = {
+            n: p.detach().clone() for n, p in trainer.unwrapped_policy.named_parameters() if p.requires_grad
+        }
+        runs[reuse] = metrics, adapters, len(calls)
+    (reused, reused_adapters, reused_calls), (full, full_adapters, full_calls) = runs[True], runs[False]
+    # per step: the sampler's prefill and decode steps run block 0 either way; with reuse its rollout chunks
+    # run it once, without it the old policy's, the reference's and each epoch's micro-batches do
+    assert reused_calls < full_calls
+    for a, b in zip(reused, full):
+        for key in ("objective/scores", "objective/kl", "loss/policy", "loss/value", "policy/approxkl"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    for name, p in full_adapters.items():
+        torch.testing.assert_close(reused_adapters[name], p, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("use_lora, lora_layers", [(False, None), (True, None), (True, 1)])
