@@ -29,6 +29,7 @@ from llm_rlhf.core.data import load_prompt_dataset, prompt_rules
 from llm_rlhf.core.errors import UserError
 from llm_rlhf.evaluation import metric_names
 from llm_rlhf.evaluation.hacking import COLLAPSE_KEYS, DEGENERACY_KEYS, collapse_rates, degeneracy_rates
+from llm_rlhf.models import trunk
 from llm_rlhf.models.gold import judge_pairs, load_judge
 from llm_rlhf.models.loading import (
     load_tokenizer,
@@ -117,10 +118,13 @@ class PairedSampling:
 @dataclass(frozen=True)
 class KLReference:
     """pi_ref of kl_to_ref: a causal LM, and with LoRA the context that turns the policy's adapter off (the
-    reference is then the policy's own network, `lm.disable_adapter`)."""
+    reference is then the policy's own network, `lm.disable_adapter`). shared_blocks: K, the leading blocks
+    whose output is the same in the policy and the reference (`llm_rlhf.models.trunk`: the blocks below
+    the adapters, or `shared_block_count` of two loaded models), computed once for both; 0 = none."""
 
     lm: Any
     context: Any = None
+    shared_blocks: int = 0
 
 
 def _rng_devices(device: torch.device) -> list:
@@ -166,16 +170,24 @@ def sequence_kl_to_ref(
 
     A model that is its own reference (the baseline of an evaluation whose reference is the baseline: the SFT
     model of the default pipeline, the instruct model of the arithmetic recipe) is not run twice: the second
-    forward would give the same logits bit for bit, so its KL is exactly 0 either way."""
+    forward would give the same logits bit for bit, so its KL is exactly 0 either way. With
+    `reference.shared_blocks` = K > 0 the first K blocks run once, in the model's forward, and both forwards
+    start from their output (the same logits as two full forwards, bit for bit)."""
     mask = dict(eos_token_id=eos_token_id, min_new_tokens=sampling.min_new_tokens)
-    logits = token_math.mask_eos_logits(logits=response_logits(model, batch), **mask)  # (B, R, V)
-    if reference.lm is model and reference.context is None:
+    own = reference.lm is model and reference.context is None
+    k = 0 if own else reference.shared_blocks
+    hidden = trunk.trunk_states(model, k, response_logits, model, batch) if k else None  # (B, P + R, H)
+
+    def logits_of(lm) -> torch.Tensor:
+        with trunk.from_trunk(lm, hidden, k) if k else nullcontext():
+            return token_math.mask_eos_logits(logits=response_logits(lm, batch), **mask)  # (B, R, V)
+
+    logits = logits_of(model)
+    if own:
         ref_logits = logits
     else:
         with reference.context() if reference.context is not None else nullcontext():
-            ref_logits = token_math.mask_eos_logits(
-                logits=response_logits(reference.lm, batch), **mask
-            )  # (B, R, V)
+            ref_logits = logits_of(reference.lm)
     out = []
     for tau in (1.0, sampling.temperature):
         logprobs = token_math.logprobs_from_logits(

@@ -8,6 +8,7 @@ reference (the same network with the adapters switched off) and every PPO epoch'
     with:      h_K once     K blocks  |  old policy N, reference N, each epoch N blocks + backward of N
 
     frozen_block_count(lm)        K: the leading blocks with no trainable parameter and no adapter
+    shared_block_count(a, b)      K for two LMs: the leading blocks of equal weights, all else equal too
     trunk_states(lm, K, model, *inputs)  h_K (B, T, H): block K-1's output in `model(*inputs)`, stopped there
     from_trunk(lm, h_K, K)        inside: blocks 0..K-2 pass their input through and block K-1 returns h_K,
                                   so a forward computes the embeddings, then blocks K..L-1 on h_K
@@ -48,6 +49,30 @@ def frozen_block_count(lm: nn.Module) -> int:
             break
         k += 1
     return k
+
+
+def _block_list_name(lm: nn.Module) -> str:
+    target = blocks(lm)
+    return next(name for name, module in lm.named_modules() if module is target)
+
+
+def shared_block_count(a: nn.Module, b: nn.Module) -> int:
+    """K for two causal LMs of one architecture (a policy and its reference loaded from their folders): how
+    many blocks, from the first, hold equal weights in both, when every weight outside the blocks (the
+    embeddings, the final norm, the LM head) is equal too; 0 otherwise. Then h_K is one tensor for both: a
+    PPO policy merged from adapters in its last N blocks shares K = L - N with the model it started from."""
+    state_a, state_b = a.state_dict(), b.state_dict()
+    if state_a.keys() != state_b.keys():
+        return 0
+    prefix = _block_list_name(a) + "."
+    differs = set()  # the blocks holding a weight that differs; -1 for a weight outside them
+    for name, x in state_a.items():
+        y = state_b[name]
+        if x.shape != y.shape or not torch.equal(x, y):
+            differs.add(int(name[len(prefix) :].split(".")[0]) if name.startswith(prefix) else -1)
+    if -1 in differs:
+        return 0
+    return min(differs, default=len(blocks(a)))
 
 
 class _TrunkDone(Exception):

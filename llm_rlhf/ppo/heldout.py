@@ -156,7 +156,11 @@ def evaluate_heldout(
     samples: list[dict] = []
     policy = trainer.unwrapped_policy
     lm, cfg = policy.lm, trainer.cfg
-    reference = KLReference(lm, lm.disable_adapter) if cfg.use_lora else KLReference(trainer.ref_model.lm)
+    reference = (
+        KLReference(lm, lm.disable_adapter, shared_blocks=trainer.trunk_blocks)
+        if cfg.use_lora
+        else KLReference(trainer.ref_model.lm)
+    )
     collector = trainer.collector  # with an environment its episodes are played as in training
     play = (
         EpisodePlay(collector.make_environment, collector.limits)

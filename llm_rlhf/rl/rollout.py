@@ -500,13 +500,16 @@ def response_logprobs_and_values(
 
 def response_logits(lm, samples: Samples) -> torch.Tensor:
     """One plain causal-LM forward over query + response, positions from the attention mask (as in PPO),
-    the logits of every position, then the response's. Returns (B, R, V) float."""
+    the LM head at the positions that predict the response's tokens only (`logits_to_keep`, as PPO's
+    forwards). Returns (B, R, V) float: row t predicts response token t."""
     mask = samples.attention_mask  # (B, P + R)
+    P, R = samples.query.shape[1], samples.response.shape[1]
+    keep = torch.arange(P - 1, P + R - 1, device=mask.device)  # (R,) positions P-1 .. P+R-2
     logits = lm(
         input_ids=samples.sequence,
         attention_mask=mask,
         position_ids=position_ids_from_mask(mask),
         use_cache=False,
-    ).logits  # (B, P + R, V)
-    P = samples.query.shape[1]
-    return logits[:, P - 1 : -1].float()  # (B, R, V): position t predicts response token t
+        logits_to_keep=keep,
+    ).logits  # (B, R, V)
+    return logits.float()

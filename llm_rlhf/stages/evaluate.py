@@ -78,6 +78,7 @@ The sampling and the measures are `llm_rlhf.evaluation.measures`'s, which PPO's 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -107,6 +108,7 @@ from llm_rlhf.evaluation.measures import (
     win_rate,
 )
 from llm_rlhf.evaluation.sampling_keys import SamplingRunKeys, fill_from_task
+from llm_rlhf.models import trunk
 from llm_rlhf.models.accelerated import outside_zero_init
 from llm_rlhf.models.gold import FluentGoldJudge, GoldJudge, load_judge
 from llm_rlhf.models.loading import (
@@ -466,6 +468,13 @@ def load_models(cfg: Config, given: EvalObjects, inputs: EvalInputs) -> EvalMode
     )
 
 
+def kl_reference(model, reference: KLReference) -> KLReference:
+    """`reference` for the KL of `model`'s samples, with the leading blocks the two hold with equal weights
+    (`trunk.shared_block_count`: a PPO policy whose adapters were in its last N blocks shares the others with
+    the model it started from), computed once for both forwards."""
+    return dataclasses.replace(reference, shared_blocks=trunk.shared_block_count(model, reference.lm))
+
+
 @dataclass(frozen=True)
 class Measured:
     """Each model's records (`sample_and_score`: samples_per_prompt per prompt, prompt-major, paired) and with
@@ -495,10 +504,11 @@ def measure(cfg: Config, inputs: EvalInputs, models: EvalModels) -> Measured:
         rows,
         draws,
         measures=measures,
-        reference=models.reference,
+        reference=kl_reference(models.policy, models.reference),
         progress="policy",
     )
-    baseline_ref = models.reference if inputs.baseline_has_kl else None  # KL needs the same ids
+    # the KL needs the same ids
+    baseline_ref = kl_reference(models.baseline, models.reference) if inputs.baseline_has_kl else None
     baseline = sample_and_score(
         models.baseline,
         inputs.baseline_tokenizer,

@@ -3,6 +3,7 @@ starts from their output giving the full forward's logits, values and adapter gr
 
 from __future__ import annotations
 
+import copy
 from contextlib import nullcontext
 
 import pytest
@@ -12,7 +13,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from llm_rlhf.models.loading import PolicyWithValue, Reference, ValueHead
 from llm_rlhf.models.lora import lora_placement
-from llm_rlhf.models.trunk import blocks, from_trunk, frozen_block_count, trunk_states
+from llm_rlhf.models.trunk import blocks, from_trunk, frozen_block_count, shared_block_count, trunk_states
 
 
 def four_block_policy(kind: str, lora_layers: int | None) -> PolicyWithValue:
@@ -120,3 +121,79 @@ def test_a_forward_from_the_trunk_is_the_full_forward(kind, lora_layers):
     for name, grad in full[3].items():
         assert grad.abs().sum() > 0 and torch.equal(grad, reused[3][name]), name
     assert not torch.equal(full[2], full[0])  # the adapters matter: the reference is another distribution
+
+
+def four_block_llama(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        hidden_size=32,
+        intermediate_size=64,
+        vocab_size=97,
+        max_position_embeddings=64,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def test_shared_block_count_is_the_leading_blocks_of_equal_weights():
+    """A policy merged from adapters in its last block shares the other three with its start; a weight that
+    differs outside the blocks (the embeddings, the final norm) shares nothing."""
+    base = four_block_llama()
+    assert shared_block_count(base, copy.deepcopy(base)) == 4
+    lm = get_peft_model(
+        copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, **lora_placement(base, ["all-linear"], 1))
+    )
+    for name, p in lm.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p)
+    merged = lm.merge_and_unload()
+    assert shared_block_count(merged, base) == 3
+    changed = copy.deepcopy(base)
+    with torch.no_grad():
+        changed.model.layers[1].mlp.up_proj.weight[0, 0] += 1.0
+    assert shared_block_count(changed, base) == 1
+    for where in ("model.embed_tokens.weight", "model.norm.weight"):
+        other = copy.deepcopy(base)
+        with torch.no_grad():
+            other.get_parameter(where)[0] += 1.0
+        assert shared_block_count(other, base) == 0, where
+    assert shared_block_count(base, four_block_llama(seed=1)) == 0
+
+
+def test_the_evaluation_kl_from_the_shared_blocks_is_the_kl_of_two_full_forwards():
+    """`sequence_kl_to_ref` with the 3 blocks a merged policy shares with its reference: the same sequence KLs
+    bit for bit as two full forwards, and those blocks run once instead of twice."""
+    from llm_rlhf.evaluation.measures import KLReference, sequence_kl_to_ref
+    from llm_rlhf.rl.rollout import Samples, Sampling
+
+    reference = four_block_llama()
+    policy = copy.deepcopy(reference)
+    with torch.no_grad():
+        for p in policy.model.layers[3].parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    ids, mask = left_padded_rows()
+    batch = Samples(
+        query=ids[:, :5], query_mask=mask[:, :5], response=ids[:, 5:], response_mask=mask[:, 5:].bool()
+    )
+    sampling = Sampling(max_new_tokens=4, temperature=0.7)
+    k = shared_block_count(policy, reference)
+    runs = {}
+    for shared in (0, k):
+        calls = []
+        hooks = [
+            lm.model.layers[0].self_attn.register_forward_pre_hook(lambda m, a, calls=calls: calls.append(1))
+            for lm in (policy, reference)
+        ]
+        runs[shared] = sequence_kl_to_ref(
+            policy, KLReference(reference, shared_blocks=shared), batch, sampling
+        )
+        for hook in hooks:
+            hook.remove()
+        runs[shared] += (len(calls),)
+    assert k == 3
+    (kl1, kl_tau, full_calls), (kl1_shared, kl_tau_shared, shared_calls) = runs[0], runs[k]
+    assert torch.equal(kl1, kl1_shared) and torch.equal(kl_tau, kl_tau_shared)
+    assert kl1.abs().min() > 0  # the policy differs from its reference
+    assert (full_calls, shared_calls) == (2, 1)
