@@ -23,16 +23,7 @@ def four_block_policy(kind: str, lora_layers: int | None) -> PolicyWithValue:
     if kind == "gpt2":
         lm = GPT2LMHeadModel(GPT2Config(n_layer=4, n_head=2, n_embd=32, vocab_size=97, n_positions=64))
     else:
-        config = LlamaConfig(
-            num_hidden_layers=4,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            hidden_size=32,
-            intermediate_size=64,
-            vocab_size=97,
-            max_position_embeddings=64,
-        )
-        lm = LlamaForCausalLM(config)
+        lm = four_block_llama()
     if lora_layers is not None:
         placement = lora_placement(lm, ["all-linear"], lora_layers)
         lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, fan_in_fan_out=kind == "gpt2", **placement)
