@@ -289,7 +289,8 @@ def test_dpo_stage_end_to_end(tmp_path, tiny_model_dir, pref_files):
 
     out = tmp_path / "dpo"
     cfg = tiny_config(tiny_model_dir, pref_files, out, save_steps=4)
-    keys = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}  # the keys, not what __post_init__ derives
+    # the config's keys, not what __post_init__ derives from them
+    keys = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
     text = {k: ",".join(v) if isinstance(v, list) else "null" if v is None else v for k, v in keys.items()}
     argv = ["dpo"] + [f"--{k}={v}" for k, v in text.items()]
     assert cli.main(argv) == 0
