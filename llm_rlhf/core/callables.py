@@ -78,6 +78,8 @@ def resolve_callable(spec: str, key: str, forms: str = CALLABLE_FORMS, *, build:
     where, attr = split_callable_spec(spec, key, forms)
     what = f"{key} '{spec}'"
     if where.endswith(".py") or "/" in where or os.sep in where:
+        if not where.endswith(".py"):
+            raise UserError(f"{what}: '{where}' is a path but not a .py file ({forms})")
         obj: Any = import_file(Path(where), what)
     else:
         try:

@@ -37,7 +37,14 @@ from llm_rlhf.models.loading import (
 from llm_rlhf.models.reward_fn import RewardFn, load_reward_fn, probe
 from llm_rlhf.models.scoring import Scorer, Scores
 from llm_rlhf.rl import ppo_math, token_math
-from llm_rlhf.rl.episodes import EPISODE_FIGURES, EpisodePlay, episode_figures, episode_record, run_episodes
+from llm_rlhf.rl.episodes import (
+    EPISODE_FIGURES,
+    EpisodePlay,
+    episode_figures,
+    episode_record,
+    no_turn_played,
+    run_episodes,
+)
 from llm_rlhf.rl.rollout import (
     Samples,
     Sampling,
@@ -154,10 +161,14 @@ def play_batch(model, tokenizer, prompts: list[str], sampling: Sampling, play: E
     queries = [encode_prompt(tokenizer, p) for p in prompts]
     if any(len(q) == 0 for q in queries):
         raise UserError("a prompt tokenizes to no tokens; every prompt needs at least one")
-    environments = [play.make_environment() for _ in queries]
     with torch.random.fork_rng(devices=_rng_devices(device)):
         torch.manual_seed(seed)
-        return run_episodes(model, tokenizer, queries, environments, sampling, play.limits, device=device)
+        samples, played = run_episodes(
+            model, tokenizer, queries, play.make_environment, sampling, play.limits, device=device
+        )
+    if not samples.response_mask.any():
+        raise UserError(no_turn_played(played))
+    return samples, played
 
 
 @torch.no_grad()

@@ -41,6 +41,7 @@ from llm_rlhf.rl.policy_losses import CLIP_KEYS, DEFAULT_LOSS, LOSSES, POLICY_LO
 from llm_rlhf.rl.policy_losses import ROWS as LOSS_ROWS
 from llm_rlhf.rl.policy_losses import help_text as loss_help_text
 from llm_rlhf.rl.rollout import check_generation_controls
+from llm_rlhf.tasks.environments import check_environment
 
 
 def clip_default_text(side: int) -> str:
@@ -180,7 +181,7 @@ class Config(SamplingRunKeys):
         "How a minibatch's token losses make its policy loss: 'token_mean' (over its response tokens; PPO, "
         "DAPO), 'seq_mean_token_mean' (the mean over responses of each one's token mean; GRPO's original, "
         "GSPO's objective) or 'token_sum_norm' (the token sum over the constant minibatch responses x "
-        "max_new_tokens; Dr. GRPO). null = the policy loss's own (its paper's: "
+        "max_new_tokens, an episode's max_episode_tokens; Dr. GRPO). null = the policy loss's own (its paper's: "
         f"{', '.join(f'{r.aggregation} for {r.name}' for r in LOSS_ROWS)}); another one than its papers' is "
         "used with a note at the start. Over the global minibatch: the same with gradient accumulation and any "
         "number of processes. Every estimator.",
@@ -198,7 +199,8 @@ class Config(SamplingRunKeys):
         0,
         "DAPO's overlong shaping: a penalty added to the score of a response longer than max_new_tokens - "
         "this many tokens, growing linearly to -overlong_penalty at max_new_tokens, -overlong_penalty for a "
-        "truncated one (in [0, max_new_tokens]; 0 = off). Applied after score_clip; eos_penalty, when set, "
+        "truncated one (in [0, max_new_tokens]; 0 = off). An episode counts all its tokens against "
+        "max_episode_tokens instead. Applied after score_clip; eos_penalty, when set, "
         "still replaces the whole score of a truncated response. Logged as objective/overlong_penalty. "
         "Every estimator.",
     )
@@ -364,11 +366,20 @@ class Config(SamplingRunKeys):
         check_policy_loss_keys(self)
         check_watch_keys(self)
         check_episode_keys(self)
+        if self.environment is not None:  # resolved and checked now, before any stage runs; never built here
+            check_environment(self.environment, has_verifier=self.accuracy_fn is not None)
         require(
             not (self.environment is not None and self.dynamic_sampling),
             "dynamic_sampling",
             "is not yet built for episodes (environment): its ties would need the environment's rewards",
         )
+
+    @property
+    def response_width(self) -> int:
+        """R, the tokens a response may hold: max_new_tokens, or with an environment max_episode_tokens (an
+        episode's policy and environment tokens together): the L_max of the overlong penalty and the L of
+        token_sum_norm's constant B * L, so both count an episode against its own budget."""
+        return self.max_episode_tokens if self.environment is not None else self.max_new_tokens
 
     @property
     def heldout_batch_size(self) -> int:
@@ -530,10 +541,11 @@ def check_policy_loss_keys(cfg) -> None:
         "sampler_correction_cap",
         f"must be >= 1 (got {cfg.sampler_correction_cap}): weights are truncated at C and kept in [1/C, C]",
     )
+    width = "max_episode_tokens" if cfg.environment is not None else "max_new_tokens"
     require(
-        0 <= cfg.overlong_buffer <= cfg.max_new_tokens,
+        0 <= cfg.overlong_buffer <= cfg.response_width,
         "overlong_buffer",
-        f"must be in [0, max_new_tokens = {cfg.max_new_tokens}] (got {cfg.overlong_buffer})",
+        f"must be in [0, {width} = {cfg.response_width}] (got {cfg.overlong_buffer})",
     )
     require(cfg.overlong_penalty >= 0, "overlong_penalty", "must be >= 0")
     require(cfg.dynamic_sampling_max_rounds >= 1, "dynamic_sampling_max_rounds", "must be >= 1")

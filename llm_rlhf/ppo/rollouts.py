@@ -28,7 +28,7 @@ from llm_rlhf.models.scoring import Scorer, Scores
 from llm_rlhf.ppo import metrics as ppo_metrics
 from llm_rlhf.ppo.context import PPOContext, UsesContext
 from llm_rlhf.rl import loss_math
-from llm_rlhf.rl.episodes import Episode, EpisodeLimits, run_episodes
+from llm_rlhf.rl.episodes import Episode, EpisodeLimits, no_turn_played, run_episodes
 from llm_rlhf.rl.rollout import Samples, Sampling, left_pad, sample
 
 
@@ -309,12 +309,16 @@ class EpisodeCollector(RolloutCollector):
                 policy.lm,
                 self.tokenizer,
                 queries,
-                [self.make_environment() for _ in queries],
+                self.make_environment,
                 sampling or self.sampling,
                 self.limits,
                 device=self.device,
                 any_active=lambda active: self.global_sum(torch.tensor(float(active))) > 0,
             )
+        if (
+            self.global_sum(samples.response_mask.sum()) == 0
+        ):  # on every process: nothing to train on anywhere
+            raise UserError(no_turn_played(self.last_episodes))
         return samples
 
     @torch.no_grad()

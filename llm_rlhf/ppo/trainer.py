@@ -357,12 +357,13 @@ class PPOTrainer(UsesContext):
 
     def overlong(self, samples: Samples) -> torch.Tensor:
         """DAPO's overlong penalty of each response, (B,) (`loss_math.overlong_penalty`): its length counts its
-        tokens (EOS included); truncated = it ended with neither EOS nor a stop string."""
+        tokens (EOS included; an episode's, the policy's and the environment's, which fill its budget together)
+        against `cfg.response_width`; truncated = it ended with neither EOS nor a stop string."""
         cfg = self.cfg
         return loss_math.overlong_penalty(
-            lengths=samples.response_mask.sum(-1),
+            lengths=samples.tokens_mask.sum(-1),
             truncated=~samples.ended(self.tokenizer.eos_token_id),
-            max_new_tokens=cfg.max_new_tokens,
+            max_new_tokens=cfg.response_width,
             overlong_buffer=cfg.overlong_buffer,
             penalty=cfg.overlong_penalty,
         )

@@ -235,7 +235,7 @@ class PPOUpdate(UsesContext):
         if cfg.plain_policy_loss:
             return self.global_sum(loss_mask[mb].sum()), None
         normaliser = loss_math.loss_normaliser(
-            loss_mask=loss_mask[mb], aggregation=cfg.aggregation, max_new_tokens=cfg.max_new_tokens
+            loss_mask=loss_mask[mb], aggregation=cfg.aggregation, max_new_tokens=cfg.response_width
         )
         tokens, normaliser = self.global_sum(torch.stack([loss_mask[mb].sum(), normaliser]))
         return tokens, normaliser

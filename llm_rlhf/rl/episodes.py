@@ -29,17 +29,25 @@ runs over the policy's tokens only (`ppo_math.compute_gae` skips masked position
 the policy's next token across a reply, with one gamma per policy token. A reward the environment gives with a
 turn lands on that turn's last token (`env_rewards`).
 
-Bounded: each environment call runs at most `environment_timeout` seconds (`bounded_call`); a reply is cut to
-`max_reply_tokens` (its text first to 8 characters a token, so a reply of megabytes is never tokenized whole);
-an environment that raises or hangs ends its episode there (reward 0 from it, an `env/errors` count and a
-one-line note on stderr), one that never says done is ended by max_turns or max_episode_tokens.
+Bounded: each environment call (building it, reset, step) runs at most `environment_timeout` seconds, the
+episodes' calls all at once (`bounded_calls`); a reply is cut to `max_reply_tokens` (its text first to 8
+characters a token, so a reply of megabytes is never tokenized whole) and encoded as plain text (`plain_ids`:
+markup or an EOS written in a reply never becomes a control token). An environment that raises (SystemExit too),
+hangs or returns what `step_problem` refuses (a reply that is not a str, a reward that is not a number within
++-MAX_REWARD, a done that is not a bool) ends its episode there (reward 0 from it, an `env/error_rate` count
+and a one-line note on stderr naming the environment, the method and the value); one that never says done is
+ended by max_turns or max_episode_tokens. What cannot go on stops the run with a one-line UserError: stop_strings
+that are not a list of strings, or a round in which no episode got to its first turn.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,10 +55,12 @@ from typing import Any
 import torch
 
 from llm_rlhf.core.config import require
+from llm_rlhf.core.errors import UserError
 from llm_rlhf.rl.rollout import Samples, Sampling, left_pad, sample
 
 POLICY, ENVIRONMENT = "policy", "environment"  # who wrote a piece of an episode
 CHARS_PER_TOKEN = 8  # a reply's text is cut to max_reply_tokens * this before it is tokenized
+MAX_REWARD = 1e6  # an environment's reward per turn at most, in absolute value (`step_problem`)
 
 
 @dataclass(frozen=True)
@@ -137,7 +147,8 @@ class Episode:
     """One episode while it is played: its pieces (owner, token ids) in order, the reward of each policy turn,
     how it ended, and what the report shows."""
 
-    environment: Any
+    environment: Any  # None when building it failed
+    name: str = ""  # the environment's class name, for the notes
     pieces: list[tuple[str, list[int]]] = dataclasses.field(default_factory=list)
     rewards: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (response position, reward)
     sampler_logprobs: list[float] = dataclasses.field(default_factory=list)  # one per response position
@@ -156,26 +167,107 @@ class Episode:
 
 def bounded_call(fn: Callable, *args, timeout: float) -> tuple[Any, str | None]:
     """fn(*args) in a daemon thread, waited for at most `timeout` seconds: (result, None), or (None, a one-line
-    reason) when it raised or did not return in time. A call that hangs is left running in its thread (Python
-    cannot stop one); the episode does not wait for it."""
-    out: dict[str, Any] = {}
+    reason) when it raised (anything, SystemExit included) or did not return in time. A call that hangs is left
+    running in its thread (Python cannot stop one); the episode does not wait for it."""
+    return bounded_calls([(fn, args)], timeout=timeout)[0]
 
-    def target():
+
+def bounded_calls(calls: Sequence[tuple[Callable, tuple]], *, timeout: float) -> list[tuple[Any, str | None]]:
+    """Each (fn, args) of `calls` in its own daemon thread, all started at once and waited for together, at
+    most `timeout` seconds in all: [(result, None) or (None, a one-line reason)] in order (`bounded_call`)."""
+    outs: list[dict[str, Any]] = [{} for _ in calls]
+
+    def target(out, fn, args):
         try:
             out["result"] = fn(*args)
-        except Exception as e:  # the environment's own error, reported as one line
-            out["error"] = f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(
-                ": "
-            )
+        except BaseException as e:  # the environment's own error (sys.exit too), reported as one line
+            out["error"] = f"raised {type(e).__name__}: {one_line(e)}".rstrip(": ")
 
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        return None, f"did not return within {timeout:g} s"
-    if "error" in out:
-        return None, out["error"]
-    return out.get("result"), None
+    threads = [
+        threading.Thread(target=target, args=(out, fn, args), daemon=True)
+        for out, (fn, args) in zip(outs, calls)
+    ]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    results: list[tuple[Any, str | None]] = []
+    for thread, out in zip(threads, outs):
+        if thread.is_alive() or not out:
+            results.append((None, f"did not return within {timeout:g} s"))
+        elif "error" in out:
+            results.append((None, out["error"]))
+        else:
+            results.append((out["result"], None))
+    return results
+
+
+def one_line(e: BaseException) -> str:
+    """The first line of str(e), or a note that str() itself raised."""
+    try:
+        text = str(e)
+    except Exception:
+        return "(its message could not be read: str() raised)"
+    return text.splitlines()[0] if text else ""
+
+
+def shown(value: Any, width: int = 40) -> str:
+    """repr(value), cut to `width` characters, for a one-line error (a repr that raises is named, not raised)."""
+    try:
+        text = repr(value)
+    except Exception:
+        text = f"<a {type(value).__name__} whose repr raised>"
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def step_problem(step: Any) -> str | None:
+    """What is wrong with what an environment's step returned, as the end of a one-line error, or None for a
+    Step whose reply is a str or None, whose reward is a real number within +-MAX_REWARD (finite in float32,
+    the dtype of the rewards and returns, with room for the value loss's squares) and whose done is a bool."""
+    if not isinstance(step, Step):
+        return f"returned {type(step).__name__} {shown(step)}, not a Step"
+    if step.reply is not None and not isinstance(step.reply, str):
+        return (
+            f"returned a reply of type {type(step.reply).__name__} ({shown(step.reply)}), not a str or None"
+        )
+    reward = step.reward
+    if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
+        return f"returned a reward of type {type(reward).__name__} ({shown(reward)}), not a number"
+    if not math.isfinite(float(reward)) or abs(float(reward)) > MAX_REWARD:
+        return f"returned the reward {float(reward):g}, outside [-{MAX_REWARD:g}, {MAX_REWARD:g}]"
+    if type(step.done).__name__ not in ("bool", "bool_"):
+        return f"returned done of type {type(step.done).__name__} ({shown(step.done)}), not a bool"
+    return None
+
+
+def reply_role(environment: Any) -> tuple[str, str | None]:
+    """The chat role of an environment's replies ("user" unless it sets `reply_role`) and None, or ("", why
+    not) when reading it raised or gave no non-empty string."""
+    try:
+        role = getattr(environment, "reply_role", "user")
+    except Exception as e:
+        return "", f"reading reply_role raised {type(e).__name__}: {one_line(e)}"
+    if not isinstance(role, str) or not role:
+        return "", f"has reply_role {shown(role)}, not a non-empty str"
+    return role, None
+
+
+def environment_stop_strings(environment: Any, name: str) -> tuple[str, ...]:
+    """An environment's `stop_strings` (none when it has none): a list or tuple of non-empty strings, else a
+    UserError naming the environment (a plain string would pause a turn at each of its characters)."""
+    try:
+        stops = getattr(environment, "stop_strings", ())
+    except Exception as e:
+        raise UserError(
+            f"environment {name}: reading stop_strings raised {type(e).__name__}: {one_line(e)}"
+        ) from None
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(x, str) and x for x in stops):
+        hint = " (a string, not a list: write ['" + stops + "'])" if isinstance(stops, str) else ""
+        raise UserError(
+            f"environment {name}: stop_strings must be a list of non-empty strings, got {shown(stops)}{hint}"
+        )
+    return tuple(stops)
 
 
 def chat_reply_text(tokenizer, role: str) -> tuple[str, str]:
@@ -199,20 +291,58 @@ def chat_reply_text(tokenizer, role: str) -> tuple[str, str]:
     return (before[len(eos) :] if eos and before.startswith(eos) else before), after
 
 
-def reply_ids(tokenizer, text: str, *, inline: bool, role: str, max_reply_tokens: int) -> list[int]:
-    """The token ids of an environment's reply: inline (after a stop string) its text alone, else wrapped as a
-    chat message of `role` (`chat_reply_text`); the reply's own text cut to max_reply_tokens tokens (its
-    characters first, `CHARS_PER_TOKEN` a token, then its tokens), with " [cut]" where it was."""
+def plain_ids(tokenizer, text: str) -> list[int]:
+    """`text`'s ids as plain text: the text of a special token in it ("<|im_end|>", "<|endoftext|>") is encoded
+    as the characters it is, never as the control token, so a reply cannot end a message or forge a turn."""
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
+def cut_reply(tokenizer, text: str, max_reply_tokens: int) -> str:
+    """A reply's text cut to max_reply_tokens tokens (its characters first, `CHARS_PER_TOKEN` a token, so a
+    reply of megabytes is never tokenized whole), with " [cut]" where it was."""
     limit = max_reply_tokens * CHARS_PER_TOKEN
     body = text if len(text) <= limit else text[:limit]
-    ids = tokenizer(body, add_special_tokens=False)["input_ids"]
-    if len(ids) > max_reply_tokens or len(body) < len(text):
-        ids = ids[:max_reply_tokens] + tokenizer(" [cut]", add_special_tokens=False)["input_ids"]
-    if inline:
-        return ids
-    before, after = chat_reply_text(tokenizer, role)
-    enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
-    return enc(before) + ids + enc(after)
+    ids = plain_ids(tokenizer, body)
+    if len(ids) <= max_reply_tokens and len(body) == len(text):
+        return text
+    return tokenizer.decode(ids[:max_reply_tokens]) + " [cut]"
+
+
+def reply_ids(tokenizer, text: str, *, inline: bool, role: str, max_reply_tokens: int) -> list[int]:
+    """The token ids of an environment's reply, its text cut to max_reply_tokens tokens (`cut_reply`) and
+    encoded as plain text (`plain_ids`): inline (after a stop string) the text alone; else a chat message of
+    `role` as the chat template itself writes and tokenizes it after the policy's EOS, the message's frame and
+    body joined (`chat_reply_ids`)."""
+    body = cut_reply(tokenizer, text, max_reply_tokens)
+    return plain_ids(tokenizer, body) if inline else chat_reply_ids(tokenizer, body, role)
+
+
+def chat_reply_ids(tokenizer, body: str, role: str) -> list[int]:
+    """The ids that follow an assistant message's EOS when the chat template renders a message of `role`
+    holding `body` and the next assistant header: the conversation [user, assistant, role] is tokenized by the
+    template with the messages' control tokens sanitized (`apply_chat_template(sanitize_control_tokens=True)`:
+    only the template's own markup becomes control tokens), and the ids after the assistant's text and EOS are
+    the reply's. So the frame and the body are tokenized together, as the template does (a prefix-space
+    tokenizer gives the body no extra leading space). Without a chat template: "\n" + body + "\n" as plain text."""
+    if not getattr(tokenizer, "chat_template", None):
+        return plain_ids(tokenizer, f"\n{body}\n")
+    said = "ASSISTANT_TURN_7f3a."
+    messages = [{"role": "user", "content": "u"}, {"role": "assistant", "content": said}]
+    full = tokenizer.apply_chat_template(
+        messages + [{"role": role, "content": body}],
+        tokenize=True,
+        add_generation_prompt=True,
+        sanitize_control_tokens=True,
+        return_dict=True,
+    )["input_ids"]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+    prefix = tokenizer(rendered[: rendered.index(said) + len(said)], add_special_tokens=False)["input_ids"]
+    if full[: len(prefix)] != prefix:  # the template merged the assistant's text with what follows
+        before, after = chat_reply_text(tokenizer, role)
+        enc = lambda t: tokenizer(t, add_special_tokens=False)["input_ids"]  # noqa: E731  the template's markup
+        return enc(before) + plain_ids(tokenizer, body) + enc(after)
+    rest = full[len(prefix) :]
+    return rest[1:] if rest and rest[0] == tokenizer.eos_token_id else rest
 
 
 def note(message: str) -> None:
@@ -224,33 +354,48 @@ def run_episodes(
     lm,
     tokenizer,
     queries: Sequence[list[int]],
-    environments: Sequence[Any],
+    make_environment: Callable[[], Any],
     sampling: Sampling,
     limits: EpisodeLimits,
     *,
     device=None,
     any_active: Callable[[bool], bool] | None = None,
 ) -> tuple[Samples, list[Episode]]:
-    """Play one episode per query with its environment (fresh instances, one each) and return the episodes
-    as `Samples` (the layout of the module docstring: R = max_episode_tokens on every row, env_mask and
+    """Play one episode per query, each with a fresh environment from `make_environment`, and return the
+    episodes as `Samples` (the layout of the module docstring: R = max_episode_tokens on every row, env_mask and
     env_rewards set) and the `Episode`s (pieces, turns, errors) for the statistics and the report.
 
-    Each turn samples the next policy turn of every unfinished episode in one `rollout.sample` call on its
-    whole context so far (the prompt and every piece, left-padded), at most sampling.max_new_tokens and the
-    episode's remaining budget, pausing also at the environment's stop strings. Draws come from the global RNG,
-    turn after turn. any_active: agrees over the processes whether some episode anywhere is unfinished (a
-    global sum); under ZeRO-3 a process whose episodes are all over then samples one throw-away row, so every
-    process runs as many sampling calls (`fast_sampling.steps_on_every_process`)."""
-    tokens_left = limits.max_episode_tokens
+    The environments are built and reset all at once, each call bounded (`bounded_calls`); one that fails ends
+    its episode before its first turn. Each turn samples the next policy turn of every unfinished episode in one
+    `rollout.sample` call on its whole context so far (the prompt and every piece, left-padded), at most
+    sampling.max_new_tokens and the episode's remaining budget, pausing also at the environment's stop strings
+    (`environment_stop_strings`); the turns' steps run all at once too. Draws come from the global RNG, turn
+    after turn. any_active: agrees over the processes whether some episode anywhere is unfinished (a global
+    sum); under ZeRO-3 a process whose episodes are all over then samples one throw-away row, so every process
+    runs as many sampling calls (`fast_sampling.steps_on_every_process`)."""
+    tokens_left, timeout = limits.max_episode_tokens, limits.environment_timeout
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    stops = tuple(sampling.stop_strings) + tuple(getattr(environments[0], "stop_strings", ()))
-    episodes = [Episode(environment=env) for env in environments]
-    with_sampler = True  # the sampler gave its log q(y_t) at every turn (the fast sampler does)
-    decode_prompt = [tokenizer.decode(q, skip_special_tokens=False) for q in queries]
-    for episode, prompt in zip(episodes, decode_prompt):
-        _, error = bounded_call(episode.environment.reset, prompt, timeout=limits.environment_timeout)
+    name = getattr(make_environment, "__name__", type(make_environment).__name__)
+    built = bounded_calls([(make_environment, ())] * len(queries), timeout=timeout)
+    episodes = [
+        Episode(environment=env, name=type(env).__name__ if error is None else name) for env, error in built
+    ]
+    for episode, (_, error) in zip(episodes, built):
         if error is not None:
-            end_with_error(episode, f"reset {error}")
+            end_with_error(episode, f"building it {error}")
+    first = next((e for e in episodes if e.error is None), None)
+    stops = tuple(sampling.stop_strings) + (
+        environment_stop_strings(first.environment, first.name) if first else ()
+    )
+    with_sampler = True  # the sampler gave its log q(y_t) at every turn (the fast sampler does)
+    live = [i for i, e in enumerate(episodes) if not e.over]
+    prompts = [tokenizer.decode(queries[i], skip_special_tokens=False) for i in live]
+    resets = bounded_calls(
+        [(episodes[i].environment.reset, (p,)) for i, p in zip(live, prompts)], timeout=timeout
+    )
+    for i, (_, error) in zip(live, resets):
+        if error is not None:
+            end_with_error(episodes[i], f"reset {error}")
     while True:
         rows = [i for i, e in enumerate(episodes) if not e.over]
         if any_active is not None and not any_active(bool(rows)):
@@ -266,6 +411,7 @@ def run_episodes(
         query, query_mask = left_pad(contexts, pad, device)  # (b, P_turn)
         out = sample(lm, tokenizer, query, query_mask, turn_sampling)
         with_sampler = with_sampler and out.sampler_logprobs is not None
+        turns = {}
         for j, i in enumerate(rows):
             mask = out.response_mask[j]  # (w,) the turn's tokens, up to its EOS or stop string
             ids = out.response[j][mask].tolist()[: budget[i]]
@@ -274,48 +420,56 @@ def run_episodes(
             )
             ended_eos = bool(ids) and ids[-1] == eos
             paused = bool(out.stopped[j]) and len(ids) == int(mask.sum())
-            play_turn(episodes[i], ids, logprobs, tokenizer, limits, ended_eos=ended_eos, paused=paused)
+            text = add_turn(episodes[i], ids, logprobs, tokenizer, ended_eos=ended_eos, paused=paused)
+            if text is not None:
+                turns[i] = (text, ended_eos)
+        steps = bounded_calls(
+            [(episodes[i].environment.step, (text,)) for i, (text, _) in turns.items()], timeout=timeout
+        )
+        for (i, (_, ended_eos)), (step, error) in zip(turns.items(), steps):
+            take_step(episodes[i], step, error, tokenizer, limits, ended_eos=ended_eos)
     samples = episodes_to_samples(episodes, queries, tokenizer, limits, device)
     if not with_sampler:
         samples.sampler_logprobs = None
     return samples, episodes
 
 
-def play_turn(
-    episode: Episode, ids: list[int], logprobs: list[float], tokenizer, limits, *, ended_eos, paused
-):
-    """Append the policy's turn to `episode`, let its environment step on it, append the reply: a turn that
-    neither ended with EOS nor paused at a stop string was truncated (max_new_tokens or the budget) and ends
-    the episode without a step."""
-    start = episode.length
+def add_turn(
+    episode: Episode, ids: list[int], logprobs: list[float], tokenizer, *, ended_eos, paused
+) -> str | None:
+    """Append the policy's turn to `episode` and return its text (EOS dropped) for the environment's step, or
+    None when the turn ends the episode without a step: a turn that neither ended with EOS nor paused at a stop
+    string was truncated (max_new_tokens or the budget)."""
     episode.pieces.append((POLICY, ids))
     episode.sampler_logprobs += logprobs or [0.0] * len(ids)
     episode.turns += 1
     if not ids or not (ended_eos or paused):
         episode.over = True
-        return
+        return None
     eos = tokenizer.eos_token_id
-    text = tokenizer.decode([t for t in ids if t != eos], skip_special_tokens=True)
-    env = episode.environment
-    step, error = bounded_call(env.step, text, timeout=limits.environment_timeout)
-    if error is None and not isinstance(step, Step):
-        error = f"returned {type(step).__name__}, not a Step"
+    return tokenizer.decode([t for t in ids if t != eos], skip_special_tokens=True)
+
+
+def take_step(episode: Episode, step: Any, error: str | None, tokenizer, limits, *, ended_eos: bool) -> None:
+    """What the environment's step on the latest turn (`add_turn`) returned, `bounded_call`'s (step, error):
+    the turn's reward on its last token, the episode's end, or its reply appended (`reply_ids`). A step that
+    failed, or returned something `step_problem` refuses, ends the episode with a note (`end_with_error`)."""
+    error = error or step_problem(step)
     if error is not None:
         end_with_error(episode, f"step {error}")
         return
-    reward = float(step.reward)
-    if reward != reward or reward in (float("inf"), float("-inf")):
-        end_with_error(episode, f"step returned a non-finite reward {reward}")
-        return
-    if reward:
-        episode.rewards.append((start + len(ids) - 1, reward))  # on the turn's last token
+    if step.reward:
+        episode.rewards.append((episode.length - 1, float(step.reward)))  # on the turn's last token
     if step.done:
         episode.done = episode.over = True
         return
     if episode.turns >= limits.max_turns or step.reply is None and ended_eos:
         episode.over = True  # the turn limit, or nothing to say to a finished message
         return
-    role = getattr(env, "reply_role", "user")
+    role, error = reply_role(episode.environment)
+    if error is not None:
+        end_with_error(episode, error)
+        return
     reply = reply_ids(
         tokenizer, step.reply or "", inline=not ended_eos, role=role, max_reply_tokens=limits.max_reply_tokens
     )
@@ -328,10 +482,17 @@ def play_turn(
 
 def end_with_error(episode: Episode, reason: str) -> None:
     """The environment failed: the episode ends here with what it has, and the user reads one line."""
-    name = type(episode.environment).__name__
     episode.error = reason
     episode.over = True
-    note(f"environment {name} {reason}; its episode ends at turn {episode.turns}, the run goes on")
+    note(f"environment {episode.name} {reason}; its episode ends at turn {episode.turns}, the run goes on")
+
+
+def no_turn_played(episodes: Sequence[Episode]) -> str:
+    """The one-line error of a round in which no episode, on any process, got to a policy token: nothing to
+    train on or to judge, so the run stops (its last checkpoint stays)."""
+    failed = next((e for e in episodes if e.error is not None), None)
+    why = f"; the first failure: {failed.name} {failed.error}" if failed else ""
+    return f"environment: no episode of this round got to the policy's first token{why}"
 
 
 def episodes_to_samples(episodes, queries, tokenizer, limits: EpisodeLimits, device) -> Samples:

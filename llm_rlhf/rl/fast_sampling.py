@@ -8,6 +8,7 @@
     decoding_weights(lm)   inside: every linear layer of `lm` runs from a copy of its weight made for decoding
                            - a LoRA layer from its merged weight W + scaling * B A (one matmul instead of three),
                            - on CPU, in float32, from a copy prepacked for the matmul library,
+                           - under autocast, from a copy in autocast's dtype (cast once, not at every call),
                            the model's parameters untouched (nothing is merged into them, nothing to unmerge)
     compiled_step(model)   the opt-in `sampling_compile`: decode steps with a static KV cache through
                            torch.compile (fixed shapes; CUDA graphs on a GPU), one compilation per batch size
@@ -150,10 +151,21 @@ def merged_lora_weight(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | N
 
 
 def linear_forward(
-    weight: torch.Tensor, bias: torch.Tensor | None, *, prepack: bool, dtype: torch.dtype | None = None
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    prepack: bool,
+    dtype: torch.dtype | None = None,
+    autocast_dtype: torch.dtype | None = None,
 ):
     """x -> x W^T + b, from W prepacked once for oneDNN (CPU float32), from a copy of W and b in `dtype`
-    (x cast to it, the output cast back to x's dtype), or from W as it is."""
+    (x cast to it, the output cast back to x's dtype), under autocast from a copy of W and b in autocast's dtype
+    made once (what autocast casts a float32 weight to at every call, so the same numbers: autocast casts no
+    weight that does not require a gradient once per region, and a decode step is a region's worth of calls),
+    or from W as it is."""
+    if autocast_dtype is not None:
+        low_weight, low_bias = weight.to(autocast_dtype), None if bias is None else bias.to(autocast_dtype)
+        return lambda x, *args, **kwargs: nn.functional.linear(x, low_weight, low_bias)
     if dtype is not None and dtype != weight.dtype:
         low_weight, low_bias = weight.to(dtype), None if bias is None else bias.to(dtype)
         return lambda x, *args, **kwargs: nn.functional.linear(x.to(dtype), low_weight, low_bias).to(x.dtype)
@@ -165,6 +177,18 @@ def linear_forward(
     )
 
 
+def conv1d_forward(weight: torch.Tensor, bias: torch.Tensor, *, autocast_dtype: torch.dtype):
+    """GPT-2's Conv1D forward, x W' + b by addmm with W' (in, out), from copies of W' and b in autocast's dtype
+    made once: the layer's own kernel, so the same numbers as autocast casting its weight at every call."""
+    weight, bias = weight.to(autocast_dtype), bias.to(autocast_dtype)
+
+    def forward(x, *args, **kwargs):
+        out = torch.addmm(bias, x.view(-1, x.size(-1)), weight)
+        return out.view(x.size()[:-1] + (weight.shape[1],))
+
+    return forward
+
+
 @contextmanager
 def decoding_weights(
     lm: nn.Module, *, prepack: bool | None = None, merge_lora: bool = True, dtype: torch.dtype | None = None
@@ -174,7 +198,8 @@ def decoding_weights(
     again. The parameters are never written: the policy after sampling is bit for bit the policy before.
 
     prepack: None = where it was measured to help (`PREPACK_BY_DEFAULT`: an AMD CPU) with float32 weights and
-    autocast off (under autocast the layers keep autocast's dtype). merge_lora: LoRA layers run from
+    autocast off. Under autocast (bf16 on a CPU) every linear layer runs from a copy of its (merged) weight in
+    autocast's dtype, made once here instead of at every call of every decode step: the same numbers. merge_lora: LoRA layers run from
     W + scaling * B A (one matmul instead of three). dtype (e.g. torch.bfloat16; None = the weights' own):
     every linear layer runs from a copy of its (merged) weight in that dtype, its input cast to it and its
     output cast back (prepacking off): lower-precision sampling, which changes the distribution sampled from
@@ -186,8 +211,9 @@ def decoding_weights(
     device = params[0].device if params else torch.device("cpu")
     if dtype is not None and all(p.dtype == dtype for p in params):
         dtype = None  # the weights' own dtype: nothing to cast
+    autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
     if dtype is not None:
-        prepack = False  # oneDNN's prepacked kernel is the float32 one
+        prepack, autocast = False, None  # oneDNN's prepacked kernel is the float32 one; `dtype` decides
     if prepack is None:
         prepack = (
             PREPACK_BY_DEFAULT
@@ -208,11 +234,18 @@ def decoding_weights(
                     [module.base_layer] if weight_bias is not None else []
                 )
                 skip.update(id(m) for part in inner for m in part.modules())
+            elif type(module) is Conv1D and autocast and not prepack and dtype is None:
+                if is_whole(module.weight):  # GPT-2's layer as it computes itself (addmm), from copies
+                    module.forward = conv1d_forward(module.weight, module.bias, autocast_dtype=autocast)
+                    replaced.append(module)
+                continue
             else:
-                weight_bias = linear_weight(module) if prepack or dtype is not None else None
+                weight_bias = linear_weight(module) if prepack or dtype or autocast else None
             if weight_bias is None:
                 continue
-            module.forward = linear_forward(*weight_bias, prepack=prepack, dtype=dtype)
+            module.forward = linear_forward(
+                *weight_bias, prepack=prepack, dtype=dtype, autocast_dtype=autocast
+            )
             replaced.append(module)
     try:
         yield

@@ -42,7 +42,8 @@ def loss_normaliser(*, loss_mask: torch.Tensor, aggregation: str, max_new_tokens
 
     The caller sums it over every micro-batch of the minibatch on every process (`accelerator.reduce`) and
     gives the total to each micro-batch's `aggregate_loss`. `max_new_tokens` (L) is the configured length,
-    not the width of the (trimmed) tensors. loss_mask: (B, T) bool (the response mask, less masked-out
+    not the width of the (trimmed) tensors; for episodes the caller gives their budget, max_episode_tokens
+    (`ppo.config.Config.response_width`). loss_mask: (B, T) bool (the response mask, less masked-out
     truncated responses).
     """
     if aggregation == "token_mean":
@@ -186,7 +187,8 @@ def overlong_penalty(
               = -penalty * (|y| - start) / buffer      start < |y| <= L_max
               = -penalty                              truncated (no EOS nor stop string)
 
-    |y| counts the response's tokens, its EOS included (`response_mask.sum(-1)`). buffer = 0 penalises only
+    |y| counts the response's tokens, its EOS included (`tokens_mask.sum(-1)`; an episode's policy and
+    environment tokens, with L_max its max_episode_tokens: `ppo.config.Config.response_width`). buffer = 0 penalises only
     the truncated responses. Worked example, L_max 20, buffer 4: |y| <= 16 -> 0; 18 -> -0.5; 20 ending with
     EOS -> -1; truncated -> -1.
 

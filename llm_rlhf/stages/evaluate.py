@@ -134,7 +134,7 @@ from llm_rlhf.rl.rollout import (
     check_generation_controls,
     encode_prompt,
 )
-from llm_rlhf.tasks.environments import environment_factory
+from llm_rlhf.tasks.environments import check_environment, environment_factory
 
 
 @checked_keywords
@@ -181,6 +181,8 @@ class Config(SamplingRunKeys):
         check_episode_keys(self)
         if self.accuracy_fn is not None:  # its form only: `run` imports it
             split_callable_spec(self.accuracy_fn, "accuracy_fn")
+        if self.environment is not None:  # resolved and checked now, before any stage runs; never built here
+            check_environment(self.environment, has_verifier=self.accuracy_fn is not None)
         require(
             self.num_prompts is None or self.num_prompts > 0, "num_prompts", "must be > 0 (or null for all)"
         )

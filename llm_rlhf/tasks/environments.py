@@ -3,14 +3,15 @@
 A recipe names its environment as it names a reward function:
 
     environment: calculator                    a shipped one, a row of `ENVIRONMENTS`
-    environment: my_envs.py:Maze               a user's class (or any callable that makes one instance)
+    environment: my_envs.py:Maze               a user's class ('module:Class' works too)
 
 An environment is a class with `reset(prompt)` and `step(turn) -> Step(reply, reward, done)` (the module
 docstring of `llm_rlhf.rl.episodes`); one instance plays one episode, so it keeps its episode's state on
 `self`. A user's class is built with no arguments, or with `verifier=` (the run's loaded accuracy_fn: a
-callable (prompts, responses) -> 1.0 / 0.0) when its __init__ takes one. A few lines are enough:
+callable (prompts, responses) -> 1.0 / 0.0) when its __init__ takes one; the class is checked when the config
+is read (`resolve_environment`, before any stage runs) and built once per episode. A few lines are enough:
 
-    from llm_rlhf.rl.episodes import Step
+    from llm_rlhf.rl.episodes import Step, shown
 
     class Countdown:
         reply_role = "user"                          # the chat role of the replies (optional)
@@ -40,11 +41,12 @@ import inspect
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 from llm_rlhf.core.callables import resolve_callable
 from llm_rlhf.core.errors import UserError
-from llm_rlhf.rl.episodes import Step
+from llm_rlhf.rl.episodes import Step, shown
 from llm_rlhf.tasks.gym import extract_answer
 
 # ---------------------------------------------------------------------------------------------
@@ -52,8 +54,9 @@ from llm_rlhf.tasks.gym import extract_answer
 # ---------------------------------------------------------------------------------------------
 
 MAX_EXPRESSION_CHARS = 200
-MAX_MAGNITUDE = 1e15  # larger intermediate values are an error, not a bignum the model never needs
-_TOKEN = re.compile(r"\s*(?:(\d+(?:\.\d+)?)|(.))")
+MAX_MAGNITUDE = 10**15  # larger intermediate values are an error, not a bignum the model never needs
+RATIONAL_DIGITS = 12  # the significant digits of a result with no finite decimal (1 / 3)
+_TOKEN = re.compile(r"\s*(?:([0-9]+(?:\.[0-9]+)?)|(.))")  # ASCII digits only: "٣" is not a number here
 
 
 def calculator(expression: str) -> str:
@@ -61,27 +64,43 @@ def calculator(expression: str) -> str:
     if len(expression) > MAX_EXPRESSION_CHARS:
         raise ValueError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
     value = _Parser(expression.replace("\u2212", "-").replace("×", "*").replace("÷", "/")).parse()
-    if value == int(value):
-        return str(int(value))
-    return f"{value:.6g}"
+    return decimal_text(value)
+
+
+def decimal_text(value: Fraction) -> str:
+    """A calculator result as text, exact where it has a finite decimal: 7 -> "7", 123456.8 -> "123456.8",
+    -1/8 -> "-0.125"; otherwise rounded to RATIONAL_DIGITS significant digits: 1/3 -> "0.333333333333"."""
+    if value.denominator == 1:
+        return str(value.numerator)
+    rest, twos, fives = value.denominator, 0, 0
+    while rest % 2 == 0:
+        rest, twos = rest // 2, twos + 1
+    while rest % 5 == 0:
+        rest, fives = rest // 5, fives + 1
+    if rest != 1:  # no finite decimal
+        return f"{float(value):.{RATIONAL_DIGITS}g}"
+    places = max(twos, fives)  # value * 10**places is an integer
+    whole, frac = divmod(abs(value.numerator) * 10**places // value.denominator, 10**places)
+    return ("-" if value < 0 else "") + f"{whole}.{frac:0{places}d}".rstrip("0")
 
 
 class _Parser:
     """Recursive descent over  expr := term (('+'|'-') term)*;  term := factor (('*'|'/') factor)*;
-    factor := ('+'|'-') factor | NUMBER | '(' expr ')'.  Floats throughout; nothing is evaluated as Python."""
+    factor := ('+'|'-') factor | NUMBER | '(' expr ')'.  Exact rationals (`Fraction`) throughout, so integers
+    and decimals are never rounded; nothing is evaluated as Python."""
 
     def __init__(self, text: str):
         self.tokens: list[tuple[str, Any]] = []
         for number, other in _TOKEN.findall(text):
             if number:
-                self.tokens.append(("num", float(number)))
+                self.tokens.append(("num", Fraction(number)))
             elif other.strip():
                 if other not in "+-*/()":
                     raise ValueError(f"unexpected character {other!r}")
                 self.tokens.append(("op", other))
         self.i = 0
 
-    def parse(self) -> float:
+    def parse(self) -> Fraction:
         if not self.tokens:
             raise ValueError("empty expression")
         value = self.expr(depth=0)
@@ -92,7 +111,7 @@ class _Parser:
     def peek(self):
         return self.tokens[self.i][1] if self.i < len(self.tokens) else None
 
-    def expr(self, depth: int) -> float:
+    def expr(self, depth: int) -> Fraction:
         value = self.term(depth)
         while self.peek() in ("+", "-"):
             op = self.tokens[self.i][1]
@@ -100,7 +119,7 @@ class _Parser:
             value = _checked(value + self.term(depth) if op == "+" else value - self.term(depth))
         return value
 
-    def term(self, depth: int) -> float:
+    def term(self, depth: int) -> Fraction:
         value = self.factor(depth)
         while self.peek() in ("*", "/"):
             op = self.tokens[self.i][1]
@@ -111,7 +130,7 @@ class _Parser:
             value = _checked(value * right if op == "*" else value / right)
         return value
 
-    def factor(self, depth: int) -> float:
+    def factor(self, depth: int) -> Fraction:
         if depth > 50:
             raise ValueError("too deeply nested")
         if self.i >= len(self.tokens):
@@ -132,7 +151,7 @@ class _Parser:
         raise ValueError(f"unexpected {x!r}")
 
 
-def _checked(value: float) -> float:
+def _checked(value: Fraction) -> Fraction:
     if abs(value) > MAX_MAGNITUDE:
         raise ValueError("number too large")
     return value
@@ -290,7 +309,7 @@ ENVIRONMENTS = {
         ),
         EnvironmentRow(
             "feedback",
-            lambda verifier: Feedback(verifier),
+            lambda verifier: Feedback(verifier),  # called as make(verifier=...)
             True,
             "the task's verifier judges each answer; too high / too low, another try",
         ),
@@ -300,33 +319,54 @@ ENVIRONMENTS = {
 ENVIRONMENT_FORMS = f"one of {', '.join(ENVIRONMENTS)}, 'module:Class' or 'path/to/file.py:Class'"
 
 
-def environment_factory(spec: str, *, verifier=None) -> Callable[[], Any]:
-    """What makes one instance of the environment `spec` names (`environment:` of a config): a shipped row, or a
-    user's class (or function) called with no arguments, or with verifier= when it takes one. Every failure is
-    one UserError naming `environment`; the first instance is built (and checked for reset and step) here."""
+def resolve_environment(spec: str) -> tuple[Callable[..., Any], bool]:
+    """The class (or a shipped row's maker) `spec` names and whether it takes the run's verifier, checked and
+    never built: a user's environment must be a class with callable reset and step whose __init__ needs no
+    argument but an optional `verifier`. Every failure is one UserError naming `environment`."""
     if spec in ENVIRONMENTS:
         row = ENVIRONMENTS[spec]
-        if row.verifier and verifier is None:
-            raise UserError(f"environment '{spec}' judges answers with the task's verifier: set accuracy_fn")
-        make = (lambda: row.make(verifier)) if row.verifier else row.make
-    else:
-        cls = resolve_callable(spec, "environment", ENVIRONMENT_FORMS, build=False)
-        takes_verifier = "verifier" in _parameters(cls)
-        if takes_verifier and verifier is None:
-            raise UserError(f"environment '{spec}' takes a verifier: set accuracy_fn")
-        make = (lambda: cls(verifier=verifier)) if takes_verifier else cls
-    try:
-        first = make()
-    except Exception as e:
-        raise UserError(f"environment '{spec}': building it raised {type(e).__name__}: {e}") from e
-    missing = [m for m in ("reset", "step") if not callable(getattr(first, m, None))]
+        return row.make, row.verifier
+    what = f"environment '{spec}'"
+    cls = resolve_callable(spec, "environment", ENVIRONMENT_FORMS, build=False)
+    if not inspect.isclass(cls):
+        raise UserError(f"{what}: {shown(cls)} is not a class (one instance plays one episode)")
+    missing = [m for m in ("reset", "step") if not callable(inspect.getattr_static(cls, m, None))]
     if missing:
-        raise UserError(f"environment '{spec}': {type(first).__name__} has no {' or '.join(missing)} method")
-    return make
-
-
-def _parameters(cls) -> Sequence[str]:
+        raise UserError(f"{what}: {cls.__name__} has no {' or '.join(missing)} method")
     try:
-        return list(inspect.signature(cls).parameters)
+        parameters = inspect.signature(cls).parameters.values()
     except (TypeError, ValueError):
-        return []
+        parameters = []
+    needed = [
+        p.name
+        for p in parameters
+        if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name != "verifier"
+    ]
+    if needed:
+        raise UserError(
+            f"{what}: {cls.__name__}() needs {', '.join(needed)}; an environment is built with no arguments "
+            "(or verifier=, the run's accuracy_fn)"
+        )
+    return cls, any(p.name == "verifier" for p in parameters)
+
+
+def check_environment(spec: str, *, has_verifier: bool) -> None:
+    """The config check of `environment:` (before any stage runs): resolved and checked (`resolve_environment`),
+    never built; one that judges with the verifier needs accuracy_fn."""
+    _, takes_verifier = resolve_environment(spec)
+    if takes_verifier and not has_verifier:
+        raise UserError(f"environment '{spec}' judges answers with the task's verifier: set accuracy_fn")
+
+
+def environment_factory(spec: str, *, verifier=None) -> Callable[[], Any]:
+    """What makes one instance of the environment `spec` names (`environment:` of a config): a shipped row, or a
+    user's class called with no arguments, or with verifier= when it takes one (`resolve_environment`). Nothing is
+    built here: each episode builds its own, bounded (`episodes.run_episodes`)."""
+    check_environment(spec, has_verifier=verifier is not None)
+    cls, takes_verifier = resolve_environment(spec)
+
+    def make():
+        return cls(verifier=verifier) if takes_verifier else cls()
+
+    make.__name__ = spec if spec in ENVIRONMENTS else cls.__name__
+    return make

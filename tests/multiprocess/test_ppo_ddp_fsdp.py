@@ -363,3 +363,29 @@ def test_fsdp2_first_step_kl_zero_ratio_one(
     assert second["objective/kl"] != 0.0  # the policy moved and the KL sees it
     lrs = [first["lr"], second["lr"]]
     assert lrs == pytest.approx(linear_lr(2, optimizer_steps_per_step=1), rel=1e-12, abs=1e-15)
+
+
+def test_reusing_the_frozen_blocks_on_two_ranks_trains_as_the_full_forwards(
+    tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path
+):
+    """reuse_frozen_blocks under DDP (adapters in block 1 of 2, block 0's output reused): two steps on 2 ranks log
+    the metrics and save the adapter of the 2-rank run whose every forward runs both blocks, up to float
+    rounding (the trimmed micro-batches differ in width from the chunks block 0 ran on)."""
+    import torch
+    from safetensors.torch import load_file
+
+    runs = {}
+    for reuse in ("true", "false"):
+        out = tmp_path / reuse
+        args = ppo_cli_args(tiny_model_dir, tiny_rm_dir, prompt_file, out, 2, save_steps=0)
+        launch(args + ["--use_lora", "true", "--lora_layers", "1", "--reuse_frozen_blocks", reuse], 2)
+        metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        runs[reuse] = metrics, load_file(out / "adapter" / "adapter_model.safetensors")
+    (reused, reused_adapter), (full, full_adapter) = runs["true"], runs["false"]
+    assert len(reused) == len(full) == 2
+    for a, b in zip(reused, full):
+        for key in ("objective/scores", "objective/kl", "loss/policy", "loss/value", "policy/approxkl"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    assert full_adapter.keys() == reused_adapter.keys() and full_adapter
+    for name, p in full_adapter.items():
+        torch.testing.assert_close(reused_adapter[name], p, rtol=1e-4, atol=1e-6)

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from envs import play
 from helpers import ROOT, ppo_config, tiny_chat_model, tiny_ppo_trainer
 from processes import killed_and_resumed
 
@@ -75,14 +76,19 @@ def test_three_turn_episode_is_the_concatenation_of_its_sampled_and_encoded_piec
 ):
     tok = load_tokenizer(str(tiny_model_dir), padding_side="left")
     queries = [tok("The film is")["input_ids"], tok("A gorgeous")["input_ids"]]
-    turns = [[[11, 12, 13], [21, 22]], [[14, 15], [23]], [[16], [24, 25, 26]]]  # turn n, row i
+    # turn n of row i: one id per character, a split the tokenizer never makes itself, so re-tokenizing an
+    # episode's context (decode, encode) would change its ids and fail this test
+    chars = lambda text: [tok(c, add_special_tokens=False)["input_ids"][0] for c in text]  # noqa: E731
+    turns = [[chars(" the"), chars(" so")], [chars(" film"), chars(" a")], [chars(" it"), chars(" movie")]]
+    for turn in (t for n in turns for t in n):
+        assert tok(tok.decode(turn), add_special_tokens=False)["input_ids"] != turn
     scripted = Scripted(turns, tok.pad_token_id)
     monkeypatch.setattr(episodes, "sample", scripted)
     samples, played = run_episodes(
         None,
         tok,
         queries,
-        [Replies(), Replies()],
+        Replies,
         Sampling(max_new_tokens=4),
         EpisodeLimits(max_turns=5, max_episode_tokens=40),
     )
@@ -238,20 +244,40 @@ def test_every_estimator_and_policy_loss_trains_on_episodes(tiny_model_dir, prom
         assert all(v == v for v in m.values() if isinstance(v, float))  # no NaN
 
 
-# --- bounded environments ----------------------------------------------------------------------
-
-
-def play(tiny_model_dir, env, **limits):
-    tok = load_tokenizer(str(tiny_model_dir), padding_side="left")
-    queries = [tok("The film is")["input_ids"], tok("A gorgeous")["input_ids"]]
-    torch.manual_seed(0)
-    from transformers import AutoModelForCausalLM
-
-    lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    limits = {"max_turns": 3, "max_episode_tokens": 24, **limits}
-    return run_episodes(
-        lm, tok, queries, [env() for _ in queries], Sampling(max_new_tokens=16), EpisodeLimits(**limits)
+def test_the_overlong_penalty_and_token_sum_norm_count_an_episode_against_its_own_budget(
+    tiny_model_dir, prompt_file, tmp_path
+):
+    """Worked example, max_episode_tokens 24, overlong_buffer 4 (the ramp starts at 20), max_new_tokens 8, each
+    episode ending with EOS: policy 6 + environment 8 + policy 6 = 20 tokens -> 0; 6 + 8 + 8 = 22 -> -0.5; and
+    6 + 2 + 6 = 14 -> 0, though its 12 policy tokens exceed one turn's max_new_tokens (counted against 8, the
+    ramp would start at 4 and give -1). token_sum_norm's constant for the 3 episodes: B * L = 3 * 24."""
+    cfg = env_config(
+        tiny_model_dir, prompt_file, tmp_path, overlong_buffer=4, loss_aggregation="token_sum_norm"
     )
+    trainer = tiny_ppo_trainer(cfg)
+    eos = trainer.tokenizer.eos_token_id
+    pieces = [(6, 8, 6), (6, 8, 8), (6, 2, 6)]  # policy, environment, policy
+    B, R = len(pieces), cfg.max_episode_tokens
+    response = torch.full((B, R), 5)
+    policy, env = torch.zeros((B, R), dtype=torch.bool), torch.zeros((B, R), dtype=torch.bool)
+    for b, (p1, e, p2) in enumerate(pieces):
+        policy[b, :p1] = policy[b, p1 + e : p1 + e + p2] = True
+        env[b, p1 : p1 + e] = True
+        response[b, p1 + e + p2 - 1] = eos
+    samples = Samples(
+        query=torch.ones((B, 2), dtype=torch.long),
+        query_mask=torch.ones((B, 2), dtype=torch.bool),
+        response=response,
+        response_mask=policy,
+        stopped=torch.zeros(B, dtype=torch.bool),
+        env_mask=env,
+    )
+    assert trainer.overlong(samples).tolist() == [0.0, -0.5, 0.0]
+    tokens, normaliser = trainer.update.minibatch_counts(torch.arange(B), policy)
+    assert tokens == policy.sum() and normaliser == B * R
+
+
+# --- bounded environments ----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -259,7 +285,7 @@ def play(tiny_model_dir, env, **limits):
     [
         ("Raises", "step raised RuntimeError: the environment broke"),
         ("Hangs", "step did not return within 0.5 s"),
-        ("NotAStep", "step returned str, not a Step"),
+        ("NotAStep", "step returned str 'a string', not a Step"),
     ],
 )
 def test_an_environment_that_raises_hangs_or_misbehaves_ends_its_episode_with_a_note(
@@ -329,9 +355,21 @@ def test_the_calculator_parses_arithmetic_and_never_evaluates_python():
         "3.5",
         "7",
     ]
-    for bad in ("__import__('os')", "2 ** 3", "1 / 0", "(1 + 2", "9" * 20, "1" + "+1" * 200, ""):
+    # exact for the integers and decimals it accepts; a result with no finite decimal has 12 digits
+    assert [
+        calculator(e) for e in ("123456.7 + 0.1", "1234567.5", "0.1 + 0.2", "-1 / 8", "999999999999999")
+    ] == [
+        "123456.8",
+        "1234567.5",
+        "0.3",
+        "-0.125",
+        "999999999999999",
+    ]
+    assert calculator("1 / 3") == "0.333333333333" and calculator("2 / 3 * 3") == "2"
+    bad = ("__import__('os')", "2 ** 3", "1 / 0", "(1 + 2", "9" * 20, "1" + "+1" * 200, "", "٣ + ٤", "1e5")
+    for expression in bad:
         with pytest.raises(ValueError):
-            calculator(bad)
+            calculator(expression)
     assert describe_tools([calculator]).startswith("calculator(expression: str) -> str: Evaluate")
 
 

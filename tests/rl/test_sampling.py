@@ -307,6 +307,50 @@ def test_decoding_weights_compute_the_same_layers_and_restore_them_bit_for_bit(
     assert not any(getattr(m, "merged", False) for m in lm.modules())
 
 
+@pytest.mark.parametrize("kind", ["gpt2-lora", "llama-lora", "llama"])
+def test_decoding_weights_under_autocast_compute_what_autocast_computes_bit_for_bit(
+    kind, tiny_model_dir, tiny_llama_dir
+):
+    """Under bf16 autocast (`bf16: auto` on an AMX or AVX512-BF16 CPU) every linear layer, the LM head too, runs
+    from a bfloat16 copy of its (merged) weight made once when the context is entered instead of autocast's
+    cast at every call: the logits are exactly those of the same layers (LoRA merged) whose float32 weights
+    autocast casts at every call, and the parameters are untouched."""
+    lm, _ = load(tiny_model_dir if kind.startswith("gpt2") else tiny_llama_dir, lora="lora" in kind)
+    x = torch.randint(0, 300, (4, 9))
+    before = {name: p.clone() for name, p in lm.state_dict().items()}
+
+    def per_call(weight, bias, **kwargs):  # the layer from its float32 weight: autocast casts it at each call
+        return lambda x, *args, **kw: torch.nn.functional.linear(x, weight, bias)
+
+    def conv1d_per_call(weight, bias, **kwargs):
+        return lambda x, *args, **kw: torch.addmm(bias, x.view(-1, x.size(-1)), weight).view(
+            x.size()[:-1] + (weight.shape[1],)
+        )
+
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(fast_sampling, "linear_forward", per_call)
+            patch.setattr(fast_sampling, "conv1d_forward", conv1d_per_call)
+            with fast_sampling.decoding_weights(lm):
+                cast_per_call = lm(x).logits
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with fast_sampling.decoding_weights(lm):
+                copied_once = lm(x).logits
+                replaced = [m for m in lm.modules() if "forward" in vars(m)]
+                low = [
+                    w
+                    for m in replaced
+                    for w in m.forward.__closure__ or ()
+                    if torch.is_tensor(w.cell_contents)
+                ]
+    assert torch.equal(copied_once, cast_per_call)
+    every_linear = 2 * 4 + 1 if kind.startswith("gpt2") else 2 * 7 + 1  # the LM head too
+    assert len(replaced) == every_linear
+    assert low and all(w.cell_contents.dtype == torch.bfloat16 for w in low)
+    assert all(torch.equal(p, before[name]) for name, p in lm.state_dict().items())
+    assert not any("forward" in vars(m) for m in lm.modules())
+
+
 # --- lower-precision sampling, the opt-in --------------------------------------------------------------------
 
 
