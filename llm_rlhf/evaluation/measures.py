@@ -42,7 +42,6 @@ from llm_rlhf.rl.episodes import (
     EpisodePlay,
     episode_figures,
     episode_record,
-    no_turn_played,
     run_episodes,
 )
 from llm_rlhf.rl.rollout import (
@@ -163,12 +162,9 @@ def play_batch(model, tokenizer, prompts: list[str], sampling: Sampling, play: E
         raise UserError("a prompt tokenizes to no tokens; every prompt needs at least one")
     with torch.random.fork_rng(devices=_rng_devices(device)):
         torch.manual_seed(seed)
-        samples, played = run_episodes(
+        return run_episodes(
             model, tokenizer, queries, play.make_environment, sampling, play.limits, device=device
         )
-    if not samples.response_mask.any():
-        raise UserError(no_turn_played(played))
-    return samples, played
 
 
 @torch.no_grad()
