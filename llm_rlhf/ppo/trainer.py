@@ -57,6 +57,7 @@ from llm_rlhf.ppo.context import PPOContext, UsesContext
 from llm_rlhf.ppo.rollouts import EpisodeCollector, RolloutCollector
 from llm_rlhf.ppo.update import PPOUpdate, trainable_parameters
 from llm_rlhf.rl import loss_math, ppo_math
+from llm_rlhf.rl.cast_once import frozen_weights_cast_once
 from llm_rlhf.rl.estimators import AdvantageInputs
 from llm_rlhf.rl.rollout import (
     Rollout,
@@ -167,6 +168,7 @@ class PPOTrainer(UsesContext):
         )
         self.accelerated.set_up_root(self.policy, tokenizer.eos_token_id)
         self.ref_model = models.ref_model
+        self.frozen_models = frozen
         # blocks whose output the rollout computes once (`llm_rlhf.models.trunk`): 0 = none
         reuse = (
             cfg.use_lora
@@ -245,65 +247,79 @@ class PPOTrainer(UsesContext):
     def ppo_step(self) -> dict[str, float]:
         """One PPO iteration (Ziegler et al. 2019, Algorithm 1; Stiennon et al. 2020, Appendix B); the
         critic-free estimators (`advantage_estimator`) change only how the advantages are made."""
-        cfg, times = self.cfg, {}
-        queries = self.collector.queries(self.step)  # this process's prompts, each sampled k times below
-        # y ~ pi_theta(.|x), logprobs (and values with gae), ref_logprobs, scores; with one update per step
-        # the old log-probs and entropy come from the update's own forward instead (`old_logprobs_from_update`)
-        from_update = self.old_logprobs_from_update
-        sampling_stats, dropped_kl = {}, None
-        if cfg.dynamic_sampling:  # DAPO: untied groups, from further prompts where some tie
-            rollout, scores, sampling_stats, dropped_kl = self.dynamic_rollout(queries, times)
-        else:
-            rollout, scores = self.rollout(
-                self.collector.in_groups(queries), times, old_logprobs=not from_update
+        # the weights that do not train, cast to autocast's dtype once for the step (`rl.cast_once`)
+        with frozen_weights_cast_once(*self.models_of_step()):
+            cfg, times = self.cfg, {}
+            queries = self.collector.queries(self.step)  # this process's prompts, each sampled k times below
+            # y ~ pi_theta(.|x), logprobs (and values with gae), ref_logprobs, scores; with one update per step
+            # the old log-probs and entropy come from the update's own forward instead (`old_logprobs_from_update`)
+            from_update = self.old_logprobs_from_update
+            sampling_stats, dropped_kl = {}, None
+            if cfg.dynamic_sampling:  # DAPO: untied groups, from further prompts where some tie
+                rollout, scores, sampling_stats, dropped_kl = self.dynamic_rollout(queries, times)
+            else:
+                rollout, scores = self.rollout(
+                    self.collector.in_groups(queries), times, old_logprobs=not from_update
+                )
+            episode_stats = (
+                self.collector.episode_stats() if isinstance(self.collector, EpisodeCollector) else {}
             )
-        episode_stats = self.collector.episode_stats() if isinstance(self.collector, EpisodeCollector) else {}
-        greedy = None  # ReMax: one greedy response per prompt, its logprobs, ref_logprobs and scores
-        if cfg.estimator.greedy_baseline:
-            greedy, _ = self.rollout(queries, times, sampling=self.greedy)
-        self.check_finite(
-            "rollout",
-            scores=rollout.scores,
-            # from_update: the log-probs are checked as part of the update's loss (`train_on_rollout`)
-            **({"logprobs": rollout.logprobs} if not from_update else {}),
-            ref_logprobs=rollout.ref_logprobs,
-            **({"values": rollout.values} if rollout.values is not None else {}),
-            **(
-                {"greedy_scores": greedy.scores, "greedy_logprobs": greedy.logprobs}
-                if greedy is not None
-                else {}
-            ),
-        )
+            greedy = None  # ReMax: one greedy response per prompt, its logprobs, ref_logprobs and scores
+            if cfg.estimator.greedy_baseline:
+                greedy, _ = self.rollout(queries, times, sampling=self.greedy)
+            self.check_finite(
+                "rollout",
+                scores=rollout.scores,
+                # from_update: the log-probs are checked as part of the update's loss (`train_on_rollout`)
+                **({"logprobs": rollout.logprobs} if not from_update else {}),
+                ref_logprobs=rollout.ref_logprobs,
+                **({"values": rollout.values} if rollout.values is not None else {}),
+                **(
+                    {"greedy_scores": greedy.scores, "greedy_logprobs": greedy.logprobs}
+                    if greedy is not None
+                    else {}
+                ),
+            )
 
-        kl_coef = self.kl_ctl.value
-        rewards, kl = self.rewards(rollout, kl_coef)  # -beta*KL per token (unless in the loss) + score
-        if cfg.whiten_rewards:
-            rewards = self.whiten(rewards, rollout.response_mask, shift_mean=False)
-        baseline = None
-        if greedy is not None:  # ReMax: the greedy response's reward, measured as the samples' are
-            greedy_rewards, _ = self.rewards(greedy, kl_coef)
-            baseline = ppo_math.masked_sum(greedy_rewards, greedy.response_mask, dim=-1)  # (P,)
-        advantages, returns = self.advantages(rollout, rewards, baseline)
+            kl_coef = self.kl_ctl.value
+            rewards, kl = self.rewards(rollout, kl_coef)  # -beta*KL per token (unless in the loss) + score
+            if cfg.whiten_rewards:
+                rewards = self.whiten(rewards, rollout.response_mask, shift_mean=False)
+            baseline = None
+            if greedy is not None:  # ReMax: the greedy response's reward, measured as the samples' are
+                greedy_rewards, _ = self.rewards(greedy, kl_coef)
+                baseline = ppo_math.masked_sum(greedy_rewards, greedy.response_mask, dim=-1)  # (P,)
+            advantages, returns = self.advantages(rollout, rewards, baseline)
 
-        t = time.perf_counter()
-        train_stats = self.train_on_rollout(rollout, advantages, returns)  # K epochs of minibatch updates
-        times["train"] = time.perf_counter() - t
-        if from_update:  # the KL of the metrics and the controller, from the log-probs the update filled in
-            _, kl = self.rewards(rollout, kl_coef)
+            t = time.perf_counter()
+            train_stats = self.train_on_rollout(rollout, advantages, returns)  # K epochs of minibatch updates
+            times["train"] = time.perf_counter() - t
+            if (
+                from_update
+            ):  # the KL of the metrics and the controller, from the log-probs the update filled in
+                _, kl = self.rewards(rollout, kl_coef)
 
-        kl_seq = ppo_math.sequence_kl(kl=kl, response_mask=rollout.response_mask)  # (B,)
-        if dropped_kl is not None:  # every sampled group's KL, the dropped ones' too (`dynamic_rollout`)
-            kl_seq = torch.cat([kl_seq, dropped_kl])  # (rounds * P * k,), as many on every process
-        sampled_kl = self.global_mean(kl_seq)
-        self.kl_ctl.update(sampled_kl, self.sizes.episodes_per_step)  # n in episodes
-        self.step += 1
-        metrics = self.metrics(rollout, kl=kl, kl_coef=kl_coef, returns=returns, times=times)
-        metrics[ppo_metrics.OBJECTIVE_KL] = sampled_kl
-        if greedy is not None:
-            metrics[ppo_metrics.OBJECTIVE_GREEDY_SCORES] = self.global_mean(greedy.scores.mean())
-        if cfg.overlong_buffer > 0:
-            metrics[ppo_metrics.OBJECTIVE_OVERLONG_PENALTY] = self.global_mean(self.overlong(rollout).mean())
-        return {**metrics, **train_stats, **sampling_stats, **episode_stats, **self.score_term_means(scores)}
+            kl_seq = ppo_math.sequence_kl(kl=kl, response_mask=rollout.response_mask)  # (B,)
+            if dropped_kl is not None:  # every sampled group's KL, the dropped ones' too (`dynamic_rollout`)
+                kl_seq = torch.cat([kl_seq, dropped_kl])  # (rounds * P * k,), as many on every process
+            sampled_kl = self.global_mean(kl_seq)
+            self.kl_ctl.update(sampled_kl, self.sizes.episodes_per_step)  # n in episodes
+            self.step += 1
+            metrics = self.metrics(rollout, kl=kl, kl_coef=kl_coef, returns=returns, times=times)
+            metrics[ppo_metrics.OBJECTIVE_KL] = sampled_kl
+            if greedy is not None:
+                metrics[ppo_metrics.OBJECTIVE_GREEDY_SCORES] = self.global_mean(greedy.scores.mean())
+            if cfg.overlong_buffer > 0:
+                metrics[ppo_metrics.OBJECTIVE_OVERLONG_PENALTY] = self.global_mean(
+                    self.overlong(rollout).mean()
+                )
+            return {
+                **metrics,
+                **train_stats,
+                **sampling_stats,
+                **episode_stats,
+                **self.score_term_means(scores),
+            }
 
     def rewards(self, rollout: Rollout, kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The per-token rewards of a rollout and its per-token KL (kl_estimator), both (B, R):
@@ -743,6 +759,10 @@ class PPOTrainer(UsesContext):
 
     def trainable_parameters(self):
         return trainable_parameters(self.policy, self.critic)
+
+    def models_of_step(self) -> list:
+        """Every model a PPO step runs: the policy, the critic, the reference and the reward model."""
+        return [self.policy, self.critic, *self.frozen_models]
 
     def reference_context(self):
         """With LoRA the reference is the policy's network with the adapter switched off."""

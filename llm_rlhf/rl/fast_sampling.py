@@ -48,6 +48,8 @@ from transformers import (
 )
 from transformers.pytorch_utils import Conv1D
 
+from llm_rlhf.rl.cast_once import is_cast_once, is_whole
+
 # Prepacked float32 linear on CPU: oneDNN's blocked weight layout (what torch.compile's CPU backend uses when
 # it freezes weights). Missing from some torch builds: then the weights stay as they are.
 CAN_PREPACK = hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(
@@ -115,12 +117,6 @@ def linear_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]
     if type(module) is Conv1D:
         return module.weight.t(), module.bias  # Conv1D stores (in, out)
     return module.weight, module.bias
-
-
-def is_whole(weight: torch.Tensor) -> bool:
-    """A plain tensor holding the whole weight: not a shard (FSDP2's DTensor, ZeRO-3's empty placeholder outside
-    its gather), which keeps its own forward."""
-    return type(weight.data) is torch.Tensor and weight.numel() > 0
 
 
 def merged_lora_weight(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -221,12 +217,13 @@ def decoding_weights(
             and all(p.dtype == torch.float32 for p in params)
             and not torch.is_autocast_enabled("cpu")
         )
-    replaced = []
+    replaced = []  # (module, the forward it carried before: `frozen_weights_cast_once`'s, or None)
     skip = set()
     with torch.no_grad():
         for module in lm.modules():
-            if "forward" in vars(module) or id(module) in skip:
+            if ("forward" in vars(module) and not is_cast_once(module)) or id(module) in skip:
                 continue
+            before = vars(module).get("forward")
             if is_lora_layer(module):
                 weight_bias = merged_lora_weight(module) if merge_lora else None
                 # the adapters' own small linear layers stay as they are; the base layer too if merged (unused)
@@ -237,7 +234,7 @@ def decoding_weights(
             elif type(module) is Conv1D and autocast and not prepack and dtype is None:
                 if is_whole(module.weight):  # GPT-2's layer as it computes itself (addmm), from copies
                     module.forward = conv1d_forward(module.weight, module.bias, autocast_dtype=autocast)
-                    replaced.append(module)
+                    replaced.append((module, before))
                 continue
             else:
                 weight_bias = linear_weight(module) if prepack or dtype or autocast else None
@@ -246,12 +243,14 @@ def decoding_weights(
             module.forward = linear_forward(
                 *weight_bias, prepack=prepack, dtype=dtype, autocast_dtype=autocast
             )
-            replaced.append(module)
+            replaced.append((module, before))
     try:
         yield
     finally:
-        for module in replaced:
-            del module.forward  # the class's forward again
+        for module, before in replaced:
+            del module.forward  # the class's forward again, or the one it carried
+            if before is not None:
+                module.forward = before
 
 
 def draw_tokens(probs: torch.Tensor) -> torch.Tensor:

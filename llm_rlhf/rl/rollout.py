@@ -481,18 +481,15 @@ def response_logprobs_and_values(
     logits = token_math.mask_eos_logits(
         logits=logits, eos_token_id=eos_token_id, min_new_tokens=sampling.min_new_tokens
     )
-    logprobs = token_math.logprobs_from_logits(
-        logits=logits, labels=samples.response, temperature=temperature
-    )
-    if entropy == "grad":
-        entropy = token_math.entropy_from_logits(logits=logits, temperature=temperature)
-    elif entropy == "stats":  # a metric: no graph, and chunks of 4 rows keep its (B, R, V) temporaries small
-        with torch.no_grad():
-            entropy = torch.cat(
-                [token_math.entropy_from_logits(logits=z, temperature=temperature) for z in logits.split(4)]
-            )  # (B, R)
-    else:
+    if entropy == "none":
+        logprobs = token_math.logprobs_from_logits(
+            logits=logits, labels=samples.response, temperature=temperature
+        )
         entropy = None
+    else:  # "grad": differentiable; "stats": a metric, no autograd graph over the (B, R, V) softmax
+        logprobs, entropy = token_math.logprobs_and_entropy_from_logits(
+            logits=logits, labels=samples.response, temperature=temperature, entropy_grad=entropy == "grad"
+        )
     if values is not None:
         values = values[:, P - 1 : -1]  # (B, R): V(s_t), the state before response token t
     return logprobs, values, entropy

@@ -53,6 +53,36 @@ def entropy_from_logits(*, logits: torch.Tensor, temperature: float = 1.0) -> to
     return torch.logsumexp(logits, dim=-1) - (probs * finite).sum(dim=-1)  # (B, T)
 
 
+def logprobs_and_entropy_from_logits(
+    *, logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, entropy_grad: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`logprobs_from_logits` and `entropy_from_logits` from one log-softmax, logp = log softmax(z),
+    z = logits / temperature:
+
+        logprobs_t = logp_t[labels_t]          H_t = -sum_v exp(logp_{t,v}) logp_{t,v}
+
+    (p_v log p_v read as 0 where logp_v = -inf: a token of probability 0, `mask_eos_logits`). The log-probs are
+    bit for bit `logprobs_from_logits`'s; the entropy equals `entropy_from_logits` up to float rounding, without
+    its second pass over the (B, T, V) logits (softmax and logsumexp). entropy_grad False: the entropy is a
+    metric, computed without an autograd graph, 4 rows at a time (small (4, T, V) temporaries).
+
+    logits: (B, T, V) float; labels: (B, T) long (position t predicts labels[:, t]). Returns ((B, T), (B, T)).
+    """
+    if temperature != 1.0:
+        logits = logits / temperature  # (B, T, V)
+    logp = torch.log_softmax(logits, dim=-1)  # (B, T, V)
+    logprobs = logp.gather(dim=-1, index=labels.unsqueeze(-1)).squeeze(-1)  # (B, T)
+
+    def entropy(part: torch.Tensor) -> torch.Tensor:
+        finite = torch.where(torch.isneginf(part), 0, part)  # (b, T, V): 0 * 0 where p_v = 0
+        return -(part.exp() * finite).sum(dim=-1)  # (b, T)
+
+    if entropy_grad:
+        return logprobs, entropy(logp)
+    with torch.no_grad():
+        return logprobs, torch.cat([entropy(part) for part in logp.detach().split(4)])  # (B, T)
+
+
 def mask_eos_logits(*, logits: torch.Tensor, eos_token_id: int, min_new_tokens: int) -> torch.Tensor:
     """The logits sampling uses under `min_new_tokens`: EOS cannot be drawn before response token
     `min_new_tokens` (transformers' MinNewTokensLengthLogitsProcessor, which `rollout.sample` applies):

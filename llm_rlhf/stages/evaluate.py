@@ -122,6 +122,7 @@ from llm_rlhf.models.loading import (
 from llm_rlhf.models.reward_fn import RewardFn, load_reward_fn, probe
 from llm_rlhf.models.reward_model import RewardEnsemble, check_members_exist
 from llm_rlhf.models.scoring import Scorer, build_scorer, check_score_keys
+from llm_rlhf.rl.cast_once import frozen_weights_cast_once
 from llm_rlhf.rl.episodes import (
     EPISODE_ROW_KEYS,
     EpisodeLimits,
@@ -343,11 +344,27 @@ def _run(cfg: Config, given: EvalObjects) -> dict[str, Any]:
     print(f"precision: {cfg.precision}", flush=True)
     inputs = load_inputs(cfg, given)
     models = load_models(cfg, given, inputs)
-    with torch.autocast(PartialState().device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+    with (
+        torch.autocast(PartialState().device.type, dtype=torch.bfloat16, enabled=cfg.bf16),
+        frozen_weights_cast_once(*evaluated_modules(models, inputs.judge)),  # once, not at every forward
+    ):
         measured = measure(cfg, inputs, models)
     metrics = {**eval_figures(cfg, inputs, models, measured), "time_s": time.time() - started}
     write_outputs(cfg, metrics, sample_rows(inputs.prompts, measured, cfg.samples_per_prompt))
     return metrics
+
+
+def evaluated_modules(models: EvalModels, judge) -> list:
+    """The torch modules an evaluation runs: the policy, the baseline, the KL reference, the reward model and
+    the gold's LM (each frozen: `rl.cast_once` casts their weights to bf16 once under autocast)."""
+    fluency = getattr(judge, "fluency", None)
+    return [
+        models.policy,
+        models.baseline,
+        models.reference.lm,
+        models.scorer.reward_model,
+        getattr(fluency, "model", None),
+    ]
 
 
 def reference_path(cfg: Config) -> str:

@@ -401,6 +401,37 @@ def test_logprobs_and_entropy_match_torch_distributions(temperature):
     torch.testing.assert_close(entropy, dist.entropy(), rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_and_entropy_from_one_log_softmax_equal_the_two_formulas(temperature):
+    """The fused function's log-probs are the separate function's bit for bit, its entropy and the entropy's
+    gradient equal `entropy_from_logits`' (and torch's Categorical) to rounding, -inf logits included; as a
+    metric (entropy_grad False) the entropy carries no graph."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 5, 11, generator=generator, dtype=F64)
+    logits[:, :2, 3] = -math.inf  # a token of probability 0 at the first two positions (mask_eos_logits)
+    labels = torch.randint(0, 3, (6, 5), generator=generator)
+    a = logits.clone().requires_grad_(True)
+    b = logits.clone().requires_grad_(True)
+    logprobs, entropy = token_math.logprobs_and_entropy_from_logits(
+        logits=a, labels=labels, temperature=temperature
+    )
+    expected_entropy = entropy_from_logits(logits=b, temperature=temperature)
+    assert torch.equal(logprobs, logprobs_from_logits(logits=logits, labels=labels, temperature=temperature))
+    dist = torch.distributions.Categorical(logits=logits[:, 2:] / temperature)
+    torch.testing.assert_close(entropy[:, 2:], dist.entropy(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(entropy, expected_entropy, rtol=0, atol=1e-12)
+    weights = torch.randn(6, 5, generator=generator, dtype=F64)
+    (entropy * weights).sum().backward()
+    (expected_entropy * weights).sum().backward()
+    assert torch.isfinite(a.grad).all()
+    torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-12)
+    metric_logprobs, metric = token_math.logprobs_and_entropy_from_logits(
+        logits=a, labels=labels, temperature=temperature, entropy_grad=False
+    )
+    assert not metric.requires_grad and metric_logprobs.requires_grad
+    torch.testing.assert_close(metric, expected_entropy.detach(), rtol=0, atol=1e-12)
+
+
 def test_kl_estimators_against_hand_values():
     logprobs, ref_logprobs = t64(LOGPROBS), t64(REF_LOGPROBS)  # log p - log q = (0.6, -1.5, 0.0)
     expected = {
