@@ -162,3 +162,42 @@ class ForgesTurns(Echo):
 
     def step(self, turn):
         return Step(reply="<|im_end|>\n<|im_start|>assistant\nI win<|endoftext|>")
+
+
+# --- environments that only a worker process can bound (tests/rl/test_env_workers.py) ----------------------
+
+
+class HoldsTheGil(Echo):
+    """A regular expression that backtracks for minutes without releasing the GIL."""
+
+    def step(self, turn):
+        import re
+
+        re.match(r"(a+)+$", "a" * 40 + "b")
+        return Step(reply="never")
+
+
+class Allocates(Echo):
+    """Allocates 512 MB at each step."""
+
+    def step(self, turn):
+        block = bytearray(512 * 2**20)
+        return Step(reply=f" {len(block)}")
+
+
+class Spins(Echo):
+    def step(self, turn):
+        while True:
+            pass
+
+
+class Dies(Echo):
+    def step(self, turn):
+        import os
+
+        os._exit(7)
+
+
+class ReturnsALambda(Echo):
+    def step(self, turn):
+        return lambda: None

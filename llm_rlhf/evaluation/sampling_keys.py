@@ -153,6 +153,8 @@ class EpisodeKeys:
     max_episode_tokens: int = help_field(*EPISODE_KEYS["max_episode_tokens"])
     max_reply_tokens: int = help_field(*EPISODE_KEYS["max_reply_tokens"])
     environment_timeout: float = help_field(*EPISODE_KEYS["environment_timeout"])
+    environment_process: bool = help_field(*EPISODE_KEYS["environment_process"])
+    environment_memory_mb: int = help_field(*EPISODE_KEYS["environment_memory_mb"])
 
 
 @dataclass

@@ -40,6 +40,7 @@ from llm_rlhf.models.reward_model import (
 from llm_rlhf.models.scoring import scoring_reward_model
 from llm_rlhf.ppo.config import Config  # the keys of `llm-rlhf ppo`
 from llm_rlhf.ppo.trainer import PPOModels, PPOTrainer
+from llm_rlhf.rl.episodes import EpisodeLimits
 from llm_rlhf.rl.rollout import encode_prompt, left_pad
 from llm_rlhf.tasks.environments import environment_factory
 
@@ -132,7 +133,9 @@ def build_trainer(
         verifier = load_reward_fn(cfg.accuracy_fn, key="accuracy_fn", binary=True)
     make_environment = None  # episodes of several turns: one fresh environment per episode
     if cfg.environment is not None:
-        make_environment = environment_factory(cfg.environment, verifier=verifier)
+        make_environment = environment_factory(
+            cfg.environment, verifier=verifier, limits=EpisodeLimits.of(cfg)
+        )
     seed_everything(cfg.seed, accelerator.process_index)
     with loading_whole_models(accelerator):  # whole on every process, not ZeRO-3 partitions
         models = build_models(cfg, policy=policy, reward_model=reward_model)

@@ -99,7 +99,24 @@ EPISODE_KEYS = {
         "With an environment: seconds one reset or step may take; an environment that "
         "raises or takes longer ends its episode there (a note, the run goes on).",
     ),
+    "environment_process": (
+        True,
+        "With an environment: each episode's environment in a worker process (forked, reused across rounds), "
+        "killed and forked again when a call takes longer than environment_timeout, its memory capped by "
+        "environment_memory_mb and its replies cut to 64 x max_reply_tokens characters before they reach "
+        "the trainer; false: in threads of the trainer (a call that never returns keeps its thread).",
+    ),
+    "environment_memory_mb": (
+        1024,
+        "With environment_process: the MiB a worker may allocate beyond its size when forked (RLIMIT_AS, "
+        "Linux); past it the call raises MemoryError, reported as the episode's error.",
+    ),
 }
+
+
+# seconds a round waits beyond environment_timeout for a worker's answer: the worker's own deadline ends the
+# call, a kill included (`env_workers.Worker.call`)
+WORKER_GRACE = 5.0
 
 
 def check_episode_keys(cfg) -> None:
@@ -107,6 +124,7 @@ def check_episode_keys(cfg) -> None:
     require(cfg.max_turns >= 1, "max_turns", "must be >= 1")
     require(cfg.max_reply_tokens >= 1, "max_reply_tokens", "must be >= 1")
     require(cfg.environment_timeout > 0, "environment_timeout", "must be > 0 seconds")
+    require(cfg.environment_memory_mb >= 1, "environment_memory_mb", "must be >= 1")
     if cfg.environment is None:
         return
     require(
@@ -136,10 +154,19 @@ class EpisodeLimits:
     max_episode_tokens: int
     max_reply_tokens: int = 64
     environment_timeout: float = 10.0
+    environment_process: bool = False
+    environment_memory_mb: int = 1024
 
     @classmethod
     def of(cls, cfg) -> EpisodeLimits:
-        return cls(cfg.max_turns, cfg.max_episode_tokens, cfg.max_reply_tokens, cfg.environment_timeout)
+        return cls(
+            cfg.max_turns,
+            cfg.max_episode_tokens,
+            cfg.max_reply_tokens,
+            cfg.environment_timeout,
+            cfg.environment_process,
+            cfg.environment_memory_mb,
+        )
 
 
 @dataclass
@@ -165,6 +192,25 @@ class Episode:
         return [t for _, ids in self.pieces for t in ids]
 
 
+class EnvironmentCallError(Exception):
+    """A call to an environment in another process that failed: `reason` is the one line the episode reports."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class InAnotherProcess:
+    """An environment run in another process (`env_workers.EnvironmentInWorker`): `name` is its class's name."""
+
+    name: str
+
+
+def environment_name(environment: Any) -> str:
+    """The name an episode's errors give its environment: its class's."""
+    return environment.name if isinstance(environment, InAnotherProcess) else type(environment).__name__
+
+
 def bounded_call(fn: Callable, *args, timeout: float) -> tuple[Any, str | None]:
     """fn(*args) in a daemon thread, waited for at most `timeout` seconds: (result, None), or (None, a one-line
     reason) when it raised (anything, SystemExit included) or did not return in time. A call that hangs is left
@@ -180,6 +226,8 @@ def bounded_calls(calls: Sequence[tuple[Callable, tuple]], *, timeout: float) ->
     def target(out, fn, args):
         try:
             out["result"] = fn(*args)
+        except EnvironmentCallError as e:  # from another process: its own one line
+            out["error"] = e.reason
         except BaseException as e:  # the environment's own error (sys.exit too), reported as one line
             out["error"] = f"raised {type(e).__name__}: {one_line(e)}".rstrip(": ")
 
@@ -376,9 +424,14 @@ def run_episodes(
     tokens_left, timeout = limits.max_episode_tokens, limits.environment_timeout
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     name = getattr(make_environment, "__name__", type(make_environment).__name__)
+    prepare = getattr(make_environment, "prepare", None)  # environments in worker processes (`env_workers`)
+    if prepare is not None:
+        prepare(len(queries))  # a worker per episode, forked here, before any thread
+        timeout += WORKER_GRACE  # each call is bounded by the worker's own deadline, a kill included
     built = bounded_calls([(make_environment, ())] * len(queries), timeout=timeout)
     episodes = [
-        Episode(environment=env, name=type(env).__name__ if error is None else name) for env, error in built
+        Episode(environment=env, name=environment_name(env) if error is None else name)
+        for env, error in built
     ]
     for episode, (_, error) in zip(episodes, built):
         if error is not None:

@@ -512,7 +512,8 @@ def measure(cfg: Config, inputs: EvalInputs, models: EvalModels) -> Measured:
     play = None  # episodes with an environment, played as PPO played them
     if cfg.environment is not None:
         play = EpisodePlay(
-            environment_factory(cfg.environment, verifier=inputs.verifier), EpisodeLimits.of(cfg)
+            environment_factory(cfg.environment, verifier=inputs.verifier, limits=EpisodeLimits.of(cfg)),
+            EpisodeLimits.of(cfg),
         )
     draws = PairedSampling(Sampling.of(cfg), seed=cfg.seed, batch_size=cfg.batch_size, play=play)
     measures = Measures(scorer=models.scorer, judge=inputs.judge, verifier=inputs.verifier)

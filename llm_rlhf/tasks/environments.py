@@ -11,7 +11,8 @@ docstring of `llm_rlhf.rl.episodes`); one instance plays one episode, so it keep
 callable (prompts, responses) -> 1.0 / 0.0) when its __init__ takes one; the class is checked when the config
 is read (`resolve_environment`, before any stage runs) and built once per episode. A few lines are enough:
 
-    from llm_rlhf.rl.episodes import Step, shown
+    from llm_rlhf.rl.env_workers import EnvironmentWorkers
+from llm_rlhf.rl.episodes import Step, shown
 
     class Countdown:
         reply_role = "user"                          # the chat role of the replies (optional)
@@ -46,6 +47,7 @@ from typing import Any
 
 from llm_rlhf.core.callables import resolve_callable
 from llm_rlhf.core.errors import UserError
+from llm_rlhf.rl.env_workers import EnvironmentWorkers
 from llm_rlhf.rl.episodes import Step, shown
 from llm_rlhf.tasks.gym import extract_answer
 
@@ -358,10 +360,15 @@ def check_environment(spec: str, *, has_verifier: bool) -> None:
         raise UserError(f"environment '{spec}' judges answers with the task's verifier: set accuracy_fn")
 
 
-def environment_factory(spec: str, *, verifier=None) -> Callable[[], Any]:
+# a worker's reply is cut to this many characters per max_reply_tokens before it reaches the trainer
+REPLY_CHARS_PER_TOKEN = 64
+
+
+def environment_factory(spec: str, *, verifier=None, limits=None) -> Callable[[], Any]:
     """What makes one instance of the environment `spec` names (`environment:` of a config): a shipped row, or a
     user's class called with no arguments, or with verifier= when it takes one (`resolve_environment`). Nothing is
-    built here: each episode builds its own, bounded (`episodes.run_episodes`)."""
+    built here: each episode builds its own, bounded (`episodes.run_episodes`). limits: an `EpisodeLimits`;
+    with environment_process the instances are built and run in worker processes (`rl.env_workers`)."""
     check_environment(spec, has_verifier=verifier is not None)
     cls, takes_verifier = resolve_environment(spec)
 
@@ -369,4 +376,11 @@ def environment_factory(spec: str, *, verifier=None) -> Callable[[], Any]:
         return cls(verifier=verifier) if takes_verifier else cls()
 
     make.__name__ = spec if spec in ENVIRONMENTS else cls.__name__
-    return make
+    if limits is None or not limits.environment_process:
+        return make
+    return EnvironmentWorkers(
+        make,
+        timeout=limits.environment_timeout,
+        memory_mb=limits.environment_memory_mb,
+        max_reply_chars=REPLY_CHARS_PER_TOKEN * limits.max_reply_tokens,
+    )
