@@ -63,9 +63,25 @@ def cut_step(step: Any, max_reply_chars: int) -> Any:
     return step
 
 
-def serve(conn, make: Callable[[], Any], memory_mb: int, max_reply_chars: int) -> None:
+def die_with_the_trainer(trainer_end) -> None:
+    """The worker ends with the trainer: it closes its copy of the trainer's end of its pipe (so the pipe reads
+    EOF once the trainer is gone; a worker forked later closes nothing else, and ends first, at its own EOF) and
+    asks Linux for SIGKILL when the trainer's thread that forked it exits (PR_SET_PDEATHSIG). An orphaned worker
+    would keep the trainer's stdout open, and `accelerate launch` waits for it."""
+    trainer_end.close()
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def serve(conn, trainer_end, make: Callable[[], Any], memory_mb: int, max_reply_chars: int) -> None:
     """The worker's loop: ("build",) -> the environment's name and attributes; ("reset", prompt) and
     ("step", turn) -> the method's result; each answered ("ok", value) or ("error", one line)."""
+    die_with_the_trainer(trainer_end)
     cap_address_space(memory_mb)
     environment = None
     while True:
@@ -103,7 +119,7 @@ class Worker:
         context = multiprocessing.get_context("fork")
         self.conn, child = context.Pipe()
         self.process = context.Process(
-            target=serve, args=(child, make, memory_mb, max_reply_chars), daemon=True
+            target=serve, args=(child, self.conn, make, memory_mb, max_reply_chars), daemon=True
         )
         self.process.start()
         child.close()
