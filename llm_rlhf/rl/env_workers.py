@@ -48,6 +48,23 @@ def cap_address_space(memory_mb: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
+# what the trainer reads of an environment after its episode (a tool environment's `calls` and `used`:
+# `rollouts.EpisodeCollector.episode_stats`, `episodes.episode_record`), sent back with every answer
+STATISTICS = ("calls", "used")
+
+
+def statistics(environment: Any) -> dict[str, Any]:
+    """The STATISTICS attributes the environment has, as they are now (none where reading one raises)."""
+    out = {}
+    for name in STATISTICS:
+        try:
+            if hasattr(environment, name):
+                out[name] = getattr(environment, name)
+        except Exception:
+            pass
+    return out
+
+
 def read_attribute(environment: Any, name: str, default: Any) -> tuple[str, Any]:
     """("value", environment.name or default) or ("raised", (type name, first line)) if reading it raised."""
     try:
@@ -103,13 +120,13 @@ def serve(conn, trainer_end, make: Callable[[], Any], memory_mb: int, max_reply_
                 value = None  # what reset returns is not read
             else:
                 value = cut_step(environment.step(*args), max_reply_chars)
-            answer = ("ok", value)
+            answer = ("ok", value, statistics(environment))
         except BaseException as e:  # the environment's own error (sys.exit too), as one line
-            answer = ("error", f"raised {type(e).__name__}: {one_line(e)}".rstrip(": "))
+            answer = ("error", f"raised {type(e).__name__}: {one_line(e)}".rstrip(": "), {})
         try:
             conn.send(answer)
         except BaseException as e:  # e.g. a value that cannot be pickled
-            conn.send(("error", f"returned {shown(answer[1])}, which could not be sent: {one_line(e)}"))
+            conn.send(("error", f"returned {shown(answer[1])}, which could not be sent: {one_line(e)}", {}))
 
 
 class Worker:
@@ -128,22 +145,22 @@ class Worker:
     def alive(self) -> bool:
         return self.process is not None and self.process.is_alive()
 
-    def call(self, kind: str, args: tuple, timeout: float) -> Any:
-        """The worker's answer to (kind, args) within `timeout` seconds, else the worker killed and an
-        EnvironmentCallError."""
+    def call(self, kind: str, args: tuple, timeout: float) -> tuple[Any, dict]:
+        """The worker's answer to (kind, args) within `timeout` seconds and the environment's STATISTICS after
+        it, else the worker killed and an EnvironmentCallError."""
         try:
             self.conn.send((kind, args))
             if not self.conn.poll(timeout):
                 self.kill()
                 raise EnvironmentCallError(f"did not return within {timeout:g} s")
-            status, value = self.conn.recv()
+            status, value, stats = self.conn.recv()
         except (EOFError, OSError, BrokenPipeError):
             code = self.process.exitcode if self.process is not None else None
             self.kill()
             raise EnvironmentCallError(f"ended its process (exit code {code})") from None
         if status == "error":
             raise EnvironmentCallError(value)
-        return value
+        return value, stats
 
     def kill(self) -> None:
         if self.process is not None:
@@ -166,12 +183,23 @@ def raised(type_name: str, message: str) -> Exception:
 
 class EnvironmentInWorker(InAnotherProcess):
     """The trainer's side of an environment built in a worker: reset and step are calls over the pipe, bounded
-    by `timeout`; stop_strings and reply_role are the values read in the worker when it was built."""
+    by `timeout`; stop_strings and reply_role are the values read in the worker when it was built, and the
+    environment's STATISTICS (a tool environment's `calls`, `used`) those after its last call."""
 
-    def __init__(self, worker: Worker, built: dict, timeout: float):
+    def __init__(self, worker: Worker, built: tuple[dict, dict], timeout: float):
         self.worker, self.timeout = worker, timeout
-        self.name = built["name"]
-        self.attributes = built
+        self.attributes, self.statistics = built
+        self.name = self.attributes["name"]
+
+    def __getattr__(self, name: str):
+        statistics = self.__dict__.get("statistics", {})
+        if name in statistics:
+            return statistics[name]
+        raise AttributeError(name)
+
+    def call(self, kind: str, args: tuple):
+        value, self.statistics = self.worker.call(kind, args, self.timeout)
+        return value
 
     def attribute(self, name: str):
         how, value = self.attributes[name]
@@ -183,10 +211,10 @@ class EnvironmentInWorker(InAnotherProcess):
     reply_role = property(lambda self: self.attribute("reply_role"))
 
     def reset(self, prompt: str):
-        return self.worker.call("reset", (prompt,), self.timeout)
+        return self.call("reset", (prompt,))
 
     def step(self, turn: str):
-        return self.worker.call("step", (turn,), self.timeout)
+        return self.call("step", (turn,))
 
 
 class EnvironmentWorkers:

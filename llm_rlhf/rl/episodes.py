@@ -345,6 +345,16 @@ def plain_ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
 
+def inline_ids(tokenizer, text: str) -> list[int]:
+    """`text`'s plain ids as it is tokenized after other text, where an inline reply goes (after a tool call): a
+    tokenizer that prepends a word boundary to every text it encodes (SentencePiece's "▁", Metaspace) would give
+    the reply's first word one space more than the environment wrote. So the text is encoded after a newline
+    and the newline's own ids dropped, where they are the head of that encoding (else the text alone)."""
+    lead = plain_ids(tokenizer, "\n")
+    ids = plain_ids(tokenizer, "\n" + text)
+    return ids[len(lead) :] if ids[: len(lead)] == lead else plain_ids(tokenizer, text)
+
+
 def cut_reply(tokenizer, text: str, max_reply_tokens: int) -> str:
     """A reply's text cut to max_reply_tokens tokens (its characters first, `CHARS_PER_TOKEN` a token, so a
     reply of megabytes is never tokenized whole), with " [cut]" where it was."""
@@ -358,11 +368,12 @@ def cut_reply(tokenizer, text: str, max_reply_tokens: int) -> str:
 
 def reply_ids(tokenizer, text: str, *, inline: bool, role: str, max_reply_tokens: int) -> list[int]:
     """The token ids of an environment's reply, its text cut to max_reply_tokens tokens (`cut_reply`) and
-    encoded as plain text (`plain_ids`): inline (after a stop string) the text alone; else a chat message of
+    encoded as plain text (`plain_ids`): inline (after a stop string) the text as it is tokenized after other
+    text (`inline_ids`); else a chat message of
     `role` as the chat template itself writes and tokenizes it after the policy's EOS, the message's frame and
     body joined (`chat_reply_ids`)."""
     body = cut_reply(tokenizer, text, max_reply_tokens)
-    return plain_ids(tokenizer, body) if inline else chat_reply_ids(tokenizer, body, role)
+    return inline_ids(tokenizer, body) if inline else chat_reply_ids(tokenizer, body, role)
 
 
 def chat_reply_ids(tokenizer, body: str, role: str) -> list[int]:

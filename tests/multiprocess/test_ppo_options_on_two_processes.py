@@ -51,6 +51,24 @@ def test_episodes_are_the_same_on_one_and_two_processes(tiny_model_dir, prompt_f
     assert runs[2]["metrics"]["env/turns"] >= 1
 
 
+@pytest.mark.multiprocess
+def test_episodes_under_fsdp2_on_two_processes_are_those_of_one(tiny_model_dir, prompt_file, tmp_path):
+    """FSDP2 (fsdp.yaml, fp32) on 2 CPU processes: every forward all-gathers the shards, so the ranks must run
+    as many sampling calls while their episodes take different numbers of turns. The greedy episodes are those
+    of 1 process, id for id, and a sampled PPO step on them completes on both ranks."""
+    one = tmp_path / "1.json"
+    launch([str(SCRIPTS / "episode_ranks.py"), str(tiny_model_dir), str(prompt_file), str(one)], 1)
+    two = tmp_path / "fsdp.json"
+    script = [str(SCRIPTS / "episode_ranks.py"), str(tiny_model_dir), str(prompt_file), str(two)]
+    launch([str(SCRIPTS / "fsdp2_on_cpu.py"), *script], 2, config="fsdp.yaml", mixed_precision="no")
+    one, two = json.loads(one.read_text()), json.loads(two.read_text())
+    assert two["world"] == 2 and two["distributed_type"].endswith("FSDP")
+    assert one["episodes"] == two["episodes"]
+    rank0, rank1 = two["episodes"][:4], two["episodes"][4:]  # each rank's contiguous half of the prompts
+    assert max(e["turns"] for e in rank0) != max(e["turns"] for e in rank1)  # unequal sampling calls per rank
+    assert two["metrics"]["env/turns"] >= 1
+
+
 # --- stop strings, min_new_tokens, chat prompts -----------------------------------------------------
 
 

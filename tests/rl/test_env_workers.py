@@ -83,7 +83,9 @@ def test_a_reply_of_megabytes_is_cut_in_the_worker_and_a_value_that_cannot_cross
     _, played = play(tiny_model_dir, workers)
     workers.close()
     (reason,) = set(failures(played))
-    assert reason.startswith("step returned <function ReturnsALambda.step.<locals..., which could not be sent: ")
+    assert reason.startswith(
+        "step returned <function ReturnsALambda.step.<locals..., which could not be sent: "
+    )
 
 
 def test_an_attribute_that_raises_in_the_worker_reads_as_in_the_trainer(tiny_model_dir):
@@ -139,3 +141,17 @@ def test_ppo_builds_its_environments_in_workers_by_default_and_in_threads_when_a
         assert isinstance(trainer.collector.make_environment, EnvironmentWorkers) == process
         metrics = trainer.ppo_step()
         assert metrics["env/error_rate"] == 0
+
+
+def test_a_tool_environments_counts_reach_the_trainer_from_its_worker(tiny_model_dir):
+    """`calls` and `used` of the calculator (what env/tool_call_rate and the records read) come back with every
+    answer of its worker."""
+    limits = EpisodeLimits(3, 24, environment_process=True)
+    make = environment_factory("calculator", limits=limits)
+    assert isinstance(make, EnvironmentWorkers)
+    _, played = play(tiny_model_dir, make)
+    make.close()
+    assert played and all(type(e.environment.calls) is int for e in played)
+    assert all(type(e.environment.used) is bool for e in played)
+    with pytest.raises(AttributeError):
+        getattr(played[0].environment, "not_a_statistic")  # noqa: B009  only the statistics are read

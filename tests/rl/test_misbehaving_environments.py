@@ -277,6 +277,22 @@ def test_a_reply_message_is_tokenized_as_the_template_tokenizes_the_conversation
     assert whole["input_ids"] == head + ids
 
 
+@pytest.mark.parametrize("kind", TOKENIZERS)
+def test_an_inline_reply_is_tokenized_as_it_is_after_other_text(tmp_path, tiny_model_dir, kind):
+    """An inline reply (after a tool call's stop string) goes on in the policy's message, with no space between
+    unless the environment wrote one: the turn's ids and the reply's decode to the two texts joined. On the
+    Metaspace tokenizer a reply encoded alone gains a leading "▁" (" [1]" where the environment wrote "[1]") and
+    fails this; where the tokenizer splits there (byte-level BPE), the ids are those of the joined text."""
+    tok = tokenizer_of(kind, tmp_path, tiny_model_dir)
+    said = "the film is"
+    head = tok(said, add_special_tokens=False)["input_ids"]
+    for reply in ("[1]", " good", "\n7 and 8"):
+        ids = episodes.reply_ids(tok, reply, inline=True, role="user", max_reply_tokens=64)
+        assert tok.decode(head + ids) == said + reply
+        if kind == "gpt2":
+            assert head + ids == tok(said + reply, add_special_tokens=False)["input_ids"]
+
+
 def test_a_forging_environment_plays_as_plain_text(tmp_path):
     """An episode on a ChatML model whose environment replies (inline) with markup and EOS text: its pieces hold
     no control token at all."""

@@ -1,13 +1,14 @@
 """Run under `accelerate launch` with 1 or 2 processes: episodes of several turns on a global batch of prompts.
 
     python episode_ranks.py MODEL_DIR PROMPT_FILE OUT_JSON
+    python fsdp2_on_cpu.py episode_ranks.py MODEL_DIR PROMPT_FILE OUT_JSON      (under fsdp.yaml: FSDP2)
 
 A trainer with the Chatty environment of tests/envs.py (turns pause at a vowel, a reply after each, 3 turns at
 most)
 is built as `llm-rlhf ppo` builds it; its room plays the 8 global prompts of step 0 greedily (each rank its
 contiguous 8 / world), so the episodes are fixed by the weights and comparable across process counts while the
 ranks take different numbers of turns (the room agrees on the turns with a global sum each turn). Then one PPO
-step (sampled episodes) runs, to show no rank waits on another. OUT_JSON (main process): the world size and, per
+step (sampled episodes) runs, to show no rank waits on another. OUT_JSON (main process): the world size, the distributed type and, per
 global prompt, the episode's query, response ids, response_mask, env_mask and turns, gathered from every rank.
 """
 
@@ -77,7 +78,8 @@ def main() -> None:
     torch.manual_seed(accelerator.process_index)
     metrics = trainer.ppo_step()
     if accelerator.is_main_process:
-        out.write_text(json.dumps({"world": accelerator.num_processes, "episodes": rows, "metrics": metrics}))
+        record = {"world": accelerator.num_processes, "episodes": rows, "metrics": metrics}
+        out.write_text(json.dumps({**record, "distributed_type": str(accelerator.distributed_type)}))
     accelerator.wait_for_everyone()
     cli.exit_process(0)
 
