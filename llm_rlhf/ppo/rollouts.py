@@ -299,6 +299,12 @@ class EpisodeCollector(RolloutCollector):
         self.limits = EpisodeLimits.of(context.cfg)
         self.last_episodes: list[Episode] = []
 
+    def agree_on_turn(self, active: bool, width: int) -> tuple[bool, int]:
+        """Over every process: whether any has an unfinished episode, and the widest turn (one gather)."""
+        mine = torch.tensor([[float(active), float(width)]], device=self.device)  # (1, 2)
+        every = self.accelerator.gather(mine)  # (processes, 2)
+        return bool(every[:, 0].max() > 0), int(every[:, 1].max())
+
     @torch.no_grad()
     def generate(self, queries: list[list[int]], sampling: Sampling | None = None) -> Samples:
         """One episode per query (`episodes.run_episodes`), R = max_episode_tokens on every process; every
@@ -313,7 +319,7 @@ class EpisodeCollector(RolloutCollector):
                 sampling or self.sampling,
                 self.limits,
                 device=self.device,
-                any_active=lambda active: self.global_sum(torch.tensor(float(active))) > 0,
+                agree=self.agree_on_turn,
             )
         if (
             self.global_sum(samples.response_mask.sum()) == 0

@@ -418,7 +418,7 @@ def run_episodes(
     limits: EpisodeLimits,
     *,
     device=None,
-    any_active: Callable[[bool], bool] | None = None,
+    agree: Callable[[bool, int], tuple[bool, int]] | None = None,
 ) -> tuple[Samples, list[Episode]]:
     """Play one episode per query, each with a fresh environment from `make_environment`, and return the
     episodes as `Samples` (the layout of the module docstring: R = max_episode_tokens on every row, env_mask and
@@ -429,9 +429,11 @@ def run_episodes(
     `rollout.sample` call on its whole context so far (the prompt and every piece, left-padded), at most
     sampling.max_new_tokens and the episode's remaining budget, pausing also at the environment's stop strings
     (`environment_stop_strings`); the turns' steps run all at once too. Draws come from the global RNG, turn
-    after turn. any_active: agrees over the processes whether some episode anywhere is unfinished (a global
-    sum); under ZeRO-3 a process whose episodes are all over then samples one throw-away row, so every process
-    runs as many sampling calls (`fast_sampling.steps_on_every_process`)."""
+    after turn. agree: (whether this process has an unfinished episode, its turn's width) -> whether some
+    episode anywhere is unfinished and the widest turn of any process (one gather over the processes a turn);
+    a process whose episodes are all over then samples one throw-away row, and every process samples the same
+    width, so every process runs as many sampling calls and decode steps, as sharded forwards (ZeRO-3, FSDP2)
+    need (`fast_sampling.steps_on_every_process`); one process computes that width over all the rows too."""
     tokens_left, timeout = limits.max_episode_tokens, limits.environment_timeout
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     name = getattr(make_environment, "__name__", type(make_environment).__name__)
@@ -462,12 +464,13 @@ def run_episodes(
             end_with_error(episodes[i], f"reset {error}")
     while True:
         rows = [i for i, e in enumerate(episodes) if not e.over]
-        if any_active is not None and not any_active(bool(rows)):
-            break
-        if any_active is None and not rows:
-            break
         budget = {i: tokens_left - episodes[i].length for i in rows}
         width = max([min(sampling.max_new_tokens, b) for b in budget.values()] or [1])
+        active = bool(rows)
+        if agree is not None:  # every process: the same turns and widths
+            active, width = agree(active, width)
+        if not active:
+            break
         turn_sampling = dataclasses.replace(sampling, max_new_tokens=width, stop_strings=stops)
         contexts = [list(queries[i]) + episodes[i].ids() for i in rows] or [
             list(queries[0])

@@ -52,17 +52,24 @@ def test_episodes_are_the_same_on_one_and_two_processes(tiny_model_dir, prompt_f
 
 
 @pytest.mark.multiprocess
-def test_episodes_under_fsdp2_on_two_processes_are_those_of_one(tiny_model_dir, prompt_file, tmp_path):
-    """FSDP2 (fsdp.yaml, fp32) on 2 CPU processes: every forward all-gathers the shards, so the ranks must run
-    as many sampling calls while their episodes take different numbers of turns. The greedy episodes are those
-    of 1 process, id for id, and a sampled PPO step on them completes on both ranks."""
+@pytest.mark.parametrize("sharding", ["fsdp2", "zero3"])
+def test_episodes_sharded_on_two_processes_are_those_of_one(tiny_model_dir, prompt_file, tmp_path, sharding):
+    """FSDP2 (fsdp.yaml) and DeepSpeed ZeRO-3 (deepspeed_zero3.yaml, every parameter partitioned), fp32, on 2 CPU
+    processes: every forward gathers the shards, so the ranks must run as many sampling calls while their
+    episodes take different numbers of turns. The greedy episodes are those of 1 process, id for id, and a
+    sampled PPO step on them completes on both ranks."""
     one = tmp_path / "1.json"
     launch([str(SCRIPTS / "episode_ranks.py"), str(tiny_model_dir), str(prompt_file), str(one)], 1)
-    two = tmp_path / "fsdp.json"
+    two = tmp_path / f"{sharding}.json"
     script = [str(SCRIPTS / "episode_ranks.py"), str(tiny_model_dir), str(prompt_file), str(two)]
-    launch([str(SCRIPTS / "fsdp2_on_cpu.py"), *script], 2, config="fsdp.yaml", mixed_precision="no")
+    if sharding == "fsdp2":
+        launch([str(SCRIPTS / "fsdp2_on_cpu.py"), *script], 2, config="fsdp.yaml", mixed_precision="no")
+    else:
+        launch(script, 2, config="deepspeed_zero3.yaml", mixed_precision="no", timeout=600)
     one, two = json.loads(one.read_text()), json.loads(two.read_text())
-    assert two["world"] == 2 and two["distributed_type"].endswith("FSDP")
+    assert two["world"] == 2 and two["distributed_type"].endswith(
+        "FSDP" if sharding == "fsdp2" else "DEEPSPEED"
+    )
     assert one["episodes"] == two["episodes"]
     rank0, rank1 = two["episodes"][:4], two["episodes"][4:]  # each rank's contiguous half of the prompts
     assert max(e["turns"] for e in rank0) != max(e["turns"] for e in rank1)  # unequal sampling calls per rank

@@ -2,6 +2,7 @@
 
     python episode_ranks.py MODEL_DIR PROMPT_FILE OUT_JSON
     python fsdp2_on_cpu.py episode_ranks.py MODEL_DIR PROMPT_FILE OUT_JSON      (under fsdp.yaml: FSDP2)
+    (under deepspeed_zero3.yaml: ZeRO-3, every parameter partitioned and none kept live, as ppo_ranks.py sets it)
 
 A trainer with the Chatty environment of tests/envs.py (turns pause at a vowel, a reply after each, 3 turns at
 most)
@@ -36,6 +37,13 @@ def main() -> None:
     model_dir, prompt_file, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     use_cpu_ddp_without_gpus()
     accelerator = Accelerator()
+    plugin = accelerator.state.deepspeed_plugin
+    if (
+        plugin is not None and plugin.zero_stage == 3
+    ):  # every parameter partitioned, none kept live (as ppo_ranks.py)
+        plugin.deepspeed_config["zero_optimization"].update(
+            stage3_param_persistence_threshold=0, stage3_max_live_parameters=0, stage3_max_reuse_distance=0
+        )
     cfg = ppo_config(
         model_dir,
         None,
