@@ -746,3 +746,17 @@ def run_pipeline(argv: list[str]) -> dict:
 def ppo_steps(folder: Path) -> list[int]:
     """The steps a pipeline run's PPO stage logged (`folder`/ppo/metrics.jsonl)."""
     return [row["step"] for row in logged(folder / "ppo")]
+
+
+def with_lora(lm):
+    """lm with a rank-4 LoRA on the attention projections, B drawn at random (peft starts it at zero, which
+    would make the adapter a no-op), as PPO holds it: unmerged, eval mode."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["c_attn"] if lm.config.model_type == "gpt2" else ["q_proj", "v_proj"]
+    lm = get_peft_model(lm, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=targets))
+    torch.manual_seed(7)
+    for name, p in lm.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.3)
+    return lm.eval()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
+from helpers import with_lora
 from transformers import AutoModelForCausalLM
 
 from llm_rlhf.rl import fast_sampling
@@ -13,15 +13,8 @@ from llm_rlhf.rl.cast_once import frozen_weights_cast_once
 
 
 def lora_lm(folder):
-    """The tiny model with a LoRA adapter on its attention projections (B drawn at random), base frozen."""
-    lm = AutoModelForCausalLM.from_pretrained(folder).eval()
-    targets = ["c_attn"] if lm.config.model_type == "gpt2" else ["q_proj", "v_proj"]
-    lm = get_peft_model(lm, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets))
-    torch.manual_seed(7)
-    for name, p in lm.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.3)
-    return lm
+    """The tiny model with a LoRA adapter on its attention projections (`helpers.with_lora`), base frozen."""
+    return with_lora(AutoModelForCausalLM.from_pretrained(folder).eval())
 
 
 def forward_backward(lm, x):

@@ -12,8 +12,7 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from helpers import multinomial_draw, naive_inverse_cdf_draw, naive_sample
-from peft import LoraConfig, get_peft_model
+from helpers import multinomial_draw, naive_inverse_cdf_draw, naive_sample, with_lora
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from llm_rlhf.rl import fast_sampling
@@ -31,18 +30,6 @@ HOSTILE = dict(
     temperature=0.05,
     do_sample=False,
 )
-
-
-def with_lora(lm):
-    """lm with a rank-4 LoRA on the attention projections, B drawn at random (peft starts it at zero, which
-    would make the adapter a no-op), as PPO holds it: unmerged, eval mode."""
-    targets = ["c_attn"] if lm.config.model_type == "gpt2" else ["q_proj", "v_proj"]
-    lm = get_peft_model(lm, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=targets))
-    torch.manual_seed(7)
-    for name, p in lm.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.3)
-    return lm.eval()
 
 
 def load(folder, lora: bool):
