@@ -705,7 +705,7 @@ class PPOTrainer(UsesContext):
         groups (the tied groups it filled in at its cap); the dropped ones are sampling/groups_dropped."""
         scores = rollout.scores  # (B,) and with episodes the environment's rewards
         if rollout.env_rewards is not None:
-            scores = scores + rollout.env_rewards.sum(-1)
+            scores = scores + ppo_math.masked_sum(rollout.env_rewards, rollout.response_mask, dim=-1)
         grouped = ppo_math.scores_by_prompt(
             scores=scores, samples_per_prompt=self.cfg.samples_per_prompt
         )  # (P, k)

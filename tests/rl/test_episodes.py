@@ -3,6 +3,7 @@ environments, every estimator and loss on episodes, exact resume."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -13,6 +14,8 @@ from processes import killed_and_resumed
 
 from llm_rlhf.core.errors import UserError
 from llm_rlhf.models.loading import load_tokenizer
+from llm_rlhf.models.reward_fn import RewardFn
+from llm_rlhf.models.scoring import Scorer
 from llm_rlhf.rl import episodes, ppo_math
 from llm_rlhf.rl.episodes import ENVIRONMENT, POLICY, EpisodeLimits, Step, run_episodes
 from llm_rlhf.rl.rollout import Samples, Sampling
@@ -167,6 +170,8 @@ def test_gradient_and_kl_are_exactly_zero_on_environment_tokens(
     kl_coef = 0.3
     trainer.kl_ctl.value = kl_coef
     rollout.ref_logprobs = rollout.ref_logprobs + torch.randn_like(rollout.ref_logprobs)  # a KL everywhere
+    noise = torch.randn_like(rollout.env_rewards)  # where the collector never puts an environment's reward
+    rollout.env_rewards = torch.where(env, noise, rollout.env_rewards)
     rewards, kl = trainer.rewards(rollout, kl_coef)
     assert rewards[env].abs().sum() == 0  # no KL penalty, no score there
     seq = ppo_math.sequence_kl(kl=kl, response_mask=rollout.response_mask)
@@ -187,6 +192,202 @@ def test_gradient_and_kl_are_exactly_zero_on_environment_tokens(
     for g, env_part, _ in grads:
         assert g[env_part].abs().max() == 0  # exactly zero: no loss term reads an environment token
     assert any(g[p].abs().max() > 0 for g, _, p in grads)
+
+
+def noised_at(rollout, where, advantages, returns):
+    """Copies of the rollout's per-token inputs of the update with noise at the positions `where` (B, R)."""
+    g = torch.Generator().manual_seed(1)  # not the global RNG the update shuffles its minibatches with
+
+    def noise(x):
+        return None if x is None else torch.where(where, x + 3.0 * torch.randn(x.shape, generator=g), x)
+
+    fields = ("logprobs", "values", "ref_logprobs", "sampler_logprobs")
+    noised = dataclasses.replace(rollout, **{f: noise(getattr(rollout, f)) for f in fields})
+    return noised, noise(advantages), noise(returns)
+
+
+def recorded_update(trainer, rollout, advantages, returns):
+    """The update's statistics, each train forward's (gradient at the log-probs, entropy, policy mask) and the
+    trained parameters, for one `train_on_rollout`."""
+    seen, real = [], trainer.forward_policy
+
+    def recording(part, **kwargs):
+        out = real(part, **kwargs)
+        if kwargs.get("train"):
+            record = {"entropy": out[2].detach(), "policy": part.response_mask}
+            out[0].register_hook(lambda g: record.__setitem__("grad", g))
+            seen.append(record)
+        return out
+
+    trainer.forward_policy = recording
+    stats = trainer.train_on_rollout(rollout, advantages, returns)
+    trainer.forward_policy = real
+    params = [p.detach().clone() for p in trainer.policy.parameters() if p.requires_grad]
+    return stats, seen, params
+
+
+@pytest.mark.parametrize("estimator", ["gae", "grpo"])
+def test_noise_at_environment_tokens_leaves_the_update_bit_identical_and_its_means_count_the_policy(
+    tiny_model_dir, prompt_file, tmp_path, estimator
+):
+    """Two trainers from one seed train on one rollout, the second with noise at the environment's tokens in
+    every per-token input of the update (advantages, returns, old values, old and reference log-probs): the
+    statistics, the gradients at the log-probs and the trained weights are bit-identical. gae trains the value
+    head; grpo puts the KL in the loss. And the logged entropy is the token mean over the policy's tokens of
+    what the forwards computed (each minibatch's 2 micro-batches weighted by their policy tokens, the
+    minibatches' means averaged): unmasking any loss term,
+    the loss mask or a micro-batch's token count fails this test."""
+    kw = dict(ppo_epochs=1, mini_batch_size=8, gradient_accumulation_steps=2, ent_coef=0.01)
+    if estimator == "grpo":
+        kw.update(advantage_estimator="grpo", samples_per_prompt=2)
+    trainers = [episode_trainer(tiny_model_dir, prompt_file, tmp_path / str(i), **kw) for i in range(2)]
+    first = trainers[0]
+    rollout, _ = first.rollout(first.collector.in_groups(first.collector.queries(0)))
+    env = rollout.env_mask
+    assert env.any() and rollout.response_mask.any() and not (env & rollout.response_mask).any()
+    rewards, _ = first.rewards(rollout, first.kl_ctl.value)
+    advantages, returns = first.advantages(rollout, rewards)
+    clean = recorded_update(first, rollout, advantages, returns)
+    noisy = recorded_update(trainers[1], *noised_at(rollout, env, advantages, returns))
+    assert clean[0] == noisy[0]  # every statistic of the update
+    assert len(clean[1]) == len(noisy[1]) and len(clean[1]) % 2 == 0  # 2 micro-batches a minibatch
+    for a, b in zip(clean[1], noisy[1]):
+        assert torch.equal(a["grad"], b["grad"])
+        assert a["grad"][~a["policy"]].abs().max() == 0 and a["grad"][a["policy"]].abs().max() > 0
+    assert all(torch.equal(a, b) for a, b in zip(clean[2], noisy[2]))
+    minibatches = [clean[1][i : i + 2] for i in range(0, len(clean[1]), 2)]
+    means = [torch.cat([r["entropy"][r["policy"]] for r in mb]).mean() for mb in minibatches]
+    assert clean[0]["policy/entropy"] == pytest.approx(float(torch.stack(means).mean()), rel=1e-5)
+
+
+STEP_ESTIMATORS = [
+    dict(advantage_estimator="gae", whiten_rewards=True),
+    dict(advantage_estimator="grpo", samples_per_prompt=2),
+    dict(advantage_estimator="dr_grpo", samples_per_prompt=2),
+    dict(advantage_estimator="rloo", samples_per_prompt=2),
+    dict(advantage_estimator="reinforce_pp"),
+    dict(advantage_estimator="remax"),
+]
+
+
+@pytest.mark.parametrize("kw", STEP_ESTIMATORS, ids=lambda kw: kw["advantage_estimator"])
+def test_noise_at_environment_tokens_leaves_a_ppo_step_bit_identical(
+    tiny_model_dir, prompt_file, tmp_path, kw
+):
+    """A whole PPO step of two trainers from one seed, the second's rollouts (ReMax's greedy one too) with noise
+    at the environment's tokens in every per-token tensor (old, reference and sampler log-probs, values,
+    entropy, the environment's rewards): every metric but the times, the KL controller's next coefficient and
+    the trained weights are bit-identical, for every estimator (gae with whitened rewards); and the logged
+    response length counts the policy's tokens, the rewards are whitened over them. Unmasking the KL penalty, the environment's rewards, the
+    whitening, the advantages, ReMax's baseline, the controller's KL or a step metric fails this test."""
+    kw = dict(kw, init_kl_coef=0.2)
+    trainers = [episode_trainer(tiny_model_dir, prompt_file, tmp_path / str(i), **kw) for i in range(2)]
+    rollouts = []
+    for trainer, noisy in zip(trainers, (False, True)):
+        real = trainer.rollout
+
+        def rollout(*args, real=real, noisy=noisy, **kwargs):
+            out, scores = real(*args, **kwargs)
+            rollouts.append(out)
+            if not noisy:
+                return out, scores
+            env, g = (
+                out.env_mask,
+                torch.Generator().manual_seed(1),
+            )  # not the global RNG the update shuffles with
+
+            def noise(x):
+                return None if x is None else torch.where(env, x + 3.0 * torch.randn(x.shape, generator=g), x)
+
+            fields = ("logprobs", "values", "ref_logprobs", "sampler_logprobs", "entropy", "env_rewards")
+            return dataclasses.replace(out, **{f: noise(getattr(out, f)) for f in fields}), scores
+
+        trainer.rollout = rollout
+    given, advantages = [], trainers[0].advantages
+
+    def recording(rollout, rewards, *args):
+        given.append((rollout, rewards, trainers[0].kl_ctl.value))
+        return advantages(rollout, rewards, *args)
+
+    trainers[0].advantages = recording
+    torch.manual_seed(0)
+    clean = trainers[0].ppo_step()
+    torch.manual_seed(0)
+    noisy = trainers[1].ppo_step()
+    timeless = lambda m: {k: v for k, v in m.items() if not k.startswith("time/") and k != "tokens_per_s"}  # noqa: E731
+    assert timeless(clean) == timeless(noisy)
+    assert trainers[0].kl_ctl.value == trainers[1].kl_ctl.value
+    weights = [[p for p in t.policy.parameters() if p.requires_grad] for t in trainers]
+    assert all(torch.equal(a, b) for a, b in zip(*weights))
+    first = rollouts[0]
+    assert first.env_mask.any()
+    assert clean["response_length"] == pytest.approx(float(first.response_mask.sum(-1).float().mean()))
+    if kw.get("whiten_rewards"):  # whitened over the policy's tokens
+        rollout, rewards, kl_coef = given[0]
+        raw, _ = trainers[0].rewards(rollout, kl_coef)
+        expected = ppo_math.masked_whiten(raw, rollout.response_mask, shift_mean=False)
+        assert torch.allclose(rewards, expected, atol=1e-6)
+
+
+def test_a_reward_function_reads_the_policy_s_text_of_an_episode_without_the_replies(tiny_model_dir):
+    """The scorer's reward function sees an episode's policy tokens decoded (its turns in order, EOS dropped),
+    never the environment's replies, which sit between them in the response."""
+    import envs
+
+    samples, played = play(tiny_model_dir, envs.Echo)
+    tok = load_tokenizer(str(tiny_model_dir), padding_side="left")
+    seen = []
+
+    def recording(prompts, responses):
+        seen.extend(responses)
+        return [0.0] * len(responses)
+
+    Scorer(None, RewardFn(recording, "recording"))(samples, tok)
+    assert samples.env_mask.any()
+    policy = [
+        [t for owner, ids in e.pieces if owner == POLICY for t in ids if t != tok.eos_token_id]
+        for e in played
+    ]
+    assert seen == [tok.decode(ids, skip_special_tokens=True) for ids in policy]
+    replies = [
+        tok.decode([t for owner, ids in e.pieces if owner == ENVIRONMENT for t in ids]) for e in played
+    ]
+    assert any(r.strip() and r.strip() not in text for r, text in zip(replies, seen))
+
+
+def test_the_evaluation_s_kl_and_lengths_of_an_episode_count_the_policy_s_tokens(tiny_model_dir, monkeypatch):
+    """Evaluation's KL to the reference of an episode is the sum over the policy's tokens of log pi - log pi_ref
+    (a reference with other weights, so the environment's tokens have a KL of their own), and its record's
+    length is the policy's tokens."""
+    import envs
+    from transformers import AutoModelForCausalLM
+
+    from llm_rlhf.evaluation import measures
+    from llm_rlhf.rl.rollout import response_logits
+
+    samples, _ = play(tiny_model_dir, envs.Echo)
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    kl, _ = measures.sequence_kl_to_ref(
+        policy, measures.KLReference(reference), samples, Sampling(max_new_tokens=16)
+    )
+    with torch.no_grad():
+        per_token = [
+            torch.log_softmax(response_logits(lm, samples).float(), -1).gather(
+                -1, samples.response[..., None]
+            )[..., 0]
+            for lm in (policy, reference)
+        ]  # (B, R) each
+    k1 = per_token[0] - per_token[1]
+    assert samples.env_mask.any() and k1[samples.env_mask].abs().max() > 1e-3
+    assert torch.allclose(kl, (k1 * samples.response_mask).sum(-1), atol=1e-5)
+    tok = load_tokenizer(str(tiny_model_dir), padding_side="left")
+    scores = Scorer(None, RewardFn(lambda p, r: [0.0] * len(r), "zero"))(samples, tok)
+    records = measures.batch_records(["a", "b"], samples, tok, (kl, kl), scores)
+    assert [r["length"] for r in records] == samples.response_mask.sum(-1).tolist()
 
 
 def test_per_turn_rewards_land_in_the_rewards_and_gae_skips_environment_tokens(
