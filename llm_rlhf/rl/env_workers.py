@@ -155,10 +155,10 @@ class Worker:
                 raise EnvironmentCallError(f"did not return within {timeout:g} s")
             status, value, stats = self.conn.recv()
         except (EOFError, OSError, BrokenPipeError):
-            if self.process is not None:
-                self.process.join(
-                    1.0
-                )  # its pipe closed as it exited: reaped within moments, then its code is set
+            if (
+                self.process is not None
+            ):  # its pipe closed as it exited: reaped within moments, then the code is set
+                self.process.join(1.0)
             code = self.process.exitcode if self.process is not None else None
             self.kill()
             raise EnvironmentCallError(f"ended its process (exit code {code})") from None
