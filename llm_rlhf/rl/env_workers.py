@@ -155,9 +155,8 @@ class Worker:
                 raise EnvironmentCallError(f"did not return within {timeout:g} s")
             status, value, stats = self.conn.recv()
         except (EOFError, OSError, BrokenPipeError):
-            if (
-                self.process is not None
-            ):  # its pipe closed as it exited: reaped within moments, then the code is set
+            # its pipe closed as it exited: joined, it is reaped within moments and its exit code is set
+            if self.process is not None:
                 self.process.join(1.0)
             code = self.process.exitcode if self.process is not None else None
             self.kill()
