@@ -99,6 +99,37 @@ def mean_and_stderr_over_prompts(values: list[float], samples_per_prompt: int) -
     return mean_and_stderr(per_prompt)
 
 
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased estimate of pass@k from n samples of which c are correct (Chen et al. 2021, "Evaluating
+    Large Language Models Trained on Code", eq. 1): the chance that k of the n, drawn without replacement,
+    hold a correct one,
+
+        pass@k = 1 - C(n - c, k) / C(n, k) = 1 - prod_{i = n - c + 1}^{n} (1 - k / i)
+
+    (the product is the paper's numerically stable form; 1 when n - c < k). Worked example
+    (tests/evaluation/test_pass_at_k.py): n = 4, c = 2: pass@1 = 1/2, pass@2 = 5/6, pass@3 = pass@4 = 1.
+    Raises ValueError unless 0 <= c <= n and 1 <= k <= n."""
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n; got n = {n}, c = {c}, k = {k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def pass_at_k_and_stderr(verdicts: list[float], samples_per_prompt: int, k: int) -> tuple[float, float]:
+    """pass@k over the prompts and its standard error: `verdicts` holds samples_per_prompt = n consecutive
+    verdicts (1.0 / 0.0) per prompt; each prompt's `pass_at_k` estimate from its c correct, then
+    `mean_and_stderr` over the prompts (sd with n - 1, over sqrt(prompts)): the spread of the tasks, as for
+    the accuracy (`mean_and_stderr_over_prompts`; pass@1 is the accuracy and its stderr)."""
+    n = samples_per_prompt
+    if n < 1 or not verdicts or len(verdicts) % n:
+        raise ValueError(f"{len(verdicts)} verdicts are not whole groups of samples_per_prompt={n}")
+    if not 1 <= k <= n:
+        raise ValueError(f"pass@{k} needs k <= samples_per_prompt ({n}) samples of each prompt")
+    correct = [round(sum(verdicts[i : i + n])) for i in range(0, len(verdicts), n)]
+    return mean_and_stderr([pass_at_k(n, c, k) for c in correct])
+
+
 # ---------------------------------------------------------------------------------------------
 # Sampling and scoring
 # ---------------------------------------------------------------------------------------------
@@ -331,17 +362,24 @@ def accuracy_figures(
     *,
     samples_per_prompt: int = 1,
     suffix: str = "",
+    pass_at: Sequence[int] = (),
 ) -> dict[str, float | None]:
     """`ACCURACY_KEYS` (+ suffix) from the verdicts (`correct`) of one model's records: accuracy, the mean over
     the sampled records (samples_per_prompt consecutive records per prompt), accuracy_greedy the mean over the
     greedy records (one per prompt), each with its standard error over the prompts
-    (`mean_and_stderr_over_prompts`). All None when greedy is None (no verifier: not measured)."""
+    (`mean_and_stderr_over_prompts`); for each k of pass_at, pass_at_<k> and pass_at_<k>_stderr
+    (`pass_at_k_and_stderr`, `metric_names.pass_at_keys`). All None when greedy is None (no verifier: not
+    measured)."""
+    keys = ACCURACY_KEYS + tuple(key for k in pass_at for key in metric_names.pass_at_keys(k))
     if greedy is None:
-        return {key + suffix: None for key in ACCURACY_KEYS}
-    accuracy, stderr = mean_and_stderr_over_prompts([r["correct"] for r in sampled], samples_per_prompt)
+        return {key + suffix: None for key in keys}
+    verdicts = [r["correct"] for r in sampled]
+    accuracy, stderr = mean_and_stderr_over_prompts(verdicts, samples_per_prompt)
     accuracy_greedy, greedy_stderr = mean_and_stderr_over_prompts([r["correct"] for r in greedy], 1)
-    figures = (accuracy, stderr, accuracy_greedy, greedy_stderr)
-    return {key + suffix: value for key, value in zip(ACCURACY_KEYS, figures)}
+    figures = [accuracy, stderr, accuracy_greedy, greedy_stderr]
+    for k in pass_at:
+        figures.extend(pass_at_k_and_stderr(verdicts, samples_per_prompt, k))
+    return {key + suffix: value for key, value in zip(keys, figures)}
 
 
 def load_verifier(spec: str, prompts: Sequence[str]) -> RewardFn:
@@ -410,8 +448,11 @@ def evaluate_policy(
     measures: Measures = Measures(),
     reference: KLReference | None = None,
     samples_out: list[dict[str, Any]] | None = None,
+    samples_per_prompt: int = 1,
+    pass_at: Sequence[int] = (),
 ) -> dict[str, float | None]:
-    """Sample one response per prompt from `policy` and score it: for evaluation during training.
+    """Sample samples_per_prompt responses per prompt from `policy` and score them: for evaluation during
+    training.
 
     policy: a causal LM (e.g. PPO's `policy.lm` unwrapped from DDP); reference: a `KLReference` (the
     reference's `lm`; with LoRA the policy's `lm` again with `context=lm.disable_adapter`), None to skip the
@@ -423,20 +464,28 @@ def evaluate_policy(
     verifier's mean over these samples, and accuracy_greedy over one more, greedy response per prompt
     (`greedy_records`; no random draw), each with its stderr over the prompts; None without one. samples_out:
     a list that gets `sample_and_score`'s per-sample records appended (PPO logs them for the report's
-    reward-hacking watch); None = not kept.
+    reward-hacking watch); None = not kept. samples_per_prompt: n responses to each prompt (consecutive
+    records; the standard errors count each prompt once), pass_at: the k of each pass@k to report from them
+    (`accuracy_figures`, with a verifier; k <= n).
     """
     was_training = policy.training
     policy.eval()
     prompts = list(prompts)
+    rows = [prompt for prompt in prompts for _ in range(samples_per_prompt)]  # prompt-major
     try:
-        records = sample_and_score(policy, tokenizer, prompts, draws, measures=measures, reference=reference)
+        records = sample_and_score(policy, tokenizer, rows, draws, measures=measures, reference=reference)
         verifier = measures.verifier
         greedy = greedy_records(policy, tokenizer, prompts, draws, verifier) if verifier is not None else None
     finally:
         policy.train(was_training)
     if samples_out is not None:
         samples_out.extend(records)
-    return {**summarize_records(records), **accuracy_figures(records, greedy), **episode_figures(records)}
+    n = samples_per_prompt
+    return {
+        **summarize_records(records, samples_per_prompt=n),
+        **accuracy_figures(records, greedy, samples_per_prompt=n, pass_at=pass_at),
+        **episode_figures(records),
+    }
 
 
 def load_heldout_inputs(cfg, tokenizer=None) -> tuple[list[str], Any]:
@@ -484,6 +533,7 @@ def heldout_record(step: int, result: dict[str, Any]) -> dict[str, Any]:
         **{key: result[key] for key in DEGENERACY_KEYS},
         **{key: result[key] for key in (*COLLAPSE_KEYS, metric_names.NUM_RESPONSES)},
         **{key: result[key] for key in ACCURACY_KEYS},
+        **{key: value for key, value in result.items() if key.startswith(metric_names.PASS_AT)},
         metric_names.GOLD_SCORE_STDERR: result[metric_names.GOLD_SCORE_STDERR],
         metric_names.LOG_PROXY: result[proxy],
         metric_names.LOG_PROXY_STDERR: result[proxy_stderr],

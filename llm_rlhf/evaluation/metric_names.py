@@ -73,6 +73,16 @@ ACCURACY_STDERR = "accuracy_stderr"  # over the prompts
 ACCURACY_GREEDY = "accuracy_greedy"  # over one greedy response per prompt
 ACCURACY_GREEDY_STDERR = "accuracy_greedy_stderr"
 ACCURACY_KEYS = (ACCURACY, ACCURACY_STDERR, ACCURACY_GREEDY, ACCURACY_GREEDY_STDERR)
+PASS_AT = (
+    "pass_at_"  # + k: the unbiased pass@k of the samples (n per prompt, k <= n), + "_stderr" over the prompts
+)
+
+
+def pass_at_keys(k: int) -> tuple[str, str]:
+    """pass@k's keys: ("pass_at_<k>", "pass_at_<k>_stderr")."""
+    return f"{PASS_AT}{k}", f"{PASS_AT}{k}{STDERR}"
+
+
 DEGENERACY_KEYS = hacking.DEGENERACY_KEYS  # char_run_rate, repeated_ngram_rate, empty_rate
 COLLAPSE_KEYS = hacking.COLLAPSE_KEYS  # duplicate_rate, ..., word_distinct_2, top_response_share, echo_rate
 DUPLICATE_RATE, TOP_BIGRAM_SHARE, SHARED_BIGRAM_RATE, WORD_DISTINCT_2 = COLLAPSE_KEYS[:4]

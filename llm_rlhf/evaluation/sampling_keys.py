@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from llm_rlhf.core.config import help_field
+from llm_rlhf.core.config import help_field, require
 from llm_rlhf.rl.episodes import EPISODE_KEYS
 from llm_rlhf.tasks.gym import task_keys
 
@@ -168,6 +168,23 @@ class SamplingRunKeys(EpisodeKeys, SamplingKeys, PromptKeys, ScoringKeys):
     dtype: str = help_field("float32", "Weights dtype: float32 | bfloat16 | float16.")
     seed: int = help_field(0, "Random seed.")
     output_dir: str = help_field("runs/reviews/out", "Where the stage's outputs go.")
+
+
+def check_pass_at_k(ks, samples_per_prompt: int, accuracy_fn, *, key: str, n_key: str = "samples_per_prompt"):
+    """A list of pass@k's k (evaluation's pass_at_k, PPO's eval_pass_at_k): integers 1 <= k <= n, the
+    samples of each prompt (n_key's value), distinct, and an accuracy_fn to give the verdicts; each a
+    ConfigError naming the key."""
+    require(isinstance(ks, list), key, f"must be a list of integers (got {ks!r})")
+    for k in ks:
+        require(type(k) is int and k >= 1, key, f"{k!r} is not an integer >= 1")
+        require(
+            k <= samples_per_prompt,
+            key,
+            f"pass@{k} needs k <= {n_key} ({samples_per_prompt}): an unbiased pass@k takes k of the n samples of "
+            "a prompt",
+        )
+    require(len(set(ks)) == len(ks), key, f"lists a k twice ({ks})")
+    require(not ks or accuracy_fn is not None, key, "needs accuracy_fn (the verdicts pass@k counts)")
 
 
 def fill_from_task(cfg: SamplingRunKeys, stage: str) -> None:

@@ -24,7 +24,7 @@ from llm_rlhf.core.config import checked_keywords, help_field, is_off, require
 from llm_rlhf.core.data import DATA_FORMATS
 from llm_rlhf.core.utils import resolve_bf16
 from llm_rlhf.evaluation import hacking
-from llm_rlhf.evaluation.sampling_keys import SamplingRunKeys, fill_from_task
+from llm_rlhf.evaluation.sampling_keys import SamplingRunKeys, check_pass_at_k, fill_from_task
 from llm_rlhf.models.scoring import check_score_keys
 from llm_rlhf.rl.episodes import check_episode_keys
 from llm_rlhf.rl.estimators import (
@@ -97,6 +97,12 @@ class Config(SamplingRunKeys):
         "k: responses sampled for each prompt of a rollout, in consecutive rows (a rollout holds "
         "rollout_batch_size * k episodes per process; a prompt's k samples, its group, stay on one process). "
         f"{names(r for r in ROWS if r.min_samples_per_prompt >= 2)} need k >= 2.",
+    )
+    pass_k: int = help_field(
+        1,
+        "The k of the pass@k that advantage_estimator pass_at_k trains for, 1 <= pass_k < samples_per_prompt "
+        "(each sample's weight in the unbiased pass@k gradient, minus its group's mean: "
+        "`estimators.pass_at_k_advantages`); 1 is Dr. GRPO's advantage over samples_per_prompt.",
     )
     kl_in_loss: bool | None = help_field(
         None,
@@ -267,6 +273,18 @@ class Config(SamplingRunKeys):
         10, "Evaluate on held-out prompts every N steps, and before the first (0 = off)."
     )
     eval_num_prompts: int = help_field(64, "How many held-out prompts each evaluation samples.")
+    eval_samples_per_prompt: int = help_field(
+        1,
+        "Responses sampled for each held-out prompt at each evaluation (consecutive; the standard errors count "
+        "each prompt once); the greedy response stays one per prompt.",
+    )
+    eval_pass_at_k: list[int] = help_field(
+        [],
+        "With accuracy_fn: the k of each pass@k each held-out evaluation reports from its "
+        "eval_samples_per_prompt = n samples of a prompt (Chen et al. 2021's unbiased 1 - C(n - c, k) / C(n, "
+        "k), k <= n), with its standard error over the prompts: eval_log.jsonl's pass_at_<k>, "
+        "pass_at_<k>_stderr. [] = none.",
+    )
     eval_batch_size: int | None = help_field(
         None,
         "Held-out prompts sampled together (null = rollout_batch_size). Batch b is drawn after seeding with "
@@ -313,6 +331,14 @@ class Config(SamplingRunKeys):
         if self.accuracy_fn is not None:  # its form only: imported when the stage starts
             split_callable_spec(self.accuracy_fn, "accuracy_fn")
         require(self.steps > 0, "steps", "must be > 0")
+        require(self.eval_samples_per_prompt >= 1, "eval_samples_per_prompt", "must be >= 1")
+        check_pass_at_k(
+            self.eval_pass_at_k,
+            self.eval_samples_per_prompt,
+            self.accuracy_fn,
+            key="eval_pass_at_k",
+            n_key="eval_samples_per_prompt",
+        )
         require(
             self.eval_batch_size is None or self.eval_batch_size > 0, "eval_batch_size", "must be > 0 or null"
         )
@@ -478,6 +504,14 @@ def check_estimator_keys(cfg) -> None:
         f"must be >= {row.min_samples_per_prompt} for advantage_estimator {row.name} (a group of one response "
         "has no baseline)",
     )
+    if "pass_k" not in row.ignored_keys:
+        require(
+            1 <= cfg.pass_k < cfg.samples_per_prompt,
+            "pass_k",
+            f"{cfg.pass_k} must be >= 1 and < samples_per_prompt ({cfg.samples_per_prompt}): pass@k's "
+            "gradient from a group of n samples needs k < n (at k = n every sample of the group gets the same "
+            "weight, the group's best score, and the group's mean cancels it)",
+        )
     defaults = {f.name: f for f in dataclasses.fields(cfg)}
     for key in row.ignored_keys:
         default = defaults[key].default  # every key an estimator may ignore is a scalar

@@ -87,6 +87,9 @@ class HeldOut:
                 if verifier is not None
                 else ""
             )
+            + "".join(
+                f"  pass@{k} {record[metric_names.pass_at_keys(k)[0]]:.3f}" for k in self.cfg.eval_pass_at_k
+            )
         )
         if record[metric_names.LOG_ALARM_STEP] == step:
             tqdm.write(
@@ -171,7 +174,15 @@ def evaluate_heldout(
     with trainer.accelerated.autocast(), trainer.accelerated.gathered_for_generation(policy):
         measures = Measures(scorer=trainer.collector.scorer, judge=judge, verifier=verifier)
         result = evaluate_policy(
-            lm, trainer.tokenizer, prompts, draws, measures=measures, reference=reference, samples_out=samples
+            lm,
+            trainer.tokenizer,
+            prompts,
+            draws,
+            measures=measures,
+            reference=reference,
+            samples_out=samples,
+            samples_per_prompt=cfg.eval_samples_per_prompt,
+            pass_at=cfg.eval_pass_at_k,
         )
     rows = heldout_sample_rows(samples, step=trainer.step, reward_fn_weight=cfg.reward_fn_weight)
     for row, record in zip(rows, samples):  # episodes of several turns: their turns, for the report

@@ -393,7 +393,7 @@ class PPOTrainer(UsesContext):
 
             gae           GAE over the values, then whitened over the global batch
             reinforce_pp  gamma = 1 returns, whitened over the global batch (`ppo_math.reinforce_pp_advantages`)
-            grpo, dr_grpo, rloo, remax   one advantage per response from its sequence reward
+            grpo, dr_grpo, rloo, remax, pass_at_k   one advantage per response from its sequence reward
                           r = sum_t rewards_t (the score, minus beta * KL when the KL is in the reward)
                           against its group (`ppo_math`), the same on each of its tokens
 
@@ -410,6 +410,7 @@ class PPOTrainer(UsesContext):
             gamma=cfg.gamma,
             lam=cfg.lam,
             reduce_sum=self.reduce_sum,
+            pass_k=cfg.pass_k,
         )
         return cfg.estimator.advantages(inputs)
 

@@ -6,7 +6,7 @@ keys it does not read, whether its advantage is one number per response, what th
 (`llm_rlhf.rl.policy_losses`) may combine it with, and its advantage function. The config
 (`llm_rlhf.ppo.config`), the trainer (`llm_rlhf.ppo.trainer`), the command (`llm_rlhf.stages.ppo`) and the
 report read the row and never the name. The math is pure functions: the
-group baselines of grpo, dr_grpo, rloo and remax below, GAE and REINFORCE++'s returns in `ppo_math` with
+group baselines of grpo, dr_grpo, rloo, remax and pass_at_k below, GAE and REINFORCE++'s returns in `ppo_math` with
 PPO's other equations; the adapters here only hand them a rollout's tensors:
 
     estimator     critic  k >= 1  KL in   greedy  divided by       (papers: each row's description)
@@ -16,6 +16,7 @@ PPO's other equations; the adapters here only hand them a rollout's tensors:
     rloo          no      2       reward  no      -                score - mean of the group's others
     reinforce_pp  no      1       reward  no      batch std        gamma = 1 returns, whitened
     remax         no      1       reward  yes     -                score - greedy response's score
+    pass_at_k     no      2       loss    no      -                pass@k gradient weight - group mean
 
 Adding an estimator: its pure function below with its tests, one `Estimator` row with an adapter in the
 style of `_gae`, and its row in the tests of tests/rl/test_estimators.py.
@@ -23,6 +24,7 @@ style of `_gae`, and its row in the tests of tests/rl/test_estimators.py.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -51,6 +53,7 @@ class AdvantageInputs:
     gamma: float
     lam: float
     reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None
+    pass_k: int = 1
 
 
 # (advantages (B, R), returns the value loss fits (B, R) or None without a value function)
@@ -92,8 +95,10 @@ class Estimator:
 
 # The keys of the value function and of GAE: read by an estimator with a critic only.
 CRITIC_KEYS = ("lam", "vf_coef", "cliprange_value", "whiten_rewards", "value_model")
+# The k of pass@k: read by pass_at_k only.
+PASS_K_KEYS = ("pass_k",)
 # Every critic-free estimator's sequence reward or return is the undiscounted sum of the rewards.
-CRITIC_FREE_IGNORED = ("gamma", *CRITIC_KEYS)
+CRITIC_FREE_IGNORED = ("gamma", *CRITIC_KEYS, *PASS_K_KEYS)
 
 # ---------------------------------------------------------------------------------------------
 # The baselines of the critic-free estimators: one advantage per sequence from the scores of its group
@@ -192,6 +197,76 @@ def remax_advantages(
     return (grouped - baseline_scores.unsqueeze(1)).reshape(-1)  # (B,)
 
 
+def pass_at_k_weights(*, n: int, k: int) -> torch.Tensor:
+    """W (n, n), float64: the weight of each sorted score in each sample's share of the pass@k gradient,
+
+        W[i, i] = C(i, k - 1) / C(n, k)          W[i, j] = C(j - 1, k - 2) / C(n, k) for j > i, else 0
+
+    with 0-based ranks in ascending order of the scores (C(a, b) = 0 for b < 0 or b > a). Row i is sample
+    i's rank counted in the C(n, k) subsets of k samples: of the C(n - 1, k - 1) subsets holding it, C(i, k -
+    1) have it as their maximum and C(j - 1, k - 2) have the sample of rank j > i as theirs. Raises
+    ValueError unless 1 <= k <= n."""
+    if not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 1 <= k <= n; got k = {k}, n = {n}")
+
+    def comb(a: int, b: int) -> int:
+        return math.comb(a, b) if 0 <= b <= a else 0
+
+    subsets = math.comb(n, k)
+    weights = torch.zeros(n, n, dtype=torch.float64)
+    for i in range(n):
+        weights[i, i] = comb(i, k - 1) / subsets
+        for j in range(i + 1, n):
+            weights[i, j] = comb(j - 1, k - 2) / subsets
+    return weights
+
+
+def pass_at_k_advantages(*, scores: torch.Tensor, samples_per_prompt: int, k: int) -> torch.Tensor:
+    """Pass@k advantage of each sequence (Walder & Karkhanis 2025, "Pass@K Policy Optimization", sec. 3):
+    each sample's weight in the unbiased estimator of the gradient of pass@k (for graded scores: of maxg@k,
+    the expected best score of k samples), minus its group's mean weight. Of one prompt's n samples with
+    scores sorted ascending, r_(0) <= ... <= r_(n-1) (ties in any order: equal scores get equal weights),
+
+        s_(i) = [C(i, k-1) r_(i) + sum_{j > i} C(j-1, k-2) r_(j)] / C(n, k)     (`pass_at_k_weights`)
+        A_i   = s_i - mean_j(s_j)
+
+    s_i averages, over the C(n, k) subsets of k samples, the subset's best score wherever sample i is in it,
+    so sum_i s_i grad log p(y_i) is an unbiased estimate of grad maxg@k. With verdicts (1 or 0) and c correct:
+    s = k/n for a correct sample, (k/n) * (1 - C(n-c-1, k-1) / C(n-1, k-1)) for a wrong one, and the mean of
+    s is (k/n) * pass@k, pass@k = 1 - C(n-c, k) / C(n, k) (Chen et al. 2021): a wrong answer is pushed down
+    the less, the more right answers its group holds.
+
+    The group mean as the baseline holds the sample itself, but here it costs no bias, only scale: A equals
+    (n - k)/n times the leave-two-out advantage, (1/(n-1)) sum_{j != i} (k/n) E_T[max(r_i, T) - max(r_j, T)]
+    over the subsets T of k - 1 of the other n - 2 samples, whose baseline does not depend on sample i
+    (unbiased) and whose advantages sum to 0 (tests/rl/test_group_advantages.py checks both, and the expected
+    gradient by enumeration). Hence k < n: at k = n the factor is 0. For k = 1, A = (r - mean(r)) / n, Dr.
+    GRPO's advantage over n. With verdicts, A is k/n times the analytic advantage of Chen et al. 2025
+    ("Pass@k Training for Adaptively Balancing Exploration and Exploitation") before its division by the std.
+
+    Worked example (tests/rl/test_group_advantages.py), n = 4, c = 2, k = 2: s = 1/2 (correct), 1/3 (wrong),
+    mean 5/12 = (k/n) * pass@2 with pass@2 = 5/6, A = +1/12 and -1/12.
+    scores: (B,), B = P * n, groups in consecutive rows (`ppo_math.scores_by_prompt`). Returns (B,) in
+    scores' dtype. Raises ValueError unless 1 <= k < samples_per_prompt.
+    """
+    _require_a_group("pass_at_k_advantages", samples_per_prompt)
+    if not 1 <= k < samples_per_prompt:
+        raise ValueError(
+            f"pass_at_k_advantages needs 1 <= k < samples_per_prompt; got k = {k}, samples_per_prompt = "
+            f"{samples_per_prompt} (at k = n the group's mean weight is every sample's weight)"
+        )
+    grouped = ppo_math.scores_by_prompt(scores=scores, samples_per_prompt=samples_per_prompt)  # (P, n)
+    weights = pass_at_k_weights(n=samples_per_prompt, k=k)  # (n, n) ranks x ranks
+    # each row's sum is C(n-1, k-1) / C(n, k) = k/n, so the group's least score may come off first: A is the
+    # same, and a group of equal scores gets exactly 0
+    grouped = grouped.double() - grouped.double().amin(dim=1, keepdim=True)  # (P, n)
+    ranked, order = grouped.sort(dim=1)  # (P, n) ascending, and each rank's sample
+    shares = torch.empty_like(ranked).scatter_(1, order, ranked @ weights.T)  # (P, n) s_i, in sample order
+    tied = grouped.unsqueeze(2) == grouped.unsqueeze(1)  # (P, n, n) samples of equal scores
+    shares = (tied * shares.unsqueeze(1)).sum(dim=2) / tied.sum(dim=2)  # equal in rounding too
+    return (shares - shares.mean(dim=1, keepdim=True)).reshape(-1).to(scores.dtype)  # (B,)
+
+
 # ---------------------------------------------------------------------------------------------
 # The rows: each estimator's adapter from a rollout's tensors, then its facts
 # ---------------------------------------------------------------------------------------------
@@ -252,6 +327,11 @@ def _remax(x: AdvantageInputs) -> Advantages:
     return _on_every_token(x, advantages)
 
 
+def _pass_at_k(x: AdvantageInputs) -> Advantages:
+    scores, n = _sequence_rewards(x), x.samples_per_prompt
+    return _on_every_token(x, pass_at_k_advantages(scores=scores, samples_per_prompt=n, k=x.pass_k))
+
+
 ROWS = (
     Estimator(
         name="gae",
@@ -261,7 +341,7 @@ ROWS = (
         kl_in_loss=False,  # Ziegler et al. 2019
         greedy_baseline=False,
         std_scaling="batch",
-        ignored_keys=(),
+        ignored_keys=PASS_K_KEYS,
         response_advantages=False,
         corrections=SAMPLER_CORRECTIONS,
         dynamic_sampling=False,
@@ -336,6 +416,21 @@ ROWS = (
         corrections=SAMPLER_CORRECTIONS,
         dynamic_sampling=False,  # its baseline is the greedy response, not the group
         advantages=_remax,
+    ),
+    Estimator(
+        name="pass_at_k",
+        description="each sample's weight in the pass@k gradient (k = pass_k) minus its group's mean; "
+        "Walder & Karkhanis 2025",
+        critic=False,
+        min_samples_per_prompt=2,
+        kl_in_loss=True,  # a group baseline as GRPO's, with its KL in the loss
+        greedy_baseline=False,
+        std_scaling="none",
+        ignored_keys=("gamma", *CRITIC_KEYS),
+        response_advantages=True,
+        corrections=SAMPLER_CORRECTIONS,
+        dynamic_sampling=True,
+        advantages=_pass_at_k,
     ),
 )
 ESTIMATORS: dict[str, Estimator] = {row.name: row for row in ROWS}

@@ -107,7 +107,7 @@ from llm_rlhf.evaluation.measures import (
     win_points,
     win_rate,
 )
-from llm_rlhf.evaluation.sampling_keys import SamplingRunKeys, fill_from_task
+from llm_rlhf.evaluation.sampling_keys import SamplingRunKeys, check_pass_at_k, fill_from_task
 from llm_rlhf.models import trunk
 from llm_rlhf.models.accelerated import outside_zero_init
 from llm_rlhf.models.gold import FluentGoldJudge, GoldJudge, load_judge
@@ -160,6 +160,13 @@ class Config(SamplingRunKeys):
     )
     num_prompts: int | None = help_field(256, "Use the first N prompts of the file (null = all of them).")
     samples_per_prompt: int = help_field(1, "Paired samples per prompt and model.")
+    pass_at_k: list[int] = help_field(
+        [],
+        "With accuracy_fn: the k of each pass@k to report, each model's unbiased estimate from its "
+        "samples_per_prompt = n samples of a prompt (Chen et al. 2021: 1 - C(n - c, k) / C(n, k) with c "
+        "correct, k <= n) and its standard error over the prompts, as pass_at_<k> and pass_at_<k>_stderr "
+        "(_baseline for the baseline). [] = none; e.g. [1, 4] with samples_per_prompt 8.",
+    )
     # --- sampling (defaults: the PPO recipe's)
     batch_size: int = help_field(
         32, "Prompts per generate call (the same batches for both models: part of the pairing)."
@@ -188,6 +195,7 @@ class Config(SamplingRunKeys):
             self.num_prompts is None or self.num_prompts > 0, "num_prompts", "must be > 0 (or null for all)"
         )
         require(self.samples_per_prompt > 0, "samples_per_prompt", "must be > 0")
+        check_pass_at_k(self.pass_at_k, self.samples_per_prompt, self.accuracy_fn, key="pass_at_k")
         require(self.max_new_tokens > 0, "max_new_tokens", "must be > 0")
         require(self.max_prompt_length > 0, "max_prompt_length", "must be > 0")
         require(
@@ -579,9 +587,15 @@ def eval_figures(cfg: Config, inputs: EvalInputs, models: EvalModels, measured: 
         **win_rates(measured.policy, measured.baseline, samples_per_prompt=k),
         **policy,
         **{key + metric_names.BASELINE: value for key, value in baseline.items()},
-        **accuracy_figures(measured.policy, measured.policy_greedy, samples_per_prompt=k),
         **accuracy_figures(
-            measured.baseline, measured.baseline_greedy, samples_per_prompt=k, suffix="_baseline"
+            measured.policy, measured.policy_greedy, samples_per_prompt=k, pass_at=cfg.pass_at_k
+        ),
+        **accuracy_figures(
+            measured.baseline,
+            measured.baseline_greedy,
+            samples_per_prompt=k,
+            suffix="_baseline",
+            pass_at=cfg.pass_at_k,
         ),
         **episode_figures(measured.policy),
         **episode_figures(measured.baseline, suffix="_baseline"),

@@ -12,7 +12,7 @@ from report_runs import EVAL_METRICS, IMG, PNG_MAGIC, between, make_run, visible
 
 from llm_rlhf.interfaces import cli, report
 from llm_rlhf.interfaces.report import find_runs, parse_jsonl, write_report
-from llm_rlhf.interfaces.report.evaluation import EVAL_GROUPS, MEMBERS, eval_groups
+from llm_rlhf.interfaces.report.evaluation import EVAL_GROUPS, MEMBERS, PASS_AT, eval_groups, expand
 from llm_rlhf.interfaces.report.figures import plot_style
 from llm_rlhf.interfaces.report.hacking_watch import WATCH_TOP
 from llm_rlhf.interfaces.report.overoptimisation import eval_points
@@ -460,11 +460,20 @@ def test_the_evaluation_table_reads_the_keys_eval_writes():
     }
     verdicts = [{**record, "correct": 1.0}, {**record, "correct": 0.0}]  # a verifier's figures
     for suffix in ("", "_baseline"):
-        written.update(measures.accuracy_figures(verdicts, verdicts[:1], samples_per_prompt=2, suffix=suffix))
+        written.update(
+            measures.accuracy_figures(
+                verdicts, verdicts[:1], samples_per_prompt=2, suffix=suffix, pass_at=[2]
+            )
+        )
     for _, rows in EVAL_GROUPS:
         for row in rows:
             if row.key == MEMBERS:  # an ensemble of two: rm_score_member_0_mean, rm_score_member_1_mean
                 assert {"rm_score_member_0_mean", "rm_score_member_1_mean_baseline"} <= written.keys()
+                continue
+            if row.key == PASS_AT:  # a row per pass@k: pass_at_2, its stderr, each with the baseline's
+                (expanded,) = expand(row, {**written, "samples_per_prompt": 2})
+                assert {expanded.key, expanded.stderr} == {"pass_at_2", "pass_at_2_stderr"}
+                assert {"pass_at_2_baseline", "pass_at_2_stderr_baseline"} <= written.keys()
                 continue
             assert row.key in written and row.key + "_baseline" in written, row.key
             if row.stderr:

@@ -95,8 +95,8 @@ def test_fsdp2_first_update_equals_one_process(tiny_model_dir, tiny_rm_dir, prom
 
 
 def test_critic_free_estimators_two_ranks_equal_one(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path):
-    """grpo, dr_grpo, rloo (4 samples per prompt), reinforce_pp (2) and remax (1, with a greedy response per
-    prompt): the same global batch of 8 episodes on one process and on two, two steps each (the second
+    """grpo, dr_grpo, rloo, pass_at_k (pass@2; 4 samples per prompt), reinforce_pp (2) and remax (1, with a
+    greedy response per prompt): the same global batch of 8 episodes on one process and on two, two steps each (the second
     after the policy moved away from the reference: the KL in the loss for grpo and dr_grpo, in the reward
     for the others). The raw gradient of every update and the steps' metrics are the same: a group's
     statistics are over its own k samples whatever the number of processes (whole groups on each rank;
@@ -106,7 +106,11 @@ def test_critic_free_estimators_two_ranks_equal_one(tiny_model_dir, tiny_rm_dir,
     one = run_script(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "one.json", "estimators", 1)
     two = run_script(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path / "two.json", "estimators", 2)
     assert (one["world"], two["world"]) == (1, 2)
-    assert set(one["runs"]) == set(two["runs"]) == {"grpo", "dr_grpo", "rloo", "reinforce_pp", "remax"}
+    assert (
+        set(one["runs"])
+        == set(two["runs"])
+        == {"grpo", "dr_grpo", "rloo", "reinforce_pp", "remax", "pass_at_k"}
+    )
     for name, a in one["runs"].items():
         b = two["runs"][name]
         assert len(a["grads"]) == len(b["grads"]) == 2 and b["all_reduces"] > 0, name

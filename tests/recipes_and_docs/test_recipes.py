@@ -136,6 +136,22 @@ def test_every_recipe_parses(path, monkeypatch):
             pipeline.stage_config(cfg, stage)
 
 
+@pytest.mark.parametrize(
+    "path", sorted(RECIPES.glob("*/*/pipeline.yaml")), ids=lambda p: str(p.relative_to(RECIPES))
+)
+def test_every_sweep_variant_builds_its_stage_configs(path, monkeypatch):
+    """A recipe's sub-pipeline (a sweep of estimators, losses, pass@k, a generalisation run): every variant's
+    stages through their Configs, as `llm-rlhf pipeline` builds them before the first stage runs."""
+    monkeypatch.chdir(ROOT)
+    cfg = parse_config(pipeline.Config, ["--config", str(path)])
+    runs = pipeline.sweep_runs(cfg) if cfg.sweep else [cfg]  # a sweep's shared SFT / RM run first
+    names = {Path(run.output_dir).name for run in runs}
+    assert {variant["name"] for variant in cfg.sweep or []} <= names
+    for run in runs:
+        for stage in run.stages:
+            pipeline.stage_config(run, stage)
+
+
 @pytest.mark.parametrize("name", CHAINED_RECIPES)
 def test_the_stage_files_of_a_recipe_chain(name):
     """Run one stage at a time (no pipeline) and each still reads the previous stage's output folder."""

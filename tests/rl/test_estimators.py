@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import json
 import signal
 
@@ -45,13 +46,15 @@ from llm_rlhf.rl.estimators import (
 )
 from llm_rlhf.stages import ppo
 
-CRITIC_FREE = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "remax")
-K = {"grpo": 4, "dr_grpo": 4, "rloo": 4, "reinforce_pp": 2, "remax": 2}  # samples per prompt in these tests
+CRITIC_FREE = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "remax", "pass_at_k")
+K = {"grpo": 4, "dr_grpo": 4, "rloo": 4, "reinforce_pp": 2, "remax": 2, "pass_at_k": 4}  # samples per prompt
 
 
 def estimator_config(tiny_model_dir, tiny_rm_dir, prompt_file, out, estimator, **kw):
-    """2 prompts x k samples per rollout (8 or 4 episodes), minibatches of 4 episodes."""
+    """2 prompts x k samples per rollout (8 or 4 episodes), minibatches of 4 episodes; pass_at_k for pass@(k // 2)."""
     k = kw.pop("samples_per_prompt", K.get(estimator, 1))
+    if estimator == "pass_at_k":
+        kw.setdefault("pass_k", max(1, k // 2))
     base = dict(
         advantage_estimator=estimator, samples_per_prompt=k, rollout_batch_size=8 // k, mini_batch_size=4
     )
@@ -121,6 +124,7 @@ def test_a_group_that_fills_the_minibatch_is_accepted():
         ("rloo", None, False),
         ("reinforce_pp", None, False),
         ("remax", None, False),
+        ("pass_at_k", None, True),
         ("gae", True, True),
         ("grpo", False, False),
     ],
@@ -140,6 +144,7 @@ SET = {
     "cliprange_value": 0.3,
     "whiten_rewards": True,
     "value_model": "reward",
+    "pass_k": 2,
 }  # a value other than the default of each key an estimator may ignore
 IGNORED = [(row.name, key) for row in ROWS for key in row.ignored_keys]
 
@@ -147,6 +152,7 @@ IGNORED = [(row.name, key) for row in ROWS for key in row.ignored_keys]
 def test_every_ignored_key_has_a_value_to_set_and_the_critic_free_rows_ignore_gamma_and_the_critic():
     assert {key for _, key in IGNORED} == set(SET)
     assert {name for name, key in IGNORED if key == "gamma"} == set(CRITIC_FREE)
+    assert {name for name, key in IGNORED if key == "pass_k"} == set(ADVANTAGE_ESTIMATORS) - {"pass_at_k"}
     for row in ROWS:
         assert (set(CRITIC_KEYS) <= set(row.ignored_keys)) is (not row.critic), row.name
 
@@ -154,17 +160,20 @@ def test_every_ignored_key_has_a_value_to_set_and_the_critic_free_rows_ignore_ga
 @pytest.mark.parametrize(("estimator", "key"), IGNORED)
 def test_a_key_the_estimator_ignores_is_an_error_naming_it(estimator, key):
     """Set to another value than its default it is one ConfigError naming the key; at its default (a recipe
-    that spells out every key, a run's saved config.yaml) it is accepted; gae reads it."""
+    that spells out every key, a run's saved config.yaml) it is accepted; the estimator that reads it (gae;
+    pass_at_k for pass_k) takes it."""
     group = dict(advantage_estimator=estimator, samples_per_prompt=2)
     with pytest.raises(ConfigError) as e:
         Config(**group, **{key: SET[key]})
     default = getattr(Config(), key)
+    user = "pass_at_k" if key == "pass_k" else "gae"
     assert str(e.value) == (
-        f"config key '{key}': {SET[key]!r} is not used by advantage_estimator {estimator} (only by gae): "
+        f"config key '{key}': {SET[key]!r} is not used by advantage_estimator {estimator} (only by {user}): "
         f"remove it or leave it at its default {default!r}"
     )
     assert getattr(Config(**group, **{key: default}), key) == default
-    assert getattr(Config(**{key: SET[key]}), key) == SET[key]
+    reader = dict(advantage_estimator=user, samples_per_prompt=4)
+    assert getattr(Config(**reader, **{key: SET[key]}), key) == SET[key]
 
 
 def test_ignored_keys_through_the_command_and_a_recipe(tmp_path, capsys):
@@ -234,7 +243,7 @@ def table_inputs(*, scale: float = 1.0) -> AdvantageInputs:
 
 def test_table_is_the_accepted_names_and_the_help():
     assert ADVANTAGE_ESTIMATORS == tuple(ESTIMATORS) == tuple(row.name for row in ROWS)
-    assert ADVANTAGE_ESTIMATORS == ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "remax")
+    assert ADVANTAGE_ESTIMATORS == ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "remax", "pass_at_k")
     assert tuple(r for r in ADVANTAGE_ESTIMATORS if r != "gae") == CRITIC_FREE
     with pytest.raises(ConfigError, match=f"must be one of {', '.join(ADVANTAGE_ESTIMATORS)}$"):
         Config(advantage_estimator="ppo")
@@ -368,6 +377,12 @@ def naive_advantages(
                 out.append(r[i] - mean)
             elif estimator == "rloo":
                 out.append(r[i] - sum(r[j] for j in range(k) if j != i) / (k - 1))
+            elif estimator == "pass_at_k":  # pass@(k // 2): each subset's best wherever i is in it
+                subsets = list(itertools.combinations(range(k), k // 2))
+                share = [
+                    sum(max(r[j] for j in s) for s in subsets if m in s) / len(subsets) for m in range(k)
+                ]
+                out.append(share[i] - sum(share) / k)
             else:  # remax
                 out.append(r[i] - baseline[p])
     return out

@@ -1,17 +1,23 @@
 """The group-relative advantages of the critic-free estimators (`llm_rlhf.rl.estimators`: GRPO, Dr. GRPO,
-RLOO, ReMax) against their worked example and the naive loops of their docstrings: a prompt's samples are
-consecutive rows, a constant added to a group changes nothing, Dr. GRPO keeps the scale GRPO divides out, and
-the layout errors. (The estimators through the PPO stage: tests/rl/test_estimators.py.)"""
+RLOO, ReMax, pass@k) against their worked example and the naive loops of their docstrings: a prompt's samples
+are consecutive rows, a constant added to a group changes nothing, Dr. GRPO keeps the scale GRPO divides out,
+pass@k's advantage is an unbiased gradient of pass@k up to its stated scale, and the layout errors. (The estimators through the PPO stage: tests/rl/test_estimators.py.)"""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 import torch
 from helpers import F64, FOUR_DECIMALS, TIGHT, t64
 
-from llm_rlhf.rl.estimators import grpo_advantages, remax_advantages, rloo_advantages
+from llm_rlhf.rl.estimators import (
+    grpo_advantages,
+    pass_at_k_advantages,
+    remax_advantages,
+    rloo_advantages,
+)
 from llm_rlhf.rl.loss_math import (
     group_rows,
     select_groups,
@@ -31,11 +37,13 @@ GROUP_ESTIMATORS = {  # name -> advantages(scores, k), the group-relative ones
     "grpo": lambda scores, k: grpo_advantages(scores=scores, samples_per_prompt=k),
     "dr_grpo": lambda scores, k: grpo_advantages(scores=scores, samples_per_prompt=k, scale_by_std=False),
     "rloo": lambda scores, k: rloo_advantages(scores=scores, samples_per_prompt=k),
-}
+    "pass_at_k": lambda scores, k: pass_at_k_advantages(scores=scores, samples_per_prompt=k, k=k // 2),
+}  # pass_at_k with pass_k = n // 2 in these tests
 
 
 def naive_group_advantages(scores: list[float], k: int, estimator: str, eps: float = 1e-4) -> torch.Tensor:
-    """The loops of the `grpo_advantages` and `rloo_advantages` docstrings, in plain python floats."""
+    """The loops of the `grpo_advantages` and `rloo_advantages` docstrings, and pass@k's weights as the
+    average over every subset (pass_k = k // 2), in plain python floats."""
     advantages = [0.0] * len(scores)
     for p in range(len(scores) // k):
         r = scores[p * k : (p + 1) * k]
@@ -46,6 +54,12 @@ def naive_group_advantages(scores: list[float], k: int, estimator: str, eps: flo
                 advantages[p * k + i] = (r[i] - mean) / (std + eps)
             elif estimator == "dr_grpo":
                 advantages[p * k + i] = r[i] - mean
+            elif estimator == "pass_at_k":  # each subset of k // 2 samples' best, wherever sample i is in it
+                subsets = list(itertools.combinations(range(k), k // 2))
+                share = [
+                    sum(max(r[j] for j in s) for s in subsets if m in s) / len(subsets) for m in range(k)
+                ]
+                advantages[p * k + i] = share[i] - sum(share) / k
             else:
                 advantages[p * k + i] = r[i] - sum(r[j] for j in range(k) if j != i) / (k - 1)
     return t64(advantages)
@@ -174,6 +188,97 @@ def test_rloo_is_grpo_centering_scaled_by_k_over_k_minus_one():
 def test_group_estimators_need_two_samples_per_prompt(estimator, k):
     with pytest.raises(ValueError, match=r"samples_per_prompt >= 2 \(got -?\d+\)"):
         GROUP_ESTIMATORS[estimator](t64([1.0, 2.0, 3.0, 4.0]), k)
+
+
+# --- pass@k ---------------------------------------------------------------------------------------------
+
+
+def test_worked_example_pass_at_k():
+    """n = 4 responses, c = 2 correct, k = 2: the weights k/n = 1/2 (correct) and (k/n)(1 - C(1, 1)/C(3, 1)) =
+    1/3 (wrong), their mean 5/12 = (k/n) * pass@2 with pass@2 = 1 - C(2, 2)/C(4, 2) = 5/6; A = +-1/12."""
+    advantages = pass_at_k_advantages(scores=t64([1.0, 0.0, 1.0, 0.0]), samples_per_prompt=4, k=2)
+    torch.testing.assert_close(advantages, t64([1.0, -1.0, 1.0, -1.0]) / 12, **TIGHT)
+    assert 2 / 4 - 5 / 12 == pytest.approx(1 / 12) and 1 / 3 - (2 / 4) * (1 - 1 / 6) == pytest.approx(-1 / 12)
+
+
+@pytest.mark.parametrize(("n", "k"), [(4, 1), (4, 3), (6, 2), (8, 3), (8, 7)])
+def test_pass_at_k_with_verdicts_is_the_closed_form(n, k):
+    """With verdicts: s = k/n for a correct sample, (k/n)(1 - C(n-c-1, k-1)/C(n-1, k-1)) for a wrong one; the
+    group's mean weight is (k/n) * (1 - C(n-c, k)/C(n, k)) (Chen et al. 2021's pass@k); every c from 0 to n."""
+    for c in range(n + 1):
+        verdicts = t64([1.0] * c + [0.0] * (n - c))
+        right, wrong = (
+            k / n,
+            k / n * (1 - math.comb(n - c - 1, k - 1) / math.comb(n - 1, k - 1)) if c < n else 0,
+        )
+        shares = t64([right] * c + [wrong] * (n - c))
+        pass_at_k = 1 - math.comb(n - c, k) / math.comb(n, k)
+        assert shares.mean().item() == pytest.approx(k / n * pass_at_k, abs=1e-12)
+        advantages = pass_at_k_advantages(scores=verdicts, samples_per_prompt=n, k=k)
+        torch.testing.assert_close(advantages, shares - shares.mean(), **TIGHT)
+
+
+def leave_two_out(r: list[float], k: int) -> list[float]:
+    """(1/(n-1)) sum_{j != i} (k/n) E_T[max(r_i, T) - max(r_j, T)], T over the subsets of k - 1 of the other
+    n - 2 samples: a baseline that does not depend on sample i, and advantages that sum to 0."""
+    n, out = len(r), []
+    for i in range(n):
+        total = 0.0
+        for j in (j for j in range(n) if j != i):
+            rest = [m for m in range(n) if m not in (i, j)]
+            subsets = list(itertools.combinations(rest, k - 1))
+            gap = sum(max([r[i], *(r[t] for t in s)]) - max([r[j], *(r[t] for t in s)]) for s in subsets)
+            total += k / n * gap / len(subsets)
+        out.append(total / (n - 1))
+    return out
+
+
+@pytest.mark.parametrize(("n", "k"), [(4, 2), (5, 1), (6, 3), (7, 6)])
+def test_pass_at_k_is_the_unbiased_leave_two_out_advantage_times_n_minus_k_over_n(n, k):
+    """Graded scores with ties: the advantages are (n - k)/n times the leave-two-out advantages (whose baseline
+    leaves sample i out, so the gradient stays unbiased) and, like them, sum to 0 in each group."""
+    generator = torch.Generator().manual_seed(n * 10 + k)
+    scores = torch.rand(3 * n, generator=generator, dtype=F64).round(decimals=1)  # ties
+    advantages = pass_at_k_advantages(scores=scores, samples_per_prompt=n, k=k)
+    expected = [a for g in scores.view(3, n).tolist() for a in leave_two_out(g, k)]
+    torch.testing.assert_close(advantages, (n - k) / n * t64(expected), **TIGHT)
+    torch.testing.assert_close(advantages.view(3, n).sum(dim=1), torch.zeros(3, dtype=F64), **TIGHT)
+
+
+def test_pass_at_k_expected_gradient_is_the_gradient_of_the_expected_best_of_k():
+    """A policy over 3 answers with scores 0, 0.4 and 1, groups of n = 3: E[sum_i A_i grad log p(y_i)] over all
+    27 groups equals (n - k)/n * grad E[max of k samples] (maxg@k; pass@k for verdicts), exactly, for k = 1, 2."""
+    logits = torch.tensor([0.3, -0.2, 0.1], dtype=F64, requires_grad=True)
+    value, n = t64([0.0, 0.4, 1.0]), 3
+    for k in (1, 2):
+        probs = logits.softmax(0)
+        best_of_k = sum(
+            math.prod(probs[a] for a in draw) * max(value[a] for a in draw)
+            for draw in itertools.product(range(3), repeat=k)
+        )
+        (expected,) = torch.autograd.grad(best_of_k, logits)
+        estimate = torch.zeros(3, dtype=F64)
+        for group in itertools.product(range(3), repeat=n):
+            weight = math.prod(probs[a].item() for a in group)
+            advantages = pass_at_k_advantages(scores=value[list(group)], samples_per_prompt=n, k=k)
+            log_p = logits.log_softmax(0)[list(group)]
+            (grad,) = torch.autograd.grad((advantages * log_p).sum(), logits)
+            estimate += weight * grad
+        torch.testing.assert_close(estimate, (n - k) / n * expected, **TIGHT)
+
+
+def test_pass_at_k_with_k_1_is_dr_grpo_over_n_and_k_must_be_below_n():
+    scores = torch.randn(12, generator=torch.Generator().manual_seed(4), dtype=F64)
+    torch.testing.assert_close(
+        pass_at_k_advantages(scores=scores, samples_per_prompt=4, k=1),
+        grpo_advantages(scores=scores, samples_per_prompt=4, scale_by_std=False) / 4,
+        **TIGHT,
+    )
+    for k in (0, 4, 5):
+        with pytest.raises(
+            ValueError, match=rf"needs 1 <= k < samples_per_prompt; got k = {k}, samples_per_prompt = 4"
+        ):
+            pass_at_k_advantages(scores=scores, samples_per_prompt=4, k=k)
 
 
 def test_scores_by_prompt_layout_and_errors():

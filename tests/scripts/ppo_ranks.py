@@ -74,7 +74,8 @@ from llm_rlhf.rl import token_math
 from llm_rlhf.rl.rollout import Samples, left_pad
 
 GLOBAL_BATCH, R = 8, 6
-ESTIMATORS = {"grpo": 4, "dr_grpo": 4, "rloo": 4, "reinforce_pp": 2, "remax": 1}  # samples per prompt
+ESTIMATORS = {"grpo": 4, "dr_grpo": 4, "rloo": 4, "reinforce_pp": 2, "remax": 1, "pass_at_k": 4}  # per prompt
+ESTIMATOR_KEYS = {"pass_at_k": {"pass_k": 2}}  # the keys of an estimator beside its samples per prompt
 LOSS_OPTIONS = {  # name: (advantage_estimator, samples per prompt, the keys of the policy-loss family)
     "dapo": (
         "grpo",
@@ -298,7 +299,12 @@ def main() -> None:
             stage3_param_persistence_threshold=0, stage3_max_live_parameters=0, stage3_max_reuse_distance=0
         )
     if mode == "estimators":
-        record = {"runs": {name: run(launch, estimator=name, k=k) for name, k in ESTIMATORS.items()}}
+        record = {
+            "runs": {
+                name: run(launch, estimator=name, k=k, options=ESTIMATOR_KEYS.get(name))
+                for name, k in ESTIMATORS.items()
+            }
+        }
     elif mode == "gae_grpo":
         same = dataclasses.replace(launch, mode="same")
         gae, grpo = run(same), run(same, estimator="grpo", k=4)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from llm_rlhf.evaluation import metric_names
+from llm_rlhf.interfaces.report.evaluation import pass_at_logged
 from llm_rlhf.interfaces.report.figures import add_legend, new_figure, no_data, nth_color
 from llm_rlhf.interfaces.report.numbers import logged, num
 from llm_rlhf.interfaces.report.page import Page
@@ -22,6 +23,12 @@ STEP, KL = metric_names.LOG_STEP, metric_names.LOG_KL  # the x axes: PPO's step,
 def accuracy_logged(eval_log: list[dict] | None) -> bool:
     """Whether PPO's held-out evaluations measured accuracy (a task with a verifier)."""
     return any(logged(eval_log, key) for key, _ in ACCURACY_KINDS)
+
+
+def accuracy_kinds(eval_log: list[dict] | None) -> tuple[tuple[str, str], ...]:
+    """ACCURACY_KINDS, then a (pass_at_<k>, "pass@k") for each pass@k the held-out evaluations reported
+    (eval_pass_at_k)."""
+    return ACCURACY_KINDS + tuple((keys[0], f"pass@{k}") for k, keys in pass_at_logged(eval_log))
 
 
 def accuracy_points(eval_log: list[dict] | None, key: str, x: str = STEP):
@@ -69,14 +76,16 @@ def _accuracy_axes(ax, x: str, title: str, drawn: bool) -> None:
 
 
 def plot_accuracy(eval_log: list[dict]):
-    """PPO's held-out accuracy, sampled and greedy, against the step (left) and against KL (right)."""
+    """PPO's held-out accuracy, sampled and greedy (and each pass@k logged), against the step (left) and
+    against KL (right)."""
     fig, axes = new_figure(1, 2, 12, 3.8)
+    kinds = accuracy_kinds(eval_log)
     for ax, x in zip(axes[0], (STEP, KL)):
         drawn = [
             _accuracy_curve(
-                ax, eval_log, key, x, line={"color": nth_color(i), "label": kind, "marker": "os"[i]}
+                ax, eval_log, key, x, line={"color": nth_color(i), "label": kind, "marker": "os^vD<>"[i % 7]}
             )
-            for i, (key, kind) in enumerate(ACCURACY_KINDS)
+            for i, (key, kind) in enumerate(kinds)
         ]
         _accuracy_axes(ax, x, f"Held-out accuracy against {'step' if x == STEP else 'KL'}", any(drawn))
         if x == KL and any(drawn):  # where the path starts and ends
@@ -118,7 +127,10 @@ def plot_compare_accuracy(runs: list[Run]):
     seeds: each seed is a run); a row per kind some run measured (sampled, greedy)."""
     from matplotlib.lines import Line2D  # optional, heavy: only when drawing
 
-    kinds = [(key, kind) for key, kind in ACCURACY_KINDS if any(logged(r.eval_log, key) for r in runs)]
+    every_log = [line for r in runs for line in r.eval_log or ()]
+    kinds = [
+        (key, kind) for key, kind in accuracy_kinds(every_log) if any(logged(r.eval_log, key) for r in runs)
+    ]
     styles = run_styles(runs)
     fig, axes = new_figure(len(kinds), 2, 12, 3.8 * len(kinds))
     for row, (key, kind) in zip(axes, kinds):
@@ -149,8 +161,9 @@ def section_accuracy(page: Page, run: Run, gold: bool) -> None:
     )
     caption = (
         "PPO's held-out evaluations (ppo/eval_log.jsonl; step 0 is the model PPO started from): the accuracy of "
-        "the run's sampling and of one greedy response per prompt, ± one standard error (shaded; bars against "
-        "KL). Right: the same against KL to the reference on the held-out samples, joined in step order: what "
+        "the run's sampling and of one greedy response per prompt, and each pass@k (unbiased, from "
+        "eval_samples_per_prompt samples of a prompt) it logged, ± one standard error over the prompts (shaded; "
+        "bars against KL). Right: the same against KL to the reference on the held-out samples, joined in step order: what "
         "each nat away from the reference buys in held-out accuracy."
     )
     if not gold:

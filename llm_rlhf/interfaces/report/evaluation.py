@@ -119,6 +119,7 @@ class EvalRow:
 
 
 MEMBERS = metric_names.RM_SCORE_MEMBER + "*"  # stands for every ensemble member's row (`eval_groups`)
+PASS_AT = metric_names.PASS_AT + "*"  # stands for a row per pass@k the evaluation reported
 
 EVAL_GROUPS: tuple[tuple[str, tuple[EvalRow, ...]], ...] = (
     (
@@ -131,6 +132,7 @@ EVAL_GROUPS: tuple[tuple[str, tuple[EvalRow, ...]], ...] = (
                 ACCURACY_GREEDY_STDERR,
                 sample=GREEDY_CORRECT,
             ),
+            EvalRow("pass@k", PASS_AT),
         ),
     ),
     (
@@ -241,9 +243,23 @@ def eval_groups(metrics: dict, samples: list[dict] | None = None) -> list[tuple[
     return groups
 
 
+def pass_at_logged(records) -> list[tuple[int, tuple[str, str]]]:
+    """(k, (pass_at_<k>, pass_at_<k>_stderr)) of each pass@k that some of the records (eval/metrics.json, the
+    lines of eval_log.jsonl) holds a number for, in order of k."""
+    ks = {
+        int(key.removeprefix(metric_names.PASS_AT))
+        for record in records or ()
+        for key, value in record.items()
+        if key.startswith(metric_names.PASS_AT)
+        and key.removeprefix(metric_names.PASS_AT).isdigit()
+        and num(value) is not None
+    }
+    return [(k, metric_names.pass_at_keys(k)) for k in sorted(ks)]
+
+
 def expand(spec: EvalRow, metrics: dict) -> list[EvalRow]:
     """The rows one spec of EVAL_GROUPS stands for: MEMBERS a row per ensemble member (none without an
-    ensemble), the KL at the sampling temperature none at temperature 1, any other spec itself."""
+    ensemble), PASS_AT a row per pass@k reported, the KL at the sampling temperature none at temperature 1, any other spec itself."""
     if spec.key == MEMBERS:
         members = sorted(
             (
@@ -254,6 +270,13 @@ def expand(spec: EvalRow, metrics: dict) -> list[EvalRow]:
             key=lambda k: int(k.rsplit("_", 1)[1]),
         )
         return [EvalRow(f"RM member {k.rsplit('_', 1)[1]}", f"{k}_mean") for k in members]
+    if spec.key == PASS_AT:
+        return [
+            EvalRow(
+                f"pass@{k} (unbiased, from {metrics.get(metric_names.SAMPLES_PER_PROMPT)} samples)", *keys
+            )
+            for k, keys in pass_at_logged([metrics])
+        ]
     if (
         spec.key == metric_names.KL_TO_REF_AT_TEMPERATURE
         and num(metrics.get(metric_names.TEMPERATURE)) == 1.0

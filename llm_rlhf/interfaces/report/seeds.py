@@ -21,7 +21,7 @@ import numpy as np
 import yaml
 
 from llm_rlhf.evaluation import metric_names
-from llm_rlhf.interfaces.report.accuracy import ACCURACY_KINDS
+from llm_rlhf.interfaces.report.accuracy import accuracy_kinds
 from llm_rlhf.interfaces.report.figures import new_figure, no_data, nth_color
 from llm_rlhf.interfaces.report.numbers import first_of, logged, num
 from llm_rlhf.interfaces.report.page import Page, RawNumber, table
@@ -331,9 +331,10 @@ def section_seeds(page: Page, runs: list[Run]) -> None:
         )
         return
     labels = group_labels(averaged)
+    every_log = [line for group in averaged for run in group for line in run.eval_log or ()]
     kinds = [
         (key, kind)
-        for key, kind in ACCURACY_KINDS
+        for key, kind in accuracy_kinds(every_log)
         if any(logged(run.eval_log, key) for group in averaged for run in group)
     ]
     if not kinds:
