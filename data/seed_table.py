@@ -5,8 +5,8 @@
 
 Reads the same files and groups the same runs as the report's seeds section (`llm_rlhf/interfaces/report/seeds.py`:
 runs whose PPO configs differ only by seed are a group, named by their folder's stem, "gspo" for gspo-seed0, ...)
-and prints one markdown row per group: the sampled held-out accuracy at each shared held-out step, the greedy one
-and the held-out KL at the last, the accuracy read at KL K, at S PPO wall seconds and at R responses sampled (dynamic sampling's discarded
+and prints one markdown row per group: the sampled held-out accuracy at each shared held-out step, the greedy one,
+each pass@k the evaluations logged (eval_pass_at_k) and the held-out KL at the last, the accuracy read at KL K, at S PPO wall seconds and at R responses sampled (dynamic sampling's discarded
 groups count; linear between held-out evaluations; K, S and R default to the lowest last-step KL, the shortest
 PPO wall time and the fewest responses of any run, so every run is read where all of them have been),
 seconds a step, PPO's wall seconds, the responses sampled, and the share of groups of equal rewards
@@ -22,6 +22,7 @@ import math
 
 import numpy as np
 
+from llm_rlhf.interfaces.report.evaluation import pass_at_logged
 from llm_rlhf.interfaces.report.runs import find_runs, load_run
 from llm_rlhf.interfaces.report.seeds import group_evaluations, group_labels, seed_groups, seed_mean_stderr
 from llm_rlhf.ppo import metrics as ppo_metrics
@@ -60,6 +61,8 @@ def main() -> None:
     labels = group_labels(groups)
     sampled = [group_evaluations(g, "accuracy") for g in groups]
     greedy = [group_evaluations(g, "accuracy_greedy") for g in groups]
+    logs = [line for g in groups for run in g for line in run.eval_log]
+    passes = {k: [group_evaluations(g, key) for g in groups] for k, (key, _) in pass_at_logged(logs)}
     steps = sorted(set.intersection(*(set(ev["step"].tolist()) for ev in sampled)))
     kl = args.kl if args.kl is not None else min(float(np.nanmin(ev["kl"][:, -1])) for ev in sampled)
     seconds = (
@@ -76,13 +79,15 @@ def main() -> None:
     print(
         "| run | seeds | "
         + " | ".join(head)
-        + f" | greedy, step {steps[-1]:g} | KL, step {steps[-1]:g} | sampled at KL {kl:.3g} | s a step | PPO wall s"
+        + f" | greedy, step {steps[-1]:g} | "
+        + "".join(f"pass@{k}, step {steps[-1]:g} | " for k in passes)
+        + f"KL, step {steps[-1]:g} | sampled at KL {kl:.3g} | s a step | PPO wall s"
         + f" | sampled at {seconds:.0f} s | responses sampled | sampled at {responses:.0f} sampled"
         + " | groups with no signal |"
     )
-    print("|---|---|" + "---:|" * (len(head) + 9))
+    print("|---|---|" + "---:|" * (len(head) + len(passes) + 9))
     finals = []
-    for group, label, ev, ev_greedy in zip(groups, labels, sampled, greedy):
+    for g, (group, label, ev, ev_greedy) in enumerate(zip(groups, labels, sampled, greedy)):
         at = [int(np.flatnonzero(ev["step"] == s)[0]) for s in steps[1:]]
         last = at[-1]
         finals.append(ev["accuracy"][:, last])
@@ -91,8 +96,11 @@ def main() -> None:
         tied = [np.mean([r.get(ppo_metrics.OBJECTIVE_GROUPS_TIED, math.nan) for r in h]) for h in history]
         cells = [mean_se(ev["accuracy"][:, i], seeds=i == last) for i in at]
         cells[-1] = f"**{cells[-1]}**"
+        cells.append(mean_se(ev_greedy["accuracy"][:, np.flatnonzero(ev_greedy["step"] == steps[-1])[0]]))
+        for evs in passes.values():  # pass@k at the last step ("-" where a seed did not log it there)
+            at_last = np.flatnonzero(evs[g]["step"] == steps[-1])
+            cells.append(mean_se(evs[g]["accuracy"][:, at_last[0]]) if len(at_last) else "-")
         cells += [
-            mean_se(ev_greedy["accuracy"][:, np.flatnonzero(ev_greedy["step"] == steps[-1])[0]]),
             mean_se(ev["kl"][:, last], ".2f"),
             mean_se([read_at(ev["kl"][i], ev["accuracy"][i], kl) for i in range(len(group))]),
             mean_se(step_s, ".1f"),

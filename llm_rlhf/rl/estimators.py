@@ -16,7 +16,7 @@ PPO's other equations; the adapters here only hand them a rollout's tensors:
     rloo          no      2       reward  no      -                score - mean of the group's others
     reinforce_pp  no      1       reward  no      batch std        gamma = 1 returns, whitened
     remax         no      1       reward  yes     -                score - greedy response's score
-    pass_at_k     no      2       loss    no      -                pass@k gradient weight - group mean
+    pass_at_k     no      2       loss    no      group std        grpo over each response's pass@k weight
 
 Adding an estimator: its pure function below with its tests, one `Estimator` row with an adapter in the
 style of `_gae`, and its row in the tests of tests/rl/test_estimators.py.
@@ -197,6 +197,15 @@ def remax_advantages(
     return (grouped - baseline_scores.unsqueeze(1)).reshape(-1)  # (B,)
 
 
+def _require_k_below_n(name: str, k: int, samples_per_prompt: int) -> None:
+    _require_a_group(name, samples_per_prompt)
+    if not 1 <= k < samples_per_prompt:
+        raise ValueError(
+            f"{name} needs 1 <= k < samples_per_prompt; got k = {k}, samples_per_prompt = "
+            f"{samples_per_prompt} (at k = n the group's mean weight is every sample's weight)"
+        )
+
+
 def pass_at_k_weights(*, n: int, k: int) -> torch.Tensor:
     """W (n, n), float64: the weight of each sorted score in each sample's share of the pass@k gradient,
 
@@ -249,22 +258,23 @@ def pass_at_k_advantages(*, scores: torch.Tensor, samples_per_prompt: int, k: in
     scores: (B,), B = P * n, groups in consecutive rows (`ppo_math.scores_by_prompt`). Returns (B,) in
     scores' dtype. Raises ValueError unless 1 <= k < samples_per_prompt.
     """
-    _require_a_group("pass_at_k_advantages", samples_per_prompt)
-    if not 1 <= k < samples_per_prompt:
-        raise ValueError(
-            f"pass_at_k_advantages needs 1 <= k < samples_per_prompt; got k = {k}, samples_per_prompt = "
-            f"{samples_per_prompt} (at k = n the group's mean weight is every sample's weight)"
-        )
+    _require_k_below_n("pass_at_k_advantages", k, samples_per_prompt)
+    shares = pass_at_k_shares(scores=scores, samples_per_prompt=samples_per_prompt, k=k)  # (P, n)
+    return (shares - shares.mean(dim=1, keepdim=True)).reshape(-1).to(scores.dtype)  # (B,)
+
+
+def pass_at_k_shares(*, scores: torch.Tensor, samples_per_prompt: int, k: int) -> torch.Tensor:
+    """s (P, n), float64: each sample's weight in the pass@k gradient (`pass_at_k_advantages`), its group's
+    least score taken off first (each row of `pass_at_k_weights` sums to C(n-1, k-1) / C(n, k) = k/n, so every
+    s moves by the same k/n * min and the differences between them do not; a group of equal scores gets s = 0
+    exactly), and equal scores given one weight, equal in rounding too."""
     grouped = ppo_math.scores_by_prompt(scores=scores, samples_per_prompt=samples_per_prompt)  # (P, n)
     weights = pass_at_k_weights(n=samples_per_prompt, k=k)  # (n, n) ranks x ranks
-    # each row's sum is C(n-1, k-1) / C(n, k) = k/n, so the group's least score may come off first: A is the
-    # same, and a group of equal scores gets exactly 0
     grouped = grouped.double() - grouped.double().amin(dim=1, keepdim=True)  # (P, n)
     ranked, order = grouped.sort(dim=1)  # (P, n) ascending, and each rank's sample
     shares = torch.empty_like(ranked).scatter_(1, order, ranked @ weights.T)  # (P, n) s_i, in sample order
     tied = grouped.unsqueeze(2) == grouped.unsqueeze(1)  # (P, n, n) samples of equal scores
-    shares = (tied * shares.unsqueeze(1)).sum(dim=2) / tied.sum(dim=2)  # equal in rounding too
-    return (shares - shares.mean(dim=1, keepdim=True)).reshape(-1).to(scores.dtype)  # (B,)
+    return (tied * shares.unsqueeze(1)).sum(dim=2) / tied.sum(dim=2)  # (P, n)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,8 +338,15 @@ def _remax(x: AdvantageInputs) -> Advantages:
 
 
 def _pass_at_k(x: AdvantageInputs) -> Advantages:
+    """The pass@k weights s of each group (`pass_at_k_shares`, the rewards PKPO transforms the scores into)
+    through GRPO's group normalisation, (s - mean(s)) / (std(s) + eps): `pass_at_k_advantages` over its group's
+    std, so that the advantages are of GRPO's size whatever k and n (unnormalised they are small: +-1/12 for a
+    group of 4 with 2 right at k = 2, where Dr. GRPO's are +-1/2, and the KL term of the loss outweighs them)."""
     scores, n = _sequence_rewards(x), x.samples_per_prompt
-    return _on_every_token(x, pass_at_k_advantages(scores=scores, samples_per_prompt=n, k=x.pass_k))
+    _require_k_below_n("pass_at_k", x.pass_k, n)
+    shares = pass_at_k_shares(scores=scores, samples_per_prompt=n, k=x.pass_k).reshape(-1)  # (B,)
+    advantages = grpo_advantages(scores=shares, samples_per_prompt=n).to(scores.dtype)  # (B,)
+    return _on_every_token(x, advantages)
 
 
 ROWS = (
@@ -419,13 +436,13 @@ ROWS = (
     ),
     Estimator(
         name="pass_at_k",
-        description="each sample's weight in the pass@k gradient (k = pass_k) minus its group's mean; "
+        description="grpo's normalisation of each response's weight in the pass@k gradient (k = pass_k); "
         "Walder & Karkhanis 2025",
         critic=False,
         min_samples_per_prompt=2,
         kl_in_loss=True,  # a group baseline as GRPO's, with its KL in the loss
         greedy_baseline=False,
-        std_scaling="none",
+        std_scaling="group",
         ignored_keys=("gamma", *CRITIC_KEYS),
         response_advantages=True,
         corrections=SAMPLER_CORRECTIONS,

@@ -25,7 +25,7 @@ def write_variant(
     ]
     (folder / "ppo" / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
     log = [
-        {"step": s, "accuracy": a, "accuracy_greedy": a + 0.1, "kl": k}
+        {"step": s, "accuracy": a, "accuracy_greedy": a + 0.1, "pass_at_2": a + 0.2, "kl": k}
         for s, a, k in zip((0, 4, 8), accuracy, kl)
     ]
     (folder / "ppo" / "eval_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
@@ -57,8 +57,10 @@ def test_the_table_averages_each_loss_over_its_seeds_and_reads_them_at_a_shared_
     assert set(rows) == {"a", "b"}
     # a: step 8 sampled 0.6 ± 0.1 (0.5, 0.7); read at b's KL 1 (the lowest last-step KL): 0.3 and 0.5 -> 0.4 ± 0.1
     assert rows["a"][1:4] == ["0, 1", "0.400 ± 0.100", "**0.600 ± 0.100 (0.500, 0.700)**"]
-    assert rows["a"][6] == "0.400 ± 0.100" and rows["b"][6] == "0.300 ± 0.100"
-    assert rows["a"][7] == "11.0 ± 1.0" and rows["b"][8] == "160 ± 0"  # s a step; PPO wall s: 8 steps of 20 s
+    assert rows["a"][4:6] == ["0.700 ± 0.100", "0.800 ± 0.100"]  # greedy and pass@2 at step 8
+    assert "| pass@2, step 8 |" in out
+    assert rows["a"][7] == "0.400 ± 0.100" and rows["b"][7] == "0.300 ± 0.100"
+    assert rows["a"][8] == "11.0 ± 1.0" and rows["b"][9] == "160 ± 0"  # s a step; PPO wall s: 8 steps of 20 s
     assert "- a - b: +0.300 ± 0.141 (resolved at 2 se)" in out
 
 

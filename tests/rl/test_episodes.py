@@ -194,16 +194,18 @@ def test_gradient_and_kl_are_exactly_zero_on_environment_tokens(
     assert any(g[p].abs().max() > 0 for g, _, p in grads)
 
 
+def with_noise(x, where, generator):
+    """x with noise of sd 3 added at the positions `where` (B, R), drawn from `generator` (not the global RNG the
+    update shuffles its minibatches with); None stays None."""
+    return None if x is None else torch.where(where, x + 3.0 * torch.randn(x.shape, generator=generator), x)
+
+
 def noised_at(rollout, where, advantages, returns):
     """Copies of the rollout's per-token inputs of the update with noise at the positions `where` (B, R)."""
-    g = torch.Generator().manual_seed(1)  # not the global RNG the update shuffles its minibatches with
-
-    def noise(x):
-        return None if x is None else torch.where(where, x + 3.0 * torch.randn(x.shape, generator=g), x)
-
+    g = torch.Generator().manual_seed(1)
     fields = ("logprobs", "values", "ref_logprobs", "sampler_logprobs")
-    noised = dataclasses.replace(rollout, **{f: noise(getattr(rollout, f)) for f in fields})
-    return noised, noise(advantages), noise(returns)
+    noised = dataclasses.replace(rollout, **{f: with_noise(getattr(rollout, f), where, g) for f in fields})
+    return noised, with_noise(advantages, where, g), with_noise(returns, where, g)
 
 
 def recorded_update(trainer, rollout, advantages, returns):
@@ -291,16 +293,10 @@ def test_noise_at_environment_tokens_leaves_a_ppo_step_bit_identical(
             rollouts.append(out)
             if not noisy:
                 return out, scores
-            env, g = (
-                out.env_mask,
-                torch.Generator().manual_seed(1),
-            )  # not the global RNG the update shuffles with
-
-            def noise(x):
-                return None if x is None else torch.where(env, x + 3.0 * torch.randn(x.shape, generator=g), x)
-
+            g = torch.Generator().manual_seed(1)
             fields = ("logprobs", "values", "ref_logprobs", "sampler_logprobs", "entropy", "env_rewards")
-            return dataclasses.replace(out, **{f: noise(getattr(out, f)) for f in fields}), scores
+            noised = {f: with_noise(getattr(out, f), out.env_mask, g) for f in fields}
+            return dataclasses.replace(out, **noised), scores
 
         trainer.rollout = rollout
     given, advantages = [], trainers[0].advantages

@@ -377,12 +377,14 @@ def naive_advantages(
                 out.append(r[i] - mean)
             elif estimator == "rloo":
                 out.append(r[i] - sum(r[j] for j in range(k) if j != i) / (k - 1))
-            elif estimator == "pass_at_k":  # pass@(k // 2): each subset's best wherever i is in it
-                subsets = list(itertools.combinations(range(k), k // 2))
+            elif estimator == "pass_at_k":  # pass@(k // 2) weights, each subset's best wherever i is in it,
+                subsets = list(itertools.combinations(range(k), k // 2))  # then GRPO's normalisation
                 share = [
                     sum(max(r[j] for j in s) for s in subsets if m in s) / len(subsets) for m in range(k)
                 ]
-                out.append(share[i] - sum(share) / k)
+                centred = [v - sum(share) / k for v in share]
+                std = (sum(v**2 for v in centred) / (k - 1)) ** 0.5
+                out.append(centred[i] / (std + 1e-4))
             else:  # remax
                 out.append(r[i] - baseline[p])
     return out

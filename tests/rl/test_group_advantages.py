@@ -5,6 +5,7 @@ pass@k's advantage is an unbiased gradient of pass@k up to its stated scale, and
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -13,6 +14,8 @@ import torch
 from helpers import F64, FOUR_DECIMALS, TIGHT, t64
 
 from llm_rlhf.rl.estimators import (
+    ESTIMATORS,
+    AdvantageInputs,
     grpo_advantages,
     pass_at_k_advantages,
     remax_advantages,
@@ -265,6 +268,31 @@ def test_pass_at_k_expected_gradient_is_the_gradient_of_the_expected_best_of_k()
             (grad,) = torch.autograd.grad((advantages * log_p).sum(), logits)
             estimate += weight * grad
         torch.testing.assert_close(estimate, (n - k) / n * expected, **TIGHT)
+
+
+def test_the_pass_at_k_row_is_grpo_over_the_pass_at_k_weights():
+    """The estimator row: each group's weights s through GRPO's normalisation, (s - mean(s)) / (std(s) + 1e-4) =
+    `pass_at_k_advantages` over its group's std; the worked example gives +-(1/12) / sqrt(1/108) = +-sqrt(3)/2
+    (up to eps); a group solved at pass@2 (3 of 4 right: every weight k/n) gets 0; k >= n is refused."""
+    row = ESTIMATORS["pass_at_k"]
+    verdicts = t64([1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 0.0])  # two prompts x 4
+    mask = torch.ones(8, 3, dtype=torch.bool)
+    rewards = torch.zeros(8, 3, dtype=F64)
+    rewards[:, -1] = verdicts
+    x = AdvantageInputs(
+        rewards, mask, None, None, samples_per_prompt=4, gamma=1.0, lam=1.0, reduce_sum=None, pass_k=2
+    )
+    advantages, returns = row.advantages(x)
+    assert returns is None and (advantages == advantages[:, :1]).all()
+    centred = pass_at_k_advantages(scores=verdicts, samples_per_prompt=4, k=2)
+    std = centred.view(2, 4).std(dim=1).repeat_interleave(4)
+    torch.testing.assert_close(advantages[:, 0], centred / (std + 1e-4), **TIGHT)
+    torch.testing.assert_close(
+        advantages[:4, 0], t64([1.0, -1.0, 1.0, -1.0]) * (1 / 12) / (math.sqrt(1 / 108) + 1e-4), **TIGHT
+    )
+    assert (advantages[4:] == 0).all()
+    with pytest.raises(ValueError, match="pass_at_k needs 1 <= k < samples_per_prompt; got k = 4"):
+        row.advantages(dataclasses.replace(x, pass_k=4))
 
 
 def test_pass_at_k_with_k_1_is_dr_grpo_over_n_and_k_must_be_below_n():
