@@ -101,8 +101,8 @@ class Config(SamplingRunKeys):
     pass_k: int = help_field(
         1,
         "The k of the pass@k that advantage_estimator pass_at_k trains for, 1 <= pass_k < samples_per_prompt "
-        "(each sample's weight in the unbiased pass@k gradient, minus its group's mean: "
-        "`estimators.pass_at_k_advantages`); 1 is Dr. GRPO's advantage over samples_per_prompt.",
+        "(each sample's weight in the unbiased pass@k gradient, through GRPO's group normalisation: "
+        "`estimators.pass_at_k_shares`); 1 is grpo with its eps n times larger.",
     )
     kl_in_loss: bool | None = help_field(
         None,

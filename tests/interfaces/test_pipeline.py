@@ -107,7 +107,7 @@ def test_a_sweep_over_estimators_is_compared_in_one_report_and_one_compare(
     from llm_rlhf.evaluation import metric_names as e
     from llm_rlhf.evaluation.hacking import DEGENERACY_KEYS, PROXY
     from llm_rlhf.interfaces import report
-    from llm_rlhf.interfaces.report.evaluation import EVAL_GROUPS, MEMBERS
+    from llm_rlhf.interfaces.report.evaluation import EVAL_GROUPS, MEMBERS, PASS_AT
     from llm_rlhf.interfaces.report.ppo_curves import EPISODE_KEYS, PPO_PANELS, ppo_panels
     from llm_rlhf.interfaces.report.samples import SCORES_SHOWN
     from llm_rlhf.ppo import metrics as m
@@ -168,7 +168,10 @@ def test_a_sweep_over_estimators_is_compared_in_one_report_and_one_compare(
     ).keys()
     figures = read_json(out / "gae" / "eval" / "metrics.json")
     ensemble = (MEMBERS, e.RM_DISAGREEMENT_MEAN)  # written with a reward-model ensemble alone
-    rows = [row for _, group in EVAL_GROUPS for row in group if row.key not in ensemble]
+    pass_at = (
+        PASS_AT,
+    )  # a row per pass@k, written with pass_at_k alone (tests/evaluation/test_pass_at_k.py)
+    rows = [row for _, group in EVAL_GROUPS for row in group if row.key not in (*ensemble, *pass_at)]
     read = {
         name + side for row in rows for name in (row.key, row.stderr) if name for side in ("", e.BASELINE)
     }
