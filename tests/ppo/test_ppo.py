@@ -445,6 +445,9 @@ def test_config_dataclass_is_flat(tmp_path, monkeypatch):
         "environment": None,  # episodes: set in the critic-free config below (min_new_tokens 0 there)
         "task": None,  # set in the grouped config below (its files: tests/recipes_and_docs/test_stage_files.py)
         "lora_layers": 2,  # the tiny model's 2 blocks
+        "pass_k": 1,  # read by pass_at_k alone: set in its config below
+        "eval_samples_per_prompt": 4,
+        "eval_pass_at_k": [1, 2],
     }
     for f in dataclasses.fields(Config):
         value = getattr(default, f.name)
@@ -479,8 +482,9 @@ def test_config_dataclass_is_flat(tmp_path, monkeypatch):
         "task": "chain_sum-t2d1",  # fills nothing here: every key it would fill is set
     }
     grouped["dual_clip"] = None
+    passk = {**grouped, "advantage_estimator": "pass_at_k", "samples_per_prompt": 4, "pass_k": 2}
     monkeypatch.chdir(Path(__file__).resolve().parents[2])  # the task's folder, relative to the repo root
-    for values in (changed, critic_free, grouped):
+    for values in (changed, critic_free, grouped, passk):
         recipe = tmp_path / "ppo.yaml"
         recipe.write_text(yaml.safe_dump(values))
         from_yaml = parse_config(Config, ["--config", str(recipe)])
@@ -501,6 +505,7 @@ def test_config_dataclass_is_flat(tmp_path, monkeypatch):
             or getattr(default, key) != changed[key]
             or getattr(default, key) != critic_free[key]
             or getattr(default, key) != grouped[key]
+            or getattr(default, key) != passk[key]
         ), key
 
 
