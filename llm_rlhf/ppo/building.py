@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from pathlib import Path
 
 import torch
 from peft import LoraConfig, get_peft_model
 
 from llm_rlhf.core.config import is_off
 from llm_rlhf.core.data import load_prompt_dataset, prompt_rules
+from llm_rlhf.core.errors import UserError
 from llm_rlhf.core.utils import (
     seed_everything,
 )
@@ -27,6 +29,7 @@ from llm_rlhf.models.loading import (
     check_not_adapter_only,
     freeze,
     load_causal_lm,
+    load_tokenizer,
     tokenizer_or_load,
     use_fused_gelu,
 )
@@ -51,14 +54,15 @@ def load_prompt_ids(cfg: Config, tokenizer, prompts=None) -> list[list[int]]:
     return [encode_prompt(tokenizer, p) for p in ds["prompt"]]  # with BOS where the tokenizer adds one
 
 
-def build_models(cfg: Config, *, policy=None, reward_model=None) -> PPOModels:
+def build_models(cfg: Config, *, policy=None, reward_model=None, teacher=None, tokenizer=None) -> PPOModels:
     """policy (+ value head with gae, unless a separate critic), reference, reward model (a `RewardEnsemble` when
     reward_model_path is a list, its members loaded once; None when reward_model_path is none) and optional
     critic (from the first member of an ensemble).
 
     policy: a loaded causal LM in place of model_name_or_path (trained in place; the reference is a frozen
     copy of it as it is now); reward_model: a `RewardModel` or a list of them (an ensemble combined with the
-    config's ensemble keys) in place of reward_model_path (the Python API)."""
+    config's ensemble keys) in place of reward_model_path (the Python API); teacher: a causal LM in place of
+    teacher_model_path (`load_teacher`, checked against `tokenizer`, the policy's)."""
     if policy is None:
         policy = load_causal_lm(
             cfg.model_name_or_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code
@@ -106,7 +110,54 @@ def build_models(cfg: Config, *, policy=None, reward_model=None) -> PPOModels:
                 trust_remote_code=cfg.trust_remote_code,
             )
         ).as_critic()
-    return PPOModels(policy, ref_model, reward_model=reward_model, critic=critic)
+    teacher = load_teacher(cfg, teacher, tokenizer=tokenizer, policy_lm=lm)
+    return PPOModels(policy, ref_model, reward_model=reward_model, critic=critic, teacher=teacher)
+
+
+def load_teacher(cfg: Config, teacher=None, *, tokenizer=None, policy_lm=None) -> Reference | None:
+    """On-policy distillation's teacher, frozen, as a `Reference` (the same forward as the reference's, so a
+    teacher equal to the policy gives log pi_teacher == log pi_theta exactly): `teacher` (a causal LM) or
+    teacher_model_path loaded in teacher_dtype (null: the run's dtype), on teacher_device. None without one.
+    A teacher that does not load, or whose vocabulary is not the policy's (the tokenizer's token -> id map
+    where the teacher's folder has a tokenizer, and the LM head's rows), is a one-line UserError."""
+    path = cfg.teacher_model_path
+    if teacher is None and path is None:
+        return None
+    name = "the teacher" if teacher is not None else f"teacher_model_path '{path}'"
+    if teacher is None:
+        try:
+            teacher = load_causal_lm(
+                path, dtype=cfg.teacher_dtype or cfg.dtype, trust_remote_code=cfg.trust_remote_code
+            )
+        except UserError as e:
+            raise UserError(f"teacher_model_path: {e}") from None
+        if tokenizer is not None and has_tokenizer(path):
+            theirs = load_tokenizer(path, trust_remote_code=cfg.trust_remote_code).get_vocab()
+            ours = tokenizer.get_vocab()
+            if theirs != ours:
+                other = sorted(set(theirs.items()) ^ set(ours.items()), key=lambda kv: kv[1])[0]
+                raise UserError(
+                    f"{name}: its tokenizer is not the policy's ({len(theirs)} tokens against {len(ours)}; "
+                    f"{other[0]!r} is id {theirs.get(other[0])} there, {ours.get(other[0])} here): "
+                    "distillation compares the log-probs of the same token ids"
+                )
+    rows = teacher.get_output_embeddings().weight.shape[0]
+    if policy_lm is not None and rows != (policy_rows := policy_lm.get_output_embeddings().weight.shape[0]):
+        raise UserError(
+            f"{name}: its LM head scores {rows} tokens, the policy's {policy_rows}: distillation compares the "
+            "log-probs of the same token ids over the same vocabulary"
+        )
+    teacher = freeze(use_fused_gelu(teacher))
+    if cfg.teacher_device is not None:
+        teacher.to(cfg.teacher_device)
+    return Reference(teacher)
+
+
+def has_tokenizer(path: str) -> bool:
+    """Whether a local model folder holds a tokenizer (a hub name is assumed to)."""
+    folder = Path(path).expanduser()
+    files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    return not folder.is_dir() or any((folder / f).is_file() for f in files)
 
 
 def build_trainer(
@@ -119,10 +170,12 @@ def build_trainer(
     policy=None,
     reward_model=None,
     verifier: RewardFn | None = None,
+    teacher=None,
 ) -> PPOTrainer:
     """The models and the trainer. reward_fn: `cfg.reward_fn` already loaded (`llm_rlhf.stages.ppo.train`
     loads and probes it first, `check_inputs`), else loaded here; policy, reward_model: objects in place of the config's folders (`build_models`);
-    verifier: `cfg.accuracy_fn` loaded, else loaded here where dynamic sampling ties groups on its verdicts."""
+    verifier: `cfg.accuracy_fn` loaded, else loaded here where dynamic sampling ties groups on its verdicts;
+    teacher: a causal LM in place of teacher_model_path (`load_teacher`)."""
     if cfg.reward_fn is not None and reward_fn is None:
         reward_fn = load_reward_fn(cfg.reward_fn)
     if (
@@ -138,9 +191,13 @@ def build_trainer(
         )
     seed_everything(cfg.seed, accelerator.process_index)
     with loading_whole_models(accelerator):  # whole on every process, not ZeRO-3 partitions
-        models = build_models(cfg, policy=policy, reward_model=reward_model)
+        models = build_models(
+            cfg, policy=policy, reward_model=reward_model, teacher=teacher, tokenizer=tokenizer
+        )
     if models.reward_model is not None:
         models.reward_model.to(accelerator.device)
+    if models.teacher is not None and cfg.teacher_device is None:
+        models.teacher.to(accelerator.device)
     if not cfg.use_lora:
         models.ref_model.to(accelerator.device)
     return PPOTrainer(

@@ -153,6 +153,28 @@ class Config(SamplingRunKeys):
     whiten_rewards: bool = help_field(
         False, "Whiten the per-token rewards over the batch before GAE (advantage_estimator gae only)."
     )
+    # --- on-policy distillation (`llm_rlhf.rl.ppo_math.distill_kl`)
+    teacher_model_path: str | None = help_field(
+        None,
+        "On-policy distillation: a causal LM (HF folder or hub name) with the policy's vocabulary that scores "
+        "every sampled token. Each response token's reward gains -distill_coef * (log pi_theta(y_t|s_t) - "
+        "log pi_teacher(y_t|s_t)), the reverse KL's one-sample estimate, beside the scores (a reward model, a "
+        "reward_fn or neither) and the KL to the reference; every estimator and policy loss applies. Logged "
+        "as objective/distill_kl and time/teacher. null = off.",
+    )
+    distill_coef: float = help_field(
+        1.0,
+        "With teacher_model_path: the weight of the per-token reverse KL to the teacher in the reward (> 0).",
+    )
+    teacher_dtype: str | None = help_field(
+        None,
+        "With teacher_model_path: the teacher's weights dtype (float32 | bfloat16 | float16), its forward then "
+        "outside the policy's autocast; null = the run's dtype, under the run's autocast, as the reference.",
+    )
+    teacher_device: str | None = help_field(
+        None,
+        "With teacher_model_path: the device the teacher runs on (e.g. 'cpu', 'cuda:1'); null = the process's.",
+    )
     # --- PPO
     gamma: float = help_field(
         1.0, "Discount (gae only: the critic-free estimators sum the rewards undiscounted)."
@@ -392,6 +414,7 @@ class Config(SamplingRunKeys):
         check_policy_loss_keys(self)
         check_watch_keys(self)
         check_episode_keys(self)
+        check_distill_keys(self)
         if self.environment is not None:  # resolved and checked now, before any stage runs; never built here
             check_environment(self.environment, has_verifier=self.accuracy_fn is not None)
         require(
@@ -609,14 +632,36 @@ def check_watch_keys(cfg) -> None:
     )
 
 
+def check_distill_keys(cfg) -> None:
+    """The distillation keys are read only with a teacher; the coefficient is positive, the dtype one of three."""
+    teacher = not is_off(cfg.teacher_model_path)
+    if not teacher:
+        cfg.teacher_model_path = None
+    for key, default in (("distill_coef", 1.0), ("teacher_dtype", None), ("teacher_device", None)):
+        require(
+            teacher or getattr(cfg, key) == default,
+            key,
+            "is read only with teacher_model_path (on-policy distillation), which is not set",
+        )
+    require(cfg.distill_coef > 0, "distill_coef", "must be > 0")
+    require(
+        cfg.teacher_dtype in (None, "float32", "bfloat16", "float16"),
+        "teacher_dtype",
+        "must be float32, bfloat16, float16 or null (the run's dtype)",
+    )
+
+
 def check_reward_keys(cfg) -> None:
     """The score needs a reward model, a reward function or an environment that rewards (`scoring.check_score_keys`
     checks their keys); the RM-initialised critic needs the RM."""
     require(
-        not is_off(cfg.reward_model_path) or cfg.reward_fn is not None or cfg.environment is not None,
+        not is_off(cfg.reward_model_path)
+        or cfg.reward_fn is not None
+        or cfg.environment is not None
+        or not is_off(cfg.teacher_model_path),
         "reward_model_path",
-        "is none and neither reward_fn nor environment is set: PPO needs a score (a reward model, a reward_fn, "
-        "an environment's rewards)",
+        "is none and neither reward_fn, environment nor teacher_model_path is set: PPO needs a signal (a reward "
+        "model, a reward_fn, an environment's rewards, a teacher to distil)",
     )
     check_score_keys(cfg)  # the reward function's form only: it is imported when the stage starts
     require(

@@ -33,6 +33,7 @@ OBJECTIVE_GROUPS_TIED = "objective/groups_tied"  # share of the groups whose k s
 OBJECTIVE_SCORES_MEMBER = "objective/scores_member_"  # + k: member k's mean score (a reward-model ensemble)
 OBJECTIVE_SCORES_DISAGREEMENT = "objective/scores_disagreement"  # std across the ensemble's members
 OBJECTIVE_OVERLONG_PENALTY = "objective/overlong_penalty"  # overlong_buffer: DAPO's length penalty, mean
+OBJECTIVE_DISTILL_KL = "objective/distill_kl"  # teacher_model_path: reverse KL to the teacher per token
 
 
 def objective(term: str) -> str:
@@ -83,8 +84,14 @@ EOS_RATE = "eos_rate"  # responses that ended with EOS
 TIME_GENERATE = "time/generate"
 TIME_SCORE = "time/score"
 TIME_TRAIN = "time/train"
+TIME_TEACHER = "time/teacher"  # teacher_model_path: the teacher's forwards
 TIME_STEP = "time/step"  # the whole step
-TIME_PHASES = (TIME_GENERATE, TIME_SCORE, TIME_TRAIN)  # they add up to the step, but for bookkeeping
+TIME_PHASES = (
+    TIME_GENERATE,
+    TIME_SCORE,
+    TIME_TEACHER,
+    TIME_TRAIN,
+)  # they add up to the step, but for bookkeeping
 TOKENS_PER_S = "tokens_per_s"  # response tokens over every process per second of the step
 
 # ppo/metrics.json: the last step's line and the run's summary (`stages.ppo.summarize_history`)

@@ -175,7 +175,12 @@ class RolloutCollector(UsesContext):
         Each process calls the reward function on its own samples; nothing inside it is a collective.
         Whether the call failed on any process (it raised, or returned a wrong number of scores or a
         non-finite one: `RewardFn` checks) is one sum over the processes, so every process stops with the
-        same one-line error here instead of the others waiting at the next collective (`agreed`)."""
+        same one-line error here instead of the others waiting at the next collective (`agreed`).
+
+        Zeros without a reward model and a reward function: an environment's rewards (`samples.env_rewards`) or a
+        teacher's signal (on-policy distillation) is then the whole reward."""
+        if self.scorer.reward_model is None and self.scorer.reward_fn is None:
+            return Scores(torch.zeros(samples.query.shape[0], device=self.device))
         if self.scorer.reward_fn is None:
             return self.scorer(samples, self.tokenizer)
         return self.agreed(self.scorer.reward_fn, lambda: self.scorer(samples, self.tokenizer))
@@ -328,13 +333,6 @@ class EpisodeCollector(RolloutCollector):
         return samples
 
     @torch.no_grad()
-    def score(self, samples: Samples) -> Scores:
-        """The scorer's scores of the policy's text (`RolloutCollector.score`), or zeros without a reward model and a
-        reward function (the environment's rewards, in `samples.env_rewards`, are then the whole reward)."""
-        if self.scorer.reward_model is None and self.scorer.reward_fn is None:
-            return Scores(torch.zeros(samples.query.shape[0], device=self.device))
-        return super().score(samples)
-
     def episode_stats(self) -> dict[str, float]:
         """env/* of the latest episodes, means over every process: turns per episode, the environment's reward
         per episode, the share it ended (done), the share that ended on an environment error, and for tool

@@ -77,13 +77,14 @@ class PPOModels:
     """What `llm_rlhf.ppo.building.build_models` loads for the trainer: the policy
     (`llm_rlhf.models.loading.PolicyWithValue`, with its value head unless a separate critic), the frozen
     reference (`llm_rlhf.models.loading.Reference`; with LoRA the policy's own
-    network), the frozen reward model (a `RewardModel`, a `RewardEnsemble` or None) and the optional critic
-    (`RewardCritic`, value_model 'reward')."""
+    network), the frozen reward model (a `RewardModel`, a `RewardEnsemble` or None), the optional critic
+    (`RewardCritic`, value_model 'reward') and on-policy distillation's frozen teacher (a `Reference`, or None)."""
 
     policy: Any
     ref_model: Any
     reward_model: Any = None
     critic: Any = None
+    teacher: Any = None
 
 
 def optimizer_and_schedule(cfg: Config, models: PPOModels, sizes, device: torch.device):
@@ -131,9 +132,14 @@ class PPOTrainer(UsesContext):
         verifier=None,
         make_environment=None,
     ):
-        if models.reward_model is None and reward_fn is None and make_environment is None:
+        if (
+            models.reward_model is None
+            and reward_fn is None
+            and make_environment is None
+            and models.teacher is None
+        ):
             raise UserError(
-                "reward_model_path: PPO needs a reward model, a reward_fn, an environment or several"
+                "reward_model_path: PPO needs a reward model, a reward_fn, an environment, a teacher or several"
             )
         sizes = batch_sizes(
             rollout_batch_size=cfg.rollout_batch_size,
@@ -156,7 +162,15 @@ class PPOTrainer(UsesContext):
         # what the rollout collector and the update share with the trainer (`context.PPOContext`)
         self.context = PPOContext(cfg, accelerator, accelerated, sizes, tokenizer)
         optimizer, self.scheduler = optimizer_and_schedule(cfg, models, sizes, accelerator.device)
-        frozen = [m for m in (models.ref_model, models.reward_model) if m is not None]
+        # the teacher in the policy's compute dtype where it runs as the reference does (teacher_dtype null)
+        teacher_as_reference = (
+            models.teacher is not None and cfg.teacher_dtype is None and cfg.teacher_device is None
+        )
+        frozen = [
+            m
+            for m in (models.ref_model, models.reward_model, models.teacher if teacher_as_reference else None)
+            if m is not None
+        ]
         self.policy, self.critic, self.optimizer = self.accelerated.prepare(
             models.policy,
             models.critic,
@@ -168,6 +182,9 @@ class PPOTrainer(UsesContext):
         )
         self.accelerated.set_up_root(self.policy, tokenizer.eos_token_id)
         self.ref_model = models.ref_model
+        self.teacher = (
+            models.teacher
+        )  # on-policy distillation: log pi_teacher of every sampled token, or None
         self.frozen_models = frozen
         # blocks whose output the rollout computes once (`llm_rlhf.models.trunk`): 0 = none
         reuse = (
@@ -331,7 +348,10 @@ class PPOTrainer(UsesContext):
         the score alone. A rollout without old log-probs yet (`old_logprobs_from_update`, the KL in the loss)
         gets KL_t = 0 until the update fills them. Episodes of several turns: each turn's reward from the environment
         (`Samples.env_rewards`, on the turn's last token) is added to these rewards, so GAE sees it where it was given
-        and the group estimators in the sequence reward."""
+        and the group estimators in the sequence reward. On-policy distillation (teacher_model_path) adds
+        -distill_coef * d_t to every response token's reward (`distill_kl`), the KL penalty's place in the reward
+        whatever kl_in_loss says: GAE and REINFORCE++ credit a token with the reverse KL of its own and the later
+        tokens (the sequence KL's gradient), the group estimators with its sum over the response."""
         cfg = self.cfg
         kl = (
             torch.zeros_like(rollout.ref_logprobs)
@@ -352,7 +372,18 @@ class PPOTrainer(UsesContext):
         )
         if rollout.env_rewards is not None:
             rewards = rewards + torch.where(rollout.response_mask, rollout.env_rewards, 0.0)  # (B, R)
+        if rollout.teacher_logprobs is not None:  # on-policy distillation: -distill_coef * d_t on each token
+            rewards = rewards - cfg.distill_coef * self.distill_kl(rollout)  # (B, R)
         return rewards, kl
+
+    def distill_kl(self, rollout: Rollout) -> torch.Tensor:
+        """d_t = log pi_theta(y_t|s_t) - log pi_teacher(y_t|s_t) of every response token, (B, R), 0 elsewhere
+        (`ppo_math.distill_kl`): from the rollout's old log-probs, which a teacher always has computed."""
+        return ppo_math.distill_kl(
+            logprobs=rollout.logprobs,
+            teacher_logprobs=rollout.teacher_logprobs,
+            response_mask=rollout.response_mask,
+        )
 
     def shaped_scores(self, samples: Samples, scores: torch.Tensor) -> torch.Tensor:
         """The scorer's `scores` (B,) as the rewards take them, before the EOS trick, (B,):
@@ -439,6 +470,8 @@ class PPOTrainer(UsesContext):
         t1 = time.perf_counter()
         ref_logprobs = self.reference_logprobs(samples)  # log pi_ref(y_t|s_t)
         scores = self.collector.score(samples)  # r_phi(x, y), normalised (+ reward_fn_weight * reward_fn)
+        t2 = time.perf_counter()
+        teacher_logprobs = self.teacher_logprobs(samples)  # log pi_teacher(y_t|s_t), or None
         rollout = Rollout.of(
             samples,
             logprobs=logprobs,
@@ -446,10 +479,13 @@ class PPOTrainer(UsesContext):
             entropy=entropy,
             ref_logprobs=ref_logprobs,
             scores=scores.scores,
+            teacher_logprobs=teacher_logprobs,
         )
         if times is not None:
             times["generate"] = times.get("generate", 0.0) + t1 - t0
-            times["score"] = times.get("score", 0.0) + time.perf_counter() - t1
+            times["score"] = times.get("score", 0.0) + t2 - t1
+            if teacher_logprobs is not None:
+                times["teacher"] = times.get("teacher", 0.0) + time.perf_counter() - t2
         return rollout, scores
 
     @torch.no_grad()
@@ -473,16 +509,21 @@ class PPOTrainer(UsesContext):
         t0 = time.perf_counter()
         logprobs, values, entropy = self.in_chunks(self.forward_policy, kept)
         t1 = time.perf_counter()
+        ref_logprobs = self.reference_logprobs(kept)
+        t2 = time.perf_counter()
         rollout = Rollout.of(
             kept,
             logprobs=logprobs,
             values=values,
             entropy=entropy,
-            ref_logprobs=self.reference_logprobs(kept),
+            ref_logprobs=ref_logprobs,
             scores=episodes.scores.scores,
+            teacher_logprobs=self.teacher_logprobs(kept),
         )
         times["generate"] += t1 - t0
-        times["score"] += time.perf_counter() - t1
+        times["score"] += t2 - t1
+        if self.teacher is not None:
+            times["teacher"] = times.get("teacher", 0.0) + time.perf_counter() - t2
         return rollout, episodes.scores, episodes.stats, self.dropped_kl(episodes.dropped, times)
 
     def dropped_kl(self, dropped: Samples | None, times: dict[str, float]) -> torch.Tensor:
@@ -597,6 +638,27 @@ class PPOTrainer(UsesContext):
             logprobs = self.in_chunks(forward, samples)
         return logprobs.float()
 
+    @torch.no_grad()
+    def teacher_logprobs(self, samples: Samples) -> torch.Tensor | None:
+        """log pi_teacher(y_t|s_t) of on-policy distillation: (B, R), 0 at padding, None without a teacher. The
+        reference's forward (`response_logprobs_and_values`: the sampling's temperature, EOS masked before
+        min_new_tokens, each chunk trimmed to its real tokens) on the teacher's device, under the run's autocast
+        unless teacher_dtype sets its own. The teacher has no frozen trunk of the policy's to start from."""
+        if self.teacher is None:
+            return None
+        R, eos = samples.response.shape[1], self.tokenizer.eos_token_id
+        device = next(self.teacher.parameters()).device
+
+        def forward(part: Samples) -> torch.Tensor:
+            part = dataclasses.replace(part.trimmed(), trunk=None).to(device)
+            logprobs = response_logprobs_and_values(
+                self.teacher, part, self.sampling, eos_token_id=eos, entropy="none"
+            )[0]
+            return pad_columns(logprobs.float(), R).to(self.device)  # (b, R)
+
+        with self.accelerated.autocast() if self.cfg.teacher_dtype is None else nullcontext():
+            return self.in_chunks(forward, samples)
+
     def train_on_rollout(
         self, rollout: Rollout, advantages: torch.Tensor, returns: torch.Tensor | None
     ) -> dict[str, float]:
@@ -635,6 +697,7 @@ class PPOTrainer(UsesContext):
             and not cfg.estimator.critic
             and cfg.kl_penalty_in_loss
             and cfg.ent_coef == 0
+            and self.teacher is None  # distillation's rewards read the old log-probs before the update
         )
 
     # --- the step's log line ------------------------------------------------------------------
@@ -673,8 +736,18 @@ class PPOTrainer(UsesContext):
             ppo_metrics.TIME_GENERATE: times["generate"],
             ppo_metrics.TIME_SCORE: times["score"],
             ppo_metrics.TIME_TRAIN: times["train"],
+            **(self.distill_metrics(rollout, tokens, times) if rollout.teacher_logprobs is not None else {}),
             ppo_metrics.TIME_STEP: step_time,
             ppo_metrics.TOKENS_PER_S: float(tokens) / step_time,
+        }
+
+    def distill_metrics(self, rollout: Rollout, tokens: torch.Tensor, times) -> dict[str, float]:
+        """On-policy distillation: objective/distill_kl, the reverse KL to the teacher per response token (the
+        global mean of d_t, `distill_kl`), and time/teacher, the seconds of the teacher's forwards."""
+        total = self.global_sum(self.distill_kl(rollout).sum())  # ()
+        return {
+            ppo_metrics.OBJECTIVE_DISTILL_KL: float(total) / max(float(tokens), 1.0),
+            ppo_metrics.TIME_TEACHER: times.get("teacher", 0.0),
         }
 
     def value_metrics(self, rollout: Rollout, returns: torch.Tensor) -> dict[str, float]:
@@ -762,7 +835,8 @@ class PPOTrainer(UsesContext):
         return trainable_parameters(self.policy, self.critic)
 
     def models_of_step(self) -> list:
-        """Every model a PPO step runs: the policy, the critic, the reference and the reward model."""
+        """Every model a PPO step runs under its autocast: the policy, the critic, the reference, the reward
+        model and a teacher that runs as the reference does."""
         return [self.policy, self.critic, *self.frozen_models]
 
     def reference_context(self):

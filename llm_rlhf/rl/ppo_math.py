@@ -133,6 +133,26 @@ def kl_penalty(*, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator:
     raise ValueError(f"unknown KL estimator {estimator!r}; expected one of 'k1', 'k3', 'abs', 'mse'")
 
 
+def distill_kl(
+    *, logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, response_mask: torch.Tensor
+) -> torch.Tensor:
+    """On-policy distillation's per-token signal: the one-sample estimate of the reverse KL to the teacher at
+    each sampled token (Agarwal et al. 2024, GKD; Gu et al. 2024, MiniLLM), 0 outside the response:
+
+        d_t = log pi_theta(y_t|s_t) - log pi_teacher(y_t|s_t),    y_t ~ pi_theta(.|s_t)
+
+    Its expectation over y_t is KL(pi_theta(.|s_t) || pi_teacher(.|s_t)), the full-vocabulary reverse KL that
+    TRL's DistillationTrainer differentiates at beta = 1, and the policy gradient of a reward -d_t (d_t held
+    fixed) has that KL's gradient as its expectation: E[grad log pi(y) * d(y)] = grad KL, since
+    E[grad log pi(y)] = 0. PPO adds -distill_coef * d_t to the per-token rewards, where the KL penalty to the
+    reference goes, so each estimator credits it as it credits that penalty.
+
+    logprobs, teacher_logprobs: (B, T) at the sampled tokens; response_mask: (B, T) bool. Returns (B, T).
+    Worked example: log pi_theta = log 0.5, log pi_teacher = log 0.25 -> d = log 2 = 0.693.
+    """
+    return torch.where(response_mask, logprobs - teacher_logprobs, 0.0)  # (B, T)
+
+
 def sequence_kl(*, kl: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """KL of each whole response: sum_t KL_t over its response tokens. kl, response_mask: (B, T) -> (B,).
 

@@ -94,6 +94,13 @@ class Samples:
         ended = self.ended_with_eos(eos_token_id)
         return ended if self.stopped is None else ended | self.stopped
 
+    def to(self, device):
+        """Every tensor field on `device`, as the same type (itself when all are there already)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if all(x is None or x.device == torch.device(device) for x in fields.values()):
+            return self
+        return type(self)(**{k: x if x is None else x.to(device) for k, x in fields.items()})
+
     def select(self, index):
         """The rows `index` (a slice or a (b,) index tensor) of every field, as the same type."""
         return type(self)(
@@ -152,18 +159,20 @@ def pad_columns(x: torch.Tensor, width: int) -> torch.Tensor:
 @dataclass(kw_only=True)  # keyword-only: its fields follow Samples' `stopped`, which has a default
 class Rollout(Samples):
     """One PPO rollout batch: the samples and, aligned with the response tokens, the old policy's
-    logprobs, values and entropy, the reference's ref_logprobs: (B, R) each; the RM's scores: (B,).
-    values is None without a value function (PPO's critic-free advantage estimators)."""
+    logprobs, values and entropy, the reference's ref_logprobs (and with a teacher its teacher_logprobs):
+    (B, R) each; the RM's scores: (B,). values is None without a value function (PPO's critic-free advantage
+    estimators)."""
 
     logprobs: torch.Tensor
     values: torch.Tensor | None
     entropy: torch.Tensor
     ref_logprobs: torch.Tensor
     scores: torch.Tensor
+    teacher_logprobs: torch.Tensor | None = None  # on-policy distillation: log pi_teacher(y_t|s_t), (B, R)
 
     @classmethod
     def of(cls, samples: Samples, **tensors: torch.Tensor) -> Rollout:
-        """`samples` with the five tensors above, given by name."""
+        """`samples` with the tensors above, given by name."""
         return cls(**{f.name: getattr(samples, f.name) for f in dataclasses.fields(Samples)}, **tensors)
 
 

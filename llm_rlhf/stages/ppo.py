@@ -70,6 +70,7 @@ def train(
     reward_model=None,
     reward_fn: RewardFn | None = None,
     prompts=None,
+    teacher=None,
     on_step=None,
 ) -> Trained:
     """The PPO stage: check every input, build the models and the trainer, run the loop, save.
@@ -77,7 +78,8 @@ def train(
     policy, tokenizer: a loaded causal LM (trained in place) and its tokenizer, in place of
     model_name_or_path; reward_model: a `RewardModel` or a list of them, in place of reward_model_path;
     reward_fn: a `RewardFn` in place of importing cfg.reward_fn; prompts: `data.InMemory` rows in place of
-    prompt_file; on_step: called on the main process with each step's metrics (the line of metrics.jsonl).
+    prompt_file; teacher: a causal LM with the policy's vocabulary in place of teacher_model_path (on-policy
+    distillation); on_step: called on the main process with each step's metrics (the line of metrics.jsonl).
     Returns the policy's LM, its tokenizer, its value head (None for the critic-free estimators or a
     separate critic) and the final metrics (metrics.json's): the last step's policy, or with keep_best the
     best held-out evaluation's (metrics.json's returned_step; the module docstring)."""
@@ -100,6 +102,7 @@ def train(
         policy=policy,
         reward_model=reward_model,
         verifier=inputs.verifier,
+        teacher=teacher,
     )
     start(cfg, trainer, inputs, out, resume_from)
     heldout = HeldOut(cfg, trainer, inputs, out, resumed=resume_from is not None)

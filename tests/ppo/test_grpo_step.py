@@ -40,7 +40,9 @@ def skips(**kw) -> bool:
         num_processes=1,
         samples_per_prompt=cfg.samples_per_prompt,
     )
-    return ppo_trainer.PPOTrainer.old_logprobs_from_update.fget(SimpleNamespace(cfg=cfg, sizes=sizes))
+    teacher = object() if cfg.teacher_model_path is not None else None
+    trainer = SimpleNamespace(cfg=cfg, sizes=sizes, teacher=teacher)
+    return ppo_trainer.PPOTrainer.old_logprobs_from_update.fget(trainer)
 
 
 def test_the_old_forward_is_skipped_only_where_it_is_exact():
@@ -53,6 +55,7 @@ def test_the_old_forward_is_skipped_only_where_it_is_exact():
     assert not skips(advantage_estimator="rloo")  # its published form: the KL in the reward
     assert not skips(advantage_estimator="gae", samples_per_prompt=1, rollout_batch_size=8)  # old values
     assert not skips(ent_coef=0.01)  # the update's entropy is then the "grad" one, not the rollout's
+    assert not skips(teacher_model_path="t")  # distillation's rewards read the old log-probs first
 
 
 def run_steps(cfg, *, skip: bool, mixed_precision: str = "no") -> dict:

@@ -448,6 +448,9 @@ def test_config_dataclass_is_flat(tmp_path, monkeypatch):
         "pass_k": 1,  # read by pass_at_k alone: set in its config below
         "eval_samples_per_prompt": 4,
         "eval_pass_at_k": [1, 2],
+        "teacher_model_path": "runs/teacher",
+        "teacher_dtype": "bfloat16",
+        "teacher_device": "cpu",
     }
     for f in dataclasses.fields(Config):
         value = getattr(default, f.name)

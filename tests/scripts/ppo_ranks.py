@@ -45,7 +45,7 @@ without its suffix.
 
 MODE "loss_options": for each configuration of LOSS_OPTIONS (the policy-loss family: clip-higher,
 dual clip, the loss aggregations, the sampler corrections, overlong shaping, truncated masking, GSPO, CISPO,
-dynamic sampling), a trainer runs 2 steps of 2 epochs, with ordinary minibatches and with micro-batches of one
+dynamic sampling; and on-policy distillation), a trainer runs 2 steps of 2 epochs, with ordinary minibatches and with micro-batches of one
 episode (key NAME and NAME/accumulate); OUT_JSON holds the raw gradient of every update and the metrics. Its
 fixed responses carry fixed sampler log-probs (log q = -6 + 0.5 * N(0, 1) per token, so both corrections bind
 on some tokens), and the first round of each step makes the global batch's first group k identical
@@ -103,6 +103,9 @@ LOSS_OPTIONS = {  # name: (advantage_estimator, samples per prompt, the keys of 
         ),
     ),
     "cispo": ("gae", 1, dict(policy_loss="cispo", cliprange_high=0.28)),
+    # on-policy distillation (`run` makes the policy's starting weights, MODEL_DIR, its teacher): the signal 0
+    # at the first step, the student's moved reverse KL at the second
+    "distill": ("gae", 1, dict(distill_coef=5.0)),
 }
 LORA = dict(use_lora=True, lora_r=4, lora_dropout=0.0)  # MODE lora: "same" with a LoRA adapter
 
@@ -152,6 +155,7 @@ def run(launch: Launch, estimator="gae", k=1, options=None, accumulate=False, sa
         kl_target=1.0,
         kl_horizon=100,
         **(options or {}),
+        **({"teacher_model_path": model_dir} if "distill_coef" in (options or {}) else {}),
     )
     tokenizer = load_tokenizer(model_dir, padding_side="left")
     prompts = ppo_building.load_prompt_ids(cfg, tokenizer)
