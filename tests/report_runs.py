@@ -113,9 +113,18 @@ EVAL_METRICS = {
 VALUE_KEYS = ("loss/value", "val/clipfrac", "val/explained_variance", "val/mean")  # gae alone logs these
 
 
-def make_run(run: Path, *, kl_coef: float = 0.1, steps: int = 12, estimator: str = "gae", k: int = 1) -> Path:
+def make_run(
+    run: Path,
+    *,
+    kl_coef: float = 0.1,
+    steps: int = 12,
+    estimator: str = "gae",
+    k: int = 1,
+    distill: bool = False,
+) -> Path:
     """Every file a finished pipeline run writes, with small fake logs. A critic-free `estimator` logs no
-    value statistics and its ppo/config.yaml names it (a gae run's config, as before the key existed, does not)."""
+    value statistics and its ppo/config.yaml names it (a gae run's config, as before the key existed, does not);
+    `distill`: on-policy distillation's keys too (the reverse KL to the teacher, the teacher's seconds)."""
     sft_metrics = {"eval_loss": 2.1, "eval_perplexity": 8.17, "eos_rate": 0.97}
     rm_metrics = {"eval_accuracy": 0.71, "eval_margin": 0.9, "baseline_accuracy": 0.66, "score_mean": 0.1}
     history = []
@@ -153,6 +162,16 @@ def make_run(run: Path, *, kl_coef: float = 0.1, steps: int = 12, estimator: str
         )
     if estimator != "gae":
         history = [{k: v for k, v in row.items() if k not in VALUE_KEYS} for row in history]
+    if distill:
+        for row in history:
+            row.update(
+                {
+                    "objective/distill_kl": 0.5 / row["step"],
+                    "time/teacher": 0.4,
+                    "time/teacher_share": 0.4 / 3.4,
+                }
+            )
+            row["time/step"] = 3.8
     ppo_metrics = {
         **history[-1],
         "scores_first": 0.1,

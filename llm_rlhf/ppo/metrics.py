@@ -85,6 +85,7 @@ TIME_GENERATE = "time/generate"
 TIME_SCORE = "time/score"
 TIME_TRAIN = "time/train"
 TIME_TEACHER = "time/teacher"  # teacher_model_path: the teacher's forwards
+TIME_TEACHER_SHARE = "time/teacher_share"  # time/teacher / time/step
 TIME_STEP = "time/step"  # the whole step
 TIME_PHASES = (
     TIME_GENERATE,

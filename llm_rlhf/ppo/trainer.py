@@ -736,18 +736,26 @@ class PPOTrainer(UsesContext):
             ppo_metrics.TIME_GENERATE: times["generate"],
             ppo_metrics.TIME_SCORE: times["score"],
             ppo_metrics.TIME_TRAIN: times["train"],
-            **(self.distill_metrics(rollout, tokens, times) if rollout.teacher_logprobs is not None else {}),
+            **(
+                self.distill_metrics(rollout, tokens, times["teacher"], step_time)
+                if rollout.teacher_logprobs is not None
+                else {}
+            ),
             ppo_metrics.TIME_STEP: step_time,
             ppo_metrics.TOKENS_PER_S: float(tokens) / step_time,
         }
 
-    def distill_metrics(self, rollout: Rollout, tokens: torch.Tensor, times) -> dict[str, float]:
+    def distill_metrics(
+        self, rollout: Rollout, tokens: torch.Tensor, teacher_time, step_time
+    ) -> dict[str, float]:
         """On-policy distillation: objective/distill_kl, the reverse KL to the teacher per response token (the
-        global mean of d_t, `distill_kl`), and time/teacher, the seconds of the teacher's forwards."""
+        global mean of d_t, `distill_kl`), time/teacher, the seconds of the teacher's forwards, and
+        time/teacher_share, their share of the step."""
         total = self.global_sum(self.distill_kl(rollout).sum())  # ()
         return {
             ppo_metrics.OBJECTIVE_DISTILL_KL: float(total) / max(float(tokens), 1.0),
-            ppo_metrics.TIME_TEACHER: times.get("teacher", 0.0),
+            ppo_metrics.TIME_TEACHER: teacher_time,
+            ppo_metrics.TIME_TEACHER_SHARE: teacher_time / step_time,
         }
 
     def value_metrics(self, rollout: Rollout, returns: torch.Tensor) -> dict[str, float]:

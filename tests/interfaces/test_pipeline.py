@@ -108,7 +108,7 @@ def test_a_sweep_over_estimators_is_compared_in_one_report_and_one_compare(
     from llm_rlhf.evaluation.hacking import DEGENERACY_KEYS, PROXY
     from llm_rlhf.interfaces import report
     from llm_rlhf.interfaces.report.evaluation import EVAL_GROUPS, MEMBERS, PASS_AT
-    from llm_rlhf.interfaces.report.ppo_curves import EPISODE_KEYS, PPO_PANELS, ppo_panels
+    from llm_rlhf.interfaces.report.ppo_curves import OPTIONAL_KEYS, PPO_PANELS, ppo_panels
     from llm_rlhf.interfaces.report.samples import SCORES_SHOWN
     from llm_rlhf.ppo import metrics as m
 
@@ -162,7 +162,7 @@ def test_a_sweep_over_estimators_is_compared_in_one_report_and_one_compare(
 
     # one vocabulary: every name the report reads (ppo_metrics, eval_metrics) is one a real run wrote
     # a gae run logs every panel's keys but the episodes' (no environment)
-    assert titles["gae"] == [panel[0] for panel in PPO_PANELS if panel[2][0] not in EPISODE_KEYS]
+    assert titles["gae"] == [panel[0] for panel in PPO_PANELS if panel[2][0] not in OPTIONAL_KEYS]
     assert {m.SCORES_FIRST, m.SCORES_LAST, m.KL_LAST, m.KL_TARGET} <= read_json(
         out / "gae" / "ppo" / "metrics.json"
     ).keys()

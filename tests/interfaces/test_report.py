@@ -53,6 +53,7 @@ def test_single_run_report_is_self_contained(tmp_path):
 
 VALUE_PANELS = ["Value loss", "Explained variance of returns"]
 EPISODE_PANELS = ["Episodes: turns, tool-call rate (right)", "Environment reward"]  # runs with an environment
+DISTILL_PANEL = "Distillation: reverse KL to the teacher, teacher's share of the step (right)"
 
 
 def test_a_critic_free_run_has_no_value_panels_and_names_its_estimator(tmp_path):
@@ -61,7 +62,7 @@ def test_a_critic_free_run_has_no_value_panels_and_names_its_estimator(tmp_path)
     episodes' (no environment)."""
     gae = report.load_run(make_run(tmp_path / "gae"))
     grpo = report.load_run(make_run(tmp_path / "grpo", estimator="grpo", k=4))
-    every = [panel[0] for panel in PPO_PANELS if panel[0] not in EPISODE_PANELS]
+    every = [panel[0] for panel in PPO_PANELS if panel[0] not in [*EPISODE_PANELS, DISTILL_PANEL]]
     assert [panel[0] for panel in ppo_panels(gae.ppo_history)] == every
     assert [panel[0] for panel in ppo_panels(grpo.ppo_history)] == [t for t in every if t not in VALUE_PANELS]
     with plot_style():
@@ -74,8 +75,35 @@ def test_a_critic_free_run_has_no_value_panels_and_names_its_estimator(tmp_path)
     text = write_report(gae.path).read_text(encoding="utf-8")
     assert "Not drawn" not in text and 'Advantage estimator</div><div class="value">gae</div>' in text
     # side by side: the value panels stay while one run has a value function, and go when none has
-    assert [p[1] for p in compare_panels([gae, grpo])] == [p[1] for p in COMPARE_PANELS]
+    distilled = "Reverse KL to the teacher"
+    assert [p[1] for p in compare_panels([gae, grpo])] == [p[1] for p in COMPARE_PANELS if p[1] != distilled]
     assert "Value loss" not in [p[1] for p in compare_panels([grpo, grpo])]
+
+
+def test_a_distillation_run_draws_the_teachers_kl_and_share(tmp_path):
+    """A run with a teacher logs objective/distill_kl, time/teacher and its share: its PPO figure has the
+    distillation panel (the KL against step, the share on the right), its stacked time panel the teacher's
+    seconds, and side by side the reverse KL gets a panel while one run distils."""
+    from llm_rlhf.interfaces.report.ppo_curves import _time_panel
+
+    grpo = report.load_run(make_run(tmp_path / "grpo", estimator="grpo", k=4))
+    distilled = report.load_run(make_run(tmp_path / "distill", estimator="grpo", k=4, distill=True))
+    titles = [panel[0] for panel in ppo_panels(distilled.ppo_history)]
+    assert DISTILL_PANEL in titles and DISTILL_PANEL not in [p[0] for p in ppo_panels(grpo.ppo_history)]
+    with plot_style():
+        fig = plot_ppo(distilled.ppo_history, 6.0)
+        assert DISTILL_PANEL in visible_titles(fig)
+        ax = next(a for a in fig.axes if a.get_title() == DISTILL_PANEL)
+        assert list(ax.lines[0].get_ydata()) == [0.5 / s for s in range(1, 13)]
+        twin = next(a for a in fig.axes if a is not ax and a.bbox.bounds == ax.bbox.bounds)
+        assert list(twin.lines[0].get_ydata()) == [0.4 / 3.4] * 12
+        import matplotlib.pyplot as plt
+
+        _, time_ax = plt.subplots()
+        _time_panel(time_ax, distilled.ppo_history)
+        assert "teacher" in [t.get_text() for t in time_ax.legend().get_texts()]
+    assert "Reverse KL to the teacher" in [p[1] for p in compare_panels([grpo, distilled])]
+    assert "Reverse KL to the teacher" not in [p[1] for p in compare_panels([grpo, grpo])]
 
 
 def test_overoptimisation_curve_of_a_run_without_a_reward_model(tmp_path):

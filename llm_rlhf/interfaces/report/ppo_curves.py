@@ -84,12 +84,19 @@ PPO_PANELS = (
         (ppo_metrics.ENV_TOOL_CALL_RATE, "tool-call rate"),
     ),
     ("Environment reward", "reward / episode", (ppo_metrics.ENV_REWARD,), None),
+    (
+        "Distillation: reverse KL to the teacher, teacher's share of the step (right)",
+        "nats / response token",
+        (ppo_metrics.OBJECTIVE_DISTILL_KL,),
+        (ppo_metrics.TIME_TEACHER_SHARE, "time/teacher ÷ time/step"),
+    ),
     ("Time per phase (stacked)", "seconds / step", ppo_metrics.TIME_PHASES, None),
     ("Throughput", "tokens / s", (ppo_metrics.TOKENS_PER_S,), None),
     ("Probability ratio π_θ / π_θ_old", "mean ratio", (ppo_metrics.POLICY_RATIO,), None),
 )
 
-EPISODE_KEYS = (ppo_metrics.ENV_TURNS, ppo_metrics.ENV_REWARD)  # the panels only runs with an environment log
+# the panels only runs with an environment log, and the one only distillation runs (a teacher) log
+OPTIONAL_KEYS = (ppo_metrics.ENV_TURNS, ppo_metrics.ENV_REWARD, ppo_metrics.OBJECTIVE_DISTILL_KL)
 
 # Side-by-side PPO panels: one key each, one line per run.
 COMPARE_PANELS = (
@@ -102,6 +109,7 @@ COMPARE_PANELS = (
     (ppo_metrics.POLICY_APPROXKL, "Approx. KL, old → new policy", "nats / token"),
     (ppo_metrics.LOSS_VALUE, "Value loss", "loss"),
     (ppo_metrics.VAL_EXPLAINED_VARIANCE, "Explained variance", "1 − Var(R − V) / Var(R)"),
+    (ppo_metrics.OBJECTIVE_DISTILL_KL, "Reverse KL to the teacher", "nats / response token"),
     (ppo_metrics.RESPONSE_LENGTH, "Response length", "tokens"),
     (ppo_metrics.EOS_RATE, "EOS rate", "fraction"),
     (ppo_metrics.TIME_STEP, "Time per step", "seconds"),
@@ -256,10 +264,10 @@ def section_ppo(page: Page, run: Run) -> None:
         )
         if len(run.ppo_history) > SMOOTH_ABOVE:
             caption += " Faint: raw values; solid: centred moving average over 5% of the steps."
-        left_out = [  # the episodes' panels are for runs with an environment: not missed by others
+        left_out = [  # the episodes' and distillation's panels: not missed by other runs
             panel[0]
             for panel in PPO_PANELS
-            if panel not in ppo_panels(run.ppo_history) and panel[2][0] not in EPISODE_KEYS
+            if panel not in ppo_panels(run.ppo_history) and panel[2][0] not in OPTIONAL_KEYS
         ]
         if left_out:
             caption += f" Not drawn, nothing logged for them: {', '.join(left_out)}."
