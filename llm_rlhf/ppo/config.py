@@ -159,12 +159,30 @@ class Config(SamplingRunKeys):
         "On-policy distillation: a causal LM (HF folder or hub name) with the policy's vocabulary that scores "
         "every sampled token. Each response token's reward gains -distill_coef * (log pi_theta(y_t|s_t) - "
         "log pi_teacher(y_t|s_t)), the reverse KL's one-sample estimate, beside the scores (a reward model, a "
-        "reward_fn or neither) and the KL to the reference; every estimator and policy loss applies. Logged "
-        "as objective/distill_kl and time/teacher. null = off.",
+        "reward_fn or neither) and the KL to the reference; every estimator and policy loss applies (or a "
+        "loss term instead: distill_loss). Logged as objective/distill_kl, time/teacher and "
+        "time/teacher_share. null = off.",
     )
     distill_coef: float = help_field(
         1.0,
-        "With teacher_model_path: the weight of the per-token reverse KL to the teacher in the reward (> 0).",
+        "With teacher_model_path: the weight of the distillation signal (> 0): of the per-token reverse KL in the "
+        "reward, or of the distill_loss term in the loss.",
+    )
+    distill_loss: str = help_field(
+        "reverse_kl",
+        "With teacher_model_path: 'reverse_kl' (the per-token reward above, on the sampled tokens), or a loss "
+        "term over the teacher's distill_top_k tokens at each sampled prefix, distill_coef * its token mean: "
+        "'forward_kl' (KL(teacher || policy)) or 'jsd' (the generalised JSD of distill_jsd_beta, TRL's "
+        "DistillationTrainer's; `ppo_math.topk_divergence`). Logged as loss/distill.",
+    )
+    distill_top_k: int = help_field(
+        32,
+        "With distill_loss forward_kl or jsd: the teacher's top-k tokens per position the divergence sums over "
+        "(>= 1; the vocabulary's size: the exact divergence).",
+    )
+    distill_jsd_beta: float = help_field(
+        0.5,
+        "With distill_loss jsd: its beta, 0 < beta < 1 (the mixture (1 - beta) p_policy + beta p_teacher).",
     )
     teacher_dtype: str | None = help_field(
         None,
@@ -498,6 +516,15 @@ class Config(SamplingRunKeys):
         )
 
     @property
+    def distill_top_k_in_loss(self) -> int:
+        """k of on-policy distillation's loss term (distill_loss forward_kl or jsd: the teacher's top k tokens
+        at each position, kept in the rollout), 0 where there is none (no teacher, or the reverse KL in the
+        reward)."""
+        if self.teacher_model_path is None or self.distill_loss == "reverse_kl":
+            return 0
+        return self.distill_top_k
+
+    @property
     def kl_penalty_in_loss(self) -> bool:
         """Where the KL goes, kl_in_loss resolved: null = the estimator's published form (`Estimator.kl_in_loss`:
         in the loss for GRPO, Shao et al. 2024, eq. 3, and Dr. GRPO; in the reward for the others, as Ziegler
@@ -632,18 +659,40 @@ def check_watch_keys(cfg) -> None:
     )
 
 
+DISTILL_LOSSES = ("reverse_kl", "forward_kl", "jsd")
+DISTILL_KEYS = (
+    "distill_coef",
+    "distill_loss",
+    "distill_top_k",
+    "distill_jsd_beta",
+    "teacher_dtype",
+    "teacher_device",
+)
+
+
 def check_distill_keys(cfg) -> None:
-    """The distillation keys are read only with a teacher; the coefficient is positive, the dtype one of three."""
+    """The distillation keys are read only with a teacher (distill_top_k with a loss term, distill_jsd_beta with
+    jsd); the coefficient is positive, the loss one of three, the dtype one of three."""
     teacher = not is_off(cfg.teacher_model_path)
     if not teacher:
         cfg.teacher_model_path = None
-    for key, default in (("distill_coef", 1.0), ("teacher_dtype", None), ("teacher_device", None)):
+    default = {key: Config.__dataclass_fields__[key].default for key in DISTILL_KEYS}
+    for key in DISTILL_KEYS:
         require(
-            teacher or getattr(cfg, key) == default,
+            teacher or getattr(cfg, key) == default[key],
             key,
             "is read only with teacher_model_path (on-policy distillation), which is not set",
         )
     require(cfg.distill_coef > 0, "distill_coef", "must be > 0")
+    require(cfg.distill_loss in DISTILL_LOSSES, "distill_loss", f"must be one of {', '.join(DISTILL_LOSSES)}")
+    require(cfg.distill_top_k >= 1, "distill_top_k", "must be >= 1")
+    require(0 < cfg.distill_jsd_beta < 1, "distill_jsd_beta", "must be strictly between 0 and 1")
+    for key, losses in (("distill_top_k", ("forward_kl", "jsd")), ("distill_jsd_beta", ("jsd",))):
+        require(
+            cfg.distill_loss in losses or getattr(cfg, key) == default[key],
+            key,
+            f"is read only with distill_loss {' or '.join(losses)}",
+        )
     require(
         cfg.teacher_dtype in (None, "float32", "bfloat16", "float16"),
         "teacher_dtype",

@@ -46,6 +46,7 @@ def objective(term: str) -> str:
 LOSS_POLICY = "loss/policy"
 LOSS_VALUE = "loss/value"
 LOSS_KL = "loss/kl"  # kl_coef * mean k3 over the minibatch's tokens, when the KL is in the loss
+LOSS_DISTILL = "loss/distill"  # distill_loss forward_kl / jsd: distill_coef * the token mean divergence
 POLICY_ENTROPY = "policy/entropy"  # per token
 POLICY_APPROXKL = "policy/approxkl"  # old -> new policy, per token
 POLICY_CLIPFRAC = "policy/clipfrac"

@@ -65,6 +65,7 @@ from llm_rlhf.rl.rollout import (
     Sampling,
     pad_columns,
     response_logprobs_and_values,
+    teacher_logprobs_and_top_k,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -372,7 +373,9 @@ class PPOTrainer(UsesContext):
         )
         if rollout.env_rewards is not None:
             rewards = rewards + torch.where(rollout.response_mask, rollout.env_rewards, 0.0)  # (B, R)
-        if rollout.teacher_logprobs is not None:  # on-policy distillation: -distill_coef * d_t on each token
+        if (
+            rollout.teacher_logprobs is not None and not cfg.distill_top_k_in_loss
+        ):  # -distill_coef * d_t per token
             rewards = rewards - cfg.distill_coef * self.distill_kl(rollout)  # (B, R)
         return rewards, kl
 
@@ -471,7 +474,7 @@ class PPOTrainer(UsesContext):
         ref_logprobs = self.reference_logprobs(samples)  # log pi_ref(y_t|s_t)
         scores = self.collector.score(samples)  # r_phi(x, y), normalised (+ reward_fn_weight * reward_fn)
         t2 = time.perf_counter()
-        teacher_logprobs = self.teacher_logprobs(samples)  # log pi_teacher(y_t|s_t), or None
+        teacher = self.teacher_scores(samples)  # log pi_teacher(y_t|s_t) (and its top k), or nothing
         rollout = Rollout.of(
             samples,
             logprobs=logprobs,
@@ -479,12 +482,12 @@ class PPOTrainer(UsesContext):
             entropy=entropy,
             ref_logprobs=ref_logprobs,
             scores=scores.scores,
-            teacher_logprobs=teacher_logprobs,
+            **teacher,
         )
         if times is not None:
             times["generate"] = times.get("generate", 0.0) + t1 - t0
             times["score"] = times.get("score", 0.0) + t2 - t1
-            if teacher_logprobs is not None:
+            if teacher:
                 times["teacher"] = times.get("teacher", 0.0) + time.perf_counter() - t2
         return rollout, scores
 
@@ -518,7 +521,7 @@ class PPOTrainer(UsesContext):
             entropy=entropy,
             ref_logprobs=ref_logprobs,
             scores=episodes.scores.scores,
-            teacher_logprobs=self.teacher_logprobs(kept),
+            **self.teacher_scores(kept),
         )
         times["generate"] += t1 - t0
         times["score"] += t2 - t1
@@ -585,7 +588,7 @@ class PPOTrainer(UsesContext):
             return torch.cat(parts)  # (B, R)
         return tuple(None if xs[0] is None else torch.cat(xs) for xs in zip(*parts))  # each (B, R) or None
 
-    def forward_policy(self, samples: Samples, *, train: bool = False):
+    def forward_policy(self, samples: Samples, *, train: bool = False, teacher_top: bool = False):
         """log pi_theta(y_t|s_t), V(s_t), entropy for the response tokens: (B, R) each, 0 at padding; V None
         without a value function (the critic-free estimators).
 
@@ -598,7 +601,9 @@ class PPOTrainer(UsesContext):
         all-gathers the parameters, so every process must call it the same number of times (PPO does: the
         rollout's chunks, `in_chunks`, and the micro-batches are the same count on every process).
         The log-probs are those of the distribution the tokens were drawn from (`self.sampling`: the
-        temperature, EOS masked before min_new_tokens).
+        temperature, EOS masked before min_new_tokens). teacher_top (a `Rollout` with the teacher's top-k ids,
+        distill_loss forward_kl or jsd): also log pi_theta of those k tokens at each position, (B, R, k), 0 at
+        padding, a fourth output.
         """
         R = samples.response.shape[1]
         samples = samples.trimmed()  # (B, P') query, (B, R') response
@@ -611,14 +616,23 @@ class PPOTrainer(UsesContext):
             self.accelerated.checkpointing(self.unwrapped_policy, train),
             self.trunk_context(samples),
         ):
-            logprobs, values, entropy = response_logprobs_and_values(
-                policy, samples, self.sampling, eos_token_id=self.tokenizer.eos_token_id, entropy=entropy_mode
+            logprobs, values, entropy, *at_top = response_logprobs_and_values(
+                policy,
+                samples,
+                self.sampling,
+                eos_token_id=self.tokenizer.eos_token_id,
+                entropy=entropy_mode,
+                at_ids=samples.teacher_top_ids if teacher_top else None,
             )
             if self.critic is not None:
                 critic = self.critic if train else unwrap(self.critic)
                 P = samples.query.shape[1]
                 values = critic(samples.sequence, samples.attention_mask)[:, P - 1 : -1]  # (B, R')
-        return tuple(None if x is None else pad_columns(x.float(), R) for x in (logprobs, values, entropy))
+        outputs = tuple(None if x is None else pad_columns(x.float(), R) for x in (logprobs, values, entropy))
+        if not teacher_top:
+            return outputs
+        top = torch.nn.functional.pad(at_top[0].float(), (0, 0, 0, R - at_top[0].shape[1]))  # (B, R, k)
+        return (*outputs, top)
 
     @torch.no_grad()
     def reference_logprobs(self, samples: Samples) -> torch.Tensor:
@@ -639,25 +653,33 @@ class PPOTrainer(UsesContext):
         return logprobs.float()
 
     @torch.no_grad()
-    def teacher_logprobs(self, samples: Samples) -> torch.Tensor | None:
-        """log pi_teacher(y_t|s_t) of on-policy distillation: (B, R), 0 at padding, None without a teacher. The
-        reference's forward (`response_logprobs_and_values`: the sampling's temperature, EOS masked before
-        min_new_tokens, each chunk trimmed to its real tokens) on the teacher's device, under the run's autocast
-        unless teacher_dtype sets its own. The teacher has no frozen trunk of the policy's to start from."""
+    def teacher_scores(self, samples: Samples) -> dict[str, torch.Tensor]:
+        """On-policy distillation's teacher on `samples`, as `Rollout` fields: teacher_logprobs, log
+        pi_teacher(y_t|s_t) (B, R), 0 at padding, and with a loss term (distill_loss forward_kl or jsd) its top
+        distill_top_k tokens' log-probs and ids, (B, R, k) each (`rollout.teacher_logprobs_and_top_k`: the
+        sampling's temperature, EOS masked before min_new_tokens, each chunk trimmed to its real tokens); {}
+        without a teacher. On the teacher's device, under the run's autocast unless teacher_dtype sets its
+        own; the teacher has no frozen trunk of the policy's to start from."""
         if self.teacher is None:
-            return None
-        R, eos = samples.response.shape[1], self.tokenizer.eos_token_id
+            return {}
+        R, eos, k = samples.response.shape[1], self.tokenizer.eos_token_id, self.cfg.distill_top_k_in_loss
         device = next(self.teacher.parameters()).device
 
-        def forward(part: Samples) -> torch.Tensor:
+        def forward(part: Samples):
             part = dataclasses.replace(part.trimmed(), trunk=None).to(device)
-            logprobs = response_logprobs_and_values(
-                self.teacher, part, self.sampling, eos_token_id=eos, entropy="none"
-            )[0]
-            return pad_columns(logprobs.float(), R).to(self.device)  # (b, R)
+            logprobs, top, ids = teacher_logprobs_and_top_k(
+                self.teacher, part, self.sampling, eos_token_id=eos, top_k=k
+            )
+            widen = lambda x: torch.nn.functional.pad(x, (0, 0, 0, R - x.shape[1])).to(self.device)  # noqa: E731
+            logprobs = pad_columns(logprobs.float(), R).to(self.device)  # (b, R)
+            return (logprobs, None, None) if k == 0 else (logprobs, widen(top.float()), widen(ids))
 
         with self.accelerated.autocast() if self.cfg.teacher_dtype is None else nullcontext():
-            return self.in_chunks(forward, samples)
+            logprobs, top, ids = self.in_chunks(forward, samples)
+        fields = {"teacher_logprobs": logprobs}
+        if k:
+            fields.update(teacher_top_logprobs=top, teacher_top_ids=ids)
+        return fields
 
     def train_on_rollout(
         self, rollout: Rollout, advantages: torch.Tensor, returns: torch.Tensor | None

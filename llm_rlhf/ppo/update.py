@@ -38,6 +38,7 @@ TRAIN_STATS = (
 VALUE_STATS = (ppo_metrics.LOSS_VALUE, ppo_metrics.VAL_CLIPFRAC)
 # kl_coef * mean k3 over the minibatch's tokens, when the KL is in the loss
 KL_LOSS_STAT = ppo_metrics.LOSS_KL
+DISTILL_LOSS_STAT = ppo_metrics.LOSS_DISTILL  # distill_coef * the divergence to the teacher, a loss term
 # The policy-loss family's statistics, each logged only when its option is on, token means as above:
 CLIP_SIDE_STATS = (
     ppo_metrics.POLICY_CLIPFRAC_LOW,
@@ -62,6 +63,7 @@ def train_stats(cfg) -> tuple[str, ...]:
         (CLIP_SIDE_STATS if clip_sides else ())
         + ((DUAL_CLIP_STAT,) if cfg.dual_clip is not None else ())
         + (SAMPLER_STATS if cfg.sampler_correction != "none" else ())
+        + ((DISTILL_LOSS_STAT,) if cfg.distill_top_k_in_loss else ())
     )
 
 
@@ -275,7 +277,10 @@ class PPOUpdate(UsesContext):
             mask = loss_mask[mc]  # (b, R)
             last = i == len(micro_batches) - 1
             with self.accelerated.accumulating((self.policy, self.critic), last=last):
-                logprobs, values, entropy = self.forward_policy(part, train=True)
+                teacher_top = part.teacher_top_ids is not None  # distillation's loss term (`other_terms`)
+                logprobs, values, entropy, *student_top = self.forward_policy(
+                    part, train=True, teacher_top=teacher_top
+                )
                 old_logprobs = logprobs.detach() if fill else part.logprobs  # fill: ratio 1 exactly
                 if fill:
                     rollout.logprobs[mc], rollout.entropy[mc] = old_logprobs, entropy.detach()
@@ -296,6 +301,7 @@ class PPOUpdate(UsesContext):
                     entropy=entropy,
                     returns=None if returns is None else returns[mc],
                     mask=mask,
+                    student_top=student_top[0] if teacher_top else None,
                 )
                 weight = mask.sum() * processes / mb_tokens.clamp(min=1)
                 scaled = loss * weight if plain else pg_loss * processes + loss * weight
@@ -363,10 +369,13 @@ class PPOUpdate(UsesContext):
         entropy: torch.Tensor,
         returns: torch.Tensor | None,
         mask: torch.Tensor,
+        student_top: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """loss + vf_coef * the clipped value loss (gae) + the k3 KL loss (the KL in the loss) - ent_coef *
-        entropy, each a token mean over `mask`, added in this order (the float rounding of every run so far);
-        their statistics go into `parts`."""
+        entropy, each a token mean over `mask`, added in this order (the float rounding of every run so far),
+        + distill_coef * the divergence to the teacher over its top k tokens (distill_loss forward_kl or jsd,
+        `ppo_math.topk_divergence`; student_top: log pi_theta of those tokens, (b, R, k)); their statistics go
+        into `parts`."""
         cfg = self.cfg
         entropy = ppo_math.masked_mean(entropy, mask)
         parts[ppo_metrics.POLICY_ENTROPY] = entropy
@@ -389,7 +398,17 @@ class PPOUpdate(UsesContext):
             )
             loss = loss + kl_loss
             parts[KL_LOSS_STAT] = kl_loss
-        return loss - cfg.ent_coef * entropy
+        loss = loss - cfg.ent_coef * entropy
+        if student_top is not None:
+            divergence = ppo_math.topk_divergence(
+                student_logprobs=student_top,
+                teacher_logprobs=part.teacher_top_logprobs,
+                beta=cfg.distill_jsd_beta if cfg.distill_loss == "jsd" else 0.0,
+            )  # (b, R)
+            distill = cfg.distill_coef * ppo_math.masked_mean(divergence, mask)
+            parts[DISTILL_LOSS_STAT] = distill
+            loss = loss + distill
+        return loss
 
     def policy_loss_share(
         self,

@@ -153,6 +153,35 @@ def distill_kl(
     return torch.where(response_mask, logprobs - teacher_logprobs, 0.0)  # (B, T)
 
 
+def topk_divergence(
+    *, student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, beta: float = 0.0
+) -> torch.Tensor:
+    """On-policy distillation's divergence as a loss term, per token, over the teacher's top-k tokens j at each
+    sampled prefix s_t (p_t = pi_teacher(.|s_t), p_s = pi_theta(.|s_t), both at those k ids):
+
+        beta = 0       forward KL      sum_j p_t(j) (log p_t(j) - log p_s(j))
+        0 < beta < 1   generalised JSD beta * sum_j p_t(j) (log p_t(j) - log m(j))
+                                       + (1 - beta) * sum_j p_s(j) (log p_s(j) - log m(j)),
+                                       m = (1 - beta) p_s + beta p_t
+
+    TRL's DistillationTrainer's divergence (its `beta`; the mixture as it writes it), exact when k is the whole
+    vocabulary; with k < V the sums leave out the tokens outside the teacher's top k (NeMo-RL's top-k form).
+    A token j of probability 0 (an EOS masked before min_new_tokens) adds 0.
+
+    student_logprobs, teacher_logprobs: (B, T, k). Returns (B, T); the caller masks it.
+    Worked example, k = 2, beta = 0: p_t = (0.5, 0.5), p_s = (0.25, 0.75) -> 0.5 log 2 + 0.5 log(2/3) = 0.1438.
+    """
+
+    def kl_part(logp: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+        terms = logp.exp() * (logp - log_q)  # (B, T, k)
+        return torch.where(torch.isneginf(logp), 0.0, terms).sum(-1)  # (B, T)
+
+    if beta == 0.0:
+        return kl_part(teacher_logprobs, student_logprobs)
+    log_m = torch.logaddexp(student_logprobs + math.log(1 - beta), teacher_logprobs + math.log(beta))
+    return beta * kl_part(teacher_logprobs, log_m) + (1 - beta) * kl_part(student_logprobs, log_m)
+
+
 def sequence_kl(*, kl: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """KL of each whole response: sum_t KL_t over its response tokens. kl, response_mask: (B, T) -> (B,).
 

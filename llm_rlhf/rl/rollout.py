@@ -169,6 +169,8 @@ class Rollout(Samples):
     ref_logprobs: torch.Tensor
     scores: torch.Tensor
     teacher_logprobs: torch.Tensor | None = None  # on-policy distillation: log pi_teacher(y_t|s_t), (B, R)
+    teacher_top_logprobs: torch.Tensor | None = None  # distill_loss forward_kl / jsd: its top k, (B, R, k)
+    teacher_top_ids: torch.Tensor | None = None  # their token ids, (B, R, k)
 
     @classmethod
     def of(cls, samples: Samples, **tensors: torch.Tensor) -> Rollout:
@@ -461,20 +463,11 @@ def sample(
     )
 
 
-def response_logprobs_and_values(
-    model, samples: Samples, sampling: Sampling, *, eos_token_id: int | None = None, entropy: str = "grad"
-):
-    """One forward of `loading.PolicyWithValue` or `loading.Reference` over query + response; outputs
-    aligned with the response tokens. The log-probs and the entropy are those of the distribution `sampling`
-    drew the tokens from: softmax(logits / temperature), with EOS masked before response token
-    min_new_tokens when min_new_tokens > 0 (`token_math.mask_eos_logits`).
-
-    The LM head runs only at the R positions whose logits are used (`logits_to_keep`), not at the query.
-    entropy: "grad" (differentiable), "stats" (a metric only: no autograd graph over the (B, R, V)
-    softmax) or "none" (not computed, None).
-    Returns logprobs (B, R), values (B, R), entropy (B, R); values is None for a plain LM (reference).
-    """
-    temperature = sampling.temperature
+def masked_response_logits(model, samples: Samples, sampling: Sampling, *, eos_token_id: int | None = None):
+    """One forward of `loading.PolicyWithValue` or `loading.Reference` over query + response: the logits that
+    predict the response tokens, (B, R, V) float32, EOS masked before response token min_new_tokens
+    (`token_math.mask_eos_logits`), and the values V(s_t) (B, R), None for a plain LM (reference, teacher).
+    The LM head runs only at the R positions whose logits are used (`logits_to_keep`), not at the query."""
     P, R = samples.query.shape[1], samples.response.shape[1]
     # Positions P-1 .. P+R-2. A tensor, not `R + 1`: indexing gives a contiguous (B, R, H) copy, so the
     # LM head is one matmul (a strided slice sends frozen weights, LoRA's and the reference's, to bmm: 2x).
@@ -490,6 +483,33 @@ def response_logprobs_and_values(
     logits = token_math.mask_eos_logits(
         logits=logits, eos_token_id=eos_token_id, min_new_tokens=sampling.min_new_tokens
     )
+    if values is not None:
+        values = values[:, P - 1 : -1]  # (B, R): V(s_t), the state before response token t
+    return logits, values
+
+
+def response_logprobs_and_values(
+    model,
+    samples: Samples,
+    sampling: Sampling,
+    *,
+    eos_token_id: int | None = None,
+    entropy: str = "grad",
+    at_ids: torch.Tensor | None = None,
+):
+    """One forward of `loading.PolicyWithValue` or `loading.Reference` over query + response
+    (`masked_response_logits`); outputs aligned with the response tokens. The log-probs and the entropy are
+    those of the distribution `sampling` drew the tokens from: softmax(logits / temperature), with EOS masked
+    before response token min_new_tokens when min_new_tokens > 0 (`token_math.mask_eos_logits`).
+
+    entropy: "grad" (differentiable), "stats" (a metric only: no autograd graph over the (B, R, V)
+    softmax) or "none" (not computed, None). at_ids (B, R, k) long: also the log-probs of those tokens at each
+    position (on-policy distillation's teacher top-k, `topk_divergence`), differentiable.
+    Returns logprobs (B, R), values (B, R), entropy (B, R), and with at_ids their log-probs (B, R, k); values
+    is None for a plain LM (reference).
+    """
+    temperature = sampling.temperature
+    logits, values = masked_response_logits(model, samples, sampling, eos_token_id=eos_token_id)
     if entropy == "none":
         logprobs = token_math.logprobs_from_logits(
             logits=logits, labels=samples.response, temperature=temperature
@@ -499,9 +519,28 @@ def response_logprobs_and_values(
         logprobs, entropy = token_math.logprobs_and_entropy_from_logits(
             logits=logits, labels=samples.response, temperature=temperature, entropy_grad=entropy == "grad"
         )
-    if values is not None:
-        values = values[:, P - 1 : -1]  # (B, R): V(s_t), the state before response token t
-    return logprobs, values, entropy
+    if at_ids is None:
+        return logprobs, values, entropy
+    at = torch.log_softmax(logits / temperature, dim=-1).gather(-1, at_ids)  # (B, R, k)
+    return logprobs, values, entropy, at
+
+
+@torch.no_grad()
+def teacher_logprobs_and_top_k(
+    model, samples: Samples, sampling: Sampling, *, eos_token_id: int | None = None, top_k: int = 0
+):
+    """On-policy distillation's teacher, one forward (`masked_response_logits`): log pi_teacher(y_t|s_t) of the
+    sampled tokens, (B, R), computed as the reference's are (`response_logprobs_and_values`, entropy "none"), and
+    with top_k > 0 the log-probs (B, R, k) and ids (B, R, k) of its k most likely tokens at each position (the
+    same temperature; largest first). Returns (logprobs, top-k log-probs or None, top-k ids or None)."""
+    logits, _ = masked_response_logits(model, samples, sampling, eos_token_id=eos_token_id)
+    logprobs = token_math.logprobs_from_logits(
+        logits=logits, labels=samples.response, temperature=sampling.temperature
+    )
+    if top_k == 0:
+        return logprobs, None, None
+    top, ids = torch.log_softmax(logits / sampling.temperature, dim=-1).topk(top_k, dim=-1)  # (B, R, k) each
+    return logprobs, top, ids
 
 
 def response_logits(lm, samples: Samples) -> torch.Tensor:

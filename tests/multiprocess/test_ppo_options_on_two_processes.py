@@ -250,7 +250,8 @@ def test_loss_options_two_ranks_and_accumulation_equal_one(
 ):
     """tests/scripts/ppo_ranks.py MODE loss_options on 1 and on 2 processes (two launches): dapo (clip-higher,
     dual clip, seq_mean_token_mean, TIS, overlong shaping, mask_truncated, dynamic sampling with a tied group
-    in the first round), gspo (token_sum_norm, MIS), cispo (on gae) and on-policy distillation (gae), each with ordinary minibatches and
+    in the first round), gspo (token_sum_norm, MIS), cispo (on gae) and on-policy distillation (the reverse KL in the reward, on gae; the JSD over the teacher's
+    top 16 as a loss term, on grpo), each with ordinary minibatches and
     with micro-batches of one episode: the raw gradient of every update (2 steps x 2 epochs) and the steps'
     metrics are those of one process without accumulation."""
     runs = {}
@@ -267,7 +268,9 @@ def test_loss_options_two_ranks_and_accumulation_equal_one(
         launch(args, world)
         runs[world] = json.loads(out.read_text())["runs"]
     one = runs[1]
-    assert set(one) == {f"{n}{a}" for n in ("dapo", "gspo", "cispo", "distill") for a in ("", "/accumulate")}
+    assert set(one) == {
+        f"{n}{a}" for n in ("dapo", "gspo", "cispo", "distill", "distill_jsd") for a in ("", "/accumulate")
+    }
     for key in one:
         name = key.split("/")[0]
         base = one[name]
@@ -293,6 +296,8 @@ def test_loss_options_two_ranks_and_accumulation_equal_one(
     assert one["cispo"]["metrics"][1]["policy/clipfrac_high"] > 0
     distill = one["distill"]["metrics"]  # the teacher is the policy's start: 0, then the moved student's KL
     assert distill[0]["objective/distill_kl"] == 0.0 and distill[1]["objective/distill_kl"] != 0.0
+    jsd = one["distill_jsd"]["metrics"]  # the JSD over the teacher's top 16 as a loss term
+    assert jsd[0]["objective/distill_kl"] == 0.0 and jsd[1]["loss/distill"] > 0
 
 
 @pytest.mark.multiprocess

@@ -9,6 +9,7 @@ teacher on its own dtype and device; kill -9 and resume, bit for bit."""
 from __future__ import annotations
 
 import json
+import math
 import signal
 
 import pytest
@@ -113,6 +114,39 @@ def test_the_signal_equals_trls_distillation_loss_at_beta_1():
     assert abs(float(forward_kl.detach()) - float(expected.detach())) > 1e-2
 
 
+def test_topk_divergence_worked_examples():
+    """k = 2, p_t = (0.5, 0.5), p_s = (0.25, 0.75): forward KL 0.5 log 2 + 0.5 log(2/3); the JSD at beta 0.5 by
+    its definition with m = (p_s + p_t) / 2; a token of probability 0 in both adds 0 (no nan)."""
+    t = torch.log(torch.tensor([[[0.5, 0.5, 0.0]]]))
+    s = torch.log(torch.tensor([[[0.25, 0.75, 0.0]]]))
+    forward = ppo_math.topk_divergence(student_logprobs=s, teacher_logprobs=t, beta=0.0)
+    torch.testing.assert_close(forward, torch.tensor([[0.5 * math.log(2) + 0.5 * math.log(2 / 3)]]))
+    m = [0.375, 0.625]
+    jsd = 0.5 * (0.5 * math.log(0.5 / m[0]) + 0.5 * math.log(0.5 / m[1]))
+    jsd += 0.5 * (0.25 * math.log(0.25 / m[0]) + 0.75 * math.log(0.75 / m[1]))
+    got = ppo_math.topk_divergence(student_logprobs=s, teacher_logprobs=t, beta=0.5)
+    torch.testing.assert_close(got, torch.tensor([[jsd]]))
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 0.8])
+def test_the_loss_term_over_the_whole_vocabulary_equals_trls_loss(beta):
+    """`topk_divergence` with k = V (the teacher's every token), as the update takes its token mean: equal to
+    TRL 1.16's `DistillationTrainer` loss at the same beta (forward KL at 0, the generalised JSD between), its
+    value and its gradient in the student's hidden states and LM head."""
+    trl = pytest.importorskip("trl.trainer.distillation_trainer")
+    h_s, h_t, w_s, w_t, mask = tiny_heads(seed=2)
+    h_s, w_s = h_s.requires_grad_(True), w_s.requires_grad_(True)
+    loss, _, _ = trl._chunked_divergence_loss(h_s, h_t, w_s, w_t, mask, beta)
+    logp_t = (h_t @ w_t.T).log_softmax(-1)  # (B, K, V)
+    top, ids = logp_t.topk(logp_t.shape[-1], dim=-1)  # every token, largest first
+    student = (h_s @ w_s.T).log_softmax(-1).gather(-1, ids)
+    divergence = ppo_math.topk_divergence(student_logprobs=student, teacher_logprobs=top, beta=beta)
+    ours = ppo_math.masked_mean(divergence, mask.bool())
+    torch.testing.assert_close(ours, loss, atol=1e-6, rtol=1e-5)
+    for a, b in zip(torch.autograd.grad(loss, (h_s, w_s)), torch.autograd.grad(ours, (h_s, w_s))):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-4)
+
+
 # --- through the trainer ------------------------------------------------------------------------------------
 
 
@@ -206,6 +240,50 @@ def test_a_teacher_of_its_own_dtype_and_device_and_architecture(
     assert metrics[ppo_metrics.OBJECTIVE_DISTILL_KL] > 0
 
 
+VOCAB = 400  # the tiny models' vocabulary: distill_top_k = VOCAB is the exact divergence
+
+
+@pytest.mark.parametrize(("loss", "beta"), [("forward_kl", 0.0), ("jsd", 0.3)])
+def test_the_loss_term_of_an_update_is_the_divergence_of_its_rollout(
+    loss, beta, tiny_model_dir, other_model_dir, prompt_file, tmp_path
+):
+    """distill_loss forward_kl / jsd with the teacher's every token (distill_top_k = V), one epoch of one
+    minibatch: loss/distill is distill_coef times the token mean, over the rollout's response tokens, of the
+    divergence computed here from the student's and the teacher's full logits (`rollout.response_logits`); no
+    reverse KL enters the rewards. With the student as its own teacher the term is 0 and every raw gradient 0 up to
+    float rounding (below 1e-7; ~1e-9 measured): the gradient p_s * sum_j p_t(j) - p_t vanishes only as far as
+    the teacher's softmax sums to 1 (the reverse KL in the reward gives exactly 0)."""
+    from llm_rlhf.rl.rollout import response_logits
+
+    extra = dict(distill_loss=loss, distill_top_k=VOCAB, distill_coef=0.7, ppo_epochs=1, mini_batch_size=8)
+    extra.update(distill_jsd_beta=beta) if loss == "jsd" else None
+    for name, teacher in (("other", other_model_dir), ("self", tiny_model_dir)):
+        cfg = distill_config(tiny_model_dir, teacher, prompt_file, tmp_path / name, steps=1, **extra)
+        trainer = tiny_ppo_trainer(cfg)
+        grads, rollouts = [], recording_rollouts(trainer)
+        record_raw_grads(trainer, grads)
+        with torch.no_grad():
+            before = {k: v.clone() for k, v in trainer.unwrapped_policy.lm.state_dict().items()}
+        metrics = trainer.ppo_step()
+        rollout = rollouts[0]
+        assert rollout.teacher_top_ids.shape == (*rollout.response.shape, VOCAB)
+        rewards, _ = trainer.rewards(rollout, kl_coef=0.0)
+        assert torch.count_nonzero(rewards) == 0  # pure distillation in the loss: no reward at all
+        if name == "self":  # grad = p_s * sum_j p_t(j) - p_t: 0 up to the rounding of the softmax's sum
+            assert metrics[ppo_metrics.LOSS_DISTILL] == 0.0
+            assert all(g.abs().max() < 1e-7 for g in grads)
+            continue
+        trainer.unwrapped_policy.lm.load_state_dict(before)  # the policy the update started from
+        with torch.no_grad():
+            temperature = cfg.temperature
+            logp_s = (response_logits(trainer.unwrapped_policy.lm, rollout) / temperature).log_softmax(-1)
+            logp_t = (response_logits(trainer.teacher.lm, rollout) / temperature).log_softmax(-1)
+        divergence = ppo_math.topk_divergence(student_logprobs=logp_s, teacher_logprobs=logp_t, beta=beta)
+        expected = 0.7 * ppo_math.masked_mean(divergence, rollout.response_mask)
+        assert metrics[ppo_metrics.LOSS_DISTILL] == pytest.approx(float(expected), rel=1e-4)
+        assert float(expected) > 1e-3 and len(grads) == 1 and grads[0].abs().max() > 0
+
+
 # --- keys and errors ----------------------------------------------------------------------------------------
 
 
@@ -219,6 +297,22 @@ def test_the_keys_are_checked(tiny_model_dir, prompt_file, tmp_path):
         distill_config(tiny_model_dir, tiny_model_dir, prompt_file, tmp_path, distill_coef=0.0)
     with pytest.raises(ConfigError, match="'teacher_dtype'"):
         distill_config(tiny_model_dir, tiny_model_dir, prompt_file, tmp_path, teacher_dtype="int8")
+    with pytest.raises(ConfigError, match="'distill_loss': must be one of reverse_kl, forward_kl, jsd"):
+        distill_config(tiny_model_dir, tiny_model_dir, prompt_file, tmp_path, distill_loss="kl")
+    with pytest.raises(
+        ConfigError, match="'distill_top_k': is read only with distill_loss forward_kl or jsd"
+    ):
+        distill_config(tiny_model_dir, tiny_model_dir, prompt_file, tmp_path, distill_top_k=8)
+    with pytest.raises(ConfigError, match="'distill_jsd_beta': is read only with distill_loss jsd"):
+        distill_config(tiny_model_dir, tiny_model_dir, prompt_file, tmp_path, distill_jsd_beta=0.3)
+    with pytest.raises(ConfigError, match="'distill_jsd_beta': must be strictly between 0 and 1"):
+        distill_config(
+            tiny_model_dir, tiny_model_dir, prompt_file, tmp_path, distill_loss="jsd", distill_jsd_beta=1.0
+        )
+    with pytest.raises(ConfigError, match="'distill_top_k': must be >= 1"):
+        distill_config(
+            tiny_model_dir, tiny_model_dir, prompt_file, tmp_path, distill_loss="forward_kl", distill_top_k=0
+        )
     with pytest.raises(ConfigError, match="'reward_model_path'.*teacher_model_path"):
         ppo_config(tiny_model_dir, None, prompt_file, tmp_path)
     assert (

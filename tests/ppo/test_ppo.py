@@ -451,6 +451,8 @@ def test_config_dataclass_is_flat(tmp_path, monkeypatch):
         "teacher_model_path": "runs/teacher",
         "teacher_dtype": "bfloat16",
         "teacher_device": "cpu",
+        "distill_loss": "jsd",
+        "distill_jsd_beta": 0.3,
     }
     for f in dataclasses.fields(Config):
         value = getattr(default, f.name)

@@ -106,6 +106,7 @@ LOSS_OPTIONS = {  # name: (advantage_estimator, samples per prompt, the keys of 
     # on-policy distillation (`run` makes the policy's starting weights, MODEL_DIR, its teacher): the signal 0
     # at the first step, the student's moved reverse KL at the second
     "distill": ("gae", 1, dict(distill_coef=5.0)),
+    "distill_jsd": ("grpo", 4, dict(distill_coef=5.0, distill_loss="jsd", distill_top_k=16)),  # a loss term
 }
 LORA = dict(use_lora=True, lora_r=4, lora_dropout=0.0)  # MODE lora: "same" with a LoRA adapter
 
