@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import ROOT, pipeline_argv
+from helpers import COLON_CHAT_TEMPLATE, ROOT, perturb, pipeline_argv, tiny_chat_model
 
 from llm_rlhf.interfaces import cli
 
@@ -48,6 +48,44 @@ def test_readme_commands_run(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path,
         k = 4 if "--samples_per_prompt" in flags else 1
         assert logged[-1]["episodes"] == 2 * (16 if k == 4 else 4) * k
         assert ("loss/kl" in logged[-1]) is (estimator in ("grpo", "rloo"))
+
+
+@pytest.mark.slow
+def test_readme_distillation_command_runs(tmp_path, monkeypatch):
+    """The README's "On-policy distillation" command on the task's own prompts, with a tiny chat model (a Llama
+    with a chat template) first on the command line and, where the command names the rung-1 policy, the same
+    model moved off it by seeded noise (the same tokenizer): two steps of pure distillation (the task's reward
+    computed and weighted 0), the reverse KL to the teacher and its seconds logged."""
+    from transformers import AutoModelForCausalLM
+
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## On-policy distillation") :].split("\n## ")[0]
+    (command,) = [line.split() for line in section.split("```bash\n")[1].split("```")[0].splitlines()]
+    _, stage, *flags = command
+    teacher = tmp_path / flags[flags.index("--teacher_model_path") + 1]
+    student = tiny_chat_model(tmp_path / "student", COLON_CHAT_TEMPLATE)
+    tiny_chat_model(teacher, COLON_CHAT_TEMPLATE)
+    lm = AutoModelForCausalLM.from_pretrained(teacher)
+    perturb(lm, seed=3, scale=0.5)
+    lm.save_pretrained(teacher, safe_serialization=True)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").symlink_to(ROOT / "data")  # the task's files, which recipes read from the repo root
+    tiny = dict(
+        model_name_or_path=student,
+        steps=2,
+        rollout_batch_size=2,
+        mini_batch_size=8,
+        max_new_tokens=6,
+        eval_every=0,
+    )
+    first = [item for key, value in tiny.items() for item in (f"--{key}", str(value))]
+    flags = [f.replace("recipes/", str(ROOT / "recipes") + "/") for f in flags]
+    assert cli.main([stage, *first, *flags]) == 0
+    out = tmp_path / flags[flags.index("--output_dir") + 1]
+    logged = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in logged] == [1, 2]
+    assert all(m["objective/distill_kl"] != 0 and m["time/teacher"] > 0 for m in logged)
+    assert all(m["objective/scores"] == 0 for m in logged) and "objective/reward_fn" in logged[0]
 
 
 def readme_pipeline_commands() -> dict[str, str]:
