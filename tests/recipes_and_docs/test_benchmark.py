@@ -277,3 +277,22 @@ def test_grpo_vs_trl_puts_trl_on_the_device_and_precision_it_is_given(tmp_path, 
         assert c.use_cpu and not c.fp16 and c.model_init_kwargs == {"dtype": "float32"}
         assert c.bf16 == c.use_transformers_continuous_batching == bool(flags)
         assert not c.gradient_checkpointing and c.mixed_precision == ("bf16" if flags else "no")
+
+
+def test_distill_vs_trl_runs_each_trainer_in_its_process_and_prints_the_ratio(tmp_path, capsys):
+    """benchmarks/distill_vs_trl.py at the tiny shape, one timed step of each trainer, each in its own process:
+    both saw the same prompt tokens, both medians and the ratio printed and written, our step's teacher seconds
+    and share among its phases, and a teacher that differs from the student (a non-zero reverse KL)."""
+    bench = load_benchmark("distill_vs_trl")
+    out = tmp_path / "result.json"
+    args = ["--shape", "tiny", "--steps", "1", "--warmup", "0", "--threads", "1", "--device", "cpu"]
+    result = bench.main(args + ["--workdir", str(tmp_path / "work"), "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert "ours (llm_rlhf ppo_step):  median" in printed and "TRL DistillationTrainer:   median" in printed
+    assert f"ratio ours / TRL: {result['ratio']:.3f}" in printed
+    assert json.loads(out.read_text())["ratio"] == result["ratio"]
+    assert len(result["seconds"]["ours"]) == len(result["seconds"]["trl"]) == 1
+    assert result["median_ours"] > 0 and result["median_trl"] > 0
+    metrics = result["our_metrics_median"]
+    assert metrics["time/teacher"] > 0 and 0 < metrics["time/teacher_share"] < 1
+    assert len(result["our_distill_kl"]) == 1 and result["our_distill_kl"][0] != 0
