@@ -265,6 +265,28 @@ def format_help(cls: type) -> str:
     return "\n".join(lines)
 
 
+# report_to, every stage's: where metrics also go besides the console and the stage's JSONL logs; with trackio
+# every stage's runs go into one local project, TRACKIO_PROJECT, each run named by its output_dir
+REPORT_TO = ("none", "tensorboard", "wandb", "trackio")
+TRACKIO_PROJECT = "llm_rlhf"
+REPORT_TO_MODULES = {
+    "tensorboard": ("tensorboard", "tensorboardX"),
+    "wandb": ("wandb",),
+    "trackio": ("trackio",),
+}
+
+
+def check_report_to_installed(report_to: str) -> None:
+    """A report_to whose package is not installed is a ConfigError naming the extra, before anything is loaded."""
+    import importlib.util
+
+    needs = REPORT_TO_MODULES.get(report_to, ())
+    if needs and not any(importlib.util.find_spec(m) for m in needs):
+        raise ConfigError(
+            f"config key 'report_to': '{report_to}' is not installed (pip install 'llm-rlhf[{report_to}]')"
+        )
+
+
 def is_off(value: str | list[str] | None) -> bool:
     """True for a path or a callable's name that means "none": null, '', 'none', 'null' (any case). A list (a reward-model
     ensemble's folders) is never off."""

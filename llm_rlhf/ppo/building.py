@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from peft import LoraConfig, get_peft_model
 
-from llm_rlhf.core.config import is_off
+from llm_rlhf.core.config import check_report_to_installed, is_off
 from llm_rlhf.core.data import load_prompt_dataset, prompt_rules
 from llm_rlhf.core.errors import UserError
 from llm_rlhf.core.utils import (
@@ -228,6 +228,7 @@ class RunInputs:
 def check_inputs(cfg: Config, *, policy, tokenizer, reward_model, reward_fn, prompts) -> RunInputs:
     """Step 1: the tokenizer, the prompts (validated row by row), the reward function and the verifier (each
     called once on real prompts: a broken one stops the run here), the held-out inputs, the RM folders."""
+    check_report_to_installed(cfg.report_to)
     if policy is None:
         check_not_adapter_only(cfg.model_name_or_path)
     tokenizer = tokenizer_or_load(cfg, tokenizer, policy, padding_side="left")

@@ -20,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from llm_rlhf.core.callables import split_callable_spec
-from llm_rlhf.core.config import checked_keywords, help_field, is_off, require
+from llm_rlhf.core.config import REPORT_TO, checked_keywords, help_field, is_off, require
 from llm_rlhf.core.data import DATA_FORMATS
 from llm_rlhf.core.utils import resolve_bf16
 from llm_rlhf.evaluation import hacking
@@ -336,7 +336,11 @@ class Config(SamplingRunKeys):
     num_log_samples: int = help_field(3, "How many samples to log.")
     save_steps: int = help_field(20, "Checkpoint every N steps (0 = only at the end).")
     resume: bool = help_field(False, "Continue from the last checkpoint in output_dir.")
-    report_to: str = help_field("none", "Also log to: none | tensorboard | wandb.")
+    report_to: str = help_field(
+        "none",
+        "Also log to: none | tensorboard | wandb | trackio (local-first: project llm_rlhf, the run named by "
+        "output_dir, under $TRACKIO_DIR or ~/.cache/huggingface/trackio; `trackio show` opens it).",
+    )
     # --- the reward-hacking alarm (`llm_rlhf.evaluation.hacking`), read at every held-out evaluation
     stop_on_alarm: bool = help_field(
         False,
@@ -405,9 +409,9 @@ class Config(SamplingRunKeys):
             "must be 'constant' or 'linear'",
         )
         require(
-            self.report_to in ("none", "tensorboard", "wandb"),
+            self.report_to in REPORT_TO,
             "report_to",
-            "must be none, tensorboard or wandb",
+            f"must be one of {', '.join(REPORT_TO)}",
         )
         require(self.temperature > 0, "temperature", "must be > 0")
         sampled_as_scored = (

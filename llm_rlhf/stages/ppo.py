@@ -28,7 +28,7 @@ import torch
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
-from llm_rlhf.core.config import format_config, save_config
+from llm_rlhf.core.config import TRACKIO_PROJECT, format_config, save_config
 from llm_rlhf.core.utils import (
     append_jsonl,
 )
@@ -248,4 +248,14 @@ def make_writer(cfg: Config, out: Path):
 
         run = wandb.init(project="llm_rlhf", config=dataclasses.asdict(cfg), dir=str(out))
         return (lambda m: run.log(m, step=m[ppo_metrics.STEP])), run.finish
+    if cfg.report_to == "trackio":
+        import trackio  # optional dependency (the trackio extra): local-first, $TRACKIO_DIR
+
+        run = trackio.init(project=TRACKIO_PROJECT, name=str(cfg.output_dir), config=dataclasses.asdict(cfg))
+
+        def log(m: dict) -> None:
+            numbers = {k: v for k, v in m.items() if isinstance(v, (int, float)) and k != ppo_metrics.STEP}
+            run.log(numbers, step=m[ppo_metrics.STEP])
+
+        return log, run.finish
     return None, None

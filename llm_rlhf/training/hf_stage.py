@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib.util
 import os
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,15 @@ import torch
 from peft import PeftModel, get_peft_model
 from transformers import TrainerCallback
 
-from llm_rlhf.core.config import format_config, help_field, require, save_config
+from llm_rlhf.core.config import (
+    REPORT_TO,
+    TRACKIO_PROJECT,
+    check_report_to_installed,
+    format_config,
+    help_field,
+    require,
+    save_config,
+)
 from llm_rlhf.core.data import DATA_FORMATS
 from llm_rlhf.core.errors import ConfigError, UserError
 from llm_rlhf.core.utils import append_jsonl, last_checkpoint, resolve_bf16
@@ -42,7 +49,6 @@ SCHEDULERS = (
     "cosine_with_min_lr",
     "warmup_stable_decay",
 )
-REPORT_TO = ("none", "tensorboard", "wandb")
 
 
 @dataclasses.dataclass
@@ -128,7 +134,11 @@ class TrainerStageConfig:
     save_steps: int = help_field(100, "Write a checkpoint to output_dir/checkpoints every N steps.")
     save_total_limit: int = help_field(2, "Checkpoints to keep (the oldest are deleted).")
     resume: bool = help_field(False, "Continue from the last checkpoint in output_dir/checkpoints.")
-    report_to: str = help_field("none", "Also send metrics to: none, tensorboard or wandb.")
+    report_to: str = help_field(
+        "none",
+        "Also send metrics to: none, tensorboard, wandb or trackio (local-first: project llm_rlhf, the run named by "
+        "output_dir, under $TRACKIO_DIR or ~/.cache/huggingface/trackio; `trackio show` opens it).",
+    )
 
     def __post_init__(self):
         self.bf16, self.precision = resolve_bf16(self.bf16)
@@ -175,11 +185,7 @@ class TrainerStageConfig:
 
     def check_outputs(self) -> None:
         """report_to is installed; output_dir holds checkpoints exactly when resuming."""
-        needs = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",)}.get(self.report_to, ())
-        if needs and not any(importlib.util.find_spec(m) for m in needs):
-            raise ConfigError(
-                f"config key 'report_to': '{self.report_to}' is not installed (pip install 'llm-rlhf[{self.report_to}]')"
-            )
+        check_report_to_installed(self.report_to)
         checkpoint = trainer_checkpoint(self.output_dir)
         if self.resume and checkpoint is None:
             raise UserError(
@@ -228,6 +234,8 @@ class TrainerStageConfig:
             save_steps=self.save_steps,
             save_total_limit=self.save_total_limit,
             report_to=[] if self.report_to == "none" else [self.report_to],
+            project=TRACKIO_PROJECT,  # trackio's project (and the run's name, output_dir, below)
+            run_name=str(self.output_dir),
             dataloader_num_workers=0,
             pad_to_multiple_of=None,
             trust_remote_code=self.trust_remote_code,
