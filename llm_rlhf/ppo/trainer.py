@@ -806,10 +806,16 @@ class PPOTrainer(UsesContext):
         group (n - 1), averaged over the groups of every process, and objective/groups_tied, the share of
         groups whose k scores are all equal (with the KL in the loss, grpo, dr_grpo and rloo give their
         responses a zero advantage: the group teaches nothing). With dynamic_sampling these are the trained
-        groups (the tied groups it filled in at its cap); the dropped ones are sampling/groups_dropped."""
+        groups (the tied groups it filled in at its cap); the dropped ones are sampling/groups_dropped. With
+        on-policy distillation's reward (distill_loss reverse_kl) a response's score here includes its
+        -distill_coef * sum_t d_t, which its reward holds too, so its group is not tied."""
         scores = rollout.scores  # (B,) and with episodes the environment's rewards
         if rollout.env_rewards is not None:
             scores = scores + ppo_math.masked_sum(rollout.env_rewards, rollout.response_mask, dim=-1)
+        if (
+            rollout.teacher_logprobs is not None and not self.cfg.distill_top_k_in_loss
+        ):  # the teacher's reward
+            scores = scores - self.cfg.distill_coef * self.distill_kl(rollout).sum(-1)
         grouped = ppo_math.scores_by_prompt(
             scores=scores, samples_per_prompt=self.cfg.samples_per_prompt
         )  # (P, k)

@@ -181,6 +181,11 @@ def test_a_teacher_equal_to_the_student_gives_zero_signal_and_zero_gradient(
     )  # two random tiny models: near-uniform, near each other
     assert all(g.abs().max() > 0 for g in grads)
     assert metrics[ppo_metrics.TIME_TEACHER] > 0
+    # the teacher's reward unties the groups the zero scores alone would tie (the student as teacher: all tied)
+    assert (
+        metrics[ppo_metrics.OBJECTIVE_GROUPS_TIED] == 0.0
+        and runs["self"][0][ppo_metrics.OBJECTIVE_GROUPS_TIED] == 1.0
+    )
 
 
 def test_the_signal_enters_the_rewards_as_said(
