@@ -26,7 +26,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-GENERATED = "<!-- Written by docs/generate.py from the code: edit the code, then run `python docs/generate.py`. -->"
+GENERATED = (
+    "<!-- Written by docs/generate.py from the code: edit the code, then run `python docs/generate.py`. -->"
+)
 COMMANDS_DIR = "reference/commands"
 
 
@@ -252,7 +254,9 @@ def name_sections(module_name: str) -> list[tuple[str, list[tuple[str, str, str]
         if not isinstance(node, ast.Assign):
             continue
         targets = node.targets[0]
-        names = [targets.id] if isinstance(targets, ast.Name) else [t.id for t in getattr(targets, "elts", [])]
+        names = (
+            [targets.id] if isinstance(targets, ast.Name) else [t.id for t in getattr(targets, "elts", [])]
+        )
         comment = " ".join(comments[n] for n in range(node.lineno, node.end_lineno + 1) if n in comments)
         rows = []
         for name in names:
@@ -329,7 +333,9 @@ def pages() -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=DOCS, help="the docs folder to write into (default: docs/)")
+    parser.add_argument(
+        "--out", type=Path, default=DOCS, help="the docs folder to write into (default: docs/)"
+    )
     args = parser.parse_args(argv)
     for path, text in pages().items():
         target = args.out / path

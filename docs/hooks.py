@@ -47,5 +47,7 @@ def _rewrite(match: re.Match, page_path: str) -> str:
     if repo_path is None:
         return match.group(0)
     if repo_path.startswith("../") or not (ROOT / repo_path).exists():
-        log.warning(f"Doc file '{page_path}' links to '{target}', but '{repo_path}' is not in the repository.")
+        log.warning(
+            f"Doc file '{page_path}' links to '{target}', but '{repo_path}' is not in the repository."
+        )
     return f'<a href="{target}">{text}</a>'
