@@ -175,7 +175,7 @@ def test_decode_texts_gives_back_the_prompt_string(tiny_model_dir):
 def test_config_checks_name_the_key():
     with pytest.raises(
         ConfigError,
-        match="^config key 'reward_model_path': is none and neither reward_fn nor environment is set",
+        match="^config key 'reward_model_path': is none and neither reward_fn, environment nor teacher_model_path is set",
     ):
         ppo_trainer.Config(reward_model_path="none")
     with pytest.raises(ConfigError, match="^config key 'value_model': 'reward' initialises the critic"):
