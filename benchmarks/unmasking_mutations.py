@@ -201,7 +201,15 @@ def main() -> int:
         for name in ("llm_rlhf", "tests"):
             shutil.copytree(ROOT / name, copy / name, ignore=shutil.ignore_patterns("__pycache__"))
         shutil.copy(ROOT / "pyproject.toml", copy / "pyproject.toml")
-        for name in ("data", "recipes", "benchmarks", "accelerate_configs", "README.md"):
+        for name in (
+            "data",
+            "recipes",
+            "benchmarks",
+            "accelerate_configs",
+            "docs",
+            "mkdocs.yml",
+            "README.md",
+        ):
             (copy / name).symlink_to(ROOT / name)
         pristine = {p: (copy / p).read_text() for p in {m[1] for m in MUTATIONS}}
         if args.unmutated:

@@ -30,7 +30,9 @@ def build(source: Path, out: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     provenance = {"source": str(source), "kept_blocks": "0-9 and 20-29", "script": Path(__file__).name}
-    if (out / "provenance.json").is_file() and json.loads((out / "provenance.json").read_text()) == provenance:
+    if (out / "provenance.json").is_file() and json.loads(
+        (out / "provenance.json").read_text()
+    ) == provenance:
         print(f"{out}: already built from {source}")
         return out
     if not (source / "config.json").is_file():
@@ -57,7 +59,9 @@ def build(source: Path, out: Path) -> Path:
         shutil.rmtree(out)
     tmp.rename(out)
     n = sum(p.numel() for p in model.parameters())
-    print(f"{out}: LlamaForCausalLM, {len(kept)} of {len(blocks)} blocks, {n:,} parameters, reload check passed")
+    print(
+        f"{out}: LlamaForCausalLM, {len(kept)} of {len(blocks)} blocks, {n:,} parameters, reload check passed"
+    )
     return out
 
 

@@ -99,6 +99,23 @@ def sum_tolerance(reference: torch.Tensor, terms: int, dtype: torch.dtype = torc
 # --- files ---------------------------------------------------------------------------------------------
 
 
+def doc_section(page: str, heading: str | None = None) -> str:
+    """The text of a documentation page (`page` relative to docs/, or "README.md"): the section under
+    `heading` (a line as written, "## Reward functions") up to the next heading of its level, or the whole
+    page without it. The tests that run a page's code blocks read them through this, as a reader copies them."""
+    text = (ROOT / page if page == "README.md" else ROOT / "docs" / page).read_text(encoding="utf-8")
+    if heading is None:
+        return text
+    level = heading.split(" ")[0]
+    section = text[text.index(heading + "\n") :]
+    return section.split(f"\n{level} ")[0]
+
+
+def code_blocks(text: str, language: str) -> list[str]:
+    """The fenced code blocks of `language` in a page's text, in order, each without its fences."""
+    return [part.split("```")[0] for part in text.split(f"```{language}\n")[1:]]
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")

@@ -250,18 +250,39 @@ def save_config(cfg: Any, output_dir: str | Path, name: str = "config.yaml") -> 
     return path
 
 
-def format_help(cls: type) -> str:
-    """One line per field: `--name (type, default): help`."""
+@dataclasses.dataclass(frozen=True)
+class KeyHelp:
+    """One config key as `--help` and the reference pages (docs/generate.py) show it: its name, its type
+    ("float or null"), its default ("required" when it has none) and its help text."""
+
+    name: str
+    type: str
+    default: Any
+    help: str
+
+
+def config_keys(cls: type) -> list[KeyHelp]:
+    """The keys of a stage's config, in declaration order, each with its type, default and help text."""
     hints = typing.get_type_hints(cls)
-    lines = []
+    keys = []
     for f in dataclasses.fields(cls):
         default = (
             f.default
             if f.default is not dataclasses.MISSING
             else (f.default_factory() if f.default_factory is not dataclasses.MISSING else "required")
         )
-        lines.append(f"  --{f.name} ({_type_names(_base_types(hints[f.name]))}, default {default!r})")
-        lines.append(f"      {f.metadata.get('help', '')}")
+        keys.append(
+            KeyHelp(f.name, _type_names(_base_types(hints[f.name])), default, f.metadata.get("help", ""))
+        )
+    return keys
+
+
+def format_help(cls: type) -> str:
+    """One line per field: `--name (type, default): help`."""
+    lines = []
+    for key in config_keys(cls):
+        lines.append(f"  --{key.name} ({key.type}, default {key.default!r})")
+        lines.append(f"      {key.help}")
     return "\n".join(lines)
 
 

@@ -37,7 +37,7 @@ def auto_bf16() -> tuple[bool, str]:
     A CPU: on where it has the AMX-BF16 or AVX512-BF16 instructions that oneDNN's bf16 kernels use; without
     them (AVX2 only) bf16 is emulated, slower than float32, and rounds differently from the native kernels.
     A GPU: off. At the shapes of these recipes a PPO step on an H200 was slower under bf16 autocast than in
-    float32 (the steps are bound by kernel launches and autocast adds casts: README, "On a GPU"); a larger
+    float32 (the steps are bound by kernel launches and autocast adds casts: docs/guides/gpus.md); a larger
     model on a GPU gains from `bf16: true`."""
     import torch
 

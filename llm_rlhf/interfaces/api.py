@@ -47,7 +47,7 @@ from llm_rlhf.core.config import check_not_placeholder, config_from, load_yaml_c
 from llm_rlhf.core.data import InMemory
 from llm_rlhf.core.errors import ConfigError, UserError
 from llm_rlhf.core.utils import (
-    exit_process,  # public: the end of a script under accelerate launch (README, "From Python")
+    exit_process,  # public: the end of a script under accelerate launch (docs/getting-started/python-api.md)
     use_cpu_ddp_without_gpus,
 )
 from llm_rlhf.models.loading import Trained

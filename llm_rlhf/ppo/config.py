@@ -89,7 +89,7 @@ class Config(SamplingRunKeys):
     )
     advantage_estimator: str = help_field(
         DEFAULT_ESTIMATOR,
-        f"How the advantages are made (`llm_rlhf.rl.estimators`; README 'Critic-free estimators'): {help_text()}. "
+        f"How the advantages are made (`llm_rlhf.rl.estimators`; docs/guides/estimators.md): {help_text()}. "
         "The critic-free ones train no value head and no critic.",
     )
     samples_per_prompt: int = help_field(
@@ -147,7 +147,7 @@ class Config(SamplingRunKeys):
     eos_penalty: float | None = help_field(
         None,
         "EOS trick: score for responses that never emitted EOS nor a stop string (null = off; off by default:"
-        " such a response is scored as its text ending in the RM's EOS, README 'Generation controls').",
+        " such a response is scored as its text ending in the RM's EOS, docs/guides/generation.md).",
     )
     score_clip: float | None = help_field(None, "Clip RM scores to [-x, x] (null = off).")
     whiten_rewards: bool = help_field(

@@ -24,7 +24,7 @@ bit-identical (the recorded hashes of `benchmarks/behaviour_hashes.py`). Only a 
 
 Adding a policy loss: its pure function below with its tests against a worked example (as in
 tests/rl/test_loss_family.py), one `PolicyLoss` row with an adapter in the style of `_gspo`, and its row in
-the README's option table.
+the option table of docs/guides/policy-losses.md.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The Python API (`llm_rlhf.interfaces.api`): the same code path as the commands, objects in place of paths,
-one exception type with the command's message, on_step, the README's example. (A script of the API on two
+one exception type with the command's message, on_step, the documented example (docs/getting-started/python-api.md). (A script of the API on two
 processes: tests/multiprocess/test_stages_on_two_processes.py.)"""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, preference_rows, read_jsonl, write_jsonl
+from helpers import ROOT, code_blocks, doc_section, preference_rows, read_jsonl, write_jsonl
 from safetensors.torch import load_file
 
 import llm_rlhf
@@ -543,23 +543,21 @@ def test_cli_and_api_give_the_same_ppo_run(tiny_model_dir, tiny_rm_dir, prompt_f
         assert all(torch.equal(weights[0][k], w[k]) for w in weights[1:] for k in weights[0]), name
 
 
-# --- the README's example, two processes -----------------------------------------------------------------
+# --- the documented example, two processes -----------------------------------------------------------------
 
 
 def test_readme_example_runs(tiny_model_dir, tmp_path, monkeypatch):
-    """The README's "From Python" code block, as written, with the tiny GPT-2 for the repository's base model
-    and the output folder in tmp_path."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## From Python") :].split("\n## ")[0]
-    code = section.split("```python\n")[1].split("```")[0]
+    """docs/getting-started/python-api.md's example, as written, with the tiny GPT-2 for the repository's base
+    model and the output folder in tmp_path."""
+    (code,) = code_blocks(doc_section("getting-started/python-api.md"), "python")
     for path in ('"data/reviews/base_model"', '"runs/api"', '"data/reviews/gold_judge.json"'):
         assert path in code
     code = code.replace('"data/reviews/base_model"', repr(str(tiny_model_dir))).replace(
         '"runs/api"', repr(str(tmp_path / "api"))
     )
-    monkeypatch.chdir(ROOT)  # data/reviews/gold_judge.json, as the README runs from the repository root
+    monkeypatch.chdir(ROOT)  # data/reviews/gold_judge.json, as the page runs it from the repository root
     scope: dict = {}
-    exec(compile(code, "README.md", "exec"), scope)
+    exec(compile(code, "python-api.md", "exec"), scope)
     assert (
         len(scope["scores"]) == 2 and scope["ppo"].value_head is not None and scope["grpo"].value_head is None
     )

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import reward_fns
 import torch
-from helpers import REWARD_FNS, ROOT, build_model, ppo_config, tiny_ppo_trainer
+from helpers import REWARD_FNS, ROOT, build_model, code_blocks, doc_section, ppo_config, tiny_ppo_trainer
 
 from llm_rlhf.core.errors import ConfigError, UserError
 from llm_rlhf.evaluation import measures
@@ -175,7 +175,7 @@ def test_decode_texts_gives_back_the_prompt_string(tiny_model_dir):
 def test_config_checks_name_the_key():
     with pytest.raises(
         ConfigError,
-        match="^config key 'reward_model_path': is none and neither reward_fn nor environment is set",
+        match="^config key 'reward_model_path': is none and neither reward_fn, environment nor teacher_model_path is set",
     ):
         ppo_trainer.Config(reward_model_path="none")
     with pytest.raises(ConfigError, match="^config key 'value_model': 'reward' initialises the critic"):
@@ -497,16 +497,15 @@ def test_eval_bad_reward_fn_writes_nothing(tiny_model_dir, prompt_file, tmp_path
     assert not out.exists()
 
 
-# --- the README's example ---------------------------------------------------------------------------
+# --- the documented example ---------------------------------------------------------------------------
 
 
 def test_readme_example_runs(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch):
-    """The README's "Reward functions" section: its my_rewards.py and each of its commands, with the tiny
-    models, small files and a two-step budget put first on the command line (the README's own flags win)."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Reward functions") :].split("\n## ")[0]
-    code = section.split("```python\n")[1].split("```")[0]
-    commands = [line.split() for line in section.split("```bash\n")[1].split("```")[0].splitlines()]
+    """docs/guides/reward-functions.md: its my_rewards.py and each of its commands, with the tiny models, small
+    files and a two-step budget put first on the command line (the page's own flags win)."""
+    page = doc_section("guides/reward-functions.md")
+    (code,), (block,) = code_blocks(page, "python"), code_blocks(page, "bash")
+    commands = [line.split() for line in block.splitlines()]
     assert [c[:2] for c in commands] == [["llm-rlhf", "ppo"], ["llm-rlhf", "ppo"], ["llm-rlhf", "eval"]]
     (tmp_path / "my_rewards.py").write_text(code)
     monkeypatch.chdir(tmp_path)

@@ -16,6 +16,7 @@ import yaml
 from helpers import (
     ROOT,
     SENTENCES,
+    doc_section,
     eos_rows,
     eval_config,
     pipeline_argv,
@@ -614,12 +615,12 @@ def test_eval_scores_each_sweep_variant_as_its_ppo_did(tmp_path, monkeypatch):
 
 
 def test_the_readme_command_sets_up_an_ensemble(tmp_path, monkeypatch):
-    """The README's ensemble command parses, and its stages read the three members with PPO's combine."""
+    """docs/guides/ensembles.md's command parses, and its stages read the three members with PPO's combine."""
     import re
     import shlex
 
     monkeypatch.chdir(ROOT)
-    section = (ROOT / "README.md").read_text().split("## Reward-model ensembles")[1].split("\n## ")[0]
+    section = doc_section("guides/ensembles.md")
     command = re.search(r"^llm-rlhf pipeline .*$", section, re.MULTILINE).group(0)
     argv = shlex.split(command)[2:]
     argv[argv.index("--output_dir") + 1] = str(tmp_path)

@@ -77,8 +77,8 @@ def test_dpo_two_process_ddp_run_on_cpu(tmp_path, tiny_model_dir, pref_files):
 def test_pipeline_under_accelerate_launch_with_two_processes(
     tmp_path, tiny_model_dir, sft_files, pref_files, prompt_file
 ):
-    """The README's multi-GPU command on this CPU: every stage data-parallel over 2 processes, one set of
-    outputs, the pipeline's own prints and files from the main process only."""
+    """docs/guides/distributed.md's multi-GPU command on this CPU: every stage data-parallel over 2 processes,
+    one set of outputs, the pipeline's own prints and files from the main process only."""
     out = tmp_path / "ddp"
     argv = pipeline_argv(out, tiny_model_dir, sft_files, pref_files, prompt_file, report="false")
     proc = launch(["-m", "llm_rlhf", "pipeline", *argv], 2)

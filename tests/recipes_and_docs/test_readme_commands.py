@@ -1,26 +1,33 @@
-"""The README's command blocks run: each section's commands with the tiny models, small files and a short
-budget put first on the command line (the README's own flags win)."""
+"""The command blocks of the README and of the docs' guides run: each page's commands with the tiny models, small
+files and a short budget put first on the command line (the page's own flags win)."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from helpers import COLON_CHAT_TEMPLATE, ROOT, perturb, pipeline_argv, tiny_chat_model
+from helpers import (
+    COLON_CHAT_TEMPLATE,
+    ROOT,
+    code_blocks,
+    doc_section,
+    perturb,
+    pipeline_argv,
+    tiny_chat_model,
+)
 
 from llm_rlhf.interfaces import cli
 
-# --- the README ---------------------------------------------------------------------------------------------
+# --- the guides ---------------------------------------------------------------------------------------------
 
 
 @pytest.mark.slow
 def test_readme_commands_run(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path, monkeypatch):
-    """The README's "Critic-free estimators" section: each of its commands with the tiny models, small files and
-    a two-step budget put first on the command line (the README's own flags win)."""
+    """docs/guides/estimators.md: each of its commands with the tiny models, small files and a two-step budget
+    put first on the command line (the page's own flags win)."""
 
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Critic-free estimators") :].split("\n## ")[0]
-    commands = [line.split() for line in section.split("```bash\n")[1].split("```")[0].splitlines()]
+    (block, *_) = code_blocks(doc_section("guides/estimators.md"), "bash")
+    commands = [line.split() for line in block.splitlines()]
     estimators = [c[c.index("--advantage_estimator") + 1] for c in commands]
     assert estimators == ["grpo", "reinforce_pp", "rloo", "remax"]
     monkeypatch.chdir(tmp_path)
@@ -52,15 +59,14 @@ def test_readme_commands_run(tiny_model_dir, tiny_rm_dir, prompt_file, tmp_path,
 
 @pytest.mark.slow
 def test_readme_distillation_command_runs(tmp_path, monkeypatch):
-    """The README's "On-policy distillation" command on the task's own prompts, with a tiny chat model (a Llama
+    """docs/guides/distillation.md's command on the task's own prompts, with a tiny chat model (a Llama
     with a chat template) first on the command line and, where the command names the rung-1 policy, the same
     model moved off it by seeded noise (the same tokenizer): two steps of pure distillation (the task's reward
     computed and weighted 0), the reverse KL to the teacher and its seconds logged."""
     from transformers import AutoModelForCausalLM
 
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## On-policy distillation") :].split("\n## ")[0]
-    (command,) = [line.split() for line in section.split("```bash\n")[1].split("```")[0].splitlines()]
+    (block,) = code_blocks(doc_section("guides/distillation.md"), "bash")
+    (command,) = [line.split() for line in block.splitlines()]
     _, stage, *flags = command
     teacher = tmp_path / flags[flags.index("--teacher_model_path") + 1]
     student = tiny_chat_model(tmp_path / "student", COLON_CHAT_TEMPLATE)
@@ -86,6 +92,9 @@ def test_readme_distillation_command_runs(tmp_path, monkeypatch):
     assert [m["step"] for m in logged] == [1, 2]
     assert all(m["objective/distill_kl"] != 0 and m["time/teacher"] > 0 for m in logged)
     assert all(m["objective/scores"] == 0 for m in logged) and "objective/reward_fn" in logged[0]
+
+
+# --- the README -----------------------------------------------------------------------------------------------
 
 
 def readme_pipeline_commands() -> dict[str, str]:

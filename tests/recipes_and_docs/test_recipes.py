@@ -58,7 +58,7 @@ CHAINED_RECIPES = [name for name in NAMES if name not in RULE_RECIPES]  # sft ->
 
 
 def test_the_recipes_are_the_documented_ones():
-    """The recipes of the README's table; a gym recipe (`gym-*`, one per trained reasoning-gym task) is checked
+    """The recipes of the table in docs/getting-started/recipes.md; a gym recipe (`gym-*`, one per trained reasoning-gym task) is checked
     by tests/tasks/test_tasks.py: its pipeline names a task of data/tasks/tasks.yaml."""
     assert [name for name in NAMES if name not in GYM_RECIPES] == [
         "gpt2-hh",
@@ -202,10 +202,17 @@ def test_the_reviews_recipe_has_dpo_and_compare_stage_files():
 
 
 def test_readme_commands_name_files_that_exist():
-    readmes = [ROOT / "README.md", *(RECIPES / name / "README.md" for name in NAMES)]
+    readmes = [
+        ROOT / "README.md",
+        *sorted((ROOT / "docs").rglob("*.md")),
+        *(RECIPES / name / "README.md" for name in NAMES),
+    ]
     text = "\n".join(readme.read_text() for readme in readmes)
     named = re.findall(r"--config (recipes/\S+?\.yaml)", text)
     named += re.findall(r"--config_file (\S+?\.yaml)", text)  # accelerate configs
+    named = [
+        path for path in named if not path.startswith("recipes/mine/")
+    ]  # your-data.md's own copy (cp -r)
     assert len(named) >= 4 * 5
     assert [path for path in named if not (ROOT / path).is_file()] == []
 

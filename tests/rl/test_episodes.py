@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from envs import play
-from helpers import ROOT, ppo_config, tiny_chat_model, tiny_ppo_trainer
+from helpers import ROOT, code_blocks, doc_section, ppo_config, tiny_chat_model, tiny_ppo_trainer
 from processes import killed_and_resumed
 
 from llm_rlhf.core.errors import UserError
@@ -742,12 +742,9 @@ def test_the_calculator_recipe_runs_through_the_pipeline_on_a_tiny_chat_llama(tm
 
 
 def test_the_readme_environment_trains_as_written(tiny_model_dir, prompt_file, tmp_path):
-    """README.md's environment example, copied out of the README as a user would, trains a PPO run."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Episodes of several turns") :]
-    code = section[
-        section.index("```python\n") + len("```python\n") : section.index("```\n", section.index("```python"))
-    ]
+    """docs/guides/environments.md's environment example, copied out of the page as a user would, trains a PPO
+    run."""
+    (code,) = code_blocks(doc_section("guides/environments.md"), "python")
     envs_file = tmp_path / "my_envs.py"
     envs_file.write_text(code)
     out = tmp_path / "run"

@@ -19,10 +19,11 @@ from helpers import (
     CHATS,
     COLON_CHAT_TEMPLATE,
     RENDERED,
-    ROOT,
     SENTIMENT_JUDGE,
     STOP_STRINGS,
     bos_model_dir,
+    code_blocks,
+    doc_section,
     eval_config,
     multinomial_draw,
     naive_end,
@@ -728,9 +729,8 @@ def test_help_documents_the_new_keys(command, keys, capsys):
 
 @pytest.mark.parametrize("config", [ppo_trainer.Config, evaluate.Config])
 def test_the_readme_example_is_a_valid_config(config, tmp_path):
-    """The YAML block of README.md's "Generation controls and chat prompts" section parses in both stages."""
-    section = (ROOT / "README.md").read_text().split("## Generation controls and chat prompts")[1]
-    block = section.split("```yaml\n")[1].split("```")[0]
+    """The YAML block of docs/guides/generation.md parses in both stages."""
+    (block,) = code_blocks(doc_section("guides/generation.md"), "yaml")
     recipe = tmp_path / "example.yaml"
     recipe.write_text(block)
     cfg = parse_config(config, ["--config", str(recipe)])

@@ -652,7 +652,7 @@ def test_kl_loss_gradient_through_the_policy_logprobs():
 
 def test_k3_in_the_loss_is_not_clamped():
     """A token the reference gives e^5 times the policy's probability: k3 = e^5 - 5 - 1 ~ 142.4 (past verl's
-    and OpenRLHF's clamp at 10) and its gradient 1 - e^5 per unit of log p, in full (README glossary, k3: why
+    and OpenRLHF's clamp at 10) and its gradient 1 - e^5 per unit of log p, in full (docs/reference/glossary.md, k3: why
     no clamp). Fails if k3 is clamped (value 10, gradient 0)."""
     logprobs = torch.tensor([[-6.0, -1.0]], requires_grad=True)
     ref_logprobs = torch.tensor([[-1.0, -1.0]])
@@ -667,7 +667,7 @@ def test_k3_loss_expected_gradient_is_the_forward_kl_gradient():
     """For one state, a categorical policy p = softmax(z) and a reference q: the expectation over y ~ p of the
     gradient of k3(y) (through log p(y) only, as the loss differentiates it) is grad_z KL(q || p), the forward
     KL, not grad_z KL(p || q), the reverse KL that the reward's k1 penalty optimises through the policy
-    gradient (k2 in the loss would give that one). The two agree to first order as p -> q. README glossary, k3."""
+    gradient (k2 in the loss would give that one). The two agree to first order as p -> q. docs/reference/glossary.md, k3."""
     torch.manual_seed(0)
     z = torch.randn(6, dtype=torch.float64, requires_grad=True)
     log_q = torch.log_softmax(torch.randn(6, dtype=torch.float64), dim=-1)

@@ -41,4 +41,4 @@ result = train_ppo(
 state = PartialState()
 assert state.num_processes == 2, state.num_processes
 (out / f"on_step.rank{state.process_index}.json").write_text(json.dumps(seen))
-exit_process(0)  # as the commands end (README, "From Python")
+exit_process(0)  # as the commands end (docs/getting-started/python-api.md)

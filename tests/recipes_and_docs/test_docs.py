@@ -1,0 +1,234 @@
+"""The documentation site (docs/, mkdocs.yml): the generated reference pages are what `python docs/generate.py`
+writes, `mkdocs build --strict` passes, every command a page shows is run by a test, and "Your own data in five
+minutes" does what it says on a newcomer's JSONL files."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from helpers import (
+    CHAINED,
+    ROOT,
+    SENTENCES,
+    code_blocks,
+    doc_section,
+    preference_rows,
+    tiny_overrides,
+    write_jsonl,
+)
+
+from llm_rlhf.core.config import parse_config
+from llm_rlhf.interfaces import cli
+
+DOCS = ROOT / "docs"
+
+
+def load_generate():
+    spec = importlib.util.spec_from_file_location("docs_generate", DOCS / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# --- the generated pages and the build ----------------------------------------------------------------------
+
+
+def test_the_generated_reference_pages_are_the_committed_ones(tmp_path):
+    """`python docs/generate.py --out DIR` writes the pages again; each equals the committed one, and the
+    commands folder holds no page the script no longer writes."""
+    subprocess.run([sys.executable, str(DOCS / "generate.py"), "--out", str(tmp_path)], check=True, cwd=ROOT)
+    written = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.md"))
+    assert written == sorted(load_generate().pages())
+    stale = [p for p in written if (DOCS / p).read_text(encoding="utf-8") != (tmp_path / p).read_text()]
+    assert stale == [], "run `python docs/generate.py` and commit the pages"
+    commands = sorted(p.relative_to(DOCS).as_posix() for p in (DOCS / "reference" / "commands").glob("*.md"))
+    assert commands == [p for p in written if p.startswith("reference/commands/")]
+
+
+def test_a_command_page_lists_every_key_with_its_help():
+    """Each command's page names every key of its config, with its type, default and help text, as --help does."""
+    from llm_rlhf.core.config import config_keys
+
+    generate = load_generate()
+    for name, (module_name, _) in cli.COMMANDS.items():
+        config = getattr(importlib.import_module(module_name), "Config", None)
+        page = (DOCS / "reference" / "commands" / f"{name}.md").read_text()
+        for key in config_keys(config) if config else []:
+            entry = page[page.index(f"### `{key.name}`\n") :].split("\n### ")[0]
+            assert f"*{key.type}*" in entry and generate.escape(key.help) in entry, (name, key.name)
+
+
+def test_markdown_escaping_keeps_code_and_escapes_markup():
+    escape = load_generate().escape
+    assert escape("a * b < c `x_y * z`") == r"a \* b &lt; c `x_y * z`"
+    assert escape("reward_fn [0, 1] {k: 2}") == r"reward\_fn \[0, 1\] \{k: 2\}"
+
+
+def test_the_site_builds_with_strict_checks(tmp_path):
+    """`mkdocs build --strict`, as CI runs it: a broken link or anchor, a page left out of the nav, or a link to
+    a repository file that does not exist fails. The `docs` extra installs MkDocs (CI installs it)."""
+    for package in ("mkdocs", "material"):
+        assert importlib.util.find_spec(package), f'{package} is missing: pip install -e ".[docs]"'
+    site = tmp_path / "site"
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (site / "index.html").is_file() and (site / "getting-started" / "your-data.html").is_file()
+
+
+def test_the_repository_link_hook_checks_links_out_of_docs():
+    spec = importlib.util.spec_from_file_location("docs_hooks", DOCS / "hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    assert hooks.outside_docs("guides/x.md", "../../recipes/reviews/README.md") == "recipes/reviews/README.md"
+    assert hooks.outside_docs("guides/x.md", "../reference/math.md#gae") is None
+    assert hooks.outside_docs("index.md", "https://example.org/") is None
+
+
+# --- every command a page shows is run ----------------------------------------------------------------------
+
+# The pages whose code blocks a test reads and runs on tiny models (`doc_section`), and that test.
+RUNNERS = {
+    "README.md": "tests/recipes_and_docs/test_readme_commands.py",
+    "getting-started/your-data.md": "tests/recipes_and_docs/test_docs.py",
+    "getting-started/python-api.md": "tests/interfaces/test_api.py",
+    "guides/reward-functions.md": "tests/models/test_reward_fn.py",
+    "guides/generation.md": "tests/rl/test_generation_controls.py",
+    "guides/environments.md": "tests/rl/test_episodes.py",
+    "guides/estimators.md": "tests/recipes_and_docs/test_readme_commands.py",
+    "guides/distillation.md": "tests/recipes_and_docs/test_readme_commands.py",
+    "guides/ensembles.md": "tests/models/test_rm_ensemble.py",
+}
+
+
+def shown_commands() -> dict[str, list[str]]:
+    """The `llm-rlhf` commands in the bash blocks of the README and of every page: page -> command lines."""
+    pages = {"README.md": (ROOT / "README.md").read_text()}
+    pages |= {p.relative_to(DOCS).as_posix(): p.read_text() for p in sorted(DOCS.rglob("*.md"))}
+    found = {}
+    for page, text in pages.items():
+        lines = [line for block in code_blocks(text, "bash") for line in block.splitlines()]
+        commands = [line.split(" && ")[-1].split("  #")[0].strip() for line in lines]
+        commands = [c for c in commands if c.startswith("llm-rlhf ")]
+        if commands:
+            found[page] = commands
+    return found
+
+
+def test_every_command_a_page_shows_is_run_by_a_test(monkeypatch):
+    """A page with `llm-rlhf` commands in its code blocks is read and run by its test (`RUNNERS`, whose file
+    names the page), or each of its commands runs a recipe file that tests/recipes_and_docs/test_recipes.py runs
+    on a tiny model, with flags that parse into the command's config."""
+    found = shown_commands()
+    monkeypatch.chdir(ROOT)  # the pages' commands run from the repository root
+    assert {"README.md", "guides/estimators.md", "getting-started/your-data.md"} <= set(found)
+    for page, test in RUNNERS.items():
+        assert page.removeprefix("docs/") in (ROOT / test).read_text() or page == "README.md", (page, test)
+    for page, commands in found.items():
+        if page in RUNNERS:
+            continue
+        for command in commands:
+            _, name, *argv = shlex.split(command)
+            config = argv[argv.index("--config") + 1] if "--config" in argv else None
+            assert config and config.startswith("recipes/") and (ROOT / config).is_file(), (page, command)
+            module = importlib.import_module(cli.COMMANDS[name][0])
+            parse_config(module.Config, argv)
+
+
+# --- your own data in five minutes --------------------------------------------------------------------------
+
+BUDGET = {"sft": {"lora_layers": 1}, "rm": {"lora_layers": 1}, "ppo": {"lora_layers": 1, "eval_every": 2}}
+DATA_KEYS = {  # the keys the page sets in the pipeline's blocks: the page's own, never the test's
+    "sft": ("model_name_or_path", "train_file", "eval_file"),
+    "rm": ("train_file", "eval_file", "test_file"),
+    "ppo": ("prompt_file", "eval_prompt_file", "gold_judge"),
+    "eval": ("prompt_file", "gold_judge"),
+}
+
+
+def newcomers_files(folder: Path) -> None:
+    """A newcomer's JSONL: prompt/completion rows and preference pairs, each with a held-out file."""
+    rows = [
+        {"prompt": " ".join(s.split(" ")[:3]), "completion": " " + " ".join(s.split(" ")[3:])}
+        for s in SENTENCES
+    ]
+    write_jsonl(folder / "sft.jsonl", rows * 4)
+    write_jsonl(folder / "sft_val.jsonl", rows[:4])
+    write_jsonl(folder / "prefs.jsonl", preference_rows() * 8)
+    write_jsonl(folder / "prefs_val.jsonl", preference_rows())
+
+
+def with_a_tiny_budget(recipe: Path, model: Path, out: Path) -> None:
+    """The copied stage files with the tests' two-step budget (`tiny_overrides`), less the keys the pipeline
+    chains and the data keys the page writes: what the page says is run as it says it."""
+    overrides = tiny_overrides(model, {"sft": None, "prefs": None, "prompts": None}, out, max_length=48)
+    for stage, values in overrides.items():
+        path = recipe / f"{stage}.yaml"
+        keys = yaml.safe_load(path.read_text())
+        for key, value in {**values, **BUDGET.get(stage, {})}.items():
+            if key not in CHAINED[stage] and key not in DATA_KEYS[stage]:
+                keys[key] = str(value) if isinstance(value, Path) else value
+        path.write_text(yaml.safe_dump(keys, sort_keys=False))
+
+
+@pytest.mark.slow
+def test_your_own_data_trains_as_the_page_says(tiny_llama_dir, tmp_path, monkeypatch):
+    """docs/getting-started/your-data.md step by step in a fresh folder: the newcomer's four JSONL files, the
+    page's `cp -r` of the main job's recipe run as a shell command, its pipeline.yaml written over the copy, and
+    its `llm-rlhf pipeline` command; then its reward-function variant (my_rewards.py and rule.yaml). The tiny
+    Llama stands where `python data/make_smollm2.py` puts SmolLM2, and the copied stage files get a two-step
+    budget. Every stage writes its folder and the run its report, from the newcomer's rows."""
+    page = doc_section("getting-started/your-data.md")
+    copy, run = code_blocks(page, "bash")[:2]
+    assert copy.strip() == "cp -r recipes/smollm2-reviews recipes/mine"
+    assert run.splitlines() == [
+        "python data/make_smollm2.py",
+        "llm-rlhf pipeline --config recipes/mine/pipeline.yaml",
+    ]
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(ROOT / "recipes" / "smollm2-reviews", tmp_path / "recipes" / "smollm2-reviews")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "smollm2-135m-instruct").symlink_to(tiny_llama_dir)  # python data/make_smollm2.py
+    newcomers_files(tmp_path / "my_data")
+    subprocess.run(copy, shell=True, check=True, cwd=tmp_path)
+    for block in code_blocks(page, "yaml"):
+        target = re.match(r"# (\S+\.yaml)\n", block).group(1)
+        (tmp_path / target).write_text(block)
+    (code,) = code_blocks(page, "python")
+    (tmp_path / "my_rewards.py").write_text(code)
+    with_a_tiny_budget(tmp_path / "recipes" / "mine", tiny_llama_dir, tmp_path / "unused")
+
+    assert cli.main(shlex.split(run.splitlines()[1])[1:]) == 0
+    out = tmp_path / "runs" / "mine"
+    for stage in ("sft", "rm", "ppo", "eval"):
+        assert (out / stage / "metrics.json").is_file(), stage
+    assert (out / "report.html").is_file()
+    sft_config = yaml.safe_load((out / "sft" / "config.yaml").read_text())
+    assert sft_config["train_file"] == "my_data/sft.jsonl"
+    assert yaml.safe_load((out / "rm" / "config.yaml").read_text())["train_file"] == "my_data/prefs.jsonl"
+    assert json.loads((out / "rm" / "metrics.json").read_text())["global_step"] == 2
+
+    (rule,) = [line for line in code_blocks(page, "bash")[2].splitlines() if line.startswith("llm-rlhf")]
+    assert rule == "llm-rlhf pipeline --config recipes/mine/rule.yaml"
+    assert cli.main(shlex.split(rule)[1:]) == 0
+    out = tmp_path / "runs" / "mine-rule"
+    assert not (out / "rm").exists()
+    metrics = json.loads((out / "eval" / "metrics.json").read_text())
+    assert metrics["reward_fn"] == "my_rewards:concise" and metrics["reward_fn_mean"] is not None
+    assert metrics.get("rm_score_mean") is None  # no reward model: the rule is the whole score
