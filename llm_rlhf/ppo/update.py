@@ -278,9 +278,8 @@ class PPOUpdate(UsesContext):
             last = i == len(micro_batches) - 1
             with self.accelerated.accumulating((self.policy, self.critic), last=last):
                 teacher_top = part.teacher_top_ids is not None  # distillation's loss term (`other_terms`)
-                logprobs, values, entropy, *student_top = self.forward_policy(
-                    part, train=True, teacher_top=teacher_top
-                )
+                extra = {"teacher_top": True} if teacher_top else {}  # the plain call otherwise, as before it
+                logprobs, values, entropy, *student_top = self.forward_policy(part, train=True, **extra)
                 old_logprobs = logprobs.detach() if fill else part.logprobs  # fill: ratio 1 exactly
                 if fill:
                     rollout.logprobs[mc], rollout.entropy[mc] = old_logprobs, entropy.detach()

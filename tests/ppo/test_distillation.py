@@ -231,7 +231,7 @@ def test_a_teacher_of_its_own_dtype_and_device_and_architecture(
     rollouts = recording_rollouts(trainer)
     metrics = trainer.ppo_step()
     rollout = rollouts[0]
-    again = trainer.teacher_logprobs(rollout)
+    again = trainer.teacher_scores(rollout)["teacher_logprobs"]
     assert torch.equal(again, rollout.teacher_logprobs)
     from llm_rlhf.rl.rollout import response_logprobs_and_values
 
