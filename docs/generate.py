@@ -6,6 +6,8 @@
     docs/reference/policy-losses.md        the policy losses' table, from `llm_rlhf.rl.policy_losses.ROWS`
     docs/reference/metrics.md              the names the logs use, from `llm_rlhf.ppo.metrics` and
                                            `llm_rlhf.evaluation.metric_names`
+    docs/recipes/<recipe>[/<study>].md     each recipe's page: its README (recipes/<recipe>[/<study>]/README.md)
+                                           with its links pointing from the site
 
 The pages are committed; tests/recipes_and_docs/test_docs.py writes them again into a temporary folder and
 compares, so a help text, a row or a metric name changed without running this script fails the tests.
@@ -17,6 +19,7 @@ import argparse
 import ast
 import importlib
 import io
+import posixpath
 import re
 import sys
 import tokenize
@@ -315,6 +318,56 @@ def metrics_page() -> str:
     return "\n".join(lines)
 
 
+# --- the recipes --------------------------------------------------------------------------------------------
+
+RECIPES_DIR = "recipes"
+LINK = re.compile(r"(?<!!)\[([^\]\n]+)\]\(([^()\s]+)\)")  # [text](target), not an image
+FENCE = re.compile(r"^\s*(```|~~~)")
+
+
+def recipe_readmes() -> list[str]:
+    """Every recipe README, as a repository path: recipes/<recipe>/README.md and recipes/<recipe>/<study>/README.md."""
+    return sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "recipes").rglob("README.md"))
+
+
+def recipe_page_path(readme: str) -> str:
+    """recipes/<recipe>/README.md -> recipes/<recipe>.md; recipes/<recipe>/<study>/README.md -> recipes/<recipe>/<study>.md
+    (paths under docs/)."""
+    return posixpath.dirname(readme) + ".md"
+
+
+def site_link(target: str, readme: str, page: str) -> str:
+    """A README's relative link, pointed from its page under docs/: to the page of another recipe README, to a
+    page of docs/, or out of docs/ to the repository file (which docs/hooks.py checks and keeps)."""
+    if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith(("#", "/")):
+        return target
+    path, hash_, anchor = target.partition("#")
+    repo_path = posixpath.normpath(posixpath.join(posixpath.dirname(readme), path))
+    if repo_path in recipe_readmes():
+        site_path = "docs/" + recipe_page_path(repo_path)
+    elif repo_path.startswith(f"{RECIPES_DIR}/") and repo_path.endswith("/README.md"):
+        site_path = repo_path  # a README that is not a recipe's: left for the link check to report
+    else:
+        site_path = repo_path
+    relative = posixpath.relpath(site_path, posixpath.dirname("docs/" + page))
+    return relative + hash_ + anchor
+
+
+def recipe_page(readme: str) -> str:
+    """The README's text with its links rewritten, the note that it is generated under its title."""
+    page = recipe_page_path(readme)
+    lines, out, in_fence = (ROOT / readme).read_text(encoding="utf-8").split("\n"), [], False
+    for line in lines:
+        if FENCE.match(line):
+            in_fence = not in_fence
+        elif not in_fence:
+            line = LINK.sub(lambda m: f"[{m.group(1)}]({site_link(m.group(2), readme, page)})", line)
+        out.append(line)
+    note = f"<!-- Written by docs/generate.py from {readme}: edit that file, then run `python docs/generate.py`. -->"
+    title = 1 if out and out[0].startswith("# ") else 0
+    return "\n".join([*out[:title], "", note, *out[title:]])
+
+
 # --- all of them -------------------------------------------------------------------------------------------
 
 
@@ -328,6 +381,8 @@ def pages() -> dict[str, str]:
     written["reference/estimators.md"] = estimators_page()
     written["reference/policy-losses.md"] = policy_losses_page()
     written["reference/metrics.md"] = metrics_page()
+    for readme in recipe_readmes():
+        written[recipe_page_path(readme)] = recipe_page(readme)
     return {path: text.rstrip("\n") + "\n" for path, text in written.items()}
 
 

@@ -75,6 +75,30 @@ def test_markdown_escaping_keeps_code_and_escapes_markup():
     assert escape("reward_fn [0, 1] {k: 2}") == r"reward\_fn \[0, 1\] \{k: 2\}"
 
 
+def test_a_recipe_page_is_its_readme_with_links_pointed_from_the_site():
+    """docs/recipes/<recipe>.md is the recipe's README; a link to another recipe's README goes to that one's page,
+    a link into docs/ stays in the site, and a link to a recipe file leaves docs/ for the repository file."""
+    generate = load_generate()
+    readmes = generate.recipe_readmes()
+    assert {"recipes/reviews/README.md", "recipes/smollm2-reviews/README.md"} <= set(readmes)
+    assert generate.recipe_page_path("recipes/reviews/README.md") == "recipes/reviews.md"
+    assert generate.recipe_page_path("recipes/a/b/README.md") == "recipes/a/b.md"
+    link = lambda target, readme="recipes/reviews-lora/README.md": generate.site_link(  # noqa: E731
+        target, readme, generate.recipe_page_path(readme)
+    )
+    assert link("../reviews/README.md") == "reviews.md"
+    assert link("../../docs/results/reviews.md#the-main-job") == "../results/reviews.md#the-main-job"
+    assert link("pipeline.yaml") == "../../recipes/reviews-lora/pipeline.yaml"
+    assert link("https://example.org/x") == "https://example.org/x" and link("#commands") == "#commands"
+    nested = [r for r in readmes if r.count("/") == 3]
+    if nested:
+        parent = nested[0].rsplit("/", 2)[0] + "/README.md"
+        assert link("../README.md", nested[0]) == "../" + parent.split("/")[1] + ".md"
+    page = generate.recipe_page("recipes/reviews/README.md")
+    text = (ROOT / "recipes/reviews/README.md").read_text()
+    assert page.split("\n")[0] == text.split("\n")[0] and "recipes/reviews/README.md" in page.split("\n")[2]
+
+
 def test_the_site_builds_with_strict_checks(tmp_path):
     """`mkdocs build --strict`, as CI runs it: a broken link or anchor, a page left out of the nav, or a link to
     a repository file that does not exist fails. The `docs` extra installs MkDocs (CI installs it)."""
@@ -117,27 +141,63 @@ RUNNERS = {
 }
 
 
+def block_commands(block: str) -> list[str]:
+    """The `llm-rlhf` command lines of a bash block as a shell would run them: continued lines joined, `cmd &&`
+    and `VAR=value` / `/usr/bin/time -v` prefixes dropped, a `# comment` cut, and the variables a line sets
+    (`VAR=value`) or a loop binds (`for VAR in first ...; do`, its first value) put in."""
+    values, commands = {}, []
+    for line in re.sub(r"\s*\\\n\s*", " ", block).splitlines():
+        line = line.split("  #")[0].strip()
+        loop = re.match(r"for (\w+) in (\S+)", line)
+        if loop:
+            values[loop.group(1)] = loop.group(2)
+        line = re.sub(r"\$(\w+)", lambda m: values.get(m.group(1), m.group(0)), line)
+        assignment = re.fullmatch(r"(\w+)=(\S+)", line)
+        if assignment:
+            values[assignment.group(1)] = assignment.group(2)
+        command = re.sub(r"^((\w+=\S+|/usr/bin/time -v)\s+)+", "", line.split(" && ")[-1])
+        if command.startswith("llm-rlhf "):
+            commands.append(command)
+    return commands
+
+
 def shown_commands() -> dict[str, list[str]]:
     """The `llm-rlhf` commands in the bash blocks of the README and of every page: page -> command lines."""
     pages = {"README.md": (ROOT / "README.md").read_text()}
     pages |= {p.relative_to(DOCS).as_posix(): p.read_text() for p in sorted(DOCS.rglob("*.md"))}
     found = {}
     for page, text in pages.items():
-        lines = [line for block in code_blocks(text, "bash") for line in block.splitlines()]
-        commands = [line.split(" && ")[-1].split("  #")[0].strip() for line in lines]
-        commands = [c for c in commands if c.startswith("llm-rlhf ")]
+        commands = [c for block in code_blocks(text, "bash") for c in block_commands(block)]
         if commands:
             found[page] = commands
     return found
 
 
+def test_block_commands_reads_a_block_as_the_shell_would():
+    block = (
+        "RUN=runs/x/ppo   # or y\nllm-rlhf eval --config a.yaml --policy_path $RUN\n"
+        "for S in 0 1 2; do\n  D=runs/s-$S\n  OMP_NUM_THREADS=1 llm-rlhf ppo --config b.yaml \\\n"
+        "    --model_name_or_path $D/sft  # seed\ndone\npython x.py && llm-rlhf report runs/r\n"
+    )
+    assert block_commands(block) == [
+        "llm-rlhf eval --config a.yaml --policy_path runs/x/ppo",
+        "llm-rlhf ppo --config b.yaml --model_name_or_path runs/s-0/sft",
+        "llm-rlhf report runs/r",
+    ]
+
+
 def test_every_command_a_page_shows_is_run_by_a_test(monkeypatch):
     """A page with `llm-rlhf` commands in its code blocks is read and run by its test (`RUNNERS`, whose file
-    names the page), or each of its commands runs a recipe file that tests/recipes_and_docs/test_recipes.py runs
-    on a tiny model, with flags that parse into the command's config."""
+    names the page); on the other pages (the recipes' and the results') each command names a recipe file that
+    tests/recipes_and_docs/test_recipes.py parses and whose own stages it runs on a tiny model, with flags that
+    parse into the command's config; a pipeline command builds every run and stage config its flags make (each
+    sweep variant's, as `llm-rlhf pipeline` does before its first stage), and `report` takes one run folder."""
+    from llm_rlhf.interfaces import pipeline
+
     found = shown_commands()
     monkeypatch.chdir(ROOT)  # the pages' commands run from the repository root
     assert {"README.md", "guides/estimators.md", "getting-started/your-data.md"} <= set(found)
+    assert any(page.startswith("recipes/") for page in found)
     for page, test in RUNNERS.items():
         assert page.removeprefix("docs/") in (ROOT / test).read_text() or page == "README.md", (page, test)
     for page, commands in found.items():
@@ -145,10 +205,17 @@ def test_every_command_a_page_shows_is_run_by_a_test(monkeypatch):
             continue
         for command in commands:
             _, name, *argv = shlex.split(command)
+            if name == "report":  # `llm-rlhf report DIR`: tests/interfaces/test_report.py runs it
+                assert len(argv) == 1 and not argv[0].startswith("-"), (page, command)
+                continue
             config = argv[argv.index("--config") + 1] if "--config" in argv else None
             assert config and config.startswith("recipes/") and (ROOT / config).is_file(), (page, command)
             module = importlib.import_module(cli.COMMANDS[name][0])
-            parse_config(module.Config, argv)
+            cfg = parse_config(module.Config, argv)
+            if name == "pipeline":
+                for run in pipeline.sweep_runs(cfg) if cfg.sweep else [cfg]:
+                    for stage in run.stages:
+                        pipeline.stage_config(run, stage)
 
 
 # --- your own data in five minutes --------------------------------------------------------------------------
