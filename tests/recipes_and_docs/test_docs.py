@@ -23,7 +23,9 @@ from helpers import (
     SENTENCES,
     code_blocks,
     doc_section,
+    perturb,
     preference_rows,
+    tiny_chat_model,
     tiny_overrides,
     write_jsonl,
 )
@@ -216,6 +218,119 @@ def test_every_command_a_page_shows_is_run_by_a_test(monkeypatch):
                 for run in pipeline.sweep_runs(cfg) if cfg.sweep else [cfg]:
                     for stage in run.stages:
                         pipeline.stage_config(run, stage)
+
+
+# --- the checkable tasks' studies run as their pages show them ----------------------------------------------
+
+GYM_STUDY = re.compile(  # a study of a checkable-task recipe: in a sub-folder, or the arithmetic one's sweeps
+    r"recipes/gym-[^/]+/[^/]+/|recipes/smollm2-arithmetic/pipeline\.yaml .*--ppo"
+)
+TINY_STAGES = {  # the budget of every stage a study runs: a step or two; every other key the recipe's but the
+    # prompt lengths, which the tiny tokenizer (about twice SmolLM2's tokens for the same text) needs longer
+    "sft": {
+        "max_steps": 2,
+        "per_device_train_batch_size": 4,
+        "eval_steps": 0,
+        "save_steps": 2,
+        "num_samples": 0,
+    }
+    | {"max_length": 800},
+    "ppo": {"steps": 1, "eval_every": 1, "eval_num_prompts": 2, "save_steps": 0, "log_samples_every": 0}
+    | {"max_prompt_length": 600},
+    "eval": {"num_prompts": 2, "max_prompt_length": 600},
+}
+
+
+def gym_study_commands() -> list[str]:
+    """The pages' commands that run a checkable-task study: a sub-folder's pipeline (a sweep of estimators,
+    losses, pass@k, distillation, a curriculum, episodes), the arithmetic recipe's runs of another estimator or
+    loss, or an evaluation of a trained policy (generalisation, a probe)."""
+    commands = [c for page, found in shown_commands().items() for c in found]
+    studies = [c for c in commands if c.split()[1] in ("pipeline", "eval") and GYM_STUDY.search(c)]
+    return sorted(set(studies))
+
+
+def with_tiny_budget(name: str, argv: list[str]) -> list[str]:
+    """The command's flags with the study budget put in: for a pipeline, each stage's dict is the recipe file's,
+    then the budget, then the page's own keys (a page's `--ppo "{seed: 0}"` keeps them all); for an evaluation,
+    the budget's flags first (the page's own win)."""
+    if name == "eval":
+        return [a for k, v in TINY_STAGES["eval"].items() for a in (f"--{k}", str(v))] + argv
+    from llm_rlhf.interfaces import pipeline
+
+    cfg = parse_config(pipeline.Config, argv)
+    argv = list(argv)
+    for stage, budget in TINY_STAGES.items():
+        flag = f"--{stage}"
+        page = yaml.safe_load(argv.pop(argv.index(flag) + 1)) if flag in argv else {}
+        if flag in argv:
+            argv.remove(flag)
+        argv += [flag, json.dumps({**(getattr(cfg, stage) or {}), **budget, **page})]
+    return argv
+
+
+@pytest.fixture(scope="module")
+def study_root(tmp_path_factory) -> Path:
+    """A repository root as the studies expect it, with tiny chat Llamas where they name SmolLM2: data/ holds the
+    repository's data but data/smollm2-135m-instruct and data/smollm2-20-blocks (another draw of the same tiny
+    architecture and tokenizer), and runs/ the rung-1 policy that the curriculum starts from and distillation
+    learns from, and the trained policies the evaluations read (each the tiny model moved by seeded noise)."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("study_root")
+    (root / "recipes").symlink_to(ROOT / "recipes")
+    (root / "data").mkdir()
+    for entry in (ROOT / "data").iterdir():
+        if entry.name not in ("smollm2-135m-instruct", "smollm2-20-blocks"):
+            (root / "data" / entry.name).symlink_to(entry)
+    chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    start = tiny_chat_model(root / "data" / "smollm2-135m-instruct", chat_template)
+    policies = {"data/smollm2-20-blocks", "runs/gym-chain_sum-t2d1/ppo"}
+    for command in gym_study_commands():
+        _, name, *argv = shlex.split(command)
+        if name == "eval":
+            config = ["--config", str(ROOT / argv[argv.index("--config") + 1])]
+            policies.add(
+                parse_config(importlib.import_module(cli.COMMANDS["eval"][0]).Config, config).policy_path
+            )
+            if "--policy_path" in argv:
+                policies.add(argv[argv.index("--policy_path") + 1])
+    for seed, policy in enumerate(sorted(policies - {"data/smollm2-135m-instruct"})):
+        shutil.copytree(start, root / policy)
+        lm = AutoModelForCausalLM.from_pretrained(root / policy)
+        perturb(lm, seed=seed, scale=0.5)
+        lm.save_pretrained(root / policy, safe_serialization=True)
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", gym_study_commands())
+def test_every_study_a_checkable_task_page_shows_runs_on_tiny_models(command, study_root, monkeypatch):
+    """Each study command of the checkable tasks' pages, as the page writes it (every variant of its sweep, the
+    page's own flags), on tiny chat Llamas with a step's budget: it exits 0 and each run logs its step and its
+    held-out evaluations; an evaluation writes its metrics."""
+    from llm_rlhf.interfaces import pipeline
+
+    monkeypatch.chdir(study_root)
+    _, name, *argv = shlex.split(command)
+    argv = with_tiny_budget(name, argv)
+    assert cli.main([name, *argv]) == 0, command
+    if name == "eval":
+        cfg = parse_config(importlib.import_module(cli.COMMANDS["eval"][0]).Config, argv)
+        assert (study_root / cfg.output_dir / "metrics.json").is_file()
+        return
+    cfg = parse_config(pipeline.Config, argv)
+    for run in pipeline.sweep_runs(cfg) if cfg.sweep else [cfg]:
+        if "ppo" in run.stages:
+            ppo_dir = study_root / run.output_dir / "ppo"
+            logged = [json.loads(x) for x in (ppo_dir / "metrics.jsonl").read_text().splitlines()]
+            heldout = [json.loads(x) for x in (ppo_dir / "eval_log.jsonl").read_text().splitlines()]
+            steps = pipeline.stage_config(run, "ppo").steps  # 1, or the page's own
+            assert [m["step"] for m in logged] == list(range(1, steps + 1)), run.output_dir
+            assert heldout[0]["step"] == 0 and heldout[-1]["step"] <= steps, run.output_dir  # eval_every's
 
 
 # --- your own data in five minutes --------------------------------------------------------------------------
