@@ -35,6 +35,7 @@ from llm_rlhf.core.utils import (
 )
 from llm_rlhf.models.loading import Trained, load_causal_lm, tokenizer_or_load, torch_dtype
 from llm_rlhf.rl.rollout import Sampling, encode_prompt, left_pad, sample
+from llm_rlhf.training.compact_lm_head import use_compact_lm_head
 from llm_rlhf.training.hf_stage import (
     TrainerStageConfig,
     final_eval,
@@ -140,8 +141,9 @@ def training_args(cfg: Config) -> SFTConfig:
 
 
 def build_trainer(cfg: Config, model, tokenizer, train_dataset, eval_dataset, args=None):
-    """TRL's SFTTrainer on prompt/completion rows: completion-only loss, EOS appended by TRL."""
-    return SFTTrainer(
+    """TRL's SFTTrainer on prompt/completion rows: completion-only loss, EOS appended by TRL. On a CPU its
+    loss's LM head runs at the completion positions only (`compact_lm_head`; TRL's chunked kernel elsewhere)."""
+    trainer = SFTTrainer(
         model=model,
         args=args if args is not None else training_args(cfg),
         train_dataset=train_dataset,
@@ -150,6 +152,11 @@ def build_trainer(cfg: Config, model, tokenizer, train_dataset, eval_dataset, ar
         peft_config=lora_config(cfg, model) if cfg.use_lora else None,
         callbacks=[log_callback(Path(cfg.output_dir) / "log.jsonl")],
     )
+    if trainer.args.device.type == "cpu":
+        patched = trainer.model.get_base_model() if isinstance(trainer.model, PeftModel) else trainer.model
+        if use_compact_lm_head(patched) and trainer.is_world_process_zero():
+            print("loss: the LM head at the completion positions only (CPU)", flush=True)
+    return trainer
 
 
 # ---------------------------------------------------------------------------------------------------
