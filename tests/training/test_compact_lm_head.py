@@ -88,7 +88,9 @@ def test_the_loss_its_gradients_and_metrics_equal_trls_fused_kernel(
     assert metrics["entropy"] == pytest.approx(ref_metrics["entropy"], rel=rtol)
 
 
-def test_other_calls_and_oversized_batches_take_trls_forward(tmp_path, tiny_model_dir, sft_files, monkeypatch):
+def test_other_calls_and_oversized_batches_take_trls_forward(
+    tmp_path, tiny_model_dir, sft_files, monkeypatch
+):
     """Without fused_lm_head (generation, logits) the model's own forward answers; over MAX_COMPACT_ELEMENTS
     labelled logits TRL's chunked kernel does, bit for bit as TRL's trainer computes it."""
     ours, theirs = trainers(tiny_model_dir, sft_files, tmp_path / "out")
