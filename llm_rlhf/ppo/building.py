@@ -31,6 +31,7 @@ from llm_rlhf.models.loading import (
     load_causal_lm,
     load_tokenizer,
     tokenizer_or_load,
+    use_eager_attention,
     use_fused_gelu,
 )
 from llm_rlhf.models.lora import lora_placement
@@ -200,6 +201,11 @@ def build_trainer(
         models.teacher.to(accelerator.device)
     if not cfg.use_lora:
         models.ref_model.to(accelerator.device)
+    for model in (models.policy, models.ref_model, models.reward_model, models.critic):
+        if model is not None:
+            use_eager_attention(model, bf16=cfg.bf16, device=accelerator.device)
+    if models.teacher is not None:
+        use_eager_attention(models.teacher, bf16=cfg.bf16, device=cfg.teacher_device or accelerator.device)
     return PPOTrainer(
         cfg,
         accelerator=accelerator,

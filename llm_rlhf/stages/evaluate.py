@@ -118,6 +118,7 @@ from llm_rlhf.models.loading import (
     load_causal_lm,
     load_tokenizer,
     tokenizer_or_load,
+    use_eager_attention,
 )
 from llm_rlhf.models.reward_fn import RewardFn, load_reward_fn, probe
 from llm_rlhf.models.reward_model import RewardEnsemble, check_members_exist
@@ -487,6 +488,9 @@ def load_models(cfg: Config, given: EvalObjects, inputs: EvalInputs) -> EvalMode
     for p in (cfg.policy_path, cfg.baseline_path):
         check_positions(models[p], longest, cfg.max_new_tokens, f"'{p}'")
     scorer = build_scorer(cfg, reward_model=given.reward_model, reward_fn=inputs.reward_fn, device=device)
+    for model in [*models.values(), scorer.reward_model]:
+        if model is not None:
+            use_eager_attention(model, bf16=cfg.bf16, device=device)
     return EvalModels(
         policy=models[cfg.policy_path],
         baseline=models[cfg.baseline_path],

@@ -34,7 +34,13 @@ from llm_rlhf.core.errors import ConfigError, DataError, UserError
 from llm_rlhf.core.utils import atomic_write_json, publish_files, seed_everything, temp_dir_beside
 from llm_rlhf.models.accelerated import loading_whole_models
 from llm_rlhf.models.baseline import fit_bow_baseline, pairwise_accuracy
-from llm_rlhf.models.loading import Trained, check_not_adapter_only, tokenizer_or_load, torch_dtype
+from llm_rlhf.models.loading import (
+    Trained,
+    check_not_adapter_only,
+    tokenizer_or_load,
+    torch_dtype,
+    use_eager_attention,
+)
 from llm_rlhf.models.reward_model import (
     RewardModel,
     add_pad_token,
@@ -298,6 +304,7 @@ def build_trainer(cfg: Config, model, tokenizer, train_dataset, eval_dataset):
         # and bf16 autocast on a CPU is refused unless the run is marked as a CPU run
         use_cpu=(int(os.environ.get("WORLD_SIZE", "1")) > 1 or cfg.bf16) and not torch.cuda.is_available(),
     )
+    use_eager_attention(model, bf16=cfg.bf16, device=args.device)
     return RewardTrainer(
         model=model,
         args=args,

@@ -33,7 +33,13 @@ from llm_rlhf.core.utils import (
     seed_everything,
     temp_dir_beside,
 )
-from llm_rlhf.models.loading import Trained, load_causal_lm, tokenizer_or_load, torch_dtype
+from llm_rlhf.models.loading import (
+    Trained,
+    load_causal_lm,
+    tokenizer_or_load,
+    torch_dtype,
+    use_eager_attention,
+)
 from llm_rlhf.rl.rollout import Sampling, encode_prompt, left_pad, sample
 from llm_rlhf.training.compact_lm_head import use_compact_lm_head
 from llm_rlhf.training.hf_stage import (
@@ -143,9 +149,11 @@ def training_args(cfg: Config) -> SFTConfig:
 def build_trainer(cfg: Config, model, tokenizer, train_dataset, eval_dataset, args=None):
     """TRL's SFTTrainer on prompt/completion rows: completion-only loss, EOS appended by TRL. On a CPU its
     loss's LM head runs at the completion positions only (`compact_lm_head`; TRL's chunked kernel elsewhere)."""
+    args = args if args is not None else training_args(cfg)
+    use_eager_attention(model, bf16=cfg.bf16, device=args.device)
     trainer = SFTTrainer(
         model=model,
-        args=args if args is not None else training_args(cfg),
+        args=args,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
         processing_class=tokenizer,
