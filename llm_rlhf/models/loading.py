@@ -183,7 +183,7 @@ def use_eager_attention(model: nn.Module, *, bf16: bool, device: torch.device | 
     """Under bf16 autocast on a CPU, every transformers model inside `model` (a policy, a reward model or an
     ensemble's members) computes attention with its eager implementation (two matmuls and a float32 softmax)
     instead of SDPA, whose CPU kernel is the slow part in bf16: fwd+bwd of (32, 9, 45, 64) 26 ms against 6,
-    a decode step's 0.63 ms against 0.19 (`benchmarks/attention.py`). The same attention up to float
+    a decode step's 0.63 ms against 0.19 (`benchmarks/cpu_kernels.py`). The same attention up to float
     rounding. device: where the model runs (a stage may load it on the CPU and move it later); on another
     device, in float32 or with another implementation chosen the model is left as it is. In memory only:
     saved folders keep their config."""

@@ -296,3 +296,15 @@ def test_distill_vs_trl_runs_each_trainer_in_its_process_and_prints_the_ratio(tm
     metrics = result["our_metrics_median"]
     assert metrics["time/teacher"] > 0 and 0 < metrics["time/teacher_share"] < 1
     assert len(result["our_distill_kl"]) == 1 and result["our_distill_kl"][0] != 0
+
+
+def test_cpu_kernels_benchmark_times_each_kernel_against_what_it_replaces(capsys):
+    """benchmarks/cpu_kernels.py at a small shape: the LM head and the two attention shapes, each a pair of
+    positive medians, printed with the CPU's name."""
+    bench = load_benchmark("cpu_kernels")
+    small = ["--vocab", "512", "--hidden", "32", "--positions", "64", "--labelled", "40", "--batch", "4"]
+    medians = bench.main(small + ["--heads", "2", "--length", "7", "--head-dim", "8", "--reps", "2"])
+    assert len(medians) == 3 and all(min(pair) > 0 for pair in medians.values())
+    out = capsys.readouterr().out
+    assert out.startswith("CPU: ") and "at 64 positions vs the head at 40 labelled" in out
+    assert out.count(" ms -> ") == 3
